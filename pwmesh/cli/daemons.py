@@ -1,0 +1,96 @@
+"""One click command per daemon: parse options into the daemon's config and run it.
+
+Every option can also come from an environment variable (``PWMESH_RM_ADDRESS``,
+``PWMESH_LISTEN``...), which is how the systemd units configure them.
+"""
+
+from __future__ import annotations
+
+import os
+
+import click
+
+from pwmesh.service.lifecycle import run, setup_logging
+
+_log_level = click.option("--log-level", default="INFO", envvar="PWMESH_LOG_LEVEL", show_default=True)
+_rm = click.option("--rm", "rm", required=True, envvar="PWMESH_RM_ADDRESS",
+                   help="Resource manager address, e.g. tcp://10.0.0.1:7100.")
+_listen = click.option("--listen", default="tcp://127.0.0.1:0", envvar="PWMESH_LISTEN", show_default=True,
+                       help="Address to bind; port 0 picks a free port.")
+
+
+@click.command(name="pwmesh-rm")
+@_listen
+@click.option("--name", default="rm")
+@click.option("--heartbeat-timeout-seconds", type=float, default=10.0, show_default=True)
+@_log_level
+def rm_main(listen: str, name: str, heartbeat_timeout_seconds: float, log_level: str) -> None:
+    """Run the resource manager."""
+    from pwmesh.rm.daemon import ResourceManager, ResourceManagerConfig  # noqa: PLC0415 - keep CLI import light
+
+    setup_logging("rm", name, log_level)
+    run(ResourceManager(ResourceManagerConfig(listen=listen, name=name,
+                                              heartbeat_timeout_seconds=heartbeat_timeout_seconds)))
+
+
+@click.command(name="pwmesh-scheduler")
+@click.option("--island", type=int, required=True, envvar="PWMESH_ISLAND")
+@_rm
+@_listen
+@click.option("--name", default="")
+@_log_level
+def scheduler_main(island: int, rm: str, listen: str, name: str, log_level: str) -> None:
+    """Run the island scheduler of island ISLAND."""
+    from pwmesh.scheduler.daemon import Scheduler, SchedulerConfig  # noqa: PLC0415
+
+    config = SchedulerConfig(island=island, rm=rm, listen=listen, name=name)
+    setup_logging("scheduler", config.name or f"scheduler-{island}", log_level)
+    run(Scheduler(config))
+
+
+@click.command(name="pwmesh-executor")
+@click.option("--island", type=int, required=True, envvar="PWMESH_ISLAND")
+@_rm
+@click.option("--devices", type=int, default=1, envvar="PWMESH_DEVICES", show_default=True,
+              help="JAX devices to expose (on CPU: sets --xla_force_host_platform_device_count).")
+@_listen
+@click.option("--data-listen", default="tcp://127.0.0.1:0", envvar="PWMESH_DATA_LISTEN", show_default=True)
+@click.option("--name", default="", help="Executor id (default: HOST-PID).")
+@click.option("--host", default="", help="Host label shown in status (default: the hostname).")
+@_log_level
+def executor_main(island: int, rm: str, devices: int, listen: str, data_listen: str, name: str, host: str,
+                  log_level: str) -> None:
+    """Run a host executor on island ISLAND."""
+    # XLA reads its flags once, when JAX initialises: set them before importing it.
+    flags = os.environ.get("XLA_FLAGS", "")
+    if "xla_force_host_platform_device_count" not in flags:
+        os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={devices}".strip()
+    from pwmesh.executor.daemon import Executor, ExecutorConfig  # noqa: PLC0415
+
+    config = ExecutorConfig(island=island, rm=rm, devices=devices, listen=listen, data_listen=data_listen,
+                            name=name, host=host)
+    setup_logging("executor", name or f"island{island}", log_level)
+    run(Executor(config))
+
+
+@click.command(name="pwmesh-proxy")
+@_rm
+@_listen
+@click.option("--name", default="proxy")
+@click.option("--session-timeout-seconds", type=float, default=30.0, show_default=True)
+@_log_level
+def proxy_main(rm: str, listen: str, name: str, session_timeout_seconds: float, log_level: str) -> None:
+    """Run a client proxy."""
+    from pwmesh.proxy.daemon import Proxy, ProxyConfig  # noqa: PLC0415
+
+    setup_logging("proxy", name, log_level)
+    run(Proxy(ProxyConfig(rm=rm, listen=listen, name=name, session_timeout_seconds=session_timeout_seconds)))
+
+
+DAEMONS = {"rm": rm_main, "scheduler": scheduler_main, "executor": executor_main, "proxy": proxy_main}
+
+if __name__ == "__main__":  # ``python -m pwmesh.cli.daemons ROLE ...``, used by the local launcher
+    import sys
+
+    role = sys.argv.pop(1)
+    DAEMONS[role](prog_name=f"pwmesh-{role}")

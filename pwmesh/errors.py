@@ -1,0 +1,95 @@
+"""Exceptions every layer raises and the client re-raises.
+
+Each error has a stable ``code`` so it can cross the wire as an ``Error`` message
+and be rebuilt as the same class on the other side (see ``wire.messages.Error``).
+"""
+
+from __future__ import annotations
+
+
+class PwmeshError(Exception):
+    """Base class of every pwmesh error."""
+
+    code = "internal"
+
+    def __init__(self, message: str, *, remote_traceback: str = "") -> None:
+        super().__init__(message)
+        self.message = message
+        self.remote_traceback = remote_traceback
+
+    def __str__(self) -> str:
+        if self.remote_traceback:
+            return f"{self.message}\n\nRemote traceback:\n{self.remote_traceback}"
+        return self.message
+
+
+class RemoteError(PwmeshError):
+    """A user function (or a daemon) raised on a remote host; carries its traceback."""
+
+    code = "remote"
+
+
+class DeviceLost(PwmeshError):
+    """A host or device that held or was computing the value is gone."""
+
+    code = "device_lost"
+
+
+class ResourceExhausted(PwmeshError):
+    """The request can never be satisfied by the cluster as it is (devices, memory)."""
+
+    code = "resource_exhausted"
+
+
+class ProtocolError(PwmeshError):
+    """A peer sent a frame that is malformed, oversized, of another version or unknown."""
+
+    code = "protocol"
+
+
+class PwTimeoutError(PwmeshError, TimeoutError):
+    """A peer did not answer within the stated number of seconds."""
+
+    code = "timeout"
+
+
+class ConnectionFailed(PwmeshError, ConnectionError):
+    """No daemon answered at the given address."""
+
+    code = "connection_failed"
+
+
+class InvalidArgument(PwmeshError, ValueError):
+    """The request is well-formed but makes no sense (bad shapes, unknown ids...)."""
+
+    code = "invalid_argument"
+
+
+class NotFound(PwmeshError, KeyError):
+    """An id (buffer, slice, function, session) that the daemon does not know."""
+
+    code = "not_found"
+
+    def __str__(self) -> str:  # KeyError would repr() the message
+        return PwmeshError.__str__(self)
+
+
+_BY_CODE: dict[str, type[PwmeshError]] = {
+    cls.code: cls
+    for cls in (
+        PwmeshError,
+        RemoteError,
+        DeviceLost,
+        ResourceExhausted,
+        ProtocolError,
+        PwTimeoutError,
+        ConnectionFailed,
+        InvalidArgument,
+        NotFound,
+    )
+}
+
+
+def error_class(code: str) -> type[PwmeshError]:
+    """The exception class for a wire error code (unknown codes map to the base)."""
+    return _BY_CODE.get(code, PwmeshError)

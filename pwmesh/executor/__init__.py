@@ -1,0 +1,1 @@
+"""Host executor: a host's JAX devices, their run queues, the compile cache and the object store."""

@@ -1,0 +1,229 @@
+"""``pwmesh-executor --island N``: a host's devices, object store and data plane.
+
+Two bound sockets: *control* (functions, run queues, puts, fetches, deletes)
+and *data* (shard-tagged tuples from other executors), so control messages
+never wait behind bulk data.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import os
+import socket
+from typing import Any
+
+import jax
+import numpy as np
+
+from pwmesh.errors import InvalidArgument, PwmeshError, error_class
+from pwmesh.executor.functions import FunctionCache
+from pwmesh.executor.runner import Runner, Work, error_info
+from pwmesh.executor.store import ObjectStore
+from pwmesh.service.heartbeat import every
+from pwmesh.service.lifecycle import Service
+from pwmesh.service.rpc import Connections, Server, wait_for_peer
+from pwmesh.wire import Envelope
+from pwmesh.wire.messages import (
+    DeleteShards,
+    DeviceInfo,
+    Enqueue,
+    ExecutorInfo,
+    ExecutorStats,
+    FetchShards,
+    GetExecutorStats,
+    Heartbeat,
+    NodeDone,
+    Ok,
+    Ping,
+    Pong,
+    PutShards,
+    RegisterExecutor,
+    RegisterFunction,
+    SendShards,
+    SendTask,
+    ShardData,
+    ShardValues,
+)
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class ExecutorConfig:
+    island: int
+    rm: str
+    devices: int = 1
+    name: str = ""
+    host: str = ""
+    listen: str = "tcp://127.0.0.1:0"
+    data_listen: str = "tcp://127.0.0.1:0"
+    rm_timeout_seconds: float = 30.0
+    heartbeat_interval_seconds: float = 2.0
+
+
+class Executor(Service):
+    role = "executor"
+
+    def __init__(self, config: ExecutorConfig) -> None:
+        host = config.host or socket.gethostname()
+        super().__init__(config.name or f"{host}-{os.getpid()}")
+        self.config = config
+        self.host = host
+        local = jax.local_devices()
+        if len(local) < config.devices:
+            raise InvalidArgument(
+                f"asked for {config.devices} devices but JAX sees {len(local)}; on CPU set "
+                f"XLA_FLAGS=--xla_force_host_platform_device_count={config.devices}"
+            )
+        self.devices = local[: config.devices]
+        self.store = ObjectStore()
+
+    async def setup(self) -> None:
+        self.functions = FunctionCache()
+        self.runner = Runner(self.devices, self.store, self.functions, send=self._send_shard, done=self._node_done)
+        control = {
+            RegisterFunction: self._register_function,
+            Enqueue: self._enqueue,
+            PutShards: self._put,
+            SendShards: self._send_shards,
+            FetchShards: self._fetch,
+            DeleteShards: self._delete,
+            GetExecutorStats: lambda peer, env: self.stats(),
+            Ping: lambda peer, env: Pong(role=self.role, name=self.name),
+        }
+        self.control = Server(self.ctx, self.config.listen, control, tasks=self.tasks, name=self.name)
+        self.data = Server(self.ctx, self.config.data_listen, {ShardData: self._receive}, tasks=self.tasks,
+                           name=f"{self.name}.data")
+        self.control.start()
+        self.data.start()
+        self.peers = Connections(self.ctx, tasks=self.tasks, name=self.name)
+        for i in range(len(self.devices)):
+            self.tasks.spawn(self.runner.device_loop(i), name=f"device-{i}", critical=True)
+        await wait_for_peer(self.peers.get(self.config.rm), RegisterExecutor(info=self.info()),
+                            timeout_seconds=self.config.rm_timeout_seconds)
+        self.tasks.spawn(every(self.config.heartbeat_interval_seconds, self._heartbeat), name="heartbeat")
+
+    def info(self) -> ExecutorInfo:
+        return ExecutorInfo(
+            executor_id=self.name, island=self.config.island, host=self.host,
+            control=self.control.address, data=self.data.address, pid=os.getpid(),
+            devices=[DeviceInfo(index=i, kind=d.platform) for i, d in enumerate(self.devices)],
+        )
+
+    async def _heartbeat(self) -> None:
+        await self.peers.send(self.config.rm, Heartbeat(role=self.role, name=self.name))
+
+    # ------------------------------------------------------------ control plane
+
+    def _register_function(self, peer: bytes, env: Envelope) -> Ok:
+        msg = env.message
+        assert isinstance(msg, RegisterFunction)
+        fn = self.functions.register(msg.fn_id, msg.exported, msg.spmd)
+        # Compile for the devices it will run on now, in the background.
+        devices = [self.devices[i] for i in msg.devices if 0 <= i < len(self.devices)]
+        assignments = [tuple(devices)] if msg.spmd else [(d,) for d in devices]
+        for assignment in assignments:
+            self.tasks.spawn(self._warm(fn, assignment), name=f"compile-{msg.fn_id[:8]}")
+        return Ok()
+
+    async def _warm(self, fn: Any, devices: tuple[jax.Device, ...]) -> None:
+        pool = self.runner.pools[self.devices.index(devices[0])]
+        try:
+            await self._loop().run_in_executor(pool, fn.executable, devices)
+        except Exception:  # the real call reports it; a warm-up must not crash anything
+            log.warning("background compile of %s failed", fn.fn_id, exc_info=True)
+
+    def _loop(self) -> asyncio.AbstractEventLoop:
+        return asyncio.get_running_loop()
+
+    def _enqueue(self, peer: bytes, env: Envelope) -> None:
+        msg = env.message
+        assert isinstance(msg, Enqueue)
+        for comp in msg.computations:
+            try:
+                self.runner.enqueue(msg.run_id, msg.proxy, comp)
+            except PwmeshError as exc:
+                self.peers.post(msg.proxy, NodeDone(run_id=msg.run_id, node=comp.node, executor_id=self.name,
+                                                    error=error_info(exc)))
+        return None
+
+    def _put(self, peer: bytes, env: Envelope) -> Ok:
+        msg = env.message
+        assert isinstance(msg, PutShards)
+        if not (len(msg.keys) == len(msg.arrays) == len(msg.devices)):
+            raise InvalidArgument("put_shards needs as many keys, devices and arrays")
+        for key, device, array in zip(msg.keys, msg.devices, msg.arrays, strict=True):
+            self._store_array(key, device, array)
+        return Ok()
+
+    def _store_array(self, key: str, device: int, array: np.ndarray) -> None:
+        if not 0 <= device < len(self.devices):
+            raise InvalidArgument(f"device {device} does not exist on {self.name}")
+        self.store.put(key, jax.device_put(array, self.devices[device]), array.nbytes)
+
+    def _send_shards(self, peer: bytes, env: Envelope) -> Ok:
+        msg = env.message
+        assert isinstance(msg, SendShards)
+        for task in msg.sends:
+            self.tasks.spawn(self._send_when_ready(task), name=f"send-{task.key}")
+        return Ok()
+
+    async def _send_when_ready(self, task: SendTask) -> None:
+        try:
+            value = await self.store.get(task.key)
+        except PwmeshError as exc:
+            self._send_shard(task, None, exc)
+        else:
+            self._send_shard(task, value, None)
+
+    async def _fetch(self, peer: bytes, env: Envelope) -> ShardValues:
+        msg = env.message
+        assert isinstance(msg, FetchShards)
+        futures = [self.store.lookup(k) for k in msg.keys]
+        return ShardValues(arrays=[np.asarray(await f) for f in futures])
+
+    def _delete(self, peer: bytes, env: Envelope) -> Ok:
+        msg = env.message
+        assert isinstance(msg, DeleteShards)
+        self.store.delete(msg.keys)
+        return Ok()
+
+    def stats(self) -> ExecutorStats:
+        return ExecutorStats(executor_id=self.name, objects=len(self.store), bytes=self.store.nbytes,
+                             queued=self.runner.queued(), functions=len(self.functions),
+                             executed=self.runner.executed)
+
+    # --------------------------------------------------------------- data plane
+
+    def _send_shard(self, task: SendTask, value: Any, err: PwmeshError | None) -> None:
+        if err is not None:
+            msg = ShardData(key=task.key, device=task.dest_device, error=error_info(err))
+        else:
+            msg = ShardData(key=task.key, device=task.dest_device, array=np.asarray(value))
+        self.peers.post(task.dest_data, msg)
+
+    def _receive(self, peer: bytes, env: Envelope) -> None:
+        msg = env.message
+        assert isinstance(msg, ShardData)
+        if msg.error is not None:
+            self.store.fail(msg.key, error_class(msg.error.code)(msg.error.message,
+                                                                 remote_traceback=msg.error.traceback))
+        elif msg.array is not None:
+            self._store_array(msg.key, msg.device, msg.array)
+        return None
+
+    def _node_done(self, work: Work) -> None:
+        err = error_info(work.error) if work.error is not None else None
+        self.peers.post(work.proxy, NodeDone(run_id=work.run_id, node=work.comp.node, executor_id=self.name,
+                                             error=err))
+
+    async def close(self) -> None:
+        await super().close()
+        if hasattr(self, "runner"):
+            self.runner.close()
+
+    def ready_info(self) -> dict[str, Any]:
+        return {**super().ready_info(), "address": self.control.address, "data": self.data.address,
+                "island": self.config.island, "devices": len(self.devices)}

@@ -1,0 +1,82 @@
+"""Compiled functions: ``jax.export`` artifacts, compiled and cached per device assignment."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from typing import Any
+
+import jax
+import numpy as np
+from jax import export
+from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceSharding
+
+from pwmesh.errors import InvalidArgument
+
+
+class CompiledFunction:
+    """One exported function and its executables, one per device assignment."""
+
+    def __init__(self, fn_id: str, exported: export.Exported, spmd: bool) -> None:
+        self.fn_id = fn_id
+        self.exported = exported
+        self.spmd = spmd
+        self._lock = threading.Lock()
+        self._executables: dict[tuple[int, ...], Any] = {}
+
+    @property
+    def num_inputs(self) -> int:
+        return len(self.exported.in_avals)
+
+    def sharding(self, devices: tuple[jax.Device, ...]) -> Any:
+        if self.spmd:
+            return NamedSharding(Mesh(np.array(devices), ("x",)), PartitionSpec("x"))
+        (device,) = devices
+        return SingleDeviceSharding(device)
+
+    def executable(self, devices: tuple[jax.Device, ...]) -> Any:
+        """The executable for ``devices``, compiled on first use (call from a worker thread)."""
+        key = tuple(d.id for d in devices)
+        with self._lock:
+            exe = self._executables.get(key)
+        if exe is not None:
+            return exe
+        if self.spmd and len(devices) != self.exported.nr_devices:
+            raise InvalidArgument(
+                f"function {self.fn_id} was exported for {self.exported.nr_devices} devices, got {len(devices)}"
+            )
+        sharding = self.sharding(devices)
+        specs = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding) for a in self.exported.in_avals]
+        out_shardings = sharding if self.spmd else None
+        exe = jax.jit(self.exported.call, out_shardings=out_shardings).lower(*specs).compile()
+        with self._lock:
+            self._executables.setdefault(key, exe)
+            return self._executables[key]
+
+
+class FunctionCache:
+    """Functions by id; ``get`` waits for a registration that has not arrived yet."""
+
+    def __init__(self) -> None:
+        self._functions: dict[str, asyncio.Future[CompiledFunction]] = {}
+
+    def _entry(self, fn_id: str) -> asyncio.Future[CompiledFunction]:
+        fut = self._functions.get(fn_id)
+        if fut is None:
+            fut = asyncio.get_running_loop().create_future()
+            self._functions[fn_id] = fut
+        return fut
+
+    def register(self, fn_id: str, serialized: bytes, spmd: bool) -> CompiledFunction:
+        fut = self._entry(fn_id)
+        if fut.done():
+            return fut.result()
+        fn = CompiledFunction(fn_id, export.deserialize(bytearray(serialized)), spmd)
+        fut.set_result(fn)
+        return fn
+
+    async def get(self, fn_id: str) -> CompiledFunction:
+        return await self._entry(fn_id)
+
+    def __len__(self) -> int:
+        return sum(1 for f in self._functions.values() if f.done())

@@ -1,0 +1,1 @@
+"""Programs as dataflow graphs (one node per sharded computation) and their lowering."""

@@ -1,0 +1,1 @@
+"""Client proxy: sessions, programs, lowering, dispatch, futures and buffer ownership."""

@@ -1,0 +1,449 @@
+"""``pwmesh-proxy``: client sessions, program lowering, parallel asynchronous dispatch.
+
+``RunProgram`` is handled synchronously from validation to the last posted
+message: the output buffers exist before the handler returns, so a ``Fetch``
+sent right behind it always finds them, and a run's messages leave in order.
+The client does not wait for the run: dispatch is asynchronous, completion
+arrives as ``NodeDone`` from the executors and resolves the buffers' futures.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import itertools
+import logging
+import secrets
+import time
+from typing import Any
+
+import numpy as np
+
+from pwmesh.errors import InvalidArgument, NotFound, PwmeshError, error_class
+from pwmesh.ir.lower import ShardLocation, lower, slice_locations, split_host_array
+from pwmesh.proxy.session import Buffer, Run, Session
+from pwmesh.service.heartbeat import Liveness, every
+from pwmesh.service.lifecycle import Service
+from pwmesh.service.rpc import Connections, Server, wait_for_peer
+from pwmesh.wire import Envelope, Message
+from pwmesh.wire.messages import (
+    AllocateSlice,
+    AwaitBuffers,
+    BufferValue,
+    ClusterStateReply,
+    CloseSession,
+    CreateSlice,
+    DeleteShards,
+    ExecutorStats,
+    Fetch,
+    FetchShards,
+    GetClusterState,
+    GetExecutorStats,
+    GetStatus,
+    Heartbeat,
+    NodeDone,
+    Ok,
+    OpenSession,
+    Ping,
+    Pong,
+    PutBuffer,
+    PutShards,
+    RegisterFunction,
+    RegisterProgramFunction,
+    ReleaseBuffers,
+    ReleaseSlices,
+    RunProgram,
+    ScheduleRun,
+    SendShards,
+    SessionInfo,
+    SessionOpened,
+    ShardValues,
+    SliceAllocated,
+    SliceCreated,
+    StatusReply,
+    ValueSpec,
+)
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class ProxyConfig:
+    rm: str
+    listen: str = "tcp://127.0.0.1:0"
+    name: str = "proxy"
+    rm_timeout_seconds: float = 30.0
+    fetch_timeout_seconds: float = 120.0
+    session_timeout_seconds: float = 30.0
+    client_heartbeat_interval_seconds: float = 5.0
+
+
+class Proxy(Service):
+    role = "proxy"
+
+    def __init__(self, config: ProxyConfig) -> None:
+        super().__init__(config.name)
+        self.config = config
+        self.sessions: dict[bytes, Session] = {}
+        self.runs: dict[str, tuple[Session, Run]] = {}
+        self.exported: dict[str, bytes] = {}
+        self.registered: set[tuple[str, str, tuple[int, ...]]] = set()
+        self.liveness = Liveness(config.session_timeout_seconds)
+        self._session_ids = itertools.count(1)
+
+    async def setup(self) -> None:
+        handlers: dict[type[Message], Any] = {
+            OpenSession: self._open_session,
+            CloseSession: self._close_session,
+            Heartbeat: self._heartbeat,
+            CreateSlice: self._create_slice,
+            RegisterProgramFunction: self._register_function,
+            RunProgram: self._run_program,
+            PutBuffer: self._put_buffer,
+            AwaitBuffers: self._await_buffers,
+            Fetch: self._fetch,
+            ReleaseBuffers: self._release_buffers,
+            GetStatus: self._status,
+            NodeDone: self._node_done,
+            Ping: lambda peer, env: Pong(role=self.role, name=self.name),
+        }
+        self.server = Server(self.ctx, self.config.listen, handlers, tasks=self.tasks, name=self.name)
+        self.server.start()
+        self.peers = Connections(self.ctx, tasks=self.tasks, name=self.name)
+        await wait_for_peer(self.peers.get(self.config.rm), Ping(), timeout_seconds=self.config.rm_timeout_seconds)
+        self.tasks.spawn(every(self.config.session_timeout_seconds / 4, self._expire_sessions), name="expire")
+
+    def ready_info(self) -> dict[str, Any]:
+        return {**super().ready_info(), "address": self.server.address}
+
+    # ----------------------------------------------------------------- sessions
+
+    def _session(self, peer: bytes) -> Session:
+        session = self.sessions.get(peer)
+        if session is None:
+            raise NotFound("this connection has no session (open one first, or it timed out)")
+        return session
+
+    def _open_session(self, peer: bytes, env: Envelope) -> SessionOpened:
+        msg = env.message
+        assert isinstance(msg, OpenSession)
+        if msg.weight <= 0:
+            raise InvalidArgument(f"a session's weight must be positive, got {msg.weight}")
+        old = self.sessions.get(peer)
+        if old is not None:
+            self._end_session(old, "reopened")
+        sid = f"s{next(self._session_ids)}-{secrets.token_hex(3)}"
+        self.sessions[peer] = Session(session_id=sid, name=msg.name, peer=peer, weight=msg.weight,
+                                      priority=msg.priority)
+        self.liveness.beat(sid, time.monotonic())
+        log.info("session %s (%s) opened", sid, msg.name)
+        return SessionOpened(session_id=sid,
+                             heartbeat_interval_seconds=self.config.client_heartbeat_interval_seconds,
+                             session_timeout_seconds=self.config.session_timeout_seconds)
+
+    def _close_session(self, peer: bytes, env: Envelope) -> Ok:
+        self._end_session(self._session(peer), "closed by client")
+        return Ok()
+
+    def _heartbeat(self, peer: bytes, env: Envelope) -> None:
+        session = self.sessions.get(peer)
+        if session is not None:
+            self.liveness.beat(session.session_id, time.monotonic())
+
+    async def _expire_sessions(self) -> None:
+        lost = set(self.liveness.expired(time.monotonic()))
+        for session in [s for s in self.sessions.values() if s.session_id in lost]:
+            self._end_session(session, f"no heartbeat for {self.config.session_timeout_seconds} seconds")
+
+    def _end_session(self, session: Session, why: str) -> None:
+        """Free everything the session owned; runs in flight free their part as they finish."""
+        log.info("session %s ended: %s", session.session_id, why)
+        self.sessions.pop(session.peer, None)
+        self.liveness.forget(session.session_id)
+        for buf in list(session.buffers.values()):
+            buf.client_ref = False
+            self._maybe_free(session, buf)
+        session.buffers.clear()
+        if session.slices:
+            self.peers.post(self.config.rm, ReleaseSlices(owner=session.session_id))
+            session.slices.clear()
+
+    # ------------------------------------------------------------------- slices
+
+    async def _create_slice(self, peer: bytes, env: Envelope) -> SliceCreated:
+        msg = env.message
+        assert isinstance(msg, CreateSlice)
+        session = self._session(peer)
+        reply = await self.peers.request(
+            self.config.rm, AllocateSlice(owner=session.session_id, devices=msg.devices, island=msg.island),
+            timeout_seconds=self.config.rm_timeout_seconds)
+        assert isinstance(reply, SliceAllocated)
+        session.slices[reply.slice.slice_id] = reply.slice
+        return SliceCreated(slice=reply.slice)
+
+    def _register_function(self, peer: bytes, env: Envelope) -> Ok:
+        msg = env.message
+        assert isinstance(msg, RegisterProgramFunction)
+        session = self._session(peer)
+        if msg.slice_id not in session.slices:
+            raise NotFound(f"slice {msg.slice_id} is not one of this session's slices")
+        self.exported.setdefault(msg.fn_id, msg.exported)
+        session.functions[msg.fn_id] = msg.spmd
+        return Ok()
+
+    # ----------------------------------------------------------------- programs
+
+    def _run_program(self, peer: bytes, env: Envelope) -> Message:
+        msg = env.message
+        assert isinstance(msg, RunProgram)
+        session = self._session(peer)
+        try:
+            self._dispatch(session, msg)
+        except PwmeshError as exc:
+            # The client did not wait: its output futures carry the error instead.
+            for cid, v in zip(msg.outputs, msg.program.outputs, strict=False):
+                if cid not in session.buffers and 0 <= v < len(msg.program.values):
+                    buf = Buffer.new(f"b{cid}", msg.program.values[v], client_ref=True)
+                    buf.resolve(exc)
+                    session.buffers[cid] = buf
+            raise
+        return Ok()
+
+    def _dispatch(self, session: Session, msg: RunProgram) -> None:
+        program = msg.program
+        if len(msg.inputs) != len(program.inputs) or len(msg.outputs) != len(program.outputs):
+            raise InvalidArgument(
+                f"program takes {len(program.inputs)} inputs and {len(program.outputs)} outputs; "
+                f"got {len(msg.inputs)} and {len(msg.outputs)}")
+        names: list[str] = [""] * len(program.values)
+        host_data: dict[int, np.ndarray] = {}
+        bound: dict[int, list[ShardLocation]] = {}
+        pinned: list[Buffer] = []
+        temporaries: list[Buffer] = []
+        for v, inp in zip(program.inputs, msg.inputs, strict=True):
+            spec = program.values[v]
+            if inp.buffer is not None:
+                buf = session.buffers.get(inp.buffer)
+                if buf is None:
+                    raise NotFound(f"buffer {inp.buffer} does not exist (deleted, or never made)")
+                if buf.spec.shape != spec.shape or buf.spec.dtype != spec.dtype:
+                    raise InvalidArgument(f"input {v}: buffer is {buf.spec.dtype}{buf.spec.shape}, "
+                                          f"program expects {spec.dtype}{spec.shape}")
+                names[v], bound[v] = buf.name, buf.locations
+                pinned.append(buf)
+            elif inp.array is not None:
+                if list(inp.array.shape) != spec.shape or inp.array.dtype.name != spec.dtype:
+                    raise InvalidArgument(f"input {v}: array is {inp.array.dtype}{list(inp.array.shape)}, "
+                                          f"program expects {spec.dtype}{spec.shape}")
+                names[v] = session.temp_name()
+                host_data[v] = inp.array
+                temporaries.append(Buffer.new(names[v], spec, client_ref=False))
+            else:
+                raise InvalidArgument(f"input {v} has neither an array nor a buffer")
+        outputs: dict[int, int] = {}
+        for v, cid in zip(program.outputs, msg.outputs, strict=True):
+            if cid in session.buffers or v in outputs or names[v]:
+                raise InvalidArgument(f"output buffer {cid} (value {v}) is already taken or is an input")
+            outputs[v] = cid
+            names[v] = f"b{cid}"
+        for v, name in enumerate(names):
+            if not name:
+                names[v] = session.temp_name()
+        lowered = lower(program, owner=session.session_id, names=names, host_inputs=set(host_data), bound=bound,
+                        slices=session.slices, spmd=session.functions)
+
+        # Nothing can fail past this point: record, then post everything in order.
+        run = Run(run_id=session.next_run_id(), pending={n: set(ex) for n, ex in lowered.node_executors.items()},
+                  outputs_of={}, pinned=pinned, temporaries=temporaries)
+        for buf in pinned:
+            buf.pins += 1
+            buf.holders |= lowered.holders.get(buf.name, set())
+        for buf in temporaries:
+            buf.holders = lowered.holders.get(buf.name, set())
+        for index, node in enumerate(program.nodes):
+            made = []
+            for v in node.outputs:
+                buf = Buffer.new(names[v], program.values[v], client_ref=v in outputs)
+                buf.locations = lowered.produced[v]
+                buf.holders = lowered.holders.get(buf.name, set())
+                made.append(buf)
+                if v in outputs:
+                    session.buffers[outputs[v]] = buf
+                else:
+                    temporaries.append(buf)
+            run.outputs_of[index] = made
+        session.runs[run.run_id] = run
+        self.runs[run.run_id] = (session, run)
+
+        for fn_id, sites in lowered.function_sites.items():
+            for control, devices in sites:
+                if (fn_id, control, devices) not in self.registered:
+                    self.registered.add((fn_id, control, devices))
+                    self.peers.post(control, RegisterFunction(fn_id=fn_id, exported=self.exported[fn_id],
+                                                              spmd=session.functions[fn_id], devices=list(devices)))
+        puts: dict[str, PutShards] = {}
+        shards = {v: split_host_array(a, program.values[v].shards) for v, a in host_data.items()}
+        for put in lowered.puts:
+            batch = puts.setdefault(put.location.control, PutShards(keys=[], devices=[], arrays=[]))
+            batch.keys.append(put.key)
+            batch.devices.append(put.location.device)
+            batch.arrays.append(shards[put.value][put.shard])
+        for control, batch in puts.items():
+            self.peers.post(control, batch)
+        for control, tasks in lowered.moves.items():
+            self.peers.post(control, SendShards(sends=tasks))
+        for scheduler, comps in lowered.schedules.items():
+            self.peers.post(scheduler, ScheduleRun(run_id=run.run_id, proxy=self.server.address, computations=comps))
+        if not run.pending:
+            self._finish_run(session, run)
+
+    def _node_done(self, peer: bytes, env: Envelope) -> None:
+        msg = env.message
+        assert isinstance(msg, NodeDone)
+        found = self.runs.get(msg.run_id)
+        if found is None:
+            log.warning("completion for unknown run %s from %s", msg.run_id, msg.executor_id)
+            return None
+        session, run = found
+        waiting = run.pending.get(msg.node)
+        if waiting is None or msg.executor_id not in waiting:
+            log.warning("unexpected completion of node %s of %s from %s", msg.node, msg.run_id, msg.executor_id)
+            return None
+        waiting.discard(msg.executor_id)
+        if msg.error is not None and run.error is None:
+            run.error = error_class(msg.error.code)(msg.error.message, remote_traceback=msg.error.traceback)
+        node_error = None
+        if msg.error is not None:
+            node_error = error_class(msg.error.code)(msg.error.message, remote_traceback=msg.error.traceback)
+        if node_error is not None:
+            for buf in run.outputs_of.get(msg.node, []):
+                buf.resolve(node_error)
+        if not waiting:
+            del run.pending[msg.node]
+            for buf in run.outputs_of.get(msg.node, []):
+                buf.resolve(None)
+            if not run.pending:
+                self._finish_run(session, run)
+        return None
+
+    def _finish_run(self, session: Session, run: Run) -> None:
+        self.runs.pop(run.run_id, None)
+        session.runs.pop(run.run_id, None)
+        for buf in run.pinned:
+            buf.pins -= 1
+            self._maybe_free(session, buf)
+        for buf in run.temporaries:
+            self._maybe_free(session, buf)
+
+    # ------------------------------------------------------------------ buffers
+
+    def _maybe_free(self, session: Session, buf: Buffer) -> None:
+        if not buf.freeable:
+            return
+        keys = buf.keys(session.session_id)
+        for control in buf.holders:
+            self.peers.post(control, DeleteShards(keys=keys))
+        buf.holders = set()
+
+    def _put_buffer(self, peer: bytes, env: Envelope) -> Ok:
+        msg = env.message
+        assert isinstance(msg, PutBuffer)
+        session = self._session(peer)
+        sl = session.slices.get(msg.slice_id)
+        if sl is None:
+            raise NotFound(f"slice {msg.slice_id} is not one of this session's slices")
+        if msg.buffer in session.buffers:
+            raise InvalidArgument(f"buffer {msg.buffer} already exists")
+        n = len(sl.devices)
+        if n > 1 and (msg.array.ndim == 0 or msg.array.shape[0] % n):
+            raise InvalidArgument(f"an array of shape {msg.array.shape} cannot be split evenly over {n} devices")
+        spec = ValueSpec(shape=list(msg.array.shape), dtype=msg.array.dtype.name, shards=n)
+        buf = Buffer.new(f"b{msg.buffer}", spec, client_ref=True)
+        buf.locations = slice_locations(sl)
+        puts: dict[str, PutShards] = {}
+        for i, (loc, part) in enumerate(zip(buf.locations, split_host_array(msg.array, n), strict=True)):
+            batch = puts.setdefault(loc.control, PutShards(keys=[], devices=[], arrays=[]))
+            batch.keys.append(buf.keys(session.session_id)[i])
+            batch.devices.append(loc.device)
+            batch.arrays.append(part)
+            buf.holders.add(loc.control)
+        for control, batch in puts.items():
+            self.peers.post(control, batch)
+        buf.resolve(None)
+        session.buffers[msg.buffer] = buf
+        return Ok()
+
+    def _release_buffers(self, peer: bytes, env: Envelope) -> None:
+        msg = env.message
+        assert isinstance(msg, ReleaseBuffers)
+        session = self.sessions.get(peer)
+        if session is None:
+            return None
+        for cid in msg.buffers:
+            buf = session.buffers.pop(cid, None)
+            if buf is not None:
+                buf.client_ref = False
+                self._maybe_free(session, buf)
+        return None
+
+    def _buffer(self, session: Session, cid: int) -> Buffer:
+        buf = session.buffers.get(cid)
+        if buf is None:
+            raise NotFound(f"buffer {cid} does not exist (deleted, or never made)")
+        return buf
+
+    async def _await_buffers(self, peer: bytes, env: Envelope) -> Ok:
+        msg = env.message
+        assert isinstance(msg, AwaitBuffers)
+        session = self._session(peer)
+        for buf in [self._buffer(session, cid) for cid in msg.buffers]:
+            await buf.ready
+        return Ok()
+
+    async def _fetch(self, peer: bytes, env: Envelope) -> BufferValue:
+        msg = env.message
+        assert isinstance(msg, Fetch)
+        session = self._session(peer)
+        buf = self._buffer(session, msg.buffer)
+        buf.pins += 1  # a release while we fetch must not delete the shards under us
+        try:
+            await buf.ready
+            keys = buf.keys(session.session_id)
+            by_executor: dict[str, list[int]] = {}
+            for i, loc in enumerate(buf.locations):
+                by_executor.setdefault(loc.control, []).append(i)
+            shards: list[Any] = [None] * len(keys)
+
+            async def fetch_from(control: str, indices: list[int]) -> None:
+                reply = await self.peers.request(control, FetchShards(keys=[keys[i] for i in indices]),
+                                                 timeout_seconds=self.config.fetch_timeout_seconds)
+                assert isinstance(reply, ShardValues)
+                for i, arr in zip(indices, reply.arrays, strict=True):
+                    shards[i] = arr
+
+            await asyncio.gather(*(fetch_from(c, idx) for c, idx in by_executor.items()))
+        finally:
+            buf.pins -= 1
+            self._maybe_free(session, buf)
+        return BufferValue(shards=shards)
+
+    # ------------------------------------------------------------------- status
+
+    async def _status(self, peer: bytes, env: Envelope) -> StatusReply:
+        reply = await self.peers.request(self.config.rm, GetClusterState(), timeout_seconds=self.config.rm_timeout_seconds)
+        assert isinstance(reply, ClusterStateReply)
+
+        async def stats(control: str) -> ExecutorStats | None:
+            try:
+                got = await self.peers.request(control, GetExecutorStats(), timeout_seconds=2.0)
+            except PwmeshError:
+                return None
+            return got if isinstance(got, ExecutorStats) else None
+
+        found = await asyncio.gather(*(stats(e.control) for e in reply.state.executors if e.alive))
+        sessions = [
+            SessionInfo(session_id=s.session_id, name=s.name, buffers=len(s.buffers), programs=len(s.runs),
+                        weight=s.weight, priority=s.priority)
+            for s in self.sessions.values()
+        ]
+        return StatusReply(cluster=reply.state, sessions=sessions, executor_stats=[s for s in found if s])

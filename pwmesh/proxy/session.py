@@ -1,0 +1,88 @@
+"""A client session's state: its slices, functions, logical buffers and runs.
+
+Reference counts are kept per *logical* buffer (never per shard): a buffer is
+freed — ``DeleteShards`` to every executor holding a shard — once the client has
+dropped it and no in-flight run still reads it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import itertools
+
+from pwmesh.errors import PwmeshError
+from pwmesh.ir.lower import ShardLocation, shard_key
+from pwmesh.wire.messages import SliceInfo, ValueSpec
+
+
+def _retrieve(fut: asyncio.Future[None]) -> None:
+    if not fut.cancelled():
+        fut.exception()
+
+
+@dataclasses.dataclass(eq=False)
+class Buffer:
+    """One logical, sharded buffer and where its shards are."""
+
+    name: str
+    spec: ValueSpec
+    locations: list[ShardLocation]
+    holders: set[str]
+    ready: asyncio.Future[None]
+    client_ref: bool = True
+    pins: int = 0
+
+    @classmethod
+    def new(cls, name: str, spec: ValueSpec, client_ref: bool) -> Buffer:
+        fut = asyncio.get_running_loop().create_future()
+        fut.add_done_callback(_retrieve)
+        return cls(name=name, spec=spec, locations=[], holders=set(), ready=fut, client_ref=client_ref)
+
+    def keys(self, owner: str) -> list[str]:
+        return [shard_key(owner, self.name, i) for i in range(self.spec.shards)]
+
+    def resolve(self, error: PwmeshError | None) -> None:
+        if self.ready.done():
+            return
+        if error is None:
+            self.ready.set_result(None)
+        else:
+            self.ready.set_exception(error)
+
+    @property
+    def freeable(self) -> bool:
+        return not self.client_ref and self.pins == 0
+
+
+@dataclasses.dataclass(eq=False)
+class Run:
+    """One submitted program run: what is still pending and what it holds."""
+
+    run_id: str
+    pending: dict[int, set[str]]  # node -> executors yet to report
+    outputs_of: dict[int, list[Buffer]]  # node -> the buffers it produces
+    pinned: list[Buffer]
+    temporaries: list[Buffer]
+    error: PwmeshError | None = None
+
+
+@dataclasses.dataclass(eq=False)
+class Session:
+    session_id: str
+    name: str
+    peer: bytes
+    weight: float = 1.0
+    priority: int = 0
+    slices: dict[int, SliceInfo] = dataclasses.field(default_factory=dict)
+    functions: dict[str, bool] = dataclasses.field(default_factory=dict)  # fn_id -> spmd
+    buffers: dict[int, Buffer] = dataclasses.field(default_factory=dict)  # client id -> buffer
+    runs: dict[str, Run] = dataclasses.field(default_factory=dict)
+    _run_ids: itertools.count = dataclasses.field(default_factory=itertools.count)
+    _temp_ids: itertools.count = dataclasses.field(default_factory=itertools.count)
+
+    def next_run_id(self) -> str:
+        return f"{self.session_id}:{next(self._run_ids)}"
+
+    def temp_name(self) -> str:
+        return f"t{next(self._temp_ids)}"

@@ -1,0 +1,1 @@
+"""Resource manager: islands, hosts, devices, health, and the versioned virtual→physical map."""

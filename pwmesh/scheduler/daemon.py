@@ -1,0 +1,69 @@
+"""``pwmesh-scheduler --island N``: the asyncio shell around ``IslandOrder``."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from pwmesh.scheduler.order import IslandOrder
+from pwmesh.service.heartbeat import every
+from pwmesh.service.lifecycle import Service
+from pwmesh.service.rpc import Connections, Server, wait_for_peer
+from pwmesh.wire import Envelope
+from pwmesh.wire.messages import (
+    Heartbeat,
+    Ping,
+    Pong,
+    RegisterScheduler,
+    Scheduled,
+    ScheduleRun,
+    SchedulerInfo,
+)
+
+
+@dataclasses.dataclass
+class SchedulerConfig:
+    island: int
+    rm: str
+    listen: str = "tcp://127.0.0.1:0"
+    name: str = ""
+    rm_timeout_seconds: float = 30.0
+    heartbeat_interval_seconds: float = 2.0
+
+
+class Scheduler(Service):
+    role = "scheduler"
+
+    def __init__(self, config: SchedulerConfig) -> None:
+        super().__init__(config.name or f"scheduler-{config.island}")
+        self.config = config
+        self.order = IslandOrder(config.island)
+
+    async def setup(self) -> None:
+        handlers = {
+            ScheduleRun: self._schedule,
+            Ping: lambda peer, env: Pong(role=self.role, name=self.name),
+        }
+        self.server = Server(self.ctx, self.config.listen, handlers, tasks=self.tasks, name=self.name)
+        self.server.start()
+        self.peers = Connections(self.ctx, tasks=self.tasks, name=self.name)
+        rm = self.peers.get(self.config.rm)
+        info = SchedulerInfo(island=self.config.island, address=self.server.address)
+        await wait_for_peer(rm, RegisterScheduler(info=info), timeout_seconds=self.config.rm_timeout_seconds)
+        self.tasks.spawn(every(self.config.heartbeat_interval_seconds, self._heartbeat), name="heartbeat")
+
+    async def _heartbeat(self) -> None:
+        await self.peers.send(self.config.rm, Heartbeat(role=self.role, name=self.name))
+
+    def _schedule(self, peer: bytes, env: Envelope) -> Scheduled:
+        run = env.message
+        assert isinstance(run, ScheduleRun)
+        first = self.order.next_seq
+        # Synchronous from sequencing to posting: each executor receives its
+        # computations in island order, never two runs interleaved.
+        for action in self.order.handle(run):
+            self.peers.post(action.control, action.enqueue)
+        return Scheduled(first_seq=first, count=len(run.computations))
+
+    def ready_info(self) -> dict[str, Any]:
+        return {**super().ready_info(), "address": self.server.address, "island": self.config.island}

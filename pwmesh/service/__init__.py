@@ -1,0 +1,1 @@
+"""One lifecycle, one socket interface and one RPC layer for every daemon."""

@@ -1,0 +1,32 @@
+"""Liveness: who beat when, and who has missed their ``timeout_seconds``."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+
+
+class Liveness:
+    def __init__(self, timeout_seconds: float) -> None:
+        self.timeout_seconds = timeout_seconds
+        self._last: dict[str, float] = {}
+
+    def beat(self, peer: str, now: float) -> None:
+        self._last[peer] = now
+
+    def forget(self, peer: str) -> None:
+        self._last.pop(peer, None)
+
+    def expired(self, now: float) -> list[str]:
+        """Peers silent for longer than the timeout; they are forgotten once reported."""
+        lost = [p for p, t in self._last.items() if now - t > self.timeout_seconds]
+        for peer in lost:
+            del self._last[peer]
+        return lost
+
+
+async def every(interval_seconds: float, fn: Callable[[], Awaitable[None]]) -> None:
+    """Call ``fn`` every ``interval_seconds`` until cancelled (a periodic duty, not a wait)."""
+    while True:
+        await asyncio.sleep(interval_seconds)
+        await fn()

@@ -1,0 +1,172 @@
+"""One lifecycle for every daemon.
+
+``Service`` gives each daemon a status, an idempotent ``start()`` bounded by a
+startup timeout, ``async with``, a ``close()`` that always finishes (drain, then
+cancel and await every owned task, then close every socket), and ``run()``:
+the process entry point where the first SIGTERM/SIGINT drains and the second
+forces an exit. When started by a launcher, a daemon prints one ``PWMESH_READY``
+JSON line on stdout once it serves, so the launcher waits on an event, not a sleep.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import enum
+import json
+import logging
+import os
+import signal
+import sys
+from typing import Any
+
+from pwmesh.service.tasks import TaskGroup
+from pwmesh.service.transport import Context
+
+log = logging.getLogger(__name__)
+
+READY_PREFIX = "PWMESH_READY "
+_PR_SET_PDEATHSIG = 1
+
+
+class Status(enum.Enum):
+    INIT = "init"
+    STARTING = "starting"
+    RUNNING = "running"
+    DRAINING = "draining"
+    CLOSED = "closed"
+
+
+class Service:
+    """Base of every daemon: subclasses implement ``setup()`` and may override ``drain()``."""
+
+    role = "service"
+    startup_timeout_seconds = 60.0
+    drain_timeout_seconds = 10.0
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.status = Status.INIT
+        self.ctx = Context()
+        self.tasks = TaskGroup(on_crash=self._crashed)
+        self._start_task: asyncio.Task[None] | None = None
+        self._closed: asyncio.Event | None = None
+        self._close_task: asyncio.Task[None] | None = None
+
+    async def setup(self) -> None:
+        """Bind sockets and spawn the background tasks; runs once inside ``start()``."""
+
+    async def drain(self) -> None:
+        """Finish in-flight work before sockets close (bounded by ``drain_timeout_seconds``)."""
+
+    def ready_info(self) -> dict[str, Any]:
+        return {"role": self.role, "name": self.name, "pid": os.getpid()}
+
+    async def start(self) -> None:
+        if self._start_task is None:
+            self._closed = asyncio.Event()
+            self.status = Status.STARTING
+            self._start_task = asyncio.get_running_loop().create_task(self._start(), name=f"{self.name}.start")
+        await asyncio.shield(self._start_task)
+
+    async def _start(self) -> None:
+        try:
+            async with asyncio.timeout(self.startup_timeout_seconds):
+                await self.setup()
+        except BaseException:
+            await self.close()
+            raise
+        self.status = Status.RUNNING
+        log.info("%s %s running", self.role, self.name)
+
+    async def close(self) -> None:
+        if self._close_task is None:
+            self._close_task = asyncio.get_running_loop().create_task(self._close(), name=f"{self.name}.close")
+        await asyncio.shield(self._close_task)
+
+    async def _close(self) -> None:
+        if self.status is Status.RUNNING:
+            self.status = Status.DRAINING
+            try:
+                async with asyncio.timeout(self.drain_timeout_seconds):
+                    await self.drain()
+            except TimeoutError:
+                log.warning("%s: drain did not finish within %s seconds", self.name, self.drain_timeout_seconds)
+            except Exception:
+                log.exception("%s: drain failed", self.name)
+        await self.tasks.stop()
+        self.ctx.close()
+        self.status = Status.CLOSED
+        if self._closed is not None:
+            self._closed.set()
+        log.info("%s %s closed", self.role, self.name)
+
+    async def wait_closed(self) -> None:
+        assert self._closed is not None, "start() first"
+        await self._closed.wait()
+
+    def _crashed(self, exc: BaseException) -> None:
+        log.error("%s: a critical task failed; closing", self.name)
+        if self._close_task is None:
+            self._close_task = asyncio.get_running_loop().create_task(self._close(), name=f"{self.name}.close")
+
+    async def __aenter__(self) -> Service:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.close()
+
+
+def setup_logging(role: str, name: str, level: str = "INFO") -> None:
+    """Structured one-line logs (logfmt-like) on stderr."""
+    logging.basicConfig(
+        level=getattr(logging, level.upper(), logging.INFO),
+        stream=sys.stderr,
+        format=f"ts=%(asctime)s level=%(levelname)s role={role} name={name} logger=%(name)s msg=%(message)r",
+    )
+
+
+def die_with_parent() -> None:
+    """If started by a launcher (``PWMESH_PARENT_PID``), exit when it dies (Linux)."""
+    parent = os.environ.get("PWMESH_PARENT_PID")
+    if not parent or not sys.platform.startswith("linux"):
+        return
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != int(parent):  # the parent died before prctl took effect
+        sys.exit(1)
+
+
+def run(service: Service) -> None:
+    """Run ``service`` until a signal: the first drains and closes, the second forces."""
+    die_with_parent()
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        signals = 0
+
+        def on_signal(signum: int) -> None:
+            nonlocal signals
+            signals += 1
+            if signals == 1:
+                log.info("%s: %s received, draining (send again to force)", service.name, signal.Signals(signum).name)
+                loop.create_task(service.close(), name="close-on-signal")  # noqa: RUF006 - awaited via wait_closed
+            else:
+                log.warning("%s: second signal, exiting now", service.name)
+                os._exit(1)
+
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, on_signal, sig)
+        await service.start()
+        print(READY_PREFIX + json.dumps(service.ready_info()), flush=True)
+        await service.wait_closed()
+
+    try:
+        import uvloop  # noqa: PLC0415 - optional speed-up, absent on some platforms
+    except ImportError:
+        asyncio.run(main())
+    else:
+        uvloop.run(main())

@@ -1,0 +1,161 @@
+"""A complete cluster on this machine, every daemon a real child process.
+
+Used by ``pw.connect()`` with no address (embedded), by ``pwmesh up`` and by the
+tests. Each child prints one ``PWMESH_READY`` line once it serves; the launcher
+waits on those lines (with a deadline), never on a sleep. Stopping is staged:
+SIGTERM (the daemon drains), then SIGKILL for whoever is still there. Children
+also die with their parent (``PWMESH_PARENT_PID``), so nothing is left behind.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import selectors
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from pwmesh.errors import PwTimeoutError
+from pwmesh.service.lifecycle import READY_PREFIX
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class LocalClusterSpec:
+    islands: int = 2
+    hosts_per_island: int = 2
+    devices_per_host: int = 2
+    session_timeout_seconds: float = 30.0
+    heartbeat_timeout_seconds: float = 10.0
+    log_level: str = "WARNING"
+    startup_timeout_seconds: float = 120.0
+    stop_timeout_seconds: float = 10.0
+
+
+@dataclasses.dataclass
+class Child:
+    role: str
+    name: str
+    popen: subprocess.Popen[bytes]
+    log_path: Path
+    info: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+
+class LocalCluster:
+    def __init__(self, spec: LocalClusterSpec | None = None, log_dir: str | None = None) -> None:
+        self.spec = spec or LocalClusterSpec()
+        self._own_log_dir = log_dir is None
+        self.log_dir = Path(log_dir or tempfile.mkdtemp(prefix="pwmesh-cluster-"))
+        self.children: list[Child] = []
+        self.address = ""
+        self.rm_address = ""
+
+    # -------------------------------------------------------------- processes
+
+    def _spawn(self, role: str, name: str, args: list[str], env: dict[str, str] | None = None) -> Child:
+        log_path = self.log_dir / f"{name}.log"
+        child_env = {**os.environ, "PWMESH_PARENT_PID": str(os.getpid()), "JAX_PLATFORMS": "cpu", **(env or {})}
+        child_env.pop("XLA_FLAGS", None)  # each executor sets its own device count
+        with open(log_path, "ab") as log_file:
+            popen = subprocess.Popen(
+                [sys.executable, "-m", "pwmesh.cli.daemons", role, *args, "--log-level", self.spec.log_level],
+                stdout=subprocess.PIPE, stderr=log_file, stdin=subprocess.DEVNULL, env=child_env,
+            )
+        child = Child(role, name, popen, log_path)
+        self.children.append(child)
+        return child
+
+    def _wait_ready(self, children: list[Child], deadline: float) -> None:
+        waiting = {c.popen.stdout.fileno(): c for c in children if c.popen.stdout is not None}
+        buffers: dict[int, bytes] = {fd: b"" for fd in waiting}
+        with selectors.DefaultSelector() as sel:
+            for fd in waiting:
+                sel.register(fd, selectors.EVENT_READ)
+            while waiting:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    names = ", ".join(c.name for c in waiting.values())
+                    raise PwTimeoutError(f"local cluster: {names} not ready within "
+                                         f"{self.spec.startup_timeout_seconds} seconds; logs in {self.log_dir}")
+                for key, _ in sel.select(timeout=remaining):
+                    fd = key.fd
+                    chunk = os.read(fd, 65536)
+                    child = waiting[fd]
+                    if not chunk:
+                        sel.unregister(fd)
+                        del waiting[fd]
+                        tail = child.log_path.read_text(errors="replace")[-3000:]
+                        raise RuntimeError(f"local cluster: {child.name} exited during startup "
+                                           f"(code {child.popen.wait()}):\n{tail}")
+                    buffers[fd] += chunk
+                    for line in buffers[fd].split(b"\n"):
+                        text = line.decode(errors="replace")
+                        if text.startswith(READY_PREFIX):
+                            child.info = json.loads(text[len(READY_PREFIX):])
+                            sel.unregister(fd)
+                            del waiting[fd]
+                            break
+
+    def start(self) -> str:
+        """Start every daemon and return the proxy's address (the cluster's address)."""
+        if self.address:
+            return self.address
+        spec = self.spec
+        deadline = time.monotonic() + spec.startup_timeout_seconds
+        try:
+            rm = self._spawn("rm", "rm", ["--heartbeat-timeout-seconds", str(spec.heartbeat_timeout_seconds)])
+            self._wait_ready([rm], deadline)
+            self.rm_address = rm.info["address"]
+            rest = []
+            for island in range(spec.islands):
+                rest.append(self._spawn("scheduler", f"scheduler-{island}",
+                                        ["--island", str(island), "--rm", self.rm_address]))
+                for host in range(spec.hosts_per_island):
+                    name = f"island{island}-host{host}"
+                    rest.append(self._spawn("executor", name, [
+                        "--island", str(island), "--rm", self.rm_address, "--devices", str(spec.devices_per_host),
+                        "--name", name, "--host", name]))
+            proxy = self._spawn("proxy", "proxy", ["--rm", self.rm_address, "--session-timeout-seconds",
+                                                   str(spec.session_timeout_seconds)])
+            self._wait_ready([*rest, proxy], deadline)
+        except BaseException:
+            self.stop()
+            raise
+        self.address = proxy.info["address"]
+        return self.address
+
+    def stop(self) -> None:
+        """SIGTERM every child, then SIGKILL those still running after the timeout."""
+        for child in reversed(self.children):
+            if child.popen.poll() is None:
+                child.popen.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + self.spec.stop_timeout_seconds
+        for child in self.children:
+            try:
+                child.popen.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                log.warning("%s (pid %s) ignored SIGTERM; killing it", child.name, child.popen.pid)
+                child.popen.kill()
+                child.popen.wait()
+            if child.popen.stdout is not None:
+                child.popen.stdout.close()
+        self.children.clear()
+        self.address = ""
+
+    def child(self, name: str) -> Child:
+        return next(c for c in self.children if c.name == name)
+
+    def __enter__(self) -> LocalCluster:
+        self.start()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop()

@@ -1,0 +1,225 @@
+"""Messages over sockets: a ``Server`` that validates and dispatches, and a
+``Connection`` that matches replies to requests by id.
+
+Both own their receive loop as a task in the service's task group. A handler
+returns a reply ``Message`` (or ``None`` for no reply), synchronously or as a
+coroutine; a coroutine handler runs as its own owned task so one slow request
+never stalls the socket. Exceptions become ``Error`` replies carrying the code
+and the remote traceback.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import itertools
+import logging
+import traceback
+from collections.abc import Awaitable, Callable
+from typing import Any
+import zmq
+
+from pwmesh.errors import ConnectionFailed, PwmeshError, PwTimeoutError, error_class
+from pwmesh.service.tasks import TaskGroup
+from pwmesh.service.transport import Context, DealerSocket, RouterSocket
+from pwmesh.wire import DEFAULT_LIMITS, Envelope, Limits, Message, decode, encode
+from pwmesh.wire.codec import FrameError
+from pwmesh.wire.messages import Error
+
+log = logging.getLogger(__name__)
+
+Reply = Message | None
+Handler = Callable[[bytes, Envelope], Reply | Awaitable[Reply]]
+
+_ids = itertools.count(1)
+
+
+def next_id() -> int:
+    return next(_ids)
+
+
+def error_reply(exc: BaseException) -> Error:
+    if isinstance(exc, PwmeshError):
+        return Error(code=exc.code, message=exc.message, traceback=exc.remote_traceback)
+    return Error(
+        code="internal",
+        message=f"{type(exc).__name__}: {exc}",
+        traceback="".join(traceback.format_exception(exc)),
+    )
+
+
+def raise_error(err: Error) -> None:
+    raise error_class(err.code)(err.message, remote_traceback=err.traceback)
+
+
+class Server:
+    """A bound ROUTER socket whose every inbound message is validated, then handled."""
+
+    def __init__(self, ctx: Context, bind: str, handlers: dict[type[Message], Handler], *,
+                 tasks: TaskGroup, name: str, limits: Limits = DEFAULT_LIMITS) -> None:
+        self._sock: RouterSocket = ctx.router(bind)
+        self._handlers = {cls.op: h for cls, h in handlers.items()}
+        self._tasks = tasks
+        self._name = name
+        self._limits = limits
+        self.address = self._sock.address
+        self.rejected = 0  # frames dropped or answered with ProtocolError
+
+    def start(self) -> None:
+        self._tasks.spawn(self._recv_loop(), name=f"{self._name}.recv")
+
+    async def send(self, peer: bytes, message: Message, *, reply_to: int | None = None) -> bool:
+        """Send to ``peer``; ``False`` (logged) if the peer is gone."""
+        try:
+            await self._sock.send(peer, encode(message, msg_id=next_id(), reply_to=reply_to, sender=self._name))
+        except zmq.ZMQError as exc:
+            log.warning("%s: cannot send %s to peer %r: %s", self._name, message.op, peer, exc)
+            return False
+        return True
+
+    async def _recv_loop(self) -> None:
+        while True:
+            peer, payload = await self._sock.recv()
+            try:
+                env = decode(payload, self._limits)
+            except FrameError as exc:
+                self.rejected += 1
+                log.warning("%s: rejected frame from %r: %s", self._name, peer, exc.message)
+                if exc.msg_id is not None:
+                    await self.send(peer, Error(code="protocol", message=exc.message), reply_to=exc.msg_id)
+                continue
+            handler = self._handlers.get(env.message.op)
+            if handler is None:
+                self.rejected += 1
+                await self.send(
+                    peer,
+                    Error(code="protocol", message=f"{self._name} does not serve op {env.message.op!r}"),
+                    reply_to=env.msg_id,
+                )
+                continue
+            try:
+                result = handler(peer, env)
+            except Exception as exc:  # a handler bug must not kill the socket
+                log.exception("%s: handler for %s failed", self._name, env.message.op)
+                await self.send(peer, error_reply(exc), reply_to=env.msg_id)
+                continue
+            if inspect.isawaitable(result):
+                self._tasks.spawn(self._finish(peer, env, result), name=f"{self._name}.{env.message.op}")
+            elif result is not None:
+                await self.send(peer, result, reply_to=env.msg_id)
+
+    async def _finish(self, peer: bytes, env: Envelope, pending: Awaitable[Reply]) -> None:
+        try:
+            reply = await pending
+        except Exception as exc:
+            if not isinstance(exc, PwmeshError):
+                log.exception("%s: handler for %s failed", self._name, env.message.op)
+            reply = error_reply(exc)
+        if reply is not None:
+            await self.send(peer, reply, reply_to=env.msg_id)
+
+
+class Connection:
+    """A DEALER connection to one peer; ``request`` awaits the reply with a timeout."""
+
+    def __init__(self, ctx: Context, address: str, *, tasks: TaskGroup, name: str,
+                 on_message: Callable[[Envelope], None] | None = None,
+                 limits: Limits = DEFAULT_LIMITS) -> None:
+        self._sock: DealerSocket = ctx.dealer(address)
+        self.address = address
+        self._name = name
+        self._pending: dict[int, asyncio.Future[Message]] = {}
+        self._on_message = on_message
+        self._limits = limits
+        self._outbox: asyncio.Queue[list[Any]] = asyncio.Queue()
+        tasks.spawn(self._recv_loop(), name=f"{name}->{address}.recv")
+        tasks.spawn(self._send_loop(), name=f"{name}->{address}.send")
+
+    async def send(self, message: Message) -> None:
+        await self._sock.send(encode(message, msg_id=next_id(), sender=self._name))
+
+    def post(self, message: Message) -> None:
+        """Queue ``message`` without waiting; posted messages leave in the order posted."""
+        self._outbox.put_nowait(encode(message, msg_id=next_id(), sender=self._name))
+
+    async def _send_loop(self) -> None:
+        while True:
+            frames = await self._outbox.get()
+            await self._sock.send(frames)
+
+    async def request(self, message: Message, *, timeout_seconds: float) -> Message:
+        msg_id = next_id()
+        fut: asyncio.Future[Message] = asyncio.get_running_loop().create_future()
+        self._pending[msg_id] = fut
+        try:
+            await self._sock.send(encode(message, msg_id=msg_id, sender=self._name))
+            async with asyncio.timeout(timeout_seconds):
+                reply = await fut
+        except TimeoutError:
+            raise PwTimeoutError(
+                f"{self.address} did not answer {message.op} within {timeout_seconds} seconds"
+            ) from None
+        finally:
+            self._pending.pop(msg_id, None)
+        if isinstance(reply, Error):
+            raise_error(reply)
+        return reply
+
+    async def _recv_loop(self) -> None:
+        while True:
+            payload = await self._sock.recv()
+            try:
+                env = decode(payload, self._limits)
+            except FrameError as exc:
+                # An unreadable reply cannot be matched to its request, which then times out.
+                log.warning("%s: rejected frame from %s: %s", self._name, self.address, exc.message)
+                continue
+            fut = self._pending.get(env.reply_to) if env.reply_to is not None else None
+            if fut is not None:
+                if not fut.done():
+                    fut.set_result(env.message)
+            elif self._on_message is not None:
+                self._on_message(env)
+
+    def fail_pending(self, exc: PwmeshError) -> None:
+        for fut in self._pending.values():
+            if not fut.done():
+                fut.set_exception(exc)
+
+
+class Connections:
+    """One ``Connection`` per peer address, made on first use."""
+
+    def __init__(self, ctx: Context, *, tasks: TaskGroup, name: str,
+                 on_message: Callable[[Envelope], None] | None = None) -> None:
+        self._ctx = ctx
+        self._tasks = tasks
+        self._name = name
+        self._on_message = on_message
+        self._by_address: dict[str, Connection] = {}
+
+    def get(self, address: str) -> Connection:
+        conn = self._by_address.get(address)
+        if conn is None:
+            conn = Connection(self._ctx, address, tasks=self._tasks, name=self._name, on_message=self._on_message)
+            self._by_address[address] = conn
+        return conn
+
+    async def request(self, address: str, message: Message, *, timeout_seconds: float) -> Message:
+        return await self.get(address).request(message, timeout_seconds=timeout_seconds)
+
+    async def send(self, address: str, message: Message) -> None:
+        await self.get(address).send(message)
+
+    def post(self, address: str, message: Message) -> None:
+        self.get(address).post(message)
+
+
+async def wait_for_peer(conn: Connection, message: Message, *, timeout_seconds: float) -> Message:
+    """``request`` that reports an absent peer as ``ConnectionFailed``."""
+    try:
+        return await conn.request(message, timeout_seconds=timeout_seconds)
+    except PwTimeoutError:
+        raise ConnectionFailed(f"nothing answered at {conn.address} within {timeout_seconds} seconds") from None
+
+

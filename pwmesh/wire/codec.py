@@ -1,0 +1,185 @@
+"""Frame layout and codec: the only code that turns messages into bytes and back.
+
+On the wire a message is the multipart frame list ``[header, body, *buffers]``
+(a ROUTER socket prepends routing ids and an empty delimiter; see
+``service.transport``). ``header`` is a msgpack array
+``[protocol_version, op, msg_id, reply_to, sender]``. ``body`` is the msgpack map
+of the message's fields. numpy arrays never pass through msgpack: each becomes an
+extension value ``[frame_index, dtype, shape]`` and its bytes ride as a later
+frame, sent without a copy and received as a read-only view of the frame.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import msgpack
+import numpy as np
+
+from pwmesh.errors import ProtocolError
+from pwmesh.wire.messages import Message, message_types
+
+PROTOCOL_VERSION = 1
+_ARRAY_EXT = 1
+_ALLOWED_DTYPE_KINDS = frozenset("biufcV")  # V: ml_dtypes (bfloat16, float8...)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Limits:
+    """What an inbound message may weigh; anything over is rejected unread."""
+
+    max_header_bytes: int = 1024
+    max_body_bytes: int = 64 << 20
+    max_buffers: int = 4096
+    max_buffer_bytes: int = 16 << 30
+
+
+DEFAULT_LIMITS = Limits()
+
+
+class FrameError(ProtocolError):
+    """A rejected inbound frame; ``msg_id``/``sender`` are set when the header was readable."""
+
+    def __init__(self, message: str, *, msg_id: int | None = None, op: str | None = None) -> None:
+        super().__init__(message)
+        self.msg_id = msg_id
+        self.op = op
+
+
+@dataclasses.dataclass(slots=True)
+class Envelope:
+    """A decoded message and the header fields around it."""
+
+    message: Message
+    msg_id: int
+    reply_to: int | None
+    sender: str
+
+
+def _dtype_name(dtype: np.dtype) -> str:
+    return dtype.name
+
+
+def _dtype_from_name(name: str) -> np.dtype:
+    try:
+        dtype = np.dtype(name)
+    except TypeError:
+        import ml_dtypes  # noqa: PLC0415 - optional: only needed for exotic float types
+
+        try:
+            dtype = np.dtype(getattr(ml_dtypes, name))
+        except AttributeError:
+            raise ProtocolError(f"unknown dtype {name!r}") from None
+    if dtype.kind not in _ALLOWED_DTYPE_KINDS or dtype.hasobject:
+        raise ProtocolError(f"dtype {name!r} is not allowed on the wire")
+    return dtype
+
+
+def encode(message: Message, *, msg_id: int, reply_to: int | None = None, sender: str = "") -> list[Any]:
+    """Frames for ``message``: ``[header, body, *buffers]`` (buffers are not copied)."""
+    buffers: list[Any] = []
+
+    def default(obj: Any) -> Any:
+        if isinstance(obj, np.ndarray):
+            if obj.dtype.hasobject:
+                raise TypeError("object arrays cannot be sent")
+            arr = np.ascontiguousarray(obj)
+            buffers.append(arr.data if arr.size else b"")
+            meta = msgpack.packb([len(buffers) - 1, _dtype_name(arr.dtype), list(arr.shape)])
+            return msgpack.ExtType(_ARRAY_EXT, meta)
+        if isinstance(obj, np.generic):
+            return obj.item()
+        if isinstance(obj, (tuple, set, frozenset)):
+            return list(obj)
+        raise TypeError(f"cannot encode {type(obj).__name__}")
+
+    header = msgpack.packb([PROTOCOL_VERSION, message.op, msg_id, reply_to, sender])
+    body = msgpack.packb(message.to_wire(), default=default)
+    return [header, body, *buffers]
+
+
+def _unpack(data: Any, **kwargs: Any) -> Any:
+    return msgpack.unpackb(data, raw=False, strict_map_key=True, **kwargs)
+
+
+def decode_header(frame: Any, limits: Limits = DEFAULT_LIMITS) -> tuple[str, int, int | None, str]:
+    """``(op, msg_id, reply_to, sender)`` from a header frame, fully validated."""
+    view = memoryview(frame)
+    if view.nbytes > limits.max_header_bytes:
+        raise FrameError(f"header of {view.nbytes} bytes exceeds {limits.max_header_bytes}")
+    try:
+        header = _unpack(view)
+    except Exception as exc:
+        raise FrameError(f"unreadable header: {exc}") from None
+    if not isinstance(header, list) or len(header) != 5:
+        raise FrameError("header must be [version, op, msg_id, reply_to, sender]")
+    version, op, msg_id, reply_to, sender = header
+    if not isinstance(msg_id, int) or isinstance(msg_id, bool):
+        raise FrameError("header msg_id must be an integer")
+    if version != PROTOCOL_VERSION:
+        raise FrameError(
+            f"protocol version {version!r} is not supported (this side speaks {PROTOCOL_VERSION})",
+            msg_id=msg_id,
+        )
+    if not isinstance(op, str):
+        raise FrameError("header op must be a string", msg_id=msg_id)
+    if reply_to is not None and (not isinstance(reply_to, int) or isinstance(reply_to, bool)):
+        raise FrameError("header reply_to must be an integer or nil", msg_id=msg_id, op=op)
+    if not isinstance(sender, str):
+        raise FrameError("header sender must be a string", msg_id=msg_id, op=op)
+    return op, msg_id, reply_to, sender
+
+
+def decode(frames: Sequence[Any], limits: Limits = DEFAULT_LIMITS) -> Envelope:
+    """Validate and decode ``[header, body, *buffers]``; raise ``FrameError`` on anything wrong."""
+    if len(frames) < 2:
+        raise FrameError(f"expected at least 2 frames (header, body), got {len(frames)}")
+    op, msg_id, reply_to, sender = decode_header(frames[0], limits)
+    cls = message_types().get(op)
+    if cls is None:
+        raise FrameError(f"unknown op {op!r}", msg_id=msg_id, op=op)
+    buffers = [memoryview(f) for f in frames[2:]]
+    if len(buffers) > limits.max_buffers:
+        raise FrameError(f"{len(buffers)} buffers exceed the limit of {limits.max_buffers}", msg_id=msg_id, op=op)
+    if sum(b.nbytes for b in buffers) > limits.max_buffer_bytes:
+        raise FrameError(f"buffers exceed {limits.max_buffer_bytes} bytes", msg_id=msg_id, op=op)
+    body_view = memoryview(frames[1])
+    if body_view.nbytes > limits.max_body_bytes:
+        raise FrameError(f"body of {body_view.nbytes} bytes exceeds {limits.max_body_bytes}", msg_id=msg_id, op=op)
+    used: set[int] = set()
+
+    def ext_hook(code: int, data: bytes) -> Any:
+        if code != _ARRAY_EXT:
+            raise ProtocolError(f"unknown extension type {code}")
+        meta = _unpack(data)
+        if not (isinstance(meta, list) and len(meta) == 3 and isinstance(meta[0], int) and isinstance(meta[1], str)
+                and isinstance(meta[2], list) and all(isinstance(d, int) and d >= 0 for d in meta[2])):
+            raise ProtocolError("malformed array reference")
+        index, dtype_name, shape = meta
+        if not 0 <= index < len(buffers):
+            raise ProtocolError(f"array references frame {index}, but only {len(buffers)} buffers came")
+        if index in used:
+            raise ProtocolError(f"buffer frame {index} referenced twice")
+        used.add(index)
+        dtype = _dtype_from_name(dtype_name)
+        expected = math.prod(shape) * dtype.itemsize
+        buf = buffers[index]
+        if buf.nbytes != expected:
+            raise ProtocolError(f"buffer {index} has {buf.nbytes} bytes, {dtype_name}{shape} needs {expected}")
+        return np.frombuffer(buf, dtype=dtype).reshape(shape) if expected else np.zeros(shape, dtype)
+
+    try:
+        body = _unpack(body_view, ext_hook=ext_hook)
+        message = cls.from_wire(body)
+    except FrameError:
+        raise
+    except ProtocolError as exc:
+        raise FrameError(f"bad {op} body: {exc.message}", msg_id=msg_id, op=op) from None
+    except Exception as exc:  # msgpack raises a zoo of types on garbage
+        raise FrameError(f"unreadable {op} body: {type(exc).__name__}: {exc}", msg_id=msg_id, op=op) from None
+    if len(used) != len(buffers):
+        raise FrameError(f"{len(buffers) - len(used)} buffer frame(s) not referenced by the body", msg_id=msg_id, op=op)
+    return Envelope(message=message, msg_id=msg_id, reply_to=reply_to, sender=sender)

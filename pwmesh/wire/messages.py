@@ -1,0 +1,433 @@
+"""Every message type, in one place, grouped by the daemon that receives it.
+
+A message is a ``Record`` with an ``op`` tag; defining a subclass registers it.
+Keys of object-store entries are strings ``"<owner>/<buffer>/<shard>"`` (see
+``pwmesh.ir.keys``).
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import numpy as np
+
+from pwmesh.wire.schema import Record, record
+
+_REGISTRY: dict[str, type[Message]] = {}
+
+
+class Message(Record):
+    """A record with an ``op``; subclasses register themselves by op."""
+
+    __slots__ = ()
+    op: ClassVar[str] = ""
+
+    def __init_subclass__(cls, op: str = "", **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if op:
+            if op in _REGISTRY:
+                raise TypeError(f"op {op!r} registered twice")
+            cls.op = op
+            _REGISTRY[op] = cls
+
+
+def message_types() -> dict[str, type[Message]]:
+    return _REGISTRY
+
+
+# --------------------------------------------------------------------- records
+
+
+@record
+class ErrorInfo(Record):
+    code: str
+    message: str
+    traceback: str = ""
+
+
+@record
+class DeviceInfo(Record):
+    index: int
+    kind: str = "cpu"
+
+
+@record
+class ExecutorInfo(Record):
+    executor_id: str
+    island: int
+    host: str
+    control: str
+    data: str
+    devices: list[DeviceInfo]
+    alive: bool = True
+    pid: int = 0
+
+
+@record
+class SchedulerInfo(Record):
+    island: int
+    address: str
+
+
+@record
+class PhysicalDevice(Record):
+    """Where one virtual device of a slice lives right now."""
+
+    executor_id: str
+    island: int
+    host: str
+    device: int
+    control: str
+    data: str
+
+
+@record
+class SliceInfo(Record):
+    slice_id: int
+    owner: str
+    island: int
+    devices: list[PhysicalDevice]
+    map_version: int
+    scheduler: str
+
+
+@record
+class SessionInfo(Record):
+    session_id: str
+    name: str
+    buffers: int
+    programs: int
+    weight: float = 1.0
+    priority: int = 0
+
+
+@record
+class ClusterState(Record):
+    map_version: int
+    executors: list[ExecutorInfo]
+    schedulers: list[SchedulerInfo]
+    slices: list[SliceInfo]
+
+
+@record
+class ShardTask(Record):
+    """One shard of a computation: on which device, reading and writing which keys."""
+
+    device: int
+    inputs: list[str]
+    outputs: list[str]
+
+
+@record
+class SendTask(Record):
+    """After ``key`` exists on this executor, send it to another executor's data plane."""
+
+    key: str
+    dest_executor: str
+    dest_data: str
+    dest_device: int
+
+
+@record
+class Computation(Record):
+    """One node of a program on one executor. ``seq`` is its place in the island order."""
+
+    node: int
+    fn_id: str
+    executor_id: str
+    control: str
+    shards: list[ShardTask]
+    sends: list[SendTask]
+    spmd: bool = False
+    seq: int = -1
+
+
+@record
+class NodeSpec(Record):
+    """One sharded computation of a program (one node, however many shards)."""
+
+    fn_id: str
+    slice_id: int
+    inputs: list[int]
+    outputs: list[int]
+
+
+@record
+class ValueSpec(Record):
+    """One logical, sharded buffer (an edge): global shape, dtype and shard count."""
+
+    shape: list[int]
+    dtype: str
+    shards: int
+
+
+@record
+class ProgramSpec(Record):
+    values: list[ValueSpec]
+    nodes: list[NodeSpec]
+    inputs: list[int]
+    outputs: list[int]
+
+
+@record
+class ProgramInput(Record):
+    """A program argument: host data to scatter, or an existing buffer of the session."""
+
+    array: np.ndarray | None = None
+    buffer: int | None = None
+
+
+# ------------------------------------------------------------------ everywhere
+
+
+@record
+class Error(Message, op="error"):
+    code: str
+    message: str
+    traceback: str = ""
+
+
+@record
+class Ok(Message, op="ok"):
+    pass
+
+
+@record
+class Ping(Message, op="ping"):
+    pass
+
+
+@record
+class Pong(Message, op="pong"):
+    role: str
+    name: str
+
+
+@record
+class Heartbeat(Message, op="heartbeat"):
+    role: str
+    name: str
+
+
+# ---------------------------------------------------------- resource manager
+
+
+@record
+class RegisterExecutor(Message, op="rm.register_executor"):
+    info: ExecutorInfo
+
+
+@record
+class RegisterScheduler(Message, op="rm.register_scheduler"):
+    info: SchedulerInfo
+
+
+@record
+class AllocateSlice(Message, op="rm.allocate_slice"):
+    owner: str
+    devices: int
+    island: int | None = None
+
+
+@record
+class SliceAllocated(Message, op="rm.slice_allocated"):
+    slice: SliceInfo
+
+
+@record
+class ReleaseSlices(Message, op="rm.release_slices"):
+    owner: str
+    slice_ids: list[int] | None = None
+
+
+@record
+class GetClusterState(Message, op="rm.get_cluster_state"):
+    pass
+
+
+@record
+class ClusterStateReply(Message, op="rm.cluster_state"):
+    state: ClusterState
+
+
+# ---------------------------------------------------------- island scheduler
+
+
+@record
+class ScheduleRun(Message, op="sched.schedule_run"):
+    """One message per island per program run: every computation it holds there."""
+
+    run_id: str
+    proxy: str
+    computations: list[Computation]
+
+
+@record
+class Scheduled(Message, op="sched.scheduled"):
+    first_seq: int
+    count: int
+
+
+# ------------------------------------------------------------- host executor
+
+
+@record
+class RegisterFunction(Message, op="exec.register_function"):
+    fn_id: str
+    exported: bytes
+    spmd: bool
+    devices: list[int]
+
+
+@record
+class Enqueue(Message, op="exec.enqueue"):
+    run_id: str
+    proxy: str
+    computations: list[Computation]
+
+
+@record
+class PutShards(Message, op="exec.put_shards"):
+    keys: list[str]
+    devices: list[int]
+    arrays: list[np.ndarray]
+
+
+@record
+class SendShards(Message, op="exec.send_shards"):
+    sends: list[SendTask]
+
+
+@record
+class FetchShards(Message, op="exec.fetch_shards"):
+    keys: list[str]
+
+
+@record
+class ShardValues(Message, op="exec.shard_values"):
+    arrays: list[np.ndarray]
+
+
+@record
+class DeleteShards(Message, op="exec.delete_shards"):
+    keys: list[str]
+
+
+@record
+class GetExecutorStats(Message, op="exec.get_stats"):
+    pass
+
+
+@record
+class ExecutorStats(Message, op="exec.stats"):
+    executor_id: str
+    objects: int
+    bytes: int
+    queued: list[int]
+    functions: int
+    executed: int
+
+
+@record
+class ShardData(Message, op="data.shard"):
+    """Data plane: one shard-tagged tuple (or the error that replaces it)."""
+
+    key: str
+    device: int
+    array: np.ndarray | None = None
+    error: ErrorInfo | None = None
+
+
+@record
+class NodeDone(Message, op="exec.node_done"):
+    run_id: str
+    node: int
+    executor_id: str
+    error: ErrorInfo | None = None
+
+
+# --------------------------------------------------------------- client proxy
+
+
+@record
+class OpenSession(Message, op="proxy.open_session"):
+    name: str
+    weight: float = 1.0
+    priority: int = 0
+
+
+@record
+class SessionOpened(Message, op="proxy.session_opened"):
+    session_id: str
+    heartbeat_interval_seconds: float
+    session_timeout_seconds: float
+
+
+@record
+class CloseSession(Message, op="proxy.close_session"):
+    pass
+
+
+@record
+class CreateSlice(Message, op="proxy.create_slice"):
+    devices: int
+    island: int | None = None
+
+
+@record
+class SliceCreated(Message, op="proxy.slice_created"):
+    slice: SliceInfo
+
+
+@record
+class RegisterProgramFunction(Message, op="proxy.register_function"):
+    fn_id: str
+    exported: bytes
+    slice_id: int
+    spmd: bool
+
+
+@record
+class RunProgram(Message, op="proxy.run_program"):
+    program: ProgramSpec
+    inputs: list[ProgramInput]
+    outputs: list[int]
+
+
+@record
+class PutBuffer(Message, op="proxy.put_buffer"):
+    buffer: int
+    slice_id: int
+    array: np.ndarray
+
+
+@record
+class AwaitBuffers(Message, op="proxy.await_buffers"):
+    buffers: list[int]
+
+
+@record
+class Fetch(Message, op="proxy.fetch"):
+    buffer: int
+
+
+@record
+class BufferValue(Message, op="proxy.buffer_value"):
+    shards: list[np.ndarray]
+
+
+@record
+class ReleaseBuffers(Message, op="proxy.release_buffers"):
+    buffers: list[int]
+
+
+@record
+class GetStatus(Message, op="proxy.get_status"):
+    pass
+
+
+@record
+class StatusReply(Message, op="proxy.status"):
+    cluster: ClusterState
+    sessions: list[SessionInfo]
+    executor_stats: list[ExecutorStats]
