@@ -29,6 +29,7 @@ from pwmesh.wire import Envelope, Message
 from pwmesh.wire.messages import (
     AllocateSlice,
     AwaitBuffers,
+    BuffersState,
     BufferValue,
     ClusterStateReply,
     CloseSession,
@@ -48,6 +49,7 @@ from pwmesh.wire.messages import (
     Pong,
     PutBuffer,
     PutShards,
+    QueryBuffers,
     RegisterFunction,
     RegisterProgramFunction,
     ReleaseBuffers,
@@ -102,6 +104,7 @@ class Proxy(Service):
             PutBuffer: self._put_buffer,
             AwaitBuffers: self._await_buffers,
             Fetch: self._fetch,
+            QueryBuffers: self._query_buffers,
             ReleaseBuffers: self._release_buffers,
             GetStatus: self._status,
             NodeDone: self._node_done,
@@ -145,10 +148,10 @@ class Proxy(Service):
         self._end_session(self._session(peer), "closed by client")
         return Ok()
 
-    def _heartbeat(self, peer: bytes, env: Envelope) -> None:
-        session = self.sessions.get(peer)
-        if session is not None:
-            self.liveness.beat(session.session_id, time.monotonic())
+    def _heartbeat(self, peer: bytes, env: Envelope) -> Ok:
+        session = self._session(peer)
+        self.liveness.beat(session.session_id, time.monotonic())
+        return Ok()
 
     async def _expire_sessions(self) -> None:
         lost = set(self.liveness.expired(time.monotonic()))
@@ -399,6 +402,12 @@ class Proxy(Service):
         for buf in [self._buffer(session, cid) for cid in msg.buffers]:
             await buf.ready
         return Ok()
+
+    def _query_buffers(self, peer: bytes, env: Envelope) -> BuffersState:
+        msg = env.message
+        assert isinstance(msg, QueryBuffers)
+        session = self._session(peer)
+        return BuffersState(ready=[self._buffer(session, cid).ready.done() for cid in msg.buffers])
 
     async def _fetch(self, peer: bytes, env: Envelope) -> BufferValue:
         msg = env.message

@@ -29,6 +29,9 @@ class Message(Record):
                 raise TypeError(f"op {op!r} registered twice")
             cls.op = op
             _REGISTRY[op] = cls
+        elif "op" in cls.__dict__ and cls.__qualname__ == getattr(_REGISTRY.get(cls.op), "__qualname__", None):
+            # ``dataclass(slots=True)`` rebuilds the class: the registry keeps the final one.
+            _REGISTRY[cls.op] = cls
 
 
 def message_types() -> dict[str, type[Message]]:
@@ -404,6 +407,16 @@ class PutBuffer(Message, op="proxy.put_buffer"):
 @record
 class AwaitBuffers(Message, op="proxy.await_buffers"):
     buffers: list[int]
+
+
+@record
+class QueryBuffers(Message, op="proxy.query_buffers"):
+    buffers: list[int]
+
+
+@record
+class BuffersState(Message, op="proxy.buffers_state"):
+    ready: list[bool]
 
 
 @record

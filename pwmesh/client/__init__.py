@@ -1,0 +1,1 @@
+"""The client library: connect, virtual devices, compiled functions, programs, Array futures."""

@@ -1,0 +1,110 @@
+"""``pw.pmap``: a JAX function mapped over a slice, shipped as a ``jax.export`` artifact.
+
+Values are sharded in blocks along their leading axis, one block per device, so
+a pmap shard is a block of one element. Without ``axis_name`` each device runs
+the function on its block independently (any slice). With ``axis_name`` the
+function is exported once as an SPMD ``shard_map`` over an abstract mesh of the
+slice's size, so collectives like ``jax.lax.psum(x, axis_name)`` work; that
+needs the slice's devices on one executor until cross-host collectives land.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import export
+from jax.sharding import AbstractMesh, NamedSharding, PartitionSpec
+
+from pwmesh.client.devices import Slice, VirtualDevice, slice_of
+from pwmesh.client.tracing import ProgramCache, call_mapped
+from pwmesh.errors import InvalidArgument
+
+
+@dataclasses.dataclass(frozen=True)
+class ExportedFunction:
+    fn_id: str
+    serialized: bytes
+    spmd: bool
+    out_avals: tuple[jax.ShapeDtypeStruct, ...]  # global (whole-slice) shapes
+    out_tree: Any
+
+
+class MappedFunction:
+    """What ``pw.pmap`` returns: callable eagerly, or inside a ``@pw.program``."""
+
+    def __init__(self, fn: Callable[..., Any], devices: Slice | Sequence[VirtualDevice], axis_name: str | None) -> None:
+        self.fn = fn
+        self.slice = slice_of(devices)
+        self.axis_name = axis_name
+        self.__name__ = getattr(fn, "__name__", "mapped")
+        self._lock = threading.Lock()
+        self._exports: dict[tuple[Any, ...], ExportedFunction] = {}
+        self.eager = ProgramCache(self)  # called outside @pw.program: a one-node program
+
+    @property
+    def num_devices(self) -> int:
+        return len(self.slice.devices)
+
+    def export_for(self, avals: Sequence[jax.ShapeDtypeStruct]) -> ExportedFunction:
+        """The exported artifact for these global input shapes (cached)."""
+        key = tuple((a.shape, str(a.dtype)) for a in avals)
+        with self._lock:
+            found = self._exports.get(key)
+        if found is not None:
+            return found
+        n = self.num_devices
+        for i, a in enumerate(avals):
+            if not a.shape or a.shape[0] != n:
+                raise InvalidArgument(
+                    f"{self.__name__}: argument {i} has shape {a.shape}; pmap over {n} devices needs a leading "
+                    f"axis of size {n}"
+                )
+        fn = self.fn
+
+        def per_block(*blocks: Any) -> Any:
+            out = fn(*[b[0] for b in blocks])
+            return jax.tree_util.tree_map(lambda o: jnp.expand_dims(o, 0), out)
+
+        if self.axis_name is None:
+            block_avals = [jax.ShapeDtypeStruct((1, *a.shape[1:]), a.dtype) for a in avals]
+            exp = export.export(jax.jit(per_block), platforms=["cpu"])(*block_avals)
+            out_avals = tuple(jax.ShapeDtypeStruct((n, *o.shape[1:]), o.dtype) for o in exp.out_avals)
+        else:
+            mesh = AbstractMesh((n,), (self.axis_name,))
+            spec = PartitionSpec(self.axis_name)
+            mapped = jax.shard_map(per_block, mesh=mesh, in_specs=spec, out_specs=spec)
+            sharded = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(mesh, spec)) for a in avals]
+            exp = export.export(jax.jit(mapped), platforms=["cpu"])(*sharded)
+            out_avals = tuple(jax.ShapeDtypeStruct(o.shape, o.dtype) for o in exp.out_avals)
+        serialized = bytes(exp.serialize())
+        fn_id = hashlib.sha256(serialized + (b"spmd" if self.axis_name else b"")).hexdigest()[:32]
+        found = ExportedFunction(fn_id, serialized, self.axis_name is not None, out_avals, exp.out_tree)
+        with self._lock:
+            self._exports[key] = found
+        return found
+
+    def __call__(self, *args: Any) -> Any:
+        return call_mapped(self, args)
+
+    def __repr__(self) -> str:
+        return f"pw.pmap({self.__name__}, slice={self.slice.slice_id}, axis_name={self.axis_name!r})"
+
+
+def pmap(fn: Callable[..., Any], *, devices: Slice | Sequence[VirtualDevice],
+         axis_name: str | None = None) -> MappedFunction:
+    """Map ``fn`` over the leading axis of its arguments, one element per device of ``devices``."""
+    return MappedFunction(fn, devices, axis_name)
+
+
+def canonical(array: Any) -> np.ndarray:
+    """A host array in the dtype JAX would use for it (float64 → float32 unless x64 is on)."""
+    arr = np.asarray(array)
+    dtype = jax.dtypes.canonicalize_dtype(arr.dtype)
+    return arr if arr.dtype == dtype else arr.astype(dtype)

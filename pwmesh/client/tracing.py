@@ -1,0 +1,199 @@
+"""Tracing programs into dataflow graphs, and running them.
+
+A traced program has one node per call of a compiled function (never one per
+shard) and one value per logical buffer. Inside ``@pw.program`` arguments are
+``Symbol``s: shape and dtype only, no data. Calling a compiled function outside
+any program traces a one-node program, so both paths share one dispatch.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import dataclasses
+import threading
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import jax
+import numpy as np
+
+from pwmesh.client.array import Array
+from pwmesh.errors import InvalidArgument
+from pwmesh.wire.messages import NodeSpec, ProgramInput, ProgramSpec, RunProgram, ValueSpec
+
+if TYPE_CHECKING:
+    from pwmesh.client.api import Client
+    from pwmesh.client.functions import ExportedFunction, MappedFunction
+
+_building: contextvars.ContextVar[ProgramBuilder | None] = contextvars.ContextVar("pwmesh_builder", default=None)
+
+
+class Symbol:
+    """A value inside a program being traced: shape and dtype, no data."""
+
+    __slots__ = ("builder", "value", "shape", "dtype")
+
+    def __init__(self, builder: ProgramBuilder, value: int, shape: tuple[int, ...], dtype: np.dtype) -> None:
+        self.builder = builder
+        self.value = value
+        self.shape = shape
+        self.dtype = dtype
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    def __array__(self, *args: Any, **kwargs: Any) -> np.ndarray:
+        raise InvalidArgument("this value is symbolic inside @pw.program; return it from the program to fetch it")
+
+    def __repr__(self) -> str:
+        return f"pw.Symbol(shape={self.shape}, dtype={self.dtype})"
+
+
+class ProgramBuilder:
+    def __init__(self) -> None:
+        self.values: list[ValueSpec] = []
+        self.nodes: list[NodeSpec] = []
+        self.inputs: list[int] = []
+        self.functions: dict[str, tuple[ExportedFunction, int]] = {}
+        self.client: Client | None = None
+        self._shards_fixed: set[int] = set()
+
+    def _value(self, shape: tuple[int, ...], dtype: np.dtype, shards: int) -> int:
+        self.values.append(ValueSpec(shape=list(shape), dtype=np.dtype(dtype).name, shards=shards))
+        return len(self.values) - 1
+
+    def input(self, shape: tuple[int, ...], dtype: np.dtype, shards: int | None) -> Symbol:
+        v = self._value(shape, dtype, shards or 1)
+        if shards is not None:
+            self._shards_fixed.add(v)
+        self.inputs.append(v)
+        return Symbol(self, v, tuple(shape), np.dtype(dtype))
+
+    def call(self, mf: MappedFunction, args: Sequence[Any]) -> Any:
+        leaves, tree = jax.tree_util.tree_flatten(list(args))
+        for i, leaf in enumerate(leaves):
+            if not isinstance(leaf, Symbol) or leaf.builder is not self:
+                raise InvalidArgument(
+                    f"{mf.__name__}: argument {i} is a {type(leaf).__name__}; inside @pw.program, pass every "
+                    "array in as an argument of the program"
+                )
+        if self.client is None:
+            self.client = mf.slice.client
+        elif mf.slice.client is not self.client:
+            raise InvalidArgument(f"{mf.__name__} belongs to another client than the rest of this program")
+        exported = mf.export_for([jax.ShapeDtypeStruct(s.shape, s.dtype) for s in leaves])
+        n = mf.num_devices
+        for sym in leaves:
+            spec = self.values[sym.value]
+            if sym.value not in self._shards_fixed:
+                spec.shards = n
+                self._shards_fixed.add(sym.value)
+            elif spec.shards != n:
+                raise InvalidArgument(
+                    f"{mf.__name__} runs on {n} devices but its input is split {spec.shards} ways; "
+                    "resharding between different device counts is not supported yet"
+                )
+        outs = []
+        for aval in exported.out_avals:
+            v = self._value(tuple(aval.shape), np.dtype(aval.dtype), n)
+            self._shards_fixed.add(v)
+            outs.append(Symbol(self, v, tuple(aval.shape), np.dtype(aval.dtype)))
+        self.nodes.append(NodeSpec(fn_id=exported.fn_id, slice_id=mf.slice.slice_id,
+                                   inputs=[s.value for s in leaves], outputs=[s.value for s in outs]))
+        self.functions[exported.fn_id] = (exported, mf.slice.slice_id)
+        return jax.tree_util.tree_unflatten(exported.out_tree, outs)
+
+
+@dataclasses.dataclass
+class TracedProgram:
+    spec: ProgramSpec
+    functions: list[tuple[ExportedFunction, int]]
+    out_tree: Any
+    client: Client
+
+
+def _leaf_signature(leaf: Any) -> tuple[Any, ...]:
+    if isinstance(leaf, Array):
+        return ("buffer", leaf.shape, leaf.dtype.name, leaf.shards)
+    arr = np.asarray(leaf)
+    return ("host", arr.shape, jax.dtypes.canonicalize_dtype(arr.dtype).name)
+
+
+def trace(fn: Any, args: Sequence[Any]) -> TracedProgram:
+    """Trace ``fn(*args)`` where array leaves of ``args`` become program inputs."""
+    leaves, in_tree = jax.tree_util.tree_flatten(list(args))
+    builder = ProgramBuilder()
+    symbols = []
+    for leaf in leaves:
+        kind, shape, dtype, *shards = _leaf_signature(leaf)
+        symbols.append(builder.input(tuple(shape), np.dtype(dtype), shards[0] if shards else None))
+    token = _building.set(builder)
+    try:
+        result = fn(*jax.tree_util.tree_unflatten(in_tree, symbols))
+    finally:
+        _building.reset(token)
+    out_leaves, out_tree = jax.tree_util.tree_flatten(result)
+    for i, leaf in enumerate(out_leaves):
+        if not isinstance(leaf, Symbol) or leaf.builder is not builder:
+            raise InvalidArgument(f"program output {i} is a {type(leaf).__name__}; a program returns values "
+                                  "computed by its compiled functions")
+        if leaf.value in builder.inputs:
+            raise InvalidArgument(f"program output {i} is one of its inputs; return only computed values")
+    if builder.client is None:
+        raise InvalidArgument("a program must call at least one compiled function (pw.pmap)")
+    spec = ProgramSpec(values=builder.values, nodes=builder.nodes, inputs=builder.inputs,
+                       outputs=[s.value for s in out_leaves])
+    return TracedProgram(spec, list(builder.functions.values()), out_tree, builder.client)
+
+
+class ProgramCache:
+    """Traced programs by the signature of their arguments (pytree shape, shapes, dtypes, layouts)."""
+
+    def __init__(self, fn: Any) -> None:
+        self.fn = fn
+        self._lock = threading.Lock()
+        self._traced: dict[tuple[Any, ...], TracedProgram] = {}
+
+    def get(self, args: Sequence[Any]) -> TracedProgram:
+        leaves, in_tree = jax.tree_util.tree_flatten(list(args))
+        key = (in_tree, tuple(_leaf_signature(leaf) for leaf in leaves))
+        with self._lock:
+            traced = self._traced.get(key)
+        if traced is None:
+            traced = trace(self.fn, args)
+            with self._lock:
+                self._traced[key] = traced
+        return traced
+
+
+def execute(traced: TracedProgram, args: Sequence[Any]) -> Any:
+    """Dispatch a traced program without waiting for it; returns its outputs as ``pw.Array`` futures."""
+    client = traced.client
+    leaves = jax.tree_util.tree_leaves(list(args))
+    inputs = []
+    for leaf in leaves:
+        if isinstance(leaf, Array):
+            leaf._check_alive()
+            if leaf._client is not client:
+                raise InvalidArgument("a pw.Array can only be used with the client that made it")
+            inputs.append(ProgramInput(buffer=leaf.buffer_id))
+        else:
+            inputs.append(ProgramInput(array=client.canonical(leaf)))
+    for exported, slice_id in traced.functions:
+        client.ensure_function(exported, slice_id)
+    ids = [client.new_buffer_id() for _ in traced.spec.outputs]
+    client.conn.post(RunProgram(program=traced.spec, inputs=inputs, outputs=ids))
+    outs = []
+    for buffer_id, v in zip(ids, traced.spec.outputs, strict=True):
+        spec = traced.spec.values[v]
+        outs.append(Array(client, buffer_id, tuple(spec.shape), np.dtype(spec.dtype), spec.shards))
+    return jax.tree_util.tree_unflatten(traced.out_tree, outs)
+
+
+def call_mapped(mf: MappedFunction, args: Sequence[Any]) -> Any:
+    """A compiled function called inside a program adds a node; called outside, it runs as its own program."""
+    builder = _building.get()
+    if builder is not None:
+        return builder.call(mf, args)
+    return execute(mf.eager.get(args), args)

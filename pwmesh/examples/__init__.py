@@ -1,0 +1,1 @@
+"""Runnable programs shipped with pwmesh (``pwmesh demo``, ``pwmesh submit``)."""
