@@ -113,7 +113,7 @@ class Executor(Service):
         )
 
     async def _heartbeat(self) -> None:
-        await self.peers.send(self.config.rm, Heartbeat(role=self.role, name=self.name))
+        self.peers.post(self.config.rm, Heartbeat(role=self.role, name=self.name))
 
     # ------------------------------------------------------------ control plane
 

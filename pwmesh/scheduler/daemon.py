@@ -53,7 +53,7 @@ class Scheduler(Service):
         self.tasks.spawn(every(self.config.heartbeat_interval_seconds, self._heartbeat), name="heartbeat")
 
     async def _heartbeat(self) -> None:
-        await self.peers.send(self.config.rm, Heartbeat(role=self.role, name=self.name))
+        self.peers.post(self.config.rm, Heartbeat(role=self.role, name=self.name))
 
     def _schedule(self, peer: bytes, env: Envelope) -> Scheduled:
         run = env.message

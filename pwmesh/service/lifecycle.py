@@ -143,6 +143,8 @@ def die_with_parent() -> None:
 def run(service: Service) -> None:
     """Run ``service`` until a signal: the first drains and closes, the second forces."""
     die_with_parent()
+    # A launcher may have blocked these signals; a daemon must always hear them.
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})
 
     async def main() -> None:
         loop = asyncio.get_running_loop()

@@ -135,9 +135,6 @@ class Connection:
         tasks.spawn(self._recv_loop(), name=f"{name}->{address}.recv")
         tasks.spawn(self._send_loop(), name=f"{name}->{address}.send")
 
-    async def send(self, message: Message) -> None:
-        await self._sock.send(encode(message, msg_id=next_id(), sender=self._name))
-
     def post(self, message: Message) -> None:
         """Queue ``message`` without waiting; posted messages leave in the order posted."""
         self._outbox.put_nowait(encode(message, msg_id=next_id(), sender=self._name))
@@ -152,7 +149,8 @@ class Connection:
         fut: asyncio.Future[Message] = asyncio.get_running_loop().create_future()
         self._pending[msg_id] = fut
         try:
-            await self._sock.send(encode(message, msg_id=msg_id, sender=self._name))
+            # Through the outbox: a request never overtakes what was posted before it.
+            self._outbox.put_nowait(encode(message, msg_id=msg_id, sender=self._name))
             async with asyncio.timeout(timeout_seconds):
                 reply = await fut
         except TimeoutError:
@@ -207,9 +205,6 @@ class Connections:
 
     async def request(self, address: str, message: Message, *, timeout_seconds: float) -> Message:
         return await self.get(address).request(message, timeout_seconds=timeout_seconds)
-
-    async def send(self, address: str, message: Message) -> None:
-        await self.get(address).send(message)
 
     def post(self, address: str, message: Message) -> None:
         self.get(address).post(message)

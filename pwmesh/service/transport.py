@@ -8,11 +8,14 @@ loop's reader callbacks without touching any daemon (issue: fast dispatch path).
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from typing import Any
 
 import zmq
 import zmq.asyncio
+
+log = logging.getLogger(__name__)
 
 # Frames at least this big are sent without a copy; below it, copying is cheaper
 # than the bookkeeping zero-copy needs (pyzmq's own guidance is ~64 KiB).
@@ -48,6 +51,9 @@ class Context:
         return sock
 
     def router(self, bind: str) -> RouterSocket:
+        if not is_loopback(bind):
+            log.warning("binding %s without authentication: CURVE is not implemented yet, so keep pwmesh "
+                        "on a private network you trust", bind)
         sock = self._socket(zmq.ROUTER)
         # An unknown routing id is an error we want to hear about, not a silent drop.
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)

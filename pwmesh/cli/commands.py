@@ -1,0 +1,135 @@
+"""What the ``pwmesh`` commands do, as plain functions (no click here)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import runpy
+import signal
+import sys
+import threading
+import time
+
+import pwmesh as pw
+from pwmesh.examples import figure2
+from pwmesh.client.connection import ClientConnection
+from pwmesh.service.local_cluster import LocalCluster, LocalClusterSpec
+from pwmesh.wire.messages import GetStatus, StatusReply
+
+
+@dataclasses.dataclass
+class UpConfig:
+    islands: int
+    hosts_per_island: int
+    devices_per_host: int
+    log_dir: str | None = None
+    log_level: str = "WARNING"
+
+
+def up(config: UpConfig) -> None:
+    spec = LocalClusterSpec(islands=config.islands, hosts_per_island=config.hosts_per_island,
+                            devices_per_host=config.devices_per_host, log_level=config.log_level)
+    # Handlers go in before start-up so no stop signal is lost; the children
+    # get default handlers again (their signal mask is never touched).
+    stop = threading.Event()
+    previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
+    cluster = LocalCluster(spec, log_dir=config.log_dir)
+    try:
+        address = cluster.start()
+        total = config.islands * config.hosts_per_island * config.devices_per_host
+        print(f"pwmesh cluster up: {config.islands} islands x {config.hosts_per_island} hosts x "
+              f"{config.devices_per_host} devices = {total} devices")
+        print(f"address: {address}")
+        print(f"logs:    {cluster.log_dir}")
+        print(f"in another shell:  export PWMESH_ADDRESS={address}")
+        print("Ctrl-C stops every daemon.", flush=True)
+        stop.wait()
+        print("stopping...", flush=True)
+    finally:
+        cluster.stop()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    print("stopped.")
+
+
+def submit(address: str | None, job: str, args: list[str]) -> int:
+    pw.connect(address, name=os.path.basename(job))
+    old_argv = sys.argv
+    sys.argv = [job, *args]
+    try:
+        runpy.run_path(job, run_name="__main__")
+    except SystemExit as exc:
+        return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+    finally:
+        sys.argv = old_argv
+        pw.disconnect()
+    return 0
+
+
+def fetch_status(address: str) -> StatusReply:
+    conn = ClientConnection(address, name="status", open_session=False)
+    try:
+        reply = conn.request(GetStatus(), timeout_seconds=30.0)
+    finally:
+        conn.close()
+    assert isinstance(reply, StatusReply)
+    return reply
+
+
+def _table(headers: list[str], rows: list[list[object]]) -> str:
+    cells = [headers, *[[str(c) for c in row] for row in rows]]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() for row in cells]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def format_status(reply: StatusReply) -> str:
+    state = reply.cluster
+    stats = {s.executor_id: s for s in reply.executor_stats}
+    load: dict[tuple[str, int], int] = {}
+    for sl in state.slices:
+        for d in sl.devices:
+            load[(d.executor_id, d.device)] = load.get((d.executor_id, d.device), 0) + 1
+    islands = sorted({e.island for e in state.executors} | {s.island for s in state.schedulers})
+    island_rows = []
+    for isl in islands:
+        execs = [e for e in state.executors if e.island == isl]
+        sched = next((s.address for s in state.schedulers if s.island == isl), "-")
+        island_rows.append([isl, len(execs), sum(len(e.devices) for e in execs), sched])
+    host_rows = []
+    for e in sorted(state.executors, key=lambda e: (e.island, e.executor_id)):
+        st = stats.get(e.executor_id)
+        devices = " ".join(f"{d.kind}{d.index}[{load.get((e.executor_id, d.index), 0)}]" for d in e.devices)
+        host_rows.append([e.island, e.executor_id, e.host, "up" if e.alive else "LOST", devices,
+                          st.objects if st else "?", st.executed if st else "?",
+                          " ".join(map(str, st.queued)) if st else "?"])
+    session_rows = [[s.session_id, s.name, s.buffers, s.programs, s.weight, s.priority] for s in reply.sessions]
+    return "\n\n".join([
+        f"map version {state.map_version}, {len(state.slices)} slices",
+        _table(["island", "hosts", "devices", "scheduler"], island_rows),
+        _table(["island", "executor", "host", "state", "devices[slices]", "objects", "executed", "queued"],
+               host_rows),
+        _table(["session", "name", "buffers", "running", "weight", "priority"], session_rows)
+        if session_rows else "no sessions",
+    ])
+
+
+def status(address: str, as_json: bool) -> str:
+    reply = fetch_status(address)
+    if as_json:
+        return json.dumps(reply.to_wire(), indent=2, default=str)
+    return format_status(reply)
+
+
+def demo(address: str | None) -> None:
+    start = time.monotonic()
+    client = pw.connect(address, name="demo")
+    where = f"the cluster at {client.address}" if client.cluster is None else "an embedded local cluster"
+    print(f"connected to {where} in {time.monotonic() - start:.1f} s")
+    try:
+        figure2.main()
+    finally:
+        pw.disconnect()
+    print(f"demo finished in {time.monotonic() - start:.1f} s")

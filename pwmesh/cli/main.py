@@ -1,0 +1,63 @@
+"""``pwmesh``: run a local cluster, submit jobs, show status, run the demo.
+
+Each command parses its options and calls one function in ``commands``, so the
+CLI is tested with click's ``CliRunner`` and the functions without click.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import click
+
+from pwmesh.cli import commands
+
+_address = click.option("--address", envvar="PWMESH_ADDRESS", default=None,
+                        help="Proxy address (default: $PWMESH_ADDRESS).")
+
+
+@click.group()
+@click.version_option(package_name="pwmesh")
+def main() -> None:
+    """pwmesh: one controller for many hosts' accelerators (an open Pathways)."""
+
+
+@main.command()
+@click.option("--islands", type=click.IntRange(min=1), default=2, show_default=True)
+@click.option("--hosts-per-island", type=click.IntRange(min=1), default=2, show_default=True)
+@click.option("--devices-per-host", type=click.IntRange(min=1), default=2, show_default=True)
+@click.option("--log-dir", type=click.Path(file_okay=False), default=None, help="Where daemon logs go.")
+@click.option("--log-level", default="WARNING", show_default=True)
+def up(islands: int, hosts_per_island: int, devices_per_host: int, log_dir: str | None, log_level: str) -> None:
+    """Run a local cluster in the foreground until Ctrl-C."""
+    commands.up(commands.UpConfig(islands, hosts_per_island, devices_per_host, log_dir, log_level))
+
+
+@main.command(context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False})
+@_address
+@click.argument("job", type=click.Path(exists=True, dir_okay=False))
+@click.argument("args", nargs=-1, type=click.UNPROCESSED)
+def submit(address: str | None, job: str, args: tuple[str, ...]) -> None:
+    """Run the Python file JOB connected to a cluster (an embedded one without an address)."""
+    sys.exit(commands.submit(address, job, list(args)))
+
+
+@main.command()
+@_address
+@click.option("--json", "as_json", is_flag=True, help="Print the raw status as JSON.")
+def status(address: str | None, as_json: bool) -> None:
+    """Show islands, hosts, devices, queues and sessions."""
+    if not address:
+        raise click.UsageError("no cluster address: pass --address or set PWMESH_ADDRESS (see `pwmesh up`)")
+    click.echo(commands.status(address, as_json))
+
+
+@main.command()
+@_address
+def demo(address: str | None) -> None:
+    """Run the paper's Figure-2 program and say where each computation ran."""
+    commands.demo(address)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,115 @@
+"""Error paths: each failure reaches the caller as a clear exception, and daemons keep serving."""
+
+from __future__ import annotations
+
+import time
+
+import jax.numpy as jnp
+import msgpack
+import numpy as np
+import pytest
+import zmq
+
+import pwmesh as pw
+from pwmesh.wire import PROTOCOL_VERSION, decode, encode
+from pwmesh.wire.messages import Error, Ping, Pong
+
+
+def test_connecting_to_a_dead_address_fails_fast() -> None:
+    with zmq.Context() as ctx, ctx.socket(zmq.ROUTER) as probe:
+        port = probe.bind_to_random_port("tcp://127.0.0.1")
+    # Nothing listens on the port any more.
+    start = time.monotonic()
+    with pytest.raises(pw.ConnectionFailed, match=f"127.0.0.1:{port}"):
+        pw.Client(f"tcp://127.0.0.1:{port}", connect_timeout_seconds=1.0)
+    assert time.monotonic() - start < 5.0
+
+
+def _out_of_memory(x):
+    # Materialises 4 TiB on the executor: XLA fails at run time, on the remote host.
+    return x + jnp.sort(jnp.arange(2**40, dtype=jnp.float32))[:1]
+
+
+def test_remote_failure_reaches_client_with_traceback(client: pw.Client) -> None:
+    devs = client.make_virtual_device_set()
+    s0, s1 = devs.add_slice(devices=2, island=0), devs.add_slice(devices=2, island=1)
+    bad = pw.pmap(_out_of_memory, devices=s0)
+    after = pw.pmap(lambda x: x * 2.0, devices=s1)
+
+    @pw.program
+    def f(v):
+        x = bad(v)
+        return x, after(x)
+
+    x, y = f(np.array([1.0, 2.0]))
+    for arr in (x, y):  # the downstream node on the other island fails too, with the cause
+        with pytest.raises(pw.RemoteError) as info:
+            np.asarray(arr)
+        assert "RESOURCE_EXHAUSTED" in str(info.value)
+        assert "Remote traceback" in str(info.value) and info.value.remote_traceback
+    with pytest.raises(pw.RemoteError):
+        y.block_until_ready()
+    # The session and the executors keep serving.
+    ok = pw.pmap(lambda v: v + 1.0, devices=s0)
+    np.testing.assert_array_equal(np.asarray(ok(np.array([1.0, 2.0]))), [2.0, 3.0])
+
+
+def test_too_many_devices_is_resource_exhausted(client: pw.Client) -> None:
+    devs = client.make_virtual_device_set()
+    with pytest.raises(pw.ResourceExhausted, match="at most 4"):
+        devs.add_slice(devices=100)
+    with pytest.raises(pw.ResourceExhausted, match="island 7"):
+        devs.add_slice(devices=1, island=7)
+    assert devs.add_slice(devices=4).devices  # the failures changed nothing
+
+
+def _daemon_addresses(cluster: pw.LocalCluster) -> dict[str, str]:
+    addresses = {}
+    for child in cluster.children:
+        addresses[child.name] = child.info["address"]
+        if child.role == "executor":
+            addresses[f"{child.name}.data"] = child.info["data"]
+    return addresses
+
+
+def _garbage() -> list[tuple[list[bytes], bool]]:
+    """(frames after the delimiter, whether an Error reply is expected)."""
+    header = msgpack.packb([PROTOCOL_VERSION, "ping", 77, None, "fuzz"])
+    return [
+        ([b"\xc1\xff garbage"], False),  # one unreadable frame: dropped and logged
+        ([b"\x93\x01", b""], False),  # truncated header
+        ([msgpack.packb([99, "ping", 77, None, "fuzz"]), msgpack.packb({})], True),  # other version
+        ([msgpack.packb([PROTOCOL_VERSION, "no.such.op", 77, None, "fuzz"]), msgpack.packb({})], True),
+        ([header, b"\xc1\xc1"], True),  # unreadable body
+        ([msgpack.packb([PROTOCOL_VERSION, "exec.put_shards", 77, None, "f"]), msgpack.packb({"keys": 3})], True),
+        ([header, msgpack.packb({}), b"extra frame"], True),  # a buffer nothing references
+    ]
+
+
+def test_daemons_survive_garbage(cluster: pw.LocalCluster, client: pw.Client) -> None:
+    ctx = zmq.Context()
+    try:
+        for name, address in _daemon_addresses(cluster).items():
+            sock = ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.RCVTIMEO, 10_000)
+            sock.connect(address)
+            sock.send(b"no delimiter at all")
+            for frames, answered in _garbage():
+                sock.send_multipart([b"", *frames])
+                if answered:
+                    reply = decode(sock.recv_multipart()[1:])
+                    assert isinstance(reply.message, Error), (name, frames)
+                    assert reply.message.code == "protocol" and reply.reply_to == 77, (name, reply)
+            # Still serving: a well-formed request right behind the garbage is answered.
+            sock.send_multipart([b"", *encode(Ping(), msg_id=5)])
+            reply = decode(sock.recv_multipart()[1:])
+            if name.endswith(".data"):
+                assert isinstance(reply.message, Error) and "does not serve" in reply.message.message
+            else:
+                assert isinstance(reply.message, Pong), (name, reply.message)
+            sock.close()
+    finally:
+        ctx.term()
+    sl = client.make_virtual_device_set().add_slice(devices=2)
+    np.testing.assert_array_equal(np.asarray(pw.pmap(lambda x: -x, devices=sl)(np.ones(2))), [-1.0, -1.0])
