@@ -86,11 +86,11 @@ def test_released_buffers_leave_no_objects(cluster: pw.LocalCluster, objects: Ca
             return b(a(v)), a(v)
 
         outs = [f(np.array([1.0, 2.0])) for _ in range(3)]
-        for y, w in outs:
-            np.testing.assert_array_equal(np.asarray(y), [2.0, 5.0])
+        for pair in outs:
+            np.testing.assert_array_equal(np.asarray(pair[0]), [2.0, 5.0])
         during = objects()
         assert sum(during.values()) > sum(before.values())
-        del outs, y, w
+        del outs, pair
         kept = c.put(np.ones(2), s1)
         kept.delete()
         with pytest.raises(ValueError, match="deleted"):

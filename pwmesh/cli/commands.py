@@ -12,8 +12,8 @@ import threading
 import time
 
 import pwmesh as pw
-from pwmesh.examples import figure2
 from pwmesh.client.connection import ClientConnection
+from pwmesh.examples import figure2
 from pwmesh.service.local_cluster import LocalCluster, LocalClusterSpec
 from pwmesh.wire.messages import GetStatus, StatusReply
 

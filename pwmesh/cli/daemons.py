@@ -15,6 +15,9 @@ from pwmesh.service.lifecycle import run, setup_logging
 _log_level = click.option("--log-level", default="INFO", envvar="PWMESH_LOG_LEVEL", show_default=True)
 _rm = click.option("--rm", "rm", required=True, envvar="PWMESH_RM_ADDRESS",
                    help="Resource manager address, e.g. tcp://10.0.0.1:7100.")
+_heartbeat = click.option("--heartbeat-interval-seconds", type=float, default=2.0, show_default=True,
+                          envvar="PWMESH_HEARTBEAT_INTERVAL_SECONDS",
+                          help="How often to tell the resource manager this daemon is alive.")
 _listen = click.option("--listen", default="tcp://127.0.0.1:0", envvar="PWMESH_LISTEN", show_default=True,
                        help="Address to bind; port 0 picks a free port.")
 
@@ -38,12 +41,15 @@ def rm_main(listen: str, name: str, heartbeat_timeout_seconds: float, log_level:
 @_rm
 @_listen
 @click.option("--name", default="")
+@_heartbeat
 @_log_level
-def scheduler_main(island: int, rm: str, listen: str, name: str, log_level: str) -> None:
+def scheduler_main(island: int, rm: str, listen: str, name: str, heartbeat_interval_seconds: float,
+                   log_level: str) -> None:
     """Run the island scheduler of island ISLAND."""
     from pwmesh.scheduler.daemon import Scheduler, SchedulerConfig  # noqa: PLC0415
 
-    config = SchedulerConfig(island=island, rm=rm, listen=listen, name=name)
+    config = SchedulerConfig(island=island, rm=rm, listen=listen, name=name,
+                             heartbeat_interval_seconds=heartbeat_interval_seconds)
     setup_logging("scheduler", config.name or f"scheduler-{island}", log_level)
     run(Scheduler(config))
 
@@ -57,9 +63,10 @@ def scheduler_main(island: int, rm: str, listen: str, name: str, log_level: str)
 @click.option("--data-listen", default="tcp://127.0.0.1:0", envvar="PWMESH_DATA_LISTEN", show_default=True)
 @click.option("--name", default="", help="Executor id (default: HOST-PID).")
 @click.option("--host", default="", help="Host label shown in status (default: the hostname).")
+@_heartbeat
 @_log_level
 def executor_main(island: int, rm: str, devices: int, listen: str, data_listen: str, name: str, host: str,
-                  log_level: str) -> None:
+                  heartbeat_interval_seconds: float, log_level: str) -> None:
     """Run a host executor on island ISLAND."""
     # XLA reads its flags once, when JAX initialises: set them before importing it.
     flags = os.environ.get("XLA_FLAGS", "")
@@ -68,7 +75,7 @@ def executor_main(island: int, rm: str, devices: int, listen: str, data_listen: 
     from pwmesh.executor.daemon import Executor, ExecutorConfig  # noqa: PLC0415
 
     config = ExecutorConfig(island=island, rm=rm, devices=devices, listen=listen, data_listen=data_listen,
-                            name=name, host=host)
+                            name=name, host=host, heartbeat_interval_seconds=heartbeat_interval_seconds)
     setup_logging("executor", name or f"island{island}", log_level)
     run(Executor(config))
 

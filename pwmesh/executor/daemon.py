@@ -26,6 +26,7 @@ from pwmesh.service.lifecycle import Service
 from pwmesh.service.rpc import Connections, Server, wait_for_peer
 from pwmesh.wire import Envelope
 from pwmesh.wire.messages import (
+    CancelRun,
     DeleteShards,
     DeviceInfo,
     Enqueue,
@@ -37,7 +38,6 @@ from pwmesh.wire.messages import (
     NodeDone,
     Ok,
     Ping,
-    Pong,
     PutShards,
     RegisterExecutor,
     RegisterFunction,
@@ -45,6 +45,7 @@ from pwmesh.wire.messages import (
     SendTask,
     ShardData,
     ShardValues,
+    UnregisterExecutor,
 )
 
 log = logging.getLogger(__name__)
@@ -90,11 +91,13 @@ class Executor(Service):
             SendShards: self._send_shards,
             FetchShards: self._fetch,
             DeleteShards: self._delete,
+            CancelRun: self._cancel_run,
             GetExecutorStats: lambda peer, env: self.stats(),
-            Ping: lambda peer, env: Pong(role=self.role, name=self.name),
+            Ping: self.ping,
         }
         self.control = Server(self.ctx, self.config.listen, control, tasks=self.tasks, name=self.name)
-        self.data = Server(self.ctx, self.config.data_listen, {ShardData: self._receive}, tasks=self.tasks,
+        self.data = Server(self.ctx, self.config.data_listen, {ShardData: self._receive, Ping: self.ping},
+                           tasks=self.tasks,
                            name=f"{self.name}.data")
         self.control.start()
         self.data.start()
@@ -184,6 +187,12 @@ class Executor(Service):
         futures = [self.store.lookup(k) for k in msg.keys]
         return ShardValues(arrays=[np.asarray(await f) for f in futures])
 
+    def _cancel_run(self, peer: bytes, env: Envelope) -> None:
+        msg = env.message
+        assert isinstance(msg, CancelRun)
+        err = error_class(msg.error.code)(msg.error.message, remote_traceback=msg.error.traceback)
+        self.runner.cancel_run(msg.run_id, err)
+
     def _delete(self, peer: bytes, env: Envelope) -> Ok:
         msg = env.message
         assert isinstance(msg, DeleteShards)
@@ -192,7 +201,8 @@ class Executor(Service):
 
     def stats(self) -> ExecutorStats:
         return ExecutorStats(executor_id=self.name, objects=len(self.store), bytes=self.store.nbytes,
-                             queued=self.runner.queued(), functions=len(self.functions),
+                             queued=self.runner.queued(), outstanding=self.runner.outstanding,
+                             functions=len(self.functions),
                              executed=self.runner.executed)
 
     # --------------------------------------------------------------- data plane
@@ -218,6 +228,17 @@ class Executor(Service):
         err = error_info(work.error) if work.error is not None else None
         self.peers.post(work.proxy, NodeDone(run_id=work.run_id, node=work.comp.node, executor_id=self.name,
                                              error=err))
+
+    async def drain(self) -> None:
+        """Let every queued computation finish (and its results leave) before closing."""
+        await self.runner.wait_idle()
+        await self.peers.barrier(timeout_seconds=5.0)
+        # Leave on purpose, so clients learn at once that this host's objects are gone.
+        try:
+            await self.peers.request(self.config.rm, UnregisterExecutor(executor_id=self.name, reason="drained"),
+                                     timeout_seconds=2.0)
+        except PwmeshError as exc:
+            log.warning("could not unregister from the resource manager: %s", exc)
 
     async def close(self) -> None:
         await super().close()

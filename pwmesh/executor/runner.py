@@ -74,12 +74,26 @@ class Runner:
             for i in range(len(devices))
         ]
         self.executed = 0
+        self._runs: dict[str, list[Work]] = {}  # incomplete work by run, for cancellation
+        self._outstanding = 0  # computations enqueued and not yet complete
+        self._idle = asyncio.Event()
+        self._idle.set()
+
+    @property
+    def outstanding(self) -> int:
+        return self._outstanding
+
+    async def wait_idle(self) -> None:
+        """Return once every enqueued computation has completed (used to drain)."""
+        await self._idle.wait()
 
     def enqueue(self, run_id: str, proxy: str, comp: Computation) -> None:
         """Put ``comp``'s shards on their devices' queues (synchronously, in call order)."""
         for shard in comp.shards:
             if not 0 <= shard.device < len(self.devices):
                 raise PwmeshError(f"computation {comp.node} names device {shard.device}; this host has {len(self.devices)}")
+        self._outstanding += 1
+        self._idle.clear()
         if comp.spmd:
             work = Work(run_id, proxy, comp, remaining=1, gang_done=asyncio.get_running_loop().create_future())
             for shard in comp.shards:
@@ -88,6 +102,15 @@ class Runner:
             work = Work(run_id, proxy, comp, remaining=len(comp.shards))
             for shard in comp.shards:
                 self.queues[shard.device].put_nowait((work, shard))
+        self._runs.setdefault(run_id, []).append(work)
+
+    def cancel_run(self, run_id: str, error: PwmeshError) -> None:
+        """Fail the inputs ``run_id``'s computations still wait for, so none blocks its queue."""
+        for work in self._runs.get(run_id, []):
+            for shard in work.comp.shards:
+                for key in shard.inputs:
+                    if not self.store.get(key).done():
+                        self.store.fail(key, error)
 
     def queued(self) -> list[int]:
         return [q.qsize() for q in self.queues]
@@ -169,6 +192,14 @@ class Runner:
 
     def _complete(self, work: Work) -> None:
         self.executed += 1
+        self._outstanding -= 1
+        if self._outstanding == 0:
+            self._idle.set()
+        works = self._runs.get(work.run_id)
+        if works is not None:
+            works.remove(work)
+            if not works:
+                del self._runs[work.run_id]
         self._done(work)
 
     def close(self) -> None:

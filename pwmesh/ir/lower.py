@@ -64,6 +64,8 @@ def validate(program: ProgramSpec) -> None:
     for v in program.inputs:
         if not 0 <= v < n_values:
             raise InvalidArgument(f"program input {v} is not a value (program has {n_values})")
+        if v in defined:
+            raise InvalidArgument(f"value {v} is listed twice among the program's inputs")
         defined.add(v)
     for index, node in enumerate(program.nodes):
         for v in node.inputs:

@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from pwmesh.errors import InvalidArgument, NotFound, PwmeshError, error_class
+from pwmesh.errors import DeviceLost, InvalidArgument, NotFound, PwmeshError, error_class
 from pwmesh.ir.lower import ShardLocation, lower, slice_locations, split_host_array
 from pwmesh.proxy.session import Buffer, Run, Session
 from pwmesh.service.heartbeat import Liveness, every
@@ -31,10 +31,13 @@ from pwmesh.wire.messages import (
     AwaitBuffers,
     BuffersState,
     BufferValue,
-    ClusterStateReply,
+    CancelRun,
     CloseSession,
+    ClusterStateReply,
     CreateSlice,
     DeleteShards,
+    ErrorInfo,
+    ExecutorLost,
     ExecutorStats,
     Fetch,
     FetchShards,
@@ -46,7 +49,6 @@ from pwmesh.wire.messages import (
     Ok,
     OpenSession,
     Ping,
-    Pong,
     PutBuffer,
     PutShards,
     QueryBuffers,
@@ -64,6 +66,7 @@ from pwmesh.wire.messages import (
     SliceCreated,
     StatusReply,
     ValueSpec,
+    WatchCluster,
 )
 
 log = logging.getLogger(__name__)
@@ -91,6 +94,7 @@ class Proxy(Service):
         self.exported: dict[str, bytes] = {}
         self.registered: set[tuple[str, str, tuple[int, ...]]] = set()
         self.liveness = Liveness(config.session_timeout_seconds)
+        self.lost: dict[str, DeviceLost] = {}  # executor id -> why it is gone
         self._session_ids = itertools.count(1)
 
     async def setup(self) -> None:
@@ -108,16 +112,20 @@ class Proxy(Service):
             ReleaseBuffers: self._release_buffers,
             GetStatus: self._status,
             NodeDone: self._node_done,
-            Ping: lambda peer, env: Pong(role=self.role, name=self.name),
+            Ping: self.ping,
         }
         self.server = Server(self.ctx, self.config.listen, handlers, tasks=self.tasks, name=self.name)
         self.server.start()
-        self.peers = Connections(self.ctx, tasks=self.tasks, name=self.name)
-        await wait_for_peer(self.peers.get(self.config.rm), Ping(), timeout_seconds=self.config.rm_timeout_seconds)
+        self.peers = Connections(self.ctx, tasks=self.tasks, name=self.name, on_message=self._notified)
+        await wait_for_peer(self.peers.get(self.config.rm), WatchCluster(),
+                            timeout_seconds=self.config.rm_timeout_seconds)
         self.tasks.spawn(every(self.config.session_timeout_seconds / 4, self._expire_sessions), name="expire")
 
     def ready_info(self) -> dict[str, Any]:
         return {**super().ready_info(), "address": self.server.address}
+
+    async def drain(self) -> None:
+        await self.peers.barrier(timeout_seconds=2.0)
 
     # ----------------------------------------------------------------- sessions
 
@@ -232,6 +240,8 @@ class Proxy(Service):
                 if buf.spec.shape != spec.shape or buf.spec.dtype != spec.dtype:
                     raise InvalidArgument(f"input {v}: buffer is {buf.spec.dtype}{buf.spec.shape}, "
                                           f"program expects {spec.dtype}{spec.shape}")
+                if buf.lost is not None:
+                    raise buf.lost
                 names[v], bound[v] = buf.name, buf.locations
                 pinned.append(buf)
             elif inp.array is not None:
@@ -254,10 +264,16 @@ class Proxy(Service):
                 names[v] = session.temp_name()
         lowered = lower(program, owner=session.session_id, names=names, host_inputs=set(host_data), bound=bound,
                         slices=session.slices, spmd=session.functions)
+        executors = set().union(*lowered.node_executors.values()) if lowered.node_executors else set()
+        for executor_id in executors:
+            if executor_id in self.lost:
+                raise DeviceLost(f"{self.lost[executor_id].message}; the program's slices still map there "
+                                 "(remapping onto surviving devices is not supported yet)")
 
         # Nothing can fail past this point: record, then post everything in order.
         run = Run(run_id=session.next_run_id(), pending={n: set(ex) for n, ex in lowered.node_executors.items()},
-                  outputs_of={}, pinned=pinned, temporaries=temporaries)
+                  outputs_of={}, pinned=pinned, temporaries=temporaries,
+                  executors={c.control for comps in lowered.schedules.values() for c in comps})
         for buf in pinned:
             buf.pins += 1
             buf.holders |= lowered.holders.get(buf.name, set())
@@ -329,6 +345,47 @@ class Proxy(Service):
                 self._finish_run(session, run)
         return None
 
+    # ------------------------------------------------------------ lost executors
+
+    def _notified(self, env: Envelope) -> None:
+        """Unsolicited messages on our outgoing connections (the RM's notifications)."""
+        if isinstance(env.message, ExecutorLost):
+            self._executor_lost(env.message)
+
+    def _executor_lost(self, lost: ExecutorLost) -> None:
+        err = DeviceLost(f"executor {lost.executor_id} on host {lost.host} is gone ({lost.reason})")
+        log.warning("%s", err.message)
+        self.lost[lost.executor_id] = err
+        self.peers.mark_lost(lost.control, err)  # fails the fetches that were waiting on it
+        for session in list(self.sessions.values()):
+            for buf in session.buffers.values():
+                if any(loc.executor_id == lost.executor_id for loc in buf.locations):
+                    buf.lost = err
+                    buf.resolve(err)
+            for run in list(session.runs.values()):
+                if self._needs(run, lost) or any(b.lost is not None for b in run.pinned):
+                    self._abort_run(session, run, err)
+
+    @staticmethod
+    def _needs(run: Run, lost: ExecutorLost) -> bool:
+        """Whether ``run`` can no longer finish without ``lost``. A drained executor flushed
+        everything it sent, so only its unfinished work matters; after a crash, data it
+        sent may never have arrived, so any run it took part in is failed."""
+        if not lost.graceful:
+            return lost.control in run.executors
+        return any(lost.executor_id in waiting for waiting in run.pending.values())
+
+    def _abort_run(self, session: Session, run: Run, err: PwmeshError) -> None:
+        """Fail everything ``run`` has not produced, and free the survivors' queues of it."""
+        for bufs in run.outputs_of.values():
+            for buf in bufs:
+                buf.resolve(err)
+        info = ErrorInfo(code=err.code, message=err.message, traceback=err.remote_traceback)
+        for control in run.executors - self.peers.lost:
+            self.peers.post(control, CancelRun(run_id=run.run_id, error=info))
+        run.pending.clear()
+        self._finish_run(session, run)
+
     def _finish_run(self, session: Session, run: Run) -> None:
         self.runs.pop(run.run_id, None)
         session.runs.pop(run.run_id, None)
@@ -344,7 +401,7 @@ class Proxy(Service):
         if not buf.freeable:
             return
         keys = buf.keys(session.session_id)
-        for control in buf.holders:
+        for control in buf.holders - self.peers.lost:
             self.peers.post(control, DeleteShards(keys=keys))
         buf.holders = set()
 
@@ -401,6 +458,8 @@ class Proxy(Service):
         session = self._session(peer)
         for buf in [self._buffer(session, cid) for cid in msg.buffers]:
             await buf.ready
+            if buf.lost is not None:
+                raise buf.lost
         return Ok()
 
     def _query_buffers(self, peer: bytes, env: Envelope) -> BuffersState:
@@ -417,6 +476,8 @@ class Proxy(Service):
         buf.pins += 1  # a release while we fetch must not delete the shards under us
         try:
             await buf.ready
+            if buf.lost is not None:
+                raise buf.lost
             keys = buf.keys(session.session_id)
             by_executor: dict[str, list[int]] = {}
             for i, loc in enumerate(buf.locations):

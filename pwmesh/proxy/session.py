@@ -32,6 +32,7 @@ class Buffer:
     ready: asyncio.Future[None]
     client_ref: bool = True
     pins: int = 0
+    lost: PwmeshError | None = None  # set when a host holding a shard is gone
 
     @classmethod
     def new(cls, name: str, spec: ValueSpec, client_ref: bool) -> Buffer:
@@ -64,6 +65,7 @@ class Run:
     outputs_of: dict[int, list[Buffer]]  # node -> the buffers it produces
     pinned: list[Buffer]
     temporaries: list[Buffer]
+    executors: set[str]  # every executor taking part (to cancel the run if one is lost)
     error: PwmeshError | None = None
 
 

@@ -16,11 +16,13 @@ from pwmesh.wire.messages import (
     AllocateSlice,
     GetClusterState,
     Heartbeat,
+    Ok,
     Ping,
-    Pong,
     RegisterExecutor,
     RegisterScheduler,
     ReleaseSlices,
+    UnregisterExecutor,
+    WatchCluster,
 )
 
 log = logging.getLogger(__name__)
@@ -42,19 +44,38 @@ class ResourceManager(Service):
         self.state = ResourceManagerState(heartbeat_timeout_seconds=config.heartbeat_timeout_seconds)
 
     async def setup(self) -> None:
-        handlers = {cls: self._handle for cls in (RegisterExecutor, RegisterScheduler, Heartbeat,
-                                                   AllocateSlice, ReleaseSlices, GetClusterState)}
-        handlers[Ping] = lambda peer, env: Pong(role=self.role, name=self.name)
+        self.watchers: set[bytes] = set()
+        handlers: dict[type[Message], Any] = {
+            cls: self._handle for cls in (RegisterExecutor, UnregisterExecutor, RegisterScheduler, Heartbeat,
+                                          AllocateSlice, ReleaseSlices, GetClusterState)}
+        handlers[WatchCluster] = self._watch
+        handlers[Ping] = self.ping
         self.server = Server(self.ctx, self.config.listen, handlers, tasks=self.tasks, name=self.name)
         self.server.start()
         self.tasks.spawn(every(self.config.heartbeat_timeout_seconds / 4, self._expire), name="rm.expire")
 
     def _handle(self, peer: bytes, env: Envelope) -> Message | None:
-        return self.state.handle(env.message, time.monotonic())
+        reply = self.state.handle(env.message, time.monotonic())
+        self._notify()
+        return reply
+
+    def _watch(self, peer: bytes, env: Envelope) -> Ok:
+        self.watchers.add(peer)
+        return Ok()
 
     async def _expire(self) -> None:
-        for executor_id in self.state.expire(time.monotonic()):
-            log.warning("executor %s missed its heartbeats; marked lost", executor_id)
+        self.state.expire(time.monotonic())
+        self._notify()
+
+    def _notify(self) -> None:
+        for lost in self.state.take_notifications():
+            log.warning("executor %s (host %s) lost: %s", lost.executor_id, lost.host, lost.reason)
+            for peer in list(self.watchers):
+                self.tasks.spawn(self._tell(peer, lost), name=f"notify-{lost.executor_id}")
+
+    async def _tell(self, peer: bytes, message: Message) -> None:
+        if not await self.server.send(peer, message):
+            self.watchers.discard(peer)  # that proxy is gone
 
     def ready_info(self) -> dict[str, Any]:
         return {**super().ready_info(), "address": self.server.address}

@@ -25,11 +25,14 @@ def place(
     """``(island, [(executor_id, device), ...])`` for a slice of ``devices`` devices."""
     if devices < 1:
         raise InvalidArgument(f"a slice needs at least one device, got {devices}")
-    by_island: dict[int, list[tuple[int, int, DeviceRef]]] = {}
+    by_island: dict[int, list[tuple[int, int, int, DeviceRef]]] = {}
     for order, ex in enumerate(sorted((e for e in executors if e.alive), key=lambda e: e.executor_id)):
-        for dev in ex.devices:
-            ref = (ex.executor_id, dev.index)
-            by_island.setdefault(ex.island, []).append((load.get(ref, 0), order, ref))
+        loads = [load.get((ex.executor_id, dev.index), 0) for dev in ex.devices]
+        for dev, dev_load in zip(ex.devices, loads, strict=True):
+            # Among equally loaded devices, those on a host with more such devices come
+            # first, so a slice lands on as few hosts as it can.
+            same = loads.count(dev_load)
+            by_island.setdefault(ex.island, []).append((dev_load, -same, order, (ex.executor_id, dev.index)))
     if island is not None and island not in by_island:
         known = sorted(by_island) or "none"
         raise ResourceExhausted(f"island {island} has no live devices (islands with devices: {known})")
@@ -42,7 +45,7 @@ def place(
         chosen = devs[:devices]
         score = (sum(d[0] for d in chosen), sum(d[0] for d in devs) / len(devs), isl)
         if best is None or score < best[0]:
-            best = (score, [d[2] for d in chosen])
+            best = (score, [d[3] for d in chosen])
     if best is None:
         largest = max((len(v) for k, v in by_island.items() if island is None or k == island), default=0)
         where = f"island {island}" if island is not None else "any island"

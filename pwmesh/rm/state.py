@@ -13,6 +13,7 @@ from pwmesh.wire.messages import (
     ClusterState,
     ClusterStateReply,
     ExecutorInfo,
+    ExecutorLost,
     GetClusterState,
     Heartbeat,
     Message,
@@ -24,6 +25,7 @@ from pwmesh.wire.messages import (
     SchedulerInfo,
     SliceAllocated,
     SliceInfo,
+    UnregisterExecutor,
 )
 
 
@@ -38,11 +40,16 @@ class ResourceManagerState:
 
     def __post_init__(self) -> None:
         self.liveness = Liveness(self.heartbeat_timeout_seconds)
+        self.notifications: list[ExecutorLost] = []
 
     def handle(self, message: Message, now: float) -> Message | None:
         match message:
             case RegisterExecutor(info=info):
                 return self._register_executor(info, now)
+            case UnregisterExecutor(executor_id=executor_id, reason=reason):
+                if executor_id in self.executors:
+                    self._lose(executor_id, reason, graceful=True)
+                return Ok()
             case RegisterScheduler(info=info):
                 self.schedulers[info.island] = info
                 return Ok()
@@ -100,12 +107,25 @@ class ResourceManagerState:
 
     def expire(self, now: float) -> list[str]:
         """Mark executors that missed their heartbeats as lost; returns their ids."""
-        lost = self.liveness.expired(now)
+        lost = [e for e in self.liveness.expired(now) if self.executors[e].alive]
         for executor_id in lost:
-            self.executors[executor_id].alive = False
-        if lost:
-            self.map_version += 1
+            self._lose(executor_id, f"missed heartbeats for {self.heartbeat_timeout_seconds} seconds")
         return lost
+
+    def _lose(self, executor_id: str, reason: str, graceful: bool = False) -> None:
+        info = self.executors[executor_id]
+        if not info.alive:
+            return
+        info.alive = False
+        self.liveness.forget(executor_id)
+        self.map_version += 1
+        self.notifications.append(ExecutorLost(executor_id=executor_id, host=info.host, control=info.control,
+                                               reason=reason, graceful=graceful))
+
+    def take_notifications(self) -> list[ExecutorLost]:
+        """What watchers (proxies) must be told since the last call."""
+        out, self.notifications = self.notifications, []
+        return out
 
     def snapshot(self) -> ClusterState:
         return ClusterState(

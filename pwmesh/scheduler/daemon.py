@@ -5,19 +5,21 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from pwmesh.errors import DeviceLost
 from pwmesh.scheduler.order import IslandOrder
 from pwmesh.service.heartbeat import every
 from pwmesh.service.lifecycle import Service
 from pwmesh.service.rpc import Connections, Server, wait_for_peer
 from pwmesh.wire import Envelope
 from pwmesh.wire.messages import (
+    ExecutorLost,
     Heartbeat,
     Ping,
-    Pong,
     RegisterScheduler,
     Scheduled,
-    ScheduleRun,
     SchedulerInfo,
+    ScheduleRun,
+    WatchCluster,
 )
 
 
@@ -42,15 +44,21 @@ class Scheduler(Service):
     async def setup(self) -> None:
         handlers = {
             ScheduleRun: self._schedule,
-            Ping: lambda peer, env: Pong(role=self.role, name=self.name),
+            Ping: self.ping,
         }
         self.server = Server(self.ctx, self.config.listen, handlers, tasks=self.tasks, name=self.name)
         self.server.start()
-        self.peers = Connections(self.ctx, tasks=self.tasks, name=self.name)
+        self.peers = Connections(self.ctx, tasks=self.tasks, name=self.name, on_message=self._notified)
         rm = self.peers.get(self.config.rm)
         info = SchedulerInfo(island=self.config.island, address=self.server.address)
         await wait_for_peer(rm, RegisterScheduler(info=info), timeout_seconds=self.config.rm_timeout_seconds)
+        await rm.request(WatchCluster(), timeout_seconds=self.config.rm_timeout_seconds)
         self.tasks.spawn(every(self.config.heartbeat_interval_seconds, self._heartbeat), name="heartbeat")
+
+    def _notified(self, env: Envelope) -> None:
+        if isinstance(env.message, ExecutorLost):
+            lost = env.message
+            self.peers.mark_lost(lost.control, DeviceLost(f"executor {lost.executor_id} is gone ({lost.reason})"))
 
     async def _heartbeat(self) -> None:
         self.peers.post(self.config.rm, Heartbeat(role=self.role, name=self.name))
@@ -64,6 +72,9 @@ class Scheduler(Service):
         for action in self.order.handle(run):
             self.peers.post(action.control, action.enqueue)
         return Scheduled(first_seq=first, count=len(run.computations))
+
+    async def drain(self) -> None:
+        await self.peers.barrier(timeout_seconds=2.0)
 
     def ready_info(self) -> dict[str, Any]:
         return {**super().ready_info(), "address": self.server.address, "island": self.config.island}

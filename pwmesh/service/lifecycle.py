@@ -22,6 +22,8 @@ from typing import Any
 
 from pwmesh.service.tasks import TaskGroup
 from pwmesh.service.transport import Context
+from pwmesh.wire import Envelope
+from pwmesh.wire.messages import Pong
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +63,10 @@ class Service:
 
     def ready_info(self) -> dict[str, Any]:
         return {"role": self.role, "name": self.name, "pid": os.getpid()}
+
+    def ping(self, peer: bytes, env: Envelope) -> Pong:
+        """Every daemon answers ``Ping`` with who it is and its lifecycle status."""
+        return Pong(role=self.role, name=self.name, status=self.status.value)
 
     async def start(self) -> None:
         if self._start_task is None:

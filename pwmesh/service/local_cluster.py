@@ -114,15 +114,17 @@ class LocalCluster:
             rm = self._spawn("rm", "rm", ["--heartbeat-timeout-seconds", str(spec.heartbeat_timeout_seconds)])
             self._wait_ready([rm], deadline)
             self.rm_address = rm.info["address"]
+            # Four beats per timeout: one late beat never gets a live daemon declared lost.
+            beat = ["--heartbeat-interval-seconds", str(spec.heartbeat_timeout_seconds / 4)]
             rest = []
             for island in range(spec.islands):
                 rest.append(self._spawn("scheduler", f"scheduler-{island}",
-                                        ["--island", str(island), "--rm", self.rm_address]))
+                                        ["--island", str(island), "--rm", self.rm_address, *beat]))
                 for host in range(spec.hosts_per_island):
                     name = f"island{island}-host{host}"
                     rest.append(self._spawn("executor", name, [
                         "--island", str(island), "--rm", self.rm_address, "--devices", str(spec.devices_per_host),
-                        "--name", name, "--host", name]))
+                        "--name", name, "--host", name, *beat]))
             proxy = self._spawn("proxy", "proxy", ["--rm", self.rm_address, "--session-timeout-seconds",
                                                    str(spec.session_timeout_seconds)])
             self._wait_ready([*rest, proxy], deadline)
@@ -132,17 +134,27 @@ class LocalCluster:
         self.address = proxy.info["address"]
         return self.address
 
+    # Each stage drains while the peers it confirms delivery to are still up: executors
+    # (to the proxy and the RM), then the proxy (to the schedulers), schedulers, the RM.
+    STOP_STAGES = (("executor",), ("proxy",), ("scheduler",), ("rm",))
+
     def stop(self) -> None:
-        """SIGTERM every child, then SIGKILL those still running after the timeout."""
-        for child in reversed(self.children):
-            if child.popen.poll() is None:
-                child.popen.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + self.spec.stop_timeout_seconds
+        """Stop in stages: SIGTERM (drain), then SIGKILL whoever outlives the timeout."""
+        for roles in self.STOP_STAGES:
+            stage = [c for c in self.children if c.role in roles]
+            for child in stage:
+                if child.popen.poll() is None:
+                    child.popen.send_signal(signal.SIGTERM)
+            deadline = time.monotonic() + self.spec.stop_timeout_seconds
+            for child in stage:
+                try:
+                    child.popen.wait(timeout=max(0.0, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    log.warning("%s (pid %s) ignored SIGTERM; killing it", child.name, child.popen.pid)
+                    child.popen.kill()
+                    child.popen.wait()
         for child in self.children:
-            try:
-                child.popen.wait(timeout=max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                log.warning("%s (pid %s) ignored SIGTERM; killing it", child.name, child.popen.pid)
+            if child.popen.poll() is None:  # a role no stage names
                 child.popen.kill()
                 child.popen.wait()
             if child.popen.stdout is not None:

@@ -17,6 +17,7 @@ import logging
 import traceback
 from collections.abc import Awaitable, Callable
 from typing import Any
+
 import zmq
 
 from pwmesh.errors import ConnectionFailed, PwmeshError, PwTimeoutError, error_class
@@ -24,7 +25,7 @@ from pwmesh.service.tasks import TaskGroup
 from pwmesh.service.transport import Context, DealerSocket, RouterSocket
 from pwmesh.wire import DEFAULT_LIMITS, Envelope, Limits, Message, decode, encode
 from pwmesh.wire.codec import FrameError
-from pwmesh.wire.messages import Error
+from pwmesh.wire.messages import Error, Ping
 
 log = logging.getLogger(__name__)
 
@@ -132,17 +133,34 @@ class Connection:
         self._on_message = on_message
         self._limits = limits
         self._outbox: asyncio.Queue[list[Any]] = asyncio.Queue()
+        # Messages posted, and how many of them a reply has proven delivered: a reply
+        # to a request proves everything posted before it arrived (one ordered pipe).
+        self._posted = 0
+        self._delivered = 0
         tasks.spawn(self._recv_loop(), name=f"{name}->{address}.recv")
         tasks.spawn(self._send_loop(), name=f"{name}->{address}.send")
 
     def post(self, message: Message) -> None:
         """Queue ``message`` without waiting; posted messages leave in the order posted."""
+        self._posted += 1
         self._outbox.put_nowait(encode(message, msg_id=next_id(), sender=self._name))
+
+    @property
+    def unconfirmed(self) -> bool:
+        """Whether something posted here is not yet proven delivered."""
+        return self._delivered < self._posted
 
     async def _send_loop(self) -> None:
         while True:
             frames = await self._outbox.get()
-            await self._sock.send(frames)
+            try:
+                await self._sock.send(frames)
+            finally:
+                self._outbox.task_done()
+
+    async def flush(self) -> None:
+        """Wait until everything posted so far has been handed to the socket."""
+        await self._outbox.join()
 
     async def request(self, message: Message, *, timeout_seconds: float) -> Message:
         msg_id = next_id()
@@ -150,9 +168,12 @@ class Connection:
         self._pending[msg_id] = fut
         try:
             # Through the outbox: a request never overtakes what was posted before it.
+            self._posted += 1
+            upto = self._posted
             self._outbox.put_nowait(encode(message, msg_id=msg_id, sender=self._name))
             async with asyncio.timeout(timeout_seconds):
                 reply = await fut
+            self._delivered = max(self._delivered, upto)
         except TimeoutError:
             raise PwTimeoutError(
                 f"{self.address} did not answer {message.op} within {timeout_seconds} seconds"
@@ -195,6 +216,7 @@ class Connections:
         self._name = name
         self._on_message = on_message
         self._by_address: dict[str, Connection] = {}
+        self.lost: set[str] = set()  # peers known gone: posts to them are dropped
 
     def get(self, address: str) -> Connection:
         conn = self._by_address.get(address)
@@ -207,7 +229,35 @@ class Connections:
         return await self.get(address).request(message, timeout_seconds=timeout_seconds)
 
     def post(self, address: str, message: Message) -> None:
+        if address in self.lost:
+            log.debug("%s: dropped %s for %s, which is gone", self._name, message.op, address)
+            return
         self.get(address).post(message)
+
+    def mark_lost(self, address: str, exc: PwmeshError) -> None:
+        """``address`` is gone: fail what waits on it, drop what would be sent to it."""
+        self.lost.add(address)
+        conn = self._by_address.get(address)
+        if conn is not None:
+            conn.fail_pending(exc)
+
+    async def flush(self) -> None:
+        for conn in list(self._by_address.values()):
+            await conn.flush()
+
+    async def barrier(self, *, timeout_seconds: float) -> None:
+        """Return once every peer has processed all we sent it (a Ping answered behind it on each
+        ordered connection with unconfirmed messages). Flushing alone only hands frames to
+        ZeroMQ, which drops them at close; this proves delivery."""
+
+        async def ping(conn: Connection) -> None:
+            try:
+                await conn.request(Ping(), timeout_seconds=timeout_seconds)
+            except PwmeshError as exc:
+                log.warning("%s: no barrier reply from %s: %s", self._name, conn.address, exc)
+
+        await asyncio.gather(*(ping(c) for a, c in list(self._by_address.items())
+                               if c.unconfirmed and a not in self.lost))
 
 
 async def wait_for_peer(conn: Connection, message: Message, *, timeout_seconds: float) -> Message:

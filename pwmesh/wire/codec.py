@@ -86,8 +86,12 @@ def encode(message: Message, *, msg_id: int, reply_to: int | None = None, sender
         if isinstance(obj, np.ndarray):
             if obj.dtype.hasobject:
                 raise TypeError("object arrays cannot be sent")
-            arr = np.ascontiguousarray(obj)
-            buffers.append(arr.data if arr.size else b"")
+            # ascontiguousarray makes 0-d arrays 1-d: keep the shape. The wire is native-endian.
+            arr = np.ascontiguousarray(obj).reshape(obj.shape)
+            if not arr.dtype.isnative:
+                arr = arr.astype(arr.dtype.newbyteorder("="))
+            # A uint8 view: ml_dtypes (bfloat16...) have no buffer-protocol format of their own.
+            buffers.append(arr.reshape(-1).view(np.uint8).data if arr.size else b"")
             meta = msgpack.packb([len(buffers) - 1, _dtype_name(arr.dtype), list(arr.shape)])
             return msgpack.ExtType(_ARRAY_EXT, meta)
         if isinstance(obj, np.generic):
@@ -135,9 +139,11 @@ def decode_header(frame: Any, limits: Limits = DEFAULT_LIMITS) -> tuple[str, int
 
 def decode(frames: Sequence[Any], limits: Limits = DEFAULT_LIMITS) -> Envelope:
     """Validate and decode ``[header, body, *buffers]``; raise ``FrameError`` on anything wrong."""
-    if len(frames) < 2:
-        raise FrameError(f"expected at least 2 frames (header, body), got {len(frames)}")
+    if not frames:
+        raise FrameError("empty message")
     op, msg_id, reply_to, sender = decode_header(frames[0], limits)
+    if len(frames) < 2:  # the header was readable: the sender gets an answer, not a timeout
+        raise FrameError("a message needs a header and a body frame", msg_id=msg_id, op=op)
     cls = message_types().get(op)
     if cls is None:
         raise FrameError(f"unknown op {op!r}", msg_id=msg_id, op=op)

@@ -204,6 +204,7 @@ class Ping(Message, op="ping"):
 class Pong(Message, op="pong"):
     role: str
     name: str
+    status: str = ""
 
 
 @record
@@ -223,6 +224,28 @@ class RegisterExecutor(Message, op="rm.register_executor"):
 @record
 class RegisterScheduler(Message, op="rm.register_scheduler"):
     info: SchedulerInfo
+
+
+@record
+class UnregisterExecutor(Message, op="rm.unregister_executor"):
+    """An executor leaving on purpose (it drained); its objects are gone with it."""
+
+    executor_id: str
+    reason: str
+
+
+@record
+class WatchCluster(Message, op="rm.watch_cluster"):
+    """Subscribe this connection to ``ExecutorLost`` notifications."""
+
+
+@record
+class ExecutorLost(Message, op="rm.executor_lost"):
+    executor_id: str
+    host: str
+    control: str
+    reason: str
+    graceful: bool = False  # it drained: everything it sent has left
 
 
 @record
@@ -327,8 +350,17 @@ class ExecutorStats(Message, op="exec.stats"):
     objects: int
     bytes: int
     queued: list[int]
+    outstanding: int
     functions: int
     executed: int
+
+
+@record
+class CancelRun(Message, op="exec.cancel_run"):
+    """Fail whatever of ``run_id`` has not run yet (a peer it depends on is gone)."""
+
+    run_id: str
+    error: ErrorInfo
 
 
 @record
