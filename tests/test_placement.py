@@ -18,6 +18,7 @@ from pwmesh.wire.messages import (
     Heartbeat,
     Ok,
     Ping,
+    PleaseRegister,
     RegisterExecutor,
     RegisterScheduler,
     ReleaseSlices,
@@ -347,10 +348,13 @@ def test_heartbeats_keep_an_executor_alive() -> None:
 
 def test_heartbeats_from_others_do_not_count() -> None:
     state = started(islands=1, hosts=1, devices=1, timeout=10.0)
-    assert state.handle(Heartbeat(role="scheduler", name="i0h0"), now=9.0) is None
-    assert state.handle(Heartbeat(role="executor", name="stranger"), now=9.0) is None
+    # Unknown senders are asked to register (after a restart, that rebuilds the state)...
+    assert state.handle(Heartbeat(role="scheduler", name="i0h0"), now=9.0) == PleaseRegister()
+    assert state.handle(Heartbeat(role="executor", name="stranger"), now=9.0) == PleaseRegister()
+    # ...and keep nobody alive.
     assert state.expire(now=10.5) == ["i0h0"]
     assert "stranger" not in state.executors
+    assert state.handle(Heartbeat(role="executor", name="i0h0"), now=11.0) == PleaseRegister()
 
 
 def test_placement_ignores_lost_executors() -> None:

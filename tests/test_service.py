@@ -11,9 +11,9 @@ from collections.abc import Iterator
 
 import numpy as np
 import pytest
-from helpers import eventually, ping_status, slow
 
 import pwmesh as pw
+from helpers import eventually, ping_status, slow
 from pwmesh.cli.commands import fetch_status
 from pwmesh.service.lifecycle import Service, Status
 

@@ -14,8 +14,9 @@ import time
 import pwmesh as pw
 from pwmesh.client.connection import ClientConnection
 from pwmesh.examples import figure2
+from pwmesh.executor.store import format_bytes
 from pwmesh.service.local_cluster import LocalCluster, LocalClusterSpec
-from pwmesh.wire.messages import GetStatus, StatusReply
+from pwmesh.wire.messages import DrainHost, GetStatus, HostDrained, StatusReply
 
 
 @dataclasses.dataclass
@@ -77,6 +78,17 @@ def fetch_status(address: str) -> StatusReply:
     return reply
 
 
+def drain(address: str, host: str, timeout_seconds: float) -> str:
+    conn = ClientConnection(address, name="drain", open_session=False)
+    try:
+        reply = conn.request(DrainHost(executor=host), timeout_seconds=timeout_seconds)
+    finally:
+        conn.close()
+    assert isinstance(reply, HostDrained)
+    return (f"{reply.executor_id} drained: {reply.slices} slice(s) and {reply.buffers} buffer(s) moved off it; "
+            "it runs nothing new and can be stopped")
+
+
 def _table(headers: list[str], rows: list[list[object]]) -> str:
     cells = [headers, *[[str(c) for c in row] for row in rows]]
     widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
@@ -102,15 +114,22 @@ def format_status(reply: StatusReply) -> str:
     for e in sorted(state.executors, key=lambda e: (e.island, e.executor_id)):
         st = stats.get(e.executor_id)
         devices = " ".join(f"{d.kind}{d.index}[{load.get((e.executor_id, d.index), 0)}]" for d in e.devices)
-        host_rows.append([e.island, e.executor_id, e.host, "up" if e.alive else "LOST", devices,
-                          st.objects if st else "?", st.executed if st else "?",
+        memory = "?"
+        if st:
+            # What the executor holds against its limit (all its devices together).
+            memory = f"{format_bytes(st.bytes)} / {format_bytes(st.memory_limit) if st.memory_limit else '-'}"
+            if st.waiting_for_memory:
+                memory += f", {st.waiting_for_memory} waiting"
+        state_word = "LOST" if not e.alive else ("draining" if e.draining else "up")
+        host_rows.append([e.island, e.executor_id, e.host, state_word, devices,
+                          st.objects if st else "?", memory, st.executed if st else "?",
                           " ".join(map(str, st.queued)) if st else "?"])
     session_rows = [[s.session_id, s.name, s.buffers, s.programs, s.weight, s.priority] for s in reply.sessions]
     return "\n\n".join([
         f"map version {state.map_version}, {len(state.slices)} slices",
         _table(["island", "hosts", "devices", "scheduler"], island_rows),
-        _table(["island", "executor", "host", "state", "devices[slices]", "objects", "executed", "queued"],
-               host_rows),
+        _table(["island", "executor", "host", "state", "devices[slices]", "objects", "memory", "executed",
+                "queued"], host_rows),
         _table(["session", "name", "buffers", "running", "weight", "priority"], session_rows)
         if session_rows else "no sessions",
     ])

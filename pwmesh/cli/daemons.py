@@ -54,6 +54,27 @@ def scheduler_main(island: int, rm: str, listen: str, name: str, heartbeat_inter
     run(Scheduler(config))
 
 
+class _ByteSize(click.ParamType):
+    """``1048576``, ``64M``, ``2G``, ``512KiB``: bytes; K, M, G, T are powers of 1024."""
+
+    name = "bytes"
+    _UNITS = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+
+    def convert(self, value: object, param: click.Parameter | None, ctx: click.Context | None) -> int:
+        if isinstance(value, int):
+            return value
+        text = str(value).strip().lower().removesuffix("b").removesuffix("i")
+        scale = self._UNITS.get(text[-1:], 1)
+        number = text[:-1] if scale > 1 else text
+        try:
+            size = float(number)
+        except ValueError:
+            self.fail(f"{value!r} is not a size in bytes (e.g. 1048576, 64M, 2G)", param, ctx)
+        if size < 0:
+            self.fail(f"{value!r}: a size cannot be negative", param, ctx)
+        return int(size * scale)
+
+
 @click.command(name="pwmesh-executor")
 @click.option("--island", type=int, required=True, envvar="PWMESH_ISLAND")
 @_rm
@@ -63,10 +84,16 @@ def scheduler_main(island: int, rm: str, listen: str, name: str, heartbeat_inter
 @click.option("--data-listen", default="tcp://127.0.0.1:0", envvar="PWMESH_DATA_LISTEN", show_default=True)
 @click.option("--name", default="", help="Executor id (default: HOST-PID).")
 @click.option("--host", default="", help="Host label shown in status (default: the hostname).")
+@click.option("--memory-limit", "memory_limit_bytes", type=_ByteSize(), default="0", envvar="PWMESH_MEMORY_LIMIT",
+              show_default=True,
+              help="Bytes this executor's devices may hold, all of them together (not per device); "
+                   "suffixes K, M, G, T are powers of 1024, e.g. 64M, 2G. A computation whose outputs do not "
+                   "fit waits until buffers are freed; one that could never fit fails with ResourceExhausted. "
+                   "0: no limit.")
 @_heartbeat
 @_log_level
 def executor_main(island: int, rm: str, devices: int, listen: str, data_listen: str, name: str, host: str,
-                  heartbeat_interval_seconds: float, log_level: str) -> None:
+                  memory_limit_bytes: int, heartbeat_interval_seconds: float, log_level: str) -> None:
     """Run a host executor on island ISLAND."""
     # XLA reads its flags once, when JAX initialises: set them before importing it.
     flags = os.environ.get("XLA_FLAGS", "")
@@ -75,7 +102,8 @@ def executor_main(island: int, rm: str, devices: int, listen: str, data_listen: 
     from pwmesh.executor.daemon import Executor, ExecutorConfig  # noqa: PLC0415
 
     config = ExecutorConfig(island=island, rm=rm, devices=devices, listen=listen, data_listen=data_listen,
-                            name=name, host=host, heartbeat_interval_seconds=heartbeat_interval_seconds)
+                            name=name, host=host, heartbeat_interval_seconds=heartbeat_interval_seconds,
+                            memory_limit_bytes=memory_limit_bytes)
     setup_logging("executor", name or f"island{island}", log_level)
     run(Executor(config))
 

@@ -54,6 +54,22 @@ def status(address: str | None, as_json: bool) -> None:
 
 @main.command()
 @_address
+@click.argument("host")
+@click.option("--timeout-seconds", type=float, default=600.0, show_default=True,
+              help="How long to wait for the host's in-flight work and moves to finish.")
+def drain(address: str | None, host: str, timeout_seconds: float) -> None:
+    """Move HOST's virtual devices and buffers elsewhere and let its work finish.
+
+    HOST is an executor id or host label, as `pwmesh status` shows. Afterwards the
+    host runs nothing new and holds nothing: it can be stopped without losing data.
+    """
+    if not address:
+        raise click.UsageError("no cluster address: pass --address or set PWMESH_ADDRESS (see `pwmesh up`)")
+    click.echo(commands.drain(address, host, timeout_seconds))
+
+
+@main.command()
+@_address
 def demo(address: str | None) -> None:
     """Run the paper's Figure-2 program and say where each computation ran."""
     commands.demo(address)

@@ -26,7 +26,7 @@ from pwmesh.service.rpc import next_id, raise_error
 from pwmesh.service.transport import ZERO_COPY_THRESHOLD_BYTES
 from pwmesh.wire import Message, decode, encode
 from pwmesh.wire.codec import FrameError
-from pwmesh.wire.messages import CloseSession, Error, Heartbeat, OpenSession, SessionOpened
+from pwmesh.wire.messages import CloseSession, Error, Heartbeat, OpenSession, Ping, SessionOpened
 
 log = logging.getLogger(__name__)
 
@@ -129,9 +129,10 @@ class ClientConnection:
                 now = time.monotonic()
                 if now >= next_beat:
                     next_beat = now + self.heartbeat_interval_seconds
-                    if self.session_id:
-                        self._send(encode(Heartbeat(role="client", name=self.session_id), msg_id=next_id(),
-                                          sender=self.session_id))
+                    # A session beats (and stays alive); a sessionless connection (CLI) pings.
+                    # Either way the reply proves the proxy still answers.
+                    probe = Heartbeat(role="client", name=self.session_id) if self.session_id else Ping()
+                    self._send(encode(probe, msg_id=next_id(), sender=self.session_id))
                     with self._lock:
                         waiting = bool(self._pending)
                     if waiting and now - last_reply > self.liveness_timeout_seconds:

@@ -26,6 +26,7 @@ from pwmesh.service.lifecycle import Service
 from pwmesh.service.rpc import Connections, Server, wait_for_peer
 from pwmesh.wire import Envelope
 from pwmesh.wire.messages import (
+    AwaitIdle,
     CancelRun,
     DeleteShards,
     DeviceInfo,
@@ -38,6 +39,7 @@ from pwmesh.wire.messages import (
     NodeDone,
     Ok,
     Ping,
+    PleaseRegister,
     PutShards,
     RegisterExecutor,
     RegisterFunction,
@@ -62,6 +64,7 @@ class ExecutorConfig:
     data_listen: str = "tcp://127.0.0.1:0"
     rm_timeout_seconds: float = 30.0
     heartbeat_interval_seconds: float = 2.0
+    memory_limit_bytes: int = 0  # all this executor's devices together; 0: no limit
 
 
 class Executor(Service):
@@ -83,7 +86,8 @@ class Executor(Service):
 
     async def setup(self) -> None:
         self.functions = FunctionCache()
-        self.runner = Runner(self.devices, self.store, self.functions, send=self._send_shard, done=self._node_done)
+        self.runner = Runner(self.devices, self.store, self.functions, send=self._send_shard, done=self._node_done,
+                             memory_limit_bytes=self.config.memory_limit_bytes, host=self.host)
         control = {
             RegisterFunction: self._register_function,
             Enqueue: self._enqueue,
@@ -92,6 +96,7 @@ class Executor(Service):
             FetchShards: self._fetch,
             DeleteShards: self._delete,
             CancelRun: self._cancel_run,
+            AwaitIdle: self._await_idle,
             GetExecutorStats: lambda peer, env: self.stats(),
             Ping: self.ping,
         }
@@ -101,7 +106,10 @@ class Executor(Service):
                            name=f"{self.name}.data")
         self.control.start()
         self.data.start()
-        self.peers = Connections(self.ctx, tasks=self.tasks, name=self.name)
+        self.peers = Connections(self.ctx, tasks=self.tasks, name=self.name, on_message=self._notified)
+        self._sending = 0  # transfers waiting for their shard, or under way
+        self._sent = asyncio.Event()
+        self._sent.set()
         for i in range(len(self.devices)):
             self.tasks.spawn(self.runner.device_loop(i), name=f"device-{i}", critical=True)
         await wait_for_peer(self.peers.get(self.config.rm), RegisterExecutor(info=self.info()),
@@ -114,6 +122,11 @@ class Executor(Service):
             control=self.control.address, data=self.data.address, pid=os.getpid(),
             devices=[DeviceInfo(index=i, kind=d.platform) for i, d in enumerate(self.devices)],
         )
+
+    def _notified(self, env: Envelope) -> None:
+        if isinstance(env.message, PleaseRegister):  # the resource manager restarted
+            log.warning("the resource manager asked us to register again")
+            self.peers.post(self.config.rm, RegisterExecutor(info=self.info()))
 
     async def _heartbeat(self) -> None:
         self.peers.post(self.config.rm, Heartbeat(role=self.role, name=self.name))
@@ -170,21 +183,38 @@ class Executor(Service):
         msg = env.message
         assert isinstance(msg, SendShards)
         for task in msg.sends:
-            self.tasks.spawn(self._send_when_ready(task), name=f"send-{task.key}")
+            # Counted and looked up now, not when the task first runs: ``AwaitIdle`` right
+            # behind must see it, and a delete right behind must not turn the lookup into
+            # a wait for a key that will never come again.
+            self._sending += 1
+            self._sent.clear()
+            self.tasks.spawn(self._send_when_ready(task, self.store.get(task.key)), name=f"send-{task.key}")
         return Ok()
 
-    async def _send_when_ready(self, task: SendTask) -> None:
+    async def _send_when_ready(self, task: SendTask, shard: asyncio.Future[Any]) -> None:
         try:
-            value = await self.store.get(task.key)
+            value = await shard
         except PwmeshError as exc:
             self._send_shard(task, None, exc)
         else:
             self._send_shard(task, value, None)
+        finally:
+            self._sending -= 1
+            if self._sending == 0:
+                self._sent.set()
+
+    async def _await_idle(self, peer: bytes, env: Envelope) -> Ok:
+        """Every queued computation done, every transfer sent and confirmed delivered."""
+        await self.runner.wait_idle()
+        await self._sent.wait()
+        await self.peers.barrier(timeout_seconds=30.0)
+        return Ok()
 
     async def _fetch(self, peer: bytes, env: Envelope) -> ShardValues:
         msg = env.message
         assert isinstance(msg, FetchShards)
-        futures = [self.store.lookup(k) for k in msg.keys]
+        # ``get``, not ``lookup``: a shard moved here (a drained host) may still be on its way.
+        futures = [self.store.get(k) for k in msg.keys]
         return ShardValues(arrays=[np.asarray(await f) for f in futures])
 
     def _cancel_run(self, peer: bytes, env: Envelope) -> None:
@@ -203,7 +233,9 @@ class Executor(Service):
         return ExecutorStats(executor_id=self.name, objects=len(self.store), bytes=self.store.nbytes,
                              queued=self.runner.queued(), outstanding=self.runner.outstanding,
                              functions=len(self.functions),
-                             executed=self.runner.executed)
+                             executed=self.runner.executed,
+                             memory_limit=self.runner.memory.limit_bytes,
+                             waiting_for_memory=self.runner.memory.waiting)
 
     # --------------------------------------------------------------- data plane
 

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import functools
+import math
 import threading
 from typing import Any
 
@@ -27,6 +29,15 @@ class CompiledFunction:
     @property
     def num_inputs(self) -> int:
         return len(self.exported.in_avals)
+
+    @functools.cached_property
+    def shard_output_nbytes(self) -> int:
+        """Bytes one shard's outputs take on its device, known before anything runs.
+
+        A per-shard function is exported for one block, so its output avals are one
+        shard's; an SPMD one has global output avals, split evenly over its devices."""
+        total = sum(math.prod(a.shape) * np.dtype(a.dtype).itemsize for a in self.exported.out_avals)
+        return total // self.exported.nr_devices if self.spmd else total
 
     def sharding(self, devices: tuple[jax.Device, ...]) -> Any:
         if self.spmd:

@@ -7,6 +7,13 @@ starts when it reaches its queue's head *and* its inputs have resolved: inputs
 are futures in the object store, posted before their producers run. An SPMD
 (gang) computation occupies every one of its devices' queues and runs once all
 of them have reached it.
+
+Memory back-pressure: a computation's output bytes are known statically. When
+it reaches its queue's head, one whose outputs could never fit the executor's
+memory limit fails at once (``ResourceExhausted``); once its inputs are there,
+one that does not fit *now* waits at the head of its queue, blocking it, until
+deletions free enough (see ``store.MemoryBudget``). The bytes are reserved as the
+shard starts, and become stored bytes when its outputs land.
 """
 
 from __future__ import annotations
@@ -38,6 +45,7 @@ class Work:
     comp: Computation
     remaining: int
     error: PwmeshError | None = None
+    cancelled: PwmeshError | None = None  # its run was cancelled: it never waits for memory
     gang_arrived: int = 0
     gang_done: asyncio.Future[None] | None = None
 
@@ -62,10 +70,15 @@ class Runner:
         *,
         send: Callable[[SendTask, Any, PwmeshError | None], None],
         done: Callable[[Work], None],
+        memory_limit_bytes: int = 0,
+        host: str = "",
     ) -> None:
         self.devices = devices
         self.store = store
         self.functions = functions
+        self.host = host
+        self.memory = store.memory  # stored bytes are counted by the store, reservations here
+        self.memory.limit_bytes = memory_limit_bytes
         self._send = send
         self._done = done
         self.queues: list[asyncio.Queue[tuple[Work, ShardTask | None]]] = [asyncio.Queue() for _ in devices]
@@ -105,8 +118,10 @@ class Runner:
         self._runs.setdefault(run_id, []).append(work)
 
     def cancel_run(self, run_id: str, error: PwmeshError) -> None:
-        """Fail the inputs ``run_id``'s computations still wait for, so none blocks its queue."""
+        """Fail the inputs and the memory ``run_id``'s computations still wait for, so none blocks its queue."""
         for work in self._runs.get(run_id, []):
+            work.cancelled = error
+            self.memory.cancel(work, error)
             for shard in work.comp.shards:
                 for key in shard.inputs:
                     if not self.store.get(key).done():
@@ -127,41 +142,66 @@ class Runner:
     async def _inputs(self, keys: list[str]) -> list[Any]:
         return [await self.store.get(k) for k in keys]
 
+    def _check_fits(self, work: Work, fn: CompiledFunction) -> None:
+        """Fail at once if the computation's outputs on this host could never fit its memory."""
+        needed = fn.shard_output_nbytes * len(work.comp.shards)
+        self.memory.check(needed, f"computation {work.comp.node} ({work.comp.fn_id[:12]}) on host {self.host}")
+
+    async def _reserve(self, work: Work, nbytes: int) -> int:
+        """Wait until ``nbytes`` fit, then hold them for ``work``'s outputs; returns what it holds."""
+        if work.cancelled is not None and not self.memory.fits(nbytes):
+            raise work.cancelled
+        await self.memory.reserve(nbytes, owner=work)
+        return nbytes
+
     async def _run_shard(self, work: Work, shard: ShardTask, device: int) -> None:
+        reserved = 0
+        outs: list[Any] | None = None
+        err: PwmeshError | None = None
         try:
             fn = await self.functions.get(work.comp.fn_id)
+            self._check_fits(work, fn)
             args = await self._inputs(shard.inputs)
+            reserved = await self._reserve(work, fn.shard_output_nbytes)
             loop = asyncio.get_running_loop()
             outs = await loop.run_in_executor(self.pools[device], _call_single, fn, self.devices[device], args)
         except BaseException as exc:
             if isinstance(exc, asyncio.CancelledError):
+                self.memory.release(reserved)
                 raise
             err = as_error(exc, f"computation {work.comp.node} ({work.comp.fn_id[:12]}) shard on device {device}")
-            self._finish_shard(work, shard.outputs, None, err)
-        else:
-            self._finish_shard(work, shard.outputs, outs, None)
+        try:
+            self._finish_shard(work, shard.outputs, outs, err)
+        finally:
+            self.memory.release(reserved)  # the outputs are stored bytes now, or failed
 
     async def _gang(self, work: Work) -> None:
         assert work.gang_done is not None
         work.gang_arrived += 1
         if work.gang_arrived == len(work.comp.shards):
             # The last device to reach the gang computation runs it for all.
+            reserved = 0
+            outs: list[list[Any]] | None = None
+            err: PwmeshError | None = None
             try:
                 fn = await self.functions.get(work.comp.fn_id)
+                self._check_fits(work, fn)
                 per_shard = [await self._inputs(s.inputs) for s in work.comp.shards]
+                reserved = await self._reserve(work, fn.shard_output_nbytes * len(work.comp.shards))
                 devices = tuple(self.devices[s.device] for s in work.comp.shards)
                 loop = asyncio.get_running_loop()
                 pool = self.pools[work.comp.shards[-1].device]
                 outs = await loop.run_in_executor(pool, _call_spmd, fn, devices, per_shard)
             except BaseException as exc:
                 if isinstance(exc, asyncio.CancelledError):
+                    self.memory.release(reserved)
                     raise
                 err = as_error(exc, f"computation {work.comp.node} ({work.comp.fn_id[:12]})")
-                for s in work.comp.shards:
-                    self._finish_outputs(work, s.outputs, None, err)
-            else:
-                for s, shard_outs in zip(work.comp.shards, outs, strict=True):
-                    self._finish_outputs(work, s.outputs, shard_outs, None)
+            try:
+                for i, s in enumerate(work.comp.shards):
+                    self._finish_outputs(work, s.outputs, None if outs is None else outs[i], err)
+            finally:
+                self.memory.release(reserved)  # the outputs are stored bytes now, or failed
             self._complete(work)
             work.gang_done.set_result(None)
         else:

@@ -4,14 +4,134 @@
 that a later ``put`` (a local computation, or the data plane) resolves. Keys are
 never reused, so a key deleted while pending is remembered (``_deleted``) and a
 late arrival for it is dropped instead of leaking.
+
+The store also keeps the host's memory account (``MemoryBudget``): what it holds,
+what running computations have reserved for their outputs, and who waits for room.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from typing import Any
 
-from pwmesh.errors import NotFound, PwmeshError
+from pwmesh.errors import NotFound, PwmeshError, ResourceExhausted
+
+
+def format_bytes(nbytes: int) -> str:
+    """``512 B``, ``12.0 MiB``: binary units, one decimal."""
+    if nbytes < 1024:
+        return f"{nbytes} B"
+    size = nbytes / 1024
+    for unit in ("KiB", "MiB", "GiB"):
+        if size < 1024:
+            return f"{size:.1f} {unit}"
+        size /= 1024
+    return f"{size:.1f} TiB"
+
+
+@dataclasses.dataclass(eq=False)
+class _Waiter:
+    nbytes: int
+    owner: object
+    granted: asyncio.Future[None]
+
+
+class MemoryBudget:
+    """The bytes held on one executor's devices (all of them together) against its limit.
+
+    In use = stored objects (client puts, data-plane arrivals, computed outputs)
+    plus the reservations of computations running now. A computation reserves its
+    outputs' bytes (known statically) when it starts; if they do not fit, it waits,
+    and its device queue with it (non-preemptive FIFO: head of line), until a
+    deletion or the end of a reservation frees enough: those wake waiters directly,
+    nothing polls. Stored objects are never refused: whoever sent them has already
+    allocated them (another executor, the client); they only count.
+
+    Waiters (at most one per device queue) are granted in arrival order, first
+    fit: a big request that does not fit yet does not hold back a smaller one on
+    another device. Strict FIFO across devices would deadlock a client that needs
+    the small result before it frees anything.
+    """
+
+    def __init__(self, limit_bytes: int = 0) -> None:
+        self.limit_bytes = limit_bytes  # 0: no limit
+        self.stored = 0
+        self.reserved = 0
+        self._waiters: list[_Waiter] = []  # in arrival order
+
+    @property
+    def in_use(self) -> int:
+        return self.stored + self.reserved
+
+    @property
+    def waiting(self) -> int:
+        """How many owners (computations) wait for room."""
+        return len({id(w.owner) for w in self._waiters})
+
+    def fits(self, nbytes: int) -> bool:
+        return not self.limit_bytes or self.in_use + nbytes <= self.limit_bytes
+
+    def check(self, nbytes: int, what: str) -> None:
+        """``ResourceExhausted`` if ``nbytes`` could never fit, even with everything else freed."""
+        if self.limit_bytes and nbytes > self.limit_bytes:
+            raise ResourceExhausted(f"{what} needs {format_bytes(nbytes)} for its outputs, more than the "
+                                    f"executor's memory limit of {format_bytes(self.limit_bytes)} "
+                                    f"({nbytes} > {self.limit_bytes} bytes)")
+
+    def allocated(self, nbytes: int) -> None:
+        self.stored += nbytes
+
+    def freed(self, nbytes: int) -> None:
+        self.stored -= nbytes
+        self._grant()
+
+    def request(self, nbytes: int, owner: object) -> asyncio.Future[None]:
+        """Ask to hold ``nbytes`` for ``owner``: the future is done once they are held,
+        at once if they fit now. ``ResourceExhausted`` if they never could."""
+        self.check(nbytes, "a computation")
+        granted: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        if self.fits(nbytes):
+            self.reserved += nbytes
+            granted.set_result(None)
+        else:
+            self._waiters.append(_Waiter(nbytes, owner, granted))
+        return granted
+
+    async def reserve(self, nbytes: int, owner: object) -> None:
+        """Wait until ``nbytes`` are held for ``owner``; ``release`` them afterwards.
+        Raises what ``cancel(owner, ...)`` passes."""
+        granted = self.request(nbytes, owner)
+        try:
+            await granted
+        except asyncio.CancelledError:
+            if granted.done() and not granted.cancelled() and granted.exception() is None:
+                self.release(nbytes)  # granted just as our task was cancelled: give it back
+            else:
+                granted.cancel()
+                self._waiters = [w for w in self._waiters if w.granted is not granted]
+            raise
+
+    def release(self, nbytes: int) -> None:
+        """End a reservation (its outputs are stored now, counted as stored, or failed)."""
+        self.reserved -= nbytes
+        self._grant()
+
+    def cancel(self, owner: object, exc: PwmeshError) -> None:
+        """Fail ``owner``'s waits with ``exc``, so no queue stays blocked for it."""
+        for waiter in [w for w in self._waiters if w.owner is owner]:
+            self._waiters.remove(waiter)
+            if not waiter.granted.done():
+                waiter.granted.set_exception(exc)
+
+    def _grant(self) -> None:
+        for waiter in list(self._waiters):
+            if waiter.granted.done():  # cancelled by its task; ``reserve`` removes it
+                continue
+            if self.fits(waiter.nbytes):
+                self._waiters.remove(waiter)
+                self.reserved += waiter.nbytes
+                waiter.granted.set_result(None)
 
 
 def _retrieve(fut: asyncio.Future[Any]) -> None:
@@ -26,6 +146,7 @@ class ObjectStore:
         self._entries: dict[str, asyncio.Future[Any]] = {}
         self._nbytes: dict[str, int] = {}
         self._deleted: set[str] = set()
+        self.memory = MemoryBudget()  # its limit is the executor's to set
 
     def _entry(self, key: str) -> asyncio.Future[Any]:
         fut = self._entries.get(key)
@@ -59,6 +180,7 @@ class ObjectStore:
             raise PwmeshError(f"object {key} was produced twice")
         fut.set_result(value)
         self._nbytes[key] = nbytes
+        self.memory.allocated(nbytes)
 
     def fail(self, key: str, exc: PwmeshError) -> None:
         if key in self._deleted:
@@ -69,14 +191,17 @@ class ObjectStore:
 
     def delete(self, keys: list[str]) -> int:
         removed = 0
+        freed = 0
         for key in keys:
             fut = self._entries.pop(key, None)
-            self._nbytes.pop(key, None)
+            freed += self._nbytes.pop(key, 0)
             if fut is not None:
                 removed += 1
                 if not fut.done():
                     self._deleted.add(key)
                     fut.set_exception(NotFound(f"object {key} was deleted before it arrived"))
+        if freed:
+            self.memory.freed(freed)  # wakes computations waiting for room
         return removed
 
     def forget_owner(self, prefix: str) -> None:
@@ -88,4 +213,4 @@ class ObjectStore:
 
     @property
     def nbytes(self) -> int:
-        return sum(self._nbytes.values())
+        return self.memory.stored

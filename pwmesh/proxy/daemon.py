@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from pwmesh.errors import DeviceLost, InvalidArgument, NotFound, PwmeshError, error_class
+from pwmesh.errors import DeviceLost, InvalidArgument, NotFound, PwmeshError, ResourceExhausted, error_class
 from pwmesh.ir.lower import ShardLocation, lower, slice_locations, split_host_array
 from pwmesh.proxy.session import Buffer, Run, Session
 from pwmesh.service.heartbeat import Liveness, every
@@ -29,6 +29,7 @@ from pwmesh.wire import Envelope, Message
 from pwmesh.wire.messages import (
     AllocateSlice,
     AwaitBuffers,
+    AwaitIdle,
     BuffersState,
     BufferValue,
     CancelRun,
@@ -36,6 +37,9 @@ from pwmesh.wire.messages import (
     ClusterStateReply,
     CreateSlice,
     DeleteShards,
+    DrainExecutor,
+    DrainHost,
+    DrainStarted,
     ErrorInfo,
     ExecutorLost,
     ExecutorStats,
@@ -45,10 +49,12 @@ from pwmesh.wire.messages import (
     GetExecutorStats,
     GetStatus,
     Heartbeat,
+    HostDrained,
     NodeDone,
     Ok,
     OpenSession,
     Ping,
+    PleaseRegister,
     PutBuffer,
     PutShards,
     QueryBuffers,
@@ -59,11 +65,13 @@ from pwmesh.wire.messages import (
     RunProgram,
     ScheduleRun,
     SendShards,
+    SendTask,
     SessionInfo,
     SessionOpened,
     ShardValues,
     SliceAllocated,
     SliceCreated,
+    SliceRemapped,
     StatusReply,
     ValueSpec,
     WatchCluster,
@@ -81,6 +89,8 @@ class ProxyConfig:
     fetch_timeout_seconds: float = 120.0
     session_timeout_seconds: float = 30.0
     client_heartbeat_interval_seconds: float = 5.0
+    rm_heartbeat_interval_seconds: float = 2.0
+    drain_timeout_seconds: float = 300.0
 
 
 class Proxy(Service):
@@ -95,6 +105,7 @@ class Proxy(Service):
         self.registered: set[tuple[str, str, tuple[int, ...]]] = set()
         self.liveness = Liveness(config.session_timeout_seconds)
         self.lost: dict[str, DeviceLost] = {}  # executor id -> why it is gone
+        self.moved_buffers = 0  # buffers moved off draining hosts, ever
         self._session_ids = itertools.count(1)
 
     async def setup(self) -> None:
@@ -111,15 +122,25 @@ class Proxy(Service):
             QueryBuffers: self._query_buffers,
             ReleaseBuffers: self._release_buffers,
             GetStatus: self._status,
+            DrainHost: self._drain_host,
             NodeDone: self._node_done,
             Ping: self.ping,
         }
         self.server = Server(self.ctx, self.config.listen, handlers, tasks=self.tasks, name=self.name)
         self.server.start()
         self.peers = Connections(self.ctx, tasks=self.tasks, name=self.name, on_message=self._notified)
-        await wait_for_peer(self.peers.get(self.config.rm), WatchCluster(),
+        await wait_for_peer(self.peers.get(self.config.rm), self._watch(),
                             timeout_seconds=self.config.rm_timeout_seconds)
         self.tasks.spawn(every(self.config.session_timeout_seconds / 4, self._expire_sessions), name="expire")
+        self.tasks.spawn(every(self.config.rm_heartbeat_interval_seconds, self._heartbeat_rm), name="heartbeat")
+
+    def _watch(self) -> WatchCluster:
+        """Subscription to the RM, carrying every slice our sessions hold (rebuilds a restarted RM)."""
+        slices = [sl for session in self.sessions.values() for sl in session.slices.values()]
+        return WatchCluster(role=self.role, name=self.name, slices=slices)
+
+    async def _heartbeat_rm(self) -> None:
+        self.peers.post(self.config.rm, Heartbeat(role=self.role, name=self.name))
 
     def ready_info(self) -> dict[str, Any]:
         return {**super().ready_info(), "address": self.server.address}
@@ -148,8 +169,9 @@ class Proxy(Service):
                                       priority=msg.priority)
         self.liveness.beat(sid, time.monotonic())
         log.info("session %s (%s) opened", sid, msg.name)
-        return SessionOpened(session_id=sid,
-                             heartbeat_interval_seconds=self.config.client_heartbeat_interval_seconds,
+        # Four beats per timeout, so one late beat never ends a live session.
+        interval = min(self.config.client_heartbeat_interval_seconds, self.config.session_timeout_seconds / 4)
+        return SessionOpened(session_id=sid, heartbeat_interval_seconds=interval,
                              session_timeout_seconds=self.config.session_timeout_seconds)
 
     def _close_session(self, peer: bytes, env: Envelope) -> Ok:
@@ -167,10 +189,13 @@ class Proxy(Service):
             self._end_session(session, f"no heartbeat for {self.config.session_timeout_seconds} seconds")
 
     def _end_session(self, session: Session, why: str) -> None:
-        """Free everything the session owned; runs in flight free their part as they finish."""
+        """Free everything the session owned; runs in flight are cancelled and free their part."""
         log.info("session %s ended: %s", session.session_id, why)
         self.sessions.pop(session.peer, None)
         self.liveness.forget(session.session_id)
+        ended = PwmeshError(f"session {session.session_id} ended: {why}")
+        for run in list(session.runs.values()):
+            self._abort_run(session, run, ended)
         for buf in list(session.buffers.values()):
             buf.client_ref = False
             self._maybe_free(session, buf)
@@ -264,6 +289,10 @@ class Proxy(Service):
                 names[v] = session.temp_name()
         lowered = lower(program, owner=session.session_id, names=names, host_inputs=set(host_data), bound=bound,
                         slices=session.slices, spmd=session.functions)
+        for node in program.nodes:
+            broken = session.slices[node.slice_id].broken
+            if broken:
+                raise ResourceExhausted(f"slice {node.slice_id} cannot run: {broken}")
         executors = set().union(*lowered.node_executors.values()) if lowered.node_executors else set()
         for executor_id in executors:
             if executor_id in self.lost:
@@ -284,6 +313,7 @@ class Proxy(Service):
             for v in node.outputs:
                 buf = Buffer.new(names[v], program.values[v], client_ref=v in outputs)
                 buf.locations = lowered.produced[v]
+                buf.slice_id = node.slice_id
                 buf.holders = lowered.holders.get(buf.name, set())
                 made.append(buf)
                 if v in outputs:
@@ -349,8 +379,57 @@ class Proxy(Service):
 
     def _notified(self, env: Envelope) -> None:
         """Unsolicited messages on our outgoing connections (the RM's notifications)."""
-        if isinstance(env.message, ExecutorLost):
-            self._executor_lost(env.message)
+        msg = env.message
+        if isinstance(msg, ExecutorLost):
+            self._executor_lost(msg)
+        elif isinstance(msg, SliceRemapped):
+            self._slice_remapped(msg)
+        elif isinstance(msg, PleaseRegister):  # the resource manager restarted
+            log.warning("the resource manager asked us to register again; handing it our slices")
+            self.peers.post(self.config.rm, self._watch())
+
+    def _slice_remapped(self, note: SliceRemapped) -> None:
+        """Adopt a slice's new devices, and move its live buffers off hosts still up (draining)."""
+        session = next((s for s in self.sessions.values() if s.session_id == note.slice.owner), None)
+        if session is None or note.slice.slice_id not in session.slices:
+            return
+        session.slices[note.slice.slice_id] = note.slice
+        for buf in session.buffers.values():
+            if buf.slice_id != note.slice.slice_id or buf.lost is not None:
+                continue
+            keys = buf.keys(session.session_id)
+            moved: dict[str, list[str]] = {}
+            for move in note.moves:
+                here = buf.locations[move.index]
+                if here.executor_id != move.old.executor_id or move.old.executor_id in self.lost:
+                    continue  # already elsewhere, or the data died with its host
+                new = move.new
+                self.peers.post(here.control, SendShards(sends=[SendTask(
+                    key=keys[move.index], dest_executor=new.executor_id, dest_data=new.data,
+                    dest_device=new.device)]))
+                buf.locations[move.index] = ShardLocation(new.executor_id, new.control, new.data, new.device,
+                                                          new.island)
+                buf.holders.add(new.control)
+                moved.setdefault(here.control, []).append(keys[move.index])
+            if moved:
+                self.moved_buffers += 1
+            if moved and buf.ready.done() and buf.ready.exception() is None and buf.pins == 0:
+                for control, old_keys in moved.items():  # the copies on the draining host go now
+                    self.peers.post(control, DeleteShards(keys=old_keys))
+
+    async def _drain_host(self, peer: bytes, env: Envelope) -> HostDrained:
+        msg = env.message
+        assert isinstance(msg, DrainHost)
+        before = self.moved_buffers
+        # The RM posts every SliceRemapped before this reply: by the time it arrives,
+        # our slices point elsewhere and every buffer's move is on its way.
+        started = await self.peers.request(self.config.rm, DrainExecutor(executor=msg.executor),
+                                           timeout_seconds=self.config.rm_timeout_seconds)
+        assert isinstance(started, DrainStarted)
+        moved = self.moved_buffers - before
+        await self.peers.request(started.control, AwaitIdle(), timeout_seconds=self.config.drain_timeout_seconds)
+        log.info("host %s drained: %s slices and %s buffers moved", started.executor_id, started.remapped, moved)
+        return HostDrained(executor_id=started.executor_id, slices=started.remapped, buffers=moved)
 
     def _executor_lost(self, lost: ExecutorLost) -> None:
         err = DeviceLost(f"executor {lost.executor_id} on host {lost.host} is gone ({lost.reason})")
@@ -420,6 +499,7 @@ class Proxy(Service):
         spec = ValueSpec(shape=list(msg.array.shape), dtype=msg.array.dtype.name, shards=n)
         buf = Buffer.new(f"b{msg.buffer}", spec, client_ref=True)
         buf.locations = slice_locations(sl)
+        buf.slice_id = sl.slice_id
         puts: dict[str, PutShards] = {}
         for i, (loc, part) in enumerate(zip(buf.locations, split_host_array(msg.array, n), strict=True)):
             batch = puts.setdefault(loc.control, PutShards(keys=[], devices=[], arrays=[]))

@@ -33,6 +33,7 @@ class Buffer:
     client_ref: bool = True
     pins: int = 0
     lost: PwmeshError | None = None  # set when a host holding a shard is gone
+    slice_id: int | None = None  # the slice whose devices hold its shards (moves with it)
 
     @classmethod
     def new(cls, name: str, spec: ValueSpec, client_ref: bool) -> Buffer:

@@ -14,13 +14,15 @@ from pwmesh.service.rpc import Server
 from pwmesh.wire import Envelope, Message
 from pwmesh.wire.messages import (
     AllocateSlice,
+    DrainExecutor,
+    ExecutorLost,
     GetClusterState,
     Heartbeat,
-    Ok,
     Ping,
     RegisterExecutor,
     RegisterScheduler,
     ReleaseSlices,
+    SliceRemapped,
     UnregisterExecutor,
     WatchCluster,
 )
@@ -41,16 +43,20 @@ class ResourceManager(Service):
     def __init__(self, config: ResourceManagerConfig) -> None:
         super().__init__(config.name)
         self.config = config
-        self.state = ResourceManagerState(heartbeat_timeout_seconds=config.heartbeat_timeout_seconds)
+        # Slice ids start from the clock, so a restarted RM never hands out an id that
+        # a proxy still holds from before (they are restored as proxies re-register).
+        self.state = ResourceManagerState(heartbeat_timeout_seconds=config.heartbeat_timeout_seconds,
+                                          first_slice_id=int(time.time() * 1000) % (1 << 40))
 
     async def setup(self) -> None:
         self.watchers: set[bytes] = set()
         handlers: dict[type[Message], Any] = {
             cls: self._handle for cls in (RegisterExecutor, UnregisterExecutor, RegisterScheduler, Heartbeat,
-                                          AllocateSlice, ReleaseSlices, GetClusterState)}
+                                          AllocateSlice, ReleaseSlices, DrainExecutor, GetClusterState)}
         handlers[WatchCluster] = self._watch
         handlers[Ping] = self.ping
-        self.server = Server(self.ctx, self.config.listen, handlers, tasks=self.tasks, name=self.name)
+        self.server = Server(self.ctx, self.config.listen, handlers, tasks=self.tasks, name=self.name,
+                             on_unreachable=self.watchers.discard)
         self.server.start()
         self.tasks.spawn(every(self.config.heartbeat_timeout_seconds / 4, self._expire), name="rm.expire")
 
@@ -59,23 +65,24 @@ class ResourceManager(Service):
         self._notify()
         return reply
 
-    def _watch(self, peer: bytes, env: Envelope) -> Ok:
+    def _watch(self, peer: bytes, env: Envelope) -> Message | None:
         self.watchers.add(peer)
-        return Ok()
+        return self._handle(peer, env)
 
     async def _expire(self) -> None:
         self.state.expire(time.monotonic())
         self._notify()
 
     def _notify(self) -> None:
-        for lost in self.state.take_notifications():
-            log.warning("executor %s (host %s) lost: %s", lost.executor_id, lost.host, lost.reason)
-            for peer in list(self.watchers):
-                self.tasks.spawn(self._tell(peer, lost), name=f"notify-{lost.executor_id}")
-
-    async def _tell(self, peer: bytes, message: Message) -> None:
-        if not await self.server.send(peer, message):
-            self.watchers.discard(peer)  # that proxy is gone
+        """Post what the state produced to every watcher, before the current reply."""
+        for note in self.state.take_notifications():
+            if isinstance(note, ExecutorLost):
+                log.warning("executor %s (host %s) lost: %s", note.executor_id, note.host, note.reason)
+            elif isinstance(note, SliceRemapped):
+                log.warning("slice %s remapped (%s)%s", note.slice.slice_id, note.reason,
+                            f": broken, {note.slice.broken}" if note.slice.broken else "")
+            for peer in self.watchers:
+                self.server.post(peer, note)
 
     def ready_info(self) -> dict[str, Any]:
         return {**super().ready_info(), "address": self.server.address}

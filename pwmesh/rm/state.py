@@ -1,17 +1,27 @@
-"""The resource manager's state machine, with no sockets: ``handle(message, now) -> reply``."""
+"""The resource manager's state machine, with no sockets: ``handle(message, now) -> reply``.
+
+Besides replies it produces notifications for watchers (proxies, schedulers),
+collected with ``take_notifications``: ``ExecutorLost`` when a host leaves or
+falls silent, ``SliceRemapped`` when a slice's virtual devices move (off a lost
+or draining host, or back onto new capacity). The state can be rebuilt after a
+restart from what registrants send again (``WatchCluster.slices``).
+"""
 
 from __future__ import annotations
 
 import dataclasses
 import itertools
 
-from pwmesh.errors import InvalidArgument, NotFound
+from pwmesh.errors import InvalidArgument, NotFound, ResourceExhausted
 from pwmesh.rm.placement import DeviceRef, place
 from pwmesh.service.heartbeat import Liveness
 from pwmesh.wire.messages import (
     AllocateSlice,
     ClusterState,
     ClusterStateReply,
+    DeviceMove,
+    DrainExecutor,
+    DrainStarted,
     ExecutorInfo,
     ExecutorLost,
     GetClusterState,
@@ -19,28 +29,33 @@ from pwmesh.wire.messages import (
     Message,
     Ok,
     PhysicalDevice,
+    PleaseRegister,
     RegisterExecutor,
     RegisterScheduler,
     ReleaseSlices,
-    SchedulerInfo,
     SliceAllocated,
     SliceInfo,
+    SliceRemapped,
     UnregisterExecutor,
+    WatchCluster,
 )
+from pwmesh.wire.messages import SchedulerInfo as SchedulerInfo  # re-exported for tests
 
 
 @dataclasses.dataclass
 class ResourceManagerState:
     heartbeat_timeout_seconds: float = 10.0
+    first_slice_id: int = 1
     map_version: int = 0
     executors: dict[str, ExecutorInfo] = dataclasses.field(default_factory=dict)
     schedulers: dict[int, SchedulerInfo] = dataclasses.field(default_factory=dict)
     slices: dict[int, SliceInfo] = dataclasses.field(default_factory=dict)
-    _slice_ids: itertools.count = dataclasses.field(default_factory=lambda: itertools.count(1))
 
     def __post_init__(self) -> None:
         self.liveness = Liveness(self.heartbeat_timeout_seconds)
-        self.notifications: list[ExecutorLost] = []
+        self.notifications: list[Message] = []
+        self.known: set[tuple[str, str]] = set()  # (role, name) of every registrant
+        self._slice_ids = itertools.count(self.first_slice_id)
 
     def handle(self, message: Message, now: float) -> Message | None:
         match message:
@@ -52,58 +67,40 @@ class ResourceManagerState:
                 return Ok()
             case RegisterScheduler(info=info):
                 self.schedulers[info.island] = info
+                self.known.add(("scheduler", info.name))
                 return Ok()
-            case Heartbeat(role="executor", name=name):
-                if name in self.executors:
+            case WatchCluster(role=role, name=name, slices=slices):
+                self.known.add((role, name))
+                self._restore(slices)
+                return Ok()
+            case Heartbeat(role=role, name=name):
+                if (role, name) not in self.known:
+                    return PleaseRegister()  # we restarted, or it registered elsewhere
+                if role == "executor":
                     self.liveness.beat(name, now)
-                return None
-            case Heartbeat():
                 return None
             case AllocateSlice(owner=owner, devices=n, island=island):
                 return SliceAllocated(slice=self._allocate(owner, n, island))
             case ReleaseSlices(owner=owner, slice_ids=ids):
                 self._release(owner, ids)
                 return Ok()
+            case DrainExecutor(executor=name):
+                return self._drain(name)
             case GetClusterState():
                 return ClusterStateReply(state=self.snapshot())
         raise InvalidArgument(f"the resource manager does not handle {message.op}")
 
+    # ------------------------------------------------------------------ hosts
+
     def _register_executor(self, info: ExecutorInfo, now: float) -> Ok:
         info.alive = True
+        info.draining = False
         self.executors[info.executor_id] = info
+        self.known.add(("executor", info.executor_id))
         self.liveness.beat(info.executor_id, now)
         self.map_version += 1
+        self._remap(f"capacity returned with {info.executor_id}", only_broken=True)
         return Ok()
-
-    def load(self) -> dict[DeviceRef, int]:
-        counts: dict[DeviceRef, int] = {}
-        for sl in self.slices.values():
-            for d in sl.devices:
-                ref = (d.executor_id, d.device)
-                counts[ref] = counts.get(ref, 0) + 1
-        return counts
-
-    def _allocate(self, owner: str, n: int, island: int | None) -> SliceInfo:
-        isl, refs = place(self.executors.values(), self.load(), n, island)
-        if isl not in self.schedulers:
-            raise NotFound(f"island {isl} has devices but no scheduler has registered for it yet")
-        self.map_version += 1
-        devices = []
-        for executor_id, device in refs:
-            ex = self.executors[executor_id]
-            devices.append(PhysicalDevice(executor_id=executor_id, island=ex.island, host=ex.host,
-                                          device=device, control=ex.control, data=ex.data))
-        sl = SliceInfo(slice_id=next(self._slice_ids), owner=owner, island=isl, devices=devices,
-                       map_version=self.map_version, scheduler=self.schedulers[isl].address)
-        self.slices[sl.slice_id] = sl
-        return sl
-
-    def _release(self, owner: str, ids: list[int] | None) -> None:
-        doomed = [sid for sid, sl in self.slices.items() if sl.owner == owner and (ids is None or sid in ids)]
-        for sid in doomed:
-            del self.slices[sid]
-        if doomed:
-            self.map_version += 1
 
     def expire(self, now: float) -> list[str]:
         """Mark executors that missed their heartbeats as lost; returns their ids."""
@@ -118,12 +115,116 @@ class ResourceManagerState:
             return
         info.alive = False
         self.liveness.forget(executor_id)
+        self.known.discard(("executor", executor_id))
         self.map_version += 1
         self.notifications.append(ExecutorLost(executor_id=executor_id, host=info.host, control=info.control,
                                                reason=reason, graceful=graceful))
+        self._remap(f"{executor_id} is gone ({reason})")
 
-    def take_notifications(self) -> list[ExecutorLost]:
-        """What watchers (proxies) must be told since the last call."""
+    def _find(self, name: str) -> ExecutorInfo:
+        found = [e for e in self.executors.values() if name in (e.executor_id, e.host)]
+        if not found:
+            raise NotFound(f"no executor or host named {name!r}")
+        if len(found) > 1:
+            raise InvalidArgument(f"{name!r} names several executors; give an executor id")
+        return found[0]
+
+    def _drain(self, name: str) -> DrainStarted:
+        info = self._find(name)
+        if not info.alive:
+            raise NotFound(f"executor {info.executor_id} is not alive")
+        info.draining = True
+        self.map_version += 1
+        before = len(self.notifications)
+        self._remap(f"{info.executor_id} is draining")
+        remapped = sum(1 for n in self.notifications[before:] if isinstance(n, SliceRemapped) and n.moves)
+        return DrainStarted(executor_id=info.executor_id, control=info.control, remapped=remapped)
+
+    # ----------------------------------------------------------------- slices
+
+    def _usable(self) -> list[ExecutorInfo]:
+        return [e for e in self.executors.values() if e.alive and not e.draining]
+
+    def _physical(self, ref: DeviceRef) -> PhysicalDevice:
+        ex = self.executors[ref[0]]
+        return PhysicalDevice(executor_id=ex.executor_id, island=ex.island, host=ex.host, device=ref[1],
+                              control=ex.control, data=ex.data)
+
+    def load(self) -> dict[DeviceRef, int]:
+        counts: dict[DeviceRef, int] = {}
+        for sl in self.slices.values():
+            for d in sl.devices:
+                ref = (d.executor_id, d.device)
+                counts[ref] = counts.get(ref, 0) + 1
+        return counts
+
+    def _allocate(self, owner: str, n: int, island: int | None) -> SliceInfo:
+        isl, refs = place(self._usable(), self.load(), n, island)
+        if isl not in self.schedulers:
+            raise NotFound(f"island {isl} has devices but no scheduler has registered for it yet")
+        self.map_version += 1
+        sl = SliceInfo(slice_id=next(self._slice_ids), owner=owner, island=isl,
+                       devices=[self._physical(r) for r in refs],
+                       map_version=self.map_version, scheduler=self.schedulers[isl].address)
+        self.slices[sl.slice_id] = sl
+        return sl
+
+    def _needs_move(self, d: PhysicalDevice) -> bool:
+        ex = self.executors.get(d.executor_id)
+        return ex is None or not ex.alive or ex.draining
+
+    def _remap(self, reason: str, only_broken: bool = False) -> None:
+        """Move every slice's devices off dead or draining executors, where the island has room.
+
+        A slice that cannot be fully backed is marked ``broken`` (using it fails clearly)
+        and is repaired when capacity returns."""
+        for sl in sorted(self.slices.values(), key=lambda s: s.slice_id):
+            if only_broken and not sl.broken:
+                continue
+            stale = [i for i, d in enumerate(sl.devices) if self._needs_move(d)]
+            if not stale:
+                continue
+            taken = {(d.executor_id, d.device) for d in sl.devices}
+            candidates = [
+                dataclasses.replace(e, devices=[d for d in e.devices if (e.executor_id, d.index) not in taken])
+                for e in self._usable() if e.island == sl.island
+            ]
+            try:
+                _, refs = place(candidates, self.load(), len(stale), sl.island)
+            except ResourceExhausted as exc:
+                why = (f"{len(stale)} of its {len(sl.devices)} devices have no live backing and island "
+                       f"{sl.island} cannot replace them ({exc.message})")
+                if sl.broken != why:
+                    sl.broken = why
+                    self.notifications.append(SliceRemapped(slice=sl, moves=[], reason=reason))
+                continue
+            self.map_version += 1
+            moves = []
+            for i, ref in zip(stale, refs, strict=True):
+                moves.append(DeviceMove(index=i, old=sl.devices[i], new=self._physical(ref)))
+                sl.devices[i] = moves[-1].new
+            sl.broken = ""
+            sl.map_version = self.map_version
+            self.notifications.append(SliceRemapped(slice=sl, moves=moves, reason=reason))
+
+    def _release(self, owner: str, ids: list[int] | None) -> None:
+        doomed = [sid for sid, sl in self.slices.items() if sl.owner == owner and (ids is None or sid in ids)]
+        for sid in doomed:
+            del self.slices[sid]
+        if doomed:
+            self.map_version += 1
+
+    def _restore(self, slices: list[SliceInfo]) -> None:
+        """Take back slices a proxy still holds (after a restart of this resource manager)."""
+        for sl in slices:
+            self.slices.setdefault(sl.slice_id, sl)
+        if slices:
+            self.map_version = max(self.map_version, *(s.map_version for s in slices)) + 1
+            top = max(self.slices)
+            self._slice_ids = itertools.count(max(top + 1, next(self._slice_ids)))
+
+    def take_notifications(self) -> list[Message]:
+        """What watchers must be told since the last call, in order."""
         out, self.notifications = self.notifications, []
         return out
 

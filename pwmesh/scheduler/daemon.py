@@ -15,6 +15,7 @@ from pwmesh.wire.messages import (
     ExecutorLost,
     Heartbeat,
     Ping,
+    PleaseRegister,
     RegisterScheduler,
     Scheduled,
     SchedulerInfo,
@@ -50,13 +51,19 @@ class Scheduler(Service):
         self.server.start()
         self.peers = Connections(self.ctx, tasks=self.tasks, name=self.name, on_message=self._notified)
         rm = self.peers.get(self.config.rm)
-        info = SchedulerInfo(island=self.config.island, address=self.server.address)
-        await wait_for_peer(rm, RegisterScheduler(info=info), timeout_seconds=self.config.rm_timeout_seconds)
-        await rm.request(WatchCluster(), timeout_seconds=self.config.rm_timeout_seconds)
+        await wait_for_peer(rm, self._registration(), timeout_seconds=self.config.rm_timeout_seconds)
+        await rm.request(WatchCluster(role=self.role, name=self.name), timeout_seconds=self.config.rm_timeout_seconds)
         self.tasks.spawn(every(self.config.heartbeat_interval_seconds, self._heartbeat), name="heartbeat")
 
+    def _registration(self) -> RegisterScheduler:
+        return RegisterScheduler(info=SchedulerInfo(island=self.config.island, address=self.server.address,
+                                                    name=self.name))
+
     def _notified(self, env: Envelope) -> None:
-        if isinstance(env.message, ExecutorLost):
+        if isinstance(env.message, PleaseRegister):  # the resource manager restarted
+            self.peers.post(self.config.rm, self._registration())
+            self.peers.post(self.config.rm, WatchCluster(role=self.role, name=self.name))
+        elif isinstance(env.message, ExecutorLost):
             lost = env.message
             self.peers.mark_lost(lost.control, DeviceLost(f"executor {lost.executor_id} is gone ({lost.reason})"))
 

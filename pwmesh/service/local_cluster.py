@@ -38,6 +38,7 @@ class LocalClusterSpec:
     log_level: str = "WARNING"
     startup_timeout_seconds: float = 120.0
     stop_timeout_seconds: float = 10.0
+    memory_limit_bytes: int = 0  # per executor (all its devices together); 0: no limit
 
 
 @dataclasses.dataclass
@@ -46,6 +47,7 @@ class Child:
     name: str
     popen: subprocess.Popen[bytes]
     log_path: Path
+    args: list[str]
     info: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
@@ -69,7 +71,7 @@ class LocalCluster:
                 [sys.executable, "-m", "pwmesh.cli.daemons", role, *args, "--log-level", self.spec.log_level],
                 stdout=subprocess.PIPE, stderr=log_file, stdin=subprocess.DEVNULL, env=child_env,
             )
-        child = Child(role, name, popen, log_path)
+        child = Child(role, name, popen, log_path, args)
         self.children.append(child)
         return child
 
@@ -114,17 +116,12 @@ class LocalCluster:
             rm = self._spawn("rm", "rm", ["--heartbeat-timeout-seconds", str(spec.heartbeat_timeout_seconds)])
             self._wait_ready([rm], deadline)
             self.rm_address = rm.info["address"]
-            # Four beats per timeout: one late beat never gets a live daemon declared lost.
-            beat = ["--heartbeat-interval-seconds", str(spec.heartbeat_timeout_seconds / 4)]
             rest = []
             for island in range(spec.islands):
                 rest.append(self._spawn("scheduler", f"scheduler-{island}",
-                                        ["--island", str(island), "--rm", self.rm_address, *beat]))
+                                        ["--island", str(island), "--rm", self.rm_address, *self._beat()]))
                 for host in range(spec.hosts_per_island):
-                    name = f"island{island}-host{host}"
-                    rest.append(self._spawn("executor", name, [
-                        "--island", str(island), "--rm", self.rm_address, "--devices", str(spec.devices_per_host),
-                        "--name", name, "--host", name, *beat]))
+                    rest.append(self._spawn_executor(island, f"island{island}-host{host}", spec.devices_per_host))
             proxy = self._spawn("proxy", "proxy", ["--rm", self.rm_address, "--session-timeout-seconds",
                                                    str(spec.session_timeout_seconds)])
             self._wait_ready([*rest, proxy], deadline)
@@ -137,6 +134,37 @@ class LocalCluster:
     # Each stage drains while the peers it confirms delivery to are still up: executors
     # (to the proxy and the RM), then the proxy (to the schedulers), schedulers, the RM.
     STOP_STAGES = (("executor",), ("proxy",), ("scheduler",), ("rm",))
+
+    def _beat(self) -> list[str]:
+        # Four beats per timeout: one late beat never gets a live daemon declared lost.
+        return ["--heartbeat-interval-seconds", str(self.spec.heartbeat_timeout_seconds / 4)]
+
+    def _spawn_executor(self, island: int, name: str, devices: int) -> Child:
+        return self._spawn("executor", name, [
+            "--island", str(island), "--rm", self.rm_address, "--devices", str(devices),
+            "--name", name, "--host", name, "--memory-limit", str(self.spec.memory_limit_bytes), *self._beat()])
+
+    def add_executor(self, island: int, name: str, devices: int | None = None) -> Child:
+        """Start one more executor (a host joining the running cluster); returns once it serves."""
+        child = self._spawn_executor(island, name, devices or self.spec.devices_per_host)
+        self._wait_ready([child], time.monotonic() + self.spec.startup_timeout_seconds)
+        return child
+
+    def restart(self, name: str) -> Child:
+        """Kill daemon ``name`` (SIGKILL) and start it again on the same address."""
+        old = self.child(name)
+        if old.popen.poll() is None:
+            old.popen.kill()
+        old.popen.wait()
+        if old.popen.stdout is not None:
+            old.popen.stdout.close()
+        self.children.remove(old)
+        args = [*old.args, "--listen", old.info["address"]]
+        if old.role == "executor":
+            args += ["--data-listen", old.info["data"]]
+        child = self._spawn(old.role, name, args)
+        self._wait_ready([child], time.monotonic() + self.spec.startup_timeout_seconds)
+        return child
 
     def stop(self) -> None:
         """Stop in stages: SIGTERM (drain), then SIGKILL whoever outlives the timeout."""

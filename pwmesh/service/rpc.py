@@ -54,29 +54,43 @@ def raise_error(err: Error) -> None:
 
 
 class Server:
-    """A bound ROUTER socket whose every inbound message is validated, then handled."""
+    """A bound ROUTER socket whose every inbound message is validated, then handled.
+
+    Everything it sends — replies and pushed notifications — leaves through one
+    ordered outbox, so what a handler posts always precedes the handler's reply.
+    """
 
     def __init__(self, ctx: Context, bind: str, handlers: dict[type[Message], Handler], *,
-                 tasks: TaskGroup, name: str, limits: Limits = DEFAULT_LIMITS) -> None:
+                 tasks: TaskGroup, name: str, limits: Limits = DEFAULT_LIMITS,
+                 on_unreachable: Callable[[bytes], None] | None = None) -> None:
         self._sock: RouterSocket = ctx.router(bind)
         self._handlers = {cls.op: h for cls, h in handlers.items()}
         self._tasks = tasks
         self._name = name
         self._limits = limits
+        self._on_unreachable = on_unreachable
+        self._outbox: asyncio.Queue[tuple[bytes, str, list[Any]]] = asyncio.Queue()
         self.address = self._sock.address
         self.rejected = 0  # frames dropped or answered with ProtocolError
 
     def start(self) -> None:
         self._tasks.spawn(self._recv_loop(), name=f"{self._name}.recv")
+        self._tasks.spawn(self._send_loop(), name=f"{self._name}.send")
 
-    async def send(self, peer: bytes, message: Message, *, reply_to: int | None = None) -> bool:
-        """Send to ``peer``; ``False`` (logged) if the peer is gone."""
-        try:
-            await self._sock.send(peer, encode(message, msg_id=next_id(), reply_to=reply_to, sender=self._name))
-        except zmq.ZMQError as exc:
-            log.warning("%s: cannot send %s to peer %r: %s", self._name, message.op, peer, exc)
-            return False
-        return True
+    def post(self, peer: bytes, message: Message, *, reply_to: int | None = None) -> None:
+        """Queue ``message`` for ``peer``; messages leave in the order posted."""
+        frames = encode(message, msg_id=next_id(), reply_to=reply_to, sender=self._name)
+        self._outbox.put_nowait((peer, message.op, frames))
+
+    async def _send_loop(self) -> None:
+        while True:
+            peer, op, frames = await self._outbox.get()
+            try:
+                await self._sock.send(peer, frames)
+            except zmq.ZMQError as exc:  # the peer is gone (ROUTER_MANDATORY): tell, never crash
+                log.warning("%s: cannot send %s to peer %r: %s", self._name, op, peer, exc)
+                if self._on_unreachable is not None:
+                    self._on_unreachable(peer)
 
     async def _recv_loop(self) -> None:
         while True:
@@ -87,37 +101,39 @@ class Server:
                 self.rejected += 1
                 log.warning("%s: rejected frame from %r: %s", self._name, peer, exc.message)
                 if exc.msg_id is not None:
-                    await self.send(peer, Error(code="protocol", message=exc.message), reply_to=exc.msg_id)
+                    self.post(peer, Error(code="protocol", message=exc.message), reply_to=exc.msg_id)
                 continue
             handler = self._handlers.get(env.message.op)
             if handler is None:
                 self.rejected += 1
-                await self.send(
-                    peer,
-                    Error(code="protocol", message=f"{self._name} does not serve op {env.message.op!r}"),
-                    reply_to=env.msg_id,
-                )
+                self.post(peer, Error(code="protocol", message=f"{self._name} does not serve op {env.message.op!r}"),
+                          reply_to=env.msg_id)
                 continue
             try:
                 result = handler(peer, env)
             except Exception as exc:  # a handler bug must not kill the socket
-                log.exception("%s: handler for %s failed", self._name, env.message.op)
-                await self.send(peer, error_reply(exc), reply_to=env.msg_id)
+                self._log_failure(env, exc)
+                self.post(peer, error_reply(exc), reply_to=env.msg_id)
                 continue
             if inspect.isawaitable(result):
                 self._tasks.spawn(self._finish(peer, env, result), name=f"{self._name}.{env.message.op}")
             elif result is not None:
-                await self.send(peer, result, reply_to=env.msg_id)
+                self.post(peer, result, reply_to=env.msg_id)
+
+    def _log_failure(self, env: Envelope, exc: Exception) -> None:
+        if isinstance(exc, PwmeshError):  # an expected refusal: the caller gets it as an error
+            log.info("%s: %s refused: %s", self._name, env.message.op, exc.message)
+        else:
+            log.exception("%s: handler for %s failed", self._name, env.message.op, exc_info=exc)
 
     async def _finish(self, peer: bytes, env: Envelope, pending: Awaitable[Reply]) -> None:
         try:
             reply = await pending
         except Exception as exc:
-            if not isinstance(exc, PwmeshError):
-                log.exception("%s: handler for %s failed", self._name, env.message.op)
+            self._log_failure(env, exc)
             reply = error_reply(exc)
         if reply is not None:
-            await self.send(peer, reply, reply_to=env.msg_id)
+            self.post(peer, reply, reply_to=env.msg_id)
 
 
 class Connection:

@@ -7,6 +7,7 @@ Keys of object-store entries are strings ``"<owner>/<buffer>/<shard>"`` (see
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, ClassVar
 
 import numpy as np
@@ -63,6 +64,7 @@ class ExecutorInfo(Record):
     data: str
     devices: list[DeviceInfo]
     alive: bool = True
+    draining: bool = False  # being emptied: no new slices land here
     pid: int = 0
 
 
@@ -70,6 +72,7 @@ class ExecutorInfo(Record):
 class SchedulerInfo(Record):
     island: int
     address: str
+    name: str = ""
 
 
 @record
@@ -92,6 +95,7 @@ class SliceInfo(Record):
     devices: list[PhysicalDevice]
     map_version: int
     scheduler: str
+    broken: str = ""  # why some devices have no live backing (the island cannot replace them)
 
 
 @record
@@ -236,7 +240,42 @@ class UnregisterExecutor(Message, op="rm.unregister_executor"):
 
 @record
 class WatchCluster(Message, op="rm.watch_cluster"):
-    """Subscribe this connection to ``ExecutorLost`` notifications."""
+    """Subscribe this connection to notifications (``ExecutorLost``, ``SliceRemapped``).
+
+    A proxy also hands over the slices its sessions hold, so a restarted resource
+    manager rebuilds its map from them."""
+
+    role: str
+    name: str
+    slices: list[SliceInfo] = dataclasses.field(default_factory=list)
+
+
+@record
+class PleaseRegister(Message, op="rm.please_register"):
+    """The resource manager does not know the sender (it restarted): register again."""
+
+
+@record
+class DeviceMove(Record):
+    index: int  # which virtual device of the slice
+    old: PhysicalDevice
+    new: PhysicalDevice
+
+
+@record
+class SliceRemapped(Message, op="rm.slice_remapped"):
+    """A slice's virtual devices now live elsewhere (or, with ``slice.broken``, nowhere)."""
+
+    slice: SliceInfo
+    moves: list[DeviceMove]
+    reason: str
+
+
+@record
+class DrainExecutor(Message, op="rm.drain_executor"):
+    """Move every virtual device off this executor; no new slice lands on it."""
+
+    executor: str  # executor id or host label
 
 
 @record
@@ -264,6 +303,13 @@ class SliceAllocated(Message, op="rm.slice_allocated"):
 class ReleaseSlices(Message, op="rm.release_slices"):
     owner: str
     slice_ids: list[int] | None = None
+
+
+@record
+class DrainStarted(Message, op="rm.drain_started"):
+    executor_id: str
+    control: str
+    remapped: int  # slices moved off it
 
 
 @record
@@ -353,6 +399,13 @@ class ExecutorStats(Message, op="exec.stats"):
     outstanding: int
     functions: int
     executed: int
+    memory_limit: int = 0  # bytes; 0: no limit
+    waiting_for_memory: int = 0  # computations held back until memory is freed
+
+
+@record
+class AwaitIdle(Message, op="exec.await_idle"):
+    """Reply once every queued computation and outgoing transfer is done and delivered."""
 
 
 @record
@@ -469,6 +522,20 @@ class ReleaseBuffers(Message, op="proxy.release_buffers"):
 @record
 class GetStatus(Message, op="proxy.get_status"):
     pass
+
+
+@record
+class DrainHost(Message, op="proxy.drain_host"):
+    """Move a host's virtual devices and buffers elsewhere, let its work finish."""
+
+    executor: str  # executor id or host label
+
+
+@record
+class HostDrained(Message, op="proxy.host_drained"):
+    executor_id: str
+    slices: int
+    buffers: int
 
 
 @record

@@ -1,0 +1,191 @@
+"""Memory back-pressure: on a full executor new outputs wait for room; impossible ones fail at once."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Callable, Iterator
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import export
+
+import pwmesh as pw
+from helpers import eventually
+from pwmesh.cli.commands import fetch_status, format_status
+from pwmesh.cli.daemons import _ByteSize
+from pwmesh.errors import DeviceLost
+from pwmesh.executor.functions import FunctionCache
+from pwmesh.executor.runner import Runner, Work
+from pwmesh.executor.store import MemoryBudget, ObjectStore, format_bytes
+from pwmesh.wire.messages import Computation, ExecutorStats, ShardTask
+
+MiB = 1 << 20
+LIMIT = 4 * MiB  # per executor
+HELD = 3 * MiB  # a put buffer that leaves too little room for...
+OUT = 2 * MiB  # ...one computation's output
+
+
+@pytest.fixture(scope="module")
+def small() -> Iterator[pw.LocalCluster]:
+    spec = pw.LocalClusterSpec(islands=1, hosts_per_island=1, devices_per_host=1, memory_limit_bytes=LIMIT)
+    with pw.LocalCluster(spec) as c:
+        yield c
+
+
+def filled(nbytes: int) -> Callable[[jax.Array], jax.Array]:
+    """A per-device function whose output takes ``nbytes`` (float32), however small its input."""
+    return lambda s: jnp.full((nbytes // 4,), s * 2.0, jnp.float32)
+
+
+def test_outputs_that_can_never_fit_fail_at_once(small: pw.LocalCluster) -> None:
+    with pw.Client(small.address) as client:
+        sl = client.make_virtual_device_set().add_slice(devices=1)
+        out = pw.pmap(filled(2 * LIMIT), devices=sl)(np.ones(1, np.float32))
+        with pytest.raises(pw.ResourceExhausted, match="island0-host0") as info:
+            out.block_until_ready()
+        assert "8.0 MiB" in str(info.value) and "4.0 MiB" in str(info.value)
+        # Nothing was reserved or left waiting: the executor keeps serving.
+        inc = pw.pmap(lambda s: s + 1.0, devices=sl)
+        np.testing.assert_array_equal(np.asarray(inc(np.ones(1, np.float32))), [2.0])
+        assert fetch_status(small.address).executor_stats[0].waiting_for_memory == 0
+
+
+def test_outputs_wait_until_a_buffer_is_freed(small: pw.LocalCluster) -> None:
+    def stats() -> ExecutorStats:
+        return fetch_status(small.address).executor_stats[0]
+
+    with pw.Client(small.address) as client:
+        sl = client.make_virtual_device_set().add_slice(devices=1)
+        held = client.put(np.zeros((1, HELD // 4), np.float32), sl)
+        held.block_until_ready()  # the proxy has sent it: the status request below comes after it
+        assert stats().bytes >= HELD
+        out = pw.pmap(filled(OUT), devices=sl)(np.ones(1, np.float32))
+        eventually(lambda: stats().waiting_for_memory == 1, 30)
+        assert not out.is_ready()
+        reply = fetch_status(small.address)
+        assert reply.executor_stats[0].memory_limit == LIMIT
+        assert "/ 4.0 MiB, 1 waiting" in format_status(reply)
+        held.delete()  # frees 3 MiB: the waiting computation runs
+        np.testing.assert_array_equal(np.asarray(out), np.full((1, OUT // 4), 2.0, np.float32))
+        after = stats()
+        assert after.waiting_for_memory == 0 and after.bytes < LIMIT
+
+
+def test_memory_limit_option_takes_suffixes() -> None:
+    size = _ByteSize()
+    assert [size.convert(v, None, None) for v in ("0", "1024", "64M", "64MiB", "2g", "1.5K")] == [
+        0, 1024, 64 * MiB, 64 * MiB, 2 << 30, 1536]
+    for bad in ("lots", "-1M", "M"):
+        with pytest.raises(Exception, match="size"):
+            size.convert(bad, None, None)
+    assert (format_bytes(512), format_bytes(12 * MiB)) == ("512 B", "12.0 MiB")
+
+
+# ------------------------------------------------------------------ unit: no sockets
+
+
+@pytest.mark.asyncio
+async def test_budget_reserves_waits_and_wakes_on_free() -> None:
+    budget = MemoryBudget(limit_bytes=100)
+    budget.allocated(60)  # stored objects count, and are never refused
+    first = budget.request(30, owner="a")
+    assert first.done() and budget.in_use == 90  # fits: reserved at once
+    big, small = budget.request(50, owner="b"), budget.request(20, owner="c")
+    assert not big.done() and not small.done() and budget.waiting == 2
+    budget.allocated(30)  # "a"'s outputs land in the store, then its reservation ends (as the runner does)
+    budget.release(30)
+    assert not big.done() and not small.done()
+    budget.freed(20)  # a deletion: room for "c" only; "b" does not hold it back
+    assert small.done() and not big.done() and budget.waiting == 1
+    budget.freed(50)
+    assert big.done() and budget.waiting == 0
+    assert (budget.stored, budget.reserved) == (20, 70)
+
+
+@pytest.mark.asyncio
+async def test_budget_refuses_the_impossible_and_cancels_waiters() -> None:
+    budget = MemoryBudget(limit_bytes=100)
+    with pytest.raises(pw.ResourceExhausted, match="101 > 100"):
+        budget.request(101, owner="x")
+    budget.allocated(100)
+    waiting = budget.request(10, owner="run1")
+    budget.cancel("run1", DeviceLost("host gone"))
+    with pytest.raises(DeviceLost):
+        waiting.result()
+    assert budget.waiting == 0 and budget.reserved == 0
+    assert MemoryBudget().request(1 << 40, owner="y").done()  # no limit
+
+
+@pytest.mark.asyncio
+async def test_budget_gives_back_what_a_cancelled_task_was_granted() -> None:
+    budget = MemoryBudget(limit_bytes=100)
+    budget.allocated(100)
+    # Drive the coroutine by hand: it stops at its wait, then is cancelled as a task would be.
+    waits = budget.reserve(10, owner="a")
+    waits.send(None)
+    assert budget.waiting == 1
+    with pytest.raises(asyncio.CancelledError):
+        waits.throw(asyncio.CancelledError())
+    assert budget.waiting == 0
+    # Granted, but cancelled before it resumed: the bytes go back.
+    granted_late = budget.reserve(10, owner="b")
+    granted_late.send(None)
+    budget.freed(10)
+    assert budget.reserved == 10
+    with pytest.raises(asyncio.CancelledError):
+        granted_late.throw(asyncio.CancelledError())
+    assert budget.reserved == 0
+
+
+async def until(condition: Callable[[], bool]) -> None:
+    """Let the event loop run until ``condition`` holds (in-process state nobody signals)."""
+    while not condition():
+        await asyncio.sleep(0)
+
+
+@contextlib.asynccontextmanager
+async def running(limit: int) -> AsyncIterator[tuple[Runner, asyncio.Queue[Work]]]:
+    store = ObjectStore()
+    functions = FunctionCache()
+    finished: asyncio.Queue[Work] = asyncio.Queue()
+    runner = Runner(jax.devices("cpu")[:1], store, functions, send=lambda *_: None, done=finished.put_nowait,
+                    memory_limit_bytes=limit)
+    for name, nbytes in (("big", OUT), ("one", 4)):
+        fn = filled(nbytes) if nbytes > 4 else (lambda s: s + 1.0)
+        exported = export.export(jax.jit(fn), platforms=["cpu"])(jax.ShapeDtypeStruct((), jnp.float32))
+        functions.register(name, bytes(exported.serialize()), spmd=False)
+    loop = asyncio.create_task(runner.device_loop(0))
+    try:
+        yield runner, finished
+    finally:
+        loop.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await loop
+        runner.close()
+
+
+def computation(node: int, fn_id: str, inputs: list[str], output: str) -> Computation:
+    return Computation(node=node, fn_id=fn_id, executor_id="e", control="c",
+                       shards=[ShardTask(device=0, inputs=inputs, outputs=[output])], sends=[])
+
+
+@pytest.mark.asyncio
+async def test_cancel_run_releases_a_computation_waiting_for_memory() -> None:
+    async with running(LIMIT) as (runner, finished):
+        runner.store.put("x", np.float32(1.0), 4)
+        runner.store.put("held", np.zeros(HELD // 4, np.float32), HELD)
+        runner.enqueue("r1", "proxy", computation(0, "big", ["x"], "r1/out"))
+        runner.enqueue("r2", "proxy", computation(0, "one", ["x"], "r2/out"))
+        await until(lambda: runner.memory.waiting == 1)
+        runner.cancel_run("r1", DeviceLost("island0-host1 is gone"))
+        cancelled = await finished.get()
+        assert cancelled.run_id == "r1" and isinstance(cancelled.error, DeviceLost)
+        with pytest.raises(DeviceLost):
+            await runner.store.get("r1/out")
+        # The queue behind it is not blocked, and nothing stays reserved.
+        assert (await finished.get()).run_id == "r2"
+        assert float(await runner.store.get("r2/out")) == 2.0
+        assert runner.memory.reserved == 0 and runner.memory.stored == 4 + HELD + 4
