@@ -1,111 +1,209 @@
-"""The island scheduler's single order (IslandOrder), driven directly with ScheduleRun messages."""
+"""The island scheduler (IslandOrder), driven directly with messages: its single order,
+its window, and its sharing policies — no sockets, no clocks (durations are given)."""
 
 from __future__ import annotations
 
-from pwmesh.scheduler.order import IslandOrder, OrderEntry, SendEnqueue
+import collections
+import random
+
+import pytest
+
+from pwmesh.errors import InvalidArgument
+from pwmesh.scheduler.order import IslandOrder, SendEnqueue
 from pwmesh.wire.messages import Computation, Enqueue, ScheduleRun, ShardTask
 
 
-def computation(node: int, executor: str, devices: int = 1) -> Computation:
+def computation(node: int, executor: str, devices: tuple[int, ...] = (0,)) -> Computation:
     return Computation(node=node, fn_id=f"fn{node}", executor_id=executor, control=f"tcp://{executor}:1",
-                       shards=[ShardTask(device=d, inputs=[], outputs=[]) for d in range(devices)], sends=[])
+                       shards=[ShardTask(device=d, inputs=[], outputs=[]) for d in devices], sends=[])
 
 
-def schedule_run(run_id: str, placements: list[tuple[int, str]], proxy: str = "tcp://proxy") -> ScheduleRun:
-    return ScheduleRun(run_id=run_id, proxy=proxy, computations=[computation(n, ex) for n, ex in placements])
+def run(run_id: str, placements: list[tuple[int, str]], session: str = "s", weight: float = 1.0,
+        priority: int = 0) -> ScheduleRun:
+    return ScheduleRun(run_id=run_id, proxy="tcp://proxy", computations=[computation(n, ex) for n, ex in placements],
+                       session=session, weight=weight, priority=priority)
 
 
 def enqueues(actions: list[SendEnqueue]) -> dict[str, Enqueue]:
     by_control = {a.control: a.enqueue for a in actions}
-    assert len(by_control) == len(actions), "one SendEnqueue per executor per run"
+    assert len(by_control) == len(actions), "one Enqueue per executor per run"
     return by_control
 
 
-def test_sequence_numbers_are_consecutive_from_zero() -> None:
+def released(actions: list[SendEnqueue]) -> list[str]:
+    return list(dict.fromkeys(a.enqueue.run_id for a in actions))
+
+
+# ------------------------------------------------------------------ the order
+
+
+def test_sequence_numbers_are_consecutive_and_global_across_runs() -> None:
+    order = IslandOrder(island=0, scheduler="tcp://sched")
+    first = enqueues(order.submit(run("r1", [(0, "a"), (1, "b"), (2, "a")])))
+    second = enqueues(order.submit(run("r2", [(0, "b"), (1, "a")])))
+    assert [c.seq for c in first["tcp://a:1"].computations] == [0, 2]
+    assert [c.seq for c in first["tcp://b:1"].computations] == [1]
+    assert [c.seq for c in second["tcp://b:1"].computations] == [3]
+    assert [c.seq for c in second["tcp://a:1"].computations] == [4]
+    assert order.next_seq == 5
+    assert first["tcp://a:1"].scheduler == "tcp://sched"
+    assert [e.seq for e in order.history] == [0, 1, 2, 3, 4]
+
+
+def test_each_executor_counts_its_enqueues_so_it_can_restore_order() -> None:
+    order = IslandOrder(island=0, window=100)
+    seqs = collections.defaultdict(list)
+    for i in range(5):
+        for control, enq in enqueues(order.submit(run(f"r{i}", [(0, "a")] if i % 2 else [(0, "a"), (1, "b")]))).items():
+            seqs[control].append(enq.executor_seq)
+    assert seqs["tcp://a:1"] == [0, 1, 2, 3, 4]
+    assert seqs["tcp://b:1"] == [0, 1, 2]
+
+
+def test_every_device_sees_the_same_relative_order_of_gangs() -> None:
+    """Random overlapping gangs from several clients: any two gangs sharing devices are
+    ordered the same way on every device they share (what prevents deadlock)."""
+    rng = random.Random(7)
+    executors = ["a", "b", "c", "d"]
+    order = IslandOrder(island=0, window=3)
+    per_device: dict[tuple[str, int], list[int]] = collections.defaultdict(list)
+    in_flight: list[tuple[str, str]] = []
+
+    def record(actions: list[SendEnqueue]) -> None:
+        for action in actions:
+            for comp in action.enqueue.computations:
+                for shard in comp.shards:
+                    per_device[(comp.executor_id, shard.device)].append(comp.seq)
+                in_flight.append((action.enqueue.run_id, comp.executor_id))
+
+    for i in range(200):
+        gang = rng.sample(executors, rng.randint(2, 4))
+        record(order.submit(run(f"r{i}", [(0, ex) for ex in gang], session=f"client{i % 4}")))
+        while in_flight and rng.random() < 0.6:
+            run_id, ex = in_flight.pop(rng.randrange(len(in_flight)))
+            record(order.part_done(run_id, ex, rng.random()))
+    while in_flight:
+        run_id, ex = in_flight.pop(0)
+        record(order.part_done(run_id, ex, 0.1))
+    assert order.next_seq == sum(len(v) for v in per_device.values()) > 0
+    for seqs in per_device.values():
+        assert seqs == sorted(seqs), "each device's queue follows the one island order"
+
+
+# ---------------------------------------------------------------- the window
+
+
+def test_window_holds_runs_back_until_a_part_completes() -> None:
+    order = IslandOrder(island=0, window=2)
+    assert released(order.submit(run("r1", [(0, "a")]))) == ["r1"]
+    assert released(order.submit(run("r2", [(0, "a")]))) == ["r2"]
+    assert order.submit(run("r3", [(0, "a")])) == []
+    assert order.submit(run("r4", [(0, "b")])) == []  # one client's runs keep their order
+    assert released(order.submit(run("o1", [(0, "b")], "other"))) == ["o1"]  # other clients are not held up
+    assert order.part_done("r1", "b", 1.0) == []  # not one of r1's executors: ignored
+    assert released(order.part_done("r1", "a", 1.0)) == ["r3", "r4"]  # r4 was only waiting behind r3
+
+
+def test_a_run_needs_a_slot_on_every_device_it_touches() -> None:
+    order = IslandOrder(island=0, window=1)
+    order.submit(run("r1", [(0, "a")]))
+    assert order.submit(run("r2", [(0, "a"), (1, "b")])) == []
+    assert released(order.part_done("r1", "a", 0.5)) == ["r2"]
+    assert order.part_done("r2", "a", 0.5) == []
+    assert order.submit(run("r3", [(0, "b")])) == []  # r2 still holds b
+    assert released(order.part_done("r2", "b", 0.5)) == ["r3"]
+
+
+def test_forgetting_a_lost_executor_frees_its_slots() -> None:
+    order = IslandOrder(island=0, window=1)
+    order.submit(run("r1", [(0, "a"), (1, "b")]))
+    assert order.submit(run("r2", [(0, "b")])) == []
+    order.part_done("r1", "a", 0.1)
+    assert released(order.forget_executor("b")) == ["r2"]
+
+
+def test_bad_settings_are_refused() -> None:
+    with pytest.raises(InvalidArgument):
+        IslandOrder(island=0, policy="lottery")
+    with pytest.raises(InvalidArgument):
+        IslandOrder(island=0, window=0)
+
+
+# ---------------------------------------------------------------- policies
+
+
+def simulate(order: IslandOrder, clients: dict[str, tuple[float, int]], steps: int, cost: float = 1.0,
+             backlog: int = 4) -> dict[str, float]:
+    """Saturate one device with every client's runs; complete the oldest in flight each step."""
+    counters = collections.Counter[str]()
+    in_flight: collections.deque[tuple[str, str]] = collections.deque()
+
+    def submit(session: str) -> None:
+        weight, priority = clients[session]
+        counters[session] += 1
+        actions = order.submit(run(f"{session}-{counters[session]}", [(0, "a")], session, weight, priority))
+        in_flight.extend((a.enqueue.run_id, "a") for a in actions)
+
+    for session in clients:
+        for _ in range(backlog):
+            submit(session)
+    used = collections.Counter[str]()
+    for _ in range(steps):
+        run_id, ex = in_flight.popleft()
+        session = run_id.rsplit("-", 1)[0]
+        used[session] += cost
+        submit(session)  # every client always has work waiting
+        in_flight.extend((a.enqueue.run_id, "a") for a in order.part_done(run_id, ex, cost))
+    return {s: used[s] / sum(used.values()) for s in clients}
+
+
+def test_fair_shares_follow_weights_over_a_long_run() -> None:
+    weights = {"w1": 1.0, "w2": 2.0, "w4": 4.0, "w8": 8.0}
+    shares = simulate(IslandOrder(island=0, window=2), {s: (w, 0) for s, w in weights.items()}, steps=3000)
+    for session, weight in weights.items():
+        expected = weight / sum(weights.values())
+        assert shares[session] == pytest.approx(expected, rel=0.05), (session, shares)
+
+
+def test_fifo_ignores_weights() -> None:
+    shares = simulate(IslandOrder(island=0, policy="fifo", window=2), {"w1": (1.0, 0), "w8": (8.0, 0)}, steps=1000)
+    assert shares["w1"] == pytest.approx(0.5, abs=0.02)
+
+
+def test_priority_preempts_at_run_boundaries() -> None:
+    order = IslandOrder(island=0, window=1)
+    order.submit(run("low-1", [(0, "a")], "low"))
+    order.submit(run("low-2", [(0, "a")], "low"))
+    order.submit(run("high-1", [(0, "a")], "high", priority=5))
+    # low-1 already runs (non-preemptive); the next slot goes to the higher priority.
+    assert released(order.part_done("low-1", "a", 1.0)) == ["high-1"]
+    order.submit(run("high-2", [(0, "a")], "high", priority=5))
+    assert released(order.part_done("high-1", "a", 100.0)) == ["high-2"]  # usage does not matter across priorities
+    assert released(order.part_done("high-2", "a", 1.0)) == ["low-2"]
+
+
+def test_an_idle_client_earns_no_credit() -> None:
+    order = IslandOrder(island=0, window=1)
+    # "busy" uses the device alone for a long time...
+    order.submit(run("busy-0", [(0, "a")], "busy"))
+    for i in range(1, 50):
+        order.submit(run(f"busy-{i}", [(0, "a")], "busy"))
+        order.part_done(f"busy-{i - 1}", "a", 1.0)
+    # ...then "late" arrives: it gets its fair half, not 49 turns of saved-up credit.
+    for i in range(20):
+        order.submit(run(f"late-{i}", [(0, "a")], "late"))
+        order.submit(run(f"busy-{50 + i}", [(0, "a")], "busy"))
+    turns = []
+    current = "busy-49"
+    for _ in range(20):
+        (current,) = released(order.part_done(current, "a", 1.0))
+        turns.append(current.split("-")[0])
+    assert 9 <= turns.count("late") <= 11, turns
+
+
+def test_usage_is_reported_per_client() -> None:
     order = IslandOrder(island=0)
-    run = schedule_run("r1", [(0, "a"), (0, "b"), (1, "a"), (1, "b")])
-    order.handle(run)
-    assert [c.seq for c in run.computations] == [0, 1, 2, 3]
-    assert order.next_seq == 4
-
-
-def test_sequence_numbers_are_global_across_runs() -> None:
-    order = IslandOrder(island=0)
-    runs = [schedule_run("r1", [(0, "a"), (1, "b")]), schedule_run("r2", [(0, "b")]),
-            schedule_run("r3", [(0, "a"), (1, "a"), (2, "c")])]
-    seqs = []
-    for run in runs:
-        order.handle(run)
-        seqs.extend(c.seq for c in run.computations)
-    assert seqs == list(range(6))
-    assert order.next_seq == 6
-
-
-def test_each_executor_gets_its_computations_in_island_order() -> None:
-    order = IslandOrder(island=0)
-    run = schedule_run("r1", [(0, "a"), (0, "b"), (1, "b"), (2, "a"), (2, "b"), (3, "c")])
-    by_control = enqueues(order.handle(run))
-    assert set(by_control) == {"tcp://a:1", "tcp://b:1", "tcp://c:1"}
-    assert [(c.node, c.seq) for c in by_control["tcp://a:1"].computations] == [(0, 0), (2, 3)]
-    assert [(c.node, c.seq) for c in by_control["tcp://b:1"].computations] == [(0, 1), (1, 2), (2, 4)]
-    assert [(c.node, c.seq) for c in by_control["tcp://c:1"].computations] == [(3, 5)]
-    for control, enqueue in by_control.items():
-        assert all(c.control == control for c in enqueue.computations)
-
-
-def test_one_enqueue_per_executor_per_run_carrying_the_run() -> None:
-    order = IslandOrder(island=0)
-    first = order.handle(schedule_run("r1", [(0, "a"), (1, "a"), (2, "a")], proxy="tcp://p1"))
-    second = order.handle(schedule_run("r2", [(0, "a"), (0, "b")], proxy="tcp://p2"))
-    assert len(first) == 1
-    assert (first[0].enqueue.run_id, first[0].enqueue.proxy) == ("r1", "tcp://p1")
-    assert [c.seq for c in first[0].enqueue.computations] == [0, 1, 2]
-    by_control = enqueues(second)
-    assert set(by_control) == {"tcp://a:1", "tcp://b:1"}
-    assert all((e.run_id, e.proxy) == ("r2", "tcp://p2") for e in by_control.values())
-    assert [c.seq for c in by_control["tcp://a:1"].computations] == [3]
-    assert [c.seq for c in by_control["tcp://b:1"].computations] == [4]
-
-
-def test_computations_keep_their_shards() -> None:
-    order = IslandOrder(island=0)
-    run = ScheduleRun(run_id="r1", proxy="p", computations=[computation(0, "a", devices=4)])
-    (action,) = order.handle(run)
-    assert [s.device for s in action.enqueue.computations[0].shards] == [0, 1, 2, 3]
-
-
-def test_an_empty_run_sends_nothing() -> None:
-    order = IslandOrder(island=0)
-    order.handle(schedule_run("r1", [(0, "a")]))
-    assert order.handle(schedule_run("r2", [])) == []
-    assert order.next_seq == 1
-    assert [c.seq for c in order.handle(schedule_run("r3", [(0, "a")]))[0].enqueue.computations] == [1]
-
-
-def test_history_records_every_entry_in_order() -> None:
-    order = IslandOrder(island=3)
-    order.handle(schedule_run("r1", [(0, "a"), (1, "b")]))
-    order.handle(schedule_run("r2", [(0, "b")]))
-    assert list(order.history) == [
-        OrderEntry(seq=0, run_id="r1", node=0, executor_id="a"),
-        OrderEntry(seq=1, run_id="r1", node=1, executor_id="b"),
-        OrderEntry(seq=2, run_id="r2", node=0, executor_id="b"),
-    ]
-
-
-def test_history_is_bounded_but_sequence_numbers_are_not() -> None:
-    order = IslandOrder(island=0, history=3)
-    for i in range(4):
-        order.handle(schedule_run(f"r{i}", [(0, "a"), (1, "b")]))
-    assert [e.seq for e in order.history] == [5, 6, 7]
-    assert [e.run_id for e in order.history] == ["r2", "r3", "r3"]
-    assert order.next_seq == 8
-
-
-def test_islands_keep_separate_orders() -> None:
-    first, second = IslandOrder(island=0), IslandOrder(island=1)
-    first.handle(schedule_run("r1", [(0, "a"), (1, "a")]))
-    run = schedule_run("r1", [(2, "b")])
-    second.handle(run)
-    assert run.computations[0].seq == 0
-    assert first.next_seq == 2 and second.next_seq == 1
+    order.submit(run("r1", [(0, "a")], "alice", weight=2.0))
+    order.part_done("r1", "a", 1.5)
+    (alice,) = order.usage()
+    assert (alice.session, alice.weight, alice.device_seconds, alice.runs, alice.waiting) == ("alice", 2.0, 1.5, 1, 0)

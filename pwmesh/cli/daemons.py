@@ -41,14 +41,19 @@ def rm_main(listen: str, name: str, heartbeat_timeout_seconds: float, log_level:
 @_rm
 @_listen
 @click.option("--name", default="")
+@click.option("--policy", type=click.Choice(["fair", "fifo"]), default="fair", envvar="PWMESH_POLICY",
+              show_default=True,
+              help="fair: strict priority, then least device time per unit of weight; fifo: arrival order.")
+@click.option("--window", type=click.IntRange(min=1), default=8, envvar="PWMESH_WINDOW", show_default=True,
+              help="Runs in flight per device; the policy chooses among the rest.")
 @_heartbeat
 @_log_level
-def scheduler_main(island: int, rm: str, listen: str, name: str, heartbeat_interval_seconds: float,
-                   log_level: str) -> None:
+def scheduler_main(island: int, rm: str, listen: str, name: str, policy: str, window: int,
+                   heartbeat_interval_seconds: float, log_level: str) -> None:
     """Run the island scheduler of island ISLAND."""
     from pwmesh.scheduler.daemon import Scheduler, SchedulerConfig  # noqa: PLC0415
 
-    config = SchedulerConfig(island=island, rm=rm, listen=listen, name=name,
+    config = SchedulerConfig(island=island, rm=rm, listen=listen, name=name, policy=policy, window=window,
                              heartbeat_interval_seconds=heartbeat_interval_seconds)
     setup_logging("scheduler", config.name or f"scheduler-{island}", log_level)
     run(Scheduler(config))
@@ -90,9 +95,17 @@ class _ByteSize(click.ParamType):
                    "suffixes K, M, G, T are powers of 1024, e.g. 64M, 2G. A computation whose outputs do not "
                    "fit waits until buffers are freed; one that could never fit fails with ResourceExhausted. "
                    "0: no limit.")
+@click.option("--watchdog-seconds", type=float, default=10.0, show_default=True,
+              help="Log gang computations that wait on peer executors for longer than this.")
+@click.option("--test-enqueue-jitter-seconds", type=float, default=0.0, hidden=True)
+@click.option("--test-order-by-arrival", is_flag=True, hidden=True,
+              help="TEST ONLY: ignore the island order (shows why it exists: gangs can deadlock).")
+@click.option("--test-seed", type=int, default=0, hidden=True)
 @_heartbeat
 @_log_level
 def executor_main(island: int, rm: str, devices: int, listen: str, data_listen: str, name: str, host: str,
+                  watchdog_seconds: float, test_enqueue_jitter_seconds: float, test_order_by_arrival: bool,
+                  test_seed: int,
                   memory_limit_bytes: int, heartbeat_interval_seconds: float, log_level: str) -> None:
     """Run a host executor on island ISLAND."""
     # XLA reads its flags once, when JAX initialises: set them before importing it.
@@ -103,7 +116,9 @@ def executor_main(island: int, rm: str, devices: int, listen: str, data_listen: 
 
     config = ExecutorConfig(island=island, rm=rm, devices=devices, listen=listen, data_listen=data_listen,
                             name=name, host=host, heartbeat_interval_seconds=heartbeat_interval_seconds,
-                            memory_limit_bytes=memory_limit_bytes)
+                            memory_limit_bytes=memory_limit_bytes, watchdog_seconds=watchdog_seconds,
+                            test_enqueue_jitter_seconds=test_enqueue_jitter_seconds,
+                            test_order_by_arrival=test_order_by_arrival, test_seed=test_seed)
     setup_logging("executor", name or f"island{island}", log_level)
     run(Executor(config))
 

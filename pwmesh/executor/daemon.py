@@ -11,6 +11,7 @@ import asyncio
 import dataclasses
 import logging
 import os
+import random
 import socket
 from typing import Any
 
@@ -34,6 +35,7 @@ from pwmesh.wire.messages import (
     ExecutorInfo,
     ExecutorStats,
     FetchShards,
+    GangReady,
     GetExecutorStats,
     Heartbeat,
     NodeDone,
@@ -43,6 +45,7 @@ from pwmesh.wire.messages import (
     PutShards,
     RegisterExecutor,
     RegisterFunction,
+    RunPartDone,
     SendShards,
     SendTask,
     ShardData,
@@ -65,6 +68,12 @@ class ExecutorConfig:
     rm_timeout_seconds: float = 30.0
     heartbeat_interval_seconds: float = 2.0
     memory_limit_bytes: int = 0  # all this executor's devices together; 0: no limit
+    watchdog_seconds: float = 10.0  # report gangs waiting on peers for longer than this
+    # Test-only fault injection: delay each Enqueue by a random time, and (arrival
+    # order) run work in the order it arrives instead of the island's order.
+    test_enqueue_jitter_seconds: float = 0.0
+    test_order_by_arrival: bool = False
+    test_seed: int = 0
 
 
 class Executor(Service):
@@ -87,10 +96,15 @@ class Executor(Service):
     async def setup(self) -> None:
         self.functions = FunctionCache()
         self.runner = Runner(self.devices, self.store, self.functions, send=self._send_shard, done=self._node_done,
+                             gang_ready=self._gang_ready, part_done=self._part_done,
                              memory_limit_bytes=self.config.memory_limit_bytes, host=self.host)
+        self._expected_seq: dict[str, int] = {}  # per scheduler: the next Enqueue to admit
+        self._held: dict[str, dict[int, Enqueue]] = {}  # per scheduler: arrived early, by executor_seq
+        self._jitter = random.Random(self.config.test_seed)
         control = {
             RegisterFunction: self._register_function,
             Enqueue: self._enqueue,
+            GangReady: self._peer_ready,
             PutShards: self._put,
             SendShards: self._send_shards,
             FetchShards: self._fetch,
@@ -115,6 +129,7 @@ class Executor(Service):
         await wait_for_peer(self.peers.get(self.config.rm), RegisterExecutor(info=self.info()),
                             timeout_seconds=self.config.rm_timeout_seconds)
         self.tasks.spawn(every(self.config.heartbeat_interval_seconds, self._heartbeat), name="heartbeat")
+        self.tasks.spawn(every(self.config.watchdog_seconds, self._watchdog), name="watchdog")
 
     def info(self) -> ExecutorInfo:
         return ExecutorInfo(
@@ -157,13 +172,54 @@ class Executor(Service):
     def _enqueue(self, peer: bytes, env: Envelope) -> None:
         msg = env.message
         assert isinstance(msg, Enqueue)
+        if self.config.test_enqueue_jitter_seconds > 0:
+            delay = self._jitter.uniform(0, self.config.test_enqueue_jitter_seconds)
+            self.tasks.spawn(self._arrive_late(msg, delay), name=f"jitter-{msg.run_id}")
+        else:
+            self._arrive(msg)
+        return None
+
+    async def _arrive_late(self, msg: Enqueue, delay: float) -> None:
+        await asyncio.sleep(delay)  # test-only: a network that reorders messages
+        self._arrive(msg)
+
+    def _arrive(self, msg: Enqueue) -> None:
+        """Admit Enqueues in the island's order: hold any that overtook an earlier one."""
+        if self.config.test_order_by_arrival or msg.executor_seq < 0:
+            self._admit(msg)
+            return
+        held = self._held.setdefault(msg.scheduler, {})
+        held[msg.executor_seq] = msg
+        expected = self._expected_seq.get(msg.scheduler, 0)
+        while expected in held:
+            self._admit(held.pop(expected))
+            expected += 1
+        self._expected_seq[msg.scheduler] = expected
+
+    def _admit(self, msg: Enqueue) -> None:
         for comp in msg.computations:
             try:
-                self.runner.enqueue(msg.run_id, msg.proxy, comp)
+                self.runner.enqueue(msg.run_id, msg.proxy, comp, msg.scheduler)
             except PwmeshError as exc:
                 self.peers.post(msg.proxy, NodeDone(run_id=msg.run_id, node=comp.node, executor_id=self.name,
                                                     error=error_info(exc)))
-        return None
+
+    def _gang_ready(self, work: Work) -> None:
+        for control in work.comp.peers:
+            self.peers.post(control, GangReady(run_id=work.run_id, node=work.comp.node, control=self.control.address))
+
+    def _peer_ready(self, peer: bytes, env: Envelope) -> None:
+        msg = env.message
+        assert isinstance(msg, GangReady)
+        self.runner.peer_ready(msg.run_id, msg.node, msg.control)
+
+    def _part_done(self, run_id: str, scheduler: str, device_seconds: float) -> None:
+        if scheduler:
+            self.peers.post(scheduler, RunPartDone(run_id=run_id, executor_id=self.name, device_seconds=device_seconds))
+
+    async def _watchdog(self) -> None:
+        for wait in self.runner.gang_waits(older_than_seconds=self.config.watchdog_seconds):
+            log.warning("watchdog: %s", wait)
 
     def _put(self, peer: bytes, env: Envelope) -> Ok:
         msg = env.message
@@ -235,7 +291,8 @@ class Executor(Service):
                              functions=len(self.functions),
                              executed=self.runner.executed,
                              memory_limit=self.runner.memory.limit_bytes,
-                             waiting_for_memory=self.runner.memory.waiting)
+                             waiting_for_memory=self.runner.memory.waiting,
+                             gang_waits=self.runner.gang_waits())
 
     # --------------------------------------------------------------- data plane
 

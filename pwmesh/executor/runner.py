@@ -2,18 +2,23 @@
 
 Each device has one non-preemptive FIFO queue and one worker thread, as a TPU
 core has one stream. The executor puts a computation's shards on their devices'
-queues in island order (the order ``Enqueue`` messages arrive in). A shard
-starts when it reaches its queue's head *and* its inputs have resolved: inputs
-are futures in the object store, posted before their producers run. An SPMD
-(gang) computation occupies every one of its devices' queues and runs once all
-of them have reached it.
+queues in island order. Every computation is a *gang*: it starts only when
+each of its devices has reached it at the head of its queue — on this host, and
+on every other executor holding shards of it (``Computation.peers``; those say
+so with ``GangReady``). Until then the devices that arrived wait, holding their
+queues, exactly as devices running a collective would. That is why every
+executor of an island must see the same order (the island scheduler's): with
+two orders, two gangs can each hold a device the other needs, forever.
 
-Memory back-pressure: a computation's output bytes are known statically. When
-it reaches its queue's head, one whose outputs could never fit the executor's
-memory limit fails at once (``ResourceExhausted``); once its inputs are there,
-one that does not fit *now* waits at the head of its queue, blocking it, until
-deletions free enough (see ``store.MemoryBudget``). The bytes are reserved as the
-shard starts, and become stored bytes when its outputs land.
+Inputs are futures in the object store, posted before their producers run, so
+a gang whose devices have all arrived starts the moment its inputs resolve.
+
+Memory back-pressure: a computation's output bytes are known statically. One
+whose outputs could never fit the executor's memory limit fails at once
+(``ResourceExhausted``); once its inputs are there, one that does not fit *now*
+waits at the head of its queues, blocking them, until deletions free enough
+(see ``store.MemoryBudget``). The bytes are reserved as it starts, and become
+stored bytes when its outputs land.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import asyncio
 import concurrent.futures
 import dataclasses
 import logging
+import time
 import traceback
 from collections.abc import Callable
 from typing import Any
@@ -31,23 +37,30 @@ import jax
 from pwmesh.errors import PwmeshError, RemoteError
 from pwmesh.executor.functions import CompiledFunction, FunctionCache
 from pwmesh.executor.store import ObjectStore
-from pwmesh.wire.messages import Computation, ErrorInfo, SendTask, ShardTask
+from pwmesh.wire.messages import Computation, ErrorInfo, SendTask
 
 log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(eq=False)
 class Work:
-    """One computation of one run on this executor, possibly several shards."""
+    """One computation of one run on this executor: all of its local shards."""
 
     run_id: str
     proxy: str
+    scheduler: str
     comp: Computation
-    remaining: int
+    done: asyncio.Future[None]
+    peers_ready: asyncio.Future[None]
+    arrived: int = 0
+    waiting_since: float = 0.0  # when all local devices arrived (watchdog)
     error: PwmeshError | None = None
     cancelled: PwmeshError | None = None  # its run was cancelled: it never waits for memory
-    gang_arrived: int = 0
-    gang_done: asyncio.Future[None] | None = None
+    device_seconds: float = 0.0
+
+    @property
+    def label(self) -> str:
+        return f"run {self.run_id} node {self.comp.node} (seq {self.comp.seq})"
 
 
 def as_error(exc: BaseException, context: str) -> PwmeshError:
@@ -61,6 +74,11 @@ def error_info(exc: PwmeshError) -> ErrorInfo:
     return ErrorInfo(code=exc.code, message=exc.message, traceback=exc.remote_traceback)
 
 
+def _retrieve(fut: asyncio.Future[Any]) -> None:
+    if not fut.cancelled():
+        fut.exception()
+
+
 class Runner:
     def __init__(
         self,
@@ -70,6 +88,8 @@ class Runner:
         *,
         send: Callable[[SendTask, Any, PwmeshError | None], None],
         done: Callable[[Work], None],
+        gang_ready: Callable[[Work], None] = lambda work: None,
+        part_done: Callable[[str, str, float], None] = lambda run_id, scheduler, seconds: None,
         memory_limit_bytes: int = 0,
         host: str = "",
     ) -> None:
@@ -81,13 +101,18 @@ class Runner:
         self.memory.limit_bytes = memory_limit_bytes
         self._send = send
         self._done = done
-        self.queues: list[asyncio.Queue[tuple[Work, ShardTask | None]]] = [asyncio.Queue() for _ in devices]
+        self._gang_ready = gang_ready
+        self._part_done = part_done
+        self.queues: list[asyncio.Queue[Work]] = [asyncio.Queue() for _ in devices]
         self.pools = [
             concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"pwmesh-dev{i}")
             for i in range(len(devices))
         ]
         self.executed = 0
-        self._runs: dict[str, list[Work]] = {}  # incomplete work by run, for cancellation
+        self._runs: dict[str, list[Work]] = {}  # incomplete work by run, for cancellation and reports
+        self._run_seconds: dict[str, float] = {}
+        self._by_node: dict[tuple[str, int], Work] = {}  # gang waits, for GangReady
+        self._early: dict[tuple[str, int], set[str]] = {}  # GangReady that came before its work
         self._outstanding = 0  # computations enqueued and not yet complete
         self._idle = asyncio.Event()
         self._idle.set()
@@ -100,28 +125,49 @@ class Runner:
         """Return once every enqueued computation has completed (used to drain)."""
         await self._idle.wait()
 
-    def enqueue(self, run_id: str, proxy: str, comp: Computation) -> None:
+    def enqueue(self, run_id: str, proxy: str, comp: Computation, scheduler: str = "") -> None:
         """Put ``comp``'s shards on their devices' queues (synchronously, in call order)."""
-        for shard in comp.shards:
-            if not 0 <= shard.device < len(self.devices):
-                raise PwmeshError(f"computation {comp.node} names device {shard.device}; this host has {len(self.devices)}")
+        devices = [shard.device for shard in comp.shards]
+        if not comp.shards or any(not 0 <= d < len(self.devices) for d in devices) or len(set(devices)) != len(devices):
+            raise PwmeshError(f"computation {comp.node} names devices {devices}; this host has {len(self.devices)}")
+        loop = asyncio.get_running_loop()
+        work = Work(run_id, proxy, scheduler, comp, done=loop.create_future(), peers_ready=loop.create_future())
+        work.peers_ready.add_done_callback(_retrieve)
         self._outstanding += 1
         self._idle.clear()
-        if comp.spmd:
-            work = Work(run_id, proxy, comp, remaining=1, gang_done=asyncio.get_running_loop().create_future())
-            for shard in comp.shards:
-                self.queues[shard.device].put_nowait((work, None))
-        else:
-            work = Work(run_id, proxy, comp, remaining=len(comp.shards))
-            for shard in comp.shards:
-                self.queues[shard.device].put_nowait((work, shard))
+        for device in devices:
+            self.queues[device].put_nowait(work)
         self._runs.setdefault(run_id, []).append(work)
+        self._run_seconds.setdefault(run_id, 0.0)
+        key = (run_id, comp.node)
+        self._by_node[key] = work
+        self._check_peers(work, self._early.pop(key, set()))
+
+    def peer_ready(self, run_id: str, node: int, control: str) -> None:
+        """A peer executor's devices have all reached this gang computation."""
+        key = (run_id, node)
+        work = self._by_node.get(key)
+        if work is None:  # it came before our Enqueue: keep it for then
+            self._early.setdefault(key, set()).add(control)
+        else:
+            self._check_peers(work, {control})
+
+    def _check_peers(self, work: Work, arrived: set[str]) -> None:
+        pending = getattr(work, "_peers_pending", None)
+        if pending is None:
+            pending = set(work.comp.peers)
+            work._peers_pending = pending  # type: ignore[attr-defined]
+        pending -= arrived
+        if not pending and not work.peers_ready.done():
+            work.peers_ready.set_result(None)
 
     def cancel_run(self, run_id: str, error: PwmeshError) -> None:
-        """Fail the inputs and the memory ``run_id``'s computations still wait for, so none blocks its queue."""
+        """Fail what ``run_id``'s computations still wait for (inputs, memory, peers), so none blocks a queue."""
         for work in self._runs.get(run_id, []):
             work.cancelled = error
             self.memory.cancel(work, error)
+            if not work.peers_ready.done():
+                work.peers_ready.set_exception(error)
             for shard in work.comp.shards:
                 for key in shard.inputs:
                     if not self.store.get(key).done():
@@ -130,17 +176,34 @@ class Runner:
     def queued(self) -> list[int]:
         return [q.qsize() for q in self.queues]
 
+    def gang_waits(self, older_than_seconds: float = 0.0) -> list[str]:
+        """What waits on whom: gangs whose local devices are all here but some peer is not."""
+        now = time.monotonic()
+        waits = []
+        for work in self._by_node.values():
+            if work.waiting_since and not work.peers_ready.done() and now - work.waiting_since >= older_than_seconds:
+                missing = sorted(getattr(work, "_peers_pending", set()))
+                devices = ",".join(str(s.device) for s in work.comp.shards)
+                waits.append(f"devices [{devices}] wait at {work.label} for {missing} "
+                             f"({now - work.waiting_since:.1f} s)")
+        return waits
+
     async def device_loop(self, index: int) -> None:
         queue = self.queues[index]
         while True:
-            work, shard = await queue.get()
-            if shard is None:
-                await self._gang(work)
-            else:
-                await self._run_shard(work, shard, index)
+            work = await queue.get()
+            work.arrived += 1
+            if work.arrived < len(work.comp.shards):
+                await asyncio.shield(work.done)  # the last local device to arrive runs it for all
+                continue
+            try:
+                await self._run(work)
+            finally:
+                self._by_node.pop((work.run_id, work.comp.node), None)
+                if not work.done.done():
+                    work.done.set_result(None)
 
-    async def _inputs(self, keys: list[str]) -> list[Any]:
-        return [await self.store.get(k) for k in keys]
+    # --------------------------------------------------------------- running
 
     def _check_fits(self, work: Work, fn: CompiledFunction) -> None:
         """Fail at once if the computation's outputs on this host could never fit its memory."""
@@ -154,64 +217,45 @@ class Runner:
         await self.memory.reserve(nbytes, owner=work)
         return nbytes
 
-    async def _run_shard(self, work: Work, shard: ShardTask, device: int) -> None:
+    async def _run(self, work: Work) -> None:
+        """All local devices are here: meet the peers, then run every local shard."""
+        comp = work.comp
         reserved = 0
-        outs: list[Any] | None = None
+        outs: list[list[Any]] | None = None
         err: PwmeshError | None = None
         try:
-            fn = await self.functions.get(work.comp.fn_id)
+            if comp.peers:
+                work.waiting_since = time.monotonic()
+                self._gang_ready(work)
+                await work.peers_ready
+                work.waiting_since = 0.0
+            fn = await self.functions.get(comp.fn_id)
             self._check_fits(work, fn)
-            args = await self._inputs(shard.inputs)
-            reserved = await self._reserve(work, fn.shard_output_nbytes)
+            per_shard = [[await self.store.get(k) for k in s.inputs] for s in comp.shards]
+            reserved = await self._reserve(work, fn.shard_output_nbytes * len(comp.shards))
             loop = asyncio.get_running_loop()
-            outs = await loop.run_in_executor(self.pools[device], _call_single, fn, self.devices[device], args)
+            if comp.spmd:
+                devices = tuple(self.devices[s.device] for s in comp.shards)
+                outs, seconds = await loop.run_in_executor(self.pools[comp.shards[-1].device], _call_spmd, fn,
+                                                           devices, per_shard)
+                work.device_seconds = seconds * len(devices)
+            else:
+                results = await asyncio.gather(*(
+                    loop.run_in_executor(self.pools[s.device], _call_single, fn, self.devices[s.device], args)
+                    for s, args in zip(comp.shards, per_shard, strict=True)))
+                outs = [r[0] for r in results]
+                work.device_seconds = sum(r[1] for r in results)
         except BaseException as exc:
             if isinstance(exc, asyncio.CancelledError):
                 self.memory.release(reserved)
                 raise
-            err = as_error(exc, f"computation {work.comp.node} ({work.comp.fn_id[:12]}) shard on device {device}")
+            err = as_error(exc, f"computation {comp.node} ({comp.fn_id[:12]})")
         try:
-            self._finish_shard(work, shard.outputs, outs, err)
+            for i, s in enumerate(comp.shards):
+                self._finish_outputs(work, s.outputs, None if outs is None else outs[i], err)
         finally:
             self.memory.release(reserved)  # the outputs are stored bytes now, or failed
-
-    async def _gang(self, work: Work) -> None:
-        assert work.gang_done is not None
-        work.gang_arrived += 1
-        if work.gang_arrived == len(work.comp.shards):
-            # The last device to reach the gang computation runs it for all.
-            reserved = 0
-            outs: list[list[Any]] | None = None
-            err: PwmeshError | None = None
-            try:
-                fn = await self.functions.get(work.comp.fn_id)
-                self._check_fits(work, fn)
-                per_shard = [await self._inputs(s.inputs) for s in work.comp.shards]
-                reserved = await self._reserve(work, fn.shard_output_nbytes * len(work.comp.shards))
-                devices = tuple(self.devices[s.device] for s in work.comp.shards)
-                loop = asyncio.get_running_loop()
-                pool = self.pools[work.comp.shards[-1].device]
-                outs = await loop.run_in_executor(pool, _call_spmd, fn, devices, per_shard)
-            except BaseException as exc:
-                if isinstance(exc, asyncio.CancelledError):
-                    self.memory.release(reserved)
-                    raise
-                err = as_error(exc, f"computation {work.comp.node} ({work.comp.fn_id[:12]})")
-            try:
-                for i, s in enumerate(work.comp.shards):
-                    self._finish_outputs(work, s.outputs, None if outs is None else outs[i], err)
-            finally:
-                self.memory.release(reserved)  # the outputs are stored bytes now, or failed
-            self._complete(work)
-            work.gang_done.set_result(None)
-        else:
-            await asyncio.shield(work.gang_done)
-
-    def _finish_shard(self, work: Work, keys: list[str], outs: list[Any] | None, err: PwmeshError | None) -> None:
-        self._finish_outputs(work, keys, outs, err)
-        work.remaining -= 1
-        if work.remaining == 0:
-            self._complete(work)
+        self._complete(work)
 
     def _finish_outputs(self, work: Work, keys: list[str], outs: list[Any] | None, err: PwmeshError | None) -> None:
         if err is None and outs is not None and len(outs) != len(keys):
@@ -235,28 +279,33 @@ class Runner:
         self._outstanding -= 1
         if self._outstanding == 0:
             self._idle.set()
+        self._done(work)
+        self._run_seconds[work.run_id] = self._run_seconds.get(work.run_id, 0.0) + work.device_seconds
         works = self._runs.get(work.run_id)
         if works is not None:
             works.remove(work)
             if not works:
                 del self._runs[work.run_id]
-        self._done(work)
+                self._part_done(work.run_id, work.scheduler, self._run_seconds.pop(work.run_id))
 
     def close(self) -> None:
         for pool in self.pools:
             pool.shutdown(wait=False, cancel_futures=True)
 
 
-def _call_single(fn: CompiledFunction, device: jax.Device, args: list[Any]) -> list[Any]:
+def _call_single(fn: CompiledFunction, device: jax.Device, args: list[Any]) -> tuple[list[Any], float]:
+    start = time.perf_counter()
     exe = fn.executable((device,))
     placed = [jax.device_put(a, device) for a in args]
     out = exe(*placed)
     leaves = jax.tree_util.tree_leaves(out)
     jax.block_until_ready(leaves)
-    return leaves
+    return leaves, time.perf_counter() - start
 
 
-def _call_spmd(fn: CompiledFunction, devices: tuple[jax.Device, ...], per_shard: list[list[Any]]) -> list[list[Any]]:
+def _call_spmd(fn: CompiledFunction, devices: tuple[jax.Device, ...],
+               per_shard: list[list[Any]]) -> tuple[list[list[Any]], float]:
+    start = time.perf_counter()
     exe = fn.executable(devices)
     sharding = fn.sharding(devices)
     globals_ = []
@@ -271,4 +320,4 @@ def _call_spmd(fn: CompiledFunction, devices: tuple[jax.Device, ...], per_shard:
     for leaf in leaves:
         for s in leaf.addressable_shards:
             result[order[s.device.id]].append(s.data)
-    return result
+    return result, time.perf_counter() - start

@@ -171,6 +171,11 @@ def lower(
             ))
             for v in node.outputs:
                 hold(v, dev)
+        # A node on several executors is one gang: each part waits for the others.
+        if len(site_devices) > 1:
+            for dev in devs:
+                comp = comps[(index, dev.executor_id)]
+                comp.peers = sorted(c for c in site_devices if c != comp.control)
         for control, devices in site_devices.items():
             if is_spmd:
                 out.function_sites.setdefault(node.fn_id, set()).add((control, tuple(devices)))

@@ -342,7 +342,9 @@ class Proxy(Service):
         for control, tasks in lowered.moves.items():
             self.peers.post(control, SendShards(sends=tasks))
         for scheduler, comps in lowered.schedules.items():
-            self.peers.post(scheduler, ScheduleRun(run_id=run.run_id, proxy=self.server.address, computations=comps))
+            self.peers.post(scheduler, ScheduleRun(run_id=run.run_id, proxy=self.server.address, computations=comps,
+                                                   session=session.session_id, weight=session.weight,
+                                                   priority=session.priority))
         if not run.pending:
             self._finish_run(session, run)
 

@@ -1,18 +1,35 @@
-"""The island's single order, as an explicit structure (no sockets).
+"""The island's single order and the sharing policy that feeds it (no sockets).
 
-Every computation that reaches the island gets the next sequence number, in
-the order the scheduler accepts runs; each executor receives its computations
-of a run as one ``Enqueue`` in that order. The policy that picks *which* run
-goes next is FIFO today: sharing policies (weights, priorities) and gang
-semantics replace ``FifoPolicy`` without changing the executors.
+Runs wait in one queue per client. Whenever every device a client's next run
+touches has a free slot (at most ``window`` runs in flight per device), the
+policy may release it; a released run is sequenced at once and whole: each of
+its computations gets the next island sequence number, and each executor gets
+its part as one ``Enqueue`` carrying that executor's own running count, so it
+can restore the order even if messages arrive out of order. Because sequencing
+is atomic per run, every device sees the same relative order of all gang
+computations of all programs — which is what keeps programs whose collectives
+share devices from deadlocking.
+
+Policies pick which client's head run goes next:
+
+- ``fifo``: runs in arrival order, whatever the client.
+- ``fair``: strict priority first; within a priority, the client that has used
+  the least device time per unit of weight (virtual time, charged with the
+  device-seconds executors report). A client that was idle re-enters at the
+  current minimum, so sitting out earns no credit.
 """
 
 from __future__ import annotations
 
 import collections
 import dataclasses
+import itertools
 
-from pwmesh.wire.messages import Computation, Enqueue, ScheduleRun
+from pwmesh.errors import InvalidArgument
+from pwmesh.wire.messages import ClientUsage, Computation, Enqueue, ScheduleRun
+
+POLICIES = ("fifo", "fair")
+DeviceKey = tuple[str, int]  # (executor_id, device)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -21,6 +38,7 @@ class OrderEntry:
     run_id: str
     node: int
     executor_id: str
+    session: str
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -31,44 +49,142 @@ class SendEnqueue:
     enqueue: Enqueue
 
 
-class FifoPolicy:
-    """Runs are ordered by their arrival at the scheduler."""
+@dataclasses.dataclass
+class _Pending:
+    run: ScheduleRun
+    arrival: int
+    footprint: frozenset[DeviceKey]
 
-    def __init__(self) -> None:
-        self._ready: collections.deque[ScheduleRun] = collections.deque()
 
-    def submit(self, run: ScheduleRun) -> None:
-        self._ready.append(run)
+@dataclasses.dataclass
+class _Client:
+    session: str
+    weight: float
+    priority: int
+    queue: collections.deque[_Pending] = dataclasses.field(default_factory=collections.deque)
+    vtime: float = 0.0
+    device_seconds: float = 0.0
+    runs: int = 0
+    in_flight: int = 0
 
-    def next_run(self) -> ScheduleRun | None:
-        return self._ready.popleft() if self._ready else None
+
+@dataclasses.dataclass
+class _InFlight:
+    client: _Client
+    parts: dict[str, list[DeviceKey]]  # executor -> devices it holds
 
 
 class IslandOrder:
-    def __init__(self, island: int, history: int = 10_000) -> None:
+    def __init__(self, island: int, *, policy: str = "fair", window: int = 2, scheduler: str = "",
+                 history: int = 10_000) -> None:
+        if policy not in POLICIES:
+            raise InvalidArgument(f"unknown policy {policy!r}; choose one of {POLICIES}")
+        if window < 1:
+            raise InvalidArgument(f"the window must be at least 1 run per device, got {window}")
         self.island = island
+        self.policy = policy
+        self.window = window
+        self.scheduler = scheduler
         self.next_seq = 0
-        self.policy = FifoPolicy()
         self.history: collections.deque[OrderEntry] = collections.deque(maxlen=history)
+        self.busy: collections.Counter[DeviceKey] = collections.Counter()
+        self._executor_seq: collections.Counter[str] = collections.Counter()
+        self._clients: dict[str, _Client] = {}
+        self._in_flight: dict[str, _InFlight] = {}
+        self._arrivals = itertools.count()
 
-    def handle(self, run: ScheduleRun) -> list[SendEnqueue]:
-        """Accept a run and emit, per executor, its computations in island order."""
-        self.policy.submit(run)
+    # ---------------------------------------------------------------- events
+
+    def submit(self, run: ScheduleRun) -> list[SendEnqueue]:
+        """Queue a run for its client, then release whatever now fits."""
+        client = self._clients.get(run.session)
+        if client is None:
+            client = self._clients[run.session] = _Client(run.session, run.weight, run.priority)
+        client.weight, client.priority = run.weight, run.priority
+        if not client.queue and not client.in_flight:
+            # Re-entering after idling: start level with the others, with no saved-up credit.
+            active = [c.vtime for c in self._clients.values() if c is not client and (c.queue or c.in_flight)]
+            client.vtime = max(client.vtime, min(active, default=client.vtime))
+        footprint = frozenset((c.executor_id, s.device) for c in run.computations for s in c.shards)
+        client.queue.append(_Pending(run, next(self._arrivals), footprint))
+        return self._release()
+
+    def part_done(self, run_id: str, executor_id: str, device_seconds: float) -> list[SendEnqueue]:
+        """An executor finished its part of a run: free its slots, charge the client."""
+        flight = self._in_flight.get(run_id)
+        if flight is None or executor_id not in flight.parts:
+            return []
+        for key in flight.parts.pop(executor_id):
+            self.busy[key] -= 1
+            if self.busy[key] <= 0:
+                del self.busy[key]
+        client = flight.client
+        client.device_seconds += device_seconds
+        client.vtime += device_seconds / client.weight
+        if not flight.parts:
+            del self._in_flight[run_id]
+            client.in_flight -= 1
+        return self._release()
+
+    # --------------------------------------------------------------- policy
+
+    def _fits(self, pending: _Pending) -> bool:
+        return all(self.busy[key] < self.window for key in pending.footprint)
+
+    def _candidates(self) -> list[_Client]:
+        waiting = [c for c in self._clients.values() if c.queue]
+        if self.policy == "fifo":
+            return sorted(waiting, key=lambda c: c.queue[0].arrival)
+        return sorted(waiting, key=lambda c: (-c.priority, c.vtime, c.queue[0].arrival))
+
+    def _release(self) -> list[SendEnqueue]:
+        """Release head runs in policy order while any fits (work-conserving)."""
         actions: list[SendEnqueue] = []
-        while (nxt := self.policy.next_run()) is not None:
-            actions.extend(self._sequence(nxt))
+        released = True
+        while released:
+            released = False
+            for client in self._candidates():
+                if self._fits(client.queue[0]):
+                    actions.extend(self._sequence(client, client.queue.popleft()))
+                    released = True
+                    break
+                if self.policy == "fifo":
+                    break  # FIFO never lets a later run overtake the head
         return actions
 
-    def _sequence(self, run: ScheduleRun) -> list[SendEnqueue]:
+    def _sequence(self, client: _Client, pending: _Pending) -> list[SendEnqueue]:
+        run = pending.run
         per_executor: dict[str, list[Computation]] = {}
         controls: dict[str, str] = {}
+        parts: dict[str, list[DeviceKey]] = {}
         for comp in run.computations:
             comp.seq = self.next_seq
             self.next_seq += 1
-            self.history.append(OrderEntry(comp.seq, run.run_id, comp.node, comp.executor_id))
+            self.history.append(OrderEntry(comp.seq, run.run_id, comp.node, comp.executor_id, run.session))
             per_executor.setdefault(comp.executor_id, []).append(comp)
             controls[comp.executor_id] = comp.control
-        return [
-            SendEnqueue(controls[ex], Enqueue(run_id=run.run_id, proxy=run.proxy, computations=comps))
-            for ex, comps in per_executor.items()
-        ]
+        for key in pending.footprint:
+            self.busy[key] += 1
+            parts.setdefault(key[0], []).append(key)
+        self._in_flight[run.run_id] = _InFlight(client, parts)
+        client.in_flight += 1
+        client.runs += 1
+        actions = []
+        for ex, comps in per_executor.items():
+            enqueue = Enqueue(run_id=run.run_id, proxy=run.proxy, computations=comps, scheduler=self.scheduler,
+                              executor_seq=self._executor_seq[ex])
+            self._executor_seq[ex] += 1
+            actions.append(SendEnqueue(controls[ex], enqueue))
+        return actions
+
+    def forget_executor(self, executor_id: str) -> list[SendEnqueue]:
+        """An executor is gone: its parts will never report; free their slots."""
+        actions: list[SendEnqueue] = []
+        for run_id, flight in list(self._in_flight.items()):
+            if executor_id in flight.parts:
+                actions.extend(self.part_done(run_id, executor_id, 0.0))
+        return actions
+
+    def usage(self) -> list[ClientUsage]:
+        return [ClientUsage(session=c.session, weight=c.weight, priority=c.priority, device_seconds=c.device_seconds,
+                            runs=c.runs, waiting=len(c.queue)) for c in self._clients.values()]

@@ -39,6 +39,8 @@ class LocalClusterSpec:
     startup_timeout_seconds: float = 120.0
     stop_timeout_seconds: float = 10.0
     memory_limit_bytes: int = 0  # per executor (all its devices together); 0: no limit
+    policy: str = "fair"  # the island schedulers' sharing policy
+    executor_args: tuple[str, ...] = ()  # extra flags for every executor (tests: fault injection)
 
 
 @dataclasses.dataclass
@@ -119,7 +121,8 @@ class LocalCluster:
             rest = []
             for island in range(spec.islands):
                 rest.append(self._spawn("scheduler", f"scheduler-{island}",
-                                        ["--island", str(island), "--rm", self.rm_address, *self._beat()]))
+                                        ["--island", str(island), "--rm", self.rm_address, "--policy", spec.policy,
+                                         *self._beat()]))
                 for host in range(spec.hosts_per_island):
                     rest.append(self._spawn_executor(island, f"island{island}-host{host}", spec.devices_per_host))
             proxy = self._spawn("proxy", "proxy", ["--rm", self.rm_address, "--session-timeout-seconds",
@@ -142,7 +145,8 @@ class LocalCluster:
     def _spawn_executor(self, island: int, name: str, devices: int) -> Child:
         return self._spawn("executor", name, [
             "--island", str(island), "--rm", self.rm_address, "--devices", str(devices),
-            "--name", name, "--host", name, "--memory-limit", str(self.spec.memory_limit_bytes), *self._beat()])
+            "--name", name, "--host", name, "--memory-limit", str(self.spec.memory_limit_bytes), *self._beat(),
+            *self.spec.executor_args])
 
     def add_executor(self, island: int, name: str, devices: int | None = None) -> Child:
         """Start one more executor (a host joining the running cluster); returns once it serves."""

@@ -147,6 +147,9 @@ class Computation(Record):
     sends: list[SendTask]
     spmd: bool = False
     seq: int = -1
+    # Control addresses of the other executors holding shards of this node: a gang
+    # computation starts only when every one of them has reached it too.
+    peers: list[str] = dataclasses.field(default_factory=list)
 
 
 @record
@@ -332,12 +335,41 @@ class ScheduleRun(Message, op="sched.schedule_run"):
     run_id: str
     proxy: str
     computations: list[Computation]
+    session: str = ""
+    weight: float = 1.0
+    priority: int = 0
 
 
 @record
-class Scheduled(Message, op="sched.scheduled"):
-    first_seq: int
-    count: int
+class RunPartDone(Message, op="sched.run_part_done"):
+    """An executor finished its part of a run: frees the run's window slots, charges its client."""
+
+    run_id: str
+    executor_id: str
+    device_seconds: float
+
+
+@record
+class GetSchedulerStats(Message, op="sched.get_stats"):
+    pass
+
+
+@record
+class ClientUsage(Record):
+    session: str
+    weight: float
+    priority: int
+    device_seconds: float
+    runs: int
+    waiting: int
+
+
+@record
+class SchedulerStats(Message, op="sched.stats"):
+    island: int
+    policy: str
+    next_seq: int
+    clients: list[ClientUsage]
 
 
 # ------------------------------------------------------------- host executor
@@ -356,6 +388,17 @@ class Enqueue(Message, op="exec.enqueue"):
     run_id: str
     proxy: str
     computations: list[Computation]
+    scheduler: str = ""  # where to report RunPartDone
+    executor_seq: int = -1  # this executor's n-th Enqueue from that scheduler: restores order
+
+
+@record
+class GangReady(Message, op="exec.gang_ready"):
+    """Every device of the executor at ``control`` has reached this gang computation."""
+
+    run_id: str
+    node: int
+    control: str
 
 
 @record
@@ -401,6 +444,7 @@ class ExecutorStats(Message, op="exec.stats"):
     executed: int
     memory_limit: int = 0  # bytes; 0: no limit
     waiting_for_memory: int = 0  # computations held back until memory is freed
+    gang_waits: list[str] = dataclasses.field(default_factory=list)  # what waits on which peers
 
 
 @record
