@@ -10,6 +10,7 @@ import atexit
 import itertools
 import os
 import threading
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -85,13 +86,15 @@ class Client:
         if not self.conn.closed:
             self.conn.post(ReleaseBuffers(buffers=[buffer_id]))
 
-    def fetch(self, arrays: Sequence[Array]) -> list[np.ndarray]:
-        """Values of ``arrays``, fetched in parallel."""
+    def fetch(self, arrays: Sequence[Array], timeout_seconds: float | None = None) -> list[np.ndarray]:
+        """Values of ``arrays``, fetched in parallel; ``PwTimeoutError`` if one takes longer than the timeout."""
         futures = [self.conn.submit(Fetch(buffer=a.buffer_id)) for a in arrays]
+        deadline = None if timeout_seconds is None else time.monotonic() + timeout_seconds
         values = []
         for arr, fut in zip(arrays, futures, strict=True):
             assert fut is not None
-            reply = self.conn.wait(fut, "fetch")
+            remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+            reply = self.conn.wait(fut, "fetch", remaining)
             assert isinstance(reply, BufferValue)
             if len(reply.shards) == 1 or arr.ndim == 0:
                 value = np.array(reply.shards[0], copy=True)

@@ -100,7 +100,7 @@ class Executor(Service):
                              memory_limit_bytes=self.config.memory_limit_bytes, host=self.host)
         self._expected_seq: dict[str, int] = {}  # per scheduler: the next Enqueue to admit
         self._held: dict[str, dict[int, Enqueue]] = {}  # per scheduler: arrived early, by executor_seq
-        self._jitter = random.Random(self.config.test_seed)
+        self._jitter = random.Random(f"{self.config.test_seed}-{self.name}")  # each host its own delays
         control = {
             RegisterFunction: self._register_function,
             Enqueue: self._enqueue,
