@@ -7,13 +7,25 @@ from collections.abc import Callable
 from typing import Any
 
 from pwmesh.client.tracing import ProgramCache, TracedProgram, execute
+from pwmesh.errors import InvalidArgument
+
+DISPATCH_MODES = ("parallel", "sequential")
 
 
 class Program:
-    """A traced, cached dataflow program; calling it dispatches one run asynchronously."""
+    """A traced, cached dataflow program; calling it dispatches one run asynchronously.
 
-    def __init__(self, fn: Callable[..., Any]) -> None:
+    ``dispatch="parallel"`` (the default) sends every node at once, one message per
+    island, so executors prepare all of them before any runs. ``"sequential"`` sends
+    each node only after its predecessors have completed (the slow path the paper
+    compares against; also what a data-dependent node forces on what follows it).
+    """
+
+    def __init__(self, fn: Callable[..., Any], dispatch: str = "parallel") -> None:
+        if dispatch not in DISPATCH_MODES:
+            raise InvalidArgument(f"dispatch must be one of {DISPATCH_MODES}, got {dispatch!r}")
         self.fn = fn
+        self.dispatch = dispatch
         self._cache = ProgramCache(fn)
         functools.update_wrapper(self, fn)
 
@@ -22,9 +34,14 @@ class Program:
         return self._cache.get(args)
 
     def __call__(self, *args: Any) -> Any:
-        return execute(self._cache.get(args), args)
+        return execute(self._cache.get(args), args, sequential=self.dispatch == "sequential")
 
 
-def program(fn: Callable[..., Any]) -> Program:
-    """Decorator: ``fn`` becomes one program, with one node per compiled-function call."""
-    return Program(fn)
+def program(fn: Callable[..., Any] | None = None, *, dispatch: str = "parallel") -> Any:
+    """Decorator: ``fn`` becomes one program, with one node per compiled-function call.
+
+    Use as ``@pw.program`` or ``@pw.program(dispatch="sequential")``.
+    """
+    if fn is None:
+        return lambda f: Program(f, dispatch)
+    return Program(fn, dispatch)

@@ -167,7 +167,7 @@ class ProgramCache:
         return traced
 
 
-def execute(traced: TracedProgram, args: Sequence[Any]) -> Any:
+def execute(traced: TracedProgram, args: Sequence[Any], *, sequential: bool = False) -> Any:
     """Dispatch a traced program without waiting for it; returns its outputs as ``pw.Array`` futures."""
     client = traced.client
     leaves = jax.tree_util.tree_leaves(list(args))
@@ -183,7 +183,7 @@ def execute(traced: TracedProgram, args: Sequence[Any]) -> Any:
     for exported, slice_id in traced.functions:
         client.ensure_function(exported, slice_id)
     ids = [client.new_buffer_id() for _ in traced.spec.outputs]
-    client.conn.post(RunProgram(program=traced.spec, inputs=inputs, outputs=ids))
+    client.conn.post(RunProgram(program=traced.spec, inputs=inputs, outputs=ids, sequential=sequential))
     outs = []
     for buffer_id, v in zip(ids, traced.spec.outputs, strict=True):
         spec = traced.spec.values[v]

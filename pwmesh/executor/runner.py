@@ -24,13 +24,14 @@ stored bytes when its outputs land.
 from __future__ import annotations
 
 import asyncio
+import collections
 import concurrent.futures
 import dataclasses
 import logging
 import time
 import traceback
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 
@@ -63,6 +64,24 @@ class Work:
         return f"run {self.run_id} node {self.comp.node} (seq {self.comp.seq})"
 
 
+class Span(NamedTuple):
+    """When one computation ran on this executor's devices, for ``pwmesh trace``.
+
+    Wall-clock (``time.time()``) seconds, so the spans of processes on one machine
+    line up; across hosts they are only as aligned as the hosts' clocks."""
+
+    arrived: float  # every local device had reached it at the head of its queue
+    ready: float  # every peer executor had too (== arrived for a computation on one host)
+    start: float  # inputs, function and memory were there: it was handed to the devices
+    end: float
+    run_id: str
+    node: int
+    seq: int
+    fn_id: str
+    devices: tuple[int, ...]
+    error: str  # empty when it succeeded
+
+
 def as_error(exc: BaseException, context: str) -> PwmeshError:
     """The error a failed shard stores: remote errors keep their original traceback."""
     if isinstance(exc, PwmeshError):
@@ -92,6 +111,7 @@ class Runner:
         part_done: Callable[[str, str, float], None] = lambda run_id, scheduler, seconds: None,
         memory_limit_bytes: int = 0,
         host: str = "",
+        trace_spans: int = 100_000,
     ) -> None:
         self.devices = devices
         self.store = store
@@ -109,6 +129,7 @@ class Runner:
             for i in range(len(devices))
         ]
         self.executed = 0
+        self.spans: collections.deque[Span] = collections.deque(maxlen=trace_spans)  # newest; for ``pwmesh trace``
         self._runs: dict[str, list[Work]] = {}  # incomplete work by run, for cancellation and reports
         self._run_seconds: dict[str, float] = {}
         self._by_node: dict[tuple[str, int], Work] = {}  # gang waits, for GangReady
@@ -162,8 +183,11 @@ class Runner:
             work.peers_ready.set_result(None)
 
     def cancel_run(self, run_id: str, error: PwmeshError) -> None:
-        """Fail what ``run_id``'s computations still wait for (inputs, memory, peers), so none blocks a queue."""
-        for work in self._runs.get(run_id, []):
+        """Fail what ``run_id``'s computations still wait for (inputs, memory, peers), so none blocks a queue.
+
+        Nodes dispatched one by one (sequential dispatch) run as ``run_id#node``: those too."""
+        works = [w for rid, ws in self._runs.items() if rid == run_id or rid.startswith(f"{run_id}#") for w in ws]
+        for work in works:
             work.cancelled = error
             self.memory.cancel(work, error)
             if not work.peers_ready.done():
@@ -172,6 +196,11 @@ class Runner:
                 for key in shard.inputs:
                     if not self.store.get(key).done():
                         self.store.fail(key, error)
+
+    def trace(self, since: float = 0.0, limit: int = 0) -> list[Span]:
+        """The newest ``limit`` (0: all) recorded spans that ended at or after ``since``."""
+        spans = [s for s in self.spans if s.end >= since]
+        return spans[-limit:] if limit > 0 else spans
 
     def queued(self) -> list[int]:
         return [q.qsize() for q in self.queues]
@@ -223,17 +252,24 @@ class Runner:
         reserved = 0
         outs: list[list[Any]] | None = None
         err: PwmeshError | None = None
+        # Wall clock, so the spans of processes on one machine line up. ``ready``/``start``
+        # stay 0 if it fails before them: it then shows as a zero-length span at the failure.
+        arrived = time.time()
+        ready = 0.0 if comp.peers else arrived
+        start = 0.0
         try:
             if comp.peers:
                 work.waiting_since = time.monotonic()
                 self._gang_ready(work)
                 await work.peers_ready
                 work.waiting_since = 0.0
+                ready = time.time()
             fn = await self.functions.get(comp.fn_id)
             self._check_fits(work, fn)
             per_shard = [[await self.store.get(k) for k in s.inputs] for s in comp.shards]
             reserved = await self._reserve(work, fn.shard_output_nbytes * len(comp.shards))
             loop = asyncio.get_running_loop()
+            start = time.time()
             if comp.spmd:
                 devices = tuple(self.devices[s.device] for s in comp.shards)
                 outs, seconds = await loop.run_in_executor(self.pools[comp.shards[-1].device], _call_spmd, fn,
@@ -250,6 +286,9 @@ class Runner:
                 self.memory.release(reserved)
                 raise
             err = as_error(exc, f"computation {comp.node} ({comp.fn_id[:12]})")
+        end = time.time()
+        self.spans.append(Span(arrived, ready or end, start or end, end, work.run_id, comp.node, comp.seq, comp.fn_id,
+                               tuple(sh.device for sh in comp.shards), "" if err is None else err.message))
         try:
             for i, s in enumerate(comp.shards):
                 self._finish_outputs(work, s.outputs, None if outs is None else outs[i], err)

@@ -35,6 +35,7 @@ from pwmesh.wire.messages import (
     CancelRun,
     CloseSession,
     ClusterStateReply,
+    Computation,
     CreateSlice,
     DeleteShards,
     DrainExecutor,
@@ -341,17 +342,40 @@ class Proxy(Service):
             self.peers.post(control, batch)
         for control, tasks in lowered.moves.items():
             self.peers.post(control, SendShards(sends=tasks))
-        for scheduler, comps in lowered.schedules.items():
-            self.peers.post(scheduler, ScheduleRun(run_id=run.run_id, proxy=self.server.address, computations=comps,
-                                                   session=session.session_id, weight=session.weight,
-                                                   priority=session.priority))
+        if msg.sequential:
+            produced_by = {v: i for i, node in enumerate(program.nodes) for v in node.outputs}
+            for i, node in enumerate(program.nodes):
+                run.waits_for[i] = {produced_by[v] for v in node.inputs if v in produced_by}
+                run.held[i] = []
+            for scheduler, comps in lowered.schedules.items():
+                for comp in comps:
+                    run.held[comp.node].append((scheduler, comp))
+            self._release_nodes(session, run)
+        else:
+            for scheduler, comps in lowered.schedules.items():
+                self._schedule(session, run.run_id, scheduler, comps)
         if not run.pending:
             self._finish_run(session, run)
+
+    def _schedule(self, session: Session, run_id: str, scheduler: str, comps: list[Computation]) -> None:
+        self.peers.post(scheduler, ScheduleRun(run_id=run_id, proxy=self.server.address, computations=comps,
+                                               session=session.session_id, weight=session.weight,
+                                               priority=session.priority))
+
+    def _release_nodes(self, session: Session, run: Run) -> None:
+        """Sequential dispatch: send every held node whose predecessors have all completed."""
+        for node in [n for n, waits in run.waits_for.items() if not waits and n in run.held]:
+            by_scheduler: dict[str, list[Computation]] = {}
+            for scheduler, comp in run.held.pop(node):
+                by_scheduler.setdefault(scheduler, []).append(comp)
+            for scheduler, comps in by_scheduler.items():
+                # Its own scheduler run id: the island's window counts each node separately.
+                self._schedule(session, f"{run.run_id}#{node}", scheduler, comps)
 
     def _node_done(self, peer: bytes, env: Envelope) -> None:
         msg = env.message
         assert isinstance(msg, NodeDone)
-        found = self.runs.get(msg.run_id)
+        found = self.runs.get(msg.run_id.split("#", 1)[0])
         if found is None:
             log.warning("completion for unknown run %s from %s", msg.run_id, msg.executor_id)
             return None
@@ -373,6 +397,10 @@ class Proxy(Service):
             del run.pending[msg.node]
             for buf in run.outputs_of.get(msg.node, []):
                 buf.resolve(None)
+            if run.held:
+                for waits in run.waits_for.values():
+                    waits.discard(msg.node)
+                self._release_nodes(session, run)
             if not run.pending:
                 self._finish_run(session, run)
         return None

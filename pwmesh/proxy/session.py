@@ -13,7 +13,7 @@ import itertools
 
 from pwmesh.errors import PwmeshError
 from pwmesh.ir.lower import ShardLocation, shard_key
-from pwmesh.wire.messages import SliceInfo, ValueSpec
+from pwmesh.wire.messages import Computation, SliceInfo, ValueSpec
 
 
 def _retrieve(fut: asyncio.Future[None]) -> None:
@@ -68,6 +68,9 @@ class Run:
     temporaries: list[Buffer]
     executors: set[str]  # every executor taking part (to cancel the run if one is lost)
     error: PwmeshError | None = None
+    # Sequential dispatch: nodes not sent yet, and the nodes each still waits for.
+    held: dict[int, list[tuple[str, Computation]]] = dataclasses.field(default_factory=dict)
+    waits_for: dict[int, set[int]] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass(eq=False)

@@ -524,6 +524,7 @@ class RunProgram(Message, op="proxy.run_program"):
     program: ProgramSpec
     inputs: list[ProgramInput]
     outputs: list[int]
+    sequential: bool = False  # dispatch each node only once its predecessors are done
 
 
 @record
