@@ -4,19 +4,29 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import runpy
 import signal
 import sys
 import threading
 import time
+from typing import Any
 
 import pwmesh as pw
 from pwmesh.client.connection import ClientConnection
 from pwmesh.examples import figure2
 from pwmesh.executor.store import format_bytes
 from pwmesh.service.local_cluster import LocalCluster, LocalClusterSpec
-from pwmesh.wire.messages import DrainHost, GetStatus, HostDrained, StatusReply
+from pwmesh.wire.messages import (
+    ClusterTrace,
+    DrainHost,
+    GetClusterTrace,
+    GetStatus,
+    HostDrained,
+    StatusReply,
+    TraceEvent,
+)
 
 
 @dataclasses.dataclass
@@ -140,6 +150,106 @@ def status(address: str, as_json: bool) -> str:
     if as_json:
         return json.dumps(reply.to_wire(), indent=2, default=str)
     return format_status(reply)
+
+
+def fetch_trace(address: str, since: float = 0.0, limit: int = 0) -> ClusterTrace:
+    conn = ClientConnection(address, name="trace", open_session=False)
+    try:
+        reply = conn.request(GetClusterTrace(since=since, limit=limit), timeout_seconds=60.0)
+    finally:
+        conn.close()
+    assert isinstance(reply, ClusterTrace)
+    return reply
+
+
+def _us(seconds: float) -> float:
+    return round(seconds * 1e6, 3)
+
+
+def _origin(reply: ClusterTrace) -> float:
+    """A whole second before every event: timestamps count from it, small enough to keep sub-µs precision."""
+    return float(math.floor(min((ev.arrived for t in reply.executors for ev in t.events), default=0.0)))
+
+
+def trace_json(reply: ClusterTrace) -> dict[str, Any]:
+    """The Chrome trace-event / Perfetto JSON of ``reply``: a process per executor, a thread per device.
+
+    Every computation is one complete event (``"ph": "X"``) on each device it ran on;
+    if its devices then waited (for peer executors of a gang, inputs or memory)
+    at least 0.1 ms before it started, a ``wait`` event covers that time. Timestamps are each
+    host's wall clock, in microseconds since ``otherData.origin_unix_seconds``."""
+    origin = _origin(reply)
+    events: list[dict[str, object]] = []
+    executors = sorted(reply.executors, key=lambda t: (t.island, t.executor_id))
+    for pid, got in enumerate(executors, start=1):
+        events.append({"ph": "M", "name": "process_name", "pid": pid, "tid": 0,
+                       "args": {"name": f"{got.executor_id} (island {got.island}, host {got.host})"}})
+        events.append({"ph": "M", "name": "process_sort_index", "pid": pid, "tid": 0, "args": {"sort_index": pid}})
+        for d in got.devices:
+            events.append({"ph": "M", "name": "thread_name", "pid": pid, "tid": d.index,
+                           "args": {"name": f"{d.kind}{d.index}"}})
+            events.append({"ph": "M", "name": "thread_sort_index", "pid": pid, "tid": d.index,
+                           "args": {"sort_index": d.index}})
+        for ev in got.events:
+            events.extend(_trace_events(pid, got.executor_id, got.island, ev, origin))
+    return {
+        "traceEvents": events,
+        "displayTimeUnit": "ms",
+        "otherData": {
+            "clock": "wall clock of each executor's host, microseconds since origin_unix_seconds; "
+                     "events of different hosts line up only as well as their clocks do",
+            "origin_unix_seconds": origin,
+            "limit_per_executor": reply.limit,
+            "missing_executors": reply.missing,
+        },
+    }
+
+
+# Shorter waits (bookkeeping between a device's arrival and the start) stay in the
+# computation's args only, so they do not double the events in the file.
+_WAIT_EVENT_MIN_SECONDS = 1e-4
+
+
+def _trace_events(pid: int, executor_id: str, island: int, ev: TraceEvent,
+                  origin: float) -> list[dict[str, object]]:
+    name = f"{ev.fn_id[:8]} node {ev.node}"
+    args: dict[str, object] = {
+        "run_id": ev.run_id, "node": ev.node, "seq": ev.seq,
+        "session": ev.run_id.partition(":")[0],  # run ids are "<session id>:<n>" (proxy Session.next_run_id)
+        "fn_id": ev.fn_id, "executor": executor_id, "island": island,
+        "gang_wait_us": _us(ev.ready - ev.arrived),  # its local devices all there, waiting for peer executors
+        "input_wait_us": _us(ev.start - ev.ready),  # then for inputs, the compiled function, memory
+    }
+    if ev.error:
+        args["error"] = ev.error
+    out: list[dict[str, object]] = []
+    for device in ev.devices:
+        if ev.start - ev.arrived >= _WAIT_EVENT_MIN_SECONDS:
+            out.append({"ph": "X", "cat": "wait", "name": f"wait: {name}", "pid": pid, "tid": device,
+                        "ts": _us(ev.arrived - origin), "dur": _us(ev.start - ev.arrived), "args": args})
+        out.append({"ph": "X", "cat": "error" if ev.error else "computation", "name": name, "pid": pid,
+                    "tid": device, "ts": _us(ev.start - origin), "dur": _us(max(0.0, ev.end - ev.start)),
+                    "args": args})
+    return out
+
+
+def trace(address: str, out: str, last_seconds: float | None = None, limit: int = 0) -> str:
+    """Write the cluster's trace to ``out``; returns what to tell the user."""
+    since = time.time() - last_seconds if last_seconds is not None else 0.0
+    reply = fetch_trace(address, since=since, limit=limit)
+    doc = trace_json(reply)
+    with open(out, "w", encoding="utf-8") as f:
+        json.dump(doc, f)
+    computations = sum(len(t.events) for t in reply.executors)
+    lines = [f"wrote {len(doc['traceEvents'])} events ({computations} computations on {len(reply.executors)} "
+             f"executors) to {out}",
+             "open it at https://ui.perfetto.dev or chrome://tracing"]
+    if reply.missing:
+        lines.append(f"no answer from {', '.join(reply.missing)}: their devices are not in the trace")
+    full = [t.executor_id for t in reply.executors if reply.limit and len(t.events) >= reply.limit]
+    if full:
+        lines.append(f"only the newest {reply.limit} computations of {', '.join(full)} (use --last-seconds)")
+    return "\n".join(lines)
 
 
 def demo(address: str | None) -> None:

@@ -70,6 +70,25 @@ def drain(address: str | None, host: str, timeout_seconds: float) -> None:
 
 @main.command()
 @_address
+@click.option("--out", required=True, type=click.Path(dir_okay=False, writable=True),
+              help="Where to write the trace (JSON).")
+@click.option("--last-seconds", type=click.FloatRange(min=0), default=None,
+              help="Only computations that ended in the last this many seconds.")
+@click.option("--limit", type=click.IntRange(min=0), default=0, show_default=True,
+              help="At most this many newest computations per executor (0: all they kept).")
+def trace(address: str | None, out: str, last_seconds: float | None, limit: int) -> None:
+    """Write a Chrome/Perfetto trace of what ran on which device, and when.
+
+    One track per device, grouped by executor; open the file at
+    https://ui.perfetto.dev or chrome://tracing.
+    """
+    if not address:
+        raise click.UsageError("no cluster address: pass --address or set PWMESH_ADDRESS (see `pwmesh up`)")
+    click.echo(commands.trace(address, out, last_seconds, limit))
+
+
+@main.command()
+@_address
 def demo(address: str | None) -> None:
     """Run the paper's Figure-2 program and say where each computation ran."""
     commands.demo(address)

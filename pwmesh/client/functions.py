@@ -11,7 +11,6 @@ needs the slice's devices on one executor until cross-host collectives land.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -25,6 +24,7 @@ from jax.sharding import AbstractMesh, NamedSharding, PartitionSpec
 from pwmesh.client.devices import Slice, VirtualDevice, slice_of
 from pwmesh.client.tracing import ProgramCache, call_mapped
 from pwmesh.errors import InvalidArgument
+from pwmesh.ir.keys import function_id
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,7 +84,7 @@ class MappedFunction:
             exp = export.export(jax.jit(mapped), platforms=["cpu"])(*sharded)
             out_avals = tuple(jax.ShapeDtypeStruct(o.shape, o.dtype) for o in exp.out_avals)
         serialized = bytes(exp.serialize())
-        fn_id = hashlib.sha256(serialized + (b"spmd" if self.axis_name else b"")).hexdigest()[:32]
+        fn_id = function_id(serialized, self.axis_name is not None)
         found = ExportedFunction(fn_id, serialized, self.axis_name is not None, out_avals, exp.out_tree)
         with self._lock:
             self._exports[key] = found

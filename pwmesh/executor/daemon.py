@@ -8,6 +8,7 @@ never wait behind bulk data.
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
 import logging
 import os
@@ -20,7 +21,7 @@ import numpy as np
 
 from pwmesh.errors import InvalidArgument, PwmeshError, error_class
 from pwmesh.executor.functions import FunctionCache
-from pwmesh.executor.runner import Runner, Work, error_info
+from pwmesh.executor.runner import Runner, Work, as_error, error_info
 from pwmesh.executor.store import ObjectStore
 from pwmesh.service.heartbeat import every
 from pwmesh.service.lifecycle import Service
@@ -35,8 +36,10 @@ from pwmesh.wire.messages import (
     ExecutorInfo,
     ExecutorStats,
     FetchShards,
+    ForgetOwner,
     GangReady,
     GetExecutorStats,
+    GetTrace,
     Heartbeat,
     NodeDone,
     Ok,
@@ -50,6 +53,8 @@ from pwmesh.wire.messages import (
     SendTask,
     ShardData,
     ShardValues,
+    TraceEvent,
+    TraceEvents,
     UnregisterExecutor,
 )
 
@@ -101,6 +106,7 @@ class Executor(Service):
         self._expected_seq: dict[str, int] = {}  # per scheduler: the next Enqueue to admit
         self._held: dict[str, dict[int, Enqueue]] = {}  # per scheduler: arrived early, by executor_seq
         self._jitter = random.Random(f"{self.config.test_seed}-{self.name}")  # each host its own delays
+        self._cancelled: collections.OrderedDict[str, PwmeshError] = collections.OrderedDict()
         control = {
             RegisterFunction: self._register_function,
             Enqueue: self._enqueue,
@@ -110,8 +116,10 @@ class Executor(Service):
             FetchShards: self._fetch,
             DeleteShards: self._delete,
             CancelRun: self._cancel_run,
+            ForgetOwner: self._forget_owner,
             AwaitIdle: self._await_idle,
             GetExecutorStats: lambda peer, env: self.stats(),
+            GetTrace: self._trace,
             Ping: self.ping,
         }
         self.control = Server(self.ctx, self.config.listen, control, tasks=self.tasks, name=self.name)
@@ -197,6 +205,15 @@ class Executor(Service):
         self._expected_seq[msg.scheduler] = expected
 
     def _admit(self, msg: Enqueue) -> None:
+        cancelled = self._cancelled.get(msg.run_id.split("#", 1)[0])
+        if cancelled is not None:
+            # The cancellation overtook this Enqueue (they travel different paths):
+            # fail it at once, and give the scheduler its window slot back.
+            for comp in msg.computations:
+                self.peers.post(msg.proxy, NodeDone(run_id=msg.run_id, node=comp.node, executor_id=self.name,
+                                                    error=error_info(cancelled)))
+            self._part_done(msg.run_id, msg.scheduler, 0.0)
+            return
         for comp in msg.computations:
             try:
                 self.runner.enqueue(msg.run_id, msg.proxy, comp, msg.scheduler)
@@ -226,8 +243,15 @@ class Executor(Service):
         assert isinstance(msg, PutShards)
         if not (len(msg.keys) == len(msg.arrays) == len(msg.devices)):
             raise InvalidArgument("put_shards needs as many keys, devices and arrays")
+        first: Exception | None = None
         for key, device, array in zip(msg.keys, msg.devices, msg.arrays, strict=True):
-            self._store_array(key, device, array)
+            try:
+                self._store_array(key, device, array)
+            except Exception as exc:  # every key gets a value or a failure: none is left pending
+                self.store.fail(key, as_error(exc, f"storing {key}"))
+                first = first or exc
+        if first is not None:
+            raise first
         return Ok()
 
     def _store_array(self, key: str, device: int, array: np.ndarray) -> None:
@@ -277,13 +301,31 @@ class Executor(Service):
         msg = env.message
         assert isinstance(msg, CancelRun)
         err = error_class(msg.error.code)(msg.error.message, remote_traceback=msg.error.traceback)
+        self._cancelled[msg.run_id] = err
+        while len(self._cancelled) > 10_000:  # runs are cancelled rarely; remember the recent ones
+            self._cancelled.popitem(last=False)
         self.runner.cancel_run(msg.run_id, err)
+
+    def _forget_owner(self, peer: bytes, env: Envelope) -> None:
+        msg = env.message
+        assert isinstance(msg, ForgetOwner)
+        self.store.forget_owner(msg.prefix)
 
     def _delete(self, peer: bytes, env: Envelope) -> Ok:
         msg = env.message
         assert isinstance(msg, DeleteShards)
         self.store.delete(msg.keys)
         return Ok()
+
+    def _trace(self, peer: bytes, env: Envelope) -> TraceEvents:
+        msg = env.message
+        assert isinstance(msg, GetTrace)
+        events = [TraceEvent(run_id=s.run_id, node=s.node, seq=s.seq, fn_id=s.fn_id, devices=list(s.devices),
+                             arrived=s.arrived, ready=s.ready, start=s.start, end=s.end, error=s.error)
+                  for s in self.runner.trace(since=msg.since, limit=msg.limit)]
+        info = self.info()
+        return TraceEvents(executor_id=self.name, island=self.config.island, host=self.host, devices=info.devices,
+                           events=events)
 
     def stats(self) -> ExecutorStats:
         return ExecutorStats(executor_id=self.name, objects=len(self.store), bytes=self.store.nbytes,

@@ -82,7 +82,13 @@ class FunctionCache:
         fut = self._entry(fn_id)
         if fut.done():
             return fut.result()
-        fn = CompiledFunction(fn_id, export.deserialize(bytearray(serialized)), spmd)
+        try:
+            fn = CompiledFunction(fn_id, export.deserialize(bytearray(serialized)), spmd)
+        except Exception as exc:  # e.g. exported by a JAX this executor cannot read
+            err = InvalidArgument(f"function {fn_id[:12]} cannot be loaded here: {type(exc).__name__}: {exc}")
+            fut.set_exception(err)  # computations waiting for it fail with the reason, not hang
+            fut.exception()
+            raise err from None
         fut.set_result(fn)
         return fn
 

@@ -53,6 +53,7 @@ class Work:
     comp: Computation
     done: asyncio.Future[None]
     peers_ready: asyncio.Future[None]
+    cancel: asyncio.Future[None]  # fails when its run is cancelled: ends every wait of this work
     arrived: int = 0
     waiting_since: float = 0.0  # when all local devices arrived (watchdog)
     error: PwmeshError | None = None
@@ -152,8 +153,10 @@ class Runner:
         if not comp.shards or any(not 0 <= d < len(self.devices) for d in devices) or len(set(devices)) != len(devices):
             raise PwmeshError(f"computation {comp.node} names devices {devices}; this host has {len(self.devices)}")
         loop = asyncio.get_running_loop()
-        work = Work(run_id, proxy, scheduler, comp, done=loop.create_future(), peers_ready=loop.create_future())
+        work = Work(run_id, proxy, scheduler, comp, done=loop.create_future(), peers_ready=loop.create_future(),
+                    cancel=loop.create_future())
         work.peers_ready.add_done_callback(_retrieve)
+        work.cancel.add_done_callback(_retrieve)
         self._outstanding += 1
         self._idle.clear()
         for device in devices:
@@ -192,10 +195,9 @@ class Runner:
             self.memory.cancel(work, error)
             if not work.peers_ready.done():
                 work.peers_ready.set_exception(error)
-            for shard in work.comp.shards:
-                for key in shard.inputs:
-                    if not self.store.get(key).done():
-                        self.store.fail(key, error)
+            # Only this work stops waiting: the keys it waits for may serve other runs.
+            if not work.cancel.done():
+                work.cancel.set_exception(error)
 
     def trace(self, since: float = 0.0, limit: int = 0) -> list[Span]:
         """The newest ``limit`` (0: all) recorded spans that ended at or after ``since``."""
@@ -227,6 +229,8 @@ class Runner:
                 continue
             try:
                 await self._run(work)
+            except Exception:  # a bug in one computation must not take its device down with it
+                log.exception("computation %s failed outside its own error handling", work.label)
             finally:
                 self._by_node.pop((work.run_id, work.comp.node), None)
                 if not work.done.done():
@@ -264,9 +268,9 @@ class Runner:
                 await work.peers_ready
                 work.waiting_since = 0.0
                 ready = time.time()
-            fn = await self.functions.get(comp.fn_id)
+            fn = await _unless_cancelled(asyncio.ensure_future(self.functions.get(comp.fn_id)), work)
             self._check_fits(work, fn)
-            per_shard = [[await self.store.get(k) for k in s.inputs] for s in comp.shards]
+            per_shard = [[await _unless_cancelled(self.store.get(k), work) for k in s.inputs] for s in comp.shards]
             reserved = await self._reserve(work, fn.shard_output_nbytes * len(comp.shards))
             loop = asyncio.get_running_loop()
             start = time.time()
@@ -330,6 +334,15 @@ class Runner:
     def close(self) -> None:
         for pool in self.pools:
             pool.shutdown(wait=False, cancel_futures=True)
+
+
+async def _unless_cancelled(fut: asyncio.Future[Any], work: Work) -> Any:
+    """``await fut``, unless ``work``'s run is cancelled first (then raise the reason)."""
+    if not fut.done():
+        await asyncio.wait((fut, work.cancel), return_when=asyncio.FIRST_COMPLETED)
+    if not fut.done():
+        raise work.cancelled or PwmeshError(f"{work.label} was cancelled")
+    return fut.result()
 
 
 def _call_single(fn: CompiledFunction, device: jax.Device, args: list[Any]) -> tuple[list[Any], float]:

@@ -2,8 +2,9 @@
 
 ``get`` on a key that has not arrived yet posts a receive: it returns the future
 that a later ``put`` (a local computation, or the data plane) resolves. Keys are
-never reused, so a key deleted while pending is remembered (``_deleted``) and a
-late arrival for it is dropped instead of leaking.
+never reused, so every deleted key is remembered (``_deleted``, dropped per owner
+when its session ends): a late arrival for it is dropped instead of leaking, and
+a late ``get`` fails at once instead of waiting for a value that never comes.
 
 The store also keeps the host's memory account (``MemoryBudget``): what it holds,
 what running computations have reserved for their outputs, and who waits for room.
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 from typing import Any
 
 from pwmesh.errors import NotFound, PwmeshError, ResourceExhausted
@@ -35,6 +37,9 @@ class _Waiter:
     nbytes: int
     owner: object
     granted: asyncio.Future[None]
+
+
+log = logging.getLogger(__name__)
 
 
 class MemoryBudget:
@@ -176,8 +181,9 @@ class ObjectStore:
         if key in self._deleted:
             return
         fut = self._entry(key)
-        if fut.done():
-            raise PwmeshError(f"object {key} was produced twice")
+        if fut.done():  # a confused or hostile peer; the first value stands
+            log.warning("object %s was produced twice; keeping the first", key)
+            return
         fut.set_result(value)
         self._nbytes[key] = nbytes
         self.memory.allocated(nbytes)
@@ -195,10 +201,10 @@ class ObjectStore:
         for key in keys:
             fut = self._entries.pop(key, None)
             freed += self._nbytes.pop(key, 0)
+            self._deleted.add(key)
             if fut is not None:
                 removed += 1
                 if not fut.done():
-                    self._deleted.add(key)
                     fut.set_exception(NotFound(f"object {key} was deleted before it arrived"))
         if freed:
             self.memory.freed(freed)  # wakes computations waiting for room

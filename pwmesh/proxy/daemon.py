@@ -19,7 +19,16 @@ from typing import Any
 
 import numpy as np
 
-from pwmesh.errors import DeviceLost, InvalidArgument, NotFound, PwmeshError, ResourceExhausted, error_class
+from pwmesh.errors import (
+    DeviceLost,
+    InvalidArgument,
+    NotFound,
+    ProtocolError,
+    PwmeshError,
+    ResourceExhausted,
+    error_class,
+)
+from pwmesh.ir.keys import function_id
 from pwmesh.ir.lower import ShardLocation, lower, slice_locations, split_host_array
 from pwmesh.proxy.session import Buffer, Run, Session
 from pwmesh.service.heartbeat import Liveness, every
@@ -35,20 +44,25 @@ from pwmesh.wire.messages import (
     CancelRun,
     CloseSession,
     ClusterStateReply,
+    ClusterTrace,
     Computation,
     CreateSlice,
     DeleteShards,
     DrainExecutor,
     DrainHost,
     DrainStarted,
+    Error,
     ErrorInfo,
     ExecutorLost,
     ExecutorStats,
     Fetch,
     FetchShards,
+    ForgetOwner,
     GetClusterState,
+    GetClusterTrace,
     GetExecutorStats,
     GetStatus,
+    GetTrace,
     Heartbeat,
     HostDrained,
     NodeDone,
@@ -74,6 +88,7 @@ from pwmesh.wire.messages import (
     SliceCreated,
     SliceRemapped,
     StatusReply,
+    TraceEvents,
     ValueSpec,
     WatchCluster,
 )
@@ -92,6 +107,8 @@ class ProxyConfig:
     client_heartbeat_interval_seconds: float = 5.0
     rm_heartbeat_interval_seconds: float = 2.0
     drain_timeout_seconds: float = 300.0
+    trace_timeout_seconds: float = 10.0  # per executor, for GetClusterTrace
+    trace_events_per_reply: int = 200_000  # over all executors: ~32 MiB, half the message size limit
 
 
 class Proxy(Service):
@@ -123,6 +140,7 @@ class Proxy(Service):
             QueryBuffers: self._query_buffers,
             ReleaseBuffers: self._release_buffers,
             GetStatus: self._status,
+            GetClusterTrace: self._trace,
             DrainHost: self._drain_host,
             NodeDone: self._node_done,
             Ping: self.ping,
@@ -201,9 +219,19 @@ class Proxy(Service):
             buf.client_ref = False
             self._maybe_free(session, buf)
         session.buffers.clear()
+        session.ended = True
+        session.hosts |= {d.control for sl in session.slices.values() for d in sl.devices}
         if session.slices:
             self.peers.post(self.config.rm, ReleaseSlices(owner=session.session_id))
             session.slices.clear()
+        self._forget_if_done(session)
+
+    def _forget_if_done(self, session: Session) -> None:
+        """Once an ended session's last run is over, executors may drop its tombstones."""
+        if session.ended and not session.runs:
+            for control in session.hosts - self.peers.lost:
+                self.peers.post(control, ForgetOwner(prefix=f"{session.session_id}/"))
+            session.hosts.clear()
 
     # ------------------------------------------------------------------- slices
 
@@ -224,6 +252,8 @@ class Proxy(Service):
         session = self._session(peer)
         if msg.slice_id not in session.slices:
             raise NotFound(f"slice {msg.slice_id} is not one of this session's slices")
+        if msg.fn_id != function_id(msg.exported, msg.spmd):
+            raise InvalidArgument("a function's id must be the hash of its exported bytes (see client.functions)")
         self.exported.setdefault(msg.fn_id, msg.exported)
         session.functions[msg.fn_id] = msg.spmd
         return Ok()
@@ -240,7 +270,7 @@ class Proxy(Service):
             # The client did not wait: its output futures carry the error instead.
             for cid, v in zip(msg.outputs, msg.program.outputs, strict=False):
                 if cid not in session.buffers and 0 <= v < len(msg.program.values):
-                    buf = Buffer.new(f"b{cid}", msg.program.values[v], client_ref=True)
+                    buf = Buffer.new(session.buffer_name(cid), msg.program.values[v], client_ref=True)
                     buf.resolve(exc)
                     session.buffers[cid] = buf
             raise
@@ -279,12 +309,14 @@ class Proxy(Service):
                 temporaries.append(Buffer.new(names[v], spec, client_ref=False))
             else:
                 raise InvalidArgument(f"input {v} has neither an array nor a buffer")
+        if len(set(msg.outputs)) != len(msg.outputs):
+            raise InvalidArgument(f"output buffer ids must be distinct, got {msg.outputs}")
         outputs: dict[int, int] = {}
         for v, cid in zip(program.outputs, msg.outputs, strict=True):
             if cid in session.buffers or v in outputs or names[v]:
                 raise InvalidArgument(f"output buffer {cid} (value {v}) is already taken or is an input")
             outputs[v] = cid
-            names[v] = f"b{cid}"
+            names[v] = session.buffer_name(cid)
         for v, name in enumerate(names):
             if not name:
                 names[v] = session.temp_name()
@@ -319,6 +351,8 @@ class Proxy(Service):
                 made.append(buf)
                 if v in outputs:
                     session.buffers[outputs[v]] = buf
+                    buf.pins += 1  # until the run finishes: a release meanwhile must not delete under it
+                    run.outputs.append(buf)
                 else:
                     temporaries.append(buf)
             run.outputs_of[index] = made
@@ -375,6 +409,8 @@ class Proxy(Service):
     def _node_done(self, peer: bytes, env: Envelope) -> None:
         msg = env.message
         assert isinstance(msg, NodeDone)
+        if peer in self.sessions:
+            raise ProtocolError("completions come from executors, not from client sessions")
         found = self.runs.get(msg.run_id.split("#", 1)[0])
         if found is None:
             log.warning("completion for unknown run %s from %s", msg.run_id, msg.executor_id)
@@ -414,6 +450,8 @@ class Proxy(Service):
             self._executor_lost(msg)
         elif isinstance(msg, SliceRemapped):
             self._slice_remapped(msg)
+        elif isinstance(msg, Error):
+            log.warning("a daemon refused a message we sent without waiting: %s: %s", msg.code, msg.message)
         elif isinstance(msg, PleaseRegister):  # the resource manager restarted
             log.warning("the resource manager asked us to register again; handing it our slices")
             self.peers.post(self.config.rm, self._watch())
@@ -471,9 +509,9 @@ class Proxy(Service):
                 if any(loc.executor_id == lost.executor_id for loc in buf.locations):
                     buf.lost = err
                     buf.resolve(err)
-            for run in list(session.runs.values()):
-                if self._needs(run, lost) or any(b.lost is not None for b in run.pinned):
-                    self._abort_run(session, run, err)
+        for session, run in list(self.runs.values()):  # ended sessions' runs too
+            if self._needs(run, lost) or any(b.lost is not None for b in run.pinned):
+                self._abort_run(session, run, err)
 
     @staticmethod
     def _needs(run: Run, lost: ExecutorLost) -> bool:
@@ -498,11 +536,13 @@ class Proxy(Service):
     def _finish_run(self, session: Session, run: Run) -> None:
         self.runs.pop(run.run_id, None)
         session.runs.pop(run.run_id, None)
-        for buf in run.pinned:
+        session.hosts |= run.executors
+        for buf in (*run.pinned, *run.outputs):
             buf.pins -= 1
             self._maybe_free(session, buf)
         for buf in run.temporaries:
             self._maybe_free(session, buf)
+        self._forget_if_done(session)
 
     # ------------------------------------------------------------------ buffers
 
@@ -518,6 +558,17 @@ class Proxy(Service):
         msg = env.message
         assert isinstance(msg, PutBuffer)
         session = self._session(peer)
+        try:
+            return self._put(session, msg)
+        except PwmeshError as exc:
+            if msg.buffer not in session.buffers:  # the client did not wait: the array carries the cause
+                spec = ValueSpec(shape=list(msg.array.shape), dtype=msg.array.dtype.name, shards=1)
+                failed = Buffer.new(session.buffer_name(msg.buffer), spec, client_ref=True)
+                failed.resolve(exc)
+                session.buffers[msg.buffer] = failed
+            raise
+
+    def _put(self, session: Session, msg: PutBuffer) -> Ok:
         sl = session.slices.get(msg.slice_id)
         if sl is None:
             raise NotFound(f"slice {msg.slice_id} is not one of this session's slices")
@@ -527,7 +578,7 @@ class Proxy(Service):
         if n > 1 and (msg.array.ndim == 0 or msg.array.shape[0] % n):
             raise InvalidArgument(f"an array of shape {msg.array.shape} cannot be split evenly over {n} devices")
         spec = ValueSpec(shape=list(msg.array.shape), dtype=msg.array.dtype.name, shards=n)
-        buf = Buffer.new(f"b{msg.buffer}", spec, client_ref=True)
+        buf = Buffer.new(session.buffer_name(msg.buffer), spec, client_ref=True)
         buf.locations = slice_locations(sl)
         buf.slice_id = sl.slice_id
         puts: dict[str, PutShards] = {}
@@ -627,3 +678,26 @@ class Proxy(Service):
             for s in self.sessions.values()
         ]
         return StatusReply(cluster=reply.state, sessions=sessions, executor_stats=[s for s in found if s])
+
+    async def _trace(self, peer: bytes, env: Envelope) -> ClusterTrace:
+        """Every live executor's recorded computations, for ``pwmesh trace``."""
+        msg = env.message
+        assert isinstance(msg, GetClusterTrace)
+        reply = await self.peers.request(self.config.rm, GetClusterState(), timeout_seconds=self.config.rm_timeout_seconds)
+        assert isinstance(reply, ClusterStateReply)
+        live = [e for e in reply.state.executors if e.alive]
+        # About 160 bytes an event on the wire: keep the whole reply well inside one message.
+        limit = self.config.trace_events_per_reply // max(1, len(live))
+        limit = min(limit, msg.limit) if msg.limit > 0 else limit
+
+        async def events(control: str) -> TraceEvents | None:
+            try:
+                got = await self.peers.request(control, GetTrace(since=msg.since, limit=limit),
+                                               timeout_seconds=self.config.trace_timeout_seconds)
+            except PwmeshError:
+                return None
+            return got if isinstance(got, TraceEvents) else None
+
+        found = await asyncio.gather(*(events(e.control) for e in live))
+        return ClusterTrace(executors=[t for t in found if t], limit=limit,
+                            missing=[e.executor_id for e, t in zip(live, found, strict=True) if t is None])

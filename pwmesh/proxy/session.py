@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import itertools
+import secrets
 
 from pwmesh.errors import PwmeshError
 from pwmesh.ir.lower import ShardLocation, shard_key
@@ -64,10 +65,11 @@ class Run:
     run_id: str
     pending: dict[int, set[str]]  # node -> executors yet to report
     outputs_of: dict[int, list[Buffer]]  # node -> the buffers it produces
-    pinned: list[Buffer]
+    pinned: list[Buffer]  # inputs it reads
     temporaries: list[Buffer]
     executors: set[str]  # every executor taking part (to cancel the run if one is lost)
     error: PwmeshError | None = None
+    outputs: list[Buffer] = dataclasses.field(default_factory=list)  # pinned until it finishes
     # Sequential dispatch: nodes not sent yet, and the nodes each still waits for.
     held: dict[int, list[tuple[str, Computation]]] = dataclasses.field(default_factory=dict)
     waits_for: dict[int, set[int]] = dataclasses.field(default_factory=dict)
@@ -84,11 +86,18 @@ class Session:
     functions: dict[str, bool] = dataclasses.field(default_factory=dict)  # fn_id -> spmd
     buffers: dict[int, Buffer] = dataclasses.field(default_factory=dict)  # client id -> buffer
     runs: dict[str, Run] = dataclasses.field(default_factory=dict)
+    ended: bool = False
+    hosts: set[str] = dataclasses.field(default_factory=set)  # executors that may hold its keys
     _run_ids: itertools.count = dataclasses.field(default_factory=itertools.count)
     _temp_ids: itertools.count = dataclasses.field(default_factory=itertools.count)
 
     def next_run_id(self) -> str:
-        return f"{self.session_id}:{next(self._run_ids)}"
+        # Unguessable: a completion for a run can only come from an executor that was told of it.
+        return f"{self.session_id}:{next(self._run_ids)}-{secrets.token_hex(4)}"
 
     def temp_name(self) -> str:
         return f"t{next(self._temp_ids)}"
+
+    def buffer_name(self, client_id: int) -> str:
+        """Object-store names never repeat, even if a client reuses an id it released."""
+        return f"b{client_id}.{next(self._temp_ids)}"

@@ -187,6 +187,26 @@ class ProgramInput(Record):
     buffer: int | None = None
 
 
+@record
+class TraceEvent(Record):
+    """One computation an executor ran (all its local shards), for ``pwmesh trace``.
+
+    Times are wall-clock seconds (``time.time()``) on the executor's host:
+    ``arrived`` (all local devices at it), ``ready`` (all peer executors too),
+    ``start`` (handed to the devices), ``end``."""
+
+    run_id: str  # "<session id>:<n>..."
+    node: int
+    seq: int  # its place in the island order
+    fn_id: str
+    devices: list[int]  # the executor's device indices it ran on
+    arrived: float
+    ready: float
+    start: float
+    end: float
+    error: str = ""
+
+
 # ------------------------------------------------------------------ everywhere
 
 
@@ -453,6 +473,13 @@ class AwaitIdle(Message, op="exec.await_idle"):
 
 
 @record
+class ForgetOwner(Message, op="exec.forget_owner"):
+    """A session ended and its runs finished: its deleted keys will never arrive again."""
+
+    prefix: str
+
+
+@record
 class CancelRun(Message, op="exec.cancel_run"):
     """Fail whatever of ``run_id`` has not run yet (a peer it depends on is gone)."""
 
@@ -476,6 +503,23 @@ class NodeDone(Message, op="exec.node_done"):
     node: int
     executor_id: str
     error: ErrorInfo | None = None
+
+
+@record
+class GetTrace(Message, op="exec.get_trace"):
+    """The newest ``limit`` (0: all kept) computations that ended at or after ``since`` (wall clock)."""
+
+    since: float = 0.0
+    limit: int = 0
+
+
+@record
+class TraceEvents(Message, op="exec.trace_events"):
+    executor_id: str
+    island: int
+    host: str
+    devices: list[DeviceInfo]
+    events: list[TraceEvent]
 
 
 # --------------------------------------------------------------- client proxy
@@ -588,3 +632,18 @@ class StatusReply(Message, op="proxy.status"):
     cluster: ClusterState
     sessions: list[SessionInfo]
     executor_stats: list[ExecutorStats]
+
+
+@record
+class GetClusterTrace(Message, op="proxy.get_cluster_trace"):
+    """Every live executor's ``TraceEvents`` (see ``GetTrace``; ``limit`` is per executor)."""
+
+    since: float = 0.0
+    limit: int = 0
+
+
+@record
+class ClusterTrace(Message, op="proxy.cluster_trace"):
+    executors: list[TraceEvents]
+    limit: int  # the per-executor limit applied (the request's, or less so the reply fits one message)
+    missing: list[str] = dataclasses.field(default_factory=list)  # live executors that did not answer

@@ -1,0 +1,86 @@
+"""Helpers shared by the benchmarks: the scheduler's accounting, tables, results files."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from pwmesh.cli.commands import fetch_status
+from pwmesh.client.connection import ClientConnection
+from pwmesh.wire.messages import GetSchedulerStats, SchedulerStats
+
+DEFAULT_OUT = Path(__file__).resolve().parent / "results"
+
+
+class SchedulerProbe:
+    """A sessionless connection to one island's scheduler, for ``SchedulerStats`` snapshots."""
+
+    def __init__(self, address: str, island: int = 0) -> None:
+        schedulers = fetch_status(address).cluster.schedulers
+        found = [s for s in schedulers if s.island == island]
+        if not found:
+            raise RuntimeError(f"no scheduler for island {island} in {schedulers}")
+        self.address = found[0].address
+        self.conn = ClientConnection(self.address, name="bench-stats", open_session=False)
+
+    def stats(self) -> SchedulerStats:
+        reply = self.conn.request(GetSchedulerStats(), timeout_seconds=30.0)
+        assert isinstance(reply, SchedulerStats)
+        return reply
+
+    def snapshot(self) -> tuple[float, dict[str, tuple[float, int, int]]]:
+        """(monotonic time, {session: (device_seconds, runs released, runs waiting)})."""
+        stats = self.stats()
+        return time.monotonic(), {c.session: (c.device_seconds, c.runs, c.waiting) for c in stats.clients}
+
+    def close(self) -> None:
+        self.conn.close()
+
+    def __enter__(self) -> SchedulerProbe:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+
+def table(headers: list[str], rows: list[list[Any]]) -> str:
+    cells = [headers, *[[str(c) for c in row] for row in rows]]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
+    lines = ["  ".join(c.rjust(w) for c, w in zip(row, widths, strict=True)) for row in cells]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def machine() -> dict[str, Any]:
+    import jax
+
+    return {
+        "platform": platform.platform(),
+        "python": sys.version.split()[0],
+        "jax": jax.__version__,
+        "cpus": os.cpu_count(),
+        "load_average_1m_at_end": round(os.getloadavg()[0], 2),
+        "backend": "cpu (JAX CPU devices, --xla_force_host_platform_device_count per executor)",
+    }
+
+
+def write_json(path: Path, data: dict[str, Any]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, indent=2) + "\n")
+
+
+def pyplot() -> Any:
+    """matplotlib.pyplot on the Agg backend, or None if matplotlib is not installed."""
+    try:
+        import matplotlib
+    except ImportError:
+        return None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt

@@ -1,0 +1,72 @@
+"""The benchmarks under bench/ run end to end: each one's ``--smoke`` mode, as a subprocess.
+
+Smoke mode measures nothing meaningful (windows of a second or two); it checks
+that every code path runs, that the results JSON has its keys, and, where
+matplotlib is installed (``pip install -e '.[bench]'``), that the plot is written.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parent.parent / "bench"
+HAVE_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None
+
+pytestmark = pytest.mark.cluster
+
+
+def run_smoke(script: str, out: Path) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if k != "PWMESH_ADDRESS"}  # each starts its own cluster
+    proc = subprocess.run([sys.executable, str(BENCH / script), "--smoke", "--out", str(out)], env=env,
+                          capture_output=True, text=True, timeout=100)
+    assert proc.returncode == 0, f"{script} --smoke exited {proc.returncode}:\n{proc.stdout}\n{proc.stderr}"
+    return proc
+
+
+def check_plot(path: Path) -> None:
+    if not HAVE_MATPLOTLIB:
+        pytest.skip("matplotlib is not installed (pip install -e '.[bench]'): the JSON was checked, the PNG not")
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.timeout(110)
+def test_multitenancy_smoke(tmp_path: Path) -> None:
+    run_smoke("multitenancy.py", tmp_path)
+    data = json.loads((tmp_path / "multitenancy.json").read_text())
+    assert {"benchmark", "config", "machine", "shares", "throughput"} <= data.keys()
+    assert data["benchmark"] == "multitenancy" and data["smoke"] is True
+    shares = data["shares"]
+    assert {"seconds", "clients", "max_relative_error", "within_target", "device_utilisation"} <= shares.keys()
+    assert [c["weight"] for c in shares["clients"]] == [1.0, 2.0, 4.0, 8.0]
+    for c in shares["clients"]:
+        assert {"target_share", "share", "error", "relative_error", "device_seconds", "runs"} <= c.keys()
+        assert c["runs"] > 0 and c["device_seconds"] > 0
+    assert abs(sum(c["share"] for c in shares["clients"]) - 1.0) < 1e-6
+    assert [r["clients"] for r in data["throughput"]] == data["config"]["client_counts"]
+    for r in data["throughput"]:
+        assert r["computations_per_second"] > 0
+    check_plot(tmp_path / "multitenancy.png")
+
+
+@pytest.mark.timeout(110)
+def test_dispatch_modes_smoke(tmp_path: Path) -> None:
+    run_smoke("dispatch_modes.py", tmp_path)
+    data = json.loads((tmp_path / "dispatch_modes.json").read_text())
+    assert {"benchmark", "config", "machine", "results"} <= data.keys()
+    assert data["benchmark"] == "dispatch_modes" and data["smoke"] is True
+    assert [r["k"] for r in data["results"]] == data["config"]["ks"]
+    for r in data["results"]:
+        assert len(set(r["placement"])) == r["k"]  # one stage per host
+        for kind in ("latency", "pipelined"):
+            row = r[kind]
+            assert {"parallel_ms", "sequential_ms", "parallel_over_sequential"} <= row.keys()
+            assert row["parallel_ms"] > 0
+            assert row["sequential_ms"] is not None and row["sequential_ms"] > 0, r["note"]
+    check_plot(tmp_path / "dispatch_modes.png")
