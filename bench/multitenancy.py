@@ -263,8 +263,8 @@ def main(argv: list[str] | None = None) -> int:
     config = Config()
     if args.smoke:
         # Smaller island and windows: checks every code path in a few seconds, measures nothing.
-        config = Config(hosts=1, devices_per_host=2, size=128, depth=16, warmup=0.5, duration=1.5,
-                        throughput_duration=1.0, client_counts=(1, 2))
+        config = Config(hosts=1, devices_per_host=2, size=128, depth=16, warmup=0.25, duration=1.0,
+                        throughput_duration=0.5, client_counts=(1, 2))
     for field, value in (("duration", args.duration), ("throughput_duration", args.throughput_duration),
                          ("warmup", args.warmup), ("hosts", args.hosts), ("devices_per_host", args.devices_per_host),
                          ("size", args.size), ("depth", args.depth)):

@@ -13,6 +13,7 @@ from pwmesh.wire.messages import (
     AllocateSlice,
     DrainExecutor,
     DrainStarted,
+    ExecutorJoined,
     ExecutorLost,
     Heartbeat,
     Message,
@@ -130,3 +131,15 @@ def test_a_restarted_rm_rebuilds_from_registrants() -> None:
     other = allocate(fresh, "bob", 2)
     assert other.slice_id > sl.slice_id
     assert set(hosts_of(other)).isdisjoint(hosts_of(sl))
+
+
+def test_an_executor_back_from_the_dead_is_announced() -> None:
+    state = started(islands=1, hosts=1, devices=1)
+    info = state.executors["i0h0"]
+    assert state.expire(now=10.5) == ["i0h0"]
+    state.take_notifications()
+    assert state.handle(Heartbeat(role="executor", name="i0h0"), now=11.0) == PleaseRegister()
+    assert state.handle(RegisterExecutor(info=info), now=11.0) == Ok()
+    joined = [n for n in state.take_notifications() if isinstance(n, ExecutorJoined)]
+    assert [(j.executor_id, j.control) for j in joined] == [("i0h0", info.control)]
+    assert state.executors["i0h0"].alive

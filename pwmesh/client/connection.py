@@ -11,10 +11,12 @@ waiting call with ``ConnectionFailed`` instead of hanging it.
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import logging
 import os
 import queue
+import secrets
 import threading
 import time
 from typing import Any
@@ -41,14 +43,20 @@ class ClientConnection:
         self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 0)
+        # A fixed routing id: after a TCP blip ZeroMQ reconnects as the same peer,
+        # so the proxy still knows which session this is.
+        self._sock.setsockopt(zmq.ROUTING_ID, b"client-" + secrets.token_bytes(12))
         self._sock.connect(address)
+        self._backlog: collections.deque[list[Any]] = collections.deque()  # sends the socket refused
         self._outbox: queue.SimpleQueue[list[Any]] = queue.SimpleQueue()
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
         self._pending: dict[int, concurrent.futures.Future[Message]] = {}
-        self._lock = threading.Lock()
+        # Re-entrant: ``post`` runs from ``__del__``, which may fire inside ``submit`` itself.
+        self._lock = threading.RLock()
         self._closing = threading.Event()
+        self._close_started = False
         self._lost: PwmeshError | None = None
         self._thread = threading.Thread(target=self._io_loop, name="pwmesh-client-io", daemon=True)
         self._thread.start()
@@ -75,21 +83,24 @@ class ClientConnection:
 
     def submit(self, message: Message, *, expect_reply: bool = True) -> concurrent.futures.Future[Message] | None:
         """Queue ``message`` for the I/O thread; the reply's future if one is expected."""
-        if self._lost is not None:
-            raise self._lost
-        if self._closing.is_set():
-            raise ConnectionFailed(f"the connection to {self.address} is closed")
         msg_id = next_id()
+        frames = encode(message, msg_id=msg_id, sender=self.session_id)
         fut: concurrent.futures.Future[Message] | None = None
-        if expect_reply:
-            fut = concurrent.futures.Future()
-            with self._lock:
+        # One lock over the closed check, the registration and the wake-up: close()
+        # cannot fail the waiters or close the pipe in between.
+        with self._lock:
+            if self._lost is not None:
+                raise self._lost
+            if self._closing.is_set():
+                raise ConnectionFailed(f"the connection to {self.address} is closed")
+            if expect_reply:
+                fut = concurrent.futures.Future()
                 self._pending[msg_id] = fut
-        self._outbox.put(encode(message, msg_id=msg_id, sender=self.session_id))
-        try:
-            os.write(self._wake_w, b"\0")
-        except BlockingIOError:  # the pipe is full: the I/O thread is awake already
-            pass
+            self._outbox.put(frames)
+            try:
+                os.write(self._wake_w, b"\0")
+            except BlockingIOError:  # the pipe is full: the I/O thread is awake already
+                pass
         return fut
 
     def post(self, message: Message) -> None:
@@ -120,6 +131,7 @@ class ClientConnection:
         try:
             while not self._closing.is_set():
                 timeout_ms = max(0.0, next_beat - time.monotonic()) * 1000
+                poller.modify(self._sock, zmq.POLLIN | (zmq.POLLOUT if self._backlog else 0))
                 events = dict(poller.poll(timeout_ms))
                 if self._wake_r in events:
                     self._drain_pipe()
@@ -155,10 +167,22 @@ class ClientConnection:
             pass
 
     def _send(self, frames: list[Any]) -> None:
-        copy = all(memoryview(f).nbytes < ZERO_COPY_THRESHOLD_BYTES for f in frames)
-        self._sock.send_multipart([b"", *frames], copy=copy)
+        """Send without ever blocking the I/O thread: what the socket refuses waits in the backlog."""
+        self._backlog.append(frames)
+        self._send_backlog()
+
+    def _send_backlog(self) -> None:
+        while self._backlog:
+            frames = self._backlog[0]
+            copy = all(memoryview(f).nbytes < ZERO_COPY_THRESHOLD_BYTES for f in frames)
+            try:
+                self._sock.send_multipart([b"", *frames], flags=zmq.NOBLOCK, copy=copy)
+            except zmq.Again:  # the proxy is slow or gone: heartbeats and timeouts keep running
+                return
+            self._backlog.popleft()
 
     def _flush_outbox(self) -> None:
+        self._send_backlog()
         while True:
             try:
                 frames = self._outbox.get_nowait()
@@ -196,18 +220,21 @@ class ClientConnection:
                 fut.set_exception(exc)
 
     def close(self, timeout_seconds: float = 2.0) -> None:
-        if self._closing.is_set():
-            return
+        with self._lock:
+            if self._close_started:
+                return
+            self._close_started = True
         if self.session_id and self._lost is None:
             try:
                 self.request(CloseSession(), timeout_seconds=timeout_seconds)
             except PwmeshError:
                 pass
-        self._closing.set()
-        try:
-            os.write(self._wake_w, b"\0")
-        except BlockingIOError:
-            pass
+        with self._lock:
+            self._closing.set()
+            try:
+                os.write(self._wake_w, b"\0")
+            except BlockingIOError:
+                pass
         self._thread.join(timeout=timeout_seconds)
         self._fail_all(ConnectionFailed(f"the connection to {self.address} was closed"))
         os.close(self._wake_r)

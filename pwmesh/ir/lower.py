@@ -78,7 +78,10 @@ def validate(program: ProgramSpec) -> None:
     for v in program.outputs:
         if v not in defined:
             raise InvalidArgument(f"program output {v} is never defined")
+    read = {v for node in program.nodes for v in node.inputs} | set(program.outputs)
     for v, spec in enumerate(program.values):
+        if v not in read and spec.shards != 1:
+            raise InvalidArgument(f"value {v} is never read, so it cannot be split ({spec.shards} shards)")
         if spec.shards < 1 or any(d < 0 for d in spec.shape):
             raise InvalidArgument(f"value {v} has an invalid layout: shape {spec.shape}, {spec.shards} shards")
         if spec.shards > 1 and (not spec.shape or spec.shape[0] % spec.shards):

@@ -53,6 +53,7 @@ from pwmesh.wire.messages import (
     DrainStarted,
     Error,
     ErrorInfo,
+    ExecutorJoined,
     ExecutorLost,
     ExecutorStats,
     Fetch,
@@ -450,6 +451,9 @@ class Proxy(Service):
             self._executor_lost(msg)
         elif isinstance(msg, SliceRemapped):
             self._slice_remapped(msg)
+        elif isinstance(msg, ExecutorJoined):
+            self.lost.pop(msg.executor_id, None)  # what it held stays lost: it was declared gone
+            self.peers.mark_alive(msg.control)
         elif isinstance(msg, Error):
             log.warning("a daemon refused a message we sent without waiting: %s: %s", msg.code, msg.message)
         elif isinstance(msg, PleaseRegister):  # the resource manager restarted

@@ -23,6 +23,7 @@ from pwmesh.wire.messages import (
     DrainExecutor,
     DrainStarted,
     ExecutorInfo,
+    ExecutorJoined,
     ExecutorLost,
     GetClusterState,
     Heartbeat,
@@ -93,6 +94,9 @@ class ResourceManagerState:
     # ------------------------------------------------------------------ hosts
 
     def _register_executor(self, info: ExecutorInfo, now: float) -> Ok:
+        old = self.executors.get(info.executor_id)
+        if old is not None and not old.alive:  # back from the dead (paused, partitioned, restarted)
+            self.notifications.append(ExecutorJoined(executor_id=info.executor_id, control=old.control))
         info.alive = True
         info.draining = False
         self.executors[info.executor_id] = info

@@ -12,6 +12,7 @@ from pwmesh.service.lifecycle import Service
 from pwmesh.service.rpc import Connections, Server, wait_for_peer
 from pwmesh.wire import Envelope
 from pwmesh.wire.messages import (
+    ExecutorJoined,
     ExecutorLost,
     GetSchedulerStats,
     Heartbeat,
@@ -70,6 +71,8 @@ class Scheduler(Service):
         if isinstance(env.message, PleaseRegister):  # the resource manager restarted
             self.peers.post(self.config.rm, self._registration())
             self.peers.post(self.config.rm, WatchCluster(role=self.role, name=self.name))
+        elif isinstance(env.message, ExecutorJoined):
+            self.peers.mark_alive(env.message.control)
         elif isinstance(env.message, ExecutorLost):
             lost = env.message
             self.peers.mark_lost(lost.control, DeviceLost(f"executor {lost.executor_id} is gone ({lost.reason})"))

@@ -250,6 +250,9 @@ class Connections:
             return
         self.get(address).post(message)
 
+    def mark_alive(self, address: str) -> None:
+        self.lost.discard(address)
+
     def mark_lost(self, address: str, exc: PwmeshError) -> None:
         """``address`` is gone: fail what waits on it, drop what would be sent to it."""
         self.lost.add(address)

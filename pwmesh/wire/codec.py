@@ -73,7 +73,8 @@ def _dtype_from_name(name: str) -> np.dtype:
             dtype = np.dtype(getattr(ml_dtypes, name))
         except AttributeError:
             raise ProtocolError(f"unknown dtype {name!r}") from None
-    if dtype.kind not in _ALLOWED_DTYPE_KINDS or dtype.hasobject:
+    if dtype.kind not in _ALLOWED_DTYPE_KINDS or dtype.hasobject or dtype.itemsize == 0:
+        # Zero-byte items would let a tiny message claim arrays of any length.
         raise ProtocolError(f"dtype {name!r} is not allowed on the wire")
     return dtype
 

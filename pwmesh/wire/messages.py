@@ -274,6 +274,14 @@ class WatchCluster(Message, op="rm.watch_cluster"):
 
 
 @record
+class ExecutorJoined(Message, op="rm.executor_joined"):
+    """An executor registered (again): messages to it are delivered again."""
+
+    executor_id: str
+    control: str
+
+
+@record
 class PleaseRegister(Message, op="rm.please_register"):
     """The resource manager does not know the sender (it restarted): register again."""
 
