@@ -19,6 +19,7 @@ from pwmesh.client.array import Array
 from pwmesh.client.devices import Slice, VirtualDevice, VirtualDeviceSet
 from pwmesh.client.functions import MappedFunction, pmap
 from pwmesh.client.program import Program, program
+from pwmesh.client.tracing import HostFunction, host
 from pwmesh.errors import (
     ConnectionFailed,
     DeviceLost,
@@ -57,6 +58,8 @@ __all__ = [
     "default_client",
     "disconnect",
     "get",
+    "host",
+    "HostFunction",
     "make_virtual_device_set",
     "pmap",
     "program",

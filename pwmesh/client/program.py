@@ -6,7 +6,7 @@ import functools
 from collections.abc import Callable
 from typing import Any
 
-from pwmesh.client.tracing import ProgramCache, TracedProgram, execute
+from pwmesh.client.tracing import NeedsStaging, ProgramCache, TracedProgram, execute, run_staged
 from pwmesh.errors import InvalidArgument
 
 DISPATCH_MODES = ("parallel", "sequential")
@@ -27,6 +27,7 @@ class Program:
         self.fn = fn
         self.dispatch = dispatch
         self._cache = ProgramCache(fn)
+        self._staged = False  # it calls pw.host: traced anew each call, with its real arguments
         functools.update_wrapper(self, fn)
 
     def trace(self, *args: Any) -> TracedProgram:
@@ -34,7 +35,13 @@ class Program:
         return self._cache.get(args)
 
     def __call__(self, *args: Any) -> Any:
-        return execute(self._cache.get(args), args, sequential=self.dispatch == "sequential")
+        sequential = self.dispatch == "sequential"
+        if not self._staged:
+            try:
+                return execute(self._cache.get(args), args, sequential=sequential)
+            except NeedsStaging:
+                self._staged = True
+        return run_staged(self.fn, args, sequential=sequential)
 
 
 def program(fn: Callable[..., Any] | None = None, *, dispatch: str = "parallel") -> Any:

@@ -50,14 +50,58 @@ class Symbol:
         return f"pw.Symbol(shape={self.shape}, dtype={self.dtype})"
 
 
+class NeedsStaging(Exception):
+    """Raised while tracing symbolically when a host function needs concrete values."""
+
+
 class ProgramBuilder:
-    def __init__(self) -> None:
+    def __init__(self, concrete: list[Any] | None = None) -> None:
         self.values: list[ValueSpec] = []
         self.nodes: list[NodeSpec] = []
         self.inputs: list[int] = []
         self.functions: dict[str, tuple[ExportedFunction, int]] = {}
         self.client: Client | None = None
         self._shards_fixed: set[int] = set()
+        # Staged tracing (a program with host functions): the call's real arguments,
+        # and once a host function ran, every value so far as an Array or host array.
+        self.concrete = concrete
+        self.flushed: dict[int, Any] | None = None
+        self.sequential = False
+
+    def host_call(self, hf: HostFunction, args: Sequence[Any]) -> Any:
+        """A data-dependent step: dispatch what was traced so far, wait for the inputs, run ``hf``.
+        Everything after it is dispatched node by node, once its inputs exist (sequential)."""
+        if self.concrete is None:
+            raise NeedsStaging()
+        if self.flushed is None:
+            self._flush()
+        leaves, tree = jax.tree_util.tree_flatten(list(args))
+        values = [self._concrete(leaf) for leaf in leaves]
+        arrays = [v for v in values if isinstance(v, Array)]
+        if arrays:
+            fetched = dict(zip(map(id, arrays), arrays[0]._client.fetch(arrays), strict=True))
+            values = [fetched.get(id(v), v) for v in values]
+        return hf.fn(*jax.tree_util.tree_unflatten(tree, values))
+
+    def _concrete(self, leaf: Any) -> Any:
+        if isinstance(leaf, Symbol):
+            assert self.flushed is not None and leaf.builder is self
+            return self.flushed[leaf.value]
+        return leaf
+
+    def _flush(self) -> None:
+        """Dispatch the program traced so far (in parallel), its every computed value an output."""
+        assert self.concrete is not None
+        self.flushed = dict(zip(self.inputs, self.concrete, strict=True))
+        computed = [v for node in self.nodes for v in node.outputs]
+        if not computed:
+            return
+        assert self.client is not None
+        spec = ProgramSpec(values=self.values, nodes=self.nodes, inputs=self.inputs, outputs=computed)
+        traced = TracedProgram(spec, list(self.functions.values()), jax.tree_util.tree_structure(computed),
+                               self.client)
+        outs = execute(traced, self.concrete, sequential=self.sequential)
+        self.flushed.update(zip(computed, outs, strict=True))
 
     def _value(self, shape: tuple[int, ...], dtype: np.dtype, shards: int) -> int:
         self.values.append(ValueSpec(shape=list(shape), dtype=np.dtype(dtype).name, shards=shards))
@@ -71,6 +115,10 @@ class ProgramBuilder:
         return Symbol(self, v, tuple(shape), np.dtype(dtype))
 
     def call(self, mf: MappedFunction, args: Sequence[Any]) -> Any:
+        if self.flushed is not None:  # past a host function: each call is its own program
+            concrete = [self._concrete(a) for a in jax.tree_util.tree_leaves(list(args))]
+            concrete_args = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(list(args)), concrete)
+            return execute(mf.eager.get(concrete_args), concrete_args)
         leaves, tree = jax.tree_util.tree_flatten(list(args))
         for i, leaf in enumerate(leaves):
             if not isinstance(leaf, Symbol) or leaf.builder is not self:
@@ -197,3 +245,48 @@ def call_mapped(mf: MappedFunction, args: Sequence[Any]) -> Any:
     if builder is not None:
         return builder.call(mf, args)
     return execute(mf.eager.get(args), args)
+
+
+class HostFunction:
+    """``pw.host(fn)``: a host-side step on concrete values (numpy in, numpy out), whose
+    output shape may depend on the data. Inside ``@pw.program`` what comes before it is
+    dispatched as one parallel program; what follows waits for its result (sequential)."""
+
+    def __init__(self, fn: Any) -> None:
+        self.fn = fn
+        self.__name__ = getattr(fn, "__name__", "host")
+
+    def __call__(self, *args: Any) -> Any:
+        builder = _building.get()
+        if builder is not None:
+            return builder.host_call(self, args)
+        leaves, tree = jax.tree_util.tree_flatten(list(args))
+        arrays = [leaf for leaf in leaves if isinstance(leaf, Array)]
+        fetched = dict(zip(map(id, arrays), arrays[0]._client.fetch(arrays), strict=True)) if arrays else {}
+        return self.fn(*jax.tree_util.tree_unflatten(tree, [fetched.get(id(v), v) for v in leaves]))
+
+
+def host(fn: Any) -> HostFunction:
+    """Mark ``fn`` as a host-side, data-dependent step (see ``HostFunction``)."""
+    return HostFunction(fn)
+
+
+def run_staged(fn: Any, args: Sequence[Any], *, sequential: bool) -> Any:
+    """Run a program that contains host functions: trace with its real arguments at hand."""
+    leaves, in_tree = jax.tree_util.tree_flatten(list(args))
+    builder = ProgramBuilder(concrete=[leaf if isinstance(leaf, Array) else np.asarray(leaf) for leaf in leaves])
+    builder.sequential = sequential
+    symbols = []
+    for leaf in leaves:
+        kind, shape, dtype, *shards = _leaf_signature(leaf)
+        symbols.append(builder.input(tuple(shape), np.dtype(dtype), shards[0] if shards else None))
+    token = _building.set(builder)
+    try:
+        result = fn(*jax.tree_util.tree_unflatten(in_tree, symbols))
+    finally:
+        _building.reset(token)
+    if builder.flushed is None:  # this time no host function ran: one ordinary program
+        builder._flush()
+    assert builder.flushed is not None
+    return jax.tree_util.tree_map(lambda leaf: builder._concrete(leaf), result,
+                                  is_leaf=lambda x: isinstance(x, (Symbol, Array)))
