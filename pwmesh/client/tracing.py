@@ -76,11 +76,7 @@ class ProgramBuilder:
         if self.flushed is None:
             self._flush()
         leaves, tree = jax.tree_util.tree_flatten(list(args))
-        values = [self._concrete(leaf) for leaf in leaves]
-        arrays = [v for v in values if isinstance(v, Array)]
-        if arrays:
-            fetched = dict(zip(map(id, arrays), arrays[0]._client.fetch(arrays), strict=True))
-            values = [fetched.get(id(v), v) for v in values]
+        values = _host_values([self._concrete(leaf) for leaf in leaves])
         return hf.fn(*jax.tree_util.tree_unflatten(tree, values))
 
     def _concrete(self, leaf: Any) -> Any:
@@ -168,19 +164,33 @@ def _leaf_signature(leaf: Any) -> tuple[Any, ...]:
     return ("host", arr.shape, jax.dtypes.canonicalize_dtype(arr.dtype).name)
 
 
-def trace(fn: Any, args: Sequence[Any]) -> TracedProgram:
-    """Trace ``fn(*args)`` where array leaves of ``args`` become program inputs."""
+def _call_symbolically(builder: ProgramBuilder, fn: Any, args: Sequence[Any]) -> Any:
+    """``fn`` called with a program input ``Symbol`` for every array leaf of ``args``."""
     leaves, in_tree = jax.tree_util.tree_flatten(list(args))
-    builder = ProgramBuilder()
     symbols = []
     for leaf in leaves:
         kind, shape, dtype, *shards = _leaf_signature(leaf)
         symbols.append(builder.input(tuple(shape), np.dtype(dtype), shards[0] if shards else None))
     token = _building.set(builder)
     try:
-        result = fn(*jax.tree_util.tree_unflatten(in_tree, symbols))
+        return fn(*jax.tree_util.tree_unflatten(in_tree, symbols))
     finally:
         _building.reset(token)
+
+
+def _host_values(leaves: list[Any]) -> list[Any]:
+    """``leaves`` with every ``pw.Array`` fetched (in parallel) into a host array."""
+    arrays = [leaf for leaf in leaves if isinstance(leaf, Array)]
+    if not arrays:
+        return leaves
+    fetched = dict(zip(map(id, arrays), arrays[0]._client.fetch(arrays), strict=True))
+    return [fetched.get(id(leaf), leaf) for leaf in leaves]
+
+
+def trace(fn: Any, args: Sequence[Any]) -> TracedProgram:
+    """Trace ``fn(*args)`` where array leaves of ``args`` become program inputs."""
+    builder = ProgramBuilder()
+    result = _call_symbolically(builder, fn, args)
     out_leaves, out_tree = jax.tree_util.tree_flatten(result)
     for i, leaf in enumerate(out_leaves):
         if not isinstance(leaf, Symbol) or leaf.builder is not builder:
@@ -261,9 +271,7 @@ class HostFunction:
         if builder is not None:
             return builder.host_call(self, args)
         leaves, tree = jax.tree_util.tree_flatten(list(args))
-        arrays = [leaf for leaf in leaves if isinstance(leaf, Array)]
-        fetched = dict(zip(map(id, arrays), arrays[0]._client.fetch(arrays), strict=True)) if arrays else {}
-        return self.fn(*jax.tree_util.tree_unflatten(tree, [fetched.get(id(v), v) for v in leaves]))
+        return self.fn(*jax.tree_util.tree_unflatten(tree, _host_values(leaves)))
 
 
 def host(fn: Any) -> HostFunction:
@@ -273,18 +281,10 @@ def host(fn: Any) -> HostFunction:
 
 def run_staged(fn: Any, args: Sequence[Any], *, sequential: bool) -> Any:
     """Run a program that contains host functions: trace with its real arguments at hand."""
-    leaves, in_tree = jax.tree_util.tree_flatten(list(args))
+    leaves = jax.tree_util.tree_leaves(list(args))
     builder = ProgramBuilder(concrete=[leaf if isinstance(leaf, Array) else np.asarray(leaf) for leaf in leaves])
     builder.sequential = sequential
-    symbols = []
-    for leaf in leaves:
-        kind, shape, dtype, *shards = _leaf_signature(leaf)
-        symbols.append(builder.input(tuple(shape), np.dtype(dtype), shards[0] if shards else None))
-    token = _building.set(builder)
-    try:
-        result = fn(*jax.tree_util.tree_unflatten(in_tree, symbols))
-    finally:
-        _building.reset(token)
+    result = _call_symbolically(builder, fn, args)
     if builder.flushed is None:  # this time no host function ran: one ordinary program
         builder._flush()
     assert builder.flushed is not None
