@@ -101,7 +101,11 @@ def test_resource_manager_restart_rebuilds_its_state(one_island: pw.LocalCluster
 
 
 def test_a_killed_client_frees_everything_it_owned(one_island: pw.LocalCluster, tmp_path: Path) -> None:
-    baseline = _objects(one_island)
+    bystander = pw.Client(one_island.address, name="bystander")
+    mine = bystander.make_virtual_device_set().add_slice(devices=1)
+    kept = bystander.put(np.arange(4.0)[None], mine)
+    kept.block_until_ready()
+    baseline = _objects(one_island)  # the bystander's buffer is part of it
     script = tmp_path / "victim.py"
     script.write_text(textwrap.dedent(f"""
         import sys
@@ -121,14 +125,19 @@ def test_a_killed_client_frees_everything_it_owned(one_island: pw.LocalCluster, 
         assert victim.stdout is not None
         assert victim.stdout.readline().strip() == "ready"
         assert sum(_objects(one_island).values()) > sum(baseline.values())
-        assert len(fetch_status(one_island.address).sessions) == 1
+        assert len(fetch_status(one_island.address).sessions) == 2
         victim.send_signal(signal.SIGKILL)
         victim.wait(timeout=10)
         # Nothing tells the proxy a client died; it notices the silence (session timeout 2 s).
         eventually(lambda: _objects(one_island) == baseline, 15)
         status = fetch_status(one_island.address)
-        assert status.sessions == [] and status.cluster.slices == []
+        assert [s.name for s in status.sessions] == ["bystander"]
+        assert [sl.slice_id for sl in status.cluster.slices] == [mine.slice_id]
+        # The other client never noticed.
+        np.testing.assert_array_equal(np.asarray(kept), [[0.0, 1.0, 2.0, 3.0]])
+        np.testing.assert_array_equal(np.asarray(pw.pmap(lambda x: x + 1, devices=mine)(kept)), [[1.0, 2.0, 3.0, 4.0]])
     finally:
+        bystander.close()
         if victim.poll() is None:
             victim.kill()
             victim.wait()
