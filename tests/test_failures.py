@@ -60,3 +60,23 @@ def test_executor_killed_mid_program(fragile: pw.LocalCluster) -> None:
             np.asarray(kept)
         with pytest.raises(pw.DeviceLost, match="island0-host0"):
             np.asarray(after(kept))
+
+
+def test_scheduler_killed_then_restarted(fragile: pw.LocalCluster) -> None:
+    with pw.Client(fragile.address) as client:
+        sl = client.make_virtual_device_set().add_slice(devices=1)
+        inc = pw.pmap(lambda x: x + 1.0, devices=sl)
+        np.testing.assert_array_equal(np.asarray(inc(np.zeros(1))), [1.0])
+        fragile.child("scheduler-0").popen.send_signal(signal.SIGKILL)
+        # Within the heartbeat timeout the RM declares it lost; work for its island fails clearly.
+        def refused() -> bool:
+            try:
+                np.asarray(inc(np.zeros(1)))
+            except pw.DeviceLost as exc:
+                return "scheduler of island 0" in str(exc)
+            return False
+
+        eventually(refused, 2 * HEARTBEAT_TIMEOUT_SECONDS + 5)
+        fragile.restart("scheduler-0")  # same address, a new instance: it registers again
+        eventually(lambda: not refused(), 15)
+        np.testing.assert_array_equal(np.asarray(inc(np.ones(1))), [2.0])

@@ -189,7 +189,14 @@ def started(islands: int = 2, hosts: int = 2, devices: int = 2, timeout: float =
                             now=0.0) == Ok()
     for ex in cluster(islands, hosts, devices):
         assert state.handle(RegisterExecutor(info=ex), now=0.0) == Ok()
+    state.take_notifications()  # the registrations' own announcements
     return state
+
+
+def beat_schedulers(state: ResourceManagerState, now: float) -> None:
+    """Schedulers heartbeat too; tests about executors keep them alive."""
+    for info in state.schedulers.values():
+        state.handle(Heartbeat(role="scheduler", name=info.name), now=now)
 
 
 def allocate(state: ResourceManagerState, owner: str, devices: int, island: int | None = None,
@@ -327,13 +334,17 @@ def test_expire_marks_silent_executors_lost_after_the_timeout() -> None:
     state = started(islands=1, hosts=2, devices=2, timeout=10.0)
     state.handle(Heartbeat(role="executor", name="i0h1"), now=8.0)
     version = state.map_version
+    beat_schedulers(state, 10.0)
     assert state.expire(now=10.0) == [], "exactly the timeout is not yet late"
     assert state.map_version == version
+    beat_schedulers(state, 10.5)
     assert state.expire(now=10.5) == ["i0h0"]
     assert state.executors["i0h0"].alive is False
     assert state.executors["i0h1"].alive is True
     assert state.map_version == version + 1
+    beat_schedulers(state, 10.6)
     assert state.expire(now=10.6) == [], "a lost executor is reported once"
+    beat_schedulers(state, 18.5)
     assert state.expire(now=18.5) == ["i0h1"]
     assert state.map_version == version + 2
 
@@ -360,6 +371,7 @@ def test_heartbeats_from_others_do_not_count() -> None:
 def test_placement_ignores_lost_executors() -> None:
     state = started(islands=1, hosts=2, devices=2, timeout=10.0)
     state.handle(Heartbeat(role="executor", name="i0h1"), now=5.0)
+    beat_schedulers(state, 11.0)
     state.expire(now=11.0)
     sl = allocate(state, "alice", 2, now=11.0)
     assert {d.executor_id for d in sl.devices} == {"i0h1"}
@@ -370,11 +382,13 @@ def test_placement_ignores_lost_executors() -> None:
 
 def test_re_registration_revives_a_lost_executor() -> None:
     state = started(islands=1, hosts=1, devices=2, timeout=10.0)
+    beat_schedulers(state, 11.0)
     assert state.expire(now=11.0) == ["i0h0"]
     version = state.map_version
     state.handle(RegisterExecutor(info=executor("i0h0", 0, 2, alive=False)), now=12.0)
     assert state.executors["i0h0"].alive is True
     assert state.map_version == version + 1
+    beat_schedulers(state, 21.0)
     assert state.expire(now=21.0) == []
     assert allocate(state, "alice", 2, now=21.0).devices[0].executor_id == "i0h0"
 
@@ -413,6 +427,7 @@ def test_losses_are_announced_once_with_their_cause() -> None:
     assert state.handle(UnregisterExecutor(executor_id="i0h0", reason="again"), now=1.0) == Ok()
     assert state.take_notifications() == [] and state.map_version == version
     # A crash is only seen as silence, and is not graceful: data it sent may be lost.
+    beat_schedulers(state, 10.5)
     assert state.expire(now=10.5) == ["i0h1"]
     (crashed,) = state.take_notifications()
     assert (crashed.executor_id, crashed.graceful) == ("i0h1", False)

@@ -196,13 +196,14 @@ class Executor(Service):
         if self.config.test_order_by_arrival or msg.executor_seq < 0:
             self._admit(msg)
             return
-        held = self._held.setdefault(msg.scheduler, {})
+        source = f"{msg.scheduler}|{msg.epoch}"  # a restarted scheduler is a new source
+        held = self._held.setdefault(source, {})
         held[msg.executor_seq] = msg
-        expected = self._expected_seq.get(msg.scheduler, 0)
+        expected = self._expected_seq.get(source, 0)
         while expected in held:
             self._admit(held.pop(expected))
             expected += 1
-        self._expected_seq[msg.scheduler] = expected
+        self._expected_seq[source] = expected
 
     def _admit(self, msg: Enqueue) -> None:
         cancelled = self._cancelled.get(msg.run_id.split("#", 1)[0])

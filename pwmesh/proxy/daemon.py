@@ -79,6 +79,8 @@ from pwmesh.wire.messages import (
     ReleaseBuffers,
     ReleaseSlices,
     RunProgram,
+    SchedulerJoined,
+    SchedulerLost,
     ScheduleRun,
     SendShards,
     SendTask,
@@ -125,6 +127,7 @@ class Proxy(Service):
         self.liveness = Liveness(config.session_timeout_seconds)
         self.lost: dict[str, DeviceLost] = {}  # executor id -> why it is gone
         self.moved_buffers = 0  # buffers moved off draining hosts, ever
+        self.lost_schedulers: dict[str, DeviceLost] = {}  # address -> why: runs there cannot be ordered
         self._session_ids = itertools.count(1)
 
     async def setup(self) -> None:
@@ -327,6 +330,9 @@ class Proxy(Service):
             broken = session.slices[node.slice_id].broken
             if broken:
                 raise ResourceExhausted(f"slice {node.slice_id} cannot run: {broken}")
+        for scheduler in lowered.schedules:
+            if scheduler in self.lost_schedulers:
+                raise self.lost_schedulers[scheduler]
         executors = set().union(*lowered.node_executors.values()) if lowered.node_executors else set()
         for executor_id in executors:
             if executor_id in self.lost:
@@ -336,7 +342,8 @@ class Proxy(Service):
         # Nothing can fail past this point: record, then post everything in order.
         run = Run(run_id=session.next_run_id(), pending={n: set(ex) for n, ex in lowered.node_executors.items()},
                   outputs_of={}, pinned=pinned, temporaries=temporaries,
-                  executors={c.control for comps in lowered.schedules.values() for c in comps})
+                  executors={c.control for comps in lowered.schedules.values() for c in comps},
+                  schedulers=set(lowered.schedules))
         for buf in pinned:
             buf.pins += 1
             buf.holders |= lowered.holders.get(buf.name, set())
@@ -451,6 +458,15 @@ class Proxy(Service):
             self._executor_lost(msg)
         elif isinstance(msg, SliceRemapped):
             self._slice_remapped(msg)
+        elif isinstance(msg, SchedulerLost):
+            err = DeviceLost(f"the scheduler of island {msg.island} is gone ({msg.reason})")
+            log.warning("%s", err.message)
+            self.lost_schedulers[msg.address] = err
+            for session, run in list(self.runs.values()):
+                if msg.address in run.schedulers:
+                    self._abort_run(session, run, err)
+        elif isinstance(msg, SchedulerJoined):
+            self.lost_schedulers.pop(msg.address, None)
         elif isinstance(msg, ExecutorJoined):
             self.lost.pop(msg.executor_id, None)  # what it held stays lost: it was declared gone
             self.peers.mark_alive(msg.control)

@@ -34,6 +34,8 @@ from pwmesh.wire.messages import (
     RegisterExecutor,
     RegisterScheduler,
     ReleaseSlices,
+    SchedulerJoined,
+    SchedulerLost,
     SliceAllocated,
     SliceInfo,
     SliceRemapped,
@@ -67,8 +69,7 @@ class ResourceManagerState:
                     self._lose(executor_id, reason, graceful=True)
                 return Ok()
             case RegisterScheduler(info=info):
-                self.schedulers[info.island] = info
-                self.known.add(("scheduler", info.name))
+                self._register_scheduler(info, now)
                 return Ok()
             case WatchCluster(role=role, name=name, slices=slices):
                 self.known.add((role, name))
@@ -77,8 +78,8 @@ class ResourceManagerState:
             case Heartbeat(role=role, name=name):
                 if (role, name) not in self.known:
                     return PleaseRegister()  # we restarted, or it registered elsewhere
-                if role == "executor":
-                    self.liveness.beat(name, now)
+                if role in ("executor", "scheduler"):
+                    self.liveness.beat(f"{role}:{name}" if role == "scheduler" else name, now)
                 return None
             case AllocateSlice(owner=owner, devices=n, island=island):
                 return SliceAllocated(slice=self._allocate(owner, n, island))
@@ -106,12 +107,36 @@ class ResourceManagerState:
         self._remap(f"capacity returned with {info.executor_id}", only_broken=True)
         return Ok()
 
+    def _register_scheduler(self, info: SchedulerInfo, now: float) -> None:
+        self.schedulers[info.island] = info
+        self.known.add(("scheduler", info.name))
+        self.liveness.beat(f"scheduler:{info.name}", now)
+        self.notifications.append(SchedulerJoined(island=info.island, address=info.address))
+        # Slices of the island follow their scheduler if it came back on another address.
+        for sl in self.slices.values():
+            if sl.island == info.island and sl.scheduler != info.address:
+                sl.scheduler = info.address
+                self.notifications.append(SliceRemapped(slice=sl, moves=[], reason=f"scheduler of island "
+                                                        f"{info.island} is now at {info.address}"))
+
     def expire(self, now: float) -> list[str]:
-        """Mark executors that missed their heartbeats as lost; returns their ids."""
-        lost = [e for e in self.liveness.expired(now) if self.executors[e].alive]
+        """Mark executors (and schedulers) that missed their heartbeats as lost; returns the executors' ids."""
+        silent = self.liveness.expired(now)
+        why = f"missed heartbeats for {self.heartbeat_timeout_seconds} seconds"
+        for name in [n for n in silent if n.startswith("scheduler:")]:
+            self._lose_scheduler(name.removeprefix("scheduler:"), why)
+        lost = [e for e in silent if e in self.executors and self.executors[e].alive]
         for executor_id in lost:
-            self._lose(executor_id, f"missed heartbeats for {self.heartbeat_timeout_seconds} seconds")
+            self._lose(executor_id, why)
         return lost
+
+    def _lose_scheduler(self, name: str, reason: str) -> None:
+        self.known.discard(("scheduler", name))
+        for island, info in list(self.schedulers.items()):
+            if info.name == name:
+                del self.schedulers[island]  # no new slices there until one registers
+                self.map_version += 1
+                self.notifications.append(SchedulerLost(island=island, address=info.address, reason=reason))
 
     def _lose(self, executor_id: str, reason: str, graceful: bool = False) -> None:
         info = self.executors[executor_id]

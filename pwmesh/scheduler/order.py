@@ -24,6 +24,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import itertools
+import secrets
 
 from pwmesh.errors import InvalidArgument
 from pwmesh.wire.messages import ClientUsage, Computation, Enqueue, ScheduleRun
@@ -87,6 +88,7 @@ class IslandOrder:
         self.scheduler = scheduler
         self.next_seq = 0
         self.history: collections.deque[OrderEntry] = collections.deque(maxlen=history)
+        self.epoch = secrets.token_hex(4)  # this instance: executors restart their count with a new one
         self.busy: collections.Counter[DeviceKey] = collections.Counter()
         self._executor_seq: collections.Counter[str] = collections.Counter()
         self._clients: dict[str, _Client] = {}
@@ -172,7 +174,7 @@ class IslandOrder:
         actions = []
         for ex, comps in per_executor.items():
             enqueue = Enqueue(run_id=run.run_id, proxy=run.proxy, computations=comps, scheduler=self.scheduler,
-                              executor_seq=self._executor_seq[ex])
+                              executor_seq=self._executor_seq[ex], epoch=self.epoch)
             self._executor_seq[ex] += 1
             actions.append(SendEnqueue(controls[ex], enqueue))
         return actions

@@ -274,6 +274,21 @@ class WatchCluster(Message, op="rm.watch_cluster"):
 
 
 @record
+class SchedulerLost(Message, op="rm.scheduler_lost"):
+    """An island's scheduler missed its heartbeats: what went through it will not run."""
+
+    island: int
+    address: str
+    reason: str
+
+
+@record
+class SchedulerJoined(Message, op="rm.scheduler_joined"):
+    island: int
+    address: str
+
+
+@record
 class ExecutorJoined(Message, op="rm.executor_joined"):
     """An executor registered (again): messages to it are delivered again."""
 
@@ -418,6 +433,7 @@ class Enqueue(Message, op="exec.enqueue"):
     computations: list[Computation]
     scheduler: str = ""  # where to report RunPartDone
     executor_seq: int = -1  # this executor's n-th Enqueue from that scheduler: restores order
+    epoch: str = ""  # the scheduler instance: a restarted scheduler counts from 0 again
 
 
 @record
