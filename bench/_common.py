@@ -56,7 +56,12 @@ def table(headers: list[str], rows: list[list[Any]]) -> str:
     return "\n".join(lines)
 
 
-def machine() -> dict[str, Any]:
+def load_average() -> float:
+    return round(os.getloadavg()[0], 2)
+
+
+def machine(load_at_start: float | None = None) -> dict[str, Any]:
+    """The machine, for the results file. Load averages count the benchmark's own processes too."""
     import jax
 
     return {
@@ -64,7 +69,8 @@ def machine() -> dict[str, Any]:
         "python": sys.version.split()[0],
         "jax": jax.__version__,
         "cpus": os.cpu_count(),
-        "load_average_1m_at_end": round(os.getloadavg()[0], 2),
+        "load_average_1m_at_start": load_at_start,
+        "load_average_1m_at_end": load_average(),
         "backend": "cpu (JAX CPU devices, --xla_force_host_platform_device_count per executor)",
     }
 

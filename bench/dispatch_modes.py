@@ -17,9 +17,9 @@ Two measurements per mode, both in steady state (after a warm-up):
 - pipelined: N programs with up to ``--depth`` in flight (the oldest fetched
   whenever that many are outstanding).
 
-Rounds alternate the modes and the median round is reported.
+Many short rounds alternate the modes; the median round is reported (the best\nround and every round are in the JSON).
 
-    python bench/dispatch_modes.py               # ~1-2 minutes on a 2-core machine
+    python bench/dispatch_modes.py               # ~3-4 minutes on a 2-core machine
     python bench/dispatch_modes.py --smoke       # K=2 only, a few programs
 
 Writes ``dispatch_modes.json`` and ``dispatch_modes.png`` into ``--out``
@@ -43,7 +43,7 @@ import numpy as np
 import pwmesh as pw
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import DEFAULT_OUT, machine, pyplot, table, write_json  # noqa: E402
+from _common import DEFAULT_OUT, load_average, machine, pyplot, table, write_json  # noqa: E402
 
 MODES = ("parallel", "sequential")
 KINDS = ("latency", "pipelined")
@@ -52,10 +52,12 @@ KINDS = ("latency", "pipelined")
 @dataclasses.dataclass
 class Config:
     ks: tuple[int, ...] = (2, 4, 8)
-    programs: int = 200  # per mode, per round, per measurement
+    # Many short rounds, alternating the modes, and the median round: on a shared 2-core
+    # machine a neighbour's burst then hits both modes alike instead of one whole block.
+    programs: int = 60  # per mode, per round, per measurement
     warmup: int = 20
-    rounds: int = 3
-    depth: int = 16  # programs in flight in the pipelined measurement
+    rounds: int = 11
+    depth: int = 12  # programs in flight in the pipelined measurement
 
 
 def make_programs(stages: list[pw.MappedFunction]) -> tuple[dict[str, Any], str]:
@@ -100,6 +102,50 @@ def pipelined(client: pw.Client, prog: Callable[[Any], Any], x: Any, n: int, dep
     return elapsed / n
 
 
+def traced_latency(client: pw.Client, address: str, prog: Callable[[Any], Any], x: Any, n: int,
+                   k: int) -> dict[str, float] | None:
+    """Where one program's time goes, from the executors' traces: medians in ms (None if unavailable).
+
+    dispatch: call -> stage 1 starts; compute: one stage runs; handoff: stage i ends -> stage i+1
+    starts (parallel: the transfer; sequential: also completion -> proxy -> scheduler -> executor);
+    result: the last stage ends -> the value is at the client.
+    """
+    try:
+        from pwmesh.cli.commands import fetch_status
+        from pwmesh.client.connection import ClientConnection
+        from pwmesh.wire.messages import GetTrace, TraceEvents
+    except ImportError:  # an older pwmesh without executor traces
+        return None
+    since = time.time()
+    calls = []
+    for _ in range(n):
+        called = time.time()
+        np.asarray(prog(x))
+        calls.append((called, time.time()))
+    runs: dict[str, dict[int, Any]] = {}
+    for ex in fetch_status(address).cluster.executors:
+        conn = ClientConnection(ex.control, name="bench-trace", open_session=False)
+        try:
+            reply = conn.request(GetTrace(since=since), timeout_seconds=30.0)
+        finally:
+            conn.close()
+        assert isinstance(reply, TraceEvents)
+        for ev in reply.events:
+            if ev.run_id.startswith(client.session_id):
+                runs.setdefault(ev.run_id.split("#", 1)[0], {})[ev.node] = ev
+    complete = sorted((r for r in runs.values() if len(r) == k), key=lambda r: r[0].start)
+    if len(complete) != n:
+        return None
+    parts: dict[str, list[float]] = {"dispatch": [], "compute": [], "handoff": [], "result": [], "total": []}
+    for (called, fetched), run in zip(calls, complete, strict=True):
+        parts["dispatch"].append(run[0].start - called)
+        parts["compute"].extend(run[i].end - run[i].start for i in range(k))
+        parts["handoff"].extend(run[i + 1].start - run[i].end for i in range(k - 1))
+        parts["result"].append(fetched - run[k - 1].end)
+        parts["total"].append(fetched - called)
+    return {f"{name}_ms": 1000 * statistics.median(v) for name, v in parts.items() if v}
+
+
 def bench_k(k: int, config: Config) -> dict[str, Any]:
     spec = pw.LocalClusterSpec(islands=1, hosts_per_island=k, devices_per_host=1)
     t0 = time.monotonic()
@@ -124,17 +170,35 @@ def bench_k(k: int, config: Config) -> dict[str, Any]:
                 samples[mode]["latency"].append(latency(programs[mode], x, config.programs, expected))
                 samples[mode]["pipelined"].append(
                     pipelined(client, programs[mode], x, config.programs, config.depth, expected))
-    result: dict[str, Any] = {"k": k, "placement": hosts, "cluster_start_seconds": started, "note": note}
+        breakdown = {mode: traced_latency(client, cluster.address, prog, x, config.programs, k)
+                     for mode, prog in programs.items()}
+    result: dict[str, Any] = {"k": k, "placement": hosts, "cluster_start_seconds": started, "note": note,
+                              "breakdown": breakdown}
     for kind in KINDS:
         row: dict[str, Any] = {}
         for mode in MODES:
             got = samples.get(mode, {}).get(kind)
             row[f"{mode}_ms"] = 1000 * statistics.median(got) if got else None
+            row[f"{mode}_best_ms"] = 1000 * min(got) if got else None
             row[f"{mode}_rounds_ms"] = [1000 * s for s in got] if got else []
         par, seq = row["parallel_ms"], row["sequential_ms"]
         row["parallel_over_sequential"] = par / seq if par and seq else None
         result[kind] = row
     return result
+
+
+def per_stage(results: list[dict[str, Any]]) -> dict[str, dict[str, float | None]]:
+    """Slope of ms/program over K per measurement and mode: what each extra stage costs (needs 2+ Ks)."""
+    if len(results) < 2:
+        return {}
+    slopes: dict[str, dict[str, float | None]] = {}
+    for kind in KINDS:
+        slopes[kind] = {}
+        for mode in MODES:
+            points = [(r["k"], r[kind][f"{mode}_ms"]) for r in results if r[kind][f"{mode}_ms"] is not None]
+            ks, ms = [p[0] for p in points], [p[1] for p in points]
+            slopes[kind][mode] = float(np.polyfit(ks, ms, 1)[0]) if len(points) >= 2 else None
+    return slopes
 
 
 def plot(path: Path, results: list[dict[str, Any]]) -> bool:
@@ -187,6 +251,7 @@ def main(argv: list[str] | None = None) -> int:
             setattr(config, field, getattr(args, field))
 
     started = time.monotonic()
+    load_at_start = load_average()
     results = []
     for k in config.ks:
         print(f"K={k}: 1 island x {k} hosts x 1 device ...", flush=True)
@@ -194,17 +259,31 @@ def main(argv: list[str] | None = None) -> int:
         if results[-1]["note"]:
             print(f"  {results[-1]['note']}")
 
+    slopes = per_stage(results)
     print()
     print(table(["K", "measure", "parallel ms", "sequential ms", "par/seq"],
                 [[r["k"], kind, fmt(r[kind]["parallel_ms"]), fmt(r[kind]["sequential_ms"]),
                   fmt(r[kind]["parallel_over_sequential"])] for kind in KINDS for r in results]))
+    traced = [(r["k"], mode, b) for r in results for mode, b in r["breakdown"].items() if b]
+    if traced:
+        print()
+        print("where one program's time goes (latency measurement, medians from the executors' traces):")
+        print(table(["K", "mode", "dispatch ms", "stage ms", "handoff ms", "result ms", "total ms"],
+                    [[k, mode, fmt(b["dispatch_ms"]), fmt(b["compute_ms"]), fmt(b.get("handoff_ms")),
+                      fmt(b["result_ms"]), fmt(b["total_ms"])] for k, mode, b in traced]))
+    if slopes:
+        print()
+        print("cost of one more stage (least-squares slope of ms/program over K):")
+        print(table(["measure", "parallel ms/stage", "sequential ms/stage"],
+                    [[kind, fmt(slopes[kind]["parallel"]), fmt(slopes[kind]["sequential"])] for kind in KINDS]))
 
     result = {
         "benchmark": "dispatch_modes",
         "smoke": args.smoke,
         "config": {**dataclasses.asdict(config), "ks": list(config.ks)},
-        "machine": machine(),
+        "machine": machine(load_at_start),
         "results": results,
+        "ms_per_stage": slopes,
         "wall_seconds": time.monotonic() - started,
     }
     out_json = args.out / "dispatch_modes.json"

@@ -38,7 +38,7 @@ import numpy as np
 import pwmesh as pw
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import DEFAULT_OUT, SchedulerProbe, machine, pyplot, table, write_json  # noqa: E402
+from _common import DEFAULT_OUT, SchedulerProbe, load_average, machine, pyplot, table, write_json  # noqa: E402
 
 WEIGHTS = (1.0, 2.0, 4.0, 8.0)
 
@@ -276,6 +276,7 @@ def main(argv: list[str] | None = None) -> int:
     spec = pw.LocalClusterSpec(islands=1, hosts_per_island=config.hosts, devices_per_host=config.devices_per_host,
                                policy="fair")
     started = time.monotonic()
+    load_at_start = load_average()
     log(f"multitenancy: 1 island x {config.hosts} hosts x {config.devices_per_host} devices, fair policy, "
           f"{config.size}x{config.size} matmul per device")
     with pw.LocalCluster(spec) as cluster, SchedulerProbe(cluster.address) as probe:
@@ -307,7 +308,7 @@ def main(argv: list[str] | None = None) -> int:
         "config": {**dataclasses.asdict(config), "client_counts": list(config.client_counts),
                    "cluster": {"islands": 1, "hosts_per_island": config.hosts,
                                "devices_per_host": config.devices_per_host, "policy": "fair"}},
-        "machine": machine(),
+        "machine": machine(load_at_start),
         "shares": shares,
         "throughput": throughput,
         "wall_seconds": time.monotonic() - started,
