@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import pwmesh as pw
-from helpers import eventually, slow
+from helpers import eventually, slow_then_after
 from pwmesh.cli.commands import fetch_status
 
 HEARTBEAT_TIMEOUT_SECONDS = 2.0
@@ -27,20 +27,9 @@ def fragile() -> Iterator[pw.LocalCluster]:
 
 def test_executor_killed_mid_program(fragile: pw.LocalCluster) -> None:
     with pw.Client(fragile.address) as client:
-        devs = client.make_virtual_device_set()
-        on0, on1 = devs.add_slice(devices=1), devs.add_slice(devices=1)
-        assert on0.devices[0].executor == "island0-host0"
+        f, on0, on1, x, y = slow_then_after(client, fragile.address)
         kept = client.put(np.arange(3.0)[None], on0)  # lives only on host0
-        remote_slow = pw.pmap(slow, devices=on0)
         after = pw.pmap(lambda s: s + 1.0, devices=on1)
-
-        @pw.program
-        def f(v):
-            x = remote_slow(v)
-            return x, after(x)
-
-        x, y = f(np.ones(1))
-        eventually(lambda: fetch_status(fragile.address).executor_stats[0].outstanding == 1, 30)
         fragile.child("island0-host0").popen.send_signal(signal.SIGKILL)
         killed = time.monotonic()
         for arr in (x, y):  # y waits on host1 for data that will never come

@@ -13,8 +13,7 @@ import numpy as np
 import pytest
 
 import pwmesh as pw
-from helpers import eventually, ping_status, slow
-from pwmesh.cli.commands import fetch_status
+from helpers import eventually, ping_status, slow_then_after
 from pwmesh.service.lifecycle import Service, Status
 
 
@@ -85,21 +84,8 @@ def two_hosts() -> Iterator[pw.LocalCluster]:
 
 
 def _start_slow_then_fast(cluster: pw.LocalCluster) -> tuple[pw.Client, pw.Array, pw.Array]:
-    """``slow`` on host0 feeds ``after`` on host1; returns once host0 is computing."""
     client = pw.Client(cluster.address)
-    devs = client.make_virtual_device_set()
-    on0, on1 = devs.add_slice(devices=1), devs.add_slice(devices=1)
-    assert (on0.devices[0].executor, on1.devices[0].executor) == ("island0-host0", "island0-host1")
-    remote_slow = pw.pmap(slow, devices=on0)
-    after = pw.pmap(lambda s: s + 1.0, devices=on1)
-
-    @pw.program
-    def f(v):
-        x = remote_slow(v)
-        return x, after(x)
-
-    x, y = f(np.ones(1))
-    eventually(lambda: fetch_status(cluster.address).executor_stats[0].outstanding == 1, 30)
+    _, _, _, x, y = slow_then_after(client, cluster.address)
     return client, x, y
 
 
