@@ -207,3 +207,15 @@ def test_usage_is_reported_per_client() -> None:
     order.part_done("r1", "a", 1.5)
     (alice,) = order.usage()
     assert (alice.session, alice.weight, alice.device_seconds, alice.runs, alice.waiting) == ("alice", 2.0, 1.5, 1, 0)
+
+
+def test_idle_clients_are_forgotten_beyond_a_bound() -> None:
+    order = IslandOrder(island=0)
+    order.max_clients = 3
+    for i in range(10):
+        order.submit(run(f"r{i}", [(0, "a")], session=f"c{i}"))
+        order.part_done(f"r{i}", "a", 1.0)
+    assert len(order.usage()) <= 3
+    busy = run("busy", [(0, "a")], session="busy")
+    order.submit(busy)
+    assert "busy" in {u.session for u in order.usage()}  # one with work in flight is never forgotten

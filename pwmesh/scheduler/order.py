@@ -88,6 +88,7 @@ class IslandOrder:
         self.scheduler = scheduler
         self.next_seq = 0
         self.history: collections.deque[OrderEntry] = collections.deque(maxlen=history)
+        self.max_clients = 256  # idle clients beyond this many are forgotten
         self.epoch = secrets.token_hex(4)  # this instance: executors restart their count with a new one
         self.busy: collections.Counter[DeviceKey] = collections.Counter()
         self._executor_seq: collections.Counter[str] = collections.Counter()
@@ -126,7 +127,17 @@ class IslandOrder:
         if not flight.parts:
             del self._in_flight[run_id]
             client.in_flight -= 1
+            self._forget_idle()
         return self._release()
+
+    def _forget_idle(self) -> None:
+        """Keep the client table bounded: an idle client forgotten loses nothing it would
+        have kept, since a client that comes back re-enters at the others' level anyway."""
+        if len(self._clients) <= self.max_clients:
+            return
+        for session, c in list(self._clients.items()):
+            if not c.queue and not c.in_flight:
+                del self._clients[session]
 
     # --------------------------------------------------------------- policy
 
