@@ -19,9 +19,9 @@ from typing import Any
 import jax
 import numpy as np
 
-from pwmesh.errors import InvalidArgument, PwmeshError, error_class
+from pwmesh.errors import InvalidArgument, PwmeshError
 from pwmesh.executor.functions import FunctionCache
-from pwmesh.executor.runner import Runner, Work, as_error, error_info
+from pwmesh.executor.runner import Runner, Work, as_error
 from pwmesh.executor.store import ObjectStore
 from pwmesh.service.heartbeat import every
 from pwmesh.service.lifecycle import Service
@@ -33,6 +33,7 @@ from pwmesh.wire.messages import (
     DeleteShards,
     DeviceInfo,
     Enqueue,
+    ErrorInfo,
     ExecutorInfo,
     ExecutorStats,
     FetchShards,
@@ -212,7 +213,7 @@ class Executor(Service):
             # fail it at once, and give the scheduler its window slot back.
             for comp in msg.computations:
                 self.peers.post(msg.proxy, NodeDone(run_id=msg.run_id, node=comp.node, executor_id=self.name,
-                                                    error=error_info(cancelled)))
+                                                    error=ErrorInfo.of(cancelled)))
             self._part_done(msg.run_id, msg.scheduler, 0.0)
             return
         for comp in msg.computations:
@@ -220,7 +221,7 @@ class Executor(Service):
                 self.runner.enqueue(msg.run_id, msg.proxy, comp, msg.scheduler)
             except PwmeshError as exc:
                 self.peers.post(msg.proxy, NodeDone(run_id=msg.run_id, node=comp.node, executor_id=self.name,
-                                                    error=error_info(exc)))
+                                                    error=ErrorInfo.of(exc)))
 
     def _gang_ready(self, work: Work) -> None:
         for control in work.comp.peers:
@@ -301,7 +302,7 @@ class Executor(Service):
     def _cancel_run(self, peer: bytes, env: Envelope) -> None:
         msg = env.message
         assert isinstance(msg, CancelRun)
-        err = error_class(msg.error.code)(msg.error.message, remote_traceback=msg.error.traceback)
+        err = msg.error.exception()
         self._cancelled[msg.run_id] = err
         while len(self._cancelled) > 10_000:  # runs are cancelled rarely; remember the recent ones
             self._cancelled.popitem(last=False)
@@ -341,7 +342,7 @@ class Executor(Service):
 
     def _send_shard(self, task: SendTask, value: Any, err: PwmeshError | None) -> None:
         if err is not None:
-            msg = ShardData(key=task.key, device=task.dest_device, error=error_info(err))
+            msg = ShardData(key=task.key, device=task.dest_device, error=ErrorInfo.of(err))
         else:
             msg = ShardData(key=task.key, device=task.dest_device, array=np.asarray(value))
         self.peers.post(task.dest_data, msg)
@@ -350,14 +351,13 @@ class Executor(Service):
         msg = env.message
         assert isinstance(msg, ShardData)
         if msg.error is not None:
-            self.store.fail(msg.key, error_class(msg.error.code)(msg.error.message,
-                                                                 remote_traceback=msg.error.traceback))
+            self.store.fail(msg.key, msg.error.exception())
         elif msg.array is not None:
             self._store_array(msg.key, msg.device, msg.array)
         return None
 
     def _node_done(self, work: Work) -> None:
-        err = error_info(work.error) if work.error is not None else None
+        err = ErrorInfo.of(work.error) if work.error is not None else None
         self.peers.post(work.proxy, NodeDone(run_id=work.run_id, node=work.comp.node, executor_id=self.name,
                                              error=err))
 

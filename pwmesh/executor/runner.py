@@ -38,7 +38,7 @@ import jax
 from pwmesh.errors import PwmeshError, RemoteError
 from pwmesh.executor.functions import CompiledFunction, FunctionCache
 from pwmesh.executor.store import ObjectStore
-from pwmesh.wire.messages import Computation, ErrorInfo, SendTask
+from pwmesh.wire.messages import Computation, SendTask
 
 log = logging.getLogger(__name__)
 
@@ -88,10 +88,6 @@ def as_error(exc: BaseException, context: str) -> PwmeshError:
     if isinstance(exc, PwmeshError):
         return exc
     return RemoteError(f"{context}: {type(exc).__name__}: {exc}", remote_traceback="".join(traceback.format_exception(exc)))
-
-
-def error_info(exc: PwmeshError) -> ErrorInfo:
-    return ErrorInfo(code=exc.code, message=exc.message, traceback=exc.remote_traceback)
 
 
 def _retrieve(fut: asyncio.Future[Any]) -> None:

@@ -26,7 +26,6 @@ from pwmesh.errors import (
     ProtocolError,
     PwmeshError,
     ResourceExhausted,
-    error_class,
 )
 from pwmesh.ir.keys import function_id
 from pwmesh.ir.lower import ShardLocation, lower, slice_locations, split_host_array
@@ -429,12 +428,8 @@ class Proxy(Service):
             log.warning("unexpected completion of node %s of %s from %s", msg.node, msg.run_id, msg.executor_id)
             return None
         waiting.discard(msg.executor_id)
-        if msg.error is not None and run.error is None:
-            run.error = error_class(msg.error.code)(msg.error.message, remote_traceback=msg.error.traceback)
-        node_error = None
         if msg.error is not None:
-            node_error = error_class(msg.error.code)(msg.error.message, remote_traceback=msg.error.traceback)
-        if node_error is not None:
+            node_error = msg.error.exception()
             for buf in run.outputs_of.get(msg.node, []):
                 buf.resolve(node_error)
         if not waiting:
@@ -547,7 +542,7 @@ class Proxy(Service):
         for bufs in run.outputs_of.values():
             for buf in bufs:
                 buf.resolve(err)
-        info = ErrorInfo(code=err.code, message=err.message, traceback=err.remote_traceback)
+        info = ErrorInfo.of(err)
         for control in run.executors - self.peers.lost:
             self.peers.post(control, CancelRun(run_id=run.run_id, error=info))
         run.pending.clear()

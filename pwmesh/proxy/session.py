@@ -69,7 +69,6 @@ class Run:
     temporaries: list[Buffer]
     executors: set[str]  # every executor taking part (to cancel the run if one is lost)
     schedulers: set[str] = dataclasses.field(default_factory=set)  # islands' schedulers it went through
-    error: PwmeshError | None = None
     outputs: list[Buffer] = dataclasses.field(default_factory=list)  # pinned until it finishes
     # Sequential dispatch: nodes not sent yet, and the nodes each still waits for.
     held: dict[int, list[tuple[str, Computation]]] = dataclasses.field(default_factory=dict)

@@ -12,6 +12,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
+from pwmesh.errors import PwmeshError, error_class
 from pwmesh.wire.schema import Record, record
 
 _REGISTRY: dict[str, type[Message]] = {}
@@ -44,9 +45,18 @@ def message_types() -> dict[str, type[Message]]:
 
 @record
 class ErrorInfo(Record):
+    """An exception on the wire: its code picks the class it becomes again on the other side."""
+
     code: str
     message: str
     traceback: str = ""
+
+    @classmethod
+    def of(cls, exc: PwmeshError) -> ErrorInfo:
+        return cls(code=exc.code, message=exc.message, traceback=exc.remote_traceback)
+
+    def exception(self) -> PwmeshError:
+        return error_class(self.code)(self.message, remote_traceback=self.traceback)
 
 
 @record
