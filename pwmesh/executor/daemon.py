@@ -171,12 +171,9 @@ class Executor(Service):
     async def _warm(self, fn: Any, devices: tuple[jax.Device, ...]) -> None:
         pool = self.runner.pools[self.devices.index(devices[0])]
         try:
-            await self._loop().run_in_executor(pool, fn.executable, devices)
+            await asyncio.get_running_loop().run_in_executor(pool, fn.executable, devices)
         except Exception:  # the real call reports it; a warm-up must not crash anything
             log.warning("background compile of %s failed", fn.fn_id, exc_info=True)
-
-    def _loop(self) -> asyncio.AbstractEventLoop:
-        return asyncio.get_running_loop()
 
     def _enqueue(self, peer: bytes, env: Envelope) -> None:
         msg = env.message

@@ -54,6 +54,7 @@ class Work:
     done: asyncio.Future[None]
     peers_ready: asyncio.Future[None]
     cancel: asyncio.Future[None]  # fails when its run is cancelled: ends every wait of this work
+    peers_pending: set[str] = dataclasses.field(default_factory=set)  # peers not yet at this gang
     arrived: int = 0
     waiting_since: float = 0.0  # when all local devices arrived (watchdog)
     error: PwmeshError | None = None
@@ -150,7 +151,7 @@ class Runner:
             raise PwmeshError(f"computation {comp.node} names devices {devices}; this host has {len(self.devices)}")
         loop = asyncio.get_running_loop()
         work = Work(run_id, proxy, scheduler, comp, done=loop.create_future(), peers_ready=loop.create_future(),
-                    cancel=loop.create_future())
+                    cancel=loop.create_future(), peers_pending=set(comp.peers))
         work.peers_ready.add_done_callback(_retrieve)
         work.cancel.add_done_callback(_retrieve)
         self._outstanding += 1
@@ -173,12 +174,8 @@ class Runner:
             self._check_peers(work, {control})
 
     def _check_peers(self, work: Work, arrived: set[str]) -> None:
-        pending = getattr(work, "_peers_pending", None)
-        if pending is None:
-            pending = set(work.comp.peers)
-            work._peers_pending = pending  # type: ignore[attr-defined]
-        pending -= arrived
-        if not pending and not work.peers_ready.done():
+        work.peers_pending -= arrived
+        if not work.peers_pending and not work.peers_ready.done():
             work.peers_ready.set_result(None)
 
     def cancel_run(self, run_id: str, error: PwmeshError) -> None:
@@ -209,7 +206,7 @@ class Runner:
         waits = []
         for work in self._by_node.values():
             if work.waiting_since and not work.peers_ready.done() and now - work.waiting_since >= older_than_seconds:
-                missing = sorted(getattr(work, "_peers_pending", set()))
+                missing = sorted(work.peers_pending)
                 devices = ",".join(str(s.device) for s in work.comp.shards)
                 waits.append(f"devices [{devices}] wait at {work.label} for {missing} "
                              f"({now - work.waiting_since:.1f} s)")

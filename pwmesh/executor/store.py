@@ -170,13 +170,6 @@ class ObjectStore:
             return fut
         return self._entry(key)
 
-    def lookup(self, key: str) -> asyncio.Future[Any]:
-        """The value's future; ``NotFound`` if nothing produced or awaits ``key``."""
-        fut = self._entries.get(key)
-        if fut is None:
-            raise NotFound(f"no object {key} on this executor")
-        return fut
-
     def put(self, key: str, value: Any, nbytes: int) -> None:
         if key in self._deleted:
             return

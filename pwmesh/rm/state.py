@@ -34,6 +34,7 @@ from pwmesh.wire.messages import (
     RegisterExecutor,
     RegisterScheduler,
     ReleaseSlices,
+    SchedulerInfo,
     SchedulerJoined,
     SchedulerLost,
     SliceAllocated,
@@ -42,7 +43,6 @@ from pwmesh.wire.messages import (
     UnregisterExecutor,
     WatchCluster,
 )
-from pwmesh.wire.messages import SchedulerInfo as SchedulerInfo  # re-exported for tests
 
 
 @dataclasses.dataclass
