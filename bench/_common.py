@@ -7,9 +7,11 @@ import os
 import platform
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from pwmesh.cli import commands
 from pwmesh.cli.commands import fetch_status
 from pwmesh.client.connection import ClientConnection
 from pwmesh.wire.messages import GetSchedulerStats, SchedulerStats
@@ -49,11 +51,8 @@ class SchedulerProbe:
 
 
 def table(headers: list[str], rows: list[list[Any]]) -> str:
-    cells = [headers, *[[str(c) for c in row] for row in rows]]
-    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
-    lines = ["  ".join(c.rjust(w) for c, w in zip(row, widths, strict=True)) for row in cells]
-    lines.insert(1, "  ".join("-" * w for w in widths))
-    return "\n".join(lines)
+    """Benchmark tables: the CLI's, right-aligned for numbers."""
+    return commands.table(headers, rows, right=True)
 
 
 def load_average() -> float:
@@ -78,6 +77,17 @@ def machine(load_at_start: float | None = None) -> dict[str, Any]:
 def write_json(path: Path, data: dict[str, Any]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(data, indent=2) + "\n")
+
+
+def save_results(out: Path, name: str, result: dict[str, Any], draw: Callable[[Path], bool]) -> None:
+    """Write ``out/name.json``, then ``out/name.png`` through ``draw`` (False: no matplotlib)."""
+    out_json = out / f"{name}.json"
+    write_json(out_json, result)
+    print(f"\nwrote {out_json}")
+    if draw(out / f"{name}.png"):
+        print(f"wrote {out / f'{name}.png'}")
+    else:
+        print("matplotlib is not installed: no plot (pip install -e '.[bench]')")
 
 
 def pyplot() -> Any:

@@ -43,7 +43,7 @@ import numpy as np
 import pwmesh as pw
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import DEFAULT_OUT, load_average, machine, pyplot, table, write_json  # noqa: E402
+from _common import DEFAULT_OUT, load_average, machine, pyplot, save_results, table  # noqa: E402
 
 MODES = ("parallel", "sequential")
 KINDS = ("latency", "pipelined")
@@ -286,13 +286,7 @@ def main(argv: list[str] | None = None) -> int:
         "ms_per_stage": slopes,
         "wall_seconds": time.monotonic() - started,
     }
-    out_json = args.out / "dispatch_modes.json"
-    write_json(out_json, result)
-    print(f"\nwrote {out_json}")
-    if plot(args.out / "dispatch_modes.png", results):
-        print(f"wrote {args.out / 'dispatch_modes.png'}")
-    else:
-        print("matplotlib is not installed: no plot (pip install -e '.[bench]')")
+    save_results(args.out, "dispatch_modes", result, lambda path: plot(path, results))
     return 0
 
 

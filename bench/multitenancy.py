@@ -38,7 +38,7 @@ import numpy as np
 import pwmesh as pw
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import DEFAULT_OUT, SchedulerProbe, load_average, machine, pyplot, table, write_json  # noqa: E402
+from _common import DEFAULT_OUT, SchedulerProbe, load_average, machine, pyplot, save_results, table  # noqa: E402
 
 WEIGHTS = (1.0, 2.0, 4.0, 8.0)
 
@@ -313,13 +313,7 @@ def main(argv: list[str] | None = None) -> int:
         "throughput": throughput,
         "wall_seconds": time.monotonic() - started,
     }
-    out_json = args.out / "multitenancy.json"
-    write_json(out_json, result)
-    print(f"\nwrote {out_json}")
-    if plot(args.out / "multitenancy.png", shares, throughput):
-        print(f"wrote {args.out / 'multitenancy.png'}")
-    else:
-        print("matplotlib is not installed: no plot (pip install -e '.[bench]')")
+    save_results(args.out, "multitenancy", result, lambda path: plot(path, shares, throughput))
     return 0
 
 

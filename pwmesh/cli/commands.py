@@ -99,10 +99,12 @@ def drain(address: str, host: str, timeout_seconds: float) -> str:
             "it runs nothing new and can be stopped")
 
 
-def _table(headers: list[str], rows: list[list[object]]) -> str:
+def table(headers: list[str], rows: list[list[object]], *, right: bool = False) -> str:
+    """A plain-text table under a dashed rule; ``right`` aligns columns right (numbers)."""
     cells = [headers, *[[str(c) for c in row] for row in rows]]
     widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
-    lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() for row in cells]
+    pad = str.rjust if right else str.ljust
+    lines = ["  ".join(pad(c, w) for c, w in zip(row, widths, strict=True)).rstrip() for row in cells]
     lines.insert(1, "  ".join("-" * w for w in widths))
     return "\n".join(lines)
 
@@ -137,10 +139,10 @@ def format_status(reply: StatusReply) -> str:
     session_rows = [[s.session_id, s.name, s.buffers, s.programs, s.weight, s.priority] for s in reply.sessions]
     return "\n\n".join([
         f"map version {state.map_version}, {len(state.slices)} slices",
-        _table(["island", "hosts", "devices", "scheduler"], island_rows),
-        _table(["island", "executor", "host", "state", "devices[slices]", "objects", "memory", "executed",
+        table(["island", "hosts", "devices", "scheduler"], island_rows),
+        table(["island", "executor", "host", "state", "devices[slices]", "objects", "memory", "executed",
                 "queued"], host_rows),
-        _table(["session", "name", "buffers", "running", "weight", "priority"], session_rows)
+        table(["session", "name", "buffers", "running", "weight", "priority"], session_rows)
         if session_rows else "no sessions",
     ])
 
