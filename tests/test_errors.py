@@ -110,3 +110,10 @@ def test_daemons_survive_garbage(cluster: pw.LocalCluster, client: pw.Client) ->
         ctx.term()
     sl = client.make_virtual_device_set().add_slice(devices=2)
     np.testing.assert_array_equal(np.asarray(pw.pmap(lambda x: -x, devices=sl)(np.ones(2))), [-1.0, -1.0])
+
+
+def test_a_failed_put_keeps_its_cause(client: pw.Client) -> None:
+    sl = client.make_virtual_device_set().add_slice(devices=2)
+    bad = client.put(np.arange(3.0), sl)  # 3 rows cannot be split over 2 devices; put does not wait
+    with pytest.raises(pw.InvalidArgument, match="cannot be split evenly over 2 devices"):
+        np.asarray(bad)

@@ -270,12 +270,9 @@ class Proxy(Service):
         try:
             self._dispatch(session, msg)
         except PwmeshError as exc:
-            # The client did not wait: its output futures carry the error instead.
             for cid, v in zip(msg.outputs, msg.program.outputs, strict=False):
-                if cid not in session.buffers and 0 <= v < len(msg.program.values):
-                    buf = Buffer.new(session.buffer_name(cid), msg.program.values[v], client_ref=True)
-                    buf.resolve(exc)
-                    session.buffers[cid] = buf
+                if 0 <= v < len(msg.program.values):
+                    session.fail_buffer(cid, msg.program.values[v], exc)
             raise
         return Ok()
 
@@ -576,11 +573,8 @@ class Proxy(Service):
         try:
             return self._put(session, msg)
         except PwmeshError as exc:
-            if msg.buffer not in session.buffers:  # the client did not wait: the array carries the cause
-                spec = ValueSpec(shape=list(msg.array.shape), dtype=msg.array.dtype.name, shards=1)
-                failed = Buffer.new(session.buffer_name(msg.buffer), spec, client_ref=True)
-                failed.resolve(exc)
-                session.buffers[msg.buffer] = failed
+            session.fail_buffer(msg.buffer, ValueSpec(shape=list(msg.array.shape), dtype=msg.array.dtype.name,
+                                                      shards=1), exc)
             raise
 
     def _put(self, session: Session, msg: PutBuffer) -> Ok:

@@ -101,3 +101,10 @@ class Session:
     def buffer_name(self, client_id: int) -> str:
         """Object-store names never repeat, even if a client reuses an id it released."""
         return f"b{client_id}.{next(self._temp_ids)}"
+
+    def fail_buffer(self, client_id: int, spec: ValueSpec, error: PwmeshError) -> None:
+        """A request the client did not wait for failed: the buffer it expects carries the cause."""
+        if client_id not in self.buffers:
+            buf = Buffer.new(self.buffer_name(client_id), spec, client_ref=True)
+            buf.resolve(error)
+            self.buffers[client_id] = buf
