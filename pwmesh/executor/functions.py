@@ -92,8 +92,9 @@ class FunctionCache:
         fut.set_result(fn)
         return fn
 
-    async def get(self, fn_id: str) -> CompiledFunction:
-        return await self._entry(fn_id)
+    def get(self, fn_id: str) -> asyncio.Future[CompiledFunction]:
+        """The function's future: resolved at registration (which may come after the work)."""
+        return self._entry(fn_id)
 
     def __len__(self) -> int:
         return sum(1 for f in self._functions.values() if f.done())

@@ -261,7 +261,7 @@ class Runner:
                 await work.peers_ready
                 work.waiting_since = 0.0
                 ready = time.time()
-            fn = await _unless_cancelled(asyncio.ensure_future(self.functions.get(comp.fn_id)), work)
+            fn = await _unless_cancelled(self.functions.get(comp.fn_id), work)
             self._check_fits(work, fn)
             per_shard = [[await _unless_cancelled(self.store.get(k), work) for k in s.inputs] for s in comp.shards]
             reserved = await self._reserve(work, fn.shard_output_nbytes * len(comp.shards))
