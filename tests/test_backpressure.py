@@ -20,7 +20,7 @@ from pwmesh.errors import DeviceLost
 from pwmesh.executor.functions import FunctionCache
 from pwmesh.executor.runner import Runner, Work
 from pwmesh.executor.store import MemoryBudget, ObjectStore, format_bytes
-from pwmesh.wire.messages import Computation, ExecutorStats, ShardTask
+from pwmesh.wire.messages import Computation, ExecutorStats, ShardRun
 
 MiB = 1 << 20
 LIMIT = 4 * MiB  # per executor
@@ -151,7 +151,7 @@ async def running(limit: int) -> AsyncIterator[tuple[Runner, asyncio.Queue[Work]
     store = ObjectStore()
     functions = FunctionCache()
     finished: asyncio.Queue[Work] = asyncio.Queue()
-    runner = Runner(jax.devices("cpu")[:1], store, functions, send=lambda *_: None, done=finished.put_nowait,
+    runner = Runner(jax.devices("cpu")[:1], store, functions, emit=lambda *_: None, done=finished.put_nowait,
                     memory_limit_bytes=limit)
     for name, nbytes in (("big", OUT), ("one", 4)):
         fn = filled(nbytes) if nbytes > 4 else (lambda s: s + 1.0)
@@ -169,14 +169,14 @@ async def running(limit: int) -> AsyncIterator[tuple[Runner, asyncio.Queue[Work]
 
 def computation(node: int, fn_id: str, inputs: list[str], output: str) -> Computation:
     return Computation(node=node, fn_id=fn_id, executor_id="e", control="c",
-                       shards=[ShardTask(device=0, inputs=inputs, outputs=[output])], sends=[])
+                       runs=[ShardRun(device=0, shard=0)], inputs=inputs, outputs=[output])
 
 
 @pytest.mark.asyncio
 async def test_cancel_run_releases_a_computation_waiting_for_memory() -> None:
     async with running(LIMIT) as (runner, finished):
-        runner.store.put("x", np.float32(1.0), 4)
-        runner.store.put("held", np.zeros(HELD // 4, np.float32), HELD)
+        runner.store.put("x/0", np.float32(1.0), 4)
+        runner.store.put("held/0", np.zeros(HELD // 4, np.float32), HELD)
         runner.enqueue("r1", "proxy", computation(0, "big", ["x"], "r1/out"))
         runner.enqueue("r2", "proxy", computation(0, "one", ["x"], "r2/out"))
         await until(lambda: runner.memory.waiting == 1)
@@ -184,8 +184,8 @@ async def test_cancel_run_releases_a_computation_waiting_for_memory() -> None:
         cancelled = await finished.get()
         assert cancelled.run_id == "r1" and isinstance(cancelled.error, DeviceLost)
         with pytest.raises(DeviceLost):
-            await runner.store.get("r1/out")
+            await runner.store.get("r1/out/0")
         # The queue behind it is not blocked, and nothing stays reserved.
         assert (await finished.get()).run_id == "r2"
-        assert float(await runner.store.get("r2/out")) == 2.0
+        assert float(await runner.store.get("r2/out/0")) == 2.0
         assert runner.memory.reserved == 0 and runner.memory.stored == 4 + HELD + 4

@@ -10,12 +10,12 @@ import pytest
 
 from pwmesh.errors import InvalidArgument
 from pwmesh.scheduler.order import IslandOrder, SendEnqueue
-from pwmesh.wire.messages import Computation, Enqueue, ScheduleRun, ShardTask
+from pwmesh.wire.messages import Computation, Enqueue, ScheduleRun, ShardRun
 
 
 def computation(node: int, executor: str, devices: tuple[int, ...] = (0,)) -> Computation:
     return Computation(node=node, fn_id=f"fn{node}", executor_id=executor, control=f"tcp://{executor}:1",
-                       shards=[ShardTask(device=d, inputs=[], outputs=[]) for d in devices], sends=[])
+                       runs=[ShardRun(device=d, shard=i) for i, d in enumerate(devices)], inputs=[], outputs=[])
 
 
 def run(run_id: str, placements: list[tuple[int, str]], session: str = "s", weight: float = 1.0,
@@ -72,8 +72,8 @@ def test_every_device_sees_the_same_relative_order_of_gangs() -> None:
     def record(actions: list[SendEnqueue]) -> None:
         for action in actions:
             for comp in action.enqueue.computations:
-                for shard in comp.shards:
-                    per_device[(comp.executor_id, shard.device)].append(comp.seq)
+                for device, _ in comp.shards():
+                    per_device[(comp.executor_id, device)].append(comp.seq)
                 in_flight.append((action.enqueue.run_id, comp.executor_id))
 
     for i in range(200):

@@ -25,7 +25,7 @@ from hypothesis.extra import numpy as hnp
 from pwmesh.errors import ProtocolError
 from pwmesh.wire import PROTOCOL_VERSION, Envelope, Limits, Message, Record, decode, encode, message_types
 from pwmesh.wire.codec import FrameError
-from pwmesh.wire.messages import Ok, Ping, PutBuffer, PutShards, ShardData, ShardValues
+from pwmesh.wire.messages import DataTuple, Ok, Ping, PutBuffer, PutShards, ShardValues, TupleBatch
 
 PROPERTY = settings(
     derandomize=True,
@@ -331,9 +331,11 @@ def test_buffers_go_out_of_band_without_a_copy() -> None:
 
 
 def test_optional_array_and_error_fields_round_trip_as_none() -> None:
-    message = ShardData(key="s/b/0", device=1)
+    message = TupleBatch(tuples=[DataTuple(prefix="s/b", shard=0, device=1, src=0, sources=1, shape=[2],
+                                           dtype="float32", count=0)])
     env = decode(on_the_wire(encode(message, msg_id=9, reply_to=3, sender="x")))
     assert env.message == message
+    assert env.message.tuples[0].array is None and env.message.tuples[0].error is None
     assert (env.msg_id, env.reply_to, env.sender) == (9, 3, "x")
     assert len(encode(message, msg_id=9)) == 2
 

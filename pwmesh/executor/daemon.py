@@ -19,6 +19,8 @@ from typing import Any
 import jax
 import numpy as np
 
+from pwmesh.dataflow.exchange import Destination, Ragged, assemble, cut, cut_error
+from pwmesh.dataflow.progress import Arrived, Progress, ProgressError
 from pwmesh.errors import InvalidArgument, PwmeshError
 from pwmesh.executor.functions import FunctionCache
 from pwmesh.executor.runner import Runner, Work, as_error
@@ -30,8 +32,10 @@ from pwmesh.wire import Envelope
 from pwmesh.wire.messages import (
     AwaitIdle,
     CancelRun,
+    DataTuple,
     DeleteShards,
     DeviceInfo,
+    Emit,
     Enqueue,
     ErrorInfo,
     ExecutorInfo,
@@ -51,11 +55,10 @@ from pwmesh.wire.messages import (
     RegisterFunction,
     RunPartDone,
     SendShards,
-    SendTask,
-    ShardData,
     ShardValues,
     TraceEvent,
     TraceEvents,
+    TupleBatch,
     UnregisterExecutor,
 )
 
@@ -101,7 +104,8 @@ class Executor(Service):
 
     async def setup(self) -> None:
         self.functions = FunctionCache()
-        self.runner = Runner(self.devices, self.store, self.functions, send=self._send_shard, done=self._node_done,
+        self.progress = Progress()
+        self.runner = Runner(self.devices, self.store, self.functions, emit=self._emit, done=self._node_done,
                              gang_ready=self._gang_ready, part_done=self._part_done,
                              memory_limit_bytes=self.config.memory_limit_bytes, host=self.host)
         self._expected_seq: dict[str, int] = {}  # per scheduler: the next Enqueue to admit
@@ -124,7 +128,7 @@ class Executor(Service):
             Ping: self.ping,
         }
         self.control = Server(self.ctx, self.config.listen, control, tasks=self.tasks, name=self.name)
-        self.data = Server(self.ctx, self.config.data_listen, {ShardData: self._receive, Ping: self.ping},
+        self.data = Server(self.ctx, self.config.data_listen, {TupleBatch: self._receive, Ping: self.ping},
                            tasks=self.tasks,
                            name=f"{self.name}.data")
         self.control.start()
@@ -261,22 +265,26 @@ class Executor(Service):
     def _send_shards(self, peer: bytes, env: Envelope) -> Ok:
         msg = env.message
         assert isinstance(msg, SendShards)
-        for task in msg.sends:
-            # Counted and looked up now, not when the task first runs: ``AwaitIdle`` right
-            # behind must see it, and a delete right behind must not turn the lookup into
-            # a wait for a key that will never come again.
-            self._sending += 1
-            self._sent.clear()
-            self.tasks.spawn(self._send_when_ready(task, self.store.get(task.key)), name=f"send-{task.key}")
+        shards = [r.shard + k for r in msg.runs for k in range(r.count)]
+        # Counted and looked up now, not when the task first runs: ``AwaitIdle`` right
+        # behind must see it, and a delete right behind must not turn the lookup into
+        # a wait for a key that will never come again.
+        values = {shard: self.store.get(f"{msg.prefix}/{shard}") for shard in shards}
+        self._sending += 1
+        self._sent.clear()
+        self.tasks.spawn(self._send_when_ready(msg.emits, values), name=f"send-{msg.prefix}")
         return Ok()
 
-    async def _send_when_ready(self, task: SendTask, shard: asyncio.Future[Any]) -> None:
+    async def _send_when_ready(self, emits: list[Emit], futures: dict[int, asyncio.Future[Any]]) -> None:
         try:
-            value = await shard
-        except PwmeshError as exc:
-            self._send_shard(task, None, exc)
-        else:
-            self._send_shard(task, value, None)
+            try:
+                local = {shard: await fut for shard, fut in futures.items()}
+            except PwmeshError as exc:
+                for emit in emits:
+                    self._send_tuples(cut_error(emit, list(futures), ErrorInfo.of(exc)))
+            else:
+                for emit in emits:
+                    self._emit_values(emit, local, {})
         finally:
             self._sending -= 1
             if self._sending == 0:
@@ -313,7 +321,9 @@ class Executor(Service):
     def _delete(self, peer: bytes, env: Envelope) -> Ok:
         msg = env.message
         assert isinstance(msg, DeleteShards)
-        self.store.delete(msg.keys)
+        self.store.delete(msg.buffers)
+        for buffer in msg.buffers:
+            self.progress.forget(f"{buffer}/")
         return Ok()
 
     def _trace(self, peer: bytes, env: Envelope) -> TraceEvents:
@@ -337,21 +347,71 @@ class Executor(Service):
 
     # --------------------------------------------------------------- data plane
 
-    def _send_shard(self, task: SendTask, value: Any, err: PwmeshError | None) -> None:
+    def _emit(self, work: Work, emit: Emit, local: dict[int, Any], selectors: dict[int, Any],
+              err: PwmeshError | None) -> None:
+        """A computation's values leave as its emits say (or, if it failed, its failure does)."""
         if err is not None:
-            msg = ShardData(key=task.key, device=task.dest_device, error=ErrorInfo.of(err))
-        else:
-            msg = ShardData(key=task.key, device=task.dest_device, array=np.asarray(value))
-        self.peers.post(task.dest_data, msg)
+            self._send_tuples(cut_error(emit, work.shards, ErrorInfo.of(err)))
+            return
+        try:
+            self._emit_values(emit, local, selectors)
+        except PwmeshError as exc:  # e.g. an expert id out of range: the destinations fail with it
+            if work.error is None:
+                work.error = exc
+            self._send_tuples(cut_error(emit, work.shards, ErrorInfo.of(exc)))
+
+    def _emit_values(self, emit: Emit, local: dict[int, Any], selectors: dict[int, Any]) -> None:
+        host = {shard: v if isinstance(v, Ragged) else np.asarray(v) for shard, v in local.items()}
+        self._send_tuples(cut(emit, host, {shard: np.asarray(v) for shard, v in selectors.items()}))
+
+    def _send_tuples(self, tuples: list[tuple[Destination, DataTuple]]) -> None:
+        """One batch per destination executor; ours are delivered here without a socket."""
+        batches: dict[str, list[DataTuple]] = {}
+        for dest, t in tuples:
+            batches.setdefault(dest.executor_id if dest.executor_id == self.name else dest.data, []).append(t)
+        for where, batch in batches.items():
+            if where == self.name:
+                self._deliver(batch)
+            else:
+                self.peers.post(where, TupleBatch(tuples=batch))
 
     def _receive(self, peer: bytes, env: Envelope) -> None:
         msg = env.message
-        assert isinstance(msg, ShardData)
-        if msg.error is not None:
-            self.store.fail(msg.key, msg.error.exception())
-        elif msg.array is not None:
-            self._store_array(msg.key, msg.device, msg.array)
+        assert isinstance(msg, TupleBatch)
+        self._deliver(msg.tuples)
         return None
+
+    def _deliver(self, tuples: list[DataTuple]) -> None:
+        """Progress tracking per destination shard; a complete one is assembled and stored."""
+        for t in tuples:
+            key = f"{t.prefix}/{t.shard}"
+            if self.store.deleted(key):
+                continue  # its run ended (cancelled, freed): a late tuple is dropped
+            try:
+                if t.error is not None:
+                    failed = self.progress.fail(key, t.error.exception())
+                    if failed is not None:
+                        self.store.fail(key, failed.error)
+                    continue
+                done = None
+                if t.seq >= 0:
+                    done = self.progress.tuple(key, t.src, t.seq, t.sources, t)
+                if t.count >= 0:
+                    done = self.progress.marker(key, t.src, t.count, t.sources) or done
+            except ProgressError as exc:
+                log.warning("dropped a tuple: %s", exc)
+                continue
+            if isinstance(done, Arrived):
+                self._store_value(key, t.device, assemble(done.payloads))
+
+    def _store_value(self, key: str, device: int, value: np.ndarray | Ragged) -> None:
+        if isinstance(value, Ragged):  # routed rows stay on the host until their expert pads them
+            self.store.put(key, value, value.nbytes)
+        else:
+            try:
+                self._store_array(key, device, value)
+            except Exception as exc:
+                self.store.fail(key, as_error(exc, f"storing {key}"))
 
     def _node_done(self, work: Work) -> None:
         err = ErrorInfo.of(work.error) if work.error is not None else None

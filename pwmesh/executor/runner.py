@@ -34,11 +34,13 @@ from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
+import numpy as np
 
+from pwmesh.dataflow.exchange import Ragged
 from pwmesh.errors import PwmeshError, RemoteError
 from pwmesh.executor.functions import CompiledFunction, FunctionCache
 from pwmesh.executor.store import ObjectStore
-from pwmesh.wire.messages import Computation, SendTask
+from pwmesh.wire.messages import Computation, Emit
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +62,8 @@ class Work:
     error: PwmeshError | None = None
     cancelled: PwmeshError | None = None  # its run was cancelled: it never waits for memory
     device_seconds: float = 0.0
+    devices: list[int] = dataclasses.field(default_factory=list)  # its local devices, one per shard
+    shards: list[int] = dataclasses.field(default_factory=list)  # the shard each of them runs
 
     @property
     def label(self) -> str:
@@ -103,7 +107,7 @@ class Runner:
         store: ObjectStore,
         functions: FunctionCache,
         *,
-        send: Callable[[SendTask, Any, PwmeshError | None], None],
+        emit: Callable[[Work, Emit, dict[int, Any], dict[int, Any], PwmeshError | None], None],
         done: Callable[[Work], None],
         gang_ready: Callable[[Work], None] = lambda work: None,
         part_done: Callable[[str, str, float], None] = lambda run_id, scheduler, seconds: None,
@@ -117,7 +121,7 @@ class Runner:
         self.host = host
         self.memory = store.memory  # stored bytes are counted by the store, reservations here
         self.memory.limit_bytes = memory_limit_bytes
-        self._send = send
+        self._emit = emit
         self._done = done
         self._gang_ready = gang_ready
         self._part_done = part_done
@@ -146,12 +150,13 @@ class Runner:
 
     def enqueue(self, run_id: str, proxy: str, comp: Computation, scheduler: str = "") -> None:
         """Put ``comp``'s shards on their devices' queues (synchronously, in call order)."""
-        devices = [shard.device for shard in comp.shards]
-        if not comp.shards or any(not 0 <= d < len(self.devices) for d in devices) or len(set(devices)) != len(devices):
+        devices = [device for device, _ in comp.shards()]
+        if not devices or any(not 0 <= d < len(self.devices) for d in devices) or len(set(devices)) != len(devices):
             raise PwmeshError(f"computation {comp.node} names devices {devices}; this host has {len(self.devices)}")
         loop = asyncio.get_running_loop()
         work = Work(run_id, proxy, scheduler, comp, done=loop.create_future(), peers_ready=loop.create_future(),
-                    cancel=loop.create_future(), peers_pending=set(comp.peers))
+                    cancel=loop.create_future(), peers_pending=set(comp.peers), devices=devices,
+                    shards=[shard for _, shard in comp.shards()])
         work.peers_ready.add_done_callback(_retrieve)
         work.cancel.add_done_callback(_retrieve)
         self._outstanding += 1
@@ -207,7 +212,7 @@ class Runner:
         for work in self._by_node.values():
             if work.waiting_since and not work.peers_ready.done() and now - work.waiting_since >= older_than_seconds:
                 missing = sorted(work.peers_pending)
-                devices = ",".join(str(s.device) for s in work.comp.shards)
+                devices = ",".join(map(str, work.devices))
                 waits.append(f"devices [{devices}] wait at {work.label} for {missing} "
                              f"({now - work.waiting_since:.1f} s)")
         return waits
@@ -217,7 +222,7 @@ class Runner:
         while True:
             work = await queue.get()
             work.arrived += 1
-            if work.arrived < len(work.comp.shards):
+            if work.arrived < len(work.devices):
                 await asyncio.shield(work.done)  # the last local device to arrive runs it for all
                 continue
             try:
@@ -233,7 +238,7 @@ class Runner:
 
     def _check_fits(self, work: Work, fn: CompiledFunction) -> None:
         """Fail at once if the computation's outputs on this host could never fit its memory."""
-        needed = fn.shard_output_nbytes * len(work.comp.shards)
+        needed = fn.shard_output_nbytes * len(work.devices)
         self.memory.check(needed, f"computation {work.comp.node} ({work.comp.fn_id[:12]}) on host {self.host}")
 
     async def _reserve(self, work: Work, nbytes: int) -> int:
@@ -247,6 +252,7 @@ class Runner:
         """All local devices are here: meet the peers, then run every local shard."""
         comp = work.comp
         reserved = 0
+        per_shard: list[list[Any]] = []
         outs: list[list[Any]] | None = None
         err: PwmeshError | None = None
         # Wall clock, so the spans of processes on one machine line up. ``ready``/``start``
@@ -261,54 +267,70 @@ class Runner:
                 await work.peers_ready
                 work.waiting_since = 0.0
                 ready = time.time()
-            fn = await _unless_cancelled(self.functions.get(comp.fn_id), work)
-            self._check_fits(work, fn)
-            per_shard = [[await _unless_cancelled(self.store.get(k), work) for k in s.inputs] for s in comp.shards]
-            reserved = await self._reserve(work, fn.shard_output_nbytes * len(comp.shards))
-            loop = asyncio.get_running_loop()
+            fn = None
+            if comp.kind == "call":
+                fn = await _unless_cancelled(self.functions.get(comp.fn_id), work)
+                self._check_fits(work, fn)
+            per_shard = [[await _unless_cancelled(self.store.get(f"{p}/{shard}"), work) for p in comp.inputs]
+                         for shard in work.shards]
             start = time.time()
-            if comp.spmd:
-                devices = tuple(self.devices[s.device] for s in comp.shards)
-                outs, seconds = await loop.run_in_executor(self.pools[comp.shards[-1].device], _call_spmd, fn,
-                                                           devices, per_shard)
-                work.device_seconds = seconds * len(devices)
+            if fn is None:  # route: nothing runs, it only emits; identity: its inputs are its outputs
+                outs = per_shard if comp.kind == "identity" else [[] for _ in work.shards]
             else:
-                results = await asyncio.gather(*(
-                    loop.run_in_executor(self.pools[s.device], _call_single, fn, self.devices[s.device], args)
-                    for s, args in zip(comp.shards, per_shard, strict=True)))
-                outs = [r[0] for r in results]
-                work.device_seconds = sum(r[1] for r in results)
+                reserved = await self._reserve(work, fn.shard_output_nbytes * len(work.devices))
+                start = time.time()
+                outs = await self._call(work, fn, per_shard)
         except BaseException as exc:
             if isinstance(exc, asyncio.CancelledError):
                 self.memory.release(reserved)
                 raise
-            err = as_error(exc, f"computation {comp.node} ({comp.fn_id[:12]})")
+            err = as_error(exc, f"computation {comp.node} ({comp.fn_id[:12] or comp.kind})")
         end = time.time()
         self.spans.append(Span(arrived, ready or end, start or end, end, work.run_id, comp.node, comp.seq, comp.fn_id,
-                               tuple(sh.device for sh in comp.shards), "" if err is None else err.message))
+                               tuple(work.devices), "" if err is None else err.message))
         try:
-            for i, s in enumerate(comp.shards):
-                self._finish_outputs(work, s.outputs, None if outs is None else outs[i], err)
+            for i, shard in enumerate(work.shards):
+                err = self._finish_outputs(work, shard, None if outs is None else outs[i], err)
         finally:
             self.memory.release(reserved)  # the outputs are stored bytes now, or failed
+        values = [[*ins, *(outs[i] if outs is not None and err is None else [])] for i, ins in enumerate(per_shard)]
+        for emit in comp.emits:
+            local = {shard: values[i][emit.slot] for i, shard in enumerate(work.shards) if emit.slot < len(values[i])}
+            selectors = {shard: values[i][emit.selector] for i, shard in enumerate(work.shards)
+                         if 0 <= emit.selector < len(values[i])}
+            self._emit(work, emit, local, selectors, err)
         self._complete(work)
 
-    def _finish_outputs(self, work: Work, keys: list[str], outs: list[Any] | None, err: PwmeshError | None) -> None:
+    async def _call(self, work: Work, fn: CompiledFunction, per_shard: list[list[Any]]) -> list[list[Any]]:
+        comp = work.comp
+        loop = asyncio.get_running_loop()
+        if comp.spmd:
+            devices = tuple(self.devices[d] for d in work.devices)
+            outs, seconds = await loop.run_in_executor(self.pools[work.devices[-1]], _call_spmd, fn, devices,
+                                                       per_shard)
+            work.device_seconds = seconds * len(devices)
+            return outs
+        call = _call_ragged if comp.ragged else _call_single
+        results = await asyncio.gather(*(
+            loop.run_in_executor(self.pools[d], call, fn, self.devices[d], args)
+            for d, args in zip(work.devices, per_shard, strict=True)))
+        work.device_seconds = sum(r[1] for r in results)
+        return [r[0] for r in results]
+
+    def _finish_outputs(self, work: Work, shard: int, outs: list[Any] | None,
+                        err: PwmeshError | None) -> PwmeshError | None:
+        keys = [f"{p}/{shard}" for p in work.comp.outputs]
         if err is None and outs is not None and len(outs) != len(keys):
             err = PwmeshError(f"computation {work.comp.node} produced {len(outs)} outputs, expected {len(keys)}")
-        values: dict[str, Any] = {}
         for i, key in enumerate(keys):
             if err is None:
                 assert outs is not None
-                values[key] = outs[i]
                 self.store.put(key, outs[i], outs[i].nbytes)
             else:
                 self.store.fail(key, err)
         if err is not None and work.error is None:
             work.error = err
-        for task in work.comp.sends:
-            if task.key in keys:
-                self._send(task, values.get(task.key), err)
+        return err
 
     def _complete(self, work: Work) -> None:
         self.executed += 1
@@ -346,6 +368,21 @@ def _call_single(fn: CompiledFunction, device: jax.Device, args: list[Any]) -> t
     leaves = jax.tree_util.tree_leaves(out)
     jax.block_until_ready(leaves)
     return leaves, time.perf_counter() - start
+
+
+def _call_ragged(fn: CompiledFunction, device: jax.Device, args: list[Any]) -> tuple[list[Any], float]:
+    """An expert on its routed rows: padded to the capacity it was compiled for, its outputs cut back.
+    An expert that got no rows does not run: its outputs are empty."""
+    (rows,) = args
+    assert isinstance(rows, Ragged)
+    n = len(rows.index)
+    if n == 0:
+        return [Ragged(np.zeros((0, *a.shape[1:]), a.dtype), rows.index) for a in fn.exported.out_avals], 0.0
+    (aval,) = fn.exported.in_avals
+    padded = np.zeros(aval.shape, aval.dtype)
+    padded[:n] = rows.array
+    outs, seconds = _call_single(fn, device, [padded])
+    return [Ragged(np.asarray(out)[:n], rows.index) for out in outs], seconds
 
 
 def _call_spmd(fn: CompiledFunction, devices: tuple[jax.Device, ...],

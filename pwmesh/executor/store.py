@@ -146,11 +146,19 @@ def _retrieve(fut: asyncio.Future[Any]) -> None:
         fut.exception()
 
 
+def buffer_of(key: str) -> str:
+    """``"<owner>/<buffer>"`` of a shard key ``"<owner>/<buffer>/<shard>"``."""
+    return key.rpartition("/")[0]
+
+
 class ObjectStore:
+    """Shard keys ``"<owner>/<buffer>/<shard>"``; deletes and tombstones are per buffer."""
+
     def __init__(self) -> None:
         self._entries: dict[str, asyncio.Future[Any]] = {}
         self._nbytes: dict[str, int] = {}
-        self._deleted: set[str] = set()
+        self._by_buffer: dict[str, set[str]] = {}
+        self._deleted: set[str] = set()  # buffers
         self.memory = MemoryBudget()  # its limit is the executor's to set
 
     def _entry(self, key: str) -> asyncio.Future[Any]:
@@ -159,11 +167,15 @@ class ObjectStore:
             fut = asyncio.get_running_loop().create_future()
             fut.add_done_callback(_retrieve)
             self._entries[key] = fut
+            self._by_buffer.setdefault(buffer_of(key), set()).add(key)
         return fut
+
+    def deleted(self, key: str) -> bool:
+        return buffer_of(key) in self._deleted
 
     def get(self, key: str) -> asyncio.Future[Any]:
         """The value's future, created (a posted receive) if the key has not arrived yet."""
-        if key in self._deleted:
+        if self.deleted(key):
             fut = asyncio.get_running_loop().create_future()
             fut.set_exception(NotFound(f"object {key} was deleted"))
             fut.add_done_callback(_retrieve)
@@ -171,7 +183,7 @@ class ObjectStore:
         return self._entry(key)
 
     def put(self, key: str, value: Any, nbytes: int) -> None:
-        if key in self._deleted:
+        if self.deleted(key):
             return
         fut = self._entry(key)
         if fut.done():  # a confused or hostile peer; the first value stands
@@ -182,29 +194,31 @@ class ObjectStore:
         self.memory.allocated(nbytes)
 
     def fail(self, key: str, exc: PwmeshError) -> None:
-        if key in self._deleted:
+        if self.deleted(key):
             return
         fut = self._entry(key)
         if not fut.done():
             fut.set_exception(exc)
 
-    def delete(self, keys: list[str]) -> int:
+    def delete(self, buffers: list[str]) -> int:
+        """Delete every shard of ``buffers`` held here; returns how many shards went."""
         removed = 0
         freed = 0
-        for key in keys:
-            fut = self._entries.pop(key, None)
-            freed += self._nbytes.pop(key, 0)
-            self._deleted.add(key)
-            if fut is not None:
-                removed += 1
-                if not fut.done():
-                    fut.set_exception(NotFound(f"object {key} was deleted before it arrived"))
+        for buffer in buffers:
+            self._deleted.add(buffer)
+            for key in self._by_buffer.pop(buffer, ()):
+                fut = self._entries.pop(key, None)
+                freed += self._nbytes.pop(key, 0)
+                if fut is not None:
+                    removed += 1
+                    if not fut.done():
+                        fut.set_exception(NotFound(f"object {key} was deleted before it arrived"))
         if freed:
             self.memory.freed(freed)  # wakes computations waiting for room
         return removed
 
     def forget_owner(self, prefix: str) -> None:
-        """Drop the tombstones of an owner (a closed session): its keys never come again."""
+        """Drop the tombstones of an owner (a closed session): its buffers never come again."""
         self._deleted = {k for k in self._deleted if not k.startswith(prefix)}
 
     def __len__(self) -> int:

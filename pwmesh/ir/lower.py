@@ -1,22 +1,43 @@
 """Lowering: a device-agnostic program plus a placement → per-island, per-executor work.
 
 Pure: no sockets, no JAX. Every node becomes one ``Computation`` per executor
-that holds some of its shards (never one message per shard across the cluster);
-every edge whose producer and consumer shard sit on different executors gets a
-``SendTask`` on the producer, straight to the consumer's data plane. Values are
-sharded in blocks along their leading axis; shard ``i`` of a value lives under
-the object-store key ``"<owner>/<buffer>/<i>"`` on every executor that holds it.
+that holds some of its shards (never one message per shard), its shards given
+as runs of contiguous devices, so what the proxy sends does not grow with the
+number of devices. Values are sharded in blocks along their leading axis; shard
+``i`` of a buffer lives under ``"<owner>/<buffer>/<i>"`` on the executor that
+holds it. Where a value must be elsewhere than where it was made — on another
+executor, or split another number of ways — its producer (or the executor that
+holds it) gets an ``Emit``: send your shards onward as shard-tagged tuples, and
+the consumers' progress tracking says when they are complete (``pwmesh.dataflow``).
+A value split M ways read by a node on N devices (M != N) is resharded into a
+derived buffer of its own, freed with the run's temporaries. Routed values
+(``ragged``) go from a route node to one expert each and come back through a
+combine node (mixture-of-experts).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 
 import numpy as np
 
+from pwmesh.dataflow.layout import check_split
 from pwmesh.errors import InvalidArgument
-from pwmesh.wire.messages import Computation, ProgramSpec, SendTask, ShardTask, SliceInfo
+from pwmesh.wire.messages import (
+    Computation,
+    Emit,
+    NodeSpec,
+    PhysicalDevice,
+    ProgramSpec,
+    SendShards,
+    ShardRun,
+    Site,
+    SliceInfo,
+    Target,
+    ValueSpec,
+)
 
 
 def shard_key(owner: str, buffer: str, shard: int) -> str:
@@ -30,31 +51,59 @@ class ShardLocation:
     data: str
     device: int
     island: int
+    host: str = ""
 
 
 def slice_locations(sl: SliceInfo) -> list[ShardLocation]:
-    return [ShardLocation(d.executor_id, d.control, d.data, d.device, d.island) for d in sl.devices]
+    return [ShardLocation(d.executor_id, d.control, d.data, d.device, d.island, d.host) for d in sl.devices]
+
+
+def runs_of(pairs: list[tuple[int, int]]) -> list[ShardRun]:
+    """(device, shard) pairs as runs: consecutive devices holding consecutive shards share one."""
+    runs: list[ShardRun] = []
+    for device, shard in pairs:
+        last = runs[-1] if runs else None
+        if last is not None and device == last.device + last.count and shard == last.shard + last.count:
+            last.count += 1
+        else:
+            runs.append(ShardRun(device=device, shard=shard, count=1))
+    return runs
+
+
+def sites_of(layout: list[ShardLocation], shards: list[int] | None = None) -> list[Site]:
+    """The executors of ``layout`` (those holding ``shards``; default all) with their runs."""
+    wanted = range(len(layout)) if shards is None else shards
+    by_executor: dict[str, list[tuple[int, int]]] = {}
+    first: dict[str, ShardLocation] = {}
+    for j in wanted:
+        where = layout[j]
+        by_executor.setdefault(where.executor_id, []).append((where.device, j))
+        first.setdefault(where.executor_id, where)
+    return [Site(executor_id=ex, data=first[ex].data, host=first[ex].host, runs=runs_of(pairs))
+            for ex, pairs in by_executor.items()]
 
 
 @dataclasses.dataclass
 class HostPut:
-    """Shard ``shard`` of host input ``value`` goes to ``location`` under ``key``."""
+    """Shard ``shard`` of host input ``value``, split ``shards`` ways, goes to ``location`` under ``key``."""
 
     value: int
     shard: int
     location: ShardLocation
     key: str
+    shards: int = 1
 
 
 @dataclasses.dataclass
 class Lowered:
     schedules: dict[str, list[Computation]]  # scheduler address -> computations in program order
     puts: list[HostPut]
-    moves: dict[str, list[SendTask]]  # holder's control address -> copies of existing buffers
+    moves: dict[str, list[SendShards]]  # holder's control address -> sends of existing buffers
     produced: dict[int, list[ShardLocation]]  # computed value -> where each shard was made
     holders: dict[str, set[str]]  # buffer name -> control addresses holding any of its shards
     node_executors: dict[int, set[str]]  # node -> executors that report its completion
     function_sites: dict[str, set[tuple[str, tuple[int, ...]]]]  # fn_id -> {(control, devices)}
+    derived: list[str] = dataclasses.field(default_factory=list)  # buffers lowering made (reshards): temporaries
 
 
 def validate(program: ProgramSpec) -> None:
@@ -78,6 +127,10 @@ def validate(program: ProgramSpec) -> None:
     for v in program.outputs:
         if v not in defined:
             raise InvalidArgument(f"program output {v} is never defined")
+        if program.values[v].ragged:
+            raise InvalidArgument(f"program output {v} is routed rows; combine the experts' outputs first")
+    for index, node in enumerate(program.nodes):
+        _validate_node(program, index, node)
     read = {v for node in program.nodes for v in node.inputs} | set(program.outputs)
     for v, spec in enumerate(program.values):
         if v not in read and spec.shards != 1:
@@ -89,6 +142,44 @@ def validate(program: ProgramSpec) -> None:
                 f"value {v} of shape {tuple(spec.shape)} cannot be split into {spec.shards} equal shards "
                 "along its leading axis"
             )
+
+
+def _validate_node(program: ProgramSpec, index: int, node: NodeSpec) -> None:
+    values = program.values
+    ragged_in = [v for v in node.inputs if values[v].ragged]
+    if node.kind == "call":
+        if ragged_in and len(node.inputs) != 1:
+            raise InvalidArgument(f"node {index} reads routed rows and {len(node.inputs) - 1} other values; "
+                                  "an expert takes its routed rows alone")
+        if any(values[v].ragged != bool(ragged_in) for v in node.outputs):
+            raise InvalidArgument(f"node {index}: an expert's outputs are routed rows exactly when its input is")
+        if ragged_in and any(values[v].shape[:1] != values[ragged_in[0]].shape[:1] for v in node.outputs):
+            raise InvalidArgument(f"node {index}: an expert must return one row for each row it gets")
+    elif node.kind == "route":
+        if len(node.inputs) != 2 or not node.outputs or len(node.outputs) != len(node.targets):
+            raise InvalidArgument(f"route node {index} takes (rows, expert ids) and names a slice per output")
+        x, experts = (values[v] for v in node.inputs)
+        if not x.shape or x.ragged or experts.shape != x.shape[:1] or not np.issubdtype(experts.dtype, np.integer):
+            raise InvalidArgument(f"route node {index}: expert ids must be integers of shape {x.shape[:1]}, one "
+                                  f"per row of the routed value {x.shape}; got {experts.dtype}{experts.shape}")
+        for v in node.outputs:
+            out = values[v]
+            if not out.ragged or out.shards != 1 or out.shape != x.shape or out.dtype != x.dtype:
+                raise InvalidArgument(f"route node {index}: output {v} must be routed rows like {x.shape} "
+                                      f"{x.dtype}, on one device")
+    elif node.kind == "combine":
+        if len(node.outputs) != 1 or not node.inputs or len(ragged_in) != len(node.inputs):
+            raise InvalidArgument(f"combine node {index} takes the experts' routed outputs and makes one value")
+        out = values[node.outputs[0]]
+        if out.ragged or any(values[v].shape != out.shape or values[v].dtype != out.dtype for v in node.inputs):
+            raise InvalidArgument(f"combine node {index}: every expert output must be {out.dtype}{out.shape}")
+    else:
+        raise InvalidArgument(f"node {index} has unknown kind {node.kind!r} (call, route or combine)")
+    if node.kind != "call" and node.fn_id:
+        raise InvalidArgument(f"{node.kind} node {index} runs no function")
+    for v in node.outputs:
+        if values[v].ragged and values[v].shards != 1:
+            raise InvalidArgument(f"value {v} is routed rows split {values[v].shards} ways; they live on one device")
 
 
 def shard_slices(shape: list[int], shards: int) -> list[slice]:
@@ -114,103 +205,257 @@ def lower(
     bound: dict[int, list[ShardLocation]],
     slices: dict[int, SliceInfo],
     spmd: dict[str, bool],
+    fresh_name: Callable[[], str] | None = None,
 ) -> Lowered:
-    """Lower ``program``; ``names[v]`` is the buffer name of value ``v``; ``bound`` locates existing buffers."""
+    """Lower ``program``; ``names[v]`` is the buffer name of value ``v``; ``bound`` locates existing
+    buffers; ``fresh_name`` names the buffers lowering derives (reshards, combine landings)."""
     validate(program)
-    loc: dict[int, list[ShardLocation]] = dict(bound)
-    producer: dict[int, int] = {}
-    comps: dict[tuple[int, str], Computation] = {}
-    out = Lowered(schedules={}, puts=[], moves={}, produced={}, holders={}, node_executors={}, function_sites={})
-    placed: set[tuple[int, int, str]] = set()  # (value, shard, executor) already present or on its way
+    return _Lowering(program, owner, names, host_inputs, bound, slices, spmd, fresh_name).run()
 
-    def hold(v: int, where: ShardLocation) -> None:
-        out.holders.setdefault(names[v], set()).add(where.control)
 
-    for v, where in bound.items():
-        if len(where) != program.values[v].shards:
-            raise InvalidArgument(f"input value {v} is bound to a buffer with {len(where)} shards, "
-                                  f"the program expects {program.values[v].shards}")
-        for i, w in enumerate(where):
-            placed.add((v, i, w.executor_id))
-            hold(v, w)
+class _Lowering:
+    def __init__(self, program: ProgramSpec, owner: str, names: list[str], host_inputs: set[int],
+                 bound: dict[int, list[ShardLocation]], slices: dict[int, SliceInfo], spmd: dict[str, bool],
+                 fresh_name: Callable[[], str] | None) -> None:
+        self.program = program
+        self.owner = owner
+        self.names = names
+        self.host_inputs = host_inputs
+        self.slices = slices
+        self.spmd = spmd
+        counter = iter(range(1 << 62))
+        self.fresh_name = fresh_name or (lambda: f"derived{next(counter)}")
+        self.out = Lowered(schedules={}, puts=[], moves={}, produced={}, holders={}, node_executors={},
+                           function_sites={})
+        self.loc: dict[int, list[ShardLocation]] = dict(bound)  # where each shard of a value was made
+        self.producer: dict[int, int] = {}  # value -> node
+        self.comps: dict[tuple[int, str], Computation] = {}  # (node, executor) -> its computation
+        self.placed: set[tuple[str, int, str]] = set()  # (buffer, shard, executor) present or on its way
+        self.layouts: dict[tuple[int, int, tuple[tuple[str, int], ...]], str] = {}  # (value, N, where) -> buffer
+        self.bound_emits: dict[tuple[int, str], SendShards] = {}  # (value, holder) -> its sends
+        for v, where in bound.items():
+            if len(where) != program.values[v].shards:
+                raise InvalidArgument(f"input value {v} is bound to a buffer with {len(where)} shards, "
+                                      f"the program expects {program.values[v].shards}")
+            for i, w in enumerate(where):
+                self.placed.add((names[v], i, w.executor_id))
+                self.hold(names[v], w)
 
-    for index, node in enumerate(program.nodes):
-        sl = slices.get(node.slice_id)
-        if sl is None:
-            raise InvalidArgument(f"node {index} runs on slice {node.slice_id}, which this session does not own")
-        if node.fn_id not in spmd:
+    def prefix(self, buffer: str) -> str:
+        return f"{self.owner}/{buffer}"
+
+    def hold(self, buffer: str, where: ShardLocation) -> None:
+        self.out.holders.setdefault(buffer, set()).add(where.control)
+
+    def run(self) -> Lowered:
+        for index, node in enumerate(self.program.nodes):
+            sl = self.slices.get(node.slice_id)
+            if sl is None:
+                raise InvalidArgument(f"node {index} runs on slice {node.slice_id}, which this session does not own")
+            devs = slice_locations(sl)
+            if node.kind == "call":
+                self.call(index, node, devs, sl.scheduler)
+            elif node.kind == "route":
+                self.route(index, node, devs, sl.scheduler)
+            else:
+                self.combine(index, node, devs, sl.scheduler)
+        return self.out
+
+    # ------------------------------------------------------------------ nodes
+
+    def computations(self, index: int, node: NodeSpec, devs: list[ShardLocation], scheduler: str, *,
+                     kind: str, inputs: list[str], outputs: list[str], spmd: bool = False,
+                     ragged: bool = False) -> list[Computation]:
+        """One computation per executor holding shards of ``node``, in program order on its scheduler."""
+        by_executor: dict[str, list[tuple[int, int]]] = {}
+        for j, dev in enumerate(devs):
+            by_executor.setdefault(dev.executor_id, []).append((dev.device, j))
+        made = []
+        for executor_id, pairs in by_executor.items():
+            dev = next(d for d in devs if d.executor_id == executor_id)
+            comp = Computation(node=index, fn_id=node.fn_id if kind == "call" else "", executor_id=executor_id,
+                               control=dev.control, runs=runs_of(pairs), inputs=inputs, outputs=outputs,
+                               spmd=spmd, kind=kind, ragged=ragged)
+            self.comps[(index, executor_id)] = comp
+            self.out.schedules.setdefault(scheduler, []).append(comp)
+            made.append(comp)
+        self.out.node_executors[index] = set(by_executor)
+        return made
+
+    def call(self, index: int, node: NodeSpec, devs: list[ShardLocation], scheduler: str) -> None:
+        if node.fn_id not in self.spmd:
             raise InvalidArgument(f"node {index} calls function {node.fn_id[:12]}, which was never registered")
-        devs = slice_locations(sl)
         n = len(devs)
-        for v in (*node.inputs, *node.outputs):
-            if program.values[v].shards != n:
-                raise InvalidArgument(
-                    f"node {index} runs on {n} devices but value {v} has {program.values[v].shards} shards; "
-                    "resharding between different shard counts is not supported yet"
-                )
-        is_spmd = spmd[node.fn_id]
+        values = self.program.values
+        is_spmd = self.spmd[node.fn_id]
         if is_spmd and len({d.executor_id for d in devs}) > 1:
             raise InvalidArgument(
                 f"node {index} uses collectives over a slice that spans several executors; "
                 "cross-host collectives are not supported yet (ask for a slice that fits one host)"
             )
-        out.node_executors[index] = {d.executor_id for d in devs}
-        site_devices: dict[str, list[int]] = {}
-        for i, dev in enumerate(devs):
-            comp = comps.get((index, dev.executor_id))
-            if comp is None:
-                comp = Computation(node=index, fn_id=node.fn_id, executor_id=dev.executor_id, control=dev.control,
-                                   shards=[], sends=[], spmd=is_spmd)
-                comps[(index, dev.executor_id)] = comp
-                out.schedules.setdefault(sl.scheduler, []).append(comp)
-            site_devices.setdefault(dev.control, []).append(dev.device)
-            for v in node.inputs:
-                _route_input(v, i, dev, owner, names, host_inputs, loc, producer, comps, placed, out)
-                hold(v, dev)
-            comp.shards.append(ShardTask(
-                device=dev.device,
-                inputs=[shard_key(owner, names[v], i) for v in node.inputs],
-                outputs=[shard_key(owner, names[v], i) for v in node.outputs],
-            ))
-            for v in node.outputs:
-                hold(v, dev)
-        # A node on several executors is one gang: each part waits for the others.
-        if len(site_devices) > 1:
-            for dev in devs:
-                comp = comps[(index, dev.executor_id)]
-                comp.peers = sorted(c for c in site_devices if c != comp.control)
-        for control, devices in site_devices.items():
-            if is_spmd:
-                out.function_sites.setdefault(node.fn_id, set()).add((control, tuple(devices)))
-            else:
-                for d in devices:
-                    out.function_sites.setdefault(node.fn_id, set()).add((control, (d,)))
         for v in node.outputs:
-            loc[v] = devs
-            producer[v] = index
-            out.produced[v] = devs
-            for i, dev in enumerate(devs):
-                placed.add((v, i, dev.executor_id))
-    return out
+            if values[v].shards != n:
+                raise InvalidArgument(f"node {index} runs on {n} devices but its output {v} is split "
+                                      f"{values[v].shards} ways")
+        inputs = []
+        ragged = False
+        for v in node.inputs:
+            if values[v].ragged:
+                ragged = True
+                if self.loc.get(v) != devs:
+                    raise InvalidArgument(f"node {index} reads routed value {v} on slice {node.slice_id}, but the "
+                                          "route sends it to another slice (call each expert on its own slice)")
+                inputs.append(self.prefix(self.names[v]))
+            else:
+                inputs.append(self.prefix(self.materialize(v, devs, f"node {index}")))
+        comps = self.computations(index, node, devs, scheduler, kind="call", inputs=inputs,
+                                  outputs=[self.prefix(self.names[v]) for v in node.outputs], spmd=is_spmd,
+                                  ragged=ragged)
+        if len(comps) > 1:  # a node on several executors is one gang: each part waits for the others
+            for comp in comps:
+                comp.peers = sorted(c.control for c in comps if c is not comp)
+        for comp in comps:
+            devices = tuple(r.device + k for r in comp.runs for k in range(r.count))
+            sites = {(comp.control, devices)} if is_spmd else {(comp.control, (d,)) for d in devices}
+            self.out.function_sites.setdefault(node.fn_id, set()).update(sites)
+        self.made(index, node.outputs, devs)
+
+    def route(self, index: int, node: NodeSpec, devs: list[ShardLocation], scheduler: str) -> None:
+        """Rows of ``inputs[0]`` go to the expert ``inputs[1]`` names: output ``k`` lands on ``targets[k]``."""
+        x, experts = node.inputs
+        values = self.program.values
+        inputs = [self.prefix(self.materialize(v, devs, f"route node {index}")) for v in (x, experts)]
+        targets = []
+        for k, (v, slice_id) in enumerate(zip(node.outputs, node.targets, strict=True)):
+            sl = self.slices.get(slice_id)
+            if sl is None:
+                raise InvalidArgument(f"route node {index} sends expert {k} to slice {slice_id}, "
+                                      "which this session does not own")
+            where = slice_locations(sl)
+            if len(where) != 1:
+                raise InvalidArgument(f"expert {k} runs on a slice of {len(where)} devices; an expert runs on one")
+            spec = values[v]
+            targets.append(Target(prefix=self.prefix(self.names[v]), shards=1, sites=sites_of(where),
+                                  shape=list(spec.shape), dtype=spec.dtype))
+            self.loc[v] = where
+            self.out.produced[v] = where
+            self.hold(self.names[v], where[0])
+        emit = Emit(mode="route", rows=values[x].shape[0], src_shards=len(devs), targets=targets, slot=0,
+                    selector=1)
+        for comp in self.computations(index, node, devs, scheduler, kind="route", inputs=inputs, outputs=[]):
+            comp.emits.append(emit)
+        for v in node.outputs:
+            self.producer[v] = index
+
+    def combine(self, index: int, node: NodeSpec, devs: list[ShardLocation], scheduler: str) -> None:
+        """The experts' rows come back to ``outputs[0]`` in row order, split over ``devs``."""
+        (y,) = node.outputs
+        spec = self.program.values[y]
+        n = len(devs)
+        check_split(spec.shape, n, f"combine node {index}'s output")
+        landing = self.fresh_name()
+        self.out.derived.append(landing)
+        target = Target(prefix=self.prefix(landing), shards=n, sites=sites_of(devs),
+                        shape=[spec.shape[0] // n, *spec.shape[1:]] if spec.shape else [], dtype=spec.dtype)
+        for k, v in enumerate(node.inputs):
+            made_by = self.producer.get(v)
+            if made_by is None or self.program.nodes[made_by].kind != "call":
+                raise InvalidArgument(f"combine node {index} reads value {v}, which no expert computed")
+            for comp in (c for (i, _), c in self.comps.items() if i == made_by):
+                slot = len(comp.inputs) + self.program.nodes[made_by].outputs.index(v)
+                comp.emits.append(Emit(mode="scatter", rows=spec.shape[0], src_shards=len(node.inputs),
+                                       targets=[target], slot=slot, source=k))
+        for dev in devs:
+            self.hold(landing, dev)
+        self.computations(index, node, devs, scheduler, kind="identity", inputs=[self.prefix(landing)],
+                          outputs=[self.prefix(self.names[y])])
+        self.made(index, node.outputs, devs)
+
+    def made(self, index: int, outputs: list[int], devs: list[ShardLocation]) -> None:
+        for v in outputs:
+            self.loc[v] = devs
+            self.producer[v] = index
+            self.out.produced[v] = devs
+            for j, dev in enumerate(devs):
+                self.placed.add((self.names[v], j, dev.executor_id))
+                self.hold(self.names[v], dev)
+
+    # ------------------------------------------------------------------ edges
+
+    def materialize(self, v: int, devs: list[ShardLocation], reader: str) -> str:
+        """Make shard ``j`` of value ``v`` present on ``devs[j]``'s executor, split ``len(devs)`` ways;
+        returns the buffer name it is there under (``v``'s own, or a reshard of it)."""
+        spec = self.program.values[v]
+        n = len(devs)
+        check_split(spec.shape, n, f"{reader} reads value {v} on {n} devices, but it")
+        if v in self.host_inputs:
+            name = self.names[v] if n == spec.shards else self.layout_name(v, devs)
+            for j, dev in enumerate(devs):
+                if (name, j, dev.executor_id) not in self.placed:
+                    self.placed.add((name, j, dev.executor_id))
+                    self.out.puts.append(HostPut(value=v, shard=j, location=dev,
+                                                 key=shard_key(self.owner, name, j), shards=n))
+                    self.hold(name, dev)
+            return name
+        src = self.loc[v]
+        if n == len(src):
+            name = self.names[v]
+            missing = [j for j, dev in enumerate(devs) if (name, j, dev.executor_id) not in self.placed]
+            if not missing:
+                return name
+        else:
+            key = (v, n, tuple((d.executor_id, d.device) for d in devs))
+            if key in self.layouts:
+                return self.layouts[key]
+            name = self.layout_name(v, devs)
+            missing = list(range(n))
+        for j in missing:
+            self.placed.add((name, j, devs[j].executor_id))
+            self.hold(name, devs[j])
+        target = Target(prefix=self.prefix(name), shards=n, sites=sites_of(devs, missing),
+                        shape=[spec.shape[0] // n, *spec.shape[1:]] if spec.shape else [], dtype=spec.dtype)
+        rows = spec.shape[0] if spec.shape else 1
+        emit = Emit(mode="block", rows=rows, src_shards=len(src), targets=[target])
+        self.emit_from(v, emit)
+        return name
+
+    def layout_name(self, v: int, devs: list[ShardLocation]) -> str:
+        name = self.fresh_name()
+        self.layouts[(v, len(devs), tuple((d.executor_id, d.device) for d in devs))] = name
+        self.out.derived.append(name)
+        return name
+
+    def emit_from(self, v: int, emit: Emit) -> None:
+        """Attach ``emit`` to whatever holds ``v``'s shards: its producer's computations, or the holders."""
+        made_by = self.producer.get(v)
+        if made_by is not None:
+            outputs = self.program.nodes[made_by].outputs
+            for (i, _), comp in self.comps.items():
+                if i == made_by:
+                    comp.emits.append(dataclasses.replace(emit, slot=len(comp.inputs) + outputs.index(v)))
+            return
+        by_holder: dict[str, list[tuple[int, int]]] = {}
+        holder: dict[str, ShardLocation] = {}
+        for i, where in enumerate(self.loc[v]):
+            by_holder.setdefault(where.executor_id, []).append((where.device, i))
+            holder[where.executor_id] = where
+        for executor_id, pairs in by_holder.items():
+            send = self.bound_emits.get((v, executor_id))
+            if send is None:
+                send = SendShards(prefix=self.prefix(self.names[v]), runs=runs_of(pairs), emits=[])
+                self.bound_emits[(v, executor_id)] = send
+                self.out.moves.setdefault(holder[executor_id].control, []).append(send)
+            send.emits.append(emit)
 
 
-def _route_input(v: int, i: int, dev: ShardLocation, owner: str, names: list[str], host_inputs: set[int],
-                 loc: dict[int, list[ShardLocation]], producer: dict[int, int],
-                 comps: dict[tuple[int, str], Computation], placed: set[tuple[int, int, str]], out: Lowered) -> None:
-    """Make shard ``i`` of value ``v`` present on ``dev``'s executor."""
-    if (v, i, dev.executor_id) in placed:
-        return
-    placed.add((v, i, dev.executor_id))
-    key = shard_key(owner, names[v], i)
-    if v in host_inputs:
-        out.puts.append(HostPut(value=v, shard=i, location=dev, key=key))
-        return
-    src = loc[v][i]
-    task = SendTask(key=key, dest_executor=dev.executor_id, dest_data=dev.data, dest_device=dev.device)
-    if v in producer:
-        comps[(producer[v], src.executor_id)].sends.append(task)
-    else:
-        out.moves.setdefault(src.control, []).append(task)
+def move_shard(spec: ValueSpec, prefix: str, shard: int, new: PhysicalDevice) -> Emit:
+    """The emit that copies shard ``shard`` of a buffer, as it is, to device ``new`` (a drained host's)."""
+    n = spec.shards
+    site = Site(executor_id=new.executor_id, data=new.data, host=new.host,
+                runs=[ShardRun(device=new.device, shard=shard)])
+    target = Target(prefix=prefix, shards=n, sites=[site],
+                    shape=[spec.shape[0] // n, *spec.shape[1:]] if spec.shape else [], dtype=spec.dtype)
+    return Emit(mode="block", rows=spec.shape[0] if spec.shape else 1, src_shards=n, targets=[target])
 
 
 def nbytes(shape: list[int], dtype: str) -> int:

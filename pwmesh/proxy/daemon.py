@@ -28,7 +28,7 @@ from pwmesh.errors import (
     ResourceExhausted,
 )
 from pwmesh.ir.keys import function_id
-from pwmesh.ir.lower import ShardLocation, lower, slice_locations, split_host_array
+from pwmesh.ir.lower import ShardLocation, lower, move_shard, slice_locations, split_host_array
 from pwmesh.proxy.session import Buffer, Run, Session
 from pwmesh.service.heartbeat import Liveness, every
 from pwmesh.service.lifecycle import Service
@@ -82,9 +82,9 @@ from pwmesh.wire.messages import (
     SchedulerLost,
     ScheduleRun,
     SendShards,
-    SendTask,
     SessionInfo,
     SessionOpened,
+    ShardRun,
     ShardValues,
     SliceAllocated,
     SliceCreated,
@@ -321,7 +321,7 @@ class Proxy(Service):
             if not name:
                 names[v] = session.temp_name()
         lowered = lower(program, owner=session.session_id, names=names, host_inputs=set(host_data), bound=bound,
-                        slices=session.slices, spmd=session.functions)
+                        slices=session.slices, spmd=session.functions, fresh_name=session.temp_name)
         for node in program.nodes:
             broken = session.slices[node.slice_id].broken
             if broken:
@@ -343,6 +343,8 @@ class Proxy(Service):
         for buf in pinned:
             buf.pins += 1
             buf.holders |= lowered.holders.get(buf.name, set())
+        for name in lowered.derived:  # reshards and landings: freed with the run
+            temporaries.append(Buffer.new(name, ValueSpec(shape=[], dtype="float32", shards=0), client_ref=False))
         for buf in temporaries:
             buf.holders = lowered.holders.get(buf.name, set())
         for index, node in enumerate(program.nodes):
@@ -370,16 +372,20 @@ class Proxy(Service):
                     self.peers.post(control, RegisterFunction(fn_id=fn_id, exported=self.exported[fn_id],
                                                               spmd=session.functions[fn_id], devices=list(devices)))
         puts: dict[str, PutShards] = {}
-        shards = {v: split_host_array(a, program.values[v].shards) for v, a in host_data.items()}
+        shards: dict[tuple[int, int], list[np.ndarray]] = {}
         for put in lowered.puts:
+            split = shards.get((put.value, put.shards))
+            if split is None:
+                split = shards[(put.value, put.shards)] = split_host_array(host_data[put.value], put.shards)
             batch = puts.setdefault(put.location.control, PutShards(keys=[], devices=[], arrays=[]))
             batch.keys.append(put.key)
             batch.devices.append(put.location.device)
-            batch.arrays.append(shards[put.value][put.shard])
+            batch.arrays.append(split[put.shard])
         for control, batch in puts.items():
             self.peers.post(control, batch)
-        for control, tasks in lowered.moves.items():
-            self.peers.post(control, SendShards(sends=tasks))
+        for control, sends in lowered.moves.items():
+            for send in sends:
+                self.peers.post(control, send)
         if msg.sequential:
             produced_by = {v: i for i, node in enumerate(program.nodes) for v in node.outputs}
             for i, node in enumerate(program.nodes):
@@ -477,25 +483,28 @@ class Proxy(Service):
         for buf in session.buffers.values():
             if buf.slice_id != note.slice.slice_id or buf.lost is not None:
                 continue
-            keys = buf.keys(session.session_id)
-            moved: dict[str, list[str]] = {}
+            prefix = f"{session.session_id}/{buf.name}"
+            moved: set[str] = set()
             for move in note.moves:
                 here = buf.locations[move.index]
                 if here.executor_id != move.old.executor_id or move.old.executor_id in self.lost:
                     continue  # already elsewhere, or the data died with its host
                 new = move.new
-                self.peers.post(here.control, SendShards(sends=[SendTask(
-                    key=keys[move.index], dest_executor=new.executor_id, dest_data=new.data,
-                    dest_device=new.device)]))
+                self.peers.post(here.control, SendShards(
+                    prefix=prefix, runs=[ShardRun(device=here.device, shard=move.index)],
+                    emits=[move_shard(buf.spec, prefix, move.index, new)]))
                 buf.locations[move.index] = ShardLocation(new.executor_id, new.control, new.data, new.device,
-                                                          new.island)
+                                                          new.island, new.host)
                 buf.holders.add(new.control)
-                moved.setdefault(here.control, []).append(keys[move.index])
+                moved.add(here.control)
             if moved:
                 self.moved_buffers += 1
             if moved and buf.ready.done() and buf.ready.exception() is None and buf.pins == 0:
-                for control, old_keys in moved.items():  # the copies on the draining host go now
-                    self.peers.post(control, DeleteShards(keys=old_keys))
+                # The copies on the draining host go now (every shard it held of this buffer moved).
+                still = {loc.control for loc in buf.locations}
+                for control in moved - still:
+                    self.peers.post(control, DeleteShards(buffers=[prefix]))
+                    buf.holders.discard(control)
 
     async def _drain_host(self, peer: bytes, env: Envelope) -> HostDrained:
         msg = env.message
@@ -561,9 +570,9 @@ class Proxy(Service):
     def _maybe_free(self, session: Session, buf: Buffer) -> None:
         if not buf.freeable:
             return
-        keys = buf.keys(session.session_id)
+        prefix = f"{session.session_id}/{buf.name}"
         for control in buf.holders - self.peers.lost:
-            self.peers.post(control, DeleteShards(keys=keys))
+            self.peers.post(control, DeleteShards(buffers=[prefix]))
         buf.holders = set()
 
     def _put_buffer(self, peer: bytes, env: Envelope) -> Ok:

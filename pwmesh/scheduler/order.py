@@ -108,7 +108,7 @@ class IslandOrder:
             # Re-entering after idling: start level with the others, with no saved-up credit.
             active = [c.vtime for c in self._clients.values() if c is not client and (c.queue or c.in_flight)]
             client.vtime = max(client.vtime, min(active, default=client.vtime))
-        footprint = frozenset((c.executor_id, s.device) for c in run.computations for s in c.shards)
+        footprint = frozenset((c.executor_id, d) for c in run.computations for d, _ in c.shards())
         client.queue.append(_Pending(run, next(self._arrivals), footprint))
         return self._release()
 

@@ -127,39 +127,85 @@ class ClusterState(Record):
 
 
 @record
-class ShardTask(Record):
-    """One shard of a computation: on which device, reading and writing which keys."""
+class ShardRun(Record):
+    """Shards ``[shard, shard + count)`` of a value on devices ``[device, device + count)`` of one executor.
+
+    Layouts travel as runs, so a computation over 64 contiguous devices is described
+    in as many bytes as one over 2 (the compact representation)."""
 
     device: int
-    inputs: list[str]
-    outputs: list[str]
+    shard: int
+    count: int = 1
 
 
 @record
-class SendTask(Record):
-    """After ``key`` exists on this executor, send it to another executor's data plane."""
+class Site(Record):
+    """One executor's part of a layout: where its shards live and how to reach its data plane."""
 
-    key: str
-    dest_executor: str
-    dest_data: str
-    dest_device: int
+    executor_id: str
+    data: str
+    host: str
+    runs: list[ShardRun]
+
+
+@record
+class Target(Record):
+    """Where an emitted value goes: shard ``j`` is stored under ``f"{prefix}/{j}"`` on its site."""
+
+    prefix: str
+    shards: int
+    sites: list[Site]
+    shape: list[int]  # one destination shard's shape (for a ragged value: its capacity)
+    dtype: str
+
+
+@record
+class Emit(Record):
+    """Send a value's local shards onward as shard-tagged tuples, with progress markers.
+
+    ``mode``: ``"block"`` re-slices leading-axis blocks (a copy when layouts match,
+    else an M-way to N-way reshard); ``"route"`` sends each row to the target its
+    expert id (in ``selector``) names, with its row number; ``"scatter"`` sends rows
+    back to the block of the target that holds their row number (combining routed
+    rows in order). ``slot`` and ``selector`` index the computation's inputs, then
+    its outputs."""
+
+    mode: str
+    rows: int  # the value's leading-axis length (all shards together)
+    src_shards: int
+    targets: list[Target]
+    slot: int = 0
+    selector: int = -1
+    source: int = -1  # scatter: the producer id it reports as (its expert's index); -1: its shard
 
 
 @record
 class Computation(Record):
-    """One node of a program on one executor. ``seq`` is its place in the island order."""
+    """One node of a program on one executor. ``seq`` is its place in the island order.
+
+    ``kind``: ``"call"`` runs ``fn_id``; ``"route"`` only emits (its inputs' rows, by
+    expert); ``"identity"`` stores its inputs as its outputs (a combine's landing).
+    Shard ``i``'s keys are ``f"{prefix}/{i}"`` for every prefix in ``inputs`` and ``outputs``."""
 
     node: int
     fn_id: str
     executor_id: str
     control: str
-    shards: list[ShardTask]
-    sends: list[SendTask]
+    runs: list[ShardRun]
+    inputs: list[str]
+    outputs: list[str]
+    emits: list[Emit] = dataclasses.field(default_factory=list)
     spmd: bool = False
+    kind: str = "call"
+    ragged: bool = False  # its inputs are routed rows: padded to the function's capacity, outputs cut back
     seq: int = -1
     # Control addresses of the other executors holding shards of this node: a gang
     # computation starts only when every one of them has reached it too.
     peers: list[str] = dataclasses.field(default_factory=list)
+
+    def shards(self) -> list[tuple[int, int]]:
+        """(device, shard) of every local shard, in order."""
+        return [(r.device + k, r.shard + k) for r in self.runs for k in range(r.count)]
 
 
 @record
@@ -170,6 +216,11 @@ class NodeSpec(Record):
     slice_id: int
     inputs: list[int]
     outputs: list[int]
+    # "call" (fn_id); "route": inputs [rows, expert ids] -> one ragged output per
+    # expert, output k living on slice targets[k]; "combine": the experts' ragged
+    # outputs -> one value in row order on slice_id.
+    kind: str = "call"
+    targets: list[int] = dataclasses.field(default_factory=list)
 
 
 @record
@@ -179,6 +230,7 @@ class ValueSpec(Record):
     shape: list[int]
     dtype: str
     shards: int
+    ragged: bool = False  # routed rows: the leading axis is a capacity, the rows present vary per run
 
 
 @record
@@ -464,7 +516,11 @@ class PutShards(Message, op="exec.put_shards"):
 
 @record
 class SendShards(Message, op="exec.send_shards"):
-    sends: list[SendTask]
+    """Send this executor's shards ``runs`` of buffer ``prefix`` as ``emits`` say (moves, reshards)."""
+
+    prefix: str
+    runs: list[ShardRun]
+    emits: list[Emit]
 
 
 @record
@@ -479,7 +535,9 @@ class ShardValues(Message, op="exec.shard_values"):
 
 @record
 class DeleteShards(Message, op="exec.delete_shards"):
-    keys: list[str]
+    """Delete every shard this executor holds of each buffer (``"<owner>/<buffer>"``)."""
+
+    buffers: list[str]
 
 
 @record
@@ -522,13 +580,36 @@ class CancelRun(Message, op="exec.cancel_run"):
 
 
 @record
-class ShardData(Message, op="data.shard"):
-    """Data plane: one shard-tagged tuple (or the error that replaces it)."""
+class DataTuple(Record):
+    """One shard-tagged tuple and/or progress marker, for shard ``shard`` of ``prefix``.
 
-    key: str
+    ``src`` is the producer, ``sources`` how many producers report to this shard,
+    ``count`` (when >= 0) the marker: how many tuples ``src`` sends here in all.
+    ``array`` holds rows (at row ``offset`` of the shard for block moves); ``index``
+    the rows' numbers for routed rows; ``error`` replaces the data when the
+    producer failed."""
+
+    prefix: str
+    shard: int
     device: int
+    src: int
+    sources: int
+    shape: list[int]
+    dtype: str
+    count: int = -1
+    seq: int = -1  # -1: a marker alone
+    offset: int = 0
+    ragged: bool = False
     array: np.ndarray | None = None
+    index: np.ndarray | None = None
     error: ErrorInfo | None = None
+
+
+@record
+class TupleBatch(Message, op="data.tuples"):
+    """Data plane: the tuples one producer step sends one executor, batched in one message."""
+
+    tuples: list[DataTuple]
 
 
 @record
