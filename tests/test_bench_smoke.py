@@ -7,6 +7,7 @@ matplotlib is installed (``pip install -e '.[bench]'``), that the plot is writte
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -75,3 +76,47 @@ def test_dispatch_modes_smoke(tmp_path: Path) -> None:
             assert row["parallel_ms"] > 0
             assert row["sequential_ms"] is not None and row["sequential_ms"] > 0, r["note"]
     check_plot(tmp_path / "dispatch_modes.png")
+
+
+@pytest.mark.timeout(110)
+def test_dispatch_smoke(tmp_path: Path) -> None:
+    proc = run_smoke("dispatch.py", tmp_path)
+    data = json.loads((tmp_path / "dispatch.json").read_text())
+    assert {"benchmark", "config", "machine", "results", "ratios", "targets", "systems"} <= data.keys()
+    assert data["benchmark"] == "dispatch" and data["smoke"] is True
+    results = data["results"]
+    assert set(results) == {"pwmesh", "jax", "ray"}
+    expected_modes = {"pwmesh": ("opbyop", "chained", "fused"), "jax": ("opbyop", "fused"),
+                      "ray": ("opbyop", "chained", "fused")}
+    have_ray = importlib.util.find_spec("ray") is not None
+    for system, modes in expected_modes.items():
+        if system == "ray" and not have_ray:
+            assert results["ray"] is None and "ray is not installed" in proc.stdout
+            continue
+        for computation in ("add", "add_psum"):
+            for mode in modes:
+                assert results[system][computation][mode]["computations_per_second"] > 0, (system, mode)
+    assert results["jax"]["add"]["chained"] is None  # plain JAX has no Chained mode
+    assert len(data["targets"]) == 6
+    for t in data["targets"]:
+        assert {"computation", "pwmesh_mode", "versus", "target", "measured", "met"} <= t.keys()
+        assert (t["measured"] is None) == (t["versus"].startswith("ray") and not have_ray)
+    assert data["systems"]["pwmesh"]["placement"] and len(data["systems"]["pwmesh"]["placement"]) == 1
+    assert "| system | mode |" in (tmp_path / "dispatch.md").read_text()
+    check_plot(tmp_path / "dispatch.png")
+
+
+@pytest.mark.timeout(110)
+def test_min_compute_smoke(tmp_path: Path) -> None:
+    run_smoke("min_compute.py", tmp_path)
+    data = json.loads((tmp_path / "min_compute.json").read_text())
+    assert {"benchmark", "config", "machine", "sweeps", "target_ms"} <= data.keys()
+    assert data["benchmark"] == "min_compute" and data["smoke"] is True
+    assert [s["layout"] for s in data["sweeps"]] == data["config"]["layouts"]
+    for s in data["sweeps"]:
+        assert {"points", "placement", "min_compute_ms", "min_compute_ms_interpolated", "target_met"} <= s.keys()
+        assert len(s["placement"]) == (2 if s["layout"] == "span" else 1)
+        assert s["points"]
+        for p in s["points"]:
+            assert p["compute_ms_per_step"] > 0 and p["pwmesh_steps_per_second"] > 0 and p["ratio"] > 0
+    check_plot(tmp_path / "min_compute.png")

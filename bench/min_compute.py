@@ -1,0 +1,251 @@
+"""Smallest computation that hides pwmesh's dispatch (the paper's Figure 6).
+
+A chain of ``--depth`` (128) steps, each ``tanh(v @ v)`` on an n x n block per
+device and fed by the previous step, runs for growing n in two systems:
+
+- plain JAX in this process: a Python loop of ``--depth`` calls to the
+  ``jax.pmap``'d step (the multi-controller baseline), one block at the end;
+- pwmesh Chained: one ``@pw.program`` of ``--depth`` nodes on a local cluster of
+  1 island x 2 executors x 2 devices.
+
+Two slice layouts: ``span``, 4 devices over both executors (every step is a
+gang across the two processes, as a Pathways computation spans hosts), and
+``one``, 2 devices on one executor. Plain JAX uses as many CPU devices. The
+per-step compute time is plain JAX's time per step; pwmesh's throughput
+relative to JAX's is the ratio. For each size the rounds alternate which system
+goes first; the medians are reported. A layout's sweep stops once two sizes in a
+row reach ``--threshold`` (95 %).
+
+The answer per layout: the smallest per-step compute time whose ratio reaches
+the threshold (and the one interpolated between the last size below it and the
+first at or above it). The issue's target is <= 2.3 ms.
+
+    python bench/min_compute.py              # ~3-5 minutes on a 2-core machine
+    python bench/min_compute.py --smoke      # seconds: two tiny sizes, a short chain
+
+Writes ``min_compute.json`` and ``min_compute.png`` into ``--out`` (default: bench/results).
+"""
+
+from __future__ import annotations
+
+import os
+
+# Plain JAX needs as many CPU devices as the widest slice; before jax is imported.
+JAX_DEVICES = 4
+os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={JAX_DEVICES}"
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import argparse  # noqa: E402
+import dataclasses  # noqa: E402
+import math  # noqa: E402
+import statistics  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+from pathlib import Path  # noqa: E402
+from typing import Any  # noqa: E402
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+import pwmesh as pw  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import DEFAULT_OUT, load_average, machine, pyplot, save_results, table  # noqa: E402
+
+LAYOUTS = {"span": 4, "one": 2}  # slice devices: over both executors, on one executor
+TARGET_MS = 2.3
+
+
+@dataclasses.dataclass
+class Config:
+    sizes: tuple[int, ...] = (32, 64, 96, 128, 160, 192, 256, 320, 384, 448, 512)
+    depth: int = 128
+    rounds: int = 5
+    threshold: float = 0.95
+    layouts: tuple[str, ...] = tuple(LAYOUTS)
+
+
+def step(v: Any) -> Any:
+    return jnp.tanh(v @ v)
+
+
+def start_value(devices: int, n: int) -> np.ndarray:
+    rng = np.random.default_rng(n)
+    return (rng.standard_normal((devices, n, n)) / math.sqrt(n)).astype(np.float32)
+
+
+def timed(run: Any) -> float:
+    start = time.perf_counter()
+    value = np.asarray(run())
+    elapsed = time.perf_counter() - start
+    if not np.all(np.isfinite(value)):
+        raise AssertionError("the chain produced non-finite values")
+    return elapsed
+
+
+def sweep(client: pw.Client, layout: str, config: Config) -> dict[str, Any]:
+    devices = LAYOUTS[layout]
+    sl = client.make_virtual_device_set().add_slice(devices=devices)
+    placement = sorted({d.executor for d in sl.devices})
+    expected_executors = 2 if layout == "span" else 1
+    if len(placement) != expected_executors:
+        raise RuntimeError(f"layout {layout}: expected the slice on {expected_executors} executor(s), got {placement}")
+    pw_step = pw.pmap(step, devices=sl)
+
+    @pw.program
+    def chain(v: Any) -> Any:
+        for _ in range(config.depth):
+            v = pw_step(v)
+        return v
+
+    jax_devices = jax.devices()[:devices]
+    jax_step = jax.pmap(step, devices=jax_devices)
+    jax_put = jax.pmap(lambda v: v, devices=jax_devices)  # one block per device, like pw.put
+
+    def jax_chain(x: Any) -> Any:
+        v = x
+        for _ in range(config.depth):
+            v = jax_step(v)
+        return v.block_until_ready()
+
+    points = []
+    reached_in_a_row = 0
+    for n in config.sizes:
+        host = start_value(devices, n)
+        x_pw = client.put(host, sl)
+        x_jax = jax_put(host)
+        runs = {"jax": lambda x=x_jax: jax_chain(x), "pwmesh": lambda x=x_pw: chain(x)}
+        for run in runs.values():  # trace, export, compile everywhere
+            timed(run)
+        seconds: dict[str, list[float]] = {name: [] for name in runs}
+        for r in range(config.rounds):
+            for name in (list(runs) if r % 2 == 0 else list(reversed(runs))):
+                seconds[name].append(timed(runs[name]))
+        jax_s, pw_s = statistics.median(seconds["jax"]), statistics.median(seconds["pwmesh"])
+        point = {
+            "n": n,
+            "compute_ms_per_step": 1000 * jax_s / config.depth,
+            "jax_steps_per_second": config.depth / jax_s,
+            "pwmesh_steps_per_second": config.depth / pw_s,
+            "ratio": jax_s / pw_s,
+            "jax_rounds_seconds": seconds["jax"],
+            "pwmesh_rounds_seconds": seconds["pwmesh"],
+            "load_average_1m": load_average(),
+        }
+        points.append(point)
+        print(f"  {layout} n={n}: {point['compute_ms_per_step']:.3f} ms/step, pwmesh/JAX {point['ratio']:.3f}",
+              flush=True)
+        x_pw.delete()
+        reached_in_a_row = reached_in_a_row + 1 if point["ratio"] >= config.threshold else 0
+        if reached_in_a_row >= 2:
+            break
+    return {"layout": layout, "devices": devices, "placement": placement, "points": points,
+            **crossing(points, config.threshold)}
+
+
+def crossing(points: list[dict[str, Any]], threshold: float) -> dict[str, Any]:
+    """Smallest per-step compute time reaching ``threshold``, measured and interpolated (log time)."""
+    first = next((i for i, p in enumerate(points) if p["ratio"] >= threshold), None)
+    if first is None:
+        return {"min_compute_ms": None, "min_compute_ms_interpolated": None, "target_met": False}
+    hit = points[first]
+    interpolated = hit["compute_ms_per_step"]
+    if first > 0:
+        below = points[first - 1]
+        lo, hi = math.log(below["compute_ms_per_step"]), math.log(hit["compute_ms_per_step"])
+        if hit["ratio"] > below["ratio"] and hi > lo:
+            frac = (threshold - below["ratio"]) / (hit["ratio"] - below["ratio"])
+            interpolated = math.exp(lo + frac * (hi - lo))
+    return {"min_compute_ms": hit["compute_ms_per_step"], "min_compute_n": hit["n"],
+            "min_compute_ms_interpolated": interpolated, "target_met": hit["compute_ms_per_step"] <= TARGET_MS}
+
+
+def plot(path: Path, sweeps: list[dict[str, Any]], threshold: float) -> bool:
+    plt = pyplot()
+    if plt is None:
+        return False
+    fig, ax = plt.subplots(figsize=(7.5, 4.5))
+    labels = {"span": "slice over 2 executors (4 devices, gang)", "one": "slice on 1 executor (2 devices)"}
+    for s, style in zip(sweeps, ("o-", "s--"), strict=False):
+        xs = [p["compute_ms_per_step"] for p in s["points"]]
+        ax.plot(xs, [p["ratio"] for p in s["points"]], style, label=labels[s["layout"]])
+    ax.axhline(threshold, color="grey", linestyle=":", label=f"{threshold:.0%} of plain JAX")
+    ax.axvline(TARGET_MS, color="tab:red", linestyle=":", label=f"target {TARGET_MS} ms")
+    ax.set_xscale("log")
+    ax.xaxis.set_major_formatter(plt.FuncFormatter(lambda v, _: f"{v:g}"))
+    ax.set_xlabel("compute time per step (ms, plain JAX)")
+    ax.set_ylabel("pwmesh Chained / plain-JAX throughput")
+    top = max([p["ratio"] for s in sweeps for p in s["points"]], default=1.0)
+    ax.set_ylim(0, max(1.1, 1.05 * top))
+    ax.set_title("How big a step must be to hide pwmesh's dispatch", fontsize=10)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+def fmt(v: float | None, spec: str = ".3f") -> str:
+    return "n/a" if v is None else format(v, spec)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--sizes", default=None, help="matrix sides, e.g. 64,128,256")
+    parser.add_argument("--depth", type=int, default=None, help="steps per chain (128)")
+    parser.add_argument("--rounds", type=int, default=None)
+    parser.add_argument("--threshold", type=float, default=None, help="pwmesh/JAX ratio to reach (0.95)")
+    parser.add_argument("--layouts", default=None, help="comma-separated subset of " + ",".join(LAYOUTS))
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="output directory")
+    parser.add_argument("--smoke", action="store_true", help="tiny run (seconds) to check that everything works")
+    args = parser.parse_args(argv)
+
+    config = Config(sizes=(16, 32), depth=4, rounds=1) if args.smoke else Config()
+    if args.sizes:
+        config.sizes = tuple(int(n) for n in args.sizes.split(","))
+    if args.layouts:
+        config.layouts = tuple(s for s in args.layouts.split(",") if s)
+        if set(config.layouts) - set(LAYOUTS):
+            parser.error(f"layouts are {sorted(LAYOUTS)}")
+    for field in ("depth", "rounds", "threshold"):
+        if getattr(args, field) is not None:
+            setattr(config, field, getattr(args, field))
+
+    started = time.monotonic()
+    load_at_start = load_average()
+    spec = pw.LocalClusterSpec(islands=1, hosts_per_island=2, devices_per_host=2)
+    with pw.LocalCluster(spec) as cluster, pw.Client(cluster.address, name="bench-min-compute") as client:
+        sweeps = []
+        for layout in config.layouts:
+            print(f"{layout}: {LAYOUTS[layout]}-device slice, chains of {config.depth}, {config.rounds} rounds",
+                  flush=True)
+            sweeps.append(sweep(client, layout, config))
+
+    print()
+    print(table(["layout", "n", "compute ms/step", "JAX steps/s", "pwmesh steps/s", "pwmesh/JAX"],
+                [[s["layout"], p["n"], fmt(p["compute_ms_per_step"]), fmt(p["jax_steps_per_second"], ".0f"),
+                  fmt(p["pwmesh_steps_per_second"], ".0f"), fmt(p["ratio"])] for s in sweeps for p in s["points"]]))
+    print()
+    print(f"smallest per-step compute time where pwmesh Chained reaches {config.threshold:.0%} of plain JAX "
+          f"(target <= {TARGET_MS} ms):")
+    print(table(["layout", "measured ms", "interpolated ms", "target met"],
+                [[s["layout"], fmt(s["min_compute_ms"]), fmt(s["min_compute_ms_interpolated"]),
+                  "yes" if s["target_met"] else "no"] for s in sweeps]))
+
+    result = {
+        "benchmark": "min_compute",
+        "smoke": args.smoke,
+        "config": {**dataclasses.asdict(config), "sizes": list(config.sizes), "layouts": list(config.layouts)},
+        "machine": machine(load_at_start),
+        "target_ms": TARGET_MS,
+        "sweeps": sweeps,
+        "wall_seconds": time.monotonic() - started,
+    }
+    save_results(args.out, "min_compute", result, lambda path: plot(path, sweeps, config.threshold))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
