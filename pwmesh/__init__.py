@@ -17,8 +17,9 @@ from pwmesh.client.api import (
 )
 from pwmesh.client.array import Array
 from pwmesh.client.devices import Slice, VirtualDevice, VirtualDeviceSet
-from pwmesh.client.functions import MappedFunction, pmap
+from pwmesh.client.functions import JitFunction, MappedFunction, jit, pmap
 from pwmesh.client.program import Program, program
+from pwmesh.client.routing import Router, reshard
 from pwmesh.client.tracing import HostFunction, host
 from pwmesh.errors import (
     ConnectionFailed,
@@ -41,6 +42,7 @@ __all__ = [
     "ConnectionFailed",
     "DeviceLost",
     "InvalidArgument",
+    "JitFunction",
     "LocalCluster",
     "LocalClusterSpec",
     "MappedFunction",
@@ -51,6 +53,7 @@ __all__ = [
     "PwmeshError",
     "RemoteError",
     "ResourceExhausted",
+    "Router",
     "Slice",
     "VirtualDevice",
     "VirtualDeviceSet",
@@ -59,9 +62,11 @@ __all__ = [
     "disconnect",
     "get",
     "host",
+    "jit",
     "HostFunction",
     "make_virtual_device_set",
     "pmap",
     "program",
     "put",
+    "reshard",
 ]

@@ -173,7 +173,7 @@ def simulate(program: ProgramSpec, lowered: Lowered, host: dict[int, np.ndarray]
                 done = progress[dest.executor_id].marker(k, t.src, t.count, t.sources) or done
             if done is not None:
                 assert k not in store[dest.executor_id], f"{k} arrived twice on {dest.executor_id}"
-                store[dest.executor_id][k] = assemble(done.payloads)
+                store[dest.executor_id][k] = assemble(done.payloads, t)
 
     for v, where in (bound_at or {}).items():
         for i, (w, part) in enumerate(zip(where, split_host_array((bound or {})[v], len(where)), strict=True)):
@@ -678,9 +678,6 @@ def test_host_input_read_at_two_layouts_is_put_at_both() -> None:
     np.testing.assert_array_equal(out[2], FUNCTIONS["g"](x))
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="materialize() calls layout_name() for a host input at another layout without looking in "
-                          "self.layouts: every reader gets its own derived buffer and its own puts")
 def test_host_input_read_twice_at_another_layout_is_put_once() -> None:
     spec = ProgramSpec(values=[value(2, 8), value(4, 8), value(4, 8)],
                        nodes=[NodeSpec(fn_id="f", slice_id=1, inputs=[0], outputs=[1]),
@@ -1016,9 +1013,6 @@ def test_combine_output_that_cannot_be_split_over_its_slice() -> None:
         run(spec, moe_slices(combine=[("a", 0), ("a", 1), ("a", 2)]), host_inputs={0, 1})
 
 
-@pytest.mark.xfail(strict=True, raises=pytest.fail.Exception,
-                   reason="combine() checks the output splits over its slice, not that the output's own shard count "
-                          "matches it (call() does): the proxy then records a 1-shard buffer at 2 locations")
 def test_combine_output_split_differs_from_its_slice() -> None:
     with pytest.raises(InvalidArgument, match="runs on 2 devices but its output 6 is split 1 ways"):
         run(moe(y_shards=1), moe_slices(), host_inputs={0, 1})

@@ -97,6 +97,51 @@ class MappedFunction:
         return f"pw.pmap({self.__name__}, slice={self.slice.slice_id}, axis_name={self.axis_name!r})"
 
 
+class JitFunction(MappedFunction):
+    """What ``pw.jit`` returns: ``fn`` with a global view of its arguments, which are split in
+    blocks along their leading axis over the slice's devices (one block per device)."""
+
+    def export_for(self, avals: Sequence[jax.ShapeDtypeStruct]) -> ExportedFunction:
+        key = tuple((a.shape, str(a.dtype)) for a in avals)
+        with self._lock:
+            found = self._exports.get(key)
+        if found is not None:
+            return found
+        n = self.num_devices
+        for i, a in enumerate(avals):
+            if n > 1 and (not a.shape or a.shape[0] % n):
+                raise InvalidArgument(f"{self.__name__}: argument {i} of shape {a.shape} cannot be split into {n} "
+                                      "equal blocks along its leading axis")
+        if n == 1:
+            exp = export.export(jax.jit(self.fn), platforms=["cpu"])(*avals)
+        else:
+            blocks = NamedSharding(AbstractMesh((n,), ("x",)), PartitionSpec("x"))
+            sharded = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=blocks) for a in avals]
+            out_shape = jax.eval_shape(self.fn, *avals)
+            for o in jax.tree_util.tree_leaves(out_shape):
+                if not o.shape or o.shape[0] % n:
+                    raise InvalidArgument(f"{self.__name__}: an output of shape {o.shape} cannot be split into "
+                                          f"{n} equal blocks along its leading axis")
+            exp = export.export(jax.jit(self.fn, out_shardings=blocks), platforms=["cpu"])(*sharded)
+        serialized = bytes(exp.serialize())
+        fn_id = function_id(serialized, n > 1)
+        out_avals = tuple(jax.ShapeDtypeStruct(o.shape, o.dtype) for o in exp.out_avals)
+        found = ExportedFunction(fn_id, serialized, n > 1, out_avals, exp.out_tree)
+        with self._lock:
+            self._exports[key] = found
+        return found
+
+    def __repr__(self) -> str:
+        return f"pw.jit({self.__name__}, slice={self.slice.slice_id})"
+
+
+def jit(fn: Callable[..., Any], *, devices: Slice | Sequence[VirtualDevice]) -> JitFunction:
+    """``fn`` compiled for ``devices`` with a global view (like ``jax.jit``); arguments and results
+    are split in equal blocks along their leading axis over the devices. Values made by one
+    function and read by another on a slice of another size are resharded on the way."""
+    return JitFunction(fn, devices, axis_name=None)
+
+
 def pmap(fn: Callable[..., Any], *, devices: Slice | Sequence[VirtualDevice],
          axis_name: str | None = None) -> MappedFunction:
     """Map ``fn`` over the leading axis of its arguments, one element per device of ``devices``."""

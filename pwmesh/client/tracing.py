@@ -18,11 +18,13 @@ import jax
 import numpy as np
 
 from pwmesh.client.array import Array
+from pwmesh.dataflow.layout import check_split
 from pwmesh.errors import InvalidArgument
 from pwmesh.wire.messages import NodeSpec, ProgramInput, ProgramSpec, RunProgram, ValueSpec
 
 if TYPE_CHECKING:
     from pwmesh.client.api import Client
+    from pwmesh.client.devices import Slice
     from pwmesh.client.functions import ExportedFunction, MappedFunction
 
 _building: contextvars.ContextVar[ProgramBuilder | None] = contextvars.ContextVar("pwmesh_builder", default=None)
@@ -99,9 +101,64 @@ class ProgramBuilder:
         outs = execute(traced, self.concrete, sequential=self.sequential)
         self.flushed.update(zip(computed, outs, strict=True))
 
-    def _value(self, shape: tuple[int, ...], dtype: np.dtype, shards: int) -> int:
-        self.values.append(ValueSpec(shape=list(shape), dtype=np.dtype(dtype).name, shards=shards))
+    def _value(self, shape: tuple[int, ...], dtype: np.dtype, shards: int, *, ragged: bool = False) -> int:
+        self.values.append(ValueSpec(shape=list(shape), dtype=np.dtype(dtype).name, shards=shards, ragged=ragged))
+        self._shards_fixed.add(len(self.values) - 1)
         return len(self.values) - 1
+
+    def _fix_shards(self, sym: Symbol, n: int) -> None:
+        """A program input takes the layout of its first reader."""
+        if sym.value not in self._shards_fixed:
+            self.values[sym.value].shards = n
+            self._shards_fixed.add(sym.value)
+
+    def _symbols(self, what: str, args: Sequence[Any], client: Client) -> list[Symbol]:
+        for i, leaf in enumerate(args):
+            if not isinstance(leaf, Symbol) or leaf.builder is not self:
+                raise InvalidArgument(
+                    f"{what}: argument {i} is a {type(leaf).__name__}; inside @pw.program, pass every "
+                    "array in as an argument of the program"
+                )
+        if self.client is None:
+            self.client = client
+        elif client is not self.client:
+            raise InvalidArgument(f"{what} belongs to another client than the rest of this program")
+        return list(args)
+
+    def reshard(self, x: Any, sl: Slice) -> Symbol:
+        """``x`` split ``len(sl)`` ways over ``sl``'s devices (a move, a gather or a scatter)."""
+        (sym,) = self._symbols("pw.reshard", [x], sl.client)
+        n = len(sl.devices)
+        check_split(sym.shape, n, f"pw.reshard onto {n} devices: the value")
+        v = self._value(sym.shape, sym.dtype, n)
+        self.nodes.append(NodeSpec(fn_id="", slice_id=sl.slice_id, inputs=[sym.value], outputs=[v], kind="reshard"))
+        return Symbol(self, v, sym.shape, sym.dtype)
+
+    def route(self, x: Any, expert_ids: Any, experts: Sequence[MappedFunction], home: Slice) -> Symbol:
+        """Rows of ``x`` to ``experts[expert_ids[row]]``, and their results back in row order on ``home``."""
+        sym, ids = self._symbols("pw.Router", [x, expert_ids], home.client)
+        n = len(home.devices)
+        for s in (sym, ids):
+            self._fix_shards(s, n)
+        parts = [self._value(sym.shape, sym.dtype, 1, ragged=True) for _ in experts]
+        self.nodes.append(NodeSpec(fn_id="", slice_id=home.slice_id, inputs=[sym.value, ids.value], outputs=parts,
+                                   kind="route", targets=[e.slice.slice_id for e in experts]))
+        results = []
+        for expert, part in zip(experts, parts, strict=True):
+            out = expert(Symbol(self, part, sym.shape, sym.dtype))
+            if not isinstance(out, Symbol):
+                raise InvalidArgument(f"expert {expert.__name__} must return one array, one row per row it gets")
+            results.append(out)
+        first = results[0]
+        for expert, out in zip(experts, results, strict=True):
+            if (out.shape, out.dtype) != (first.shape, first.dtype):
+                raise InvalidArgument(f"experts return different shapes: {expert.__name__} gives "
+                                      f"{out.dtype}{out.shape}, {experts[0].__name__} {first.dtype}{first.shape}")
+        check_split(first.shape, n, f"pw.Router combining onto {n} devices: the experts' output")
+        y = self._value(first.shape, first.dtype, n)
+        self.nodes.append(NodeSpec(fn_id="", slice_id=home.slice_id, inputs=[r.value for r in results], outputs=[y],
+                                   kind="combine"))
+        return Symbol(self, y, first.shape, first.dtype)
 
     def input(self, shape: tuple[int, ...], dtype: np.dtype, shards: int | None) -> Symbol:
         v = self._value(shape, dtype, shards or 1)
@@ -115,33 +172,17 @@ class ProgramBuilder:
             concrete = [self._concrete(a) for a in jax.tree_util.tree_leaves(list(args))]
             concrete_args = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(list(args)), concrete)
             return execute(mf.eager.get(concrete_args), concrete_args)
-        leaves, tree = jax.tree_util.tree_flatten(list(args))
-        for i, leaf in enumerate(leaves):
-            if not isinstance(leaf, Symbol) or leaf.builder is not self:
-                raise InvalidArgument(
-                    f"{mf.__name__}: argument {i} is a {type(leaf).__name__}; inside @pw.program, pass every "
-                    "array in as an argument of the program"
-                )
-        if self.client is None:
-            self.client = mf.slice.client
-        elif mf.slice.client is not self.client:
-            raise InvalidArgument(f"{mf.__name__} belongs to another client than the rest of this program")
+        leaves = self._symbols(mf.__name__, jax.tree_util.tree_leaves(list(args)), mf.slice.client)
         exported = mf.export_for([jax.ShapeDtypeStruct(s.shape, s.dtype) for s in leaves])
         n = mf.num_devices
+        ragged = any(self.values[sym.value].ragged for sym in leaves)
+        if ragged and n != 1:
+            raise InvalidArgument(f"{mf.__name__} gets routed rows but runs on {n} devices; an expert runs on one")
         for sym in leaves:
-            spec = self.values[sym.value]
-            if sym.value not in self._shards_fixed:
-                spec.shards = n
-                self._shards_fixed.add(sym.value)
-            elif spec.shards != n:
-                raise InvalidArgument(
-                    f"{mf.__name__} runs on {n} devices but its input is split {spec.shards} ways; "
-                    "resharding between different device counts is not supported yet"
-                )
+            self._fix_shards(sym, n)  # a value split another way is resharded on its way in
         outs = []
         for aval in exported.out_avals:
-            v = self._value(tuple(aval.shape), np.dtype(aval.dtype), n)
-            self._shards_fixed.add(v)
+            v = self._value(tuple(aval.shape), np.dtype(aval.dtype), n, ragged=ragged)
             outs.append(Symbol(self, v, tuple(aval.shape), np.dtype(aval.dtype)))
         self.nodes.append(NodeSpec(fn_id=exported.fn_id, slice_id=mf.slice.slice_id,
                                    inputs=[s.value for s in leaves], outputs=[s.value for s in outs]))

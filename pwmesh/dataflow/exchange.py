@@ -125,9 +125,10 @@ def cut_error(emit: Emit, local_shards: list[int], error: ErrorInfo) -> list[tup
     return out
 
 
-def assemble(tuples: list[DataTuple]) -> np.ndarray | Ragged:
-    """One destination shard's value from its tuples (``Progress`` order: by producer, then sequence)."""
-    first = tuples[0]
+def assemble(tuples: list[DataTuple], last: DataTuple) -> np.ndarray | Ragged:
+    """One destination shard's value from its tuples (``Progress`` order: by producer, then sequence);
+    ``last`` is whatever completed it (a tuple or a marker: it may have had no tuples at all)."""
+    first = last
     shape, dtype = tuple(first.shape), np.dtype(first.dtype)
     data = [t for t in tuples if t.array is not None]
     if first.ragged:

@@ -75,24 +75,26 @@ class Progress:
 
     def tuple(self, key: str, src: int, seq: int, sources: int, payload: Any) -> Arrived | None:
         """Tuple number ``seq`` from producer ``src`` arrived for ``key``."""
+        if seq < 0:
+            raise ProgressError(f"{key}: tuple sequence numbers start at 0, got {seq}")
         box = self._inbox(key, src, sources)
         if (src, seq) in box.tuples:
             raise ProgressError(f"{key}: tuple {seq} from producer {src} arrived twice")
         announced = box.markers.get(src)
         if announced is not None and not 0 <= seq < announced:
             raise ProgressError(f"{key}: tuple {seq} from producer {src}, which announced only {announced}")
-        if seq < 0:
-            raise ProgressError(f"{key}: tuple sequence numbers start at 0, got {seq}")
         box.tuples[(src, seq)] = payload
         box.per_source[src] += 1
         return self._maybe_done(key, box)
 
     def marker(self, key: str, src: int, count: int, sources: int) -> Arrived | None:
         """Producer ``src`` has sent ``count`` tuples to ``key`` in all (possibly none)."""
+        if count < 0:
+            raise ProgressError(f"{key}: producer {src} announced a negative number of tuples ({count})")
         box = self._inbox(key, src, sources)
         if src in box.markers:
             raise ProgressError(f"{key}: a second completion marker from producer {src}")
-        if count < box.per_source[src] or count < 0:
+        if count < box.per_source[src]:
             raise ProgressError(f"{key}: producer {src} announced {count} tuples but {box.per_source[src]} "
                                 "arrived already")
         if any(seq >= count for s, seq in box.tuples if s == src):

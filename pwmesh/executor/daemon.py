@@ -402,7 +402,7 @@ class Executor(Service):
                 log.warning("dropped a tuple: %s", exc)
                 continue
             if isinstance(done, Arrived):
-                self._store_value(key, t.device, assemble(done.payloads))
+                self._store_value(key, t.device, assemble(done.payloads, t))
 
     def _store_value(self, key: str, device: int, value: np.ndarray | Ragged) -> None:
         if isinstance(value, Ragged):  # routed rows stay on the host until their expert pads them

@@ -293,13 +293,24 @@ class Runner:
                 err = self._finish_outputs(work, shard, None if outs is None else outs[i], err)
         finally:
             self.memory.release(reserved)  # the outputs are stored bytes now, or failed
-        values = [[*ins, *(outs[i] if outs is not None and err is None else [])] for i, ins in enumerate(per_shard)]
-        for emit in comp.emits:
-            local = {shard: values[i][emit.slot] for i, shard in enumerate(work.shards) if emit.slot < len(values[i])}
+        try:
+            self._emit_all(work, per_shard, outs, err)
+        finally:
+            self._complete(work)
+
+    def _emit_all(self, work: Work, per_shard: list[list[Any]], outs: list[list[Any]] | None,
+                  err: PwmeshError | None) -> None:
+        """Send the values the computation's emits name (or, if it failed, its failure)."""
+        if err is not None or outs is None:
+            for emit in work.comp.emits:
+                self._emit(work, emit, {}, {}, err or PwmeshError(f"{work.label} produced nothing"))
+            return
+        values = [[*ins, *out] for ins, out in zip(per_shard, outs, strict=True)]
+        for emit in work.comp.emits:
+            local = {shard: values[i][emit.slot] for i, shard in enumerate(work.shards)}
             selectors = {shard: values[i][emit.selector] for i, shard in enumerate(work.shards)
-                         if 0 <= emit.selector < len(values[i])}
-            self._emit(work, emit, local, selectors, err)
-        self._complete(work)
+                         if emit.selector >= 0}
+            self._emit(work, emit, local, selectors, None)
 
     async def _call(self, work: Work, fn: CompiledFunction, per_shard: list[list[Any]]) -> list[list[Any]]:
         comp = work.comp

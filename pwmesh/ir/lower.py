@@ -173,8 +173,15 @@ def _validate_node(program: ProgramSpec, index: int, node: NodeSpec) -> None:
         out = values[node.outputs[0]]
         if out.ragged or any(values[v].shape != out.shape or values[v].dtype != out.dtype for v in node.inputs):
             raise InvalidArgument(f"combine node {index}: every expert output must be {out.dtype}{out.shape}")
+    elif node.kind == "reshard":
+        if len(node.inputs) != 1 or len(node.outputs) != 1:
+            raise InvalidArgument(f"reshard node {index} takes one value and makes one")
+        x, y = values[node.inputs[0]], values[node.outputs[0]]
+        if x.ragged or y.ragged or (x.shape, x.dtype) != (y.shape, y.dtype):
+            raise InvalidArgument(f"reshard node {index} turns {x.dtype}{x.shape} into {y.dtype}{y.shape}; "
+                                  "a reshard keeps shape and dtype")
     else:
-        raise InvalidArgument(f"node {index} has unknown kind {node.kind!r} (call, route or combine)")
+        raise InvalidArgument(f"node {index} has unknown kind {node.kind!r} (call, reshard, route or combine)")
     if node.kind != "call" and node.fn_id:
         raise InvalidArgument(f"{node.kind} node {index} runs no function")
     for v in node.outputs:
@@ -257,6 +264,12 @@ class _Lowering:
                 self.call(index, node, devs, sl.scheduler)
             elif node.kind == "route":
                 self.route(index, node, devs, sl.scheduler)
+            elif node.kind == "reshard":
+                (v,) = node.inputs
+                inputs = [self.prefix(self.materialize(v, devs, f"reshard node {index}"))]
+                self.computations(index, node, devs, sl.scheduler, kind="identity", inputs=inputs,
+                                  outputs=[self.prefix(self.names[w]) for w in node.outputs])
+                self.made(index, node.outputs, devs)
             else:
                 self.combine(index, node, devs, sl.scheduler)
         return self.out
@@ -353,6 +366,9 @@ class _Lowering:
         spec = self.program.values[y]
         n = len(devs)
         check_split(spec.shape, n, f"combine node {index}'s output")
+        if spec.shards != n:
+            raise InvalidArgument(f"combine node {index} runs on {n} devices but its output {y} is split "
+                                  f"{spec.shards} ways")
         landing = self.fresh_name()
         self.out.derived.append(landing)
         target = Target(prefix=self.prefix(landing), shards=n, sites=sites_of(devs),
@@ -389,7 +405,8 @@ class _Lowering:
         n = len(devs)
         check_split(spec.shape, n, f"{reader} reads value {v} on {n} devices, but it")
         if v in self.host_inputs:
-            name = self.names[v] if n == spec.shards else self.layout_name(v, devs)
+            key = (v, n, tuple((d.executor_id, d.device) for d in devs))
+            name = self.names[v] if n == spec.shards else self.layouts.get(key) or self.layout_name(v, devs)
             for j, dev in enumerate(devs):
                 if (name, j, dev.executor_id) not in self.placed:
                     self.placed.add((name, j, dev.executor_id))
