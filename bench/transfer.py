@@ -97,7 +97,7 @@ from _common import DEFAULT_OUT, load_average, machine, pyplot, save_results, ta
 
 KiB = 1 << 10
 MiB = 1 << 20
-METHODS = ("tcp", "zmq", "shm", "pwmesh")
+METHODS = ("tcp", "zmq", "shm", "pwmesh", "pwmesh-shm")
 ACK = b"a"
 PAGE = 4096
 JAX_ALIGNMENT = 64  # jax.device_put aliases host memory on CPU only from 64-byte aligned arrays
@@ -638,18 +638,79 @@ def measure_shm(nbytes: int, repeats: int, *, peers: Peers | None = None, warmup
 
 
 # ---- pwmesh: HOOK for the executor-to-executor data plane -----------------------------------------------------
+class _PwmeshSetup:
+    """One embedded cluster per data path, started on first use and kept for every round: two
+    islands of one executor with one device each; the array moves from island 0 to island 1."""
+
+    def __init__(self, shared_memory: bool) -> None:
+        import pwmesh as pw  # noqa: PLC0415 - the baselines run without it
+
+        args = () if shared_memory else ("--no-shared-memory",)
+        self.pw = pw
+        self.cluster = pw.LocalCluster(pw.LocalClusterSpec(islands=2, hosts_per_island=1, devices_per_host=1,
+                                                           executor_args=args))
+        self.cluster.start()
+        self.client = pw.Client(self.cluster.address, name="bench-transfer")
+        devs = self.client.make_virtual_device_set()
+        self.source, self.dest = devs.add_slice(devices=1, island=0), devs.add_slice(devices=1, island=1)
+        self.arrays: dict[int, Any] = {}
+
+    def array(self, nbytes: int) -> Any:
+        if nbytes not in self.arrays:
+            x = self.client.put(np.arange(nbytes // 4, dtype=np.float32), self.source)
+            x.block_until_ready()
+            self.arrays[nbytes] = x
+        return self.arrays[nbytes]
+
+    def close(self) -> None:
+        self.client.close()
+        self.cluster.stop()
+
+
+_PWMESH: dict[bool, _PwmeshSetup] = {}
+
+
+def close_pwmesh() -> None:
+    while _PWMESH:
+        _PWMESH.popitem()[1].close()
+
+
 def measure_pwmesh(nbytes: int, repeats: int, *, peers: Peers | None = None, warmup: int = 2,
-                   **options: Any) -> dict[str, Any] | None:
-    """PLACEHOLDER: pwmesh's data plane, executor to executor. Returns None ("not measured") until
-    it exists. When it does, return a row like ``summarize`` builds (method "pwmesh", bytes,
-    seconds_median, seconds_best, gbytes_per_second, ...), timed the same way: from the first
-    byte sent to the receiving executor holding the whole array as a JAX CPU array."""
-    return None
+                   shared_memory: bool = False, **options: Any) -> dict[str, Any]:
+    """pwmesh, executor to executor across islands: ``pw.reshard`` of a buffer on island 0's executor
+    onto island 1's, timed from the call to the destination buffer being ready (one program: the
+    proxy's dispatch, the data plane, the completion coming back). ``shared_memory=False`` (the
+    executors run with --no-shared-memory) is the path between hosts: a raw TCP stream into pooled,
+    pre-faulted, page-aligned buffers that JAX adopts without a copy; ``True`` is one machine's path
+    through /dev/shm."""
+    setup = _PWMESH.get(shared_memory)
+    if setup is None:
+        setup = _PWMESH[shared_memory] = _PwmeshSetup(shared_memory)
+    x = setup.array(nbytes)
+    records = []
+    for i in range(warmup + repeats):
+        start = time.perf_counter()
+        y = setup.pw.reshard(x, devices=setup.dest)
+        y.block_until_ready()
+        seconds = time.perf_counter() - start
+        y.delete()
+        if i >= warmup:
+            records.append({"seconds": seconds})
+    method = "pwmesh-shm" if shared_memory else "pwmesh"
+    return summarize(method, nbytes, options, records, [], {})
+
+
+def measure_pwmesh_shm(nbytes: int, repeats: int, *, peers: Peers | None = None, warmup: int = 2,
+                       **options: Any) -> dict[str, Any]:
+    return measure_pwmesh(nbytes, repeats, peers=peers, warmup=warmup, shared_memory=True, **options)
+
+
 # ---------------------------------------------------------------------------------------------------------------
 
 
 MEASURES: dict[str, Callable[..., dict[str, Any] | None]] = {
-    "tcp": measure_tcp, "zmq": measure_zmq, "shm": measure_shm, "pwmesh": measure_pwmesh}
+    "tcp": measure_tcp, "zmq": measure_zmq, "shm": measure_shm, "pwmesh": measure_pwmesh,
+    "pwmesh-shm": measure_pwmesh_shm}
 
 # One knob at a time, at the largest size: (method, label, options). The first of each method is its baseline.
 VARIANTS: list[tuple[str, str, dict[str, Any]]] = [
@@ -758,7 +819,7 @@ def run_rounds(jobs: list[tuple[str, int, str, dict[str, Any]]], config: Config,
 def ratios(rows: list[dict[str, Any]], sizes: tuple[int, ...],
            key: str = "gbytes_per_second") -> dict[str, dict[str, float | None]]:
     """Per size: each method's bandwidth (``key``: median or best) over raw TCP's (and pwmesh's over shm's)."""
-    pairs = (("zmq", "tcp"), ("shm", "tcp"), ("pwmesh", "tcp"), ("pwmesh", "shm"))
+    pairs = (("zmq", "tcp"), ("shm", "tcp"), ("pwmesh", "tcp"), ("pwmesh-shm", "shm"))
     out: dict[str, dict[str, float | None]] = {}
     for nbytes in sizes:
         bw = {r["method"]: r[key] for r in rows if r["bytes"] == nbytes}
@@ -1054,7 +1115,10 @@ def main(argv: list[str] | None = None) -> int:
         if getattr(args, field) is not None:
             setattr(config, field, getattr(args, field))
 
-    result = run(config, args.smoke)
+    try:
+        result = run(config, args.smoke)
+    finally:
+        close_pwmesh()
     print()
     print(main_table(result["results"]))
     print()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import socket
+import struct
 import time
 
 import jax.numpy as jnp
@@ -67,9 +69,16 @@ def _daemon_addresses(cluster: pw.LocalCluster) -> dict[str, str]:
     addresses = {}
     for child in cluster.children:
         addresses[child.name] = child.info["address"]
-        if child.role == "executor":
-            addresses[f"{child.name}.data"] = child.info["data"]
     return addresses
+
+
+def _data_planes(cluster: pw.LocalCluster) -> list[tuple[str, int]]:
+    found = []
+    for child in cluster.children:
+        if child.role == "executor":
+            host, port = child.info["data"].removeprefix("tcp://").rsplit(":", 1)
+            found.append((host, int(port)))
+    return found
 
 
 def _garbage() -> list[tuple[list[bytes], bool]]:
@@ -110,6 +119,31 @@ def test_daemons_survive_garbage(cluster: pw.LocalCluster, client: pw.Client) ->
         ctx.term()
     sl = client.make_virtual_device_set().add_slice(devices=2)
     np.testing.assert_array_equal(np.asarray(pw.pmap(lambda x: -x, devices=sl)(np.ones(2))), [-1.0, -1.0])
+
+
+def test_data_planes_survive_garbage(cluster: pw.LocalCluster, client: pw.Client) -> None:
+    """Raw TCP streams: a bad hello, a bad preamble, a lying length, a peer that hangs up mid-frame."""
+    hello = msgpack.packb({"machine": "", "pid": 1})
+    bad_preamble = msgpack.packb([[0, 5, "", 0]])  # one frame: no header + body pair
+    lying = msgpack.packb([[0, 4, "", 0], [0, 1 << 40, "", 0]])  # a frame over the limit
+    shared = msgpack.packb([[1, 4, "../../etc/passwd", 0], [0, 1, "", 0]])  # shared memory it did not offer
+    streams = [
+        b"\xff" * 64,
+        struct.pack("!I", len(hello)) + hello + struct.pack("!I", len(bad_preamble)) + bad_preamble,
+        struct.pack("!I", len(hello)) + hello + struct.pack("!I", len(lying)) + lying,
+        struct.pack("!I", len(hello)) + hello + struct.pack("!I", len(shared)) + shared,
+        struct.pack("!I", len(hello)) + hello + struct.pack("!I", 1 << 30),  # a preamble too big to read
+        struct.pack("!I", len(hello)) + hello + struct.pack("!I", 100) + b"short",  # hangs up mid-preamble
+    ]
+    for host, port in _data_planes(cluster):
+        for garbage in streams:
+            with socket.create_connection((host, port), timeout=10) as sock:
+                sock.sendall(garbage)
+    # Every executor still moves data: a value made on one island, resharded onto the other.
+    devs = client.make_virtual_device_set()
+    a, b = devs.add_slice(devices=2, island=0), devs.add_slice(devices=1, island=1)
+    x = np.arange(8.0, dtype=np.float32)
+    np.testing.assert_array_equal(np.asarray(pw.reshard(client.put(x, a), devices=b)), x)
 
 
 def test_a_failed_put_keeps_its_cause(client: pw.Client) -> None:

@@ -697,16 +697,19 @@ def test_unread_host_input_is_not_put() -> None:
 
 
 def test_bound_buffers_on_another_executor_become_moves() -> None:
+    """An existing buffer read elsewhere lands in a buffer of the run's own (freed with it), whole."""
     bound = {0: [loc("a", 0), loc("a", 1)]}
     lowered = run(chain(2, 1, 1), [make_slice(1, [("a", 1), ("b", 0)])], bound=bound)
     assert lowered.puts == []
+    (landing,) = lowered.derived
     assert lowered.moves == {
         control("a"): [SendShards(prefix=prefix(0), runs=[sr(0, 0, 2)], emits=[
             Emit(mode="block", rows=4, src_shards=2, targets=[
-                Target(prefix=prefix(0), shards=2, sites=[site("b", (0, 1, 1))], shape=[2, 3], dtype="float32")])])],
+                Target(prefix=f"{OWNER}/{landing}", shards=2, sites=[site("a", (1, 0, 1)), site("b", (0, 1, 1))],
+                       shape=[2, 3], dtype="float32")])])],
     }
-    assert lowered.holders["v0"] == {control("a"), control("b")}
-    assert lowered.derived == []
+    assert lowered.holders["v0"] == {control("a")}
+    assert lowered.holders[landing] == {control("a"), control("b")}
     x = np.arange(4 * 3, dtype=np.float32).reshape(4, 3)
     out = simulate(chain(2, 1, 1), lowered, {}, {0: x}, bound)
     np.testing.assert_array_equal(out[2], FUNCTIONS["g"](FUNCTIONS["f"](x)))
@@ -726,7 +729,8 @@ def test_bound_buffer_moves_are_sent_once_per_executor() -> None:
                        inputs=[0], outputs=[1, 2])
     lowered = run(spec, [make_slice(1, [("b", 0)]), make_slice(2, [("b", 1)])], bound={0: [loc("a", 0)]})
     ((send,),) = lowered.moves.values()
-    assert emitted_shards(send.emits) == {(prefix(0), 0, "b", 0)}
+    (landing,) = lowered.derived  # one copy per executor, whichever of its devices reads it
+    assert emitted_shards(send.emits) == {(f"{OWNER}/{landing}", 0, "b", 0)}
 
 
 def test_bound_buffer_copied_to_two_executors_is_one_send_with_two_emits() -> None:
@@ -737,7 +741,9 @@ def test_bound_buffer_copied_to_two_executors_is_one_send_with_two_emits() -> No
     lowered = run(spec, [make_slice(1, [("b", 0)]), make_slice(2, [("c", 0)])], bound={0: [loc("a", 0)]})
     assert list(lowered.moves) == [control("a")]
     ((send,),) = lowered.moves.values()
-    assert [emitted_shards([e]) for e in send.emits] == [{(prefix(0), 0, "b", 0)}, {(prefix(0), 0, "c", 0)}]
+    first, second = lowered.derived
+    assert [emitted_shards([e]) for e in send.emits] == [{(f"{OWNER}/{first}", 0, "b", 0)},
+                                                         {(f"{OWNER}/{second}", 0, "c", 0)}]
 
 
 def test_bound_buffer_with_the_wrong_shard_count() -> None:

@@ -97,6 +97,8 @@ class _ByteSize(click.ParamType):
                    "0: no limit.")
 @click.option("--watchdog-seconds", type=float, default=10.0, show_default=True,
               help="Log gang computations that wait on peer executors for longer than this.")
+@click.option("--shared-memory/--no-shared-memory", default=True, show_default=True,
+              help="Exchange bulk data with executors on the same machine through /dev/shm (else TCP).")
 @click.option("--test-enqueue-jitter-seconds", type=float, default=0.0, hidden=True)
 @click.option("--test-order-by-arrival", is_flag=True, hidden=True,
               help="TEST ONLY: ignore the island order (shows why it exists: gangs can deadlock).")
@@ -104,7 +106,7 @@ class _ByteSize(click.ParamType):
 @_heartbeat
 @_log_level
 def executor_main(island: int, rm: str, devices: int, listen: str, data_listen: str, name: str, host: str,
-                  watchdog_seconds: float, test_enqueue_jitter_seconds: float, test_order_by_arrival: bool,
+                  watchdog_seconds: float, shared_memory: bool, test_enqueue_jitter_seconds: float, test_order_by_arrival: bool,
                   test_seed: int,
                   memory_limit_bytes: int, heartbeat_interval_seconds: float, log_level: str) -> None:
     """Run a host executor on island ISLAND."""
@@ -117,6 +119,7 @@ def executor_main(island: int, rm: str, devices: int, listen: str, data_listen: 
     config = ExecutorConfig(island=island, rm=rm, devices=devices, listen=listen, data_listen=data_listen,
                             name=name, host=host, heartbeat_interval_seconds=heartbeat_interval_seconds,
                             memory_limit_bytes=memory_limit_bytes, watchdog_seconds=watchdog_seconds,
+                            shared_memory=shared_memory,
                             test_enqueue_jitter_seconds=test_enqueue_jitter_seconds,
                             test_order_by_arrival=test_order_by_arrival, test_seed=test_seed)
     setup_logging("executor", name or f"island{island}", log_level)

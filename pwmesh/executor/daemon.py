@@ -1,8 +1,9 @@
 """``pwmesh-executor --island N``: a host's devices, object store and data plane.
 
-Two bound sockets: *control* (functions, run queues, puts, fetches, deletes)
-and *data* (shard-tagged tuples from other executors), so control messages
-never wait behind bulk data.
+Two listeners: *control*, a ZeroMQ socket (functions, run queues, puts,
+fetches, deletes), and *data*, raw TCP streams or shared memory for the
+shard-tagged tuples other executors send (``pwmesh.dataflow.plane``), so
+control messages never wait behind bulk data.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import jax
 import numpy as np
 
 from pwmesh.dataflow.exchange import Destination, Ragged, assemble, cut, cut_error
+from pwmesh.dataflow.plane import DataPlane
 from pwmesh.dataflow.progress import Arrived, Progress, ProgressError
 from pwmesh.errors import InvalidArgument, PwmeshError
 from pwmesh.executor.functions import FunctionCache
@@ -73,7 +75,8 @@ class ExecutorConfig:
     name: str = ""
     host: str = ""
     listen: str = "tcp://127.0.0.1:0"
-    data_listen: str = "tcp://127.0.0.1:0"
+    data_listen: str = "tcp://127.0.0.1:0"  # the data plane's TCP listener (its port is always chosen)
+    shared_memory: bool = True  # same-machine peers exchange bulk data through /dev/shm
     rm_timeout_seconds: float = 30.0
     heartbeat_interval_seconds: float = 2.0
     memory_limit_bytes: int = 0  # all this executor's devices together; 0: no limit
@@ -128,11 +131,12 @@ class Executor(Service):
             Ping: self.ping,
         }
         self.control = Server(self.ctx, self.config.listen, control, tasks=self.tasks, name=self.name)
-        self.data = Server(self.ctx, self.config.data_listen, {TupleBatch: self._receive, Ping: self.ping},
-                           tasks=self.tasks,
-                           name=f"{self.name}.data")
+        bind_host = self.config.data_listen.removeprefix("tcp://").rsplit(":", 1)[0]
+        self.plane = DataPlane(asyncio.get_running_loop(), self._receive, bind_host=bind_host,
+                               shared_memory=self.config.shared_memory)
+        self.plane.idle = asyncio.Event()
+        self.plane.idle.set()
         self.control.start()
-        self.data.start()
         self.peers = Connections(self.ctx, tasks=self.tasks, name=self.name, on_message=self._notified)
         self._sending = 0  # transfers waiting for their shard, or under way
         self._sent = asyncio.Event()
@@ -147,7 +151,7 @@ class Executor(Service):
     def info(self) -> ExecutorInfo:
         return ExecutorInfo(
             executor_id=self.name, island=self.config.island, host=self.host,
-            control=self.control.address, data=self.data.address, pid=os.getpid(),
+            control=self.control.address, data=self.plane.address, pid=os.getpid(),
             devices=[DeviceInfo(index=i, kind=d.platform) for i, d in enumerate(self.devices)],
         )
 
@@ -294,6 +298,7 @@ class Executor(Service):
         """Every queued computation done, every transfer sent and confirmed delivered."""
         await self.runner.wait_idle()
         await self._sent.wait()
+        await self.plane.idle.wait()
         await self.peers.barrier(timeout_seconds=30.0)
         return Ok()
 
@@ -373,13 +378,10 @@ class Executor(Service):
             if where == self.name:
                 self._deliver(batch)
             else:
-                self.peers.post(where, TupleBatch(tuples=batch))
+                self.plane.send(where, TupleBatch(tuples=batch))
 
-    def _receive(self, peer: bytes, env: Envelope) -> None:
-        msg = env.message
-        assert isinstance(msg, TupleBatch)
-        self._deliver(msg.tuples)
-        return None
+    def _receive(self, batch: TupleBatch) -> None:
+        self._deliver(batch.tuples)
 
     def _deliver(self, tuples: list[DataTuple]) -> None:
         """Progress tracking per destination shard; a complete one is assembled and stored."""
@@ -421,6 +423,11 @@ class Executor(Service):
     async def drain(self) -> None:
         """Let every queued computation finish (and its results leave) before closing."""
         await self.runner.wait_idle()
+        await self._sent.wait()
+        try:
+            await asyncio.wait_for(self.plane.idle.wait(), timeout=5.0)
+        except TimeoutError:
+            log.warning("%d data batches were not acknowledged before leaving", self.plane.in_flight)
         await self.peers.barrier(timeout_seconds=5.0)
         # Leave on purpose, so clients learn at once that this host's objects are gone.
         try:
@@ -433,7 +440,9 @@ class Executor(Service):
         await super().close()
         if hasattr(self, "runner"):
             self.runner.close()
+        if hasattr(self, "plane"):
+            self.plane.close()
 
     def ready_info(self) -> dict[str, Any]:
-        return {**super().ready_info(), "address": self.control.address, "data": self.data.address,
+        return {**super().ready_info(), "address": self.control.address, "data": self.plane.address,
                 "island": self.config.island, "devices": len(self.devices)}

@@ -238,7 +238,7 @@ class _Lowering:
         self.producer: dict[int, int] = {}  # value -> node
         self.comps: dict[tuple[int, str], Computation] = {}  # (node, executor) -> its computation
         self.placed: set[tuple[str, int, str]] = set()  # (buffer, shard, executor) present or on its way
-        self.layouts: dict[tuple[int, int, tuple[tuple[str, int], ...]], str] = {}  # (value, N, where) -> buffer
+        self.layouts: dict[tuple[int, int, tuple[str, ...]], str] = {}  # (value, N, executors) -> buffer
         self.bound_emits: dict[tuple[int, str], SendShards] = {}  # (value, holder) -> its sends
         for v, where in bound.items():
             if len(where) != program.values[v].shards:
@@ -405,7 +405,7 @@ class _Lowering:
         n = len(devs)
         check_split(spec.shape, n, f"{reader} reads value {v} on {n} devices, but it")
         if v in self.host_inputs:
-            key = (v, n, tuple((d.executor_id, d.device) for d in devs))
+            key = (v, n, tuple(d.executor_id for d in devs))
             name = self.names[v] if n == spec.shards else self.layouts.get(key) or self.layout_name(v, devs)
             for j, dev in enumerate(devs):
                 if (name, j, dev.executor_id) not in self.placed:
@@ -415,13 +415,14 @@ class _Lowering:
                     self.hold(name, dev)
             return name
         src = self.loc[v]
-        if n == len(src):
-            name = self.names[v]
-            missing = [j for j, dev in enumerate(devs) if (name, j, dev.executor_id) not in self.placed]
-            if not missing:
-                return name
-        else:
-            key = (v, n, tuple((d.executor_id, d.device) for d in devs))
+        name = self.names[v]
+        missing = [j for j, dev in enumerate(devs) if (name, j, dev.executor_id) not in self.placed]
+        if n == len(src) and not missing:
+            return name
+        # Made by this run and split alike: copy the missing shards under its own name. Resharded,
+        # or an existing buffer read elsewhere: into a buffer of this run's own, freed with it.
+        if n != len(src) or v not in self.producer:
+            key = (v, n, tuple(d.executor_id for d in devs))
             if key in self.layouts:
                 return self.layouts[key]
             name = self.layout_name(v, devs)
@@ -438,7 +439,7 @@ class _Lowering:
 
     def layout_name(self, v: int, devs: list[ShardLocation]) -> str:
         name = self.fresh_name()
-        self.layouts[(v, len(devs), tuple((d.executor_id, d.device) for d in devs))] = name
+        self.layouts[(v, len(devs), tuple(d.executor_id for d in devs))] = name
         self.out.derived.append(name)
         return name
 

@@ -1,0 +1,392 @@
+"""The data plane: tuples between executors over raw TCP streams, or shared memory on one machine.
+
+Control stays on ZeroMQ (the control sockets); bulk data never shares a queue
+with it. Why not ZeroMQ for the bytes too: libzmq receives every message into a
+fresh ``malloc``, and for big frames that is a fresh mapping whose 4 KiB pages
+fault one by one — 16k faults for 64 MiB, which alone halves the bandwidth of a
+plain socket — and its frames are not 64-byte aligned, so JAX copies them again
+(measured in ``bench/transfer.py``). Here the receiver reads each array with
+``recv_into`` straight into a page-aligned buffer from a pool of buffers it has
+already faulted in, and JAX on CPU adopts an aligned buffer without a copy. A
+pooled buffer is handed out again only once nothing refers to it any more.
+
+Between two executors on the same machine (same boot id) the sender instead
+copies each big array into a slot of a shared-memory segment it owns and sends
+only its place; the receiver copies it out into a pooled buffer and acknowledges,
+which frees the slot: two memory copies, no kernel socket buffers.
+
+One stream per (sender, receiver) pair, written by one thread per destination,
+read by one thread per peer. A message on the stream is a length-prefixed
+msgpack preamble ``[[kind, nbytes, segment, offset], ...]`` — one entry per frame
+of the encoded ``TupleBatch`` (``pwmesh.wire.codec``) — followed by the bytes of
+every inline frame. Each message is acknowledged once the receiver holds it, so
+the sender knows what is delivered (``AwaitIdle``, drains) and which slots are free.
+Everything that arrives is validated by the same codec as control messages.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import mmap
+import os
+import queue
+import socket
+import struct
+import sys
+import threading
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+import msgpack
+import numpy as np
+
+from pwmesh.wire import codec
+from pwmesh.wire.messages import TupleBatch
+
+log = logging.getLogger(__name__)
+
+INLINE, SHARED = 0, 1
+BIG_FRAME_BYTES = 64 << 10  # frames at least this big go through pooled buffers / shared memory
+_LEN = struct.Struct("!I")
+_ACK = struct.Struct("!Q")
+MAX_PREAMBLE_BYTES = 1 << 20
+
+
+def machine_id() -> str:
+    """Executors with the same id can share memory (same kernel, same /dev/shm)."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = ""
+    return f"{socket.gethostname()}/{boot}" if boot else ""
+
+
+def _recv_exactly(sock: socket.socket, view: memoryview) -> None:
+    while view.nbytes:
+        got = sock.recv_into(view)
+        if got == 0:
+            raise ConnectionError("peer closed the stream")
+        view = view[got:]
+
+
+def _recv_bytes(sock: socket.socket, n: int) -> bytes:
+    buf = bytearray(n)
+    _recv_exactly(sock, memoryview(buf))
+    return bytes(buf)
+
+
+class BufferPool:
+    """Page-aligned receive buffers, reused once nothing refers to them (JAX may adopt one as a
+    device buffer; it then lives as long as that array). Sizes are rounded up to powers of two."""
+
+    def __init__(self, keep_per_size: int = 8) -> None:
+        self._lock = threading.Lock()
+        self._buffers: dict[int, list[np.ndarray]] = collections.defaultdict(list)
+        self._keep = keep_per_size
+
+    @staticmethod
+    def _size(nbytes: int) -> int:
+        return max(BIG_FRAME_BYTES, 1 << (nbytes - 1).bit_length())
+
+    def take(self, nbytes: int) -> np.ndarray:
+        """A writable uint8 view of ``nbytes`` bytes, page-aligned."""
+        size = self._size(nbytes)
+        with self._lock:
+            for raw in self._buffers[size]:
+                # Ours: the list, getrefcount's argument and the loop variable. More: someone holds a view.
+                if sys.getrefcount(raw) <= 3:
+                    return raw[:nbytes]
+            raw = np.frombuffer(mmap.mmap(-1, size), dtype=np.uint8)
+            if len(self._buffers[size]) < self._keep:
+                self._buffers[size].append(raw)
+            return raw[:nbytes]
+
+
+class _Segment:
+    """A shared-memory segment this process created: one slot for one frame in flight."""
+
+    def __init__(self, size: int) -> None:
+        self.name = f"pwmesh-{os.getpid()}-{uuid.uuid4().hex[:12]}"
+        path = f"/dev/shm/{self.name}"
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        try:
+            os.ftruncate(fd, size)
+            self.map = mmap.mmap(fd, size)
+        finally:
+            os.close(fd)
+        self.size = size
+        self.array = np.frombuffer(self.map, dtype=np.uint8)
+
+    def unlink(self) -> None:
+        try:
+            os.unlink(f"/dev/shm/{self.name}")
+        except FileNotFoundError:
+            pass
+
+
+class _Stream:
+    """One destination: a connected socket, a queue of encoded batches, a writer and an ack reader."""
+
+    def __init__(self, plane: DataPlane, address: str) -> None:
+        self.plane = plane
+        self.address = address
+        self.queue: queue.SimpleQueue[list[Any] | None] = queue.SimpleQueue()
+        self.lock = threading.Condition()
+        self.unacked: collections.deque[list[_Segment]] = collections.deque()  # per message: its slots
+        self.free: list[_Segment] = []
+        self.segments: list[_Segment] = []
+        self.sock: socket.socket | None = None
+        self.shared = False
+        self.closed = False
+        self.writer = threading.Thread(target=self._write_loop, name=f"pwmesh-data-to-{address}", daemon=True)
+        self.writer.start()
+
+    def _connect(self) -> socket.socket:
+        host, port = self.address.removeprefix("tcp://").rsplit(":", 1)
+        sock = socket.create_connection((host, int(port)), timeout=30.0)
+        sock.settimeout(None)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        hello = msgpack.packb({"machine": self.plane.machine if self.plane.shared_memory else "",
+                               "pid": os.getpid()})
+        sock.sendall(_LEN.pack(len(hello)) + hello)
+        (n,) = _LEN.unpack(_recv_bytes(sock, _LEN.size))
+        reply = msgpack.unpackb(_recv_bytes(sock, min(n, 4096)))
+        self.shared = bool(self.plane.machine) and reply.get("machine") == self.plane.machine
+        threading.Thread(target=self._ack_loop, args=(sock,), name=f"pwmesh-acks-{self.address}", daemon=True).start()
+        return sock
+
+    def _slot(self, nbytes: int) -> _Segment:
+        with self.lock:
+            while True:
+                fits = [s for s in self.free if s.size >= nbytes]
+                if fits:
+                    seg = min(fits, key=lambda s: s.size)
+                    self.free.remove(seg)
+                    return seg
+                if len(self.segments) < self.plane.max_segments:
+                    seg = _Segment(BufferPool._size(nbytes))
+                    self.segments.append(seg)
+                    return seg
+                if self.free:  # too small: replace the smallest with one that fits
+                    old = min(self.free, key=lambda s: s.size)
+                    self.free.remove(old)
+                    self.segments.remove(old)
+                    old.unlink()
+                    continue
+                if self.closed:
+                    raise ConnectionError("stream closed")
+                self.lock.wait(timeout=1.0)  # every slot is in flight: wait for an acknowledgement
+
+    def _write_loop(self) -> None:
+        while True:
+            frames = self.queue.get()
+            if frames is None:
+                return
+            slots: list[_Segment] = []
+            with self.lock:
+                self.unacked.append(slots)  # settled by its acknowledgement, or by ``_reset``
+            try:
+                if self.sock is None:
+                    self.sock = self._connect()
+                self._write(self.sock, frames, slots)
+            except (OSError, ConnectionError) as exc:
+                log.warning("data plane: lost the stream to %s (%s); a batch was dropped", self.address, exc)
+                self._reset()
+
+    def _write(self, sock: socket.socket, frames: list[Any], slots: list[_Segment]) -> None:
+        preamble: list[list[Any]] = []
+        inline: list[memoryview] = []
+        for frame in frames:
+            view = memoryview(frame).cast("B")
+            if self.shared and view.nbytes >= BIG_FRAME_BYTES:
+                seg = self._slot(view.nbytes)
+                seg.array[:view.nbytes] = np.frombuffer(view, dtype=np.uint8)
+                slots.append(seg)
+                preamble.append([SHARED, view.nbytes, seg.name, 0])
+            else:
+                preamble.append([INLINE, view.nbytes, "", 0])
+                inline.append(view)
+        head = msgpack.packb(preamble)
+        sock.sendall(_LEN.pack(len(head)) + head)
+        for view in inline:
+            sock.sendall(view)
+
+    def _ack_loop(self, sock: socket.socket) -> None:
+        try:
+            while True:
+                (count,) = _ACK.unpack(_recv_bytes(sock, _ACK.size))
+                with self.lock:
+                    for _ in range(count):
+                        self.free.extend(self.unacked.popleft())
+                    self.lock.notify_all()
+                self.plane._settled(count)
+        except (OSError, ConnectionError, IndexError):
+            self._reset()
+
+    def _reset(self) -> None:
+        """The peer is gone: what was in flight will not be acknowledged."""
+        with self.lock:
+            lost = len(self.unacked)
+            self.unacked.clear()
+            self.free = list(self.segments)
+            sock, self.sock = self.sock, None
+            self.lock.notify_all()
+        if sock is not None:
+            sock.close()
+        if lost:
+            self.plane._settled(lost)
+
+    def close(self) -> None:
+        self.closed = True
+        self.queue.put(None)
+        self._reset()
+        for seg in self.segments:
+            seg.unlink()
+
+
+class DataPlane:
+    """An executor's data plane: a listener for its peers' streams, and a stream to each destination.
+
+    ``on_batch`` is called on the event loop (through ``call_soon_threadsafe``) for every
+    batch that arrives; ``on_idle`` when every batch sent so far has been acknowledged."""
+
+    def __init__(self, loop: Any, on_batch: Callable[[TupleBatch], None], *, bind_host: str = "127.0.0.1",
+                 shared_memory: bool = True, max_segments: int = 8,
+                 limits: codec.Limits = codec.DEFAULT_LIMITS) -> None:
+        self.loop = loop
+        self.on_batch = on_batch
+        self.shared_memory = shared_memory
+        self.machine = machine_id()
+        self.max_segments = max_segments
+        self.limits = limits
+        self.pool = BufferPool()
+        self._streams: dict[str, _Stream] = {}
+        self._in_flight = 0
+        self._count_lock = threading.Lock()
+        self.idle: Any = None  # an asyncio.Event set while nothing is in flight (set by the owner)
+        self._listener = socket.create_server((bind_host, 0), backlog=128)
+        host, port = self._listener.getsockname()[:2]
+        self.address = f"tcp://{host}:{port}"
+        self._readers: list[socket.socket] = []
+        self._closing = False
+        threading.Thread(target=self._accept_loop, name="pwmesh-data-accept", daemon=True).start()
+
+    # ---------------------------------------------------------------- sending
+
+    @property
+    def in_flight(self) -> int:
+        return self._in_flight
+
+    def send(self, address: str, batch: TupleBatch) -> None:
+        """Queue ``batch`` for the executor whose data plane listens at ``address`` (never blocks)."""
+        stream = self._streams.get(address)
+        if stream is None:
+            stream = self._streams[address] = _Stream(self, address)
+        with self._count_lock:
+            self._in_flight += 1
+        if self.idle is not None:
+            self.idle.clear()
+        stream.queue.put(codec.encode(batch, msg_id=0))
+
+    def _settled(self, count: int) -> None:
+        with self._count_lock:
+            self._in_flight -= count
+            idle = self._in_flight <= 0
+        if idle and self.idle is not None and not self._closing:
+            self.loop.call_soon_threadsafe(self._mark_idle)
+
+    def _mark_idle(self) -> None:
+        if self._in_flight <= 0 and self.idle is not None:
+            self.idle.set()
+
+    # -------------------------------------------------------------- receiving
+
+    def _accept_loop(self) -> None:
+        while True:
+            try:
+                sock, _ = self._listener.accept()
+            except OSError:
+                return
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            self._readers.append(sock)
+            threading.Thread(target=self._read_loop, args=(sock,), name="pwmesh-data-in", daemon=True).start()
+
+    def _read_loop(self, sock: socket.socket) -> None:
+        segments: dict[str, tuple[mmap.mmap, np.ndarray]] = {}
+        try:
+            (n,) = _LEN.unpack(_recv_bytes(sock, _LEN.size))
+            hello = msgpack.unpackb(_recv_bytes(sock, min(n, 4096)))
+            shared = bool(self.shared_memory and self.machine and hello.get("machine") == self.machine)
+            reply = msgpack.packb({"machine": self.machine if shared else ""})
+            sock.sendall(_LEN.pack(len(reply)) + reply)
+            while True:
+                frames = self._read_message(sock, segments, shared)
+                sock.sendall(_ACK.pack(1))  # held here now: the sender may reuse its slots
+                try:
+                    env = codec.decode(frames, self.limits)
+                except codec.FrameError as exc:
+                    log.warning("data plane: dropped a malformed batch: %s", exc)
+                    continue
+                if isinstance(env.message, TupleBatch):
+                    self.loop.call_soon_threadsafe(self.on_batch, env.message)
+                else:
+                    log.warning("data plane: dropped a %s (only tuple batches travel here)", env.message.op)
+        except (OSError, ConnectionError, ValueError, msgpack.UnpackException) as exc:
+            if not self._closing:
+                log.debug("data plane: a peer's stream ended: %s", exc)
+        finally:
+            sock.close()
+            for mapped, _ in segments.values():
+                mapped.close()
+
+    def _read_message(self, sock: socket.socket, segments: dict[str, tuple[mmap.mmap, np.ndarray]],
+                      shared: bool) -> list[Any]:
+        (n,) = _LEN.unpack(_recv_bytes(sock, _LEN.size))
+        if n > MAX_PREAMBLE_BYTES:
+            raise ValueError(f"preamble of {n} bytes")
+        preamble = msgpack.unpackb(_recv_bytes(sock, n))
+        if not isinstance(preamble, list) or len(preamble) < 2 or len(preamble) > self.limits.max_buffers + 2:
+            raise ValueError("malformed preamble")
+        frames: list[Any] = []
+        for entry in preamble:
+            kind, nbytes, name, offset = entry
+            if not isinstance(nbytes, int) or nbytes < 0 or nbytes > self.limits.max_buffer_bytes:
+                raise ValueError(f"frame of {nbytes} bytes")
+            if kind == SHARED:
+                if not shared or not isinstance(name, str) or not name.startswith("pwmesh-") or "/" in name:
+                    raise ValueError("shared-memory frame on a stream that does not share memory")
+                if name not in segments:
+                    fd = os.open(f"/dev/shm/{name}", os.O_RDONLY)
+                    try:
+                        mapped = mmap.mmap(fd, 0, prot=mmap.PROT_READ)
+                    finally:
+                        os.close(fd)
+                    segments[name] = (mapped, np.frombuffer(mapped, dtype=np.uint8))
+                source = segments[name][1]
+                if offset < 0 or offset + nbytes > source.nbytes:
+                    raise ValueError("shared-memory frame outside its segment")
+                buf = self.pool.take(nbytes)
+                np.copyto(buf, source[offset:offset + nbytes])
+                frames.append(buf)
+            elif nbytes >= BIG_FRAME_BYTES:
+                buf = self.pool.take(nbytes)
+                _recv_exactly(sock, memoryview(buf))
+                frames.append(buf)
+            else:
+                frames.append(_recv_bytes(sock, nbytes))
+        return frames
+
+    def close(self) -> None:
+        self._closing = True
+        self._listener.close()
+        for stream in self._streams.values():
+            stream.close()
+        for sock in self._readers:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            sock.close()
