@@ -129,7 +129,7 @@ class ProgramBuilder:
         """``x`` split ``len(sl)`` ways over ``sl``'s devices (a move, a gather or a scatter)."""
         (sym,) = self._symbols("pw.reshard", [x], sl.client)
         n = len(sl.devices)
-        check_split(sym.shape, n, f"pw.reshard onto {n} devices: the value")
+        check_split(sym.shape, n, f"pw.reshard onto {n} devices")
         v = self._value(sym.shape, sym.dtype, n)
         self.nodes.append(NodeSpec(fn_id="", slice_id=sl.slice_id, inputs=[sym.value], outputs=[v], kind="reshard"))
         return Symbol(self, v, sym.shape, sym.dtype)
@@ -154,7 +154,7 @@ class ProgramBuilder:
             if (out.shape, out.dtype) != (first.shape, first.dtype):
                 raise InvalidArgument(f"experts return different shapes: {expert.__name__} gives "
                                       f"{out.dtype}{out.shape}, {experts[0].__name__} {first.dtype}{first.shape}")
-        check_split(first.shape, n, f"pw.Router combining onto {n} devices: the experts' output")
+        check_split(first.shape, n, f"pw.Router combining the experts' output onto {n} devices")
         y = self._value(first.shape, first.dtype, n)
         self.nodes.append(NodeSpec(fn_id="", slice_id=home.slice_id, inputs=[r.value for r in results], outputs=[y],
                                    kind="combine"))
@@ -162,8 +162,8 @@ class ProgramBuilder:
 
     def input(self, shape: tuple[int, ...], dtype: np.dtype, shards: int | None) -> Symbol:
         v = self._value(shape, dtype, shards or 1)
-        if shards is not None:
-            self._shards_fixed.add(v)
+        if shards is None:  # host data: split the way its first reader needs
+            self._shards_fixed.discard(v)
         self.inputs.append(v)
         return Symbol(self, v, tuple(shape), np.dtype(dtype))
 

@@ -403,7 +403,7 @@ class _Lowering:
         returns the buffer name it is there under (``v``'s own, or a reshard of it)."""
         spec = self.program.values[v]
         n = len(devs)
-        check_split(spec.shape, n, f"{reader} reads value {v} on {n} devices, but it")
+        check_split(spec.shape, n, f"{reader} reads value {v} on {n} devices")
         if v in self.host_inputs:
             key = (v, n, tuple(d.executor_id for d in devs))
             name = self.names[v] if n == spec.shards else self.layouts.get(key) or self.layout_name(v, devs)

@@ -10,11 +10,13 @@ arrives as ``NodeDone`` from the executors and resolves the buffers' futures.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import itertools
 import logging
 import secrets
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -128,6 +130,9 @@ class Proxy(Service):
         self.moved_buffers = 0  # buffers moved off draining hosts, ever
         self.lost_schedulers: dict[str, DeviceLost] = {}  # address -> why: runs there cannot be ordered
         self._session_ids = itertools.count(1)
+        self.programs = 0
+        self.dispatch_messages = 0  # sent while dispatching and finishing programs (see ``_counted``)
+        self.dispatch_bytes = 0
 
     async def setup(self) -> None:
         handlers: dict[type[Message], Any] = {
@@ -268,7 +273,9 @@ class Proxy(Service):
         assert isinstance(msg, RunProgram)
         session = self._session(peer)
         try:
-            self._dispatch(session, msg)
+            with self._counted():
+                self._dispatch(session, msg)
+            self.programs += 1
         except PwmeshError as exc:
             for cid, v in zip(msg.outputs, msg.program.outputs, strict=False):
                 if 0 <= v < len(msg.program.values):
@@ -401,6 +408,16 @@ class Proxy(Service):
         if not run.pending:
             self._finish_run(session, run)
 
+    @contextlib.contextmanager
+    def _counted(self) -> Iterator[None]:
+        """Count what the proxy sends in the block toward its program traffic (``StatusReply``)."""
+        messages, nbytes = self.peers.sent_messages, self.peers.sent_bytes
+        try:
+            yield
+        finally:
+            self.dispatch_messages += self.peers.sent_messages - messages
+            self.dispatch_bytes += self.peers.sent_bytes - nbytes
+
     def _schedule(self, session: Session, run_id: str, scheduler: str, comps: list[Computation]) -> None:
         self.peers.post(scheduler, ScheduleRun(run_id=run_id, proxy=self.server.address, computations=comps,
                                                session=session.session_id, weight=session.weight,
@@ -426,10 +443,15 @@ class Proxy(Service):
             log.warning("completion for unknown run %s from %s", msg.run_id, msg.executor_id)
             return None
         session, run = found
+        with self._counted():
+            self._node_finished(session, run, msg)
+        return None
+
+    def _node_finished(self, session: Session, run: Run, msg: NodeDone) -> None:
         waiting = run.pending.get(msg.node)
         if waiting is None or msg.executor_id not in waiting:
             log.warning("unexpected completion of node %s of %s from %s", msg.node, msg.run_id, msg.executor_id)
-            return None
+            return
         waiting.discard(msg.executor_id)
         if msg.error is not None:
             node_error = msg.error.exception()
@@ -445,7 +467,6 @@ class Proxy(Service):
                 self._release_nodes(session, run)
             if not run.pending:
                 self._finish_run(session, run)
-        return None
 
     # ------------------------------------------------------------ lost executors
 
@@ -695,7 +716,9 @@ class Proxy(Service):
                         weight=s.weight, priority=s.priority)
             for s in self.sessions.values()
         ]
-        return StatusReply(cluster=reply.state, sessions=sessions, executor_stats=[s for s in found if s])
+        return StatusReply(cluster=reply.state, sessions=sessions, executor_stats=[s for s in found if s],
+                           programs=self.programs, dispatch_messages=self.dispatch_messages,
+                           dispatch_bytes=self.dispatch_bytes)
 
     async def _trace(self, peer: bytes, env: Envelope) -> ClusterTrace:
         """Every live executor's recorded computations, for ``pwmesh trace``."""

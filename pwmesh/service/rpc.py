@@ -156,10 +156,12 @@ class Connection:
         tasks.spawn(self._recv_loop(), name=f"{name}->{address}.recv")
         tasks.spawn(self._send_loop(), name=f"{name}->{address}.send")
 
-    def post(self, message: Message) -> None:
-        """Queue ``message`` without waiting; posted messages leave in the order posted."""
+    def post(self, message: Message) -> int:
+        """Queue ``message`` without waiting; posted messages leave in the order posted. Returns its bytes."""
         self._posted += 1
-        self._outbox.put_nowait(encode(message, msg_id=next_id(), sender=self._name))
+        frames = encode(message, msg_id=next_id(), sender=self._name)
+        self._outbox.put_nowait(frames)
+        return sum(memoryview(f).nbytes for f in frames)
 
     @property
     def unconfirmed(self) -> bool:
@@ -233,6 +235,8 @@ class Connections:
         self._on_message = on_message
         self._by_address: dict[str, Connection] = {}
         self.lost: set[str] = set()  # peers known gone: posts to them are dropped
+        self.sent_messages = 0  # posted, ever (the proxy reports its program traffic from these)
+        self.sent_bytes = 0
 
     def get(self, address: str) -> Connection:
         conn = self._by_address.get(address)
@@ -248,7 +252,8 @@ class Connections:
         if address in self.lost:
             log.debug("%s: dropped %s for %s, which is gone", self._name, message.op, address)
             return
-        self.get(address).post(message)
+        self.sent_bytes += self.get(address).post(message)
+        self.sent_messages += 1
 
     def mark_alive(self, address: str) -> None:
         self.lost.discard(address)

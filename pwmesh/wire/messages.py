@@ -747,6 +747,11 @@ class StatusReply(Message, op="proxy.status"):
     cluster: ClusterState
     sessions: list[SessionInfo]
     executor_stats: list[ExecutorStats]
+    # What the proxy has sent to dispatch and finish programs, ever (not status or fetch traffic):
+    # with one node per sharded computation, flat in the number of devices.
+    programs: int = 0
+    dispatch_messages: int = 0
+    dispatch_bytes: int = 0
 
 
 @record
