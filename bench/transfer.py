@@ -700,6 +700,44 @@ def measure_pwmesh(nbytes: int, repeats: int, *, peers: Peers | None = None, war
     return summarize(method, nbytes, options, records, [], {})
 
 
+def control_under_bulk(nbytes: int, transfers: int, pings: int) -> dict[str, Any]:
+    """Ping round trips to the receiving executor's control socket, idle and while ``transfers`` bulk
+    moves of ``nbytes`` stream into it over TCP: control must not queue behind bulk data."""
+    from pwmesh.cli.commands import fetch_status  # noqa: PLC0415
+    from pwmesh.client.connection import ClientConnection  # noqa: PLC0415
+    from pwmesh.wire.messages import Ping  # noqa: PLC0415
+
+    setup = _PWMESH.get(False) or _PWMESH.setdefault(False, _PwmeshSetup(False))
+    x = setup.array(nbytes)
+    dest = next(e for e in fetch_status(setup.cluster.address).cluster.executors if e.island == 1)
+    conn = ClientConnection(dest.control, name="bench-ping", open_session=False)
+
+    def rtt() -> float:
+        start = time.perf_counter()
+        conn.request(Ping(), timeout_seconds=30.0)
+        return time.perf_counter() - start
+
+    try:
+        idle = [rtt() for _ in range(pings)]
+        busy: list[float] = []
+        moved = [setup.pw.reshard(x, devices=setup.dest) for _ in range(transfers)]  # dispatched at once
+        start = time.perf_counter()
+        while not all(y.is_ready() for y in moved) and len(busy) < 10 * pings:
+            busy.append(rtt())
+        for y in moved:
+            y.block_until_ready()
+        seconds = time.perf_counter() - start
+        for y in moved:
+            y.delete()
+    finally:
+        conn.close()
+    return {"bytes": nbytes, "transfers": transfers, "bulk_seconds": seconds,
+            "bulk_gbytes_per_second": transfers * nbytes / seconds / 1e9,
+            "idle_ping_ms_median": 1000 * statistics.median(idle), "busy_pings": len(busy),
+            "busy_ping_ms_median": 1000 * statistics.median(busy) if busy else None,
+            "busy_ping_ms_max": 1000 * max(busy) if busy else None}
+
+
 def measure_pwmesh_shm(nbytes: int, repeats: int, *, peers: Peers | None = None, warmup: int = 2,
                        **options: Any) -> dict[str, Any]:
     return measure_pwmesh(nbytes, repeats, peers=peers, warmup=warmup, shared_memory=True, **options)
@@ -945,7 +983,7 @@ def main_table(rows: list[dict[str, Any]]) -> str:
             continue
         lines.append([r["method"], size_label(r["bytes"]), fmt(r["gbytes_per_second"]),
                       fmt(r["gbytes_per_second_best"]), fmt(1000 * r["seconds_median"], ".1f"),
-                      fmt(r["recv_minor_faults_median"], ".0f"), fmt(1000 * r["recv_cpu_seconds_median"], ".1f"),
+                      fmt(r["recv_minor_faults_median"], ".0f"), fmt(None if r["recv_cpu_seconds_median"] is None else 1000 * r["recv_cpu_seconds_median"], ".1f"),
                       fmt(highest_load(r))])
     return table(["method", "size", "GB/s median", "GB/s best", "ms median", "recv faults", "recv cpu ms",
                   "load 1m"], lines)
@@ -972,7 +1010,7 @@ def variant_table(rows: list[dict[str, Any]]) -> str:
         lines.append([r["method"], r["label"], fmt(r["gbytes_per_second"]), fmt(r["gbytes_per_second_best"]),
                       fmt(r["gbytes_per_second"] / base[r["method"]] if r["method"] in base else None),
                       fmt(1000 * r["seconds_median"], ".1f"),
-                      fmt(r["recv_minor_faults_median"], ".0f"), fmt(1000 * r["recv_cpu_seconds_median"], ".1f"),
+                      fmt(r["recv_minor_faults_median"], ".0f"), fmt(None if r["recv_cpu_seconds_median"] is None else 1000 * r["recv_cpu_seconds_median"], ".1f"),
                       fmt(1000 * r["send_cpu_seconds_median"], ".1f"), ", ".join(extra)])
     return table(["method", "variant", "GB/s", "best", "x base", "ms", "recv faults", "recv cpu ms",
                   "send cpu ms", "notes"], lines)
@@ -1002,10 +1040,20 @@ def markdown(result: dict[str, Any]) -> str:
     if result["variants"]:
         parts += ["", f"## Where the time goes ({size_label(result['variants'][0]['bytes'])}, one knob at a time)",
                   "", "```", variant_table(result["variants"]), "```"]
+    c = result.get("control_under_bulk")
+    if c:
+        parts += ["", "## Control under bulk (pwmesh)", "", control_line(c)]
     if result["local"]:
         parts += ["", f"## In one process ({size_label(result['local'][0]['bytes'])})", "", "```",
                   local_table(result["local"]), "```"]
     return "\n".join(parts) + "\n"
+
+
+def control_line(c: dict[str, Any]) -> str:
+    return (f"ping to the receiving executor's control socket: {fmt(c['idle_ping_ms_median'], '.2f')} ms idle, "
+            f"{fmt(c['busy_ping_ms_median'], '.2f')} ms median / {fmt(c['busy_ping_ms_max'], '.2f')} ms max during "
+            f"{c['transfers']} x {size_label(c['bytes'])} streaming into it ({c['busy_pings']} pings; bulk at "
+            f"{fmt(c['bulk_gbytes_per_second'], '.2f')} GB/s)")
 
 
 def plot(path: Path, result: dict[str, Any]) -> bool:
@@ -1081,6 +1129,8 @@ def run(config: Config, smoke: bool) -> dict[str, Any]:
             variants = run_rounds([(m, largest, label, opts) for m, label, opts in chosen], config, peers)
     print("in-process costs ...", flush=True)
     local = local_costs(max(config.sizes), config.local_repeats)
+    print("control pings under bulk transfers ...", flush=True)
+    control = control_under_bulk(max(config.sizes), 2 if smoke else 8, 5 if smoke else 30)
     return {
         "benchmark": "transfer",
         "smoke": smoke,
@@ -1091,6 +1141,7 @@ def run(config: Config, smoke: bool) -> dict[str, Any]:
         "ratios_best": ratios(rows, config.sizes, "gbytes_per_second_best"),
         "variants": variants,
         "local": local,
+        "control_under_bulk": control,
         "wall_seconds": time.monotonic() - started,
     }
 
@@ -1128,6 +1179,8 @@ def main(argv: list[str] | None = None) -> int:
     if result["variants"]:
         print(f"\nwhere the time goes ({size_label(max(config.sizes))}, one knob at a time):")
         print(variant_table(result["variants"]))
+    if result.get("control_under_bulk"):
+        print("\n" + control_line(result["control_under_bulk"]))
     print(f"\nin one process ({size_label(max(config.sizes))}):")
     print(local_table(result["local"]))
     md = args.out / "transfer.md"
