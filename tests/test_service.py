@@ -3,18 +3,32 @@
 from __future__ import annotations
 
 import asyncio
+import json
+import os
+import selectors
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
 
+import msgpack
 import numpy as np
 import pytest
+import zmq
 
 import pwmesh as pw
 from helpers import eventually, ping_status, slow_then_after
-from pwmesh.service.lifecycle import Service, Status
+from pwmesh.client.connection import ClientConnection
+from pwmesh.service.lifecycle import READY_PREFIX, Service, Status
+from pwmesh.service.rpc import Connection
+from pwmesh.service.tasks import TaskGroup
+from pwmesh.service.transport import Context
+from pwmesh.wire import decode, encode
+from pwmesh.wire.messages import Error, Heartbeat, NodeDone, Ping, Pong
 
 
 class Recording(Service):
@@ -131,3 +145,251 @@ def test_daemon_cli_rejects_missing_options() -> None:
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 2
     assert "--island" in done.stderr or "--rm" in done.stderr
+
+
+# ------------------------------------------------------------ the socket layer, across processes
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# A daemon with one Server, run as every daemon is (lifecycle.run). It counts the NodeDone it
+# receives and whether they came in order; ``Heartbeat(role=PAD, name="push:N[:PEER_HEX]")``
+# makes it post N NodeDone (run_id=PAD) to PEER (default: the asker). Every command answers
+# Pong(role=received, name=out_of_order, status="BACKLOG:UNREACHABLE").
+ECHO_DAEMON = """
+import sys
+from pwmesh.service.lifecycle import Service, run
+from pwmesh.service.rpc import Server
+from pwmesh.service.transport import Context
+from pwmesh.wire.messages import Heartbeat, NodeDone, Ping, Pong
+
+class Echo(Service):
+    role = "test-echo"
+
+    def __init__(self):
+        super().__init__("echo")
+        self.ctx.close()
+        self.ctx = Context(high_water_mark=int(sys.argv[1]))
+        self.received = self.out_of_order = 0
+        self.unreachable = []
+
+    async def setup(self):
+        handlers = {Ping: self.ping, NodeDone: self.note, Heartbeat: self.command}
+        self.server = Server(self.ctx, "tcp://127.0.0.1:0", handlers, tasks=self.tasks, name=self.name,
+                             on_unreachable=self.unreachable.append)
+        self.server.start()
+
+    def note(self, peer, env):
+        self.out_of_order += env.message.node != self.received
+        self.received += 1
+
+    def command(self, peer, env):
+        verb, _, arg = env.message.name.partition(":")
+        if verb == "push":
+            count, _, to = arg.partition(":")
+            for i in range(int(count)):
+                self.server.post(bytes.fromhex(to) if to else peer,
+                                 NodeDone(run_id=env.message.role, node=i, executor_id="echo"))
+        return Pong(role=str(self.received), name=str(self.out_of_order),
+                    status=f"{self.server.backlog}:{len(self.unreachable)}")
+
+    def ready_info(self):
+        return {**super().ready_info(), "address": self.server.address}
+
+run(Echo())
+"""
+
+
+def start_echo(high_water_mark: int = 100_000) -> tuple[subprocess.Popen[bytes], str]:
+    env = {**os.environ, "PWMESH_PARENT_PID": str(os.getpid())}
+    proc = subprocess.Popen([sys.executable, "-c", ECHO_DAEMON, str(high_water_mark)], cwd=ROOT, env=env,
+                            stdout=subprocess.PIPE, stdin=subprocess.DEVNULL)
+    assert proc.stdout is not None
+    deadline = time.monotonic() + 60
+    with selectors.DefaultSelector() as sel:
+        sel.register(proc.stdout, selectors.EVENT_READ)
+        while sel.select(timeout=max(0.0, deadline - time.monotonic())):
+            line = proc.stdout.readline().decode()
+            if line.startswith(READY_PREFIX):
+                return proc, json.loads(line[len(READY_PREFIX):])["address"]
+            if not line:
+                break
+    stop_echo(proc)
+    raise RuntimeError("the echo daemon did not start")
+
+
+def stop_echo(proc: subprocess.Popen[bytes]) -> None:
+    proc.send_signal(signal.SIGTERM)
+    try:
+        assert proc.wait(timeout=15) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        if proc.stdout is not None:
+            proc.stdout.close()
+
+
+@pytest.fixture
+def echo() -> Iterator[str]:
+    proc, address = start_echo()
+    try:
+        yield address
+    finally:
+        stop_echo(proc)
+
+
+@pytest.fixture
+def raw() -> Iterator[Any]:
+    """Raw DEALER sockets, each ``raw(address, identity)``: peers that misbehave on purpose."""
+    ctx = zmq.Context()
+    sockets = []
+
+    def make(address: str, identity: bytes, rcvhwm: int = 1000) -> zmq.Socket[bytes]:
+        sock = ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.RCVTIMEO, 20_000)
+        sock.setsockopt(zmq.RCVHWM, rcvhwm)
+        sock.setsockopt(zmq.IDENTITY, identity)
+        sock.connect(address)
+        sockets.append(sock)
+        return sock
+
+    yield make
+    for sock in sockets:
+        sock.close(linger=0)
+    ctx.term()
+
+
+def command(conn: ClientConnection, name: str, pad: str = "") -> tuple[int, int, int, int]:
+    """(received, out_of_order, backlog, unreachable) from the echo daemon."""
+    reply = conn.request(Heartbeat(role=pad, name=name), timeout_seconds=30.0)
+    assert isinstance(reply, Pong)
+    backlog, unreachable = reply.status.split(":")
+    return int(reply.role), int(reply.name), int(backlog), int(unreachable)
+
+
+def ping_raw(sock: zmq.Socket[bytes], msg_id: int) -> None:
+    sock.send_multipart([b"", *encode(Ping(), msg_id=msg_id)])
+    env = decode(sock.recv_multipart()[1:])
+    assert isinstance(env.message, Pong) and env.reply_to == msg_id
+
+
+@pytest.mark.asyncio
+async def test_posts_and_pushes_arrive_in_order_before_the_reply_behind_them(echo: str) -> None:
+    ctx, tasks = Context(), TaskGroup()
+    pushed: list[int] = []
+    conn = Connection(ctx, echo, tasks=tasks, name="test",
+                      on_message=lambda env: pushed.append(env.message.node))
+    try:
+        for i in range(5000):
+            conn.post(NodeDone(run_id="r", node=i, executor_id="test"))
+        reply = await conn.request(Heartbeat(role="r", name="push:3000"), timeout_seconds=60.0)
+        assert isinstance(reply, Pong)
+        assert (reply.role, reply.name) == ("5000", "0")  # every post arrived, in order, before the request
+        assert pushed == list(range(3000))  # every push arrived, in order, before the reply
+        assert not conn.unconfirmed
+    finally:
+        await tasks.stop()
+        ctx.close()
+
+
+@pytest.mark.asyncio
+async def test_sends_between_arrivals_never_hide_a_message(echo: str) -> None:
+    """Every send may consume the socket's readiness signal (ZeroMQ's FD is edge-triggered):
+    many tasks posting and requesting while pushes stream in must never leave one unread."""
+    ctx, tasks = Context(), TaskGroup()
+    pushed = 0
+
+    def on_push(env: Any) -> None:
+        nonlocal pushed
+        pushed += 1
+
+    conn = Connection(ctx, echo, tasks=tasks, name="test", on_message=on_push)
+
+    async def chatter(k: int) -> None:
+        for _ in range(150):
+            conn.post(NodeDone(run_id="r", node=k, executor_id="test"))
+            await conn.request(Heartbeat(role="r", name="push:3"), timeout_seconds=30.0)
+
+    try:
+        await asyncio.gather(*(chatter(k) for k in range(8)))
+        assert pushed == 8 * 150 * 3
+    finally:
+        await tasks.stop()
+        ctx.close()
+
+
+def test_a_full_peer_waits_in_the_backlog_in_order_while_others_are_served(raw: Any) -> None:
+    proc, address = start_echo(high_water_mark=4)
+    control = ClientConnection(address, name="control", open_session=False)
+    try:
+        stalled = raw(address, b"stalled", rcvhwm=1)
+        ping_raw(stalled, 1)  # now the daemon knows it; from here on it reads nothing
+        # Zero-copy frames (over 64 KiB each), far more than socket buffers and high-water marks hold.
+        pad = "x" * (70 << 10)
+        count = 800
+        _, _, backlog, unreachable = command(control, f"push:{count}:{b'stalled'.hex()}", pad)
+        assert backlog > 0 and unreachable == 0  # it waits for the stalled peer, and this peer is answered
+        got = []
+        for _ in range(count):
+            env = decode(stalled.recv_multipart(copy=False)[1:])
+            assert isinstance(env.message, NodeDone) and env.message.run_id == pad
+            got.append(env.message.node)
+        assert got == list(range(count))  # all of it, in order, none dropped
+        assert command(control, "push:0")[2:] == (0, 0)
+    finally:
+        control.close()
+        stop_echo(proc)
+
+
+def test_a_vanished_or_unknown_peer_is_reported_and_the_rest_served(echo: str, raw: Any) -> None:
+    control = ClientConnection(echo, name="control", open_session=False)
+    try:
+        command(control, f"push:1:{b'never-was'.hex()}")  # ROUTER_MANDATORY: refused at once
+        assert command(control, "push:0")[3] == 1  # the hook runs just after the refused post
+        gone = raw(echo, b"gone")
+        ping_raw(gone, 1)
+        gone.close(linger=0)
+        deadline = time.monotonic() + 20
+        # Posts right after the close may still be taken (ZeroMQ notices the peer left a moment
+        # later); each round trip is one more post, until it is refused.
+        while command(control, f"push:1:{b'gone'.hex()}")[3] < 2:
+            assert time.monotonic() < deadline, "a post to a vanished peer was never refused"
+        assert control.request(Ping(), timeout_seconds=10.0).status == "running"
+    finally:
+        control.close()
+
+
+def test_malformed_frames_are_answered_or_dropped_and_the_rest_served(echo: str, raw: Any) -> None:
+    bad = raw(echo, b"bad")
+    bad.send_multipart([b"", b"\xc1 not msgpack"])  # no readable header: dropped
+    bad.send_multipart([b"", msgpack.packb([1, "heartbeat", 7, None, ""]), b"\xc1"])  # header, broken body
+    bad.send_multipart([b"", msgpack.packb([1, "no.such.op", 8, None, ""]), msgpack.packb({})])
+    bad.send_multipart([b"no delimiter", *encode(Ping(), msg_id=9)])  # no envelope: dropped
+    bad.send_multipart([b"", *encode(Ping(), msg_id=10)])
+    replies = [decode(bad.recv_multipart()[1:]) for _ in range(3)]
+    assert [r.reply_to for r in replies] == [7, 8, 10]  # answers, in order, to all that could be answered
+    assert all(isinstance(r.message, Error) and r.message.code == "protocol" for r in replies[:2])
+    assert isinstance(replies[2].message, Pong)
+
+
+def test_client_connection_serves_many_threads_at_once(echo: str) -> None:
+    conn = ClientConnection(echo, name="threads", open_session=False)
+    failures: list[BaseException] = []
+
+    def hammer() -> None:
+        try:
+            for _ in range(300):
+                assert isinstance(conn.request(Ping(), timeout_seconds=30.0), Pong)
+        except BaseException as exc:
+            failures.append(exc)
+
+    threads = [threading.Thread(target=hammer) for _ in range(4)]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=60)
+        assert not failures and not any(t.is_alive() for t in threads)
+    finally:
+        conn.close()

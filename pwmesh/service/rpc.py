@@ -1,11 +1,12 @@
 """Messages over sockets: a ``Server`` that validates and dispatches, and a
 ``Connection`` that matches replies to requests by id.
 
-Both own their receive loop as a task in the service's task group. A handler
-returns a reply ``Message`` (or ``None`` for no reply), synchronously or as a
-coroutine; a coroutine handler runs as its own owned task so one slow request
-never stalls the socket. Exceptions become ``Error`` replies carrying the code
-and the remote traceback.
+Both receive through their socket's reader callback, for as long as one owned
+task in the service's task group lives (stopping the group stops receiving);
+sending never waits. A handler returns a reply ``Message`` (or ``None`` for no
+reply), synchronously or as a coroutine; a coroutine handler runs as its own
+owned task so one slow request never stalls the socket. Exceptions become
+``Error`` replies carrying the code and the remote traceback.
 """
 
 from __future__ import annotations
@@ -56,69 +57,76 @@ def raise_error(err: Error) -> None:
 class Server:
     """A bound ROUTER socket whose every inbound message is validated, then handled.
 
-    Everything it sends — replies and pushed notifications — leaves through one
-    ordered outbox, so what a handler posts always precedes the handler's reply.
+    Messages are handled from the socket's reader callback, in arrival order, with
+    no task per message (a coroutine handler alone gets its own owned task).
+    Everything it sends — replies and pushed notifications — goes to the socket at
+    once, in the order posted, so what a handler posts always precedes the
+    handler's reply.
     """
 
     def __init__(self, ctx: Context, bind: str, handlers: dict[type[Message], Handler], *,
                  tasks: TaskGroup, name: str, limits: Limits = DEFAULT_LIMITS,
                  on_unreachable: Callable[[bytes], None] | None = None) -> None:
         self._sock: RouterSocket = ctx.router(bind)
+        self._sock.on_send_error = self._send_failed
         self._handlers = {cls.op: h for cls, h in handlers.items()}
         self._tasks = tasks
         self._name = name
         self._limits = limits
         self._on_unreachable = on_unreachable
-        self._outbox: asyncio.Queue[tuple[bytes, str, list[Any]]] = asyncio.Queue()
         self.address = self._sock.address
         self.rejected = 0  # frames dropped or answered with ProtocolError
 
     def start(self) -> None:
-        self._tasks.spawn(self._recv_loop(), name=f"{self._name}.recv")
-        self._tasks.spawn(self._send_loop(), name=f"{self._name}.send")
+        self._tasks.spawn(_receive_until_cancelled(self._sock, self._received), name=f"{self._name}.recv")
+
+    @property
+    def backlog(self) -> int:
+        """Messages posted but not yet taken by ZeroMQ (their peers are at the high-water mark)."""
+        return self._sock.backlog
 
     def post(self, peer: bytes, message: Message, *, reply_to: int | None = None) -> None:
-        """Queue ``message`` for ``peer``; messages leave in the order posted."""
+        """Send ``message`` to ``peer`` without waiting; messages leave in the order posted."""
         frames = encode(message, msg_id=next_id(), reply_to=reply_to, sender=self._name)
-        self._outbox.put_nowait((peer, message.op, frames))
+        try:
+            self._sock.send_nowait(peer, frames)
+        except zmq.ZMQError as exc:  # the peer is gone (ROUTER_MANDATORY): tell, never crash
+            self._send_failed(peer, exc, 1, message.op)
 
-    async def _send_loop(self) -> None:
-        while True:
-            peer, op, frames = await self._outbox.get()
-            try:
-                await self._sock.send(peer, frames)
-            except zmq.ZMQError as exc:  # the peer is gone (ROUTER_MANDATORY): tell, never crash
-                log.warning("%s: cannot send %s to peer %r: %s", self._name, op, peer, exc)
-                if self._on_unreachable is not None:
-                    self._on_unreachable(peer)
+    def _send_failed(self, peer: bytes, exc: zmq.ZMQError, dropped: int, op: str = "") -> None:
+        what = op or f"{dropped} queued message(s)"
+        log.warning("%s: cannot send %s to peer %r: %s", self._name, what, peer, exc)
+        if self._on_unreachable is not None:
+            # Later, not inside post(): the caller may be iterating what the hook changes.
+            asyncio.get_running_loop().call_soon(self._on_unreachable, peer)
 
-    async def _recv_loop(self) -> None:
-        while True:
-            peer, payload = await self._sock.recv()
-            try:
-                env = decode(payload, self._limits)
-            except FrameError as exc:
-                self.rejected += 1
-                log.warning("%s: rejected frame from %r: %s", self._name, peer, exc.message)
-                if exc.msg_id is not None:
-                    self.post(peer, Error(code="protocol", message=exc.message), reply_to=exc.msg_id)
-                continue
-            handler = self._handlers.get(env.message.op)
-            if handler is None:
-                self.rejected += 1
-                self.post(peer, Error(code="protocol", message=f"{self._name} does not serve op {env.message.op!r}"),
-                          reply_to=env.msg_id)
-                continue
-            try:
-                result = handler(peer, env)
-            except Exception as exc:  # a handler bug must not kill the socket
-                self._log_failure(env, exc)
-                self.post(peer, error_reply(exc), reply_to=env.msg_id)
-                continue
-            if inspect.isawaitable(result):
-                self._tasks.spawn(self._finish(peer, env, result), name=f"{self._name}.{env.message.op}")
-            elif result is not None:
-                self.post(peer, result, reply_to=env.msg_id)
+    def _received(self, peer: bytes, payload: list[Any]) -> None:
+        try:
+            env = decode(payload, self._limits)
+        except FrameError as exc:
+            self.rejected += 1
+            log.warning("%s: rejected frame from %r: %s", self._name, peer, exc.message)
+            if exc.msg_id is not None:
+                self.post(peer, Error(code="protocol", message=exc.message), reply_to=exc.msg_id)
+            return
+        handler = self._handlers.get(env.message.op)
+        if handler is None:
+            self.rejected += 1
+            self.post(peer, Error(code="protocol", message=f"{self._name} does not serve op {env.message.op!r}"),
+                      reply_to=env.msg_id)
+            return
+        try:
+            result = handler(peer, env)
+        except Exception as exc:  # a handler bug must not kill the socket
+            self._log_failure(env, exc)
+            self.post(peer, error_reply(exc), reply_to=env.msg_id)
+            return
+        if result is None:
+            return
+        if isinstance(result, Message):
+            self.post(peer, result, reply_to=env.msg_id)
+        elif inspect.isawaitable(result):
+            self._tasks.spawn(self._finish(peer, env, result), name=f"{self._name}.{env.message.op}")
 
     def _log_failure(self, env: Envelope, exc: Exception) -> None:
         if isinstance(exc, PwmeshError):  # an expected refusal: the caller gets it as an error
@@ -136,6 +144,15 @@ class Server:
             self.post(peer, reply, reply_to=env.msg_id)
 
 
+async def _receive_until_cancelled(sock: RouterSocket | DealerSocket, callback: Callable[..., None]) -> None:
+    """Feed ``callback`` from ``sock`` for as long as this (owned) task lives."""
+    sock.start_receiving(callback)
+    try:
+        await asyncio.get_running_loop().create_future()  # resolved by nothing: ends when cancelled
+    finally:
+        sock.stop_receiving()
+
+
 class Connection:
     """A DEALER connection to one peer; ``request`` awaits the reply with a timeout."""
 
@@ -148,19 +165,17 @@ class Connection:
         self._pending: dict[int, asyncio.Future[Message]] = {}
         self._on_message = on_message
         self._limits = limits
-        self._outbox: asyncio.Queue[list[Any]] = asyncio.Queue()
         # Messages posted, and how many of them a reply has proven delivered: a reply
         # to a request proves everything posted before it arrived (one ordered pipe).
         self._posted = 0
         self._delivered = 0
-        tasks.spawn(self._recv_loop(), name=f"{name}->{address}.recv")
-        tasks.spawn(self._send_loop(), name=f"{name}->{address}.send")
+        tasks.spawn(_receive_until_cancelled(self._sock, self._received), name=f"{name}->{address}.recv")
 
     def post(self, message: Message) -> int:
-        """Queue ``message`` without waiting; posted messages leave in the order posted. Returns its bytes."""
+        """Send ``message`` without waiting; posted messages leave in the order posted. Returns its bytes."""
         self._posted += 1
         frames = encode(message, msg_id=next_id(), sender=self._name)
-        self._outbox.put_nowait(frames)
+        self._sock.send_nowait(frames)
         return sum(memoryview(f).nbytes for f in frames)
 
     @property
@@ -168,55 +183,47 @@ class Connection:
         """Whether something posted here is not yet proven delivered."""
         return self._delivered < self._posted
 
-    async def _send_loop(self) -> None:
-        while True:
-            frames = await self._outbox.get()
-            try:
-                await self._sock.send(frames)
-            finally:
-                self._outbox.task_done()
-
     async def flush(self) -> None:
         """Wait until everything posted so far has been handed to the socket."""
-        await self._outbox.join()
+        await self._sock.wait_sent()
 
     async def request(self, message: Message, *, timeout_seconds: float) -> Message:
         msg_id = next_id()
-        fut: asyncio.Future[Message] = asyncio.get_running_loop().create_future()
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[Message] = loop.create_future()
         self._pending[msg_id] = fut
+        timer = loop.call_later(timeout_seconds, self._expire, fut, message.op, timeout_seconds)
         try:
-            # Through the outbox: a request never overtakes what was posted before it.
+            # The same ordered pipe as post(): a request never overtakes what was posted before it.
             self._posted += 1
             upto = self._posted
-            self._outbox.put_nowait(encode(message, msg_id=msg_id, sender=self._name))
-            async with asyncio.timeout(timeout_seconds):
-                reply = await fut
+            self._sock.send_nowait(encode(message, msg_id=msg_id, sender=self._name))
+            reply = await fut
             self._delivered = max(self._delivered, upto)
-        except TimeoutError:
-            raise PwTimeoutError(
-                f"{self.address} did not answer {message.op} within {timeout_seconds} seconds"
-            ) from None
         finally:
+            timer.cancel()
             self._pending.pop(msg_id, None)
         if isinstance(reply, Error):
             raise_error(reply)
         return reply
 
-    async def _recv_loop(self) -> None:
-        while True:
-            payload = await self._sock.recv()
-            try:
-                env = decode(payload, self._limits)
-            except FrameError as exc:
-                # An unreadable reply cannot be matched to its request, which then times out.
-                log.warning("%s: rejected frame from %s: %s", self._name, self.address, exc.message)
-                continue
-            fut = self._pending.get(env.reply_to) if env.reply_to is not None else None
-            if fut is not None:
-                if not fut.done():
-                    fut.set_result(env.message)
-            elif self._on_message is not None:
-                self._on_message(env)
+    def _expire(self, fut: asyncio.Future[Message], op: str, timeout_seconds: float) -> None:
+        if not fut.done():
+            fut.set_exception(PwTimeoutError(f"{self.address} did not answer {op} within {timeout_seconds} seconds"))
+
+    def _received(self, payload: list[Any]) -> None:
+        try:
+            env = decode(payload, self._limits)
+        except FrameError as exc:
+            # An unreadable reply cannot be matched to its request, which then times out.
+            log.warning("%s: rejected frame from %s: %s", self._name, self.address, exc.message)
+            return
+        fut = self._pending.get(env.reply_to) if env.reply_to is not None else None
+        if fut is not None:
+            if not fut.done():
+                fut.set_result(env.message)
+        elif self._on_message is not None:
+            self._on_message(env)
 
     def fail_pending(self, exc: PwmeshError) -> None:
         for fut in self._pending.values():

@@ -1,29 +1,49 @@
 """The socket layer, behind one small interface.
 
 Daemon logic sees ``RouterSocket`` (bound, many peers) and ``DealerSocket``
-(connected to one peer) sending and receiving lists of frames. Today both sit on
-``zmq.asyncio``; the hot path can move to plain ``zmq.Socket`` driven by the
-loop's reader callbacks without touching any daemon (issue: fast dispatch path).
+(connected to one peer) sending and receiving lists of frames.
+
+Both are plain ``zmq.Socket``s driven by the event loop's reader callback on the
+socket's ``FD``, not ``zmq.asyncio`` (whose futures cost ~10x the message
+itself). Receiving: ``start_receiving(callback)`` hands every message to the
+callback, in order, from the loop's reader callback (``recv()`` remains for
+callers that want to await one message at a time). Sending never blocks and
+never awaits: ``send_nowait`` hands the frames to ZeroMQ at once; what the
+socket refuses (its high-water mark reached) waits in a small per-peer backlog,
+in order, flushed when the socket can take more.
+
+ZeroMQ's ``FD`` is edge-triggered: it signals that the socket's state *may* have
+changed, and any call on the socket (a send included) can consume that signal.
+So the reader callback always drains fully (or re-schedules itself), and every
+send is followed, once per loop iteration, by a fresh look at ``EVENTS``.
 """
 
 from __future__ import annotations
 
+import asyncio
+import collections
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import zmq
-import zmq.asyncio
 
 log = logging.getLogger(__name__)
 
 # Frames at least this big are sent without a copy; below it, copying is cheaper
 # than the bookkeeping zero-copy needs (pyzmq's own guidance is ~64 KiB).
 ZERO_COPY_THRESHOLD_BYTES = 64 << 10
+# Messages handled per reader callback before other callbacks get a turn.
+RECV_BATCH = 256
+# While messages wait in a backlog, the socket is looked at again at least this often.
+BACKLOG_RETRY_SECONDS = 0.05
 
-
-def _needs_copy(frames: Sequence[Any]) -> bool:
-    return all(memoryview(f).nbytes < ZERO_COPY_THRESHOLD_BYTES for f in frames)
+# Plain ints: pyzmq's flag enums cost more than the calls they are passed to.
+_NOBLOCK = int(zmq.NOBLOCK)
+_MORE = int(zmq.NOBLOCK | zmq.SNDMORE)
+_EVENTS = zmq.EVENTS
+_POLLIN = int(zmq.POLLIN)
+_POLLOUT = int(zmq.POLLOUT)
 
 
 def is_loopback(address: str) -> bool:
@@ -35,19 +55,21 @@ def is_loopback(address: str) -> bool:
 class Context:
     """One ZeroMQ context per process; owns every socket made from it."""
 
-    def __init__(self) -> None:
-        self._ctx = zmq.asyncio.Context()
-        self._sockets: list[zmq.asyncio.Socket] = []
+    def __init__(self, *, high_water_mark: int = 100_000) -> None:
+        self._ctx = zmq.Context()
+        self._sockets: list[_Pump] = []
+        self.high_water_mark = high_water_mark  # messages queued per peer and direction
 
-    def _socket(self, kind: int, identity: bytes | None = None) -> zmq.asyncio.Socket:
+    def _socket(self, kind: int, identity: bytes | None = None) -> zmq.Socket[bytes]:
         sock = self._ctx.socket(kind)
         sock.setsockopt(zmq.LINGER, 0)
-        # Never block forever on a peer that is gone; drop when its queue is full.
-        sock.setsockopt(zmq.SNDHWM, 100_000)
-        sock.setsockopt(zmq.RCVHWM, 100_000)
+        # Never block forever on a peer that is gone; what it cannot take waits in the backlog.
+        sock.setsockopt(zmq.SNDHWM, self.high_water_mark)
+        sock.setsockopt(zmq.RCVHWM, self.high_water_mark)
+        # With copy=False, pyzmq still copies each frame below this: big frames alone go zero-copy.
+        sock.copy_threshold = ZERO_COPY_THRESHOLD_BYTES
         if identity is not None:
             sock.setsockopt(zmq.IDENTITY, identity)
-        self._sockets.append(sock)
         return sock
 
     def router(self, bind: str) -> RouterSocket:
@@ -63,57 +85,313 @@ class Context:
         else:
             sock.bind(bind)
             address = sock.getsockopt_string(zmq.LAST_ENDPOINT)
-        return RouterSocket(sock, address)
+        router = RouterSocket(sock, address)
+        self._sockets.append(router)
+        return router
 
     def dealer(self, connect: str, identity: bytes | None = None) -> DealerSocket:
         sock = self._socket(zmq.DEALER, identity)
         sock.connect(connect)
-        return DealerSocket(sock, connect)
+        dealer = DealerSocket(sock, connect)
+        self._sockets.append(dealer)
+        return dealer
 
     def close(self) -> None:
         for sock in self._sockets:
-            sock.close(linger=0)
+            sock.close()
         self._sockets.clear()
         self._ctx.term()
 
 
-class RouterSocket:
-    """A bound socket serving many peers; frames are ``[peer, b"", *payload]``."""
+class _Pump:
+    """One socket on the running loop: its reader callback, its backlog, its receiver.
 
-    def __init__(self, sock: zmq.asyncio.Socket, address: str) -> None:
+    The backlog is keyed by destination (a ROUTER's peer; ``b""`` for a DEALER):
+    a peer at its high-water mark holds up only its own messages.
+    """
+
+    def __init__(self, sock: zmq.Socket[bytes], address: str) -> None:
         self._sock = sock
         self.address = address
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._fd = 0
+        self._on_frames: Callable[[list[Any]], None] | None = None
+        self._waiters: collections.deque[asyncio.Future[list[Any]]] = collections.deque()  # recv() callers
+        self._backlog: dict[bytes, collections.deque[list[Any]]] = {}
+        self._backlogged = 0  # messages in the backlog
+        self._drained: asyncio.Future[None] | None = None  # resolved when the backlog empties
+        self._check_scheduled = False
+        self._busy = False  # inside _on_events
+        self._retry: asyncio.TimerHandle | None = None  # looks at the backlog again
+        self._closed = False
+        # Sends the backlog could not make later (e.g. the peer is gone): told, never raised.
+        self.on_send_error: Callable[[bytes, zmq.ZMQError, int], None] | None = None
+
+    # ------------------------------------------------------------ the loop side
+
+    def _attach(self) -> asyncio.AbstractEventLoop:
+        loop = self._loop
+        if loop is None:
+            loop = self._loop = asyncio.get_running_loop()
+            self._fd = self._sock.getsockopt(zmq.FD)
+            loop.add_reader(self._fd, self._on_events)
+        return loop
+
+    def _schedule_check(self) -> None:
+        """Look at the socket again soon, from the loop."""
+        if not self._check_scheduled and not self._closed:
+            self._check_scheduled = True
+            self._attach().call_soon(self._on_events)
+
+    def _on_events(self) -> None:
+        self._check_scheduled = False
+        if self._closed:
+            return
+        self._busy = True
+        try:
+            while True:
+                sent = self._flush() if self._backlogged else 0
+                # Read after every send: the state is current, and the FD's signal is reset.
+                events = self._sock.getsockopt(_EVENTS)
+                if events & _POLLIN and self._drain():
+                    continue
+                if sent and self._backlogged and events & _POLLOUT:
+                    continue
+                break
+        except zmq.ZMQError as exc:
+            if not self._closed:  # closed under us: nothing to do
+                log.error("%s: socket error: %s", self.address, exc)
+        finally:
+            self._busy = False
+        if self._backlogged and self._retry is None and not self._closed:
+            # Whether a full peer's room comes back as a signal we see is not promised: look again.
+            self._retry = self._attach().call_later(BACKLOG_RETRY_SECONDS, self._retry_backlog)
+
+    def _retry_backlog(self) -> None:
+        self._retry = None
+        self._on_events()
+
+    def _after_send(self) -> None:
+        """A send may have consumed the FD's signal: if that hid work, do it from the loop."""
+        if self._busy:  # inside _on_events, which reads EVENTS again before it returns
+            return
+        events = self._sock.getsockopt(_EVENTS)
+        if (events & _POLLIN and (self._on_frames is not None or self._waiters)) or (
+                events & _POLLOUT and self._backlogged):
+            self._schedule_check()
+
+    def _recv(self) -> list[Any]:
+        """One whole message (raises ``zmq.Again`` if none waits); big frames stay zero-copy views."""
+        recv = self._sock.recv
+        frame = recv(_NOBLOCK, copy=False)
+        frames = [frame]
+        while frame.more:  # the rest of a multipart message is already here, never Again
+            frame = recv(_NOBLOCK, copy=False)
+            frames.append(frame)
+        return frames
+
+    def _drain(self) -> bool:
+        """Receive what waits; False when the rest is left for later (no receiver, or batch done)."""
+        callback = self._on_frames
+        recv = self._recv
+        if callback is None:
+            while self._waiters:  # one message per waiting recv(); the rest stays in ZeroMQ
+                waiter = self._waiters[0]
+                if waiter.done():
+                    self._waiters.popleft()
+                    continue
+                try:
+                    frames = recv()
+                except zmq.Again:
+                    return True
+                self._waiters.popleft().set_result(frames)
+            return False
+        for _ in range(RECV_BATCH):
+            try:
+                frames = recv()
+            except zmq.Again:
+                return True
+            try:
+                callback(frames)
+            except Exception:  # the callback's own bug: log it, keep serving everyone else
+                log.exception("%s: message callback failed", self.address)
+            if self._on_frames is not callback or self._closed:
+                return False
+        self._schedule_check()  # more may be waiting: let other callbacks run first
+        return False
+
+    def start_receiving(self, callback: Callable[[list[Any]], None]) -> None:
+        """Hand every inbound message (its raw frames) to ``callback``, in arrival order."""
+        self._on_frames = callback
+        self._schedule_check()  # what arrived before is waiting, with no signal left to say so
+
+    def stop_receiving(self) -> None:
+        self._on_frames = None
+
+    async def _recv_frames(self) -> list[Any]:
+        if self._on_frames is not None:
+            raise RuntimeError(f"{self.address}: recv() while a callback receives")
+        loop = self._attach()
+        if not self._waiters:
+            try:
+                frames = self._recv()
+            except zmq.Again:
+                pass
+            else:
+                self._after_send()  # the receive, like a send, may have consumed the FD's signal
+                return frames
+        waiter: asyncio.Future[list[Any]] = loop.create_future()
+        self._waiters.append(waiter)
+        self._schedule_check()
+        return await waiter
+
+    # ------------------------------------------------------------------ sending
+
+    def _send_frames(self, key: bytes, frames: Sequence[Any]) -> None:
+        """Send now, or queue behind ``key``'s backlog; raise what ZeroMQ refuses for good."""
+        if self._closed:  # shutting down: ZeroMQ would drop it at close anyway (linger 0)
+            log.debug("%s: socket closed, dropped a message for %r", self.address, key)
+            return
+        if key in self._backlog:  # never overtake what already waits
+            self._backlog[key].append(list(frames))
+            self._backlogged += 1
+            return
+        try:
+            self._send_now(frames)
+        except zmq.Again:
+            self._backlog[key] = collections.deque([list(frames)])
+            self._backlogged += 1
+            self._schedule_check()  # arms the retry; the reader callback flushes it once the peer can take more
+            return
+        self._after_send()
+
+    def _send_now(self, frames: Sequence[Any]) -> None:
+        send = self._sock.send
+        last = len(frames) - 1
+        # A refusal (full, or no such peer) comes at the first frame, before anything is queued.
+        for i, frame in enumerate(frames):
+            send(frame, _MORE if i < last else _NOBLOCK, copy=False)
+
+    def _flush(self) -> int:
+        """Send what the backlog holds, in order, while the socket takes it; how many went."""
+        sent = 0
+        for key in list(self._backlog):
+            queue = self._backlog[key]
+            while queue:
+                try:
+                    self._send_now(queue[0])
+                except zmq.Again:
+                    break
+                except zmq.ZMQError as exc:  # the peer is gone: drop what waits for it, and tell
+                    dropped = len(queue)
+                    self._backlogged -= dropped
+                    del self._backlog[key]
+                    self._report(key, exc, dropped)
+                    break
+                queue.popleft()
+                self._backlogged -= 1
+                sent += 1
+            else:
+                del self._backlog[key]
+        if not self._backlogged and self._drained is not None:
+            if not self._drained.done():
+                self._drained.set_result(None)
+            self._drained = None
+        return sent
+
+    def _report(self, key: bytes, exc: zmq.ZMQError, dropped: int) -> None:
+        if self.on_send_error is not None:
+            self.on_send_error(key, exc, dropped)
+        else:
+            log.warning("%s: dropped %d message(s) for %r: %s", self.address, dropped, key, exc)
+
+    @property
+    def backlog(self) -> int:
+        """Messages the socket has not taken yet (their peer is at its high-water mark)."""
+        return self._backlogged
+
+    async def wait_sent(self) -> None:
+        """Return once everything sent so far has been handed to ZeroMQ."""
+        if not self._backlogged:
+            return
+        if self._drained is None:
+            self._drained = self._attach().create_future()
+        await asyncio.shield(self._drained)
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._on_frames = None
+        if self._retry is not None:
+            self._retry.cancel()
+            self._retry = None
+        loop = self._loop
+        if loop is not None and not loop.is_closed():
+            loop.remove_reader(self._fd)
+        for waiter in self._waiters:
+            waiter.cancel()
+        self._waiters.clear()
+        if self._drained is not None and not self._drained.done():
+            self._drained.set_result(None)  # nothing more will leave: do not keep anyone waiting
+        self._backlog.clear()
+        self._backlogged = 0
+        self._sock.close(linger=0)
+
+
+class RouterSocket(_Pump):
+    """A bound socket serving many peers; frames are ``[peer, b"", *payload]``."""
+
+    def start_receiving(self, callback: Callable[[bytes, list[Any]], None]) -> None:  # type: ignore[override]
+        """``callback(peer, payload)`` per message; one without the routing envelope gets ``payload == []``."""
+
+        def unwrap(frames: list[Any]) -> None:
+            peer = frames[0].bytes
+            if len(frames) < 2 or len(frames[1]) != 0:
+                callback(peer, [])
+            else:
+                callback(peer, frames[2:])
+
+        super().start_receiving(unwrap)
 
     async def recv(self) -> tuple[bytes, list[Any]]:
         """``(peer, payload)``; a message without the routing envelope gets ``payload == []``."""
-        frames = await self._sock.recv_multipart(copy=False)
+        frames = await self._recv_frames()
         peer = frames[0].bytes
-        if len(frames) < 2 or frames[1].bytes != b"":
+        if len(frames) < 2 or len(frames[1]) != 0:
             return peer, []
         return peer, frames[2:]
 
+    def send_nowait(self, peer: bytes, payload: Sequence[Any]) -> None:
+        """Hand ``payload`` to ZeroMQ for ``peer`` (or queue it behind that peer's backlog).
+
+        Raises ``zmq.ZMQError`` (``EHOSTUNREACH``) when no such peer is connected."""
+        self._send_frames(peer, [peer, b"", *payload])
+
     async def send(self, peer: bytes, payload: Sequence[Any]) -> None:
-        await self._sock.send_multipart([peer, b"", *payload], copy=_needs_copy(payload))
-
-    def close(self) -> None:
-        self._sock.close(linger=0)
+        self.send_nowait(peer, payload)
 
 
-class DealerSocket:
+class DealerSocket(_Pump):
     """A socket connected to one peer's ROUTER."""
 
-    def __init__(self, sock: zmq.asyncio.Socket, address: str) -> None:
-        self._sock = sock
-        self.address = address
+    def start_receiving(self, callback: Callable[[list[Any]], None]) -> None:
+        """``callback(payload)`` per message; one without the empty delimiter gets ``payload == []``."""
+
+        def unwrap(frames: list[Any]) -> None:
+            callback(frames[1:] if frames and len(frames[0]) == 0 else [])
+
+        super().start_receiving(unwrap)
 
     async def recv(self) -> list[Any]:
-        frames = await self._sock.recv_multipart(copy=False)
-        if not frames or frames[0].bytes != b"":
+        frames = await self._recv_frames()
+        if not frames or len(frames[0]) != 0:
             return []
         return frames[1:]
 
-    async def send(self, payload: Sequence[Any]) -> None:
-        await self._sock.send_multipart([b"", *payload], copy=_needs_copy(payload))
+    def send_nowait(self, payload: Sequence[Any]) -> None:
+        """Hand ``payload`` to ZeroMQ (or queue it behind the backlog, in order)."""
+        self._send_frames(b"", [b"", *payload])
 
-    def close(self) -> None:
-        self._sock.close(linger=0)
+    async def send(self, payload: Sequence[Any]) -> None:
+        self.send_nowait(payload)
