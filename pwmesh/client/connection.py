@@ -1,10 +1,14 @@
 """The client's one connection to a proxy.
 
 The public API is synchronous (it is called from scripts, notebooks that
-already run an event loop, and ``__del__``), so the client keeps no event loop:
-one I/O thread owns the DEALER socket and polls it together with a wake-up
-pipe. Callers hand it encoded frames through a ``SimpleQueue`` (safe even from
-``__del__``) and wait on a ``concurrent.futures.Future`` matched by message id.
+already run an event loop, and ``__del__``), so the client keeps no event loop.
+The calling thread sends its message itself, at once, under one lock that guards
+every use of the DEALER socket; one I/O thread waits on the socket's file
+descriptor (never on the socket, which the callers use meanwhile) together with
+a wake-up pipe, receives replies and resolves the ``concurrent.futures.Future``
+matched by message id. Only what cannot be sent at once (the socket at its
+high-water mark, or a send re-entered from ``__del__`` in the middle of another
+socket call) goes through a backlog that the I/O thread flushes in order.
 Heartbeats keep the session alive; a proxy that stops answering fails every
 waiting call with ``ConnectionFailed`` instead of hanging it.
 """
@@ -15,8 +19,8 @@ import collections
 import concurrent.futures
 import logging
 import os
-import queue
 import secrets
+import select
 import threading
 import time
 from typing import Any
@@ -32,6 +36,13 @@ from pwmesh.wire.messages import CloseSession, Error, Heartbeat, OpenSession, Pi
 
 log = logging.getLogger(__name__)
 
+_NOBLOCK = int(zmq.NOBLOCK)
+_MORE = int(zmq.NOBLOCK | zmq.SNDMORE)
+_POLLIN = int(zmq.POLLIN)
+_POLLOUT = int(zmq.POLLOUT)
+# While messages wait in the backlog, the I/O thread retries at least this often.
+BACKLOG_RETRY_SECONDS = 0.05
+
 
 class ClientConnection:
     def __init__(self, address: str, *, name: str, weight: float = 1.0, priority: int = 0,
@@ -46,14 +57,19 @@ class ClientConnection:
         # A fixed routing id: after a TCP blip ZeroMQ reconnects as the same peer,
         # so the proxy still knows which session this is.
         self._sock.setsockopt(zmq.ROUTING_ID, b"client-" + secrets.token_bytes(12))
+        self._sock.copy_threshold = ZERO_COPY_THRESHOLD_BYTES  # copy=False sends copy small frames anyway
         self._sock.connect(address)
-        self._backlog: collections.deque[list[Any]] = collections.deque()  # sends the socket refused
-        self._outbox: queue.SimpleQueue[list[Any]] = queue.SimpleQueue()
+        self._fd = self._sock.getsockopt(zmq.FD)  # what the I/O thread waits on: the socket is the callers'
+        # Messages not yet handed to the socket, in order: refused (high-water mark), or posted
+        # from ``__del__`` while this thread was inside a socket call. Guarded by ``_lock``.
+        self._backlog: collections.deque[list[Any]] = collections.deque()
+        self._in_socket = False  # this lock holder is inside a (multipart) socket call
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
         self._pending: dict[int, concurrent.futures.Future[Message]] = {}
-        # Re-entrant: ``post`` runs from ``__del__``, which may fire inside ``submit`` itself.
+        # Guards the socket, the backlog and the pending table. Re-entrant: ``post`` runs from
+        # ``__del__``, which may fire inside ``submit`` or the I/O thread's socket calls.
         self._lock = threading.RLock()
         self._closing = threading.Event()
         self._close_started = False
@@ -82,12 +98,12 @@ class ClientConnection:
         return self._closing.is_set()
 
     def submit(self, message: Message, *, expect_reply: bool = True) -> concurrent.futures.Future[Message] | None:
-        """Queue ``message`` for the I/O thread; the reply's future if one is expected."""
+        """Send ``message`` (from this thread, now); the reply's future if one is expected."""
         msg_id = next_id()
-        frames = encode(message, msg_id=msg_id, sender=self.session_id)
+        frames = [b"", *encode(message, msg_id=msg_id, sender=self.session_id)]
         fut: concurrent.futures.Future[Message] | None = None
-        # One lock over the closed check, the registration and the wake-up: close()
-        # cannot fail the waiters or close the pipe in between.
+        # One lock over the closed check, the registration and the send: close() cannot
+        # fail the waiters or close the socket in between.
         with self._lock:
             if self._lost is not None:
                 raise self._lost
@@ -96,12 +112,36 @@ class ClientConnection:
             if expect_reply:
                 fut = concurrent.futures.Future()
                 self._pending[msg_id] = fut
-            self._outbox.put(frames)
-            try:
-                os.write(self._wake_w, b"\0")
-            except BlockingIOError:  # the pipe is full: the I/O thread is awake already
-                pass
+            if self._in_socket or self._backlog:  # re-entered mid-call, or behind earlier messages
+                self._backlog.append(frames)
+                self._wake()
+            elif not self._send_now(frames):  # refused: the I/O thread sends it when it can
+                self._backlog.append(frames)
+                self._wake()
+            elif self._sock.getsockopt(zmq.EVENTS) & _POLLIN:
+                self._wake()  # our send consumed the signal of a reply: tell the I/O thread
         return fut
+
+    def _wake(self) -> None:
+        try:
+            os.write(self._wake_w, b"\0")
+        except BlockingIOError:  # the pipe is full: the I/O thread is awake already
+            pass
+
+    def _send_now(self, frames: list[Any]) -> bool:
+        """Hand ``frames`` to the socket (lock held); False if it refuses them (nothing was queued)."""
+        send = self._sock.send
+        last = len(frames) - 1
+        self._in_socket = True
+        try:
+            # A refusal (the proxy is slow or gone) comes at the first frame, before anything is queued.
+            for i, frame in enumerate(frames):
+                send(frame, _MORE if i < last else _NOBLOCK, copy=False)
+        except zmq.Again:
+            return False
+        finally:
+            self._in_socket = False
+        return True
 
     def post(self, message: Message) -> None:
         self.submit(message, expect_reply=False)
@@ -123,20 +163,20 @@ class ClientConnection:
     # -------------------------------------------------------------- I/O thread
 
     def _io_loop(self) -> None:
-        poller = zmq.Poller()
-        poller.register(self._sock, zmq.POLLIN)
-        poller.register(self._wake_r, zmq.POLLIN)
+        poller = select.poll()
+        poller.register(self._fd, select.POLLIN)
+        poller.register(self._wake_r, select.POLLIN)
         last_reply = time.monotonic()
         next_beat = last_reply + self.heartbeat_interval_seconds
         try:
             while not self._closing.is_set():
                 timeout_ms = max(0.0, next_beat - time.monotonic()) * 1000
-                poller.modify(self._sock, zmq.POLLIN | (zmq.POLLOUT if self._backlog else 0))
-                events = dict(poller.poll(timeout_ms))
-                if self._wake_r in events:
-                    self._drain_pipe()
-                self._flush_outbox()
-                if self._sock in events and self._receive():
+                if self._backlog:  # no signal is promised when the socket can take more: look again soon
+                    timeout_ms = min(timeout_ms, BACKLOG_RETRY_SECONDS * 1000)
+                for fd, _ in poller.poll(timeout_ms):
+                    if fd == self._wake_r:
+                        self._drain_pipe()
+                if self._service():
                     last_reply = time.monotonic()
                 now = time.monotonic()
                 if now >= next_beat:
@@ -144,8 +184,10 @@ class ClientConnection:
                     # A session beats (and stays alive); a sessionless connection (CLI) pings.
                     # Either way the reply proves the proxy still answers.
                     probe = Heartbeat(role="client", name=self.session_id) if self.session_id else Ping()
-                    self._send(encode(probe, msg_id=next_id(), sender=self.session_id))
+                    frames = [b"", *encode(probe, msg_id=next_id(), sender=self.session_id)]
                     with self._lock:
+                        if self._backlog or not self._send_now(frames):
+                            self._backlog.append(frames)
                         waiting = bool(self._pending)
                     if waiting and now - last_reply > self.liveness_timeout_seconds:
                         self._fail_all(ConnectionFailed(
@@ -157,7 +199,8 @@ class ClientConnection:
             self._lost = ConnectionFailed(f"client I/O failed: {type(exc).__name__}: {exc}")
             self._fail_all(self._lost)
         finally:
-            self._sock.close(linger=0)
+            with self._lock:
+                self._sock.close(linger=0)
 
     def _drain_pipe(self) -> None:
         try:
@@ -166,51 +209,64 @@ class ClientConnection:
         except BlockingIOError:
             pass
 
-    def _send(self, frames: list[Any]) -> None:
-        """Send without ever blocking the I/O thread: what the socket refuses waits in the backlog."""
-        self._backlog.append(frames)
-        self._send_backlog()
+    def _service(self) -> bool:
+        """Flush the backlog, then take every reply waiting; whether any came.
 
-    def _send_backlog(self) -> None:
-        while self._backlog:
-            frames = self._backlog[0]
-            copy = all(memoryview(f).nbytes < ZERO_COPY_THRESHOLD_BYTES for f in frames)
-            try:
-                self._sock.send_multipart([b"", *frames], flags=zmq.NOBLOCK, copy=copy)
-            except zmq.Again:  # the proxy is slow or gone: heartbeats and timeouts keep running
-                return
-            self._backlog.popleft()
-
-    def _flush_outbox(self) -> None:
-        self._send_backlog()
-        while True:
-            try:
-                frames = self._outbox.get_nowait()
-            except queue.Empty:
-                return
-            self._send(frames)
-
-    def _receive(self) -> bool:
+        The socket's FD only says that its state may have changed, and any call on it
+        may consume that signal: so this looks at ``EVENTS`` after every send and
+        receives until nothing is left."""
         got = False
         while True:
-            try:
-                frames = self._sock.recv_multipart(zmq.NOBLOCK, copy=False)
-            except zmq.Again:
-                return got
-            got = True
-            if not frames or frames[0].bytes != b"":
-                continue
-            try:
-                env = decode(frames[1:])
-            except FrameError as exc:
-                log.warning("dropped a frame from the proxy: %s", exc.message)
-                continue
-            if env.reply_to is None:
-                continue
             with self._lock:
-                fut = self._pending.pop(env.reply_to, None)
-            if fut is not None and not fut.done():
-                fut.set_result(env.message)
+                if self._closing.is_set():
+                    return got
+                sent = 0
+                while self._backlog and self._send_now(self._backlog[0]):
+                    self._backlog.popleft()
+                    sent += 1
+                events = self._sock.getsockopt(zmq.EVENTS)
+                if not events & _POLLIN:
+                    if sent and self._backlog and events & _POLLOUT:
+                        continue
+                    return got
+                received = self._receive_all()
+            got = got or bool(received)
+            for frames in received:
+                self._deliver(frames)
+
+    def _receive_all(self) -> list[list[Any]]:
+        """Every message waiting on the socket (lock held)."""
+        recv = self._sock.recv
+        messages = []
+        self._in_socket = True
+        try:
+            while True:
+                try:
+                    frame = recv(_NOBLOCK, copy=False)
+                except zmq.Again:
+                    return messages
+                frames = [frame]
+                while frame.more:  # the rest of a multipart message is already here
+                    frame = recv(_NOBLOCK, copy=False)
+                    frames.append(frame)
+                messages.append(frames)
+        finally:
+            self._in_socket = False
+
+    def _deliver(self, frames: list[Any]) -> None:
+        if not frames or len(frames[0]) != 0:
+            return
+        try:
+            env = decode(frames[1:])
+        except FrameError as exc:
+            log.warning("dropped a frame from the proxy: %s", exc.message)
+            return
+        if env.reply_to is None:
+            return
+        with self._lock:
+            fut = self._pending.pop(env.reply_to, None)
+        if fut is not None and not fut.done():
+            fut.set_result(env.message)
 
     def _fail_all(self, exc: PwmeshError) -> None:
         with self._lock:
@@ -231,10 +287,7 @@ class ClientConnection:
                 pass
         with self._lock:
             self._closing.set()
-            try:
-                os.write(self._wake_w, b"\0")
-            except BlockingIOError:
-                pass
+            self._wake()
         self._thread.join(timeout=timeout_seconds)
         self._fail_all(ConnectionFailed(f"the connection to {self.address} was closed"))
         os.close(self._wake_r)
