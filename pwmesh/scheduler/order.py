@@ -25,6 +25,7 @@ import collections
 import dataclasses
 import itertools
 import secrets
+from typing import NamedTuple
 
 from pwmesh.errors import InvalidArgument
 from pwmesh.wire.messages import ClientUsage, Computation, Enqueue, ScheduleRun
@@ -33,8 +34,9 @@ POLICIES = ("fifo", "fair")
 DeviceKey = tuple[str, int]  # (executor_id, device)
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
-class OrderEntry:
+class OrderEntry(NamedTuple):
+    """One computation's place in the island order (a tuple: one is made per computation)."""
+
     seq: int
     run_id: str
     node: int
@@ -108,7 +110,8 @@ class IslandOrder:
             # Re-entering after idling: start level with the others, with no saved-up credit.
             active = [c.vtime for c in self._clients.values() if c is not client and (c.queue or c.in_flight)]
             client.vtime = max(client.vtime, min(active, default=client.vtime))
-        footprint = frozenset((c.executor_id, d) for c in run.computations for d, _ in c.shards())
+        footprint = frozenset((c.executor_id, r.device + k) for c in run.computations for r in c.runs
+                              for k in range(r.count))
         client.queue.append(_Pending(run, next(self._arrivals), footprint))
         return self._release()
 
@@ -170,12 +173,18 @@ class IslandOrder:
         per_executor: dict[str, list[Computation]] = {}
         controls: dict[str, str] = {}
         parts: dict[str, list[DeviceKey]] = {}
+        seq = self.next_seq
+        run_id, session, record = run.run_id, run.session, self.history.append
         for comp in run.computations:
-            comp.seq = self.next_seq
-            self.next_seq += 1
-            self.history.append(OrderEntry(comp.seq, run.run_id, comp.node, comp.executor_id, run.session))
-            per_executor.setdefault(comp.executor_id, []).append(comp)
-            controls[comp.executor_id] = comp.control
+            comp.seq = seq
+            record(OrderEntry(seq, run_id, comp.node, comp.executor_id, session))
+            seq += 1
+            comps = per_executor.get(comp.executor_id)
+            if comps is None:
+                comps = per_executor[comp.executor_id] = []
+                controls[comp.executor_id] = comp.control
+            comps.append(comp)
+        self.next_seq = seq
         for key in pending.footprint:
             self.busy[key] += 1
             parts.setdefault(key[0], []).append(key)
