@@ -120,3 +120,20 @@ def test_min_compute_smoke(tmp_path: Path) -> None:
         for p in s["points"]:
             assert p["compute_ms_per_step"] > 0 and p["pwmesh_steps_per_second"] > 0 and p["ratio"] > 0
     check_plot(tmp_path / "min_compute.png")
+
+
+@pytest.mark.timeout(110)
+def test_transfer_smoke(tmp_path: Path) -> None:
+    run_smoke("transfer.py", tmp_path)
+    data = json.loads((tmp_path / "transfer.json").read_text())
+    assert {"benchmark", "config", "machine", "results", "ratios", "control_under_bulk"} <= data.keys()
+    assert data["benchmark"] == "transfer" and data["smoke"] is True
+    methods = {r["method"] for r in data["results"]}
+    assert methods == {"tcp", "zmq", "shm", "pwmesh", "pwmesh-shm"}
+    for r in data["results"]:
+        assert r["measured"] and r["gbytes_per_second"] > 0, r["method"]
+    for ratios in data["ratios"].values():
+        assert ratios["pwmesh/tcp"] > 0 and ratios["pwmesh-shm/shm"] > 0
+    control = data["control_under_bulk"]
+    assert control["idle_ping_ms_median"] > 0 and control["bulk_gbytes_per_second"] > 0
+    check_plot(tmp_path / "transfer.png")
