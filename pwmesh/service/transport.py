@@ -153,8 +153,10 @@ class _Pump:
                 sent = self._flush() if self._backlogged else 0
                 # Read after every send: the state is current, and the FD's signal is reset.
                 events = self._sock.getsockopt(_EVENTS)
-                if events & _POLLIN and self._drain():
-                    continue
+                if events & _POLLIN:
+                    events = self._drain(events)
+                    if events < 0:
+                        break
                 if sent and self._backlogged and events & _POLLOUT:
                     continue
                 break
@@ -190,35 +192,38 @@ class _Pump:
             frames.append(frame)
         return frames
 
-    def _drain(self) -> bool:
-        """Receive what waits; False when the rest is left for later (no receiver, or batch done)."""
+    def _drain(self, events: int) -> int:
+        """Receive while ``EVENTS`` says a message waits (asking is cheaper than a failed
+        receive); the last ``EVENTS`` read, or -1 if the rest is left for later (nobody
+        receives, or the batch is done and the rest rescheduled)."""
+        getsockopt = self._sock.getsockopt
         callback = self._on_frames
-        recv = self._recv
         if callback is None:
-            while self._waiters:  # one message per waiting recv(); the rest stays in ZeroMQ
-                waiter = self._waiters[0]
-                if waiter.done():
-                    self._waiters.popleft()
-                    continue
-                try:
-                    frames = recv()
-                except zmq.Again:
-                    return True
-                self._waiters.popleft().set_result(frames)
-            return False
+            while events & _POLLIN:  # one message per waiting recv(); the rest stays in ZeroMQ
+                if not self._waiters:
+                    return -1
+                waiter = self._waiters.popleft()
+                if not waiter.done():
+                    waiter.set_result(self._recv())
+                    events = getsockopt(_EVENTS)
+            return events
         for _ in range(RECV_BATCH):
             try:
-                frames = recv()
-            except zmq.Again:
-                return True
-            try:
-                callback(frames)
-            except Exception:  # the callback's own bug: log it, keep serving everyone else
-                log.exception("%s: message callback failed", self.address)
-            if self._on_frames is not callback or self._closed:
-                return False
-        self._schedule_check()  # more may be waiting: let other callbacks run first
-        return False
+                frames = self._recv()
+            except zmq.Again:  # not expected while EVENTS said POLLIN: look again
+                frames = None
+            if frames is not None:
+                try:
+                    callback(frames)
+                except Exception:  # the callback's own bug: log it, keep serving everyone else
+                    log.exception("%s: message callback failed", self.address)
+                if self._on_frames is not callback or self._closed:
+                    return -1
+            events = getsockopt(_EVENTS)
+            if not events & _POLLIN:
+                return events
+        self._schedule_check()  # more is waiting: let other callbacks run first
+        return -1
 
     def start_receiving(self, callback: Callable[[list[Any]], None]) -> None:
         """Hand every inbound message (its raw frames) to ``callback``, in arrival order."""
