@@ -8,19 +8,22 @@ device and fed by the previous step, runs for growing n in two systems:
 - pwmesh Chained: one ``@pw.program`` of ``--depth`` nodes on a local cluster of
   1 island x 2 executors x 2 devices.
 
-Two slice layouts: ``span``, 4 devices over both executors (every step is a
-gang across the two processes, as a Pathways computation spans hosts), and
-``one``, 2 devices on one executor. Plain JAX uses as many CPU devices. The
-per-step compute time is plain JAX's time per step; pwmesh's throughput
-relative to JAX's is the ratio. For each size the rounds alternate which system
-goes first; the medians are reported. A layout's sweep stops once two sizes in a
-row reach ``--threshold`` (95 %).
+Two slice layouts: ``span`` (the default), 4 devices over both executors (every
+step is a gang across the two processes, as a Pathways computation spans hosts),
+and ``one`` (``--layouts span,one``), 2 devices on one executor. Plain JAX uses
+as many CPU devices. The per-step compute time is plain JAX's time per step;
+the ratio is pwmesh's throughput over JAX's. For each size the rounds alternate
+which system goes first; the medians are reported. A sweep stops once two sizes
+in a row reach ``--threshold`` (95 %), or before a size that would overrun
+``--budget-seconds`` (matmul time grows as n^3).
 
-The answer per layout: the smallest per-step compute time whose ratio reaches
-the threshold (and the one interpolated between the last size below it and the
-first at or above it). The issue's target is <= 2.3 ms.
+The answer per layout: the smallest per-step compute time from which every larger
+size measured reaches the threshold (and the one interpolated between the last
+size below it and that one). The issue's target is <= 2.3 ms. Because a shared
+machine makes single sizes jump, it also prints what a fixed overhead per step,
+fitted over all sizes, predicts.
 
-    python bench/min_compute.py              # ~3-5 minutes on a 2-core machine
+    python bench/min_compute.py              # at most ~5 minutes (--budget-seconds 270)
     python bench/min_compute.py --smoke      # seconds: two tiny sizes, a short chain
 
 Writes ``min_compute.json`` and ``min_compute.png`` into ``--out`` (default: bench/results).
@@ -59,11 +62,14 @@ TARGET_MS = 2.3
 
 @dataclasses.dataclass
 class Config:
-    sizes: tuple[int, ...] = (32, 64, 96, 128, 160, 192, 256, 320, 384, 448, 512)
+    sizes: tuple[int, ...] = (32, 64, 128, 192, 256, 320, 384, 448, 512, 640, 768, 896, 1024)
     depth: int = 128
     rounds: int = 5
+    long_rounds: int = 3  # rounds once one chain of both systems takes longer than long_chain_seconds
+    long_chain_seconds: float = 2.0
     threshold: float = 0.95
-    layouts: tuple[str, ...] = tuple(LAYOUTS)
+    layouts: tuple[str, ...] = ("span",)
+    budget_seconds: float | None = 270.0  # all sweeps; a size predicted to overrun it is not started
 
 
 def step(v: Any) -> Any:
@@ -84,7 +90,7 @@ def timed(run: Any) -> float:
     return elapsed
 
 
-def sweep(client: pw.Client, layout: str, config: Config) -> dict[str, Any]:
+def sweep(client: pw.Client, layout: str, config: Config, deadline: float) -> dict[str, Any]:
     devices = LAYOUTS[layout]
     sl = client.make_virtual_device_set().add_slice(devices=devices)
     placement = sorted({d.executor for d in sl.devices})
@@ -109,17 +115,25 @@ def sweep(client: pw.Client, layout: str, config: Config) -> dict[str, Any]:
             v = jax_step(v)
         return v.block_until_ready()
 
-    points = []
+    points: list[dict[str, Any]] = []
     reached_in_a_row = 0
+    stopped = "all sizes measured"
     for n in config.sizes:
+        if points:  # matmul time grows as n^3
+            last = points[-1]
+            predicted = last["seconds"] * max(1.0, (n / last["n"]) ** 3)
+            if time.monotonic() + predicted > deadline:
+                stopped = f"time budget: n={n} would take about {predicted:.0f} s more"
+                break
+        started = time.monotonic()
         host = start_value(devices, n)
         x_pw = client.put(host, sl)
         x_jax = jax_put(host)
         runs = {"jax": lambda x=x_jax: jax_chain(x), "pwmesh": lambda x=x_pw: chain(x)}
-        for run in runs.values():  # trace, export, compile everywhere
-            timed(run)
+        first = sum(timed(run) for run in runs.values())  # trace, export, compile everywhere
+        rounds = config.long_rounds if first > config.long_chain_seconds else config.rounds
         seconds: dict[str, list[float]] = {name: [] for name in runs}
-        for r in range(config.rounds):
+        for r in range(rounds):
             for name in (list(runs) if r % 2 == 0 else list(reversed(runs))):
                 seconds[name].append(timed(runs[name]))
         jax_s, pw_s = statistics.median(seconds["jax"]), statistics.median(seconds["pwmesh"])
@@ -132,6 +146,7 @@ def sweep(client: pw.Client, layout: str, config: Config) -> dict[str, Any]:
             "jax_rounds_seconds": seconds["jax"],
             "pwmesh_rounds_seconds": seconds["pwmesh"],
             "load_average_1m": load_average(),
+            "seconds": time.monotonic() - started,
         }
         points.append(point)
         print(f"  {layout} n={n}: {point['compute_ms_per_step']:.3f} ms/step, pwmesh/JAX {point['ratio']:.3f}",
@@ -139,15 +154,20 @@ def sweep(client: pw.Client, layout: str, config: Config) -> dict[str, Any]:
         x_pw.delete()
         reached_in_a_row = reached_in_a_row + 1 if point["ratio"] >= config.threshold else 0
         if reached_in_a_row >= 2:
+            stopped = "threshold reached at two sizes in a row"
             break
-    return {"layout": layout, "devices": devices, "placement": placement, "points": points,
-            **crossing(points, config.threshold)}
+    return {"layout": layout, "devices": devices, "placement": placement, "points": points, "stopped": stopped,
+            "largest_compute_ms": max(p["compute_ms_per_step"] for p in points),
+            **crossing(points, config.threshold), **overhead(points, config.threshold)}
 
 
 def crossing(points: list[dict[str, Any]], threshold: float) -> dict[str, Any]:
-    """Smallest per-step compute time reaching ``threshold``, measured and interpolated (log time)."""
-    first = next((i for i, p in enumerate(points) if p["ratio"] >= threshold), None)
-    if first is None:
+    """Smallest per-step compute time from which every larger size measured reaches ``threshold``
+    (a lone size above it among sizes below it is noise), measured and interpolated (log time)."""
+    first = len(points)
+    while first > 0 and points[first - 1]["ratio"] >= threshold:
+        first -= 1
+    if first == len(points):
         return {"min_compute_ms": None, "min_compute_ms_interpolated": None, "target_met": False}
     hit = points[first]
     interpolated = hit["compute_ms_per_step"]
@@ -161,6 +181,14 @@ def crossing(points: list[dict[str, Any]], threshold: float) -> dict[str, Any]:
             "min_compute_ms_interpolated": interpolated, "target_met": hit["compute_ms_per_step"] <= TARGET_MS}
 
 
+def overhead(points: list[dict[str, Any]], threshold: float) -> dict[str, float]:
+    """pwmesh's extra time per step, if it simply adds to the compute time c: ratio = c / (c + o), so
+    o = c (1/ratio - 1), median over the sizes; then the threshold needs c >= o * threshold / (1 - threshold).
+    Less noisy than the crossing on a shared machine, where one size's ratio can jump."""
+    extra = statistics.median(p["compute_ms_per_step"] * (1 / p["ratio"] - 1) for p in points)
+    return {"overhead_ms_per_step": extra, "predicted_min_compute_ms": max(0.0, extra) * threshold / (1 - threshold)}
+
+
 def plot(path: Path, sweeps: list[dict[str, Any]], threshold: float) -> bool:
     plt = pyplot()
     if plt is None:
@@ -168,8 +196,9 @@ def plot(path: Path, sweeps: list[dict[str, Any]], threshold: float) -> bool:
     fig, ax = plt.subplots(figsize=(7.5, 4.5))
     labels = {"span": "slice over 2 executors (4 devices, gang)", "one": "slice on 1 executor (2 devices)"}
     for s, style in zip(sweeps, ("o-", "s--"), strict=False):
-        xs = [p["compute_ms_per_step"] for p in s["points"]]
-        ax.plot(xs, [p["ratio"] for p in s["points"]], style, label=labels[s["layout"]])
+        points = sorted(s["points"], key=lambda p: p["compute_ms_per_step"])  # noise can reorder sizes
+        ax.plot([p["compute_ms_per_step"] for p in points], [p["ratio"] for p in points], style,
+                label=labels[s["layout"]])
     ax.axhline(threshold, color="grey", linestyle=":", label=f"{threshold:.0%} of plain JAX")
     ax.axvline(TARGET_MS, color="tab:red", linestyle=":", label=f"target {TARGET_MS} ms")
     ax.set_xscale("log")
@@ -198,18 +227,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=None)
     parser.add_argument("--threshold", type=float, default=None, help="pwmesh/JAX ratio to reach (0.95)")
     parser.add_argument("--layouts", default=None, help="comma-separated subset of " + ",".join(LAYOUTS))
+    parser.add_argument("--budget-seconds", type=float, default=None, help="time for all sweeps (270)")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="output directory")
     parser.add_argument("--smoke", action="store_true", help="tiny run (seconds) to check that everything works")
     args = parser.parse_args(argv)
 
-    config = Config(sizes=(16, 32), depth=4, rounds=1) if args.smoke else Config()
+    config = Config(sizes=(16, 32), depth=4, rounds=1, layouts=tuple(LAYOUTS), budget_seconds=None) \
+        if args.smoke else Config()
     if args.sizes:
         config.sizes = tuple(int(n) for n in args.sizes.split(","))
     if args.layouts:
         config.layouts = tuple(s for s in args.layouts.split(",") if s)
         if set(config.layouts) - set(LAYOUTS):
             parser.error(f"layouts are {sorted(LAYOUTS)}")
-    for field in ("depth", "rounds", "threshold"):
+    for field in ("depth", "rounds", "threshold", "budget_seconds"):
         if getattr(args, field) is not None:
             setattr(config, field, getattr(args, field))
 
@@ -217,11 +248,11 @@ def main(argv: list[str] | None = None) -> int:
     load_at_start = load_average()
     spec = pw.LocalClusterSpec(islands=1, hosts_per_island=2, devices_per_host=2)
     with pw.LocalCluster(spec) as cluster, pw.Client(cluster.address, name="bench-min-compute") as client:
+        deadline = time.monotonic() + (config.budget_seconds or math.inf)
         sweeps = []
         for layout in config.layouts:
-            print(f"{layout}: {LAYOUTS[layout]}-device slice, chains of {config.depth}, {config.rounds} rounds",
-                  flush=True)
-            sweeps.append(sweep(client, layout, config))
+            print(f"{layout}: {LAYOUTS[layout]}-device slice, chains of {config.depth}", flush=True)
+            sweeps.append(sweep(client, layout, config, deadline))
 
     print()
     print(table(["layout", "n", "compute ms/step", "JAX steps/s", "pwmesh steps/s", "pwmesh/JAX"],
@@ -230,9 +261,14 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print(f"smallest per-step compute time where pwmesh Chained reaches {config.threshold:.0%} of plain JAX "
           f"(target <= {TARGET_MS} ms):")
-    print(table(["layout", "measured ms", "interpolated ms", "target met"],
+    print(table(["layout", "measured ms", "interpolated ms", "target met", "largest measured ms", "sweep stopped"],
                 [[s["layout"], fmt(s["min_compute_ms"]), fmt(s["min_compute_ms_interpolated"]),
-                  "yes" if s["target_met"] else "no"] for s in sweeps]))
+                  "yes" if s["target_met"] else "no", fmt(s["largest_compute_ms"]), s["stopped"]] for s in sweeps]))
+    print()
+    print("if pwmesh adds a fixed time per step (ratio = c / (c + overhead), median over the sizes):")
+    print(table(["layout", "overhead ms/step", f"compute ms/step for {config.threshold:.0%}"],
+                [[s["layout"], fmt(s["overhead_ms_per_step"], ".2f"), fmt(s["predicted_min_compute_ms"], ".1f")]
+                 for s in sweeps]))
 
     result = {
         "benchmark": "min_compute",

@@ -114,7 +114,8 @@ def test_min_compute_smoke(tmp_path: Path) -> None:
     assert data["benchmark"] == "min_compute" and data["smoke"] is True
     assert [s["layout"] for s in data["sweeps"]] == data["config"]["layouts"]
     for s in data["sweeps"]:
-        assert {"points", "placement", "min_compute_ms", "min_compute_ms_interpolated", "target_met"} <= s.keys()
+        assert {"points", "placement", "stopped", "min_compute_ms", "min_compute_ms_interpolated", "target_met",
+                "overhead_ms_per_step", "predicted_min_compute_ms"} <= s.keys()
         assert len(s["placement"]) == (2 if s["layout"] == "span" else 1)
         assert s["points"]
         for p in s["points"]:
