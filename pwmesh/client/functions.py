@@ -57,8 +57,13 @@ class MappedFunction:
         key = tuple((a.shape, str(a.dtype)) for a in avals)
         with self._lock:
             found = self._exports.get(key)
-        if found is not None:
-            return found
+        if found is None:
+            found = self._export(avals)
+            with self._lock:
+                found = self._exports.setdefault(key, found)
+        return found
+
+    def _export(self, avals: Sequence[jax.ShapeDtypeStruct]) -> ExportedFunction:
         n = self.num_devices
         for i, a in enumerate(avals):
             if not a.shape or a.shape[0] != n:
@@ -85,10 +90,7 @@ class MappedFunction:
             out_avals = tuple(jax.ShapeDtypeStruct(o.shape, o.dtype) for o in exp.out_avals)
         serialized = bytes(exp.serialize())
         fn_id = function_id(serialized, self.axis_name is not None)
-        found = ExportedFunction(fn_id, serialized, self.axis_name is not None, out_avals, exp.out_tree)
-        with self._lock:
-            self._exports[key] = found
-        return found
+        return ExportedFunction(fn_id, serialized, self.axis_name is not None, out_avals, exp.out_tree)
 
     def __call__(self, *args: Any) -> Any:
         return call_mapped(self, args)
@@ -101,12 +103,7 @@ class JitFunction(MappedFunction):
     """What ``pw.jit`` returns: ``fn`` with a global view of its arguments, which are split in
     blocks along their leading axis over the slice's devices (one block per device)."""
 
-    def export_for(self, avals: Sequence[jax.ShapeDtypeStruct]) -> ExportedFunction:
-        key = tuple((a.shape, str(a.dtype)) for a in avals)
-        with self._lock:
-            found = self._exports.get(key)
-        if found is not None:
-            return found
+    def _export(self, avals: Sequence[jax.ShapeDtypeStruct]) -> ExportedFunction:
         n = self.num_devices
         for i, a in enumerate(avals):
             if n > 1 and (not a.shape or a.shape[0] % n):
@@ -126,10 +123,7 @@ class JitFunction(MappedFunction):
         serialized = bytes(exp.serialize())
         fn_id = function_id(serialized, n > 1)
         out_avals = tuple(jax.ShapeDtypeStruct(o.shape, o.dtype) for o in exp.out_avals)
-        found = ExportedFunction(fn_id, serialized, n > 1, out_avals, exp.out_tree)
-        with self._lock:
-            self._exports[key] = found
-        return found
+        return ExportedFunction(fn_id, serialized, n > 1, out_avals, exp.out_tree)
 
     def __repr__(self) -> str:
         return f"pw.jit({self.__name__}, slice={self.slice.slice_id})"
