@@ -82,7 +82,7 @@ class BufferPool:
     """Page-aligned receive buffers, reused once nothing refers to them (JAX may adopt one as a
     device buffer; it then lives as long as that array). Sizes are rounded up to powers of two."""
 
-    def __init__(self, keep_per_size: int = 8) -> None:
+    def __init__(self, keep_per_size: int = 16) -> None:
         self._lock = threading.Lock()
         self._buffers: dict[int, list[np.ndarray]] = collections.defaultdict(list)
         self._keep = keep_per_size
@@ -99,7 +99,10 @@ class BufferPool:
                 # Ours: the list, getrefcount's argument and the loop variable. More: someone holds a view.
                 if sys.getrefcount(raw) <= 3:
                     return raw[:nbytes]
-            raw = np.frombuffer(mmap.mmap(-1, size), dtype=np.uint8)
+            mapped = mmap.mmap(-1, size)
+            if hasattr(mmap, "MADV_HUGEPAGE"):  # 2 MiB pages: a fresh 64 MiB buffer faults 32 times, not 16k
+                mapped.madvise(mmap.MADV_HUGEPAGE)
+            raw = np.frombuffer(mapped, dtype=np.uint8)
             if len(self._buffers[size]) < self._keep:
                 self._buffers[size].append(raw)
             return raw[:nbytes]
