@@ -211,8 +211,6 @@ def test_split_that_cannot_be_is_refused_at_call_time(wide: Wide) -> None:
 
 
 @pytest.mark.timeout(90)
-@pytest.mark.xfail(strict=True, raises=pytest.fail.Exception,
-                   reason="pw.put checks the split only on the executor: the error comes on fetch")
 def test_put_that_cannot_be_split_is_refused_at_call_time(wide: Wide) -> None:
     with pytest.raises(pw.InvalidArgument, match=r"\(6, 3\)"):
         wide.client.put(rows(6), wide.slices[(0, 4)])

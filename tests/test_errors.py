@@ -14,7 +14,7 @@ import zmq
 
 import pwmesh as pw
 from pwmesh.wire import PROTOCOL_VERSION, decode, encode
-from pwmesh.wire.messages import Error, Ping, Pong
+from pwmesh.wire.messages import Error, Ping, Pong, PutBuffer
 
 
 def test_connecting_to_a_dead_address_fails_fast() -> None:
@@ -148,6 +148,11 @@ def test_data_planes_survive_garbage(cluster: pw.LocalCluster, client: pw.Client
 
 def test_a_failed_put_keeps_its_cause(client: pw.Client) -> None:
     sl = client.make_virtual_device_set().add_slice(devices=2)
-    bad = client.put(np.arange(3.0), sl)  # 3 rows cannot be split over 2 devices; put does not wait
+    with pytest.raises(pw.InvalidArgument, match="cannot be split into 2 equal shards"):
+        client.put(np.arange(3.0), sl)  # the client refuses what it can check at once
+    # A put the proxy refuses (sent around the client's check) fails its buffer with the cause.
+    buffer_id = client.new_buffer_id()
+    client.conn.post(PutBuffer(buffer=buffer_id, slice_id=sl.slice_id, array=np.arange(3.0, dtype=np.float32)))
+    bad = pw.Array(client, buffer_id, (3,), np.dtype(np.float32), 2)
     with pytest.raises(pw.InvalidArgument, match="cannot be split evenly over 2 devices"):
         np.asarray(bad)

@@ -21,6 +21,7 @@ from pwmesh.client.array import Array
 from pwmesh.client.connection import ClientConnection
 from pwmesh.client.devices import Slice, VirtualDevice, VirtualDeviceSet, slice_of
 from pwmesh.client.functions import ExportedFunction, canonical
+from pwmesh.dataflow.layout import check_split
 from pwmesh.errors import InvalidArgument
 from pwmesh.service.local_cluster import LocalCluster, LocalClusterSpec
 from pwmesh.wire.messages import (
@@ -108,6 +109,7 @@ class Client:
         if sl.client is not self:
             raise InvalidArgument("that slice belongs to another client")
         arr = canonical(value)
+        check_split(arr.shape, len(sl.devices), f"put onto {len(sl.devices)} devices")
         buffer_id = self.new_buffer_id()
         self.conn.post(PutBuffer(buffer=buffer_id, slice_id=sl.slice_id, array=arr))
         return Array(self, buffer_id, arr.shape, arr.dtype, len(sl.devices))
