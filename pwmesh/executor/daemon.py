@@ -323,13 +323,13 @@ class Executor(Service):
         assert isinstance(msg, ForgetOwner)
         self.store.forget_owner(msg.prefix)
 
-    def _delete(self, peer: bytes, env: Envelope) -> Ok:
+    def _delete(self, peer: bytes, env: Envelope) -> None:
         msg = env.message
         assert isinstance(msg, DeleteShards)
         self.store.delete(msg.buffers)
         for buffer in msg.buffers:
             self.progress.forget(f"{buffer}/")
-        return Ok()
+        return None  # posted by the proxy, which does not wait: no reply
 
     def _trace(self, peer: bytes, env: Envelope) -> TraceEvents:
         msg = env.message

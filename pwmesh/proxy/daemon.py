@@ -268,7 +268,7 @@ class Proxy(Service):
 
     # ----------------------------------------------------------------- programs
 
-    def _run_program(self, peer: bytes, env: Envelope) -> Message:
+    def _run_program(self, peer: bytes, env: Envelope) -> None:
         msg = env.message
         assert isinstance(msg, RunProgram)
         session = self._session(peer)
@@ -281,7 +281,7 @@ class Proxy(Service):
                 if 0 <= v < len(msg.program.values):
                     session.fail_buffer(cid, msg.program.values[v], exc)
             raise
-        return Ok()
+        return None  # posted: the client learns of success from its buffers, of failure from an Error
 
     def _dispatch(self, session: Session, msg: RunProgram) -> None:
         program = msg.program
@@ -581,20 +581,22 @@ class Proxy(Service):
         session.hosts |= run.executors
         for buf in (*run.pinned, *run.outputs):
             buf.pins -= 1
-            self._maybe_free(session, buf)
-        for buf in run.temporaries:
-            self._maybe_free(session, buf)
+        self._maybe_free(session, *run.pinned, *run.outputs, *run.temporaries)
         self._forget_if_done(session)
 
     # ------------------------------------------------------------------ buffers
 
-    def _maybe_free(self, session: Session, buf: Buffer) -> None:
-        if not buf.freeable:
-            return
-        prefix = f"{session.session_id}/{buf.name}"
-        for control in buf.holders - self.peers.lost:
-            self.peers.post(control, DeleteShards(buffers=[prefix]))
-        buf.holders = set()
+    def _maybe_free(self, session: Session, *bufs: Buffer) -> None:
+        """Delete the freeable ``bufs`` wherever they are held: one message per executor."""
+        by_holder: dict[str, list[str]] = {}
+        for buf in bufs:
+            if not buf.freeable:
+                continue
+            for control in buf.holders - self.peers.lost:
+                by_holder.setdefault(control, []).append(f"{session.session_id}/{buf.name}")
+            buf.holders = set()
+        for control, prefixes in by_holder.items():
+            self.peers.post(control, DeleteShards(buffers=prefixes))
 
     def _put_buffer(self, peer: bytes, env: Envelope) -> Ok:
         msg = env.message
