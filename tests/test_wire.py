@@ -23,9 +23,20 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 from pwmesh.errors import ProtocolError
-from pwmesh.wire import PROTOCOL_VERSION, Envelope, Limits, Message, Record, decode, encode, message_types
+from pwmesh.wire import PROTOCOL_VERSION, Envelope, Limits, Message, Record, decode, encode, message_types, schema
 from pwmesh.wire.codec import FrameError
-from pwmesh.wire.messages import DataTuple, Ok, Ping, PutBuffer, PutShards, ShardValues, TupleBatch
+from pwmesh.wire.messages import (
+    Computation,
+    DataTuple,
+    Ok,
+    Ping,
+    PutBuffer,
+    PutShards,
+    ShardRun,
+    ShardValues,
+    TupleBatch,
+)
+from pwmesh.wire.schema import record
 
 PROPERTY = settings(
     derandomize=True,
@@ -609,3 +620,190 @@ def test_single_byte_corruption_decodes_or_raises_frame_error() -> None:
                     frame = bytearray(frames[which])
                     frame[at] = new
                     decode_or_frame_error([*frames[:which], bytes(frame), *frames[which + 1:]])
+
+
+# --------------------------------------------------------------- compiled schema vs reference
+#
+# ``Record.from_wire``/``to_wire`` run code compiled from the type hints; the schema keeps
+# the hint-interpreting reference implementation, which also produces every error message.
+# Both must accept exactly the same values, convert them alike and fail alike.
+
+_WIRE_VALUES = st.recursive(
+    st.none() | st.booleans() | st.integers(-(2**63), 2**64 - 1) | st.floats() | st.text(max_size=4)
+    | st.binary(max_size=4) | st.just(np.zeros(2, np.int32)),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=3), inner, max_size=3),
+    max_leaves=6,
+)
+
+
+def _positions(value: Any) -> list[tuple[Any, Any]]:
+    """Every (container, key) inside a wire value, outermost first."""
+    found: list[tuple[Any, Any]] = []
+    keys = value.keys() if isinstance(value, dict) else range(len(value)) if isinstance(value, list) else ()
+    for key in list(keys):
+        found.append((value, key))
+        found.extend(_positions(value[key]))
+    return found
+
+
+def reference_from_wire(cls: type[Record], body: Any) -> tuple[str, Any]:
+    try:
+        return "ok", schema._slow_from_wire(cls, body, "")
+    except ProtocolError as exc:
+        return "error", str(exc)
+
+
+def compiled_from_wire(cls: type[Record], body: Any) -> tuple[str, Any]:
+    try:
+        return "ok", cls.from_wire(body)
+    except ProtocolError as exc:
+        return "error", str(exc)
+
+
+def assert_decoded_alike(cls: type[Record], body: Any) -> None:
+    expected, actual = reference_from_wire(cls, body), compiled_from_wire(cls, body)
+    assert actual[0] == expected[0], f"reference: {expected}, compiled: {actual}"
+    if expected[0] == "error":
+        assert actual[1] == expected[1]
+    else:
+        assert_same(expected[1], actual[1])
+
+
+def reference_to_wire(message: Record) -> dict[str, Any]:
+    return {name: schema._to_wire(getattr(message, name)) for name in field_hints(type(message))}
+
+
+def assert_same_wire(expected: Any, actual: Any, path: str = "body") -> None:
+    """The same plain values, container types included (arrays pass through as themselves)."""
+    assert type(actual) is type(expected), f"{path}: {type(actual).__name__} != {type(expected).__name__}"
+    if isinstance(expected, dict):
+        assert list(actual) == list(expected), path
+        for key in expected:
+            assert_same_wire(expected[key], actual[key], f"{path}[{key!r}]")
+    elif isinstance(expected, list):
+        assert len(actual) == len(expected), path
+        for i, (e, a) in enumerate(zip(expected, actual, strict=True)):
+            assert_same_wire(e, a, f"{path}[{i}]")
+    else:
+        assert actual is expected or actual == expected, f"{path}: {actual!r} != {expected!r}"
+
+
+@pytest.mark.parametrize("op", OPS)
+@PROPERTY
+@given(data=st.data())
+def test_compiled_codec_matches_the_reference(op: str, data: st.DataObject) -> None:
+    message = data.draw(MESSAGE_STRATEGIES[op], label="message")
+    body = message.to_wire()
+    assert_same_wire(reference_to_wire(message), body)
+    assert_decoded_alike(type(message), body)
+
+
+@pytest.mark.parametrize("op", OPS)
+@settings(PROPERTY, max_examples=25)
+@given(data=st.data())
+def test_compiled_decoder_fails_exactly_where_the_reference_does(op: str, data: st.DataObject) -> None:
+    """Damage a valid body anywhere (replace, delete or add a value): same result, same error text."""
+    cls = message_types()[op]
+    body = sample(cls).to_wire()
+    positions = _positions(body)
+    action = data.draw(st.sampled_from(["replace", "delete", "add"]), label="action")
+    if positions and action != "add":
+        container, key = data.draw(st.sampled_from(positions), label="where")
+        if action == "delete":
+            del container[key]
+        else:
+            container[key] = data.draw(_WIRE_VALUES, label="value")
+    else:
+        body[data.draw(st.text(max_size=6), label="key")] = data.draw(_WIRE_VALUES, label="value")
+    assert_decoded_alike(cls, body)
+
+
+@record
+class _Tree(Record):
+    label: str
+    children: list[_Tree] = dataclasses.field(default_factory=list)
+    weights: dict[str, float] = dataclasses.field(default_factory=dict)
+    either: int | str = 0
+    maybe: list[float] | None = None
+    nested: list[list[int]] = dataclasses.field(default_factory=list)
+    anything: Any = None
+
+
+@record
+class _Base(Record):
+    x: int
+
+
+@record
+class _Derived(_Base):
+    y: str = "y"
+
+
+@record
+class _HandWritten(Record):
+    x: int
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"x": self.x * 2}
+
+
+@record
+class _HandWrittenChild(_HandWritten):
+    y: int = 0
+
+
+def test_annotations_no_message_uses_yet_compile_alike() -> None:
+    """Recursive records, dicts, many-armed unions, nested lists, Any: compiled and reference agree."""
+    good = {"label": "root", "children": [{"label": "leaf", "weights": {"a": 1, "b": 2.5}, "either": "s"}],
+            "either": 3, "maybe": [1, 2.0], "nested": [[1], []], "anything": [_Base(x=1), {"k": [1, 2]}]}
+    assert_decoded_alike(_Tree, good)
+    tree = _Tree.from_wire(good)
+    assert type(tree.children[0].weights["a"]) is float and type(tree.maybe[0]) is float
+    assert_same_wire(reference_to_wire(tree), tree.to_wire())
+    for damage in ({"either": 1.5}, {"either": True}, {"either": None}, {"weights": {"a": "1"}},
+                   {"weights": {1: 1.0}}, {"weights": []}, {"maybe": [True]}, {"nested": [[1], [False]]},
+                   {"nested": [1]}, {"children": [{"label": 1}]}, {"children": [{"children": [{}]}]},
+                   {"children": ({"label": "t"},)}, {"maybe": None}):
+        assert_decoded_alike(_Tree, {**good, **damage})
+
+
+def test_scalar_conversions_of_the_compiled_decoder() -> None:
+    body = {"run_id": "r", "executor_id": "e", "device_seconds": 2}
+    message = message_types()["sched.run_part_done"].from_wire(body)
+    assert type(message.device_seconds) is float and message.device_seconds == 2.0
+    for bad in (True, "2", None, [2.0]):
+        with pytest.raises(ProtocolError, match=r"RunPartDone\.device_seconds: expected float"):
+            message_types()["sched.run_part_done"].from_wire({**body, "device_seconds": bad})
+    for bad in (True, False, 1.0):
+        with pytest.raises(ProtocolError, match=r"ShardRun\.count: expected int, got (bool|float)"):
+            ShardRun.from_wire({"device": 0, "shard": 0, "count": bad})
+    with pytest.raises(ProtocolError, match=r"^Outer\.runs\[1\]\.shard: expected int, got str$"):
+        ShardRun.from_wire({"device": 0, "shard": "x"}, "Outer.runs[1]")
+
+
+def test_defaults_are_fresh_for_every_decoded_message() -> None:
+    first = Computation.from_wire(Computation(node=0, fn_id="f", executor_id="e", control="c", runs=[],
+                                              inputs=[], outputs=[]).to_wire() | {"emits": []})
+    body = {"node": 0, "fn_id": "f", "executor_id": "e", "control": "c", "runs": [], "inputs": [], "outputs": []}
+    a, b = Computation.from_wire(body), Computation.from_wire(body)
+    assert a.emits == [] and a.emits is not b.emits and a.peers is not b.peers
+    assert (a.kind, a.seq, a.spmd) == ("call", -1, False) and first.emits == []
+
+
+def test_lists_are_copied_and_tuples_become_lists() -> None:
+    inputs = ["a", "b"]
+    body = {"node": 0, "fn_id": "f", "executor_id": "e", "control": "c", "runs": (), "inputs": inputs,
+            "outputs": ("x",)}
+    comp = Computation.from_wire(body)
+    assert comp.inputs == inputs and comp.inputs is not inputs
+    assert comp.runs == [] and comp.outputs == ["x"]
+    wire = comp.to_wire()
+    assert wire["inputs"] is not comp.inputs
+
+
+def test_each_subclass_encodes_its_own_fields() -> None:
+    assert _Base(x=1).to_wire() == {"x": 1}  # compiled for _Base first: _Derived must not inherit it
+    assert _Derived(x=1, y="z").to_wire() == {"x": 1, "y": "z"}
+    assert _Base(x=2).to_wire() == {"x": 2}
+    assert _HandWritten(x=2).to_wire() == {"x": 4}
+    assert _HandWrittenChild(x=3, y=1).to_wire() == {"x": 6}  # inherits the hand-written one
