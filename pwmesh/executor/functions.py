@@ -25,6 +25,8 @@ class CompiledFunction:
         self.spmd = spmd
         self._lock = threading.Lock()
         self._executables: dict[tuple[int, ...], Any] = {}
+        # How long its last run took (inf: never ran, so it compiles first, on a device thread).
+        self.last_seconds = float("inf")
 
     @property
     def num_inputs(self) -> int:
@@ -44,6 +46,10 @@ class CompiledFunction:
             return NamedSharding(Mesh(np.array(devices), ("x",)), PartitionSpec("x"))
         (device,) = devices
         return SingleDeviceSharding(device)
+
+    def compiled(self, devices: tuple[jax.Device, ...]) -> bool:
+        """Whether ``executable(devices)`` returns at once (nothing to compile)."""
+        return tuple(d.id for d in devices) in self._executables
 
     def executable(self, devices: tuple[jax.Device, ...]) -> Any:
         """The executable for ``devices``, compiled on first use (call from a worker thread)."""

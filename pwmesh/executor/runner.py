@@ -44,6 +44,8 @@ from pwmesh.wire.messages import Computation, Emit
 
 log = logging.getLogger(__name__)
 
+INLINE_SECONDS = 200e-6  # computations faster than this (last time) run on the event loop, not a device thread
+
 
 @dataclasses.dataclass(eq=False)
 class Work:
@@ -315,16 +317,28 @@ class Runner:
     async def _call(self, work: Work, fn: CompiledFunction, per_shard: list[list[Any]]) -> list[list[Any]]:
         comp = work.comp
         loop = asyncio.get_running_loop()
+        # A computation that last took less than a thread hand-off costs runs right here, on the
+        # loop: the hop to a device thread and back (~0.1-0.5 ms on a busy host) would dominate it.
+        inline = fn.last_seconds * len(work.devices) < INLINE_SECONDS
         if comp.spmd:
             devices = tuple(self.devices[d] for d in work.devices)
-            outs, seconds = await loop.run_in_executor(self.pools[work.devices[-1]], _call_spmd, fn, devices,
-                                                       per_shard)
+            inline = inline and fn.compiled(devices)
+            if inline:
+                outs, seconds = _call_spmd(fn, devices, per_shard)
+            else:
+                outs, seconds = await loop.run_in_executor(self.pools[work.devices[-1]], _call_spmd, fn, devices,
+                                                           per_shard)
+            fn.last_seconds = seconds
             work.device_seconds = seconds * len(devices)
             return outs
         call = _call_ragged if comp.ragged else _call_single
-        results = await asyncio.gather(*(
-            loop.run_in_executor(self.pools[d], call, fn, self.devices[d], args)
-            for d, args in zip(work.devices, per_shard, strict=True)))
+        if inline and all(fn.compiled((self.devices[d],)) for d in work.devices):
+            results = [call(fn, self.devices[d], args) for d, args in zip(work.devices, per_shard, strict=True)]
+        else:
+            results = await asyncio.gather(*(
+                loop.run_in_executor(self.pools[d], call, fn, self.devices[d], args)
+                for d, args in zip(work.devices, per_shard, strict=True)))
+        fn.last_seconds = max(r[1] for r in results)
         work.device_seconds = sum(r[1] for r in results)
         return [r[0] for r in results]
 
