@@ -10,7 +10,8 @@ For each message: *encode* is ``codec.encode`` (``to_wire`` and msgpack), *decod
 is ``codec.decode`` of the frames as a socket delivers them (msgpack and
 ``from_wire`` validation); *msgpack* is ``msgpack.unpackb`` of the body alone,
 the floor under decode. Each figure is the median over ``--repeats`` rounds of
-the mean time per call within a round.
+the mean CPU time per call within a round (``time.process_time``: on a loaded
+machine, time other processes take from this one does not count).
 
     python bench/codec_rate.py                 # ~1 minute
     python bench/codec_rate.py --smoke         # seconds: checks that everything runs
@@ -69,21 +70,21 @@ def messages() -> dict[str, Message]:
 
 
 def per_call_seconds(fn: Callable[[], Any], repeats: int, min_round_seconds: float) -> float:
-    """Median over ``repeats`` rounds of the mean seconds per call; a round lasts at least ``min_round_seconds``."""
+    """Median over ``repeats`` rounds of the mean CPU seconds per call; a round takes at least ``min_round_seconds``."""
     loops = 1
     while True:  # calibrate: enough calls that a round is long against the clock's resolution
-        start = time.perf_counter()
+        start = time.process_time()
         for _ in range(loops):
             fn()
-        if time.perf_counter() - start >= min_round_seconds:
+        if time.process_time() - start >= min_round_seconds:
             break
         loops *= 2
     samples = []
     for _ in range(repeats):
-        start = time.perf_counter()
+        start = time.process_time()
         for _ in range(loops):
             fn()
-        samples.append((time.perf_counter() - start) / loops)
+        samples.append((time.process_time() - start) / loops)
     return statistics.median(samples)
 
 
@@ -105,7 +106,7 @@ def measure(repeats: int, min_round_seconds: float) -> list[dict[str, Any]]:
 
 
 def show(rows: list[dict[str, Any]]) -> str:
-    headers = ["message", "body bytes", "encode us", "decode us", "msgpack unpack us"]
+    headers = ["message", "body bytes", "encode us", "decode us", "msgpack unpack us"]  # CPU microseconds per call
     cells = [[r["message"], str(r["body_bytes"]), f"{r['encode_us']:.2f}", f"{r['decode_us']:.2f}",
               f"{r['msgpack_unpack_us']:.2f}"] for r in rows]
     widths = [max(len(h), *(len(c[i]) for c in cells)) for i, h in enumerate(headers)]

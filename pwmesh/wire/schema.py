@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import re
+import threading
 import types
 import typing
 from collections.abc import Callable
@@ -31,6 +32,8 @@ from pwmesh.errors import ProtocolError
 
 _HINTS: dict[type, dict[str, Any]] = {}
 _DECODERS: dict[type, Callable[[Any], Any]] = {}
+_PENDING: dict[type, Callable[[Any], Any]] = {}  # being compiled, by this thread (under the lock)
+_COMPILE_LOCK = threading.RLock()
 
 
 class _Invalid(Exception):  # noqa: N818 - internal signal, never leaves this module
@@ -199,7 +202,7 @@ class _Compiler:
                 if type(None) not in typing.get_args(tp):  # pragma: no cover - typing collapses one-arm unions
                     return body
                 return [f"if {v} is not None:", *("    " + line for line in body)]
-            return [f"{v} = {self.name(_union(tp, [converter(a) for a in arms]), 'union')}({v})"]
+            return [f"{v} = {self.name(_union(tp, [_converter(a) for a in arms]), 'union')}({v})"]
         if origin is list:
             (item,) = typing.get_args(tp)
             head = f"if not isinstance({v}, (list, tuple)): raise _Invalid"
@@ -208,10 +211,10 @@ class _Compiler:
             if not any(re.search(rf"(?<!\w){x} = ", line) for line in body):  # only checks: copy the list
                 loop = [f"for {x} in {v}:", *("    " + line for line in body)] if body else []
                 return [head, *loop, f"{v} = list({v})"]
-            return [head, f"{v} = [{self.name(converter(item), 'item')}({x}) for {x} in {v}]"]
+            return [head, f"{v} = [{self.name(_converter(item), 'item')}({x}) for {x} in {v}]"]
         if origin is dict:
             key_tp, val_tp = typing.get_args(tp)
-            key, val = self.name(converter(key_tp), "key"), self.name(converter(val_tp), "val")
+            key, val = self.name(_converter(key_tp), "key"), self.name(_converter(val_tp), "val")
             return [f"if not isinstance({v}, dict): raise _Invalid",
                     f"{v} = {{{key}(_k): {val}(_w) for _k, _w in {v}.items()}}"]
         if isinstance(tp, type) and issubclass(tp, Record):
@@ -246,7 +249,7 @@ def _union(tp: Any, arms: list[Callable[[Any], Any]]) -> Callable[[Any], Any]:
 _CONVERTERS: dict[Any, Callable[[Any], Any]] = {}
 
 
-def converter(tp: Any) -> Callable[[Any], Any]:
+def _converter(tp: Any) -> Callable[[Any], Any]:
     """A compiled function: the value of annotation ``tp`` converted, or ``_Invalid``."""
     fn = _CONVERTERS.get(tp)
     if fn is None:
@@ -263,15 +266,18 @@ def _decoder(cls: type[Record]) -> Callable[[Any], Any]:
     decoder = _DECODERS.get(cls)
     if decoder is not None:
         return decoder
-    # A record that (indirectly) holds itself: calls made while compiling look it up at call time.
-    _DECODERS[cls] = lambda data: _DECODERS[cls](data)
-    try:
-        decoder = _compile_decoder(cls)
-    except BaseException:
-        del _DECODERS[cls]
-        raise
-    _DECODERS[cls] = decoder
-    return decoder
+    with _COMPILE_LOCK:  # other threads wait for the decoder rather than see a half-made one
+        decoder = _DECODERS.get(cls) or _PENDING.get(cls)
+        if decoder is not None:
+            return decoder
+        # A record that (indirectly) holds itself calls its own decoder through this until it exists.
+        _PENDING[cls] = lambda data: _decoder(cls)(data)
+        try:
+            decoder = _compile_decoder(cls)
+        finally:
+            del _PENDING[cls]
+        _DECODERS[cls] = decoder
+        return decoder
 
 
 def _compile_decoder(cls: type[Record]) -> Callable[[Any], Any]:
