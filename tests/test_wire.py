@@ -10,6 +10,7 @@ import dataclasses
 import functools
 import itertools
 import math
+import threading
 import types
 import typing
 from typing import Any
@@ -807,3 +808,26 @@ def test_each_subclass_encodes_its_own_fields() -> None:
     assert _Base(x=2).to_wire() == {"x": 2}
     assert _HandWritten(x=2).to_wire() == {"x": 4}
     assert _HandWrittenChild(x=3, y=1).to_wire() == {"x": 6}  # inherits the hand-written one
+
+
+def test_threads_decoding_a_record_for_the_first_time_all_get_it() -> None:
+    """Compilation happens at first use; threads racing to it wait for one finished decoder."""
+
+    @record
+    class Fresh(Record):
+        x: int
+        bases: list[_Base]
+
+    barrier = threading.Barrier(8)
+    results: list[Any] = []
+
+    def decode_once() -> None:
+        barrier.wait()
+        results.append(Fresh.from_wire({"x": 1, "bases": [{"x": 2}]}))
+
+    threads = [threading.Thread(target=decode_once) for _ in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert results == [Fresh(x=1, bases=[_Base(x=2)])] * 8
