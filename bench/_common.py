@@ -14,7 +14,7 @@ from typing import Any
 from pwmesh.cli import commands
 from pwmesh.cli.commands import fetch_status
 from pwmesh.client.connection import ClientConnection
-from pwmesh.wire.messages import GetSchedulerStats, SchedulerStats
+from pwmesh.wire.messages import GetSchedulerStats, GetTrace, SchedulerStats, TraceEvents
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results"
 
@@ -48,6 +48,20 @@ class SchedulerProbe:
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
+
+
+def executor_trace(address: str, session: str, since: float) -> list[Any]:
+    """This session's computations since ``since`` on every executor, by start time."""
+    events = []
+    for ex in fetch_status(address).cluster.executors:
+        conn = ClientConnection(ex.control, name="bench-trace", open_session=False)
+        try:
+            reply = conn.request(GetTrace(since=since), timeout_seconds=30.0)
+        finally:
+            conn.close()
+        assert isinstance(reply, TraceEvents)
+        events.extend(ev for ev in reply.events if ev.run_id.startswith(session))
+    return sorted(events, key=lambda ev: ev.start)
 
 
 def table(headers: list[str], rows: list[list[Any]]) -> str:

@@ -59,9 +59,6 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 import pwmesh as pw  # noqa: E402
-from pwmesh.cli.commands import fetch_status  # noqa: E402
-from pwmesh.client.connection import ClientConnection  # noqa: E402
-from pwmesh.wire.messages import GetTrace, TraceEvents  # noqa: E402
 
 try:
     import ray
@@ -69,7 +66,7 @@ except ImportError:  # optional: pip install -e '.[bench]'
     ray = None
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import DEFAULT_OUT, load_average, machine, pyplot, save_results, table  # noqa: E402
+from _common import DEFAULT_OUT, executor_trace, load_average, machine, pyplot, save_results, table  # noqa: E402
 
 COMPUTATIONS = ("add", "add_psum")
 MODES = ("opbyop", "chained", "fused")
@@ -162,18 +159,6 @@ def measure(sequences: dict[tuple[str, str], Callable[[], None]], config: Config
 # ------------------------------------------------------------------ pwmesh
 
 
-def executor_trace(address: str, session: str, since: float) -> list[Any]:
-    """This session's computations since ``since`` on every executor, by start time."""
-    events = []
-    for ex in fetch_status(address).cluster.executors:
-        conn = ClientConnection(ex.control, name="bench-trace", open_session=False)
-        try:
-            reply = conn.request(GetTrace(since=since), timeout_seconds=30.0)
-        finally:
-            conn.close()
-        assert isinstance(reply, TraceEvents)
-        events.extend(ev for ev in reply.events if ev.run_id.startswith(session))
-    return sorted(events, key=lambda ev: ev.start)
 
 
 def traced(client: pw.Client, address: str, sequence: Callable[[], Any], length: int,

@@ -43,7 +43,7 @@ import numpy as np
 import pwmesh as pw
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import DEFAULT_OUT, load_average, machine, pyplot, save_results, table  # noqa: E402
+from _common import DEFAULT_OUT, executor_trace, load_average, machine, pyplot, save_results, table  # noqa: E402
 
 MODES = ("parallel", "sequential")
 KINDS = ("latency", "pipelined")
@@ -110,12 +110,6 @@ def traced_latency(client: pw.Client, address: str, prog: Callable[[Any], Any], 
     starts (parallel: the transfer; sequential: also completion -> proxy -> scheduler -> executor);
     result: the last stage ends -> the value is at the client.
     """
-    try:
-        from pwmesh.cli.commands import fetch_status
-        from pwmesh.client.connection import ClientConnection
-        from pwmesh.wire.messages import GetTrace, TraceEvents
-    except ImportError:  # an older pwmesh without executor traces
-        return None
     since = time.time()
     calls = []
     for _ in range(n):
@@ -123,16 +117,8 @@ def traced_latency(client: pw.Client, address: str, prog: Callable[[Any], Any], 
         np.asarray(prog(x))
         calls.append((called, time.time()))
     runs: dict[str, dict[int, Any]] = {}
-    for ex in fetch_status(address).cluster.executors:
-        conn = ClientConnection(ex.control, name="bench-trace", open_session=False)
-        try:
-            reply = conn.request(GetTrace(since=since), timeout_seconds=30.0)
-        finally:
-            conn.close()
-        assert isinstance(reply, TraceEvents)
-        for ev in reply.events:
-            if ev.run_id.startswith(client.session_id):
-                runs.setdefault(ev.run_id.split("#", 1)[0], {})[ev.node] = ev
+    for ev in executor_trace(address, client.session_id, since):
+        runs.setdefault(ev.run_id.split("#", 1)[0], {})[ev.node] = ev
     complete = sorted((r for r in runs.values() if len(r) == k), key=lambda r: r[0].start)
     if len(complete) != n:
         return None
