@@ -26,6 +26,7 @@ Everything that arrives is validated by the same codec as control messages.
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import logging
 import mmap
@@ -254,7 +255,7 @@ class DataPlane:
     """An executor's data plane: a listener for its peers' streams, and a stream to each destination.
 
     ``on_batch`` is called on the event loop (through ``call_soon_threadsafe``) for every
-    batch that arrives; ``on_idle`` when every batch sent so far has been acknowledged."""
+    batch that arrives; ``idle`` is set whenever every batch sent so far has been acknowledged."""
 
     def __init__(self, loop: Any, on_batch: Callable[[TupleBatch], None], *, bind_host: str = "127.0.0.1",
                  shared_memory: bool = True, max_segments: int = 8,
@@ -269,7 +270,8 @@ class DataPlane:
         self._streams: dict[str, _Stream] = {}
         self._in_flight = 0
         self._count_lock = threading.Lock()
-        self.idle: Any = None  # an asyncio.Event set while nothing is in flight (set by the owner)
+        self.idle = asyncio.Event()  # set while nothing sent is unacknowledged (built on the owner's loop)
+        self.idle.set()
         self._listener = socket.create_server((bind_host, 0), backlog=128)
         host, port = self._listener.getsockname()[:2]
         self.address = f"tcp://{host}:{port}"
@@ -290,19 +292,18 @@ class DataPlane:
             stream = self._streams[address] = _Stream(self, address)
         with self._count_lock:
             self._in_flight += 1
-        if self.idle is not None:
-            self.idle.clear()
+        self.idle.clear()
         stream.queue.put(codec.encode(batch, msg_id=0))
 
     def _settled(self, count: int) -> None:
         with self._count_lock:
             self._in_flight -= count
             idle = self._in_flight <= 0
-        if idle and self.idle is not None and not self._closing:
+        if idle and not self._closing:
             self.loop.call_soon_threadsafe(self._mark_idle)
 
     def _mark_idle(self) -> None:
-        if self._in_flight <= 0 and self.idle is not None:
+        if self._in_flight <= 0:
             self.idle.set()
 
     # -------------------------------------------------------------- receiving

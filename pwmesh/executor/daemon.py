@@ -134,8 +134,6 @@ class Executor(Service):
         bind_host = self.config.data_listen.removeprefix("tcp://").rsplit(":", 1)[0]
         self.plane = DataPlane(asyncio.get_running_loop(), self._receive, bind_host=bind_host,
                                shared_memory=self.config.shared_memory)
-        self.plane.idle = asyncio.Event()
-        self.plane.idle.set()
         self.control.start()
         self.peers = Connections(self.ctx, tasks=self.tasks, name=self.name, on_message=self._notified)
         self._sending = 0  # transfers waiting for their shard, or under way
