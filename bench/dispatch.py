@@ -66,7 +66,16 @@ except ImportError:  # optional: pip install -e '.[bench]'
     ray = None
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import DEFAULT_OUT, executor_trace, load_average, machine, pyplot, save_results, table  # noqa: E402
+from _common import (  # noqa: E402
+    DEFAULT_OUT,
+    executor_trace,
+    load_average,
+    machine,
+    pyplot,
+    save_figure,
+    save_results,
+    table,
+)
 
 COMPUTATIONS = ("add", "add_psum")
 MODES = ("opbyop", "chained", "fused")
@@ -418,11 +427,7 @@ def plot(path: Path, results: dict[str, Any]) -> bool:
     axes[0].set_ylabel("computations / s (log)")
     axes[0].legend()
     fig.suptitle("Dispatch overhead: 128 computations each fed by the previous (higher is better)")
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return True
+    return save_figure(fig, path)
 
 
 def main(argv: list[str] | None = None) -> int:

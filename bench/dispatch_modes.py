@@ -43,7 +43,16 @@ import numpy as np
 import pwmesh as pw
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import DEFAULT_OUT, executor_trace, load_average, machine, pyplot, save_results, table  # noqa: E402
+from _common import (  # noqa: E402
+    DEFAULT_OUT,
+    executor_trace,
+    load_average,
+    machine,
+    pyplot,
+    save_figure,
+    save_results,
+    table,
+)
 
 MODES = ("parallel", "sequential")
 KINDS = ("latency", "pipelined")
@@ -207,11 +216,7 @@ def plot(path: Path, results: list[dict[str, Any]]) -> bool:
         ax.set_title(titles[kind], fontsize=10)
         ax.legend()
     fig.suptitle("K-stage chain of x + 1.0: parallel vs sequential dispatch")
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return True
+    return save_figure(fig, path)
 
 
 def fmt(v: float | None, spec: str = ".2f") -> str:

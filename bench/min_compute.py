@@ -54,7 +54,7 @@ import numpy as np  # noqa: E402
 import pwmesh as pw  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import DEFAULT_OUT, load_average, machine, pyplot, save_results, table  # noqa: E402
+from _common import DEFAULT_OUT, load_average, machine, pyplot, save_figure, save_results, table  # noqa: E402
 
 LAYOUTS = {"span": 4, "one": 2}  # slice devices: over both executors, on one executor
 TARGET_MS = 2.3
@@ -209,11 +209,7 @@ def plot(path: Path, sweeps: list[dict[str, Any]], threshold: float) -> bool:
     ax.set_ylim(0, max(1.1, 1.05 * top))
     ax.set_title("How big a step must be to hide pwmesh's dispatch", fontsize=10)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return True
+    return save_figure(fig, path)
 
 
 def fmt(v: float | None, spec: str = ".3f") -> str:

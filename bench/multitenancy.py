@@ -38,7 +38,16 @@ import numpy as np
 import pwmesh as pw
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import DEFAULT_OUT, SchedulerProbe, load_average, machine, pyplot, save_results, table  # noqa: E402
+from _common import (  # noqa: E402
+    DEFAULT_OUT,
+    SchedulerProbe,
+    load_average,
+    machine,
+    pyplot,
+    save_figure,
+    save_results,
+    table,
+)
 
 WEIGHTS = (1.0, 2.0, 4.0, 8.0)
 
@@ -239,11 +248,7 @@ def plot(path: Path, shares: dict[str, Any], throughput: list[dict[str, Any]]) -
     ax2.set_ylabel("computations / s (all clients)")
     ax2.set_ylim(bottom=0)
     ax2.set_title("aggregate throughput")
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return True
+    return save_figure(fig, path)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -93,7 +93,7 @@ import numpy as np
 import zmq
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import DEFAULT_OUT, load_average, machine, pyplot, save_results, table  # noqa: E402
+from _common import DEFAULT_OUT, load_average, machine, pyplot, save_figure, save_results, table  # noqa: E402
 
 KiB = 1 << 10
 MiB = 1 << 20
@@ -1110,11 +1110,7 @@ def plot(path: Path, result: dict[str, Any]) -> bool:
         ax.set_xlabel("GB/s (median); receiver CPU ms and page faults per transfer")
         ax.set_xlim(right=ax.get_xlim()[1] * 1.3)
         ax.set_title(f"one knob at a time, {size_label(rows[0]['bytes'])}", fontsize=10)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return True
+    return save_figure(fig, path)
 
 
 def host_settings() -> dict[str, str]:
