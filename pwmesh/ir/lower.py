@@ -372,7 +372,7 @@ class _Lowering:
         landing = self.fresh_name()
         self.out.derived.append(landing)
         target = Target(prefix=self.prefix(landing), shards=n, sites=sites_of(devs),
-                        shape=[spec.shape[0] // n, *spec.shape[1:]] if spec.shape else [], dtype=spec.dtype)
+                        shape=shard_shape(spec.shape, n), dtype=spec.dtype)
         for k, v in enumerate(node.inputs):
             made_by = self.producer.get(v)
             if made_by is None or self.program.nodes[made_by].kind != "call":
@@ -405,8 +405,9 @@ class _Lowering:
         n = len(devs)
         check_split(spec.shape, n, f"{reader} reads value {v} on {n} devices")
         if v in self.host_inputs:
-            key = (v, n, tuple(d.executor_id for d in devs))
-            name = self.names[v] if n == spec.shards else self.layouts.get(key) or self.layout_name(v, devs)
+            name = self.names[v]
+            if n != spec.shards:
+                name = self.layouts.get(layout_key(v, devs)) or self.layout_name(v, devs)
             for j, dev in enumerate(devs):
                 if (name, j, dev.executor_id) not in self.placed:
                     self.placed.add((name, j, dev.executor_id))
@@ -422,24 +423,19 @@ class _Lowering:
         # Made by this run and split alike: copy the missing shards under its own name. Resharded,
         # or an existing buffer read elsewhere: into a buffer of this run's own, freed with it.
         if n != len(src) or v not in self.producer:
-            key = (v, n, tuple(d.executor_id for d in devs))
-            if key in self.layouts:
-                return self.layouts[key]
+            if layout_key(v, devs) in self.layouts:
+                return self.layouts[layout_key(v, devs)]
             name = self.layout_name(v, devs)
             missing = list(range(n))
         for j in missing:
             self.placed.add((name, j, devs[j].executor_id))
             self.hold(name, devs[j])
-        target = Target(prefix=self.prefix(name), shards=n, sites=sites_of(devs, missing),
-                        shape=[spec.shape[0] // n, *spec.shape[1:]] if spec.shape else [], dtype=spec.dtype)
-        rows = spec.shape[0] if spec.shape else 1
-        emit = Emit(mode="block", rows=rows, src_shards=len(src), targets=[target])
-        self.emit_from(v, emit)
+        self.emit_from(v, block_emit(spec, self.prefix(name), n, sites_of(devs, missing), src_shards=len(src)))
         return name
 
     def layout_name(self, v: int, devs: list[ShardLocation]) -> str:
         name = self.fresh_name()
-        self.layouts[(v, len(devs), tuple(d.executor_id for d in devs))] = name
+        self.layouts[layout_key(v, devs)] = name
         self.out.derived.append(name)
         return name
 
@@ -468,12 +464,26 @@ class _Lowering:
 
 def move_shard(spec: ValueSpec, prefix: str, shard: int, new: PhysicalDevice) -> Emit:
     """The emit that copies shard ``shard`` of a buffer, as it is, to device ``new`` (a drained host's)."""
-    n = spec.shards
     site = Site(executor_id=new.executor_id, data=new.data, host=new.host,
                 runs=[ShardRun(device=new.device, shard=shard)])
-    target = Target(prefix=prefix, shards=n, sites=[site],
-                    shape=[spec.shape[0] // n, *spec.shape[1:]] if spec.shape else [], dtype=spec.dtype)
-    return Emit(mode="block", rows=spec.shape[0] if spec.shape else 1, src_shards=n, targets=[target])
+    return block_emit(spec, prefix, spec.shards, [site], src_shards=spec.shards)
+
+
+def shard_shape(shape: list[int], shards: int) -> list[int]:
+    """One of ``shards`` equal leading-axis blocks of ``shape``."""
+    return [shape[0] // shards, *shape[1:]] if shape else []
+
+
+def block_emit(spec: ValueSpec, prefix: str, shards: int, sites: list[Site], *, src_shards: int) -> Emit:
+    """Send the ``src_shards``-way value ``spec`` to ``sites`` of its ``shards``-way layout under ``prefix``."""
+    target = Target(prefix=prefix, shards=shards, sites=sites, shape=shard_shape(spec.shape, shards),
+                    dtype=spec.dtype)
+    return Emit(mode="block", rows=spec.shape[0] if spec.shape else 1, src_shards=src_shards, targets=[target])
+
+
+def layout_key(v: int, devs: list[ShardLocation]) -> tuple[int, int, tuple[str, ...]]:
+    """Value ``v`` split ``len(devs)`` ways over these executors: one copy serves every device of each."""
+    return (v, len(devs), tuple(d.executor_id for d in devs))
 
 
 def nbytes(shape: list[int], dtype: str) -> int:
