@@ -303,6 +303,8 @@ class Runner:
     def _emit_all(self, work: Work, per_shard: list[list[Any]], outs: list[list[Any]] | None,
                   err: PwmeshError | None) -> None:
         """Send the values the computation's emits name (or, if it failed, its failure)."""
+        if not work.comp.emits:  # most computations: their consumers run on this executor
+            return
         if err is not None or outs is None:
             for emit in work.comp.emits:
                 self._emit(work, emit, {}, {}, err or PwmeshError(f"{work.label} produced nothing"))
