@@ -103,6 +103,13 @@ class MemoryBudget:
             self._waiters.append(_Waiter(nbytes, owner, granted))
         return granted
 
+    def try_reserve(self, nbytes: int) -> bool:
+        """Hold ``nbytes`` now if they fit and nobody waits ahead; ``release`` them afterwards."""
+        if self._waiters or not self.fits(nbytes):
+            return False
+        self.reserved += nbytes
+        return True
+
     async def reserve(self, nbytes: int, owner: object) -> None:
         """Wait until ``nbytes`` are held for ``owner``; ``release`` them afterwards.
         Raises what ``cancel(owner, ...)`` passes."""
@@ -152,22 +159,25 @@ def buffer_of(key: str) -> str:
 
 
 class ObjectStore:
-    """Shard keys ``"<owner>/<buffer>/<shard>"``; deletes and tombstones are per buffer."""
+    """Shard keys ``"<owner>/<buffer>/<shard>"``; deletes and tombstones are per buffer.
+
+    A value that arrived is kept as it is (``_values``); a future exists only for a key
+    somebody waits for before it arrives (a posted receive) or that failed: most values
+    are produced and consumed on the fast path without one."""
 
     def __init__(self) -> None:
-        self._entries: dict[str, asyncio.Future[Any]] = {}
+        self._values: dict[str, Any] = {}
+        self._futures: dict[str, asyncio.Future[Any]] = {}  # waited for and not there yet, or failed
         self._nbytes: dict[str, int] = {}
-        self._by_buffer: dict[str, set[str]] = {}
+        self._by_buffer: dict[str, list[str]] = {}
         self._deleted: set[str] = set()  # buffers
         self.memory = MemoryBudget()  # its limit is the executor's to set
 
-    def _entry(self, key: str) -> asyncio.Future[Any]:
-        fut = self._entries.get(key)
-        if fut is None:
-            fut = asyncio.get_running_loop().create_future()
-            fut.add_done_callback(_retrieve)
-            self._entries[key] = fut
-            self._by_buffer.setdefault(buffer_of(key), set()).add(key)
+    def _future(self, key: str) -> asyncio.Future[Any]:
+        fut = asyncio.get_running_loop().create_future()
+        fut.add_done_callback(_retrieve)
+        self._futures[key] = fut
+        self._by_buffer.setdefault(buffer_of(key), []).append(key)
         return fut
 
     def deleted(self, key: str) -> bool:
@@ -175,28 +185,51 @@ class ObjectStore:
 
     def get(self, key: str) -> asyncio.Future[Any]:
         """The value's future, created (a posted receive) if the key has not arrived yet."""
+        fut = self._futures.get(key)
+        if fut is not None:
+            return fut
+        if key in self._values:
+            fut = asyncio.get_running_loop().create_future()
+            fut.set_result(self._values[key])
+            return fut
         if self.deleted(key):
             fut = asyncio.get_running_loop().create_future()
             fut.set_exception(NotFound(f"object {key} was deleted"))
             fut.add_done_callback(_retrieve)
             return fut
-        return self._entry(key)
+        return self._future(key)
+
+    def values(self, keys: list[str]) -> list[Any] | None:
+        """The values of ``keys`` if every one is here (not failed, not pending), else None."""
+        values = self._values
+        try:
+            return [values[k] for k in keys]
+        except KeyError:
+            return None
 
     def put(self, key: str, value: Any, nbytes: int) -> None:
-        if self.deleted(key):
-            return
-        fut = self._entry(key)
-        if fut.done():  # a confused or hostile peer; the first value stands
+        if key in self._values:  # a confused or hostile peer; the first value stands
             log.warning("object %s was produced twice; keeping the first", key)
             return
-        fut.set_result(value)
+        fut = self._futures.pop(key, None)
+        if fut is None:
+            if self.deleted(key):
+                return
+            self._by_buffer.setdefault(buffer_of(key), []).append(key)
+        elif fut.done():  # it failed (or a receive of a deleted key); the failure stands
+            self._futures[key] = fut
+            log.warning("object %s arrived after it failed; keeping the failure", key)
+            return
+        else:
+            fut.set_result(value)
+        self._values[key] = value
         self._nbytes[key] = nbytes
         self.memory.allocated(nbytes)
 
     def fail(self, key: str, exc: PwmeshError) -> None:
-        if self.deleted(key):
+        if self.deleted(key) or key in self._values:
             return
-        fut = self._entry(key)
+        fut = self._futures.get(key) or self._future(key)
         if not fut.done():
             fut.set_exception(exc)
 
@@ -207,12 +240,12 @@ class ObjectStore:
         for buffer in buffers:
             self._deleted.add(buffer)
             for key in self._by_buffer.pop(buffer, ()):
-                fut = self._entries.pop(key, None)
-                freed += self._nbytes.pop(key, 0)
-                if fut is not None:
-                    removed += 1
-                    if not fut.done():
-                        fut.set_exception(NotFound(f"object {key} was deleted before it arrived"))
+                removed += 1
+                if self._values.pop(key, None) is not None:
+                    freed += self._nbytes.pop(key, 0)
+                fut = self._futures.pop(key, None)
+                if fut is not None and not fut.done():
+                    fut.set_exception(NotFound(f"object {key} was deleted before it arrived"))
         if freed:
             self.memory.freed(freed)  # wakes computations waiting for room
         return removed
@@ -222,7 +255,7 @@ class ObjectStore:
         self._deleted = {k for k in self._deleted if not k.startswith(prefix)}
 
     def __len__(self) -> int:
-        return len(self._entries)
+        return len(self._values) + len(self._futures)  # a key is in one of them at most
 
     @property
     def nbytes(self) -> int:
