@@ -10,10 +10,15 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Iterator
 
+import jax
 import pytest
 
 import pwmesh as pw
 from pwmesh.cli.commands import fetch_status
+
+# In this process too (tests that drive an executor's parts directly): two CPU devices.
+# The daemons set their own device count (LocalCluster drops XLA_FLAGS for them).
+jax.config.update("jax_num_cpu_devices", 2)
 
 # Two islands x two hosts x two devices: enough for three slices on three
 # executors across both islands (Figure 2) and for same-host collectives.

@@ -25,8 +25,14 @@ class CompiledFunction:
         self.spmd = spmd
         self._lock = threading.Lock()
         self._executables: dict[tuple[int, ...], Any] = {}
-        # How long its last run took (inf: never ran, so it compiles first, on a device thread).
-        self.last_seconds = float("inf")
+        # How long a run of one shard takes (inf: never ran, so it compiles first, on a device
+        # thread): a quicker run counts at once, a slower one a quarter, so one pause or busy
+        # moment does not send a quick function off the fast path.
+        self.seconds = float("inf")
+
+    def ran(self, seconds: float) -> None:
+        """Record how long one shard's run took."""
+        self.seconds = min(seconds, 0.75 * self.seconds + 0.25 * seconds)
 
     @property
     def num_inputs(self) -> int:
@@ -41,6 +47,12 @@ class CompiledFunction:
         total = sum(math.prod(a.shape) * np.dtype(a.dtype).itemsize for a in self.exported.out_avals)
         return total // self.exported.nr_devices if self.spmd else total
 
+    @functools.cached_property
+    def output_nbytes(self) -> list[int]:
+        """Bytes of each output of one shard (see ``shard_output_nbytes``)."""
+        split = self.exported.nr_devices if self.spmd else 1
+        return [math.prod(a.shape) * np.dtype(a.dtype).itemsize // split for a in self.exported.out_avals]
+
     def sharding(self, devices: tuple[jax.Device, ...]) -> Any:
         if self.spmd:
             return NamedSharding(Mesh(np.array(devices), ("x",)), PartitionSpec("x"))
@@ -50,6 +62,10 @@ class CompiledFunction:
     def compiled(self, devices: tuple[jax.Device, ...]) -> bool:
         """Whether ``executable(devices)`` returns at once (nothing to compile)."""
         return tuple(d.id for d in devices) in self._executables
+
+    def ready(self, devices: tuple[jax.Device, ...]) -> Any:
+        """The executable for ``devices`` if it is compiled already, else None (never compiles)."""
+        return self._executables.get(tuple(d.id for d in devices))
 
     def executable(self, devices: tuple[jax.Device, ...]) -> Any:
         """The executable for ``devices``, compiled on first use (call from a worker thread)."""

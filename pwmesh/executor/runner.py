@@ -27,6 +27,7 @@ import asyncio
 import collections
 import concurrent.futures
 import dataclasses
+import functools
 import logging
 import time
 import traceback
@@ -35,6 +36,7 @@ from typing import Any, NamedTuple
 
 import jax
 import numpy as np
+from jax.sharding import SingleDeviceSharding
 
 from pwmesh.dataflow.exchange import Ragged
 from pwmesh.errors import PwmeshError, RemoteError
@@ -44,7 +46,7 @@ from pwmesh.wire.messages import Computation, Emit
 
 log = logging.getLogger(__name__)
 
-INLINE_SECONDS = 200e-6  # computations faster than this (last time) run on the event loop, not a device thread
+INLINE_SECONDS = 1e-3  # computations quicker than this (all shards, recently) run on the event loop, not a device thread
 
 
 @dataclasses.dataclass(eq=False)
@@ -55,17 +57,29 @@ class Work:
     proxy: str
     scheduler: str
     comp: Computation
-    done: asyncio.Future[None]
-    peers_ready: asyncio.Future[None]
-    cancel: asyncio.Future[None]  # fails when its run is cancelled: ends every wait of this work
+    devices: list[int]  # its local devices, one per shard
+    shards: list[int]  # the shard each of them runs
+    # Only work that goes through the queues waits, so only it has these (``queue``):
+    done: asyncio.Future[None] = dataclasses.field(init=False)
+    peers_ready: asyncio.Future[None] = dataclasses.field(init=False)
+    cancel: asyncio.Future[None] = dataclasses.field(init=False)  # fails when its run is cancelled
+    queued: bool = False
     peers_pending: set[str] = dataclasses.field(default_factory=set)  # peers not yet at this gang
     arrived: int = 0
     waiting_since: float = 0.0  # when all local devices arrived (watchdog)
     error: PwmeshError | None = None
     cancelled: PwmeshError | None = None  # its run was cancelled: it never waits for memory
     device_seconds: float = 0.0
-    devices: list[int] = dataclasses.field(default_factory=list)  # its local devices, one per shard
-    shards: list[int] = dataclasses.field(default_factory=list)  # the shard each of them runs
+
+    def queue(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Make the futures its waits need: it goes through the device queues."""
+        self.queued = True
+        self.done = loop.create_future()
+        self.peers_ready = loop.create_future()
+        self.cancel = loop.create_future()
+        self.peers_ready.add_done_callback(_retrieve)
+        self.cancel.add_done_callback(_retrieve)
+        self.peers_pending = set(self.comp.peers)
 
     @property
     def label(self) -> str:
@@ -139,6 +153,8 @@ class Runner:
         self._by_node: dict[tuple[str, int], Work] = {}  # gang waits, for GangReady
         self._early: dict[tuple[str, int], set[str]] = {}  # GangReady that came before its work
         self._outstanding = 0  # computations enqueued and not yet complete
+        self._load = [0] * len(devices)  # per device: queued or running computations (0: free to run one now)
+        self._admitting: set[str] = set()  # runs whose computations are being enqueued (no part done yet)
         self._idle = asyncio.Event()
         self._idle.set()
 
@@ -150,23 +166,50 @@ class Runner:
         """Return once every enqueued computation has completed (used to drain)."""
         await self._idle.wait()
 
+    def enqueue_all(self, run_id: str, proxy: str, comps: list[Computation],
+                    scheduler: str = "") -> list[tuple[Computation, PwmeshError]]:
+        """Enqueue one run's computations on this executor, in order; returns those refused, and why.
+
+        The run's part is done (``part_done``) once all of them have completed, not before:
+        a computation that runs at once (see ``enqueue``) must not end the part alone."""
+        refused = []
+        self._admitting.add(run_id)
+        self._run_seconds.setdefault(run_id, 0.0)
+        try:
+            for comp in comps:
+                try:
+                    self.enqueue(run_id, proxy, comp, scheduler)
+                except PwmeshError as exc:
+                    refused.append((comp, exc))
+        finally:
+            self._admitting.discard(run_id)
+            if not self._runs.get(run_id):
+                self._end_part(run_id, scheduler)
+        return refused
+
     def enqueue(self, run_id: str, proxy: str, comp: Computation, scheduler: str = "") -> None:
-        """Put ``comp``'s shards on their devices' queues (synchronously, in call order)."""
-        devices = [device for device, _ in comp.shards()]
+        """Put ``comp``'s shards on their devices' queues (synchronously, in call order).
+
+        The fast path: a small computation whose devices are free, whose inputs and
+        function are here and whose outputs fit runs right now, on the event loop,
+        without a queue or a thread hop (in the island's order all the same: nothing
+        is ahead of it on its devices)."""
+        shards = comp.shards()
+        devices = [device for device, _ in shards]
         if not devices or any(not 0 <= d < len(self.devices) for d in devices) or len(set(devices)) != len(devices):
             raise PwmeshError(f"computation {comp.node} names devices {devices}; this host has {len(self.devices)}")
-        loop = asyncio.get_running_loop()
-        work = Work(run_id, proxy, scheduler, comp, done=loop.create_future(), peers_ready=loop.create_future(),
-                    cancel=loop.create_future(), peers_pending=set(comp.peers), devices=devices,
-                    shards=[shard for _, shard in comp.shards()])
-        work.peers_ready.add_done_callback(_retrieve)
-        work.cancel.add_done_callback(_retrieve)
+        work = Work(run_id, proxy, scheduler, comp, devices, [shard for _, shard in shards])
         self._outstanding += 1
         self._idle.clear()
+        self._run_seconds.setdefault(run_id, 0.0)
+        for device in devices:
+            self._load[device] += 1
+        if self._run_now(work):
+            return
+        work.queue(asyncio.get_running_loop())
+        self._runs.setdefault(run_id, []).append(work)
         for device in devices:
             self.queues[device].put_nowait(work)
-        self._runs.setdefault(run_id, []).append(work)
-        self._run_seconds.setdefault(run_id, 0.0)
         key = (run_id, comp.node)
         self._by_node[key] = work
         self._check_peers(work, self._early.pop(key, set()))
@@ -287,12 +330,68 @@ class Runner:
                 self.memory.release(reserved)
                 raise
             err = as_error(exc, f"computation {comp.node} ({comp.fn_id[:12] or comp.kind})")
+        self._finish(work, arrived, ready, start, per_shard, outs, err, reserved)
+
+    def _run_now(self, work: Work) -> bool:
+        """Run ``work`` here and now if it can start at once and is quick; False leaves it to the queues."""
+        comp = work.comp
+        if comp.peers or comp.kind != "call" or comp.ragged or any(self._load[d] > 1 for d in work.devices):
+            return False
+        entry = self.functions.get(comp.fn_id)
+        if not entry.done() or entry.exception() is not None:
+            return False
+        fn = entry.result()
+        if fn.seconds * len(work.devices) >= INLINE_SECONDS:
+            return False
+        devices = [self.devices[d] for d in work.devices]
+        if comp.spmd:
+            if not fn.compiled(tuple(devices)):
+                return False
+        else:
+            exes = [fn.ready((d,)) for d in devices]
+            if None in exes:
+                return False
+        per_shard = []
+        for shard in work.shards:
+            values = self.store.values([f"{p}/{shard}" for p in comp.inputs])
+            if values is None:  # not here yet, or failed: the queues wait for it (or report it)
+                return False
+            per_shard.append(values)
+        nbytes = fn.shard_output_nbytes * len(devices)
+        if not self.memory.try_reserve(nbytes):
+            return False
+        arrived = time.time()
+        outs = None
+        err = None
+        try:
+            if comp.spmd:
+                outs, seconds = _call_spmd(fn, tuple(devices), per_shard)
+                work.device_seconds = seconds * len(devices)
+            else:
+                start = time.perf_counter()
+                # Every shard is dispatched before any is waited for: the devices run them together.
+                outs = [jax.tree_util.tree_leaves(exe(*[_placed(a, d) for a in args]))
+                        for exe, d, args in zip(exes, devices, per_shard, strict=True)]
+                jax.block_until_ready(outs)
+                work.device_seconds = time.perf_counter() - start
+                seconds = work.device_seconds / len(devices)
+            fn.ran(seconds)
+        except Exception as exc:
+            err = as_error(exc, f"computation {comp.node} ({comp.fn_id[:12]})")
+        self._finish(work, arrived, arrived, arrived, per_shard, outs, err, nbytes, fn.output_nbytes)
+        return True
+
+    def _finish(self, work: Work, arrived: float, ready: float, start: float, per_shard: list[list[Any]],
+                outs: list[list[Any]] | None, err: PwmeshError | None, reserved: int,
+                nbytes: list[int] | None = None) -> None:
+        """Store (or fail) its outputs, give back its reservation, send its emits, report it done."""
+        comp = work.comp
         end = time.time()
         self.spans.append(Span(arrived, ready or end, start or end, end, work.run_id, comp.node, comp.seq, comp.fn_id,
                                tuple(work.devices), "" if err is None else err.message))
         try:
             for i, shard in enumerate(work.shards):
-                err = self._finish_outputs(work, shard, None if outs is None else outs[i], err)
+                err = self._finish_outputs(work, shard, None if outs is None else outs[i], err, nbytes)
         finally:
             self.memory.release(reserved)  # the outputs are stored bytes now, or failed
         try:
@@ -321,7 +420,7 @@ class Runner:
         loop = asyncio.get_running_loop()
         # A computation that last took less than a thread hand-off costs runs right here, on the
         # loop: the hop to a device thread and back (~0.1-0.5 ms on a busy host) would dominate it.
-        inline = fn.last_seconds * len(work.devices) < INLINE_SECONDS
+        inline = fn.seconds * len(work.devices) < INLINE_SECONDS
         if comp.spmd:
             devices = tuple(self.devices[d] for d in work.devices)
             inline = inline and fn.compiled(devices)
@@ -330,7 +429,7 @@ class Runner:
             else:
                 outs, seconds = await loop.run_in_executor(self.pools[work.devices[-1]], _call_spmd, fn, devices,
                                                            per_shard)
-            fn.last_seconds = seconds
+            fn.ran(seconds)
             work.device_seconds = seconds * len(devices)
             return outs
         call = _call_ragged if comp.ragged else _call_single
@@ -340,19 +439,20 @@ class Runner:
             results = await asyncio.gather(*(
                 loop.run_in_executor(self.pools[d], call, fn, self.devices[d], args)
                 for d, args in zip(work.devices, per_shard, strict=True)))
-        fn.last_seconds = max(r[1] for r in results)
+        fn.ran(max(r[1] for r in results))
         work.device_seconds = sum(r[1] for r in results)
         return [r[0] for r in results]
 
-    def _finish_outputs(self, work: Work, shard: int, outs: list[Any] | None,
-                        err: PwmeshError | None) -> PwmeshError | None:
+    def _finish_outputs(self, work: Work, shard: int, outs: list[Any] | None, err: PwmeshError | None,
+                        nbytes: list[int] | None = None) -> PwmeshError | None:
+        """Store one shard's outputs (``nbytes`` each, when known: asking an array costs ~3 us), or fail them."""
         keys = [f"{p}/{shard}" for p in work.comp.outputs]
         if err is None and outs is not None and len(outs) != len(keys):
             err = PwmeshError(f"computation {work.comp.node} produced {len(outs)} outputs, expected {len(keys)}")
         for i, key in enumerate(keys):
             if err is None:
                 assert outs is not None
-                self.store.put(key, outs[i], outs[i].nbytes)
+                self.store.put(key, outs[i], outs[i].nbytes if nbytes is None else nbytes[i])
             else:
                 self.store.fail(key, err)
         if err is not None and work.error is None:
@@ -362,16 +462,21 @@ class Runner:
     def _complete(self, work: Work) -> None:
         self.executed += 1
         self._outstanding -= 1
+        for device in work.devices:
+            self._load[device] -= 1
         if self._outstanding == 0:
             self._idle.set()
         self._done(work)
         self._run_seconds[work.run_id] = self._run_seconds.get(work.run_id, 0.0) + work.device_seconds
         works = self._runs.get(work.run_id)
-        if works is not None:
+        if works and work.queued:
             works.remove(work)
-            if not works:
-                del self._runs[work.run_id]
-                self._part_done(work.run_id, work.scheduler, self._run_seconds.pop(work.run_id))
+        if not works and work.run_id not in self._admitting:
+            self._end_part(work.run_id, work.scheduler)
+
+    def _end_part(self, run_id: str, scheduler: str) -> None:
+        self._runs.pop(run_id, None)
+        self._part_done(run_id, scheduler, self._run_seconds.pop(run_id, 0.0))
 
     def close(self) -> None:
         for pool in self.pools:
@@ -387,10 +492,22 @@ async def _unless_cancelled(fut: asyncio.Future[Any], work: Work) -> Any:
     return fut.result()
 
 
+@functools.cache
+def _on(device: jax.Device) -> SingleDeviceSharding:
+    return SingleDeviceSharding(device)
+
+
+def _placed(value: Any, device: jax.Device) -> Any:
+    """``value`` on ``device``: as it is if it is there already (``device_put`` would cost ~60 us to do nothing)."""
+    if isinstance(value, jax.Array) and value.sharding == _on(device):
+        return value
+    return jax.device_put(value, device)
+
+
 def _call_single(fn: CompiledFunction, device: jax.Device, args: list[Any]) -> tuple[list[Any], float]:
+    exe = fn.executable((device,))  # compiles on first use: not part of its time
     start = time.perf_counter()
-    exe = fn.executable((device,))
-    placed = [jax.device_put(a, device) for a in args]
+    placed = [_placed(a, device) for a in args]
     out = exe(*placed)
     leaves = jax.tree_util.tree_leaves(out)
     jax.block_until_ready(leaves)
@@ -414,12 +531,12 @@ def _call_ragged(fn: CompiledFunction, device: jax.Device, args: list[Any]) -> t
 
 def _call_spmd(fn: CompiledFunction, devices: tuple[jax.Device, ...],
                per_shard: list[list[Any]]) -> tuple[list[list[Any]], float]:
-    start = time.perf_counter()
     exe = fn.executable(devices)
+    start = time.perf_counter()
     sharding = fn.sharding(devices)
     globals_ = []
     for i, aval in enumerate(fn.exported.in_avals):
-        pieces = [jax.device_put(args[i], d) for args, d in zip(per_shard, devices, strict=True)]
+        pieces = [_placed(args[i], d) for args, d in zip(per_shard, devices, strict=True)]
         globals_.append(jax.make_array_from_single_device_arrays(aval.shape, sharding, pieces))
     out = exe(*globals_)
     leaves = jax.tree_util.tree_leaves(out)

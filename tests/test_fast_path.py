@@ -1,0 +1,180 @@
+"""The executor's fast path: quick computations that can start at once run inside ``enqueue``.
+
+These drive a real ``Runner`` (real JAX on 2 CPU devices, real object store) on the
+test's event loop, without daemons: what is checked is which path a computation
+takes, that the island's order and the run accounting stay right, and what the
+store keeps. End to end, every other test's programs go through the same path.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import export
+
+from pwmesh.errors import NotFound, PwmeshError
+from pwmesh.executor.functions import FunctionCache
+from pwmesh.executor.runner import INLINE_SECONDS, Runner, Work
+from pwmesh.executor.store import ObjectStore
+from pwmesh.wire.messages import Computation, ShardRun
+
+pytestmark = pytest.mark.timeout(60)
+
+
+class Recorder:
+    """What the runner reports: completed computations and ended run parts, in order."""
+
+    def __init__(self) -> None:
+        self.done: list[Work] = []
+        self.parts: list[str] = []
+        self.finished = asyncio.Event()
+
+    def on_done(self, work: Work) -> None:
+        self.done.append(work)
+
+    def on_part(self, run_id: str, scheduler: str, seconds: float) -> None:
+        self.parts.append(run_id)
+        self.finished.set()
+
+    async def part(self, run_id: str) -> None:
+        while run_id not in self.parts:
+            self.finished.clear()
+            await asyncio.wait_for(self.finished.wait(), 10)
+
+
+@contextlib.asynccontextmanager
+async def runner() -> AsyncIterator[tuple[Runner, Recorder]]:
+    devices = jax.devices("cpu")[:2]
+    assert len(devices) == 2, "conftest sets 2 CPU devices"
+    rec = Recorder()
+    r = Runner(devices, ObjectStore(), FunctionCache(), emit=lambda *_: None, done=rec.on_done, part_done=rec.on_part)
+    exported = export.export(jax.jit(lambda v: v + 1.0), platforms=["cpu"])(jax.ShapeDtypeStruct((1,), jnp.float32))
+    r.functions.register("inc", bytes(exported.serialize()), spmd=False)
+    for i, d in enumerate(devices):
+        r.store.put(f"x/{i}", jax.device_put(np.zeros(1, np.float32), d), 4)
+    loops = [asyncio.create_task(r.device_loop(i)) for i in range(2)]
+    try:
+        yield r, rec
+    finally:
+        for loop in loops:
+            loop.cancel()
+        await asyncio.gather(*loops, return_exceptions=True)
+        r.close()
+
+
+def chain(run: str, n: int, first: str = "x", shards: int = 2) -> list[Computation]:
+    """``n`` nodes on devices [0, shards), node i reading node i-1's output."""
+    return [Computation(node=i, fn_id="inc", executor_id="e", control="c",
+                        runs=[ShardRun(device=0, shard=0, count=shards)],
+                        inputs=[first if i == 0 else f"{run}/v{i - 1}"], outputs=[f"{run}/v{i}"])
+            for i in range(n)]
+
+
+async def warm(r: Runner, rec: Recorder) -> None:
+    """The first runs compile, and run slowly once, on the device threads (the fast path never compiles)."""
+    for i in range(3):
+        r.enqueue_all(f"warm{i}", "p", chain(f"warm{i}", 1))
+        await rec.part(f"warm{i}")
+    fn = r.functions.get("inc").result()
+    assert fn.seconds * 2 < INLINE_SECONDS, f"a scalar add took {fn.seconds * 1e6:.0f} us a shard"
+    rec.parts.clear()
+
+
+@pytest.mark.asyncio
+async def test_a_warm_chain_runs_inside_enqueue_and_ends_its_part_once() -> None:
+    async with runner() as (r, rec):
+        await warm(r, rec)
+        rec.done.clear()
+        r.enqueue_all("r1", "p", chain("r1", 16))
+        # No await since: every node ran in the call, in order, and the part ended once.
+        assert [w.comp.node for w in rec.done] == list(range(16))
+        assert not any(w.queued for w in rec.done)
+        assert rec.parts == ["r1"]
+        assert [float(v[0]) for v in r.store.values(["r1/v15/0", "r1/v15/1"])] == [16.0, 16.0]
+        assert r.outstanding == 0 and r.queued() == [0, 0]
+        assert r.memory.reserved == 0 and r.memory.stored == 8 + 16 * 8 + 3 * 8  # x, the chain, warm's outputs
+
+
+@pytest.mark.asyncio
+async def test_a_computation_never_overtakes_queued_work_on_its_devices() -> None:
+    async with runner() as (r, rec):
+        await warm(r, rec)
+        rec.done.clear()
+        # r1 waits for an input that is not there: it sits at the head of device 0's queue.
+        r.enqueue_all("r1", "p", chain("r1", 1, first="late", shards=1))
+        # r2 on device 0 could start at once, but r1 is ahead of it in the island's order.
+        r.enqueue_all("r2", "p", chain("r2", 1, shards=1))
+        # r3 uses only device 1, which nothing occupies: it runs now.
+        r.enqueue_all("r3", "p", [Computation(node=0, fn_id="inc", executor_id="e", control="c",
+                                              runs=[ShardRun(device=1, shard=1)], inputs=["x"], outputs=["r3/v0"])])
+        assert [w.run_id for w in rec.done] == ["r3"]
+        r.store.put("late/0", jax.device_put(np.ones(1, np.float32), r.devices[0]), 4)
+        await rec.part("r2")
+        assert [w.run_id for w in rec.done] == ["r3", "r1", "r2"]
+        assert all(w.queued for w in rec.done[1:])
+        assert float(r.store.values(["r1/v0/0"])[0][0]) == 2.0 and float(r.store.values(["r2/v0/0"])[0][0]) == 1.0
+
+
+@pytest.mark.asyncio
+async def test_a_run_mixing_both_paths_ends_its_part_after_its_last_computation() -> None:
+    async with runner() as (r, rec):
+        await warm(r, rec)
+        comps = chain("r1", 3)
+        comps[1].inputs = ["late"]  # node 1 waits (queued); node 2, behind it on the same devices, queues too
+        r.enqueue_all("r1", "p", comps)
+        assert rec.parts == [] and [w.comp.node for w in rec.done[-1:]] == [0]  # node 0 ran at once; not over
+        for i in range(2):
+            r.store.put(f"late/{i}", jax.device_put(np.ones(1, np.float32), r.devices[i]), 4)
+        await rec.part("r1")
+        assert rec.parts == ["r1"]
+        assert float(r.store.values(["r1/v2/1"])[0][0]) == 3.0
+
+
+@pytest.mark.asyncio
+async def test_a_failed_input_takes_the_queue_and_fails_the_outputs() -> None:
+    async with runner() as (r, rec):
+        await warm(r, rec)
+        r.store.fail("bad/0", PwmeshError("producer failed"))
+        r.enqueue_all("r1", "p", chain("r1", 1, first="bad", shards=1))
+        await rec.part("r1")
+        (work,) = [w for w in rec.done if w.run_id == "r1"]
+        assert work.queued and isinstance(work.error, PwmeshError) and "producer failed" in work.error.message
+        with pytest.raises(PwmeshError, match="producer failed"):
+            await r.store.get("r1/v0/0")
+
+
+@pytest.mark.asyncio
+async def test_a_run_whose_computations_are_all_refused_still_ends_its_part() -> None:
+    async with runner() as (r, rec):
+        bad = Computation(node=0, fn_id="inc", executor_id="e", control="c", runs=[ShardRun(device=5, shard=0)],
+                          inputs=["x"], outputs=["r1/v0"])
+        refused = r.enqueue_all("r1", "p", [bad])
+        assert [c.node for c, _ in refused] == [0] and "names devices [5]" in refused[0][1].message
+        assert rec.parts == ["r1"]  # the scheduler gets its window slot back
+
+
+@pytest.mark.asyncio
+async def test_the_store_keeps_values_without_futures_and_remembers_deletes() -> None:
+    store = ObjectStore()
+    store.put("o/b/0", "v", 10)
+    assert store.values(["o/b/0"]) == ["v"] and await store.get("o/b/0") == "v"
+    waiting = store.get("o/c/0")  # a posted receive
+    assert store.values(["o/c/0"]) is None and not waiting.done()
+    store.put("o/c/0", "w", 5)
+    assert await waiting == "w" and store.values(["o/b/0", "o/c/0"]) == ["v", "w"]
+    store.fail("o/d/0", PwmeshError("boom"))
+    store.put("o/d/0", "late", 1)  # the failure stands
+    assert store.values(["o/d/0"]) is None
+    store.put("o/b/0", "again", 10)  # the first value stands
+    assert store.values(["o/b/0"]) == ["v"] and store.nbytes == 15 and len(store) == 3
+    assert store.delete(["o/b", "o/c", "o/d"]) == 3 and len(store) == 0 and store.nbytes == 0
+    store.put("o/b/0", "after", 10)  # a late arrival for a deleted buffer is dropped
+    assert store.values(["o/b/0"]) is None and store.nbytes == 0
+    with pytest.raises(NotFound):
+        await store.get("o/b/0")
