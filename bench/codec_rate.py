@@ -58,7 +58,7 @@ def chain_computations(nodes: int, devices: int = 2) -> list[Computation]:
 
 def messages() -> dict[str, Message]:
     out: dict[str, Message] = {
-        "NodeDone": NodeDone(run_id="s1:7", node=3, executor_id="host-0"),
+        "NodeDone": NodeDone(run_id="s1:7", nodes=[3], executor_id="host-0"),
     }
     for n in (1, 128):
         comps = chain_computations(n)

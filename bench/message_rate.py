@@ -91,7 +91,7 @@ def serve() -> None:
             msg = env.message
             assert isinstance(msg, Heartbeat) and msg.name.startswith(BURST)
             for i in range(int(msg.name[len(BURST):])):
-                self.server.post(peer, NodeDone(run_id="s1-abcdef/r123", node=i, executor_id="island0-host0"))
+                self.server.post(peer, NodeDone(run_id="s1-abcdef/r123", nodes=[i], executor_id="island0-host0"))
             return Ok()
 
         def ready_info(self) -> dict[str, Any]:
@@ -164,7 +164,7 @@ def bench_rpc(config: Config) -> dict[str, Any]:
 
         conn = Connection(ctx, info["address"], tasks=tasks, name="bench-client", on_message=on_message)
         samples: dict[str, list[dict[str, float]]] = {"round_trip": [], "one_way_in": [], "one_way_out": []}
-        note = NodeDone(run_id="s1-abcdef/r123", node=5, executor_id="island0-host0")
+        note = NodeDone(run_id="s1-abcdef/r123", nodes=[5], executor_id="island0-host0")
 
         async def measure(kind: str, n: int, body: Callable[[], Coroutine[Any, Any, None]]) -> None:
             c0, s0, t0 = time.process_time(), cpu_seconds(proc.pid), time.perf_counter()

@@ -179,7 +179,7 @@ class Echo(Service):
         self.server.start()
 
     def note(self, peer, env):
-        self.out_of_order += env.message.node != self.received
+        self.out_of_order += env.message.nodes != [self.received]
         self.received += 1
 
     def command(self, peer, env):
@@ -188,7 +188,7 @@ class Echo(Service):
             count, _, to = arg.partition(":")
             for i in range(int(count)):
                 self.server.post(bytes.fromhex(to) if to else peer,
-                                 NodeDone(run_id=env.message.role, node=i, executor_id="echo"))
+                                 NodeDone(run_id=env.message.role, nodes=[i], executor_id="echo"))
         return Pong(role=str(self.received), name=str(self.out_of_order),
                     status=f"{self.server.backlog}:{len(self.unreachable)}")
 
@@ -279,10 +279,10 @@ async def test_posts_and_pushes_arrive_in_order_before_the_reply_behind_them(ech
     ctx, tasks = Context(), TaskGroup()
     pushed: list[int] = []
     conn = Connection(ctx, echo, tasks=tasks, name="test",
-                      on_message=lambda env: pushed.append(env.message.node))
+                      on_message=lambda env: pushed.append(env.message.nodes[0]))
     try:
         for i in range(5000):
-            conn.post(NodeDone(run_id="r", node=i, executor_id="test"))
+            conn.post(NodeDone(run_id="r", nodes=[i], executor_id="test"))
         reply = await conn.request(Heartbeat(role="r", name="push:3000"), timeout_seconds=60.0)
         assert isinstance(reply, Pong)
         assert (reply.role, reply.name) == ("5000", "0")  # every post arrived, in order, before the request
@@ -308,7 +308,7 @@ async def test_sends_between_arrivals_never_hide_a_message(echo: str) -> None:
 
     async def chatter(k: int) -> None:
         for _ in range(150):
-            conn.post(NodeDone(run_id="r", node=k, executor_id="test"))
+            conn.post(NodeDone(run_id="r", nodes=[k], executor_id="test"))
             await conn.request(Heartbeat(role="r", name="push:3"), timeout_seconds=30.0)
 
     try:
@@ -334,7 +334,7 @@ def test_a_full_peer_waits_in_the_backlog_in_order_while_others_are_served(raw: 
         for _ in range(count):
             env = decode(stalled.recv_multipart(copy=False)[1:])
             assert isinstance(env.message, NodeDone) and env.message.run_id == pad
-            got.append(env.message.node)
+            got.append(env.message.nodes[0])
         assert got == list(range(count))  # all of it, in order, none dropped
         assert command(control, "push:0")[2:] == (0, 0)
     finally:

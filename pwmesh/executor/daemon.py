@@ -115,6 +115,7 @@ class Executor(Service):
         self._held: dict[str, dict[int, Enqueue]] = {}  # per scheduler: arrived early, by executor_seq
         self._jitter = random.Random(f"{self.config.test_seed}-{self.name}")  # each host its own delays
         self._cancelled: collections.OrderedDict[str, PwmeshError] = collections.OrderedDict()
+        self._completed: dict[tuple[str, str], list[int]] = {}  # (proxy, run) -> nodes done, not yet reported
         control = {
             RegisterFunction: self._register_function,
             Enqueue: self._enqueue,
@@ -214,17 +215,13 @@ class Executor(Service):
         if cancelled is not None:
             # The cancellation overtook this Enqueue (they travel different paths):
             # fail it at once, and give the scheduler its window slot back.
-            for comp in msg.computations:
-                self.peers.post(msg.proxy, NodeDone(run_id=msg.run_id, node=comp.node, executor_id=self.name,
-                                                    error=ErrorInfo.of(cancelled)))
+            self.peers.post(msg.proxy, NodeDone(run_id=msg.run_id, nodes=[c.node for c in msg.computations],
+                                                executor_id=self.name, error=ErrorInfo.of(cancelled)))
             self._part_done(msg.run_id, msg.scheduler, 0.0)
             return
-        for comp in msg.computations:
-            try:
-                self.runner.enqueue(msg.run_id, msg.proxy, comp, msg.scheduler)
-            except PwmeshError as exc:
-                self.peers.post(msg.proxy, NodeDone(run_id=msg.run_id, node=comp.node, executor_id=self.name,
-                                                    error=ErrorInfo.of(exc)))
+        for comp, exc in self.runner.enqueue_all(msg.run_id, msg.proxy, msg.computations, msg.scheduler):
+            self.peers.post(msg.proxy, NodeDone(run_id=msg.run_id, nodes=[comp.node], executor_id=self.name,
+                                                error=ErrorInfo.of(exc)))
 
     def _gang_ready(self, work: Work) -> None:
         for control in work.comp.peers:
@@ -414,9 +411,20 @@ class Executor(Service):
                 self.store.fail(key, as_error(exc, f"storing {key}"))
 
     def _node_done(self, work: Work) -> None:
-        err = ErrorInfo.of(work.error) if work.error is not None else None
-        self.peers.post(work.proxy, NodeDone(run_id=work.run_id, node=work.comp.node, executor_id=self.name,
-                                             error=err))
+        """Report a completed computation: failures at once, successes batched per run until the
+        loop's next turn (a chain that ran in one go is one message)."""
+        if work.error is not None:
+            self.peers.post(work.proxy, NodeDone(run_id=work.run_id, nodes=[work.comp.node], executor_id=self.name,
+                                                 error=ErrorInfo.of(work.error)))
+            return
+        if not self._completed:
+            asyncio.get_running_loop().call_soon(self._report_completed)
+        self._completed.setdefault((work.proxy, work.run_id), []).append(work.comp.node)
+
+    def _report_completed(self) -> None:
+        completed, self._completed = self._completed, {}
+        for (proxy, run_id), nodes in completed.items():
+            self.peers.post(proxy, NodeDone(run_id=run_id, nodes=nodes, executor_id=self.name))
 
     async def drain(self) -> None:
         """Let every queued computation finish (and its results leave) before closing."""

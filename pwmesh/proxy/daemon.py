@@ -448,22 +448,27 @@ class Proxy(Service):
         return None
 
     def _node_finished(self, session: Session, run: Run, msg: NodeDone) -> None:
-        waiting = run.pending.get(msg.node)
-        if waiting is None or msg.executor_id not in waiting:
-            log.warning("unexpected completion of node %s of %s from %s", msg.node, msg.run_id, msg.executor_id)
-            return
-        waiting.discard(msg.executor_id)
-        if msg.error is not None:
-            node_error = msg.error.exception()
-            for buf in run.outputs_of.get(msg.node, []):
-                buf.resolve(node_error)
-        if not waiting:
-            del run.pending[msg.node]
-            for buf in run.outputs_of.get(msg.node, []):
-                buf.resolve(None)
+        node_error = msg.error.exception() if msg.error is not None else None
+        finished = False
+        for node in msg.nodes:
+            waiting = run.pending.get(node)
+            if waiting is None or msg.executor_id not in waiting:
+                log.warning("unexpected completion of node %s of %s from %s", node, msg.run_id, msg.executor_id)
+                continue
+            waiting.discard(msg.executor_id)
+            if node_error is not None:
+                for buf in run.outputs_of.get(node, []):
+                    buf.resolve(node_error)
+            if not waiting:
+                del run.pending[node]
+                for buf in run.outputs_of.get(node, []):
+                    buf.resolve(None)
+                if run.held:
+                    for waits in run.waits_for.values():
+                        waits.discard(node)
+                finished = True
+        if finished:
             if run.held:
-                for waits in run.waits_for.values():
-                    waits.discard(msg.node)
                 self._release_nodes(session, run)
             if not run.pending:
                 self._finish_run(session, run)

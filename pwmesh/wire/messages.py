@@ -614,8 +614,13 @@ class TupleBatch(Message, op="data.tuples"):
 
 @record
 class NodeDone(Message, op="exec.node_done"):
+    """Computations of one run that completed on an executor, all alike: done, or failed with ``error``.
+
+    An executor reports what completed in one turn of its loop together (a chain that runs
+    at once is one message, not one per node)."""
+
     run_id: str
-    node: int
+    nodes: list[int]
     executor_id: str
     error: ErrorInfo | None = None
 
