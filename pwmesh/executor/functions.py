@@ -16,6 +16,15 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceShardin
 from pwmesh.errors import InvalidArgument
 
 
+@functools.cache
+def _sharding(devices: tuple[jax.Device, ...], spmd: bool) -> Any:
+    """Shardings are made once per device assignment (a mesh costs ~20 us to build, per call)."""
+    if spmd:
+        return NamedSharding(Mesh(np.array(devices), ("x",)), PartitionSpec("x"))
+    (device,) = devices
+    return SingleDeviceSharding(device)
+
+
 class CompiledFunction:
     """One exported function and its executables, one per device assignment."""
 
@@ -54,10 +63,7 @@ class CompiledFunction:
         return [math.prod(a.shape) * np.dtype(a.dtype).itemsize // split for a in self.exported.out_avals]
 
     def sharding(self, devices: tuple[jax.Device, ...]) -> Any:
-        if self.spmd:
-            return NamedSharding(Mesh(np.array(devices), ("x",)), PartitionSpec("x"))
-        (device,) = devices
-        return SingleDeviceSharding(device)
+        return _sharding(devices, self.spmd)
 
     def compiled(self, devices: tuple[jax.Device, ...]) -> bool:
         """Whether ``executable(devices)`` returns at once (nothing to compile)."""

@@ -367,6 +367,7 @@ class Runner:
             if comp.spmd:
                 outs, seconds = _call_spmd(fn, tuple(devices), per_shard)
                 work.device_seconds = seconds * len(devices)
+                seconds /= len(devices)  # ``fn.seconds`` is per shard (all shards run at once)
             else:
                 start = time.perf_counter()
                 # Every shard is dispatched before any is waited for: the devices run them together.
@@ -418,8 +419,8 @@ class Runner:
     async def _call(self, work: Work, fn: CompiledFunction, per_shard: list[list[Any]]) -> list[list[Any]]:
         comp = work.comp
         loop = asyncio.get_running_loop()
-        # A computation that last took less than a thread hand-off costs runs right here, on the
-        # loop: the hop to a device thread and back (~0.1-0.5 ms on a busy host) would dominate it.
+        # A computation that recently took less than INLINE_SECONDS runs right here, on the loop:
+        # the hop to a device thread and back (~0.1-0.5 ms on a busy host) would dominate it.
         inline = fn.seconds * len(work.devices) < INLINE_SECONDS
         if comp.spmd:
             devices = tuple(self.devices[d] for d in work.devices)
@@ -429,7 +430,7 @@ class Runner:
             else:
                 outs, seconds = await loop.run_in_executor(self.pools[work.devices[-1]], _call_spmd, fn, devices,
                                                            per_shard)
-            fn.ran(seconds)
+            fn.ran(seconds / len(devices))
             work.device_seconds = seconds * len(devices)
             return outs
         call = _call_ragged if comp.ragged else _call_single
