@@ -4,7 +4,9 @@ Messages, built the way the proxy builds them (``pwmesh.ir.lower``): ``NodeDone`
 (the most frequent message), and a ``ScheduleRun`` and an ``Enqueue`` holding 1
 and 128 ``Computation``\\ s of a chain program: each computation has its shard
 runs, an input and an output prefix, and one block ``Emit`` to the next node's
-executor (a ``Target`` with one ``Site``).
+executor (a ``Target`` with one ``Site``). The computations travel packed (the
+scheduler forwards them unread), so two more rows time packing them (the proxy,
+``run_parts``) and unpacking and validating them (the executor, ``enqueued``).
 
 For each message: *encode* is ``codec.encode`` (``to_wire`` and msgpack), *decode*
 is ``codec.decode`` of the frames as a socket delivers them (msgpack and
@@ -37,6 +39,7 @@ import msgpack
 
 from pwmesh.wire import decode, encode
 from pwmesh.wire.messages import Computation, Emit, Enqueue, Message, NodeDone, ScheduleRun, ShardRun, Site, Target
+from pwmesh.wire.parts import enqueued, run_parts
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results"
 
@@ -62,11 +65,33 @@ def messages() -> dict[str, Message]:
     }
     for n in (1, 128):
         comps = chain_computations(n)
-        out[f"ScheduleRun x{n}"] = ScheduleRun(run_id="s1:7", proxy="tcp://10.0.0.9:6000", computations=comps,
+        (part,) = run_parts(comps)
+        out[f"ScheduleRun x{n}"] = ScheduleRun(run_id="s1:7", proxy="tcp://10.0.0.9:6000", parts=[part],
                                                session="s1", weight=1.0, priority=0)
-        out[f"Enqueue x{n}"] = Enqueue(run_id="s1:7", proxy="tcp://10.0.0.9:6000", computations=comps,
+        out[f"Enqueue x{n}"] = Enqueue(run_id="s1:7", proxy="tcp://10.0.0.9:6000", nodes=part.nodes,
+                                       computations=part.computations, seqs=list(range(n)),
                                        scheduler="tcp://10.0.0.5:6100", executor_seq=12, epoch="e1")
     return out
+
+
+def packed_rows(repeats: int, min_round_seconds: float) -> list[dict[str, Any]]:
+    """The computations inside those messages: packed once by the proxy (``run_parts``), unpacked
+    and validated by the executor (``enqueued``); the scheduler between them forwards the bytes."""
+    rows = []
+    for n in (1, 128):
+        comps = chain_computations(n)
+        (part,) = run_parts(comps)
+        enqueue = Enqueue(run_id="s1:7", proxy="p", nodes=part.nodes, computations=part.computations)
+        assert [c.node for c in enqueued(enqueue)] == part.nodes
+        rows.append({
+            "message": f"Computation x{n} (packed)",
+            "body_bytes": len(part.computations),
+            "encode_us": 1e6 * per_call_seconds(lambda c=comps: run_parts(c), repeats, min_round_seconds),
+            "decode_us": 1e6 * per_call_seconds(lambda e=enqueue: enqueued(e), repeats, min_round_seconds),
+            "msgpack_unpack_us": 1e6 * per_call_seconds(lambda b=part.computations: msgpack.unpackb(b, raw=False),
+                                                        repeats, min_round_seconds),
+        })
+    return rows
 
 
 def per_call_seconds(fn: Callable[[], Any], repeats: int, min_round_seconds: float) -> float:
@@ -102,7 +127,7 @@ def measure(repeats: int, min_round_seconds: float) -> list[dict[str, Any]]:
             "msgpack_unpack_us": 1e6 * per_call_seconds(lambda b=body: msgpack.unpackb(b, raw=False), repeats,
                                                         min_round_seconds),
         })
-    return rows
+    return rows + packed_rows(repeats, min_round_seconds)
 
 
 def show(rows: list[dict[str, Any]]) -> str:

@@ -47,6 +47,7 @@ from pwmesh.wire.messages import (
     Target,
     ValueSpec,
 )
+from pwmesh.wire.parts import run_parts
 
 OWNER = "sess1"
 
@@ -361,7 +362,7 @@ def test_emit_slots_index_inputs_then_outputs() -> None:
 
 
 def encoded_bytes(comps: list[Computation]) -> int:
-    frames = encode(ScheduleRun(run_id=f"{OWNER}:1", proxy="tcp://proxy:1", computations=comps), msg_id=1)
+    frames = encode(ScheduleRun(run_id=f"{OWNER}:1", proxy="tcp://proxy:1", parts=run_parts(comps)), msg_id=1)
     return sum(memoryview(f).nbytes for f in frames)
 
 

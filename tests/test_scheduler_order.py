@@ -11,6 +11,7 @@ import pytest
 from pwmesh.errors import InvalidArgument
 from pwmesh.scheduler.order import IslandOrder, SendEnqueue
 from pwmesh.wire.messages import Computation, Enqueue, ScheduleRun, ShardRun
+from pwmesh.wire.parts import enqueued, run_parts
 
 
 def computation(node: int, executor: str, devices: tuple[int, ...] = (0,)) -> Computation:
@@ -20,7 +21,7 @@ def computation(node: int, executor: str, devices: tuple[int, ...] = (0,)) -> Co
 
 def run(run_id: str, placements: list[tuple[int, str]], session: str = "s", weight: float = 1.0,
         priority: int = 0) -> ScheduleRun:
-    return ScheduleRun(run_id=run_id, proxy="tcp://proxy", computations=[computation(n, ex) for n, ex in placements],
+    return ScheduleRun(run_id=run_id, proxy="tcp://proxy", parts=run_parts(computation(n, ex) for n, ex in placements),
                        session=session, weight=weight, priority=priority)
 
 
@@ -41,10 +42,12 @@ def test_sequence_numbers_are_consecutive_and_global_across_runs() -> None:
     order = IslandOrder(island=0, scheduler="tcp://sched")
     first = enqueues(order.submit(run("r1", [(0, "a"), (1, "b"), (2, "a")])))
     second = enqueues(order.submit(run("r2", [(0, "b"), (1, "a")])))
-    assert [c.seq for c in first["tcp://a:1"].computations] == [0, 2]
-    assert [c.seq for c in first["tcp://b:1"].computations] == [1]
-    assert [c.seq for c in second["tcp://b:1"].computations] == [3]
-    assert [c.seq for c in second["tcp://a:1"].computations] == [4]
+    # A run's places are consecutive, executor part by executor part (the scheduler never
+    # unpacks a part: it forwards the proxy's bytes with their places beside them).
+    assert [(c.node, c.seq) for c in enqueued(first["tcp://a:1"])] == [(0, 0), (2, 1)]
+    assert [(c.node, c.seq) for c in enqueued(first["tcp://b:1"])] == [(1, 2)]
+    assert [(c.node, c.seq) for c in enqueued(second["tcp://b:1"])] == [(0, 3)]
+    assert [(c.node, c.seq) for c in enqueued(second["tcp://a:1"])] == [(1, 4)]
     assert order.next_seq == 5
     assert first["tcp://a:1"].scheduler == "tcp://sched"
     assert [e.seq for e in order.history] == [0, 1, 2, 3, 4]
@@ -71,7 +74,7 @@ def test_every_device_sees_the_same_relative_order_of_gangs() -> None:
 
     def record(actions: list[SendEnqueue]) -> None:
         for action in actions:
-            for comp in action.enqueue.computations:
+            for comp in enqueued(action.enqueue):
                 for device, _ in comp.shards():
                     per_device[(comp.executor_id, device)].append(comp.seq)
                 in_flight.append((action.enqueue.run_id, comp.executor_id))
@@ -219,3 +222,13 @@ def test_idle_clients_are_forgotten_beyond_a_bound() -> None:
     busy = run("busy", [(0, "a")], session="busy")
     order.submit(busy)
     assert "busy" in {u.session for u in order.usage()}  # one with work in flight is never forgotten
+
+
+def test_a_run_naming_absurd_devices_is_refused_and_changes_nothing() -> None:
+    order = IslandOrder(island=0)
+    bad = run("r1", [(0, "a")])
+    bad.parts[0].devices[0].count = 1 << 40
+    with pytest.raises(InvalidArgument, match="devices"):
+        order.submit(bad)
+    assert order.next_seq == 0 and not order.busy
+    assert released(order.submit(run("r2", [(0, "a")]))) == ["r2"]

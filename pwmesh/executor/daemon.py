@@ -34,6 +34,7 @@ from pwmesh.wire import Envelope
 from pwmesh.wire.messages import (
     AwaitIdle,
     CancelRun,
+    Computation,
     DataTuple,
     DeleteShards,
     DeviceInfo,
@@ -63,6 +64,7 @@ from pwmesh.wire.messages import (
     TupleBatch,
     UnregisterExecutor,
 )
+from pwmesh.wire.parts import enqueued
 
 log = logging.getLogger(__name__)
 
@@ -211,15 +213,21 @@ class Executor(Service):
         self._expected_seq[source] = expected
 
     def _admit(self, msg: Enqueue) -> None:
-        cancelled = self._cancelled.get(msg.run_id.split("#", 1)[0])
-        if cancelled is not None:
-            # The cancellation overtook this Enqueue (they travel different paths):
-            # fail it at once, and give the scheduler its window slot back.
-            self.peers.post(msg.proxy, NodeDone(run_id=msg.run_id, nodes=[c.node for c in msg.computations],
-                                                executor_id=self.name, error=ErrorInfo.of(cancelled)))
+        failed: PwmeshError | None = self._cancelled.get(msg.run_id.split("#", 1)[0])
+        comps: list[Computation] = []
+        if failed is None:
+            try:
+                comps = enqueued(msg)
+            except PwmeshError as exc:
+                failed = exc
+        if failed is not None:
+            # The cancellation overtook this Enqueue (they travel different paths), or it was
+            # unreadable: fail it at once, and give the scheduler its window slot back.
+            self.peers.post(msg.proxy, NodeDone(run_id=msg.run_id, nodes=msg.nodes, executor_id=self.name,
+                                                error=ErrorInfo.of(failed)))
             self._part_done(msg.run_id, msg.scheduler, 0.0)
             return
-        for comp, exc in self.runner.enqueue_all(msg.run_id, msg.proxy, msg.computations, msg.scheduler):
+        for comp, exc in self.runner.enqueue_all(msg.run_id, msg.proxy, comps, msg.scheduler):
             self.peers.post(msg.proxy, NodeDone(run_id=msg.run_id, nodes=[comp.node], executor_id=self.name,
                                                 error=ErrorInfo.of(exc)))
 

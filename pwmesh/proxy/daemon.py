@@ -96,6 +96,7 @@ from pwmesh.wire.messages import (
     ValueSpec,
     WatchCluster,
 )
+from pwmesh.wire.parts import run_parts
 
 log = logging.getLogger(__name__)
 
@@ -419,7 +420,7 @@ class Proxy(Service):
             self.dispatch_bytes += self.peers.sent_bytes - nbytes
 
     def _schedule(self, session: Session, run_id: str, scheduler: str, comps: list[Computation]) -> None:
-        self.peers.post(scheduler, ScheduleRun(run_id=run_id, proxy=self.server.address, computations=comps,
+        self.peers.post(scheduler, ScheduleRun(run_id=run_id, proxy=self.server.address, parts=run_parts(comps),
                                                session=session.session_id, weight=session.weight,
                                                priority=session.priority))
 

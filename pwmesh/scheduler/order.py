@@ -28,9 +28,10 @@ import secrets
 from typing import NamedTuple
 
 from pwmesh.errors import InvalidArgument
-from pwmesh.wire.messages import ClientUsage, Computation, Enqueue, ScheduleRun
+from pwmesh.wire.messages import ClientUsage, Enqueue, ScheduleRun
 
 POLICIES = ("fifo", "fair")
+MAX_DEVICES = 1 << 16  # per executor: a device range beyond this is a bad message, not a big host
 DeviceKey = tuple[str, int]  # (executor_id, device)
 
 
@@ -110,7 +111,11 @@ class IslandOrder:
             # Re-entering after idling: start level with the others, with no saved-up credit.
             active = [c.vtime for c in self._clients.values() if c is not client and (c.queue or c.in_flight)]
             client.vtime = max(client.vtime, min(active, default=client.vtime))
-        footprint = frozenset((c.executor_id, r.device + k) for c in run.computations for r in c.runs
+        for part in run.parts:
+            for r in part.devices:
+                if r.first < 0 or not 1 <= r.count <= MAX_DEVICES:
+                    raise InvalidArgument(f"run {run.run_id}: devices [{r.first}, +{r.count}) on {part.executor_id}")
+        footprint = frozenset((part.executor_id, r.first + k) for part in run.parts for r in part.devices
                               for k in range(r.count))
         client.queue.append(_Pending(run, next(self._arrivals), footprint))
         return self._release()
@@ -170,20 +175,20 @@ class IslandOrder:
 
     def _sequence(self, client: _Client, pending: _Pending) -> list[SendEnqueue]:
         run = pending.run
-        per_executor: dict[str, list[Computation]] = {}
-        controls: dict[str, str] = {}
         parts: dict[str, list[DeviceKey]] = {}
+        actions = []
         seq = self.next_seq
         run_id, session, record = run.run_id, run.session, self.history.append
-        for comp in run.computations:
-            comp.seq = seq
-            record(OrderEntry(seq, run_id, comp.node, comp.executor_id, session))
-            seq += 1
-            comps = per_executor.get(comp.executor_id)
-            if comps is None:
-                comps = per_executor[comp.executor_id] = []
-                controls[comp.executor_id] = comp.control
-            comps.append(comp)
+        for part in run.parts:
+            seqs = list(range(seq, seq + len(part.nodes)))
+            for s, node in zip(seqs, part.nodes, strict=True):
+                record(OrderEntry(s, run_id, node, part.executor_id, session))
+            seq += len(seqs)
+            ex = part.executor_id
+            actions.append(SendEnqueue(part.control, Enqueue(
+                run_id=run_id, proxy=run.proxy, nodes=part.nodes, computations=part.computations, seqs=seqs,
+                scheduler=self.scheduler, executor_seq=self._executor_seq[ex], epoch=self.epoch)))
+            self._executor_seq[ex] += 1
         self.next_seq = seq
         for key in pending.footprint:
             self.busy[key] += 1
@@ -191,12 +196,6 @@ class IslandOrder:
         self._in_flight[run.run_id] = _InFlight(client, parts)
         client.in_flight += 1
         client.runs += 1
-        actions = []
-        for ex, comps in per_executor.items():
-            enqueue = Enqueue(run_id=run.run_id, proxy=run.proxy, computations=comps, scheduler=self.scheduler,
-                              executor_seq=self._executor_seq[ex], epoch=self.epoch)
-            self._executor_seq[ex] += 1
-            actions.append(SendEnqueue(controls[ex], enqueue))
         return actions
 
     def forget_executor(self, executor_id: str) -> list[SendEnqueue]:

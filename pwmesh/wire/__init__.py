@@ -11,6 +11,8 @@ from pwmesh.wire.codec import (
     Limits,
     decode,
     encode,
+    pack_records,
+    unpack_records,
 )
 from pwmesh.wire.messages import Message, Record, message_types
 
@@ -24,4 +26,6 @@ __all__ = [
     "decode",
     "encode",
     "message_types",
+    "pack_records",
+    "unpack_records",
 ]

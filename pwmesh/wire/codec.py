@@ -20,7 +20,7 @@ import msgpack
 import numpy as np
 
 from pwmesh.errors import ProtocolError
-from pwmesh.wire.messages import Message, message_types
+from pwmesh.wire.messages import Message, Record, message_types
 
 PROTOCOL_VERSION = 1
 _ARRAY_EXT = 1
@@ -104,6 +104,23 @@ def encode(message: Message, *, msg_id: int, reply_to: int | None = None, sender
     header = msgpack.packb([PROTOCOL_VERSION, message.op, msg_id, reply_to, sender])
     body = msgpack.packb(message.to_wire(), default=default)
     return [header, body, *buffers]
+
+
+def pack_records(records: Sequence[Record]) -> bytes:
+    """A list of records (no arrays inside) as msgpack bytes: what one daemon packs once and
+    another forwards unread (a run's computations, through the island scheduler)."""
+    return msgpack.packb([r.to_wire() for r in records])  # type: ignore[no-any-return]
+
+
+def unpack_records(data: bytes, cls: type[Record], what: str) -> list[Any]:
+    """``pack_records``' inverse, validated like any message body; ``ProtocolError`` on anything wrong."""
+    try:
+        items = _unpack(data)
+    except Exception as exc:
+        raise ProtocolError(f"unreadable {what}: {type(exc).__name__}: {exc}") from None
+    if not isinstance(items, list):
+        raise ProtocolError(f"{what}: expected a list, got {type(items).__name__}")
+    return [cls.from_wire(item, f"{what}[{i}]") for i, item in enumerate(items)]
 
 
 def _unpack(data: Any, **kwargs: Any) -> Any:

@@ -434,12 +434,32 @@ class ClusterStateReply(Message, op="rm.cluster_state"):
 
 
 @record
+class DeviceRange(Record):
+    """Devices ``[first, first + count)`` of one executor (compact, like ``ShardRun``)."""
+
+    first: int
+    count: int = 1
+
+
+@record
+class RunPart(Record):
+    """One executor's computations of a run. The proxy encodes them once (``wire.pack_records``);
+    the island scheduler orders the run by the devices they use and forwards the bytes unread."""
+
+    executor_id: str
+    control: str
+    devices: list[DeviceRange]  # every device its computations use
+    nodes: list[int]  # its computations' nodes, in order
+    computations: bytes  # list[Computation], packed
+
+
+@record
 class ScheduleRun(Message, op="sched.schedule_run"):
-    """One message per island per program run: every computation it holds there."""
+    """One message per island per program run: every computation it holds there, per executor."""
 
     run_id: str
     proxy: str
-    computations: list[Computation]
+    parts: list[RunPart]
     session: str = ""
     weight: float = 1.0
     priority: int = 0
@@ -490,9 +510,13 @@ class RegisterFunction(Message, op="exec.register_function"):
 
 @record
 class Enqueue(Message, op="exec.enqueue"):
+    """An executor's part of a run (``RunPart.computations`` as the proxy packed them), in island order."""
+
     run_id: str
     proxy: str
-    computations: list[Computation]
+    nodes: list[int]
+    computations: bytes  # list[Computation], packed; decoded by the executor only
+    seqs: list[int] = dataclasses.field(default_factory=list)  # each computation's place in the island order
     scheduler: str = ""  # where to report RunPartDone
     executor_seq: int = -1  # this executor's n-th Enqueue from that scheduler: restores order
     epoch: str = ""  # the scheduler instance: a restarted scheduler counts from 0 again
