@@ -100,6 +100,8 @@ from pwmesh.wire.parts import run_parts
 
 log = logging.getLogger(__name__)
 
+EARLY_FETCH_TIMEOUT_SECONDS = 7 * 24 * 3600.0  # a fetch sent before its value exists waits as long as it computes
+
 
 @dataclasses.dataclass
 class ProxyConfig:
@@ -683,27 +685,60 @@ class Proxy(Service):
         buf = self._buffer(session, msg.buffer)
         buf.pins += 1  # a release while we fetch must not delete the shards under us
         try:
-            await buf.ready
-            if buf.lost is not None:
-                raise buf.lost
-            keys = buf.keys(session.session_id)
-            by_executor: dict[str, list[int]] = {}
-            for i, loc in enumerate(buf.locations):
-                by_executor.setdefault(loc.control, []).append(i)
-            shards: list[Any] = [None] * len(keys)
-
-            async def fetch_from(control: str, indices: list[int]) -> None:
-                reply = await self.peers.request(control, FetchShards(keys=[keys[i] for i in indices]),
-                                                 timeout_seconds=self.config.fetch_timeout_seconds)
-                assert isinstance(reply, ShardValues)
-                for i, arr in zip(indices, reply.arrays, strict=True):
-                    shards[i] = arr
-
-            await asyncio.gather(*(fetch_from(c, idx) for c, idx in by_executor.items()))
+            if buf.ready.done():
+                await buf.ready  # raises its failure, if it failed
+                if buf.lost is not None:
+                    raise buf.lost
+                shards = await self._fetch_shards(session, buf, self.config.fetch_timeout_seconds)
+            else:
+                shards = await self._fetch_early(session, buf)
         finally:
             buf.pins -= 1
             self._maybe_free(session, buf)
         return BufferValue(shards=shards)
+
+    async def _fetch_early(self, session: Session, buf: Buffer) -> list[Any]:
+        """Fetch a buffer still being computed: ask its executors now, not once it is done.
+
+        ``FetchShards`` waits there for a shard not made yet (a posted receive), so the value
+        comes back as soon as it exists: two hops sooner than waiting for the completion
+        first (executor -> proxy, then proxy -> executor). No timeout while it computes (a
+        lost executor, a cancelled run or a failed node ends the wait). If it fails, the
+        buffer's completion decides: the node's own error, or (it was moved meanwhile, say)
+        the ordinary fetch after completion."""
+        fetching = asyncio.ensure_future(self._fetch_shards(session, buf, EARLY_FETCH_TIMEOUT_SECONDS))
+        try:
+            await asyncio.wait((buf.ready, fetching), return_when=asyncio.FIRST_COMPLETED)
+            if fetching.done() and fetching.exception() is None:
+                return fetching.result()
+            await buf.ready  # raises the node's error, if that is why the fetch failed
+            if buf.lost is not None:
+                raise buf.lost
+            with contextlib.suppress(PwmeshError):
+                return await fetching
+            return await self._fetch_shards(session, buf, self.config.fetch_timeout_seconds)
+        finally:
+            if not fetching.done():
+                fetching.cancel()
+            elif not fetching.cancelled():
+                fetching.exception()  # retrieved: a failure here was reported another way
+
+    async def _fetch_shards(self, session: Session, buf: Buffer, timeout_seconds: float) -> list[Any]:
+        keys = buf.keys(session.session_id)
+        by_executor: dict[str, list[int]] = {}
+        for i, loc in enumerate(buf.locations):
+            by_executor.setdefault(loc.control, []).append(i)
+        shards: list[Any] = [None] * len(keys)
+
+        async def fetch_from(control: str, indices: list[int]) -> None:
+            reply = await self.peers.request(control, FetchShards(keys=[keys[i] for i in indices]),
+                                             timeout_seconds=timeout_seconds)
+            assert isinstance(reply, ShardValues)
+            for i, arr in zip(indices, reply.arrays, strict=True):
+                shards[i] = arr
+
+        await asyncio.gather(*(fetch_from(c, idx) for c, idx in by_executor.items()))
+        return shards
 
     # ------------------------------------------------------------------- status
 
