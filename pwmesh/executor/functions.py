@@ -38,10 +38,12 @@ class CompiledFunction:
         # thread): a quicker run counts at once, a slower one a quarter, so one pause or busy
         # moment does not send a quick function off the fast path.
         self.seconds = float("inf")
+        self.runs = 0
 
     def ran(self, seconds: float) -> None:
         """Record how long one shard's run took."""
         self.seconds = min(seconds, 0.75 * self.seconds + 0.25 * seconds)
+        self.runs += 1
 
     @property
     def num_inputs(self) -> int:

@@ -47,6 +47,20 @@ from pwmesh.wire.messages import Computation, Emit
 log = logging.getLogger(__name__)
 
 INLINE_SECONDS = 1e-3  # computations quicker than this (all shards, recently) run on the event loop, not a device thread
+THREAD_HOP_SECONDS = 150e-6  # handing shards to device threads and back (they then run side by side)
+
+
+def runs_inline(fn: CompiledFunction, shards: int, spmd: bool) -> bool:
+    """Whether a computation of ``shards`` shards is quicker run right on the loop than on device threads.
+
+    The loop is held at most INLINE_SECONDS. An SPMD computation is one call however many
+    devices it spans; per-device shards run one after another on the loop, but side by side
+    on their threads, so those go inline only while that costs less than the hop."""
+    if fn.seconds * shards >= INLINE_SECONDS:
+        return False
+    # Timed on threads, a quick function looks slower than it is (they contend for the
+    # interpreter): every 16th run goes inline anyway, and its time counts if quicker.
+    return spmd or fn.seconds * (shards - 1) < THREAD_HOP_SECONDS or fn.runs % 16 == 0
 
 
 @dataclasses.dataclass(eq=False)
@@ -341,7 +355,7 @@ class Runner:
         if not entry.done() or entry.exception() is not None:
             return False
         fn = entry.result()
-        if fn.seconds * len(work.devices) >= INLINE_SECONDS:
+        if not runs_inline(fn, len(work.devices), comp.spmd):
             return False
         devices = [self.devices[d] for d in work.devices]
         if comp.spmd:
@@ -419,9 +433,9 @@ class Runner:
     async def _call(self, work: Work, fn: CompiledFunction, per_shard: list[list[Any]]) -> list[list[Any]]:
         comp = work.comp
         loop = asyncio.get_running_loop()
-        # A computation that recently took less than INLINE_SECONDS runs right here, on the loop:
-        # the hop to a device thread and back (~0.1-0.5 ms on a busy host) would dominate it.
-        inline = fn.seconds * len(work.devices) < INLINE_SECONDS
+        # A quick computation runs right here, on the loop: the hop to a device thread and back
+        # (~0.1-0.5 ms on a busy host) would dominate it.
+        inline = runs_inline(fn, len(work.devices), comp.spmd)
         if comp.spmd:
             devices = tuple(self.devices[d] for d in work.devices)
             inline = inline and fn.compiled(devices)
