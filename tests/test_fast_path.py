@@ -20,7 +20,7 @@ from jax import export
 
 from pwmesh.errors import NotFound, PwmeshError
 from pwmesh.executor.functions import FunctionCache
-from pwmesh.executor.runner import THREAD_HOP_SECONDS, Runner, Work, runs_inline
+from pwmesh.executor.runner import INLINE_SECONDS, Runner, Work, runs_inline
 from pwmesh.executor.store import ObjectStore
 from pwmesh.wire.messages import Computation, ShardRun
 
@@ -83,9 +83,9 @@ async def warm(r: Runner, rec: Recorder) -> None:
         r.enqueue_all(f"warm{i}", "p", chain(f"warm{i}", 1))
         await rec.part(f"warm{i}")
         fn = r.functions.get("inc").result()
-        if i >= 2 and fn.seconds < THREAD_HOP_SECONDS:
+        if i >= 2 and fn.seconds * 2 < INLINE_SECONDS:
             break
-    assert fn is not None and runs_inline(fn, 2, spmd=False), f"a scalar add took {fn and fn.seconds * 1e6} us"
+    assert fn is not None and runs_inline(fn, fn.seconds * 2), f"a scalar add took {fn and fn.seconds * 1e6} us"
     rec.parts.clear()
     rec.done.clear()
 
@@ -185,19 +185,17 @@ async def test_the_store_keeps_values_without_futures_and_remembers_deletes() ->
 
 
 def test_which_computations_run_on_the_loop() -> None:
-    """Quick ones run inline; per-device shards that would run side by side on threads, and
-    anything that would hold the loop over INLINE_SECONDS, go to the device threads."""
+    """Quick ones run inline; anything expected to hold the loop over INLINE_SECONDS goes to a device thread."""
 
-    class Timed:  # only what runs_inline reads: a function's time per shard and how often it ran
-        def __init__(self, seconds: float, runs: int = 1) -> None:
-            self.seconds, self.runs = seconds, runs
+    class Timed:  # only what runs_inline reads: how often the function ran
+        def __init__(self, runs: int = 1) -> None:
+            self.runs = runs
 
-    def inline(seconds: float, shards: int, spmd: bool = False, runs: int = 1) -> bool:
-        return runs_inline(Timed(seconds, runs), shards, spmd)  # type: ignore[arg-type]
+    def inline(seconds: float, runs: int = 1) -> bool:
+        return runs_inline(Timed(runs), seconds)  # type: ignore[arg-type]
 
-    assert inline(40e-6, 2) and inline(900e-6, 1)
-    assert not inline(400e-6, 2), "two 0.4 ms shards run side by side on threads: 0.55 ms, not 0.8 inline"
-    assert inline(400e-6, 2, spmd=True), "one SPMD call of 0.8 ms: no parallelism to lose"
-    assert not inline(600e-6, 2, spmd=True) and not inline(2e-3, 1), "the loop is held at most INLINE_SECONDS"
-    assert inline(400e-6, 2, runs=32), "every 16th run goes inline, to be timed without thread contention"
-    assert not inline(float("inf"), 1, runs=0), "never ran: it compiles first, on a device thread"
+    assert inline(80e-6) and inline(900e-6)
+    assert not inline(1.2e-3) and not inline(5e-3), "the loop is held at most INLINE_SECONDS"
+    assert inline(1.2e-3, runs=32), "every 16th run goes inline, to be timed without thread contention"
+    assert not inline(5e-3, runs=32), "but not one that is surely slow"
+    assert not inline(float("inf"), runs=0), "never ran: it compiles first, on a device thread"

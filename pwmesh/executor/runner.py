@@ -47,20 +47,15 @@ from pwmesh.wire.messages import Computation, Emit
 log = logging.getLogger(__name__)
 
 INLINE_SECONDS = 1e-3  # computations quicker than this (all shards, recently) run on the event loop, not a device thread
-THREAD_HOP_SECONDS = 150e-6  # handing shards to device threads and back (they then run side by side)
 
 
-def runs_inline(fn: CompiledFunction, shards: int, spmd: bool) -> bool:
-    """Whether a computation of ``shards`` shards is quicker run right on the loop than on device threads.
+def runs_inline(fn: CompiledFunction, seconds: float) -> bool:
+    """Whether a computation expected to take ``seconds`` (all its shards) is quick enough to run
+    right on the loop (held at most INLINE_SECONDS), rather than hop to device threads and back.
 
-    The loop is held at most INLINE_SECONDS. An SPMD computation is one call however many
-    devices it spans; per-device shards run one after another on the loop, but side by side
-    on their threads, so those go inline only while that costs less than the hop."""
-    if fn.seconds * shards >= INLINE_SECONDS:
-        return False
-    # Timed on threads, a quick function looks slower than it is (they contend for the
-    # interpreter): every 16th run goes inline anyway, and its time counts if quicker.
-    return spmd or fn.seconds * (shards - 1) < THREAD_HOP_SECONDS or fn.runs % 16 == 0
+    Timed on threads, a function looks slower than it is (they contend for the interpreter),
+    so one that might be quick enough goes inline every 16th run, to be timed there."""
+    return seconds < INLINE_SECONDS or (seconds < 2 * INLINE_SECONDS and fn.runs % 16 == 0)
 
 
 @dataclasses.dataclass(eq=False)
@@ -355,7 +350,7 @@ class Runner:
         if not entry.done() or entry.exception() is not None:
             return False
         fn = entry.result()
-        if not runs_inline(fn, len(work.devices), comp.spmd):
+        if not runs_inline(fn, fn.seconds * len(work.devices)):
             return False
         devices = [self.devices[d] for d in work.devices]
         if comp.spmd:
@@ -383,12 +378,7 @@ class Runner:
                 work.device_seconds = seconds * len(devices)
                 seconds /= len(devices)  # ``fn.seconds`` is per shard (all shards run at once)
             else:
-                start = time.perf_counter()
-                # Every shard is dispatched before any is waited for: the devices run them together.
-                outs = [jax.tree_util.tree_leaves(exe(*[_placed(a, d) for a in args]))
-                        for exe, d, args in zip(exes, devices, per_shard, strict=True)]
-                jax.block_until_ready(outs)
-                work.device_seconds = time.perf_counter() - start
+                outs, work.device_seconds = _call_together(exes, devices, per_shard)
                 seconds = work.device_seconds / len(devices)
             fn.ran(seconds)
         except Exception as exc:
@@ -435,7 +425,7 @@ class Runner:
         loop = asyncio.get_running_loop()
         # A quick computation runs right here, on the loop: the hop to a device thread and back
         # (~0.1-0.5 ms on a busy host) would dominate it.
-        inline = runs_inline(fn, len(work.devices), comp.spmd)
+        inline = runs_inline(fn, fn.seconds * len(work.devices))
         if comp.spmd:
             devices = tuple(self.devices[d] for d in work.devices)
             inline = inline and fn.compiled(devices)
@@ -448,8 +438,14 @@ class Runner:
             work.device_seconds = seconds * len(devices)
             return outs
         call = _call_ragged if comp.ragged else _call_single
-        if inline and all(fn.compiled((self.devices[d],)) for d in work.devices):
-            results = [call(fn, self.devices[d], args) for d, args in zip(work.devices, per_shard, strict=True)]
+        devices = [self.devices[d] for d in work.devices]
+        exes = [fn.ready((d,)) for d in devices]
+        if inline and None not in exes:
+            if not comp.ragged:
+                outs, work.device_seconds = _call_together(exes, devices, per_shard)
+                fn.ran(work.device_seconds / len(devices))
+                return outs
+            results = [call(fn, d, args) for d, args in zip(devices, per_shard, strict=True)]
         else:
             results = await asyncio.gather(*(
                 loop.run_in_executor(self.pools[d], call, fn, self.devices[d], args)
@@ -517,6 +513,17 @@ def _placed(value: Any, device: jax.Device) -> Any:
     if isinstance(value, jax.Array) and value.sharding == _on(device):
         return value
     return jax.device_put(value, device)
+
+
+def _call_together(exes: list[Any], devices: list[jax.Device],
+                   per_shard: list[list[Any]]) -> tuple[list[list[Any]], float]:
+    """Per-device shards on the calling thread, each dispatched before any is waited for;
+    their outputs and the seconds they took together."""
+    start = time.perf_counter()
+    outs = [jax.tree_util.tree_leaves(exe(*[_placed(a, d) for a in args]))
+            for exe, d, args in zip(exes, devices, per_shard, strict=True)]
+    jax.block_until_ready(outs)
+    return outs, time.perf_counter() - start
 
 
 def _call_single(fn: CompiledFunction, device: jax.Device, args: list[Any]) -> tuple[list[Any], float]:
