@@ -138,3 +138,27 @@ def test_transfer_smoke(tmp_path: Path) -> None:
     control = data["control_under_bulk"]
     assert control["idle_ping_ms_median"] > 0 and control["bulk_gbytes_per_second"] > 0
     check_plot(tmp_path / "transfer.png")
+
+
+@pytest.mark.timeout(110)
+def test_message_rate_smoke(tmp_path: Path) -> None:
+    run_smoke("message_rate.py", tmp_path)
+    data = json.loads((tmp_path / "message_rate.json").read_text())
+    assert data["benchmark"] == "message_rate" and data["smoke"] is True
+    assert set(data["rpc"]) == {"round_trip", "one_way_in", "one_way_out"}
+    for r in data["rpc"].values():
+        assert r["per_second"] > 0 and r["client_cpu_us"] >= 0 and r["server_cpu_us"] >= 0
+    assert data["program"]["median_ms"] > 0
+    assert data["chain"]["nodes"] == data["config"]["chain_nodes"] and data["chain"]["per_node_us"] > 0
+
+
+@pytest.mark.timeout(110)
+def test_codec_rate_smoke(tmp_path: Path) -> None:
+    run_smoke("codec_rate.py", tmp_path)
+    data = json.loads((tmp_path / "codec_rate-smoke.json").read_text())
+    assert data["benchmark"] == "codec_rate" and data["smoke"] is True
+    names = [r["message"] for r in data["rows"]]
+    assert names == ["NodeDone", "ScheduleRun x1", "Enqueue x1", "ScheduleRun x128", "Enqueue x128",
+                     "Computation x1 (packed)", "Computation x128 (packed)"]
+    for r in data["rows"]:
+        assert r["body_bytes"] > 0 and r["encode_us"] > 0 and r["decode_us"] > 0
