@@ -199,3 +199,38 @@ def test_which_computations_run_on_the_loop() -> None:
     assert inline(1.2e-3, runs=32), "every 16th run goes inline, to be timed without thread contention"
     assert not inline(5e-3, runs=32), "but not one that is surely slow"
     assert not inline(float("inf"), runs=0), "never ran: it compiles first, on a device thread"
+
+
+@pytest.mark.asyncio
+async def test_a_bug_on_the_fast_path_loses_neither_the_computation_nor_the_run() -> None:
+    """Fault injection (a real Runner, a patched store method): the fast path's checks raise once."""
+    async with runner() as (r, rec):
+        await warm(r, rec)
+        real = r.store.values
+        calls = {"n": 0}
+
+        def flaky(keys: list[str]) -> list[object] | None:
+            calls["n"] += 1
+            if calls["n"] == 1:
+                raise RuntimeError("injected")
+            return real(keys)
+
+        r.store.values = flaky  # type: ignore[method-assign]
+        r.enqueue_all("r1", "p", chain("r1", 3))
+        await rec.part("r1")  # node 0 went through the queues; the chain behind it too
+        assert [w.comp.node for w in rec.done if w.run_id == "r1"] == [0, 1, 2]
+        assert all(w.error is None for w in rec.done)
+        assert float(real(["r1/v2/1"])[0][0]) == 3.0  # type: ignore[index]
+
+
+@pytest.mark.asyncio
+async def test_a_computation_that_cannot_be_enqueued_fails_alone() -> None:
+    async with runner() as (r, rec):
+        await warm(r, rec)
+        comps = chain("r1", 2)
+        broken = chain("r1", 2)[0]
+        broken.node, broken.runs = 7, [None]  # type: ignore[list-item]  # a malformed computation (a bug upstream)
+        refused = r.enqueue_all("r1", "p", [comps[0], broken, comps[1]])
+        assert [c.node for c, _ in refused] == [7] and "enqueueing computation 7" in refused[0][1].message
+        await rec.part("r1")
+        assert [w.comp.node for w in rec.done] == [0, 1]

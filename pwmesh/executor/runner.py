@@ -73,6 +73,7 @@ class Work:
     peers_ready: asyncio.Future[None] = dataclasses.field(init=False)
     cancel: asyncio.Future[None] = dataclasses.field(init=False)  # fails when its run is cancelled
     queued: bool = False
+    finished: bool = False  # completed and reported
     peers_pending: set[str] = dataclasses.field(default_factory=set)  # peers not yet at this gang
     arrived: int = 0
     waiting_since: float = 0.0  # when all local devices arrived (watchdog)
@@ -190,6 +191,9 @@ class Runner:
                     self.enqueue(run_id, proxy, comp, scheduler)
                 except PwmeshError as exc:
                     refused.append((comp, exc))
+                except Exception as exc:  # a bug: this computation fails, the rest of the run goes on
+                    log.exception("enqueueing computation %s of run %s failed", comp.node, run_id)
+                    refused.append((comp, as_error(exc, f"enqueueing computation {comp.node}")))
         finally:
             self._admitting.discard(run_id)
             if not self._runs.get(run_id):
@@ -213,8 +217,13 @@ class Runner:
         self._run_seconds.setdefault(run_id, 0.0)
         for device in devices:
             self._load[device] += 1
-        if self._run_now(work):
-            return
+        try:
+            if self._run_now(work):
+                return
+        except Exception:  # a bug on the fast path must lose neither the computation nor the run
+            log.exception("%s failed on the fast path", work.label)
+            if work.finished:  # it ran and was reported; only its tail went wrong
+                return
         work.queue(asyncio.get_running_loop())
         self._runs.setdefault(run_id, []).append(work)
         for device in devices:
@@ -471,6 +480,7 @@ class Runner:
         return err
 
     def _complete(self, work: Work) -> None:
+        work.finished = True
         self.executed += 1
         self._outstanding -= 1
         for device in work.devices:
