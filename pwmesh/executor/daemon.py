@@ -118,6 +118,7 @@ class Executor(Service):
         self._jitter = random.Random(f"{self.config.test_seed}-{self.name}")  # each host its own delays
         self._cancelled: collections.OrderedDict[str, PwmeshError] = collections.OrderedDict()
         self._completed: dict[tuple[str, str], list[int]] = {}  # (proxy, run) -> nodes done, not yet reported
+        self._parts_done: list[tuple[str, RunPartDone]] = []  # (scheduler, message) sent with those
         control = {
             RegisterFunction: self._register_function,
             Enqueue: self._enqueue,
@@ -241,8 +242,13 @@ class Executor(Service):
         self.runner.peer_ready(msg.run_id, msg.node, msg.control)
 
     def _part_done(self, run_id: str, scheduler: str, device_seconds: float) -> None:
-        if scheduler:
-            self.peers.post(scheduler, RunPartDone(run_id=run_id, executor_id=self.name, device_seconds=device_seconds))
+        if not scheduler:
+            return
+        done = RunPartDone(run_id=run_id, executor_id=self.name, device_seconds=device_seconds)
+        if self._completed:  # leave together with the completions (one I/O-thread wake-up for both)
+            self._parts_done.append((scheduler, done))
+        else:
+            self.peers.post(scheduler, done)
 
     async def _watchdog(self) -> None:
         for wait in self.runner.gang_waits(older_than_seconds=self.config.watchdog_seconds):
@@ -431,8 +437,11 @@ class Executor(Service):
 
     def _report_completed(self) -> None:
         completed, self._completed = self._completed, {}
+        parts, self._parts_done = self._parts_done, []
         for (proxy, run_id), nodes in completed.items():
             self.peers.post(proxy, NodeDone(run_id=run_id, nodes=nodes, executor_id=self.name))
+        for scheduler, done in parts:
+            self.peers.post(scheduler, done)
 
     async def drain(self) -> None:
         """Let every queued computation finish (and its results leave) before closing."""
