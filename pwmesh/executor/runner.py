@@ -362,13 +362,9 @@ class Runner:
         if not runs_inline(fn, fn.seconds * len(work.devices)):
             return False
         devices = [self.devices[d] for d in work.devices]
-        if comp.spmd:
-            if not fn.compiled(tuple(devices)):
-                return False
-        else:
-            exes = [fn.ready((d,)) for d in devices]
-            if None in exes:
-                return False
+        exes = _compiled(fn, comp.spmd, devices)
+        if exes is None:
+            return False
         per_shard = []
         for shard in work.shards:
             values = self.store.values([f"{p}/{shard}" for p in comp.inputs])
@@ -382,14 +378,7 @@ class Runner:
         outs = None
         err = None
         try:
-            if comp.spmd:
-                outs, seconds = _call_spmd(fn, tuple(devices), per_shard)
-                work.device_seconds = seconds * len(devices)
-                seconds /= len(devices)  # ``fn.seconds`` is per shard (all shards run at once)
-            else:
-                outs, work.device_seconds = _call_together(exes, devices, per_shard)
-                seconds = work.device_seconds / len(devices)
-            fn.ran(seconds)
+            outs = self._call_inline(work, fn, devices, exes, per_shard)
         except Exception as exc:
             err = as_error(exc, f"computation {comp.node} ({comp.fn_id[:12]})")
         self._finish(work, arrived, arrived, arrived, per_shard, outs, err, nbytes, fn.output_nbytes)
@@ -431,29 +420,22 @@ class Runner:
 
     async def _call(self, work: Work, fn: CompiledFunction, per_shard: list[list[Any]]) -> list[list[Any]]:
         comp = work.comp
-        loop = asyncio.get_running_loop()
+        devices = [self.devices[d] for d in work.devices]
+        exes = _compiled(fn, comp.spmd, devices)
         # A quick computation runs right here, on the loop: the hop to a device thread and back
         # (~0.1-0.5 ms on a busy host) would dominate it.
-        inline = runs_inline(fn, fn.seconds * len(work.devices))
+        inline = exes is not None and runs_inline(fn, fn.seconds * len(devices))
+        if inline and not comp.ragged:
+            return self._call_inline(work, fn, devices, exes or [], per_shard)
+        loop = asyncio.get_running_loop()
         if comp.spmd:
-            devices = tuple(self.devices[d] for d in work.devices)
-            inline = inline and fn.compiled(devices)
-            if inline:
-                outs, seconds = _call_spmd(fn, devices, per_shard)
-            else:
-                outs, seconds = await loop.run_in_executor(self.pools[work.devices[-1]], _call_spmd, fn, devices,
-                                                           per_shard)
+            outs, seconds = await loop.run_in_executor(self.pools[work.devices[-1]], _call_spmd, fn, tuple(devices),
+                                                       per_shard)
             fn.ran(seconds / len(devices))
             work.device_seconds = seconds * len(devices)
             return outs
         call = _call_ragged if comp.ragged else _call_single
-        devices = [self.devices[d] for d in work.devices]
-        exes = [fn.ready((d,)) for d in devices]
-        if inline and None not in exes:
-            if not comp.ragged:
-                outs, work.device_seconds = _call_together(exes, devices, per_shard)
-                fn.ran(work.device_seconds / len(devices))
-                return outs
+        if inline:
             results = [call(fn, d, args) for d, args in zip(devices, per_shard, strict=True)]
         else:
             results = await asyncio.gather(*(
@@ -462,6 +444,19 @@ class Runner:
         fn.ran(max(r[1] for r in results))
         work.device_seconds = sum(r[1] for r in results)
         return [r[0] for r in results]
+
+    @staticmethod
+    def _call_inline(work: Work, fn: CompiledFunction, devices: list[jax.Device], exes: list[Any],
+                     per_shard: list[list[Any]]) -> list[list[Any]]:
+        """Run a compiled computation's shards on this thread, all dispatched before any is waited for."""
+        if work.comp.spmd:
+            outs, wall = _call_spmd(fn, tuple(devices), per_shard)
+            work.device_seconds = wall * len(devices)  # every device was busy all along
+        else:
+            outs, wall = _call_together(exes, devices, per_shard)
+            work.device_seconds = wall
+        fn.ran(wall / len(devices))  # ``fn.seconds`` is per shard: runs_inline multiplies it back
+        return outs
 
     def _finish_outputs(self, work: Work, shard: int, outs: list[Any] | None, err: PwmeshError | None,
                         nbytes: list[int] | None = None) -> PwmeshError | None:
@@ -511,6 +506,15 @@ async def _unless_cancelled(fut: asyncio.Future[Any], work: Work) -> Any:
     if not fut.done():
         raise work.cancelled or PwmeshError(f"{work.label} was cancelled")
     return fut.result()
+
+
+def _compiled(fn: CompiledFunction, spmd: bool, devices: list[jax.Device]) -> list[Any] | None:
+    """The executables to run on ``devices`` if all are compiled (none for an SPMD function: one call
+    compiles and runs for all), else None."""
+    if spmd:
+        return [] if fn.compiled(tuple(devices)) else None
+    exes = [fn.ready((d,)) for d in devices]
+    return None if None in exes else exes
 
 
 @functools.cache
