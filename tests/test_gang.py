@@ -94,3 +94,19 @@ def test_without_the_island_order_the_same_workload_deadlocks(by_arrival: pw.Loc
         thread.join(timeout=60)
     assert not thread.is_alive()
     assert len(outcome) == 1 and isinstance(outcome[0], pw.PwTimeoutError), outcome
+
+
+def test_the_stress_run_reports_the_root_cause_not_a_broken_barrier(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A client waiting at the start barrier only learns that another failed (or was late): the
+    run raises the other's error. Clients are stand-ins here (no cluster): only run() is tested."""
+
+    def workload(address: str, index: int, programs: int, seed: int, sizes: tuple[int, ...],
+                 started: threading.Barrier, timeout_seconds: float | None) -> gang_stress.ClientResult:
+        if index == 1:  # its warm-up never finished: the deadlock's symptom
+            raise pw.PwTimeoutError("did not answer fetch within 1 seconds")
+        started.wait(timeout=timeout_seconds)  # broken: by the abort, or by its own deadline
+        return gang_stress.ClientResult(programs, programs, 0.0)
+
+    monkeypatch.setattr(gang_stress, "client_workload", workload)
+    with pytest.raises(pw.PwTimeoutError, match="fetch"):
+        gang_stress.run("tcp://127.0.0.1:1", clients=3, programs=1, seed=0, timeout_seconds=5)

@@ -69,9 +69,16 @@ def run(address: str, clients: int, programs: int, seed: int, slice_sizes: tuple
     try:
         futures = [pool.submit(client_workload, address, i, programs, seed, slice_sizes, started, timeout_seconds)
                    for i in range(clients)]
+        concurrent.futures.wait(futures, return_when=concurrent.futures.FIRST_EXCEPTION)
+        started.abort()  # a client that failed early must not leave the others waiting at the barrier
+        if timeout_seconds is not None:  # every client ends by its deadline: report the root cause
+            errors = [e for e in (f.exception() for f in futures) if e is not None]
+            causes = [e for e in errors if not isinstance(e, threading.BrokenBarrierError)]
+            if errors:  # a client stuck at the barrier only says that another one failed (or was late)
+                raise (causes or errors)[0]
         return [f.result() for f in futures]
     finally:
-        started.abort()  # a client that failed early must not leave the others waiting at the barrier
+        started.abort()
         pool.shutdown(wait=timeout_seconds is not None, cancel_futures=True)
 
 
