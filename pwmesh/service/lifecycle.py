@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import ctypes
 import enum
+import gc
 import json
 import logging
 import os
@@ -169,6 +170,10 @@ def run(service: Service) -> None:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, on_signal, sig)
         await service.start()
+        # What start-up imported and built (JAX alone: ~100k objects) never becomes garbage:
+        # keep it out of the collector's full passes, which otherwise stall the loop (measured
+        # in-process with an executor's modules: one full pass 67 ms, 16 ms after this).
+        gc.freeze()
         print(READY_PREFIX + json.dumps(service.ready_info()), flush=True)
         await service.wait_closed()
 
