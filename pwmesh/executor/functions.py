@@ -69,7 +69,7 @@ class CompiledFunction:
 
     def compiled(self, devices: tuple[jax.Device, ...]) -> bool:
         """Whether ``executable(devices)`` returns at once (nothing to compile)."""
-        return tuple(d.id for d in devices) in self._executables
+        return self.ready(devices) is not None
 
     def ready(self, devices: tuple[jax.Device, ...]) -> Any:
         """The executable for ``devices`` if it is compiled already, else None (never compiles)."""

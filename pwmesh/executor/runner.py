@@ -184,7 +184,6 @@ class Runner:
         a computation that runs at once (see ``enqueue``) must not end the part alone."""
         refused = []
         self._admitting.add(run_id)
-        self._run_seconds.setdefault(run_id, 0.0)
         try:
             for comp in comps:
                 try:
