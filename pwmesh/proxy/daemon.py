@@ -685,38 +685,36 @@ class Proxy(Service):
         buf = self._buffer(session, msg.buffer)
         buf.pins += 1  # a release while we fetch must not delete the shards under us
         try:
-            if buf.ready.done():
+            shards = None if buf.ready.done() else await self._fetch_early(session, buf)
+            if shards is None:
                 await buf.ready  # raises its failure, if it failed
                 if buf.lost is not None:
                     raise buf.lost
                 shards = await self._fetch_shards(session, buf, self.config.fetch_timeout_seconds)
-            else:
-                shards = await self._fetch_early(session, buf)
         finally:
             buf.pins -= 1
             self._maybe_free(session, buf)
         return BufferValue(shards=shards)
 
-    async def _fetch_early(self, session: Session, buf: Buffer) -> list[Any]:
+    async def _fetch_early(self, session: Session, buf: Buffer) -> list[Any] | None:
         """Fetch a buffer still being computed: ask its executors now, not once it is done.
 
         ``FetchShards`` waits there for a shard not made yet (a posted receive), so the value
         comes back as soon as it exists: two hops sooner than waiting for the completion
         first (executor -> proxy, then proxy -> executor). No timeout while it computes (a
-        lost executor, a cancelled run or a failed node ends the wait). If it fails, the
-        buffer's completion decides: the node's own error, or (it was moved meanwhile, say)
-        the ordinary fetch after completion."""
+        lost executor, a cancelled run or a failed node ends the wait). None once the buffer
+        is complete without the values: the caller reports its failure, or (it was moved
+        meanwhile, say) fetches it the ordinary way."""
         fetching = asyncio.ensure_future(self._fetch_shards(session, buf, EARLY_FETCH_TIMEOUT_SECONDS))
         try:
             await asyncio.wait((buf.ready, fetching), return_when=asyncio.FIRST_COMPLETED)
             if fetching.done() and fetching.exception() is None:
                 return fetching.result()
-            await buf.ready  # raises the node's error, if that is why the fetch failed
-            if buf.lost is not None:
-                raise buf.lost
-            with contextlib.suppress(PwmeshError):
-                return await fetching
-            return await self._fetch_shards(session, buf, self.config.fetch_timeout_seconds)
+            await asyncio.wait((buf.ready,))  # complete, successfully or not (the caller reports which)
+            if buf.ready.exception() is None and buf.lost is None:
+                with contextlib.suppress(PwmeshError):
+                    return await fetching
+            return None
         finally:
             if not fetching.done():
                 fetching.cancel()
