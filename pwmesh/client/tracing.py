@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextvars
 import dataclasses
+import hashlib
 import threading
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
@@ -20,6 +21,7 @@ import numpy as np
 from pwmesh.client.array import Array
 from pwmesh.dataflow.layout import check_split
 from pwmesh.errors import InvalidArgument
+from pwmesh.wire.codec import pack_records
 from pwmesh.wire.messages import NodeSpec, ProgramInput, ProgramSpec, RunProgram, ValueSpec
 
 if TYPE_CHECKING:
@@ -196,6 +198,10 @@ class TracedProgram:
     functions: list[tuple[ExportedFunction, int]]
     out_tree: Any
     client: Client
+    program_id: str = dataclasses.field(init=False)  # the spec's digest: the proxy caches its lowering by it
+
+    def __post_init__(self) -> None:
+        self.program_id = hashlib.sha256(pack_records([self.spec])).hexdigest()
 
 
 def _leaf_signature(leaf: Any) -> tuple[Any, ...]:
@@ -282,7 +288,8 @@ def execute(traced: TracedProgram, args: Sequence[Any], *, sequential: bool = Fa
     for exported, slice_id in traced.functions:
         client.ensure_function(exported, slice_id)
     ids = [client.new_buffer_id() for _ in traced.spec.outputs]
-    client.conn.post(RunProgram(program=traced.spec, inputs=inputs, outputs=ids, sequential=sequential))
+    client.conn.post(RunProgram(program=traced.spec, inputs=inputs, outputs=ids, sequential=sequential,
+                                program_id=traced.program_id))
     outs = []
     for buffer_id, v in zip(ids, traced.spec.outputs, strict=True):
         spec = traced.spec.values[v]

@@ -523,7 +523,7 @@ def _on(device: jax.Device) -> SingleDeviceSharding:
 
 def _placed(value: Any, device: jax.Device) -> Any:
     """``value`` on ``device``: as it is if it is there already (``device_put`` would cost ~60 us to do nothing)."""
-    if isinstance(value, jax.Array) and value.sharding == _on(device):
+    if isinstance(value, jax.Array) and getattr(value.sharding, "_device", None) is device:
         return value
     return jax.device_put(value, device)
 

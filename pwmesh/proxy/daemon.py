@@ -30,7 +30,7 @@ from pwmesh.errors import (
     ResourceExhausted,
 )
 from pwmesh.ir.keys import function_id
-from pwmesh.ir.lower import ShardLocation, lower, move_shard, slice_locations, split_host_array
+from pwmesh.ir.lower import ShardLocation, move_shard, slice_locations, split_host_array
 from pwmesh.proxy.session import Buffer, Run, Session
 from pwmesh.service.heartbeat import Liveness, every
 from pwmesh.service.lifecycle import Service
@@ -330,8 +330,9 @@ class Proxy(Service):
         for v, name in enumerate(names):
             if not name:
                 names[v] = session.temp_name()
-        lowered = lower(program, owner=session.session_id, names=names, host_inputs=set(host_data), bound=bound,
-                        slices=session.slices, spmd=session.functions, fresh_name=session.temp_name)
+        program, lowered = session.lowerings.lower(
+            msg.program_id, program, owner=session.session_id, names=names, host_inputs=set(host_data), bound=bound,
+            slices=session.slices, spmd=session.functions, fresh_name=session.temp_name)
         for node in program.nodes:
             broken = session.slices[node.slice_id].broken
             if broken:

@@ -713,6 +713,7 @@ class RunProgram(Message, op="proxy.run_program"):
     inputs: list[ProgramInput]
     outputs: list[int]
     sequential: bool = False  # dispatch each node only once its predecessors are done
+    program_id: str = ""  # digest of ``program`` (client-made, once per trace): the proxy caches its lowering
 
 
 @record

@@ -1,0 +1,130 @@
+"""Lowered programs, cached per program and map version (ARCHITECTURE §3, step 2).
+
+A client calls the same traced program again and again; lowering it is the same
+work each time except for the names of its buffers, which are new every run.
+So a program is lowered once with placeholder names (``@<value>`` and, for the
+buffers lowering derives, ``@d<k>``) and each run *instantiates* that template:
+the same computations, emits, puts and moves with the run's names filled in —
+a copy of records instead of placement, layout and transfer planning.
+
+The entry is found by the program's id (a digest of its spec, computed once by
+the client when it traces) and the run's bindings: where each bound input's
+shards are and which inputs come from the host. It is used only while every
+slice the program runs on is still the object it was lowered against: the
+proxy replaces a slice's ``SliceInfo`` whenever the resource manager changes
+its map, so a remap (a host lost, a slice migrated) lowers the program again.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import itertools
+from collections.abc import Callable
+
+from pwmesh.errors import InvalidArgument
+from pwmesh.ir.lower import HostPut, Lowered, ShardLocation, lower
+from pwmesh.wire.messages import Computation, Emit, ProgramSpec, SendShards, SliceInfo, Target
+
+MAX_PROGRAM_ID_CHARS = 128
+
+
+@dataclasses.dataclass(eq=False)
+class _Template:
+    program: ProgramSpec
+    slices: dict[int, SliceInfo]  # the slices it was lowered against (identity: a remap replaces them)
+    lowered: Lowered  # with placeholder names
+    placeholders: list[str]  # value v's placeholder, then each derived buffer's
+
+
+class LoweringCache:
+    """One session's lowered programs, the least recently used dropped past ``capacity``."""
+
+    def __init__(self, capacity: int = 64) -> None:
+        self.capacity = capacity
+        self.hits = 0
+        self.misses = 0
+        self._templates: collections.OrderedDict[tuple[object, ...], _Template] = collections.OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._templates)
+
+    def lower(self, program_id: str, program: ProgramSpec, *, owner: str, names: list[str], host_inputs: set[int],
+              bound: dict[int, list[ShardLocation]], slices: dict[int, SliceInfo], spmd: dict[str, bool],
+              fresh_name: Callable[[], str]) -> tuple[ProgramSpec, Lowered]:
+        """``lower(...)``'s result for this run, from the cache when it can be; with the spec it is of.
+
+        An empty ``program_id`` is never cached. Under a known id the cached spec is the one that
+        runs (the client's id names it), after a check that the one sent has its shape."""
+        if len(program_id) > MAX_PROGRAM_ID_CHARS:
+            raise InvalidArgument(f"a program id has at most {MAX_PROGRAM_ID_CHARS} characters")
+        bound_names = [names[v] for v in bound]
+        if not program_id or len(set(bound_names)) != len(bound_names):
+            # Two inputs bound to one buffer share their transfers: placeholders would not.
+            return program, lower(program, owner=owner, names=names, host_inputs=host_inputs, bound=bound,
+                                  slices=slices, spmd=spmd, fresh_name=fresh_name)
+        key = (program_id, tuple((v, tuple(where)) for v, where in sorted(bound.items())),
+               tuple(sorted(host_inputs)))
+        template = self._templates.get(key)
+        if template is not None and all(slices.get(sid) is sl for sid, sl in template.slices.items()):
+            _check_same_shape(program_id, template.program, program)
+            self._templates.move_to_end(key)
+            self.hits += 1
+            return template.program, _instantiate(template, owner, names, fresh_name)
+        placeholders = [f"@{v}" for v in range(len(program.values))]
+        derived = (f"@d{k}" for k in itertools.count())
+        lowered = lower(program, owner=owner, names=placeholders, host_inputs=host_inputs, bound=bound,
+                        slices=slices, spmd=spmd, fresh_name=lambda: next(derived))
+        used = {node.slice_id for node in program.nodes}
+        template = _Template(program, {sid: slices[sid] for sid in used}, lowered,
+                             placeholders + lowered.derived)
+        self.misses += 1
+        self._templates[key] = template
+        self._templates.move_to_end(key)
+        while len(self._templates) > self.capacity:
+            self._templates.popitem(last=False)
+        return program, _instantiate(template, owner, names, fresh_name)
+
+
+def _check_same_shape(program_id: str, cached: ProgramSpec, sent: ProgramSpec) -> None:
+    if (len(cached.nodes), len(cached.values), cached.inputs, cached.outputs) != (
+            len(sent.nodes), len(sent.values), sent.inputs, sent.outputs):
+        raise InvalidArgument(f"program id {program_id[:16]} names another program in this session "
+                              "(ids must be digests of the program's spec)")
+
+
+def _instantiate(template: _Template, owner: str, names: list[str], fresh_name: Callable[[], str]) -> Lowered:
+    """The template with this run's names: fresh records and containers, nothing shared that a run mutates."""
+    src = template.lowered
+    derived = [fresh_name() for _ in src.derived]
+    real = names + derived
+    by_name = dict(zip(template.placeholders, real, strict=True))
+    by_prefix = {f"{owner}/{p}": f"{owner}/{r}" for p, r in by_name.items()}
+
+    def emit(e: Emit) -> Emit:
+        return Emit(mode=e.mode, rows=e.rows, src_shards=e.src_shards, slot=e.slot, selector=e.selector,
+                    source=e.source, targets=[Target(prefix=by_prefix[t.prefix], shards=t.shards, sites=t.sites,
+                                                     shape=t.shape, dtype=t.dtype) for t in e.targets])
+
+    def computation(c: Computation) -> Computation:
+        return Computation(node=c.node, fn_id=c.fn_id, executor_id=c.executor_id, control=c.control, runs=c.runs,
+                           inputs=[by_prefix[p] for p in c.inputs], outputs=[by_prefix[p] for p in c.outputs],
+                           emits=[emit(e) for e in c.emits] if c.emits else [], spmd=c.spmd, kind=c.kind,
+                           ragged=c.ragged, seq=c.seq, peers=c.peers)
+
+    def put(p: HostPut) -> HostPut:
+        buffer, _, shard = p.key.rpartition("/")
+        return HostPut(value=p.value, shard=p.shard, location=p.location, key=f"{by_prefix[buffer]}/{shard}",
+                       shards=p.shards)
+
+    return Lowered(
+        schedules={s: [computation(c) for c in comps] for s, comps in src.schedules.items()},
+        puts=[put(p) for p in src.puts],
+        moves={control: [SendShards(prefix=by_prefix[m.prefix], runs=m.runs, emits=[emit(e) for e in m.emits])
+                         for m in sends] for control, sends in src.moves.items()},
+        produced={v: list(where) for v, where in src.produced.items()},  # a migration rewrites a buffer's
+        holders={by_name[b]: set(controls) for b, controls in src.holders.items()},
+        node_executors=src.node_executors,
+        function_sites=src.function_sites,
+        derived=derived,
+    )
