@@ -16,6 +16,7 @@ import pytest
 import pwmesh as pw
 from helpers import eventually, slow
 from pwmesh.cli.commands import fetch_status
+from pwmesh.wire.messages import ProgramSpec, RegisterProgram, RunProgram, ValueSpec
 
 
 def _outstanding(address: str) -> dict[str, int]:
@@ -77,3 +78,52 @@ def test_a_data_dependent_step_makes_what_follows_sequential(
     assert np.isfinite(value).all()
     # Outside a program, a host function just runs on fetched values.
     assert keep(np.zeros(1)).shape == (1, 1)
+
+
+# --------------------------------------------------------------- registered programs
+
+
+def _session(client: pw.Client) -> Any:
+    (info,) = [s for s in client.status().sessions if s.session_id == client.session_id]
+    return info
+
+
+def test_a_program_is_registered_once_and_lowered_once(client: pw.Client) -> None:
+    """Each run names its traced program by id; the proxy lowers it once and reuses the lowering."""
+    sl = client.make_virtual_device_set().add_slice(devices=2)
+    inc = pw.pmap(lambda v: v + 1.0, devices=sl)
+
+    @pw.program
+    def twice(v):
+        return inc(inc(v))
+
+    x = client.put(np.zeros(2, np.float32), sl)
+    for i in range(3):
+        x = twice(x)
+        np.testing.assert_array_equal(np.asarray(x), np.full(2, 2.0 * (i + 1), np.float32))
+    for _ in range(3):
+        x = inc(x)  # called outside a program: a one-node program of its own, registered too
+    np.testing.assert_array_equal(np.asarray(x), np.full(2, 9.0, np.float32))
+    info = _session(client)
+    assert (info.registered, info.lowered, info.reused) == (2, 2, 4)
+
+
+def test_a_run_of_an_unknown_program_fails_its_outputs(client: pw.Client) -> None:
+    """Never registered, or refused at registration: the outputs carry why, and the session goes on."""
+    sl = client.make_virtual_device_set().add_slice(devices=1)
+    client.conn.post(RegisterProgram(program_id="x" * 500, program=ProgramSpec(values=[], nodes=[], inputs=[],
+                                                                               outputs=[])))
+    for program_id in ("never-registered", "x" * 500):
+        buffer_id = client.new_buffer_id()
+        client.conn.post(RunProgram(program_id=program_id, inputs=[], outputs=[buffer_id]))
+        with pytest.raises(pw.NotFound, match="never registered"):
+            np.asarray(pw.Array(client, buffer_id, (1,), np.dtype(np.float32), 1))
+    # A registered program that is not valid fails when it runs, with what is wrong with it.
+    bad = ProgramSpec(values=[ValueSpec(shape=[1], dtype="float32", shards=1)], nodes=[], inputs=[], outputs=[0])
+    client.conn.post(RegisterProgram(program_id="bad", program=bad))
+    buffer_id = client.new_buffer_id()
+    client.conn.post(RunProgram(program_id="bad", inputs=[], outputs=[buffer_id]))
+    with pytest.raises(pw.InvalidArgument, match="never defined"):
+        np.asarray(pw.Array(client, buffer_id, (1,), np.dtype(np.float32), 1))
+    inc = pw.pmap(lambda v: v + 1.0, devices=sl)
+    np.testing.assert_array_equal(np.asarray(inc(np.zeros(1, np.float32))), np.ones(1, np.float32))

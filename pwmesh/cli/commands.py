@@ -136,13 +136,15 @@ def format_status(reply: StatusReply) -> str:
         host_rows.append([e.island, e.executor_id, e.host, state_word, devices,
                           st.objects if st else "?", memory, st.executed if st else "?",
                           " ".join(map(str, st.queued)) if st else "?"])
-    session_rows = [[s.session_id, s.name, s.buffers, s.programs, s.weight, s.priority] for s in reply.sessions]
+    session_rows = [[s.session_id, s.name, s.buffers, s.programs, s.weight, s.priority, s.registered,
+                     f"{s.reused}/{s.reused + s.lowered}"] for s in reply.sessions]
     return "\n\n".join([
         f"map version {state.map_version}, {len(state.slices)} slices",
         table(["island", "hosts", "devices", "scheduler"], island_rows),
         table(["island", "executor", "host", "state", "devices[slices]", "objects", "memory", "executed",
                 "queued"], host_rows),
-        table(["session", "name", "buffers", "running", "weight", "priority"], session_rows)
+        table(["session", "name", "buffers", "running", "weight", "priority", "programs", "lowerings reused"],
+              session_rows)
         if session_rows else "no sessions",
     ])
 

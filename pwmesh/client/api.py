@@ -28,7 +28,9 @@ from pwmesh.wire.messages import (
     BufferValue,
     Fetch,
     GetStatus,
+    ProgramSpec,
     PutBuffer,
+    RegisterProgram,
     RegisterProgramFunction,
     ReleaseBuffers,
     StatusReply,
@@ -56,6 +58,7 @@ class Client:
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
         self._functions: set[str] = set()
+        self._programs: set[str] = set()
         self.device_sets: list[VirtualDeviceSet] = []
         atexit.register(self.close)
 
@@ -82,6 +85,14 @@ class Client:
             self._functions.add(exported.fn_id)
         self.conn.post(RegisterProgramFunction(fn_id=exported.fn_id, exported=exported.serialized,
                                                slice_id=slice_id, spmd=exported.spmd))
+
+    def ensure_program(self, program_id: str, spec: ProgramSpec) -> None:
+        """Ship a traced program to the proxy once per session; its runs then send only its id."""
+        with self._lock:
+            if program_id in self._programs:
+                return
+            self._programs.add(program_id)
+        self.conn.post(RegisterProgram(program_id=program_id, program=spec))
 
     def release(self, buffer_id: int) -> None:
         if not self.conn.closed:

@@ -198,10 +198,7 @@ class TracedProgram:
     functions: list[tuple[ExportedFunction, int]]
     out_tree: Any
     client: Client
-    program_id: str = dataclasses.field(init=False)  # the spec's digest: the proxy caches its lowering by it
-
-    def __post_init__(self) -> None:
-        self.program_id = hashlib.sha256(pack_records([self.spec])).hexdigest()
+    program_id: str = ""  # a traced program kept for reuse is registered with the proxy under its digest
 
 
 def _leaf_signature(leaf: Any) -> tuple[Any, ...]:
@@ -267,6 +264,7 @@ class ProgramCache:
             traced = self._traced.get(key)
         if traced is None:
             traced = trace(self.fn, args)
+            traced.program_id = hashlib.sha256(pack_records([traced.spec])).hexdigest()
             with self._lock:
                 self._traced[key] = traced
         return traced
@@ -288,8 +286,12 @@ def execute(traced: TracedProgram, args: Sequence[Any], *, sequential: bool = Fa
     for exported, slice_id in traced.functions:
         client.ensure_function(exported, slice_id)
     ids = [client.new_buffer_id() for _ in traced.spec.outputs]
-    client.conn.post(RunProgram(program=traced.spec, inputs=inputs, outputs=ids, sequential=sequential,
-                                program_id=traced.program_id))
+    if traced.program_id:  # registered once; each run names it (the proxy caches its lowering)
+        client.ensure_program(traced.program_id, traced.spec)
+        run = RunProgram(program_id=traced.program_id, inputs=inputs, outputs=ids, sequential=sequential)
+    else:  # traced for this run only (a staged program)
+        run = RunProgram(program=traced.spec, inputs=inputs, outputs=ids, sequential=sequential)
+    client.conn.post(run)
     outs = []
     for buffer_id, v in zip(ids, traced.spec.outputs, strict=True):
         spec = traced.spec.values[v]

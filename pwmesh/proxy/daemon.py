@@ -29,6 +29,7 @@ from pwmesh.errors import (
     PwmeshError,
     ResourceExhausted,
 )
+from pwmesh.ir.cache import MAX_PROGRAM_ID_CHARS
 from pwmesh.ir.keys import function_id
 from pwmesh.ir.lower import ShardLocation, move_shard, slice_locations, split_host_array
 from pwmesh.proxy.session import Buffer, Run, Session
@@ -72,10 +73,12 @@ from pwmesh.wire.messages import (
     OpenSession,
     Ping,
     PleaseRegister,
+    ProgramSpec,
     PutBuffer,
     PutShards,
     QueryBuffers,
     RegisterFunction,
+    RegisterProgram,
     RegisterProgramFunction,
     ReleaseBuffers,
     ReleaseSlices,
@@ -100,6 +103,7 @@ from pwmesh.wire.parts import run_parts
 
 log = logging.getLogger(__name__)
 
+UNKNOWN_VALUE = ValueSpec(shape=[], dtype="float32", shards=1)  # a failed output of a program never seen
 EARLY_FETCH_TIMEOUT_SECONDS = 7 * 24 * 3600.0  # a fetch sent before its value exists waits as long as it computes
 
 
@@ -144,6 +148,7 @@ class Proxy(Service):
             Heartbeat: self._heartbeat,
             CreateSlice: self._create_slice,
             RegisterProgramFunction: self._register_function,
+            RegisterProgram: self._register_program,
             RunProgram: self._run_program,
             PutBuffer: self._put_buffer,
             AwaitBuffers: self._await_buffers,
@@ -271,23 +276,37 @@ class Proxy(Service):
 
     # ----------------------------------------------------------------- programs
 
+    def _register_program(self, peer: bytes, env: Envelope) -> None:
+        msg = env.message
+        assert isinstance(msg, RegisterProgram)
+        session = self._session(peer)
+        if not msg.program_id or len(msg.program_id) > MAX_PROGRAM_ID_CHARS:
+            raise InvalidArgument(f"a program id has 1 to {MAX_PROGRAM_ID_CHARS} characters")
+        # Checked when it first runs (lowering validates it), where an error reaches its buffers.
+        session.programs.setdefault(msg.program_id, msg.program)
+        return None  # posted, like a RunProgram after it
+
     def _run_program(self, peer: bytes, env: Envelope) -> None:
         msg = env.message
         assert isinstance(msg, RunProgram)
         session = self._session(peer)
+        program = msg.program if msg.program is not None else session.programs.get(msg.program_id)
         try:
+            if program is None:
+                raise NotFound(f"program {msg.program_id[:16]!r} was never registered in this session"
+                               if msg.program_id else "RunProgram names no program")
             with self._counted():
-                self._dispatch(session, msg)
+                self._dispatch(session, msg, program)
             self.programs += 1
         except PwmeshError as exc:
-            for cid, v in zip(msg.outputs, msg.program.outputs, strict=False):
-                if 0 <= v < len(msg.program.values):
-                    session.fail_buffer(cid, msg.program.values[v], exc)
+            for i, cid in enumerate(msg.outputs):
+                v = program.outputs[i] if program is not None and i < len(program.outputs) else -1
+                spec = program.values[v] if program is not None and 0 <= v < len(program.values) else UNKNOWN_VALUE
+                session.fail_buffer(cid, spec, exc)
             raise
         return None  # posted: the client learns of success from its buffers, of failure from an Error
 
-    def _dispatch(self, session: Session, msg: RunProgram) -> None:
-        program = msg.program
+    def _dispatch(self, session: Session, msg: RunProgram, program: ProgramSpec) -> None:
         if len(msg.inputs) != len(program.inputs) or len(msg.outputs) != len(program.outputs):
             raise InvalidArgument(
                 f"program takes {len(program.inputs)} inputs and {len(program.outputs)} outputs; "
@@ -755,7 +774,8 @@ class Proxy(Service):
         found = await asyncio.gather(*(stats(e.control) for e in reply.state.executors if e.alive))
         sessions = [
             SessionInfo(session_id=s.session_id, name=s.name, buffers=len(s.buffers), programs=len(s.runs),
-                        weight=s.weight, priority=s.priority)
+                        weight=s.weight, priority=s.priority, registered=len(s.programs),
+                        lowered=s.lowerings.misses, reused=s.lowerings.hits)
             for s in self.sessions.values()
         ]
         return StatusReply(cluster=reply.state, sessions=sessions, executor_stats=[s for s in found if s],

@@ -15,7 +15,7 @@ import secrets
 from pwmesh.errors import PwmeshError
 from pwmesh.ir.cache import LoweringCache
 from pwmesh.ir.lower import ShardLocation, shard_key
-from pwmesh.wire.messages import Computation, SliceInfo, ValueSpec
+from pwmesh.wire.messages import Computation, ProgramSpec, SliceInfo, ValueSpec
 
 
 def _retrieve(fut: asyncio.Future[None]) -> None:
@@ -89,6 +89,7 @@ class Session:
     runs: dict[str, Run] = dataclasses.field(default_factory=dict)
     ended: bool = False
     hosts: set[str] = dataclasses.field(default_factory=set)  # executors that may hold its keys
+    programs: dict[str, ProgramSpec] = dataclasses.field(default_factory=dict)  # registered, by id
     lowerings: LoweringCache = dataclasses.field(default_factory=LoweringCache)  # its programs, lowered
     _run_ids: itertools.count = dataclasses.field(default_factory=itertools.count)
     _temp_ids: itertools.count = dataclasses.field(default_factory=itertools.count)

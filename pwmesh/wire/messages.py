@@ -113,9 +113,12 @@ class SessionInfo(Record):
     session_id: str
     name: str
     buffers: int
-    programs: int
+    programs: int  # runs in flight
     weight: float = 1.0
     priority: int = 0
+    registered: int = 0  # programs registered (traced once, run by id)
+    lowered: int = 0  # program lowerings made (first run, new bindings, a remap)
+    reused: int = 0  # runs that reused a cached lowering
 
 
 @record
@@ -708,12 +711,22 @@ class RegisterProgramFunction(Message, op="proxy.register_function"):
 
 
 @record
-class RunProgram(Message, op="proxy.run_program"):
+class RegisterProgram(Message, op="proxy.register_program"):
+    """A traced program, sent once per session; its runs then name it by ``program_id``."""
+
+    program_id: str  # a digest of ``program`` (the client's, made once per trace); the first registration stands
     program: ProgramSpec
+
+
+@record
+class RunProgram(Message, op="proxy.run_program"):
+    """Run a program: the one registered as ``program_id``, or ``program`` itself (a one-off trace)."""
+
     inputs: list[ProgramInput]
     outputs: list[int]
+    program: ProgramSpec | None = None
+    program_id: str = ""  # the proxy caches a registered program's lowering under it
     sequential: bool = False  # dispatch each node only once its predecessors are done
-    program_id: str = ""  # digest of ``program`` (client-made, once per trace): the proxy caches its lowering
 
 
 @record
