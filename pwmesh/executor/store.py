@@ -213,9 +213,10 @@ class ObjectStore:
             return
         fut = self._futures.pop(key, None)
         if fut is None:
-            if self.deleted(key):
+            buffer = key.rpartition("/")[0]  # buffer_of, once
+            if buffer in self._deleted:
                 return
-            self._by_buffer.setdefault(buffer_of(key), []).append(key)
+            self._by_buffer.setdefault(buffer, []).append(key)
         elif fut.done():  # it failed (or a receive of a deleted key); the failure stands
             self._futures[key] = fut
             log.warning("object %s arrived after it failed; keeping the failure", key)
