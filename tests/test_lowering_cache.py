@@ -16,7 +16,8 @@ from test_lowering import OWNER, chain, loc, make_slice, moe, moe_slices, value
 from pwmesh.errors import InvalidArgument
 from pwmesh.ir.cache import LoweringCache
 from pwmesh.ir.lower import Lowered, ShardLocation, lower
-from pwmesh.wire.messages import NodeSpec, ProgramSpec, SliceInfo
+from pwmesh.wire.messages import Enqueue, NodeSpec, ProgramSpec, SliceInfo
+from pwmesh.wire.parts import PartTemplates, enqueued, run_parts
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -179,3 +180,32 @@ def test_least_recently_used_programs_are_dropped() -> None:
     cache.lower("p1", program, **args(program, slices, Names().run(3), host_inputs, {}, Names().fresh))
     cache.lower("p2", program, **args(program, slices, Names().run(3), host_inputs, {}, Names().fresh))
     assert (cache.misses, cache.hits) == (4, 2)  # p1 stayed (used last), p2 had been dropped
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_packed_runs_unpack_to_the_fresh_computations(case: str) -> None:
+    """Sent as the template's parts with the run's names, each executor gets what a fresh lowering makes."""
+    program, slices, host_inputs, bound = CASES[case]
+    cache = LoweringCache()
+    templates: dict[str, PartTemplates] = {}  # one per executor
+    sent = []
+    for _ in range(3):
+        a, b = Names(), Names()
+        names = a.run(len(program.values))
+        b.run(len(program.values))
+        _, cached = cache.lower("p1", program, **args(program, slices, names, host_inputs, bound or {}, a.fresh),
+                                packed=True)
+        fresh = lower(program, **args(program, slices, names, host_inputs, bound or {}, b.fresh))
+        assert cached.parts is not None and cached.derived == fresh.derived and cached.holders == fresh.holders
+        assert cached.moves == fresh.moves and cached.puts == fresh.puts
+        for scheduler, parts in cached.parts.items():
+            expected = run_parts(fresh.schedules[scheduler])
+            assert [(p.executor_id, p.nodes, p.devices) for p in parts] == [
+                (p.executor_id, p.nodes, p.devices) for p in expected]
+            for part in parts:
+                got = enqueued(Enqueue(run_id="r", proxy="p", nodes=part.nodes, computations=part.computations,
+                                       names=part.names), templates.setdefault(part.executor_id, PartTemplates()))
+                assert got == [c for c in fresh.schedules[scheduler] if c.executor_id == part.executor_id]
+                sent.append(part.computations)
+    assert len(set(sent)) == len(sent) // 3  # every run sends the same bytes
+    assert all(len(t) == 1 for t in templates.values())

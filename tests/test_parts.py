@@ -7,8 +7,8 @@ import pytest
 
 from pwmesh.errors import ProtocolError
 from pwmesh.wire import decode, encode
-from pwmesh.wire.messages import Computation, DeviceRange, Enqueue, ShardRun
-from pwmesh.wire.parts import device_ranges, enqueued, run_parts
+from pwmesh.wire.messages import Computation, DeviceRange, Enqueue, RunPart, ShardRun
+from pwmesh.wire.parts import PartTemplates, device_ranges, enqueued, referenced_parts, run_parts
 
 
 def comp(node: int, executor: str, *runs: tuple[int, int]) -> Computation:
@@ -41,3 +41,56 @@ def test_device_ranges_are_flat_in_the_number_of_devices() -> None:
 def test_a_bad_part_is_a_protocol_error_naming_what_is_wrong(payload: bytes, nodes: list[int], match: str) -> None:
     with pytest.raises(ProtocolError, match=match):
         enqueued(Enqueue(run_id="r", proxy="p", nodes=nodes, computations=payload))
+
+
+# --------------------------------------------------------------- parts with references
+
+
+def through_the_wire(part: RunPart, seqs: list[int] | None = None) -> Enqueue:
+    enq = Enqueue(run_id="r", proxy="p", nodes=part.nodes, computations=part.computations, seqs=seqs or [],
+                  names=part.names)
+    msg = decode(encode(enq, msg_id=1)).message
+    assert isinstance(msg, Enqueue)
+    return msg
+
+
+def test_referenced_parts_name_each_buffer_once_in_first_use_order() -> None:
+    comps = [comp(0, "a", (0, 1)), comp(1, "a", (0, 1))]
+    comps[1].inputs, comps[1].outputs = ["o"], ["o2"]
+    ((part, names),) = referenced_parts(comps)
+    assert names == ["i", "o", "o2"]
+    part.names = ["x", "y", "z"]
+    refs = [(c.inputs, c.outputs) for c in enqueued(through_the_wire(part), PartTemplates())]
+    assert refs == [(["x"], ["y"]), (["y"], ["z"])]
+
+
+def test_templates_unpack_a_part_once_and_fill_in_each_runs_names() -> None:
+    ((part, _),) = referenced_parts([comp(0, "a", (0, 2)), comp(1, "a", (0, 2))])
+    templates = PartTemplates()
+    runs = []
+    for run in range(3):
+        part.names = [f"s/r{run}-in", f"s/r{run}-out"]
+        runs.append(enqueued(through_the_wire(part, seqs=[10 * run, 10 * run + 1]), templates))
+    assert len(templates) == 1
+    for run, got in enumerate(runs):  # fresh records each run: setting one run's seq touches no other
+        assert [(c.node, c.seq, c.inputs, c.outputs) for c in got] == [
+            (0, 10 * run, [f"s/r{run}-in"], [f"s/r{run}-out"]), (1, 10 * run + 1, [f"s/r{run}-in"], [f"s/r{run}-out"])]
+
+
+def test_templates_keep_the_newest_parts() -> None:
+    templates = PartTemplates(capacity=2)
+    parts = [referenced_parts([comp(node, "a", (0, 1))])[0][0] for node in range(3)]
+    for part in [*parts, parts[2], parts[0]]:
+        part.names = ["x", "y"]
+        enqueued(through_the_wire(part), templates)
+    assert len(templates) == 2
+
+
+@pytest.mark.parametrize(("names", "match"), [(["only-one"], r"refers to buffer '@1'; it names 1"),
+                                              ([], "refers to buffers by number but the Enqueue names none")])
+def test_a_reference_without_its_name_is_refused(names: list[str], match: str) -> None:
+    """Refused (its nodes fail with the reason) rather than waiting forever for a buffer named '@1'."""
+    ((part, _),) = referenced_parts([comp(0, "a", (0, 1))])
+    part.names = names
+    with pytest.raises(ProtocolError, match=match):
+        enqueued(through_the_wire(part), PartTemplates())

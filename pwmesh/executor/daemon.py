@@ -64,7 +64,7 @@ from pwmesh.wire.messages import (
     TupleBatch,
     UnregisterExecutor,
 )
-from pwmesh.wire.parts import enqueued
+from pwmesh.wire.parts import PartTemplates, enqueued
 
 log = logging.getLogger(__name__)
 
@@ -110,6 +110,7 @@ class Executor(Service):
     async def setup(self) -> None:
         self.functions = FunctionCache()
         self.progress = Progress()
+        self.part_templates = PartTemplates()  # cached lowerings' parts, unpacked once each
         self.runner = Runner(self.devices, self.store, self.functions, emit=self._emit, done=self._node_done,
                              gang_ready=self._gang_ready, part_done=self._part_done,
                              memory_limit_bytes=self.config.memory_limit_bytes, host=self.host)
@@ -218,7 +219,7 @@ class Executor(Service):
         comps: list[Computation] = []
         if failed is None:
             try:
-                comps = enqueued(msg)
+                comps = enqueued(msg, self.part_templates)
             except PwmeshError as exc:
                 failed = exc
         if failed is not None:

@@ -24,7 +24,8 @@ from collections.abc import Callable
 
 from pwmesh.errors import InvalidArgument
 from pwmesh.ir.lower import HostPut, Lowered, ShardLocation, lower
-from pwmesh.wire.messages import Computation, Emit, ProgramSpec, SendShards, SliceInfo, Target
+from pwmesh.wire.messages import ProgramSpec, RunPart, SendShards, SliceInfo
+from pwmesh.wire.parts import referenced_parts, renamed, renamed_emit
 
 MAX_PROGRAM_ID_CHARS = 128
 
@@ -34,7 +35,9 @@ class _Template:
     program: ProgramSpec
     slices: dict[int, SliceInfo]  # the slices it was lowered against (identity: a remap replaces them)
     lowered: Lowered  # with placeholder names
-    placeholders: list[str]  # value v's placeholder, then each derived buffer's
+    placeholders: list[str]  # "<owner>/<placeholder>" of value v, then of each derived buffer
+    # Per scheduler, its parts packed once, each with the placeholders its "@<k>" stand for (as indices)
+    parts: dict[str, list[tuple[RunPart, list[int]]]]
 
 
 class LoweringCache:
@@ -51,11 +54,12 @@ class LoweringCache:
 
     def lower(self, program_id: str, program: ProgramSpec, *, owner: str, names: list[str], host_inputs: set[int],
               bound: dict[int, list[ShardLocation]], slices: dict[int, SliceInfo], spmd: dict[str, bool],
-              fresh_name: Callable[[], str]) -> tuple[ProgramSpec, Lowered]:
+              fresh_name: Callable[[], str], packed: bool = False) -> tuple[ProgramSpec, Lowered]:
         """``lower(...)``'s result for this run, from the cache when it can be; with the spec it is of.
 
         An empty ``program_id`` is never cached. Under a known id the cached spec is the one that
-        runs (the client's id names it), after a check that the one sent has its shape."""
+        runs (the client's id names it), after a check that the one sent has its shape. ``packed``:
+        a cached run comes as packed parts (``Lowered.parts``; see ``_instantiate``)."""
         if len(program_id) > MAX_PROGRAM_ID_CHARS:
             raise InvalidArgument(f"a program id has at most {MAX_PROGRAM_ID_CHARS} characters")
         bound_names = [names[v] for v in bound]
@@ -70,20 +74,23 @@ class LoweringCache:
             _check_same_shape(program_id, template.program, program)
             self._templates.move_to_end(key)
             self.hits += 1
-            return template.program, _instantiate(template, owner, names, fresh_name)
+            return template.program, _instantiate(template, owner, names, fresh_name, packed)
         placeholders = [f"@{v}" for v in range(len(program.values))]
         derived = (f"@d{k}" for k in itertools.count())
         lowered = lower(program, owner=owner, names=placeholders, host_inputs=host_inputs, bound=bound,
                         slices=slices, spmd=spmd, fresh_name=lambda: next(derived))
         used = {node.slice_id for node in program.nodes}
-        template = _Template(program, {sid: slices[sid] for sid in used}, lowered,
-                             placeholders + lowered.derived)
+        prefixed = [f"{owner}/{p}" for p in placeholders + lowered.derived]
+        index = {p: i for i, p in enumerate(prefixed)}
+        parts = {scheduler: [(part, [index[name] for name in names]) for part, names in referenced_parts(comps)]
+                 for scheduler, comps in lowered.schedules.items()}
+        template = _Template(program, {sid: slices[sid] for sid in used}, lowered, prefixed, parts)
         self.misses += 1
         self._templates[key] = template
         self._templates.move_to_end(key)
         while len(self._templates) > self.capacity:
             self._templates.popitem(last=False)
-        return program, _instantiate(template, owner, names, fresh_name)
+        return program, _instantiate(template, owner, names, fresh_name, packed)
 
 
 def _check_same_shape(program_id: str, cached: ProgramSpec, sent: ProgramSpec) -> None:
@@ -93,38 +100,44 @@ def _check_same_shape(program_id: str, cached: ProgramSpec, sent: ProgramSpec) -
                               "(ids must be digests of the program's spec)")
 
 
-def _instantiate(template: _Template, owner: str, names: list[str], fresh_name: Callable[[], str]) -> Lowered:
-    """The template with this run's names: fresh records and containers, nothing shared that a run mutates."""
+def _instantiate(template: _Template, owner: str, names: list[str], fresh_name: Callable[[], str],
+                 packed: bool) -> Lowered:
+    """The template with this run's names: fresh records and containers, nothing shared that a run mutates.
+
+    ``packed``: the run is sent as the template's packed parts with its names (``Lowered.parts``), so its
+    computations are not copied (``schedules`` keeps the template's, for their nodes and executors)."""
     src = template.lowered
     derived = [fresh_name() for _ in src.derived]
-    real = names + derived
-    by_name = dict(zip(template.placeholders, real, strict=True))
-    by_prefix = {f"{owner}/{p}": f"{owner}/{r}" for p, r in by_name.items()}
-
-    def emit(e: Emit) -> Emit:
-        return Emit(mode=e.mode, rows=e.rows, src_shards=e.src_shards, slot=e.slot, selector=e.selector,
-                    source=e.source, targets=[Target(prefix=by_prefix[t.prefix], shards=t.shards, sites=t.sites,
-                                                     shape=t.shape, dtype=t.dtype) for t in e.targets])
-
-    def computation(c: Computation) -> Computation:
-        return Computation(node=c.node, fn_id=c.fn_id, executor_id=c.executor_id, control=c.control, runs=c.runs,
-                           inputs=[by_prefix[p] for p in c.inputs], outputs=[by_prefix[p] for p in c.outputs],
-                           emits=[emit(e) for e in c.emits] if c.emits else [], spmd=c.spmd, kind=c.kind,
-                           ragged=c.ragged, seq=c.seq, peers=c.peers)
+    real = [f"{owner}/{name}" for name in names + derived]
+    by_prefix = dict(zip(template.placeholders, real, strict=True))
+    skip = len(owner) + 1
 
     def put(p: HostPut) -> HostPut:
         buffer, _, shard = p.key.rpartition("/")
         return HostPut(value=p.value, shard=p.shard, location=p.location, key=f"{by_prefix[buffer]}/{shard}",
                        shards=p.shards)
 
+    if packed:
+        schedules = src.schedules
+        parts: dict[str, list[RunPart]] | None = {
+            scheduler: [RunPart(executor_id=part.executor_id, control=part.control, devices=part.devices,
+                                nodes=part.nodes, computations=part.computations, names=[real[i] for i in refs])
+                        for part, refs in mine]
+            for scheduler, mine in template.parts.items()}
+    else:
+        name = by_prefix.__getitem__
+        schedules = {s: [renamed(c, name) for c in comps] for s, comps in src.schedules.items()}
+        parts = None
     return Lowered(
-        schedules={s: [computation(c) for c in comps] for s, comps in src.schedules.items()},
+        schedules=schedules,
         puts=[put(p) for p in src.puts],
-        moves={control: [SendShards(prefix=by_prefix[m.prefix], runs=m.runs, emits=[emit(e) for e in m.emits])
+        moves={control: [SendShards(prefix=by_prefix[m.prefix], runs=m.runs,
+                                    emits=[renamed_emit(e, by_prefix.__getitem__) for e in m.emits])
                          for m in sends] for control, sends in src.moves.items()},
         produced={v: list(where) for v, where in src.produced.items()},  # a migration rewrites a buffer's
-        holders={by_name[b]: set(controls) for b, controls in src.holders.items()},
+        holders={by_prefix[f"{owner}/{b}"][skip:]: set(controls) for b, controls in src.holders.items()},
         node_executors=src.node_executors,
         function_sites=src.function_sites,
         derived=derived,
+        parts=parts,
     )

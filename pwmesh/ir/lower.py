@@ -31,6 +31,7 @@ from pwmesh.wire.messages import (
     NodeSpec,
     PhysicalDevice,
     ProgramSpec,
+    RunPart,
     SendShards,
     ShardRun,
     Site,
@@ -104,6 +105,9 @@ class Lowered:
     node_executors: dict[int, set[str]]  # node -> executors that report its completion
     function_sites: dict[str, set[tuple[str, tuple[int, ...]]]]  # fn_id -> {(control, devices)}
     derived: list[str] = dataclasses.field(default_factory=list)  # buffers lowering made (reshards): temporaries
+    # A cached lowering's packed parts per scheduler, with this run's names (see ir.cache): send these;
+    # the schedules' computations then name placeholders, not this run's buffers.
+    parts: dict[str, list[RunPart]] | None = None
 
 
 def validate(program: ProgramSpec) -> None:

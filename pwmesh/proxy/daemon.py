@@ -82,6 +82,7 @@ from pwmesh.wire.messages import (
     RegisterProgramFunction,
     ReleaseBuffers,
     ReleaseSlices,
+    RunPart,
     RunProgram,
     SchedulerJoined,
     SchedulerLost,
@@ -351,7 +352,7 @@ class Proxy(Service):
                 names[v] = session.temp_name()
         program, lowered = session.lowerings.lower(
             msg.program_id, program, owner=session.session_id, names=names, host_inputs=set(host_data), bound=bound,
-            slices=session.slices, spmd=session.functions, fresh_name=session.temp_name)
+            slices=session.slices, spmd=session.functions, fresh_name=session.temp_name, packed=not msg.sequential)
         for node in program.nodes:
             broken = session.slices[node.slice_id].broken
             if broken:
@@ -425,9 +426,12 @@ class Proxy(Service):
                 for comp in comps:
                     run.held[comp.node].append((scheduler, comp))
             self._release_nodes(session, run)
+        elif lowered.parts is not None:  # a cached lowering: its parts packed once, this run's names with them
+            for scheduler, parts in lowered.parts.items():
+                self._schedule(session, run.run_id, scheduler, parts)
         else:
             for scheduler, comps in lowered.schedules.items():
-                self._schedule(session, run.run_id, scheduler, comps)
+                self._schedule(session, run.run_id, scheduler, run_parts(comps))
         if not run.pending:
             self._finish_run(session, run)
 
@@ -441,8 +445,8 @@ class Proxy(Service):
             self.dispatch_messages += self.peers.sent_messages - messages
             self.dispatch_bytes += self.peers.sent_bytes - nbytes
 
-    def _schedule(self, session: Session, run_id: str, scheduler: str, comps: list[Computation]) -> None:
-        self.peers.post(scheduler, ScheduleRun(run_id=run_id, proxy=self.server.address, parts=run_parts(comps),
+    def _schedule(self, session: Session, run_id: str, scheduler: str, parts: list[RunPart]) -> None:
+        self.peers.post(scheduler, ScheduleRun(run_id=run_id, proxy=self.server.address, parts=parts,
                                                session=session.session_id, weight=session.weight,
                                                priority=session.priority))
 
@@ -454,7 +458,7 @@ class Proxy(Service):
                 by_scheduler.setdefault(scheduler, []).append(comp)
             for scheduler, comps in by_scheduler.items():
                 # Its own scheduler run id: the island's window counts each node separately.
-                self._schedule(session, f"{run.run_id}#{node}", scheduler, comps)
+                self._schedule(session, f"{run.run_id}#{node}", scheduler, run_parts(comps))
 
     def _node_done(self, peer: bytes, env: Envelope) -> None:
         msg = env.message

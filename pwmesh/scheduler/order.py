@@ -187,6 +187,7 @@ class IslandOrder:
             ex = part.executor_id
             actions.append(SendEnqueue(part.control, Enqueue(
                 run_id=run_id, proxy=run.proxy, nodes=part.nodes, computations=part.computations, seqs=seqs,
+                names=part.names,
                 scheduler=self.scheduler, executor_seq=self._executor_seq[ex], epoch=self.epoch)))
             self._executor_seq[ex] += 1
         self.next_seq = seq

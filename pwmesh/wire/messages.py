@@ -454,6 +454,9 @@ class RunPart(Record):
     devices: list[DeviceRange]  # every device its computations use
     nodes: list[int]  # its computations' nodes, in order
     computations: bytes  # list[Computation], packed
+    # The run's buffer names its computations refer to as "@<k>" (a cached lowering's part, packed once
+    # and sent again for every run of its program); empty: they name their buffers themselves.
+    names: list[str] = dataclasses.field(default_factory=list)
 
 
 @record
@@ -520,6 +523,7 @@ class Enqueue(Message, op="exec.enqueue"):
     nodes: list[int]
     computations: bytes  # list[Computation], packed; decoded by the executor only
     seqs: list[int] = dataclasses.field(default_factory=list)  # each computation's place in the island order
+    names: list[str] = dataclasses.field(default_factory=list)  # RunPart.names: what "@<k>" stands for
     scheduler: str = ""  # where to report RunPartDone
     executor_seq: int = -1  # this executor's n-th Enqueue from that scheduler: restores order
     epoch: str = ""  # the scheduler instance: a restarted scheduler counts from 0 again
