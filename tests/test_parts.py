@@ -8,7 +8,7 @@ import pytest
 from pwmesh.errors import ProtocolError
 from pwmesh.wire import decode, encode
 from pwmesh.wire.messages import Computation, DeviceRange, Enqueue, RunPart, ShardRun
-from pwmesh.wire.parts import PartTemplates, device_ranges, enqueued, referenced_parts, run_parts
+from pwmesh.wire.parts import PartTemplates, device_ranges, enqueued, referenced_parts, renamed, run_parts
 
 
 def comp(node: int, executor: str, *runs: tuple[int, int]) -> Computation:
@@ -86,11 +86,15 @@ def test_templates_keep_the_newest_parts() -> None:
     assert len(templates) == 2
 
 
-@pytest.mark.parametrize(("names", "match"), [(["only-one"], r"refers to buffer '@1'; it names 1"),
-                                              ([], "refers to buffers by number but the Enqueue names none")])
-def test_a_reference_without_its_name_is_refused(names: list[str], match: str) -> None:
+@pytest.mark.parametrize(("ref", "names", "match"), [
+    ("@1", ["only-one"], r"refers to buffer '@1'; it names 1"),
+    ("@-1", ["only-one"], r"refers to buffer '@-1'; it names 1"),
+    ("@x", ["only-one"], r"refers to buffer '@x'; it names 1"),
+    ("@0", [], "refers to buffers by number but the Enqueue names none"),
+])
+def test_a_reference_without_its_name_is_refused(ref: str, names: list[str], match: str) -> None:
     """Refused (its nodes fail with the reason) rather than waiting forever for a buffer named '@1'."""
-    ((part, _),) = referenced_parts([comp(0, "a", (0, 1))])
+    (part,) = run_parts([renamed(comp(0, "a", (0, 1)), lambda _: ref)])  # every buffer it names is ``ref``
     part.names = names
     with pytest.raises(ProtocolError, match=match):
         enqueued(through_the_wire(part), PartTemplates())

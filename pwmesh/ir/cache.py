@@ -36,6 +36,7 @@ class _Template:
     slices: dict[int, SliceInfo]  # the slices it was lowered against (identity: a remap replaces them)
     lowered: Lowered  # with placeholder names
     placeholders: list[str]  # "<owner>/<placeholder>" of value v, then of each derived buffer
+    holders: list[tuple[int, set[str]]]  # (buffer, as an index into placeholders) -> who holds its shards
     # Per scheduler, its parts packed once, each with the placeholders its "@<k>" stand for (as indices)
     parts: dict[str, list[tuple[RunPart, list[int]]]]
 
@@ -80,11 +81,13 @@ class LoweringCache:
         lowered = lower(program, owner=owner, names=placeholders, host_inputs=host_inputs, bound=bound,
                         slices=slices, spmd=spmd, fresh_name=lambda: next(derived))
         used = {node.slice_id for node in program.nodes}
-        prefixed = [f"{owner}/{p}" for p in placeholders + lowered.derived]
+        bare = placeholders + lowered.derived
+        prefixed = [f"{owner}/{p}" for p in bare]
         index = {p: i for i, p in enumerate(prefixed)}
         parts = {scheduler: [(part, [index[name] for name in names]) for part, names in referenced_parts(comps)]
                  for scheduler, comps in lowered.schedules.items()}
-        template = _Template(program, {sid: slices[sid] for sid in used}, lowered, prefixed, parts)
+        holders = [(bare.index(b), controls) for b, controls in lowered.holders.items()]
+        template = _Template(program, {sid: slices[sid] for sid in used}, lowered, prefixed, holders, parts)
         self.misses += 1
         self._templates[key] = template
         self._templates.move_to_end(key)
@@ -108,9 +111,9 @@ def _instantiate(template: _Template, owner: str, names: list[str], fresh_name: 
     computations are not copied (``schedules`` keeps the template's, for their nodes and executors)."""
     src = template.lowered
     derived = [fresh_name() for _ in src.derived]
-    real = [f"{owner}/{name}" for name in names + derived]
+    bare = names + derived
+    real = [f"{owner}/{name}" for name in bare]
     by_prefix = dict(zip(template.placeholders, real, strict=True))
-    skip = len(owner) + 1
 
     def put(p: HostPut) -> HostPut:
         buffer, _, shard = p.key.rpartition("/")
@@ -135,7 +138,7 @@ def _instantiate(template: _Template, owner: str, names: list[str], fresh_name: 
                                     emits=[renamed_emit(e, by_prefix.__getitem__) for e in m.emits])
                          for m in sends] for control, sends in src.moves.items()},
         produced={v: list(where) for v, where in src.produced.items()},  # a migration rewrites a buffer's
-        holders={by_prefix[f"{owner}/{b}"][skip:]: set(controls) for b, controls in src.holders.items()},
+        holders={bare[i]: set(controls) for i, controls in template.holders},
         node_executors=src.node_executors,
         function_sites=src.function_sites,
         derived=derived,

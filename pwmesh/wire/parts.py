@@ -100,11 +100,10 @@ class PartTemplates:
         def name(ref: str) -> str:
             if ref[:1] != "@":
                 return ref
-            try:
-                return names[int(ref[1:])]
-            except (ValueError, IndexError):
-                raise ProtocolError(f"Enqueue of run {msg.run_id} refers to buffer {ref!r}; "
-                                    f"it names {len(names)}") from None
+            k = int(ref[1:]) if ref[1:].isdigit() else -1
+            if not 0 <= k < len(names):
+                raise ProtocolError(f"Enqueue of run {msg.run_id} refers to buffer {ref!r}; it names {len(names)}")
+            return names[k]
 
         return [renamed(c, name) for c in template]
 
