@@ -27,7 +27,6 @@ import asyncio
 import collections
 import concurrent.futures
 import dataclasses
-import functools
 import logging
 import time
 import traceback
@@ -36,7 +35,6 @@ from typing import Any, NamedTuple
 
 import jax
 import numpy as np
-from jax.sharding import SingleDeviceSharding
 
 from pwmesh.dataflow.exchange import Ragged
 from pwmesh.errors import PwmeshError, RemoteError
@@ -439,13 +437,14 @@ class Runner:
 
     async def _call(self, work: Work, fn: CompiledFunction, per_shard: list[list[Any]]) -> list[list[Any]]:
         comp = work.comp
-        devices = [self.devices[d] for d in work.devices]
-        exes = _compiled(fn, comp.spmd, devices)
+        found = self._runnable(comp, tuple(work.devices))
+        devices = found[1] if found is not None else [self.devices[d] for d in work.devices]
         # A quick computation runs right here, on the loop: the hop to a device thread and back
         # (~0.1-0.5 ms on a busy host) would dominate it.
-        inline = exes is not None and runs_inline(fn, fn.seconds * len(devices))
+        inline = found is not None and runs_inline(fn, fn.seconds * len(devices))
         if inline and not comp.ragged:
-            return self._call_inline(work, fn, devices, exes or [], per_shard)
+            assert found is not None
+            return self._call_inline(work, fn, devices, found[2], per_shard)
         loop = asyncio.get_running_loop()
         if comp.spmd:
             outs, seconds = await loop.run_in_executor(self.pools[work.devices[-1]], _call_spmd, fn, tuple(devices),
@@ -534,11 +533,6 @@ def _compiled(fn: CompiledFunction, spmd: bool, devices: list[jax.Device]) -> li
         return [] if fn.compiled(tuple(devices)) else None
     exes = [fn.ready((d,)) for d in devices]
     return None if None in exes else exes
-
-
-@functools.cache
-def _on(device: jax.Device) -> SingleDeviceSharding:
-    return SingleDeviceSharding(device)
 
 
 def _placed(value: Any, device: jax.Device) -> Any:

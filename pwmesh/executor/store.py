@@ -213,7 +213,7 @@ class ObjectStore:
             return
         fut = self._futures.pop(key, None)
         if fut is None:
-            buffer = key.rpartition("/")[0]  # buffer_of, once
+            buffer = buffer_of(key)  # once: checked against the tombstones, then indexed
             if buffer in self._deleted:
                 return
             self._by_buffer.setdefault(buffer, []).append(key)

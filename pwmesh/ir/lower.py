@@ -427,8 +427,9 @@ class _Lowering:
         # Made by this run and split alike: copy the missing shards under its own name. Resharded,
         # or an existing buffer read elsewhere: into a buffer of this run's own, freed with it.
         if n != len(src) or v not in self.producer:
-            if layout_key(v, devs) in self.layouts:
-                return self.layouts[layout_key(v, devs)]
+            made = self.layouts.get(layout_key(v, devs))
+            if made is not None:
+                return made
             name = self.layout_name(v, devs)
             missing = list(range(n))
         for j in missing:
