@@ -1,0 +1,241 @@
+"""The records messages carry: errors, the cluster's state, lowered computations,
+programs and trace events. Re-exported by ``pwmesh.wire.messages``, which holds
+the messages themselves."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from pwmesh.errors import PwmeshError, error_class
+from pwmesh.wire.schema import Record, record
+
+
+@record
+class ErrorInfo(Record):
+    """An exception on the wire: its code picks the class it becomes again on the other side."""
+
+    code: str
+    message: str
+    traceback: str = ""
+
+    @classmethod
+    def of(cls, exc: PwmeshError) -> ErrorInfo:
+        return cls(code=exc.code, message=exc.message, traceback=exc.remote_traceback)
+
+    def exception(self) -> PwmeshError:
+        return error_class(self.code)(self.message, remote_traceback=self.traceback)
+
+
+@record
+class DeviceInfo(Record):
+    index: int
+    kind: str = "cpu"
+
+
+@record
+class ExecutorInfo(Record):
+    executor_id: str
+    island: int
+    host: str
+    control: str
+    data: str
+    devices: list[DeviceInfo]
+    alive: bool = True
+    draining: bool = False  # being emptied: no new slices land here
+    pid: int = 0
+
+
+@record
+class SchedulerInfo(Record):
+    island: int
+    address: str
+    name: str = ""
+
+
+@record
+class PhysicalDevice(Record):
+    """Where one virtual device of a slice lives right now."""
+
+    executor_id: str
+    island: int
+    host: str
+    device: int
+    control: str
+    data: str
+
+
+@record
+class SliceInfo(Record):
+    slice_id: int
+    owner: str
+    island: int
+    devices: list[PhysicalDevice]
+    map_version: int
+    scheduler: str
+    broken: str = ""  # why some devices have no live backing (the island cannot replace them)
+
+
+@record
+class SessionInfo(Record):
+    session_id: str
+    name: str
+    buffers: int
+    programs: int  # runs in flight
+    weight: float = 1.0
+    priority: int = 0
+    registered: int = 0  # programs registered (traced once, run by id)
+    lowered: int = 0  # program lowerings made (first run, new bindings, a remap)
+    reused: int = 0  # runs that reused a cached lowering
+
+
+@record
+class ClusterState(Record):
+    map_version: int
+    executors: list[ExecutorInfo]
+    schedulers: list[SchedulerInfo]
+    slices: list[SliceInfo]
+
+
+@record
+class ShardRun(Record):
+    """Shards ``[shard, shard + count)`` of a value on devices ``[device, device + count)`` of one executor.
+
+    Layouts travel as runs, so a computation over 64 contiguous devices is described
+    in as many bytes as one over 2 (the compact representation)."""
+
+    device: int
+    shard: int
+    count: int = 1
+
+
+@record
+class Site(Record):
+    """One executor's part of a layout: where its shards live and how to reach its data plane."""
+
+    executor_id: str
+    data: str
+    host: str
+    runs: list[ShardRun]
+
+
+@record
+class Target(Record):
+    """Where an emitted value goes: shard ``j`` is stored under ``f"{prefix}/{j}"`` on its site."""
+
+    prefix: str
+    shards: int
+    sites: list[Site]
+    shape: list[int]  # one destination shard's shape (for a ragged value: its capacity)
+    dtype: str
+
+
+@record
+class Emit(Record):
+    """Send a value's local shards onward as shard-tagged tuples, with progress markers.
+
+    ``mode``: ``"block"`` re-slices leading-axis blocks (a copy when layouts match,
+    else an M-way to N-way reshard); ``"route"`` sends each row to the target its
+    expert id (in ``selector``) names, with its row number; ``"scatter"`` sends rows
+    back to the block of the target that holds their row number (combining routed
+    rows in order). ``slot`` and ``selector`` index the computation's inputs, then
+    its outputs."""
+
+    mode: str
+    rows: int  # the value's leading-axis length (all shards together)
+    src_shards: int
+    targets: list[Target]
+    slot: int = 0
+    selector: int = -1
+    source: int = -1  # scatter: the producer id it reports as (its expert's index); -1: its shard
+
+
+@record
+class Computation(Record):
+    """One node of a program on one executor. ``seq`` is its place in the island order.
+
+    ``kind``: ``"call"`` runs ``fn_id``; ``"route"`` only emits (its inputs' rows, by
+    expert); ``"identity"`` stores its inputs as its outputs (a combine's landing).
+    Shard ``i``'s keys are ``f"{prefix}/{i}"`` for every prefix in ``inputs`` and ``outputs``."""
+
+    node: int
+    fn_id: str
+    executor_id: str
+    control: str
+    runs: list[ShardRun]
+    inputs: list[str]
+    outputs: list[str]
+    emits: list[Emit] = dataclasses.field(default_factory=list)
+    spmd: bool = False
+    kind: str = "call"
+    ragged: bool = False  # its inputs are routed rows: padded to the function's capacity, outputs cut back
+    seq: int = -1
+    # Control addresses of the other executors holding shards of this node: a gang
+    # computation starts only when every one of them has reached it too.
+    peers: list[str] = dataclasses.field(default_factory=list)
+
+    def shards(self) -> list[tuple[int, int]]:
+        """(device, shard) of every local shard, in order."""
+        return [(r.device + k, r.shard + k) for r in self.runs for k in range(r.count)]
+
+
+@record
+class NodeSpec(Record):
+    """One sharded computation of a program (one node, however many shards)."""
+
+    fn_id: str
+    slice_id: int
+    inputs: list[int]
+    outputs: list[int]
+    # "call" (fn_id); "route": inputs [rows, expert ids] -> one ragged output per
+    # expert, output k living on slice targets[k]; "combine": the experts' ragged
+    # outputs -> one value in row order on slice_id.
+    kind: str = "call"
+    targets: list[int] = dataclasses.field(default_factory=list)
+
+
+@record
+class ValueSpec(Record):
+    """One logical, sharded buffer (an edge): global shape, dtype and shard count."""
+
+    shape: list[int]
+    dtype: str
+    shards: int
+    ragged: bool = False  # routed rows: the leading axis is a capacity, the rows present vary per run
+
+
+@record
+class ProgramSpec(Record):
+    values: list[ValueSpec]
+    nodes: list[NodeSpec]
+    inputs: list[int]
+    outputs: list[int]
+
+
+@record
+class ProgramInput(Record):
+    """A program argument: host data to scatter, or an existing buffer of the session."""
+
+    array: np.ndarray | None = None
+    buffer: int | None = None
+
+
+@record
+class TraceEvent(Record):
+    """One computation an executor ran (all its local shards), for ``pwmesh trace``.
+
+    Times are wall-clock seconds (``time.time()``) on the executor's host:
+    ``arrived`` (all local devices at it), ``ready`` (all peer executors too),
+    ``start`` (handed to the devices), ``end``."""
+
+    run_id: str  # "<session id>:<n>..."
+    node: int
+    seq: int  # its place in the island order
+    fn_id: str
+    devices: list[int]  # the executor's device indices it ran on
+    arrived: float
+    ready: float
+    start: float
+    end: float
+    error: str = ""
