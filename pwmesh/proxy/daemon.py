@@ -19,8 +19,6 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-import numpy as np
-
 from pwmesh.errors import (
     DeviceLost,
     InvalidArgument,
@@ -32,6 +30,7 @@ from pwmesh.errors import (
 from pwmesh.ir.cache import MAX_PROGRAM_ID_CHARS
 from pwmesh.ir.keys import function_id
 from pwmesh.ir.lower import ShardLocation, move_shard, slice_locations, split_host_array
+from pwmesh.proxy.intake import bind, host_puts, record_run
 from pwmesh.proxy.session import Buffer, Run, Session
 from pwmesh.service.heartbeat import Liveness, every
 from pwmesh.service.lifecycle import Service
@@ -308,51 +307,11 @@ class Proxy(Service):
         return None  # posted: the client learns of success from its buffers, of failure from an Error
 
     def _dispatch(self, session: Session, msg: RunProgram, program: ProgramSpec) -> None:
-        if len(msg.inputs) != len(program.inputs) or len(msg.outputs) != len(program.outputs):
-            raise InvalidArgument(
-                f"program takes {len(program.inputs)} inputs and {len(program.outputs)} outputs; "
-                f"got {len(msg.inputs)} and {len(msg.outputs)}")
-        names: list[str] = [""] * len(program.values)
-        host_data: dict[int, np.ndarray] = {}
-        bound: dict[int, list[ShardLocation]] = {}
-        pinned: list[Buffer] = []
-        temporaries: list[Buffer] = []
-        for v, inp in zip(program.inputs, msg.inputs, strict=True):
-            spec = program.values[v]
-            if inp.buffer is not None:
-                buf = session.buffers.get(inp.buffer)
-                if buf is None:
-                    raise NotFound(f"buffer {inp.buffer} does not exist (deleted, or never made)")
-                if buf.spec.shape != spec.shape or buf.spec.dtype != spec.dtype:
-                    raise InvalidArgument(f"input {v}: buffer is {buf.spec.dtype}{buf.spec.shape}, "
-                                          f"program expects {spec.dtype}{spec.shape}")
-                if buf.lost is not None:
-                    raise buf.lost
-                names[v], bound[v] = buf.name, buf.locations
-                pinned.append(buf)
-            elif inp.array is not None:
-                if list(inp.array.shape) != spec.shape or inp.array.dtype.name != spec.dtype:
-                    raise InvalidArgument(f"input {v}: array is {inp.array.dtype}{list(inp.array.shape)}, "
-                                          f"program expects {spec.dtype}{spec.shape}")
-                names[v] = session.temp_name()
-                host_data[v] = inp.array
-                temporaries.append(Buffer.new(names[v], spec, client_ref=False))
-            else:
-                raise InvalidArgument(f"input {v} has neither an array nor a buffer")
-        if len(set(msg.outputs)) != len(msg.outputs):
-            raise InvalidArgument(f"output buffer ids must be distinct, got {msg.outputs}")
-        outputs: dict[int, int] = {}
-        for v, cid in zip(program.outputs, msg.outputs, strict=True):
-            if cid in session.buffers or v in outputs or names[v]:
-                raise InvalidArgument(f"output buffer {cid} (value {v}) is already taken or is an input")
-            outputs[v] = cid
-            names[v] = session.buffer_name(cid)
-        for v, name in enumerate(names):
-            if not name:
-                names[v] = session.temp_name()
+        binding = bind(session, msg, program)
         program, lowered = session.lowerings.lower(
-            msg.program_id, program, owner=session.session_id, names=names, host_inputs=set(host_data), bound=bound,
-            slices=session.slices, spmd=session.functions, fresh_name=session.temp_name, packed=not msg.sequential)
+            msg.program_id, program, owner=session.session_id, names=binding.names,
+            host_inputs=set(binding.host_data), bound=binding.bound, slices=session.slices, spmd=session.functions,
+            fresh_name=session.temp_name, packed=not msg.sequential)
         for node in program.nodes:
             broken = session.slices[node.slice_id].broken
             if broken:
@@ -367,33 +326,7 @@ class Proxy(Service):
                                  "(remapping onto surviving devices is not supported yet)")
 
         # Nothing can fail past this point: record, then post everything in order.
-        run = Run(run_id=session.next_run_id(), pending={n: set(ex) for n, ex in lowered.node_executors.items()},
-                  outputs_of={}, pinned=pinned, temporaries=temporaries,
-                  executors={c.control for comps in lowered.schedules.values() for c in comps},
-                  schedulers=set(lowered.schedules))
-        for buf in pinned:
-            buf.pins += 1
-            buf.holders |= lowered.holders.get(buf.name, set())
-        for name in lowered.derived:  # reshards and landings: freed with the run
-            temporaries.append(Buffer.new(name, ValueSpec(shape=[], dtype="float32", shards=0), client_ref=False))
-        for buf in temporaries:
-            buf.holders = lowered.holders.get(buf.name, set())
-        for index, node in enumerate(program.nodes):
-            made = []
-            for v in node.outputs:
-                buf = Buffer.new(names[v], program.values[v], client_ref=v in outputs)
-                buf.locations = lowered.produced[v]
-                buf.slice_id = node.slice_id
-                buf.holders = lowered.holders.get(buf.name, set())
-                made.append(buf)
-                if v in outputs:
-                    session.buffers[outputs[v]] = buf
-                    buf.pins += 1  # until the run finishes: a release meanwhile must not delete under it
-                    run.outputs.append(buf)
-                else:
-                    temporaries.append(buf)
-            run.outputs_of[index] = made
-        session.runs[run.run_id] = run
+        run = record_run(session, program, lowered, binding)
         self.runs[run.run_id] = (session, run)
 
         for fn_id, sites in lowered.function_sites.items():
@@ -402,17 +335,7 @@ class Proxy(Service):
                     self.registered.add((fn_id, control, devices))
                     self.peers.post(control, RegisterFunction(fn_id=fn_id, exported=self.exported[fn_id],
                                                               spmd=session.functions[fn_id], devices=list(devices)))
-        puts: dict[str, PutShards] = {}
-        shards: dict[tuple[int, int], list[np.ndarray]] = {}
-        for put in lowered.puts:
-            split = shards.get((put.value, put.shards))
-            if split is None:
-                split = shards[(put.value, put.shards)] = split_host_array(host_data[put.value], put.shards)
-            batch = puts.setdefault(put.location.control, PutShards(keys=[], devices=[], arrays=[]))
-            batch.keys.append(put.key)
-            batch.devices.append(put.location.device)
-            batch.arrays.append(split[put.shard])
-        for control, batch in puts.items():
+        for control, batch in host_puts(lowered, binding.host_data).items():
             self.peers.post(control, batch)
         for control, sends in lowered.moves.items():
             for send in sends:

@@ -1,0 +1,121 @@
+"""A program run's intake in the proxy: its inputs and outputs bound to buffers (checked
+before anything is lowered or sent), then, once lowered, the run and the buffers it
+makes recorded in the session, and its host arrays split into puts per executor."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from pwmesh.errors import InvalidArgument, NotFound
+from pwmesh.ir.lower import Lowered, ShardLocation, split_host_array
+from pwmesh.proxy.session import Buffer, Run, Session
+from pwmesh.wire.messages import ProgramSpec, PutShards, RunProgram, ValueSpec
+
+
+@dataclasses.dataclass
+class Binding:
+    """What a run's inputs and outputs are, before it is lowered."""
+
+    names: list[str]  # every value's buffer name
+    host_data: dict[int, np.ndarray]  # values sent with the run
+    bound: dict[int, list[ShardLocation]]  # values read from existing buffers: where their shards are
+    pinned: list[Buffer]  # those buffers (pinned while the run reads them)
+    temporaries: list[Buffer]  # buffers freed with the run
+    outputs: dict[int, int]  # output value -> the client's buffer id
+
+
+def bind(session: Session, msg: RunProgram, program: ProgramSpec) -> Binding:
+    """Check a run's inputs and outputs against its program and name every value; nothing changes."""
+    if len(msg.inputs) != len(program.inputs) or len(msg.outputs) != len(program.outputs):
+        raise InvalidArgument(
+            f"program takes {len(program.inputs)} inputs and {len(program.outputs)} outputs; "
+            f"got {len(msg.inputs)} and {len(msg.outputs)}")
+    names: list[str] = [""] * len(program.values)
+    host_data: dict[int, np.ndarray] = {}
+    bound: dict[int, list[ShardLocation]] = {}
+    pinned: list[Buffer] = []
+    temporaries: list[Buffer] = []
+    for v, inp in zip(program.inputs, msg.inputs, strict=True):
+        spec = program.values[v]
+        if inp.buffer is not None:
+            buf = session.buffers.get(inp.buffer)
+            if buf is None:
+                raise NotFound(f"buffer {inp.buffer} does not exist (deleted, or never made)")
+            if buf.spec.shape != spec.shape or buf.spec.dtype != spec.dtype:
+                raise InvalidArgument(f"input {v}: buffer is {buf.spec.dtype}{buf.spec.shape}, "
+                                      f"program expects {spec.dtype}{spec.shape}")
+            if buf.lost is not None:
+                raise buf.lost
+            names[v], bound[v] = buf.name, buf.locations
+            pinned.append(buf)
+        elif inp.array is not None:
+            if list(inp.array.shape) != spec.shape or inp.array.dtype.name != spec.dtype:
+                raise InvalidArgument(f"input {v}: array is {inp.array.dtype}{list(inp.array.shape)}, "
+                                      f"program expects {spec.dtype}{spec.shape}")
+            names[v] = session.temp_name()
+            host_data[v] = inp.array
+            temporaries.append(Buffer.new(names[v], spec, client_ref=False))
+        else:
+            raise InvalidArgument(f"input {v} has neither an array nor a buffer")
+    if len(set(msg.outputs)) != len(msg.outputs):
+        raise InvalidArgument(f"output buffer ids must be distinct, got {msg.outputs}")
+    outputs: dict[int, int] = {}
+    for v, cid in zip(program.outputs, msg.outputs, strict=True):
+        if cid in session.buffers or v in outputs or names[v]:
+            raise InvalidArgument(f"output buffer {cid} (value {v}) is already taken or is an input")
+        outputs[v] = cid
+        names[v] = session.buffer_name(cid)
+    for v, name in enumerate(names):
+        if not name:
+            names[v] = session.temp_name()
+    return Binding(names, host_data, bound, pinned, temporaries, outputs)
+
+
+def record_run(session: Session, program: ProgramSpec, lowered: Lowered, binding: Binding) -> Run:
+    """Record a lowered run and the buffers it makes in the session (nothing can fail from here on)."""
+    names, outputs, pinned, temporaries = binding.names, binding.outputs, binding.pinned, binding.temporaries
+    run = Run(run_id=session.next_run_id(), pending={n: set(ex) for n, ex in lowered.node_executors.items()},
+              outputs_of={}, pinned=pinned, temporaries=temporaries,
+              executors={c.control for comps in lowered.schedules.values() for c in comps},
+              schedulers=set(lowered.schedules))
+    for buf in pinned:
+        buf.pins += 1
+        buf.holders |= lowered.holders.get(buf.name, set())
+    for name in lowered.derived:  # reshards and landings: freed with the run
+        temporaries.append(Buffer.new(name, ValueSpec(shape=[], dtype="float32", shards=0), client_ref=False))
+    for buf in temporaries:
+        buf.holders = lowered.holders.get(buf.name, set())
+    for index, node in enumerate(program.nodes):
+        made = []
+        for v in node.outputs:
+            buf = Buffer.new(names[v], program.values[v], client_ref=v in outputs)
+            buf.locations = lowered.produced[v]
+            buf.slice_id = node.slice_id
+            buf.holders = lowered.holders.get(buf.name, set())
+            made.append(buf)
+            if v in outputs:
+                session.buffers[outputs[v]] = buf
+                buf.pins += 1  # until the run finishes: a release meanwhile must not delete under it
+                run.outputs.append(buf)
+            else:
+                temporaries.append(buf)
+        run.outputs_of[index] = made
+    session.runs[run.run_id] = run
+    return run
+
+
+def host_puts(lowered: Lowered, host_data: dict[int, np.ndarray]) -> dict[str, PutShards]:
+    """The shards of the arrays sent with a run, one batch per executor."""
+    puts: dict[str, PutShards] = {}
+    shards: dict[tuple[int, int], list[np.ndarray]] = {}
+    for put in lowered.puts:
+        split = shards.get((put.value, put.shards))
+        if split is None:
+            split = shards[(put.value, put.shards)] = split_host_array(host_data[put.value], put.shards)
+        batch = puts.setdefault(put.location.control, PutShards(keys=[], devices=[], arrays=[]))
+        batch.keys.append(put.key)
+        batch.devices.append(put.location.device)
+        batch.arrays.append(split[put.shard])
+    return puts
