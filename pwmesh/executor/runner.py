@@ -13,6 +13,15 @@ two orders, two gangs can each hold a device the other needs, forever.
 Inputs are futures in the object store, posted before their producers run, so
 a gang whose devices have all arrived starts the moment its inputs resolve.
 
+How a computation runs once it starts: a quick one whose function is compiled
+runs right on the event loop (no thread hop); a slower one, or a part of a gang
+across executors, is *streamed* — handed to XLA without waiting, as to an
+accelerator's stream, so the loop goes on to the next one (meeting its gang's
+peers, reading outputs still being computed) while the devices compute, at most
+RUN_AHEAD ahead per device; a device thread sees each computed and it lands
+(stored, emitted, reported) then. The rest (a first run, which compiles; routed
+rows) runs on its devices' threads, once what is streamed ahead of it has landed.
+
 Memory back-pressure: a computation's output bytes are known statically. One
 whose outputs could never fit the executor's memory limit fails at once
 (``ResourceExhausted``); once its inputs are there, one that does not fit *now*
@@ -40,11 +49,13 @@ from pwmesh.dataflow.exchange import Ragged
 from pwmesh.errors import PwmeshError, RemoteError
 from pwmesh.executor.functions import CompiledFunction, FunctionCache
 from pwmesh.executor.store import ObjectStore
+from pwmesh.executor.stream import Landings, Streamed
 from pwmesh.wire.messages import Computation, Emit
 
 log = logging.getLogger(__name__)
 
 INLINE_SECONDS = 1e-3  # computations quicker than this (all shards, recently) run on the event loop, not a device thread
+RUN_AHEAD = 4  # computations handed to a device and not yet finished there, at most (see ``Runner._stream``)
 
 
 def runs_inline(fn: CompiledFunction, seconds: float) -> bool:
@@ -78,6 +89,7 @@ class Work:
     error: PwmeshError | None = None
     cancelled: PwmeshError | None = None  # its run was cancelled: it never waits for memory
     device_seconds: float = 0.0
+    landed: asyncio.Future[None] | None = None  # streamed: resolved once its outputs are computed
 
     def queue(self, loop: asyncio.AbstractEventLoop) -> None:
         """Make the futures its waits need: it goes through the device queues."""
@@ -102,7 +114,7 @@ class Span(NamedTuple):
 
     arrived: float  # every local device had reached it at the head of its queue
     ready: float  # every peer executor had too (== arrived for a computation on one host)
-    start: float  # inputs, function and memory were there: it was handed to the devices
+    start: float  # inputs, function and memory were there and (streamed) what was ahead on its devices ended
     end: float
     run_id: str
     node: int
@@ -167,6 +179,12 @@ class Runner:
         self._ready: dict[tuple[str, bool, tuple[int, ...]], tuple[CompiledFunction, list[jax.Device], list[Any]]] = {}
         self._idle = asyncio.Event()
         self._idle.set()
+        # Streamed computations: outputs handed out before they are computed, to computations on
+        # this executor that follow them (key -> array), and per device those not yet finished.
+        self._pending: dict[str, Any] = {}
+        self._streaming: list[collections.deque[Work]] = [collections.deque() for _ in devices]
+        self._device_free: list[float] = [0.0] * len(devices)  # when its last streamed computation ended
+        self._landings: list[Landings | None] = [None] * len(devices)  # started with a device's first stream
 
     @property
     def outstanding(self) -> int:
@@ -317,6 +335,7 @@ class Runner:
         per_shard: list[list[Any]] = []
         outs: list[list[Any]] | None = None
         err: PwmeshError | None = None
+        await self._room(work, RUN_AHEAD)
         # Wall clock, so the spans of processes on one machine line up. ``ready``/``start``
         # stay 0 if it fails before them: it then shows as a zero-length span at the failure.
         arrived = time.time()
@@ -330,17 +349,28 @@ class Runner:
                 work.waiting_since = 0.0
                 ready = time.time()
             fn = None
+            streamed = None  # what to hand over without waiting for it (see _stream), if that is how it runs
             if comp.kind == "call":
                 fn = await _unless_cancelled(self.functions.get(comp.fn_id), work)
                 self._check_fits(work, fn)
-            per_shard = [[await _unless_cancelled(self.store.get(f"{p}/{shard}"), work) for p in comp.inputs]
+                streamed = None if comp.ragged else self._runnable(comp, tuple(work.devices))
+                if streamed is not None and not comp.peers and runs_inline(fn, fn.seconds * len(streamed[1])):
+                    streamed = None  # quick: it runs right on the loop (_call), on computed inputs only
+            per_shard = [[await self._input(f"{p}/{shard}", work, streamed is not None) for p in comp.inputs]
                          for shard in work.shards]
+            if fn is not None:
+                reserved = await self._reserve(work, fn.shard_output_nbytes * len(work.devices))
+            if streamed is None or self._mixed(work):
+                # A device runs one thing at a time, and what is streamed to it lands in order
+                # (one landing thread a device set): let what is streamed ahead land first.
+                await self._room(work, 1)
             start = time.time()
             if fn is None:  # route: nothing runs, it only emits; identity: its inputs are its outputs
                 outs = per_shard if comp.kind == "identity" else [[] for _ in work.shards]
+            elif streamed is not None:
+                self._stream(work, fn, streamed[1], streamed[2], per_shard, (arrived, ready, start), reserved)
+                return
             else:
-                reserved = await self._reserve(work, fn.shard_output_nbytes * len(work.devices))
-                start = time.time()
                 outs = await self._call(work, fn, per_shard)
         except BaseException as exc:
             if isinstance(exc, asyncio.CancelledError):
@@ -348,6 +378,93 @@ class Runner:
                 raise
             err = as_error(exc, f"computation {comp.node} ({comp.fn_id[:12] or comp.kind})")
         self._finish(work, arrived, ready, start, per_shard, outs, err, reserved)
+
+    async def _input(self, key: str, work: Work, pending: bool) -> Any:
+        """An input: the stored value, or (``pending``: for a computation that is streamed too, so
+        nothing here waits for it) a streamed computation's output as soon as it is handed out."""
+        value = self._pending.get(key) if pending else None
+        if value is not None:
+            return value
+        return await _unless_cancelled(self.store.get(key), work)
+
+    def _mixed(self, work: Work) -> bool:
+        """Whether computations on other device sets are streamed to any of its devices."""
+        for device in work.devices:
+            streaming = self._streaming[device]
+            if streaming and streaming[-1].devices != work.devices:
+                return True
+        return False
+
+    async def _room(self, work: Work, limit: int) -> None:
+        """Wait until each of its devices has fewer than ``limit`` streamed computations unfinished."""
+        for device in work.devices:
+            streaming = self._streaming[device]
+            while len(streaming) >= limit:
+                landed = streaming[0].landed
+                assert landed is not None
+                await asyncio.shield(landed)
+
+    def _stream(self, work: Work, fn: CompiledFunction, devices: list[jax.Device], exes: list[Any],
+                per_shard: list[list[Any]], times: tuple[float, float, float], reserved: int) -> None:
+        """Hand a compiled computation to its devices and return without waiting for it.
+
+        As on an accelerator's stream, XLA queues it behind what its devices run now, and
+        its inputs may be outputs still being computed: the devices go from one computation
+        to the next with no Python in between, while this loop meets the next gang's peers
+        and hands that one over too (at most RUN_AHEAD ahead). Its outputs are given to the
+        computations here that read them at once (``_input``); they land in the store, are
+        emitted and reported when a device thread has seen them computed (``_landed``)."""
+        comp = work.comp
+        try:
+            if comp.spmd:
+                outs = _dispatch_spmd(fn, tuple(devices), per_shard)
+            else:
+                outs = [jax.tree_util.tree_leaves(exe(*[_placed(a, d) for a in args]))
+                        for exe, d, args in zip(exes, devices, per_shard, strict=True)]
+        except Exception as exc:
+            err = as_error(exc, f"computation {comp.node} ({comp.fn_id[:12]})")
+            self._finish(work, times[0], times[1], times[2], per_shard, None, err, reserved)
+            return
+        for shard, out in zip(work.shards, outs, strict=True):
+            for prefix, value in zip(comp.outputs, out, strict=False):  # a count mismatch fails in _finish
+                self._pending[f"{prefix}/{shard}"] = value
+        work.landed = asyncio.get_running_loop().create_future()
+        for device in work.devices:
+            self._streaming[device].append(work)
+        device = work.devices[-1]
+        landings = self._landings[device]
+        if landings is None:
+            landings = self._landings[device] = Landings(device, self._landed)
+        landings.put(Streamed(work, fn, per_shard, outs, times, reserved))
+
+    def _landed(self, batch: list[tuple[Streamed, float, BaseException | None]]) -> None:
+        """Streamed computations are computed (or failed; ``end`` is when): they finish like any other."""
+        for streamed, end, exc in batch:
+            try:
+                self._land(streamed, end, exc)
+            except Exception:  # a bug in one must not lose the others
+                log.exception("%s failed as it landed", streamed.work.label)
+
+    def _land(self, streamed: Streamed, end: float, exc: BaseException | None) -> None:
+        work, fn, comp = streamed.work, streamed.fn, streamed.work.comp
+        for device in work.devices:
+            self._streaming[device].remove(work)
+        for shard in work.shards:
+            for prefix in comp.outputs:
+                self._pending.pop(f"{prefix}/{shard}", None)
+        assert work.landed is not None
+        work.landed.set_result(None)
+        arrived, ready, start = streamed.times
+        # Its devices were busy with the computations ahead of it until they ended.
+        begin = max(start, *(self._device_free[d] for d in work.devices))
+        for device in work.devices:
+            self._device_free[device] = end
+        err = None if exc is None else as_error(exc, f"computation {comp.node} ({comp.fn_id[:12]})")
+        if err is None:
+            fn.ran(end - begin)
+            work.device_seconds = (end - begin) * len(work.devices)
+        self._finish(work, arrived, ready, begin, streamed.per_shard, None if err else streamed.outs, err,
+                     streamed.reserved, end=end)
 
     def _run_now(self, work: Work) -> bool:
         """Run ``work`` here and now if it can start at once and is quick; False leaves it to the queues."""
@@ -403,10 +520,10 @@ class Runner:
 
     def _finish(self, work: Work, arrived: float, ready: float, start: float, per_shard: list[list[Any]],
                 outs: list[list[Any]] | None, err: PwmeshError | None, reserved: int,
-                nbytes: list[int] | None = None) -> None:
+                nbytes: list[int] | None = None, end: float = 0.0) -> None:
         """Store (or fail) its outputs, give back its reservation, send its emits, report it done."""
         comp = work.comp
-        end = time.time()
+        end = end or time.time()
         self.spans.append(Span(arrived, ready or end, start or end, end, work.run_id, comp.node, comp.seq, comp.fn_id,
                                tuple(work.devices), "" if err is None else err.message))
         try:
@@ -515,6 +632,9 @@ class Runner:
     def close(self) -> None:
         for pool in self.pools:
             pool.shutdown(wait=False, cancel_futures=True)
+        for landings in self._landings:
+            if landings is not None:
+                landings.close()
 
 
 async def _unless_cancelled(fut: asyncio.Future[Any], work: Work) -> Any:
@@ -580,21 +700,30 @@ def _call_ragged(fn: CompiledFunction, device: jax.Device, args: list[Any]) -> t
     return [Ragged(np.asarray(out)[:n], rows.index) for out in outs], seconds
 
 
-def _call_spmd(fn: CompiledFunction, devices: tuple[jax.Device, ...],
-               per_shard: list[list[Any]]) -> tuple[list[list[Any]], float]:
+def _dispatch_spmd(fn: CompiledFunction, devices: tuple[jax.Device, ...],
+                   per_shard: list[list[Any]]) -> list[list[Any]]:
+    """Dispatch an SPMD computation over ``devices`` (without waiting for it); each device's outputs."""
     exe = fn.executable(devices)
-    start = time.perf_counter()
     sharding = fn.sharding(devices)
     globals_ = []
     for i, aval in enumerate(fn.exported.in_avals):
         pieces = [_placed(args[i], d) for args, d in zip(per_shard, devices, strict=True)]
         globals_.append(jax.make_array_from_single_device_arrays(aval.shape, sharding, pieces))
-    out = exe(*globals_)
-    leaves = jax.tree_util.tree_leaves(out)
-    jax.block_until_ready(leaves)
+    leaves = jax.tree_util.tree_leaves(exe(*globals_))
     order = {d.id: i for i, d in enumerate(devices)}
     result: list[list[Any]] = [[] for _ in devices]
     for leaf in leaves:
         for s in leaf.addressable_shards:
             result[order[s.device.id]].append(s.data)
+    return result
+
+
+def _call_spmd(fn: CompiledFunction, devices: tuple[jax.Device, ...],
+               per_shard: list[list[Any]]) -> tuple[list[list[Any]], float]:
+    fn.executable(devices)  # compiles on first use: not part of its time
+    start = time.perf_counter()
+    result = _dispatch_spmd(fn, devices, per_shard)
+    for outs in result:
+        for leaf in outs:
+            leaf.block_until_ready()
     return result, time.perf_counter() - start

@@ -1,0 +1,86 @@
+"""Streamed computations: handed to their devices without waiting, seen computed by a thread.
+
+An accelerator's stream runs what it is given in order, with no host work in
+between; XLA on CPU does the same for a computation whose inputs are outputs
+still being computed. The runner streams slow computations and gang parts
+(``Runner._stream``); here a thread per device waits for them in the order they
+were handed over and gives the event loop each batch found computed together.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+if TYPE_CHECKING:
+    from pwmesh.executor.functions import CompiledFunction
+    from pwmesh.executor.runner import Work
+
+
+class Streamed(NamedTuple):
+    """A computation handed to its devices and not yet seen computed (see ``Runner._stream``)."""
+
+    work: Work
+    fn: CompiledFunction
+    per_shard: list[list[Any]]
+    outs: list[list[Any]]
+    times: tuple[float, float, float]  # arrived, ready, start
+    reserved: int
+
+
+class Landings:
+    """One thread per device that waits for its streamed computations in the order they were
+    handed over, and gives the loop each batch it found computed together (one wake-up)."""
+
+    def __init__(self, device: int, landed: Callable[[list[tuple[Streamed, float, BaseException | None]]], None]
+                 ) -> None:
+        self._queue: queue.SimpleQueue[Streamed | None] = queue.SimpleQueue()
+        self._loop = asyncio.get_running_loop()
+        self._landed = landed
+        self._thread = threading.Thread(target=self._wait, name=f"pwmesh-landings{device}", daemon=True)
+        self._thread.start()
+
+    def put(self, streamed: Streamed) -> None:
+        self._queue.put(streamed)
+
+    def close(self) -> None:
+        self._queue.put(None)
+
+    def _wait(self) -> None:
+        batch: list[tuple[Streamed, float, BaseException | None]] = []
+        while True:
+            try:
+                streamed = self._queue.get(block=not batch)
+            except queue.Empty:  # nothing more is computed yet: hand over what is
+                self._hand_over(batch)
+                batch = []
+                continue
+            if streamed is None:
+                self._hand_over(batch)
+                return
+            if batch and not all(leaf.is_ready() for leaves in streamed.outs for leaf in leaves):
+                self._hand_over(batch)  # do not hold those back while this one computes
+                batch = []
+            try:
+                batch.append((streamed, computed(streamed.outs), None))
+            except Exception as exc:  # it fails its computation, not this thread
+                batch.append((streamed, time.time(), exc))
+
+    def _hand_over(self, batch: list[tuple[Streamed, float, BaseException | None]]) -> None:
+        if batch:
+            try:
+                self._loop.call_soon_threadsafe(self._landed, batch)
+            except RuntimeError:  # the loop is closed: the executor is leaving
+                pass
+
+
+def computed(outs: list[list[Any]]) -> float:
+    """Wait (on a device thread) until every output is computed; when that was (wall clock)."""
+    for leaves in outs:
+        for leaf in leaves:
+            leaf.block_until_ready()
+    return time.time()
