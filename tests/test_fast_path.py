@@ -58,9 +58,16 @@ async def runner() -> AsyncIterator[tuple[Runner, Recorder]]:
     r.functions.register("inc", bytes(exported.serialize()), spmd=False)
     for i, d in enumerate(devices):
         r.store.put(f"x/{i}", jax.device_put(np.zeros(1, np.float32), d), 4)
-    loops = [asyncio.create_task(r.device_loop(i)) for i in range(2)]
-    try:
+    async with device_loops(r):
         yield r, rec
+
+
+@contextlib.asynccontextmanager
+async def device_loops(r: Runner) -> AsyncIterator[None]:
+    """Run ``r``'s device loops for the block; then stop them and close it."""
+    loops = [asyncio.create_task(r.device_loop(i)) for i in range(len(r.devices))]
+    try:
+        yield
     finally:
         for loop in loops:
             loop.cancel()

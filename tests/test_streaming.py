@@ -11,7 +11,6 @@ one goes through the same path.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 from collections.abc import AsyncIterator
 from typing import Any
@@ -21,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax import export, lax
-from test_fast_path import Recorder, chain
+from test_fast_path import Recorder, chain, device_loops
 
 import pwmesh.executor.stream as stream_module
 from pwmesh.errors import PwmeshError
@@ -57,8 +56,7 @@ async def slow_runner() -> AsyncIterator[tuple[Runner, Recorder]]:
     r.functions.register("double", bytes(double.serialize()), spmd=False)
     for i, d in enumerate(devices):
         r.store.put(f"x/{i}", jax.device_put(start_value(i), d), N * N * 4)
-    loops = [asyncio.create_task(r.device_loop(i)) for i in range(2)]
-    try:
+    async with device_loops(r):
         r.enqueue_all("warm", "p", chain("warm", 1))  # compiles on the device threads
         await rec.part("warm")
         (quick,) = chain("warm2", 1)
@@ -68,11 +66,6 @@ async def slow_runner() -> AsyncIterator[tuple[Runner, Recorder]]:
         fn = r.functions.get("inc").result()
         assert not runs_inline(fn, fn.seconds * 2), f"the test's computation is too quick ({fn.seconds:.4f} s)"
         yield r, rec
-    finally:
-        for loop in loops:
-            loop.cancel()
-        await asyncio.gather(*loops, return_exceptions=True)
-        r.close()
 
 
 def expected(device: int, steps: int) -> np.ndarray:
