@@ -455,8 +455,10 @@ class Runner:
         assert work.landed is not None
         work.landed.set_result(None)
         arrived, ready, start = streamed.times
-        # Its devices were busy with the computations ahead of it until they ended.
-        begin = max(start, *(self._device_free[d] for d in work.devices))
+        # Handed over while its devices were still busy with the computations ahead of it: they
+        # began it (and waited for anything, as its trace shows) only once those ended.
+        free = max(self._device_free[d] for d in work.devices)
+        arrived, ready, begin = max(arrived, free), max(ready, free), max(start, free)
         for device in work.devices:
             self._device_free[device] = end
         err = None if exc is None else as_error(exc, f"computation {comp.node} ({comp.fn_id[:12]})")
