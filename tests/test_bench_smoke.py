@@ -52,10 +52,7 @@ def test_multitenancy_smoke(tmp_path: Path) -> None:
     assert [c["weight"] for c in shares["clients"]] == [1.0, 2.0, 4.0, 8.0]
     for c in shares["clients"]:
         assert {"target_share", "share", "error", "relative_error", "device_seconds", "runs"} <= c.keys()
-        # Over the whole run every client completes; inside a 1 s window the fair policy may rightly
-        # hold the lightest one back (its warm-up runs, compiling, were charged to it).
-        assert c["completed_total"] > 0 and c["runs"] >= 0 and c["device_seconds"] >= 0
-    assert sum(c["runs"] for c in shares["clients"]) > 0
+        assert c["runs"] > 0 and c["device_seconds"] > 0
     assert abs(sum(c["share"] for c in shares["clients"]) - 1.0) < 1e-6
     assert [r["clients"] for r in data["throughput"]] == data["config"]["client_counts"]
     for r in data["throughput"]:
