@@ -49,7 +49,7 @@ from pwmesh.dataflow.exchange import Ragged
 from pwmesh.errors import PwmeshError, RemoteError
 from pwmesh.executor.functions import CompiledFunction, FunctionCache
 from pwmesh.executor.store import ObjectStore
-from pwmesh.executor.stream import Landings, Streamed
+from pwmesh.executor.stream import Landings, Streamed, computed
 from pwmesh.wire.messages import Computation, Emit
 
 log = logging.getLogger(__name__)
@@ -671,9 +671,7 @@ def _call_together(exes: list[Any], devices: list[jax.Device],
     start = time.perf_counter()
     outs = [jax.tree_util.tree_leaves(exe(*[_placed(a, d) for a in args]))
             for exe, d, args in zip(exes, devices, per_shard, strict=True)]
-    for leaves in outs:  # each leaf is an array: jax.block_until_ready's pytree walk costs more than the wait
-        for leaf in leaves:
-            leaf.block_until_ready()
+    computed(outs)
     return outs, time.perf_counter() - start
 
 
@@ -725,7 +723,5 @@ def _call_spmd(fn: CompiledFunction, devices: tuple[jax.Device, ...],
     fn.executable(devices)  # compiles on first use: not part of its time
     start = time.perf_counter()
     result = _dispatch_spmd(fn, devices, per_shard)
-    for outs in result:
-        for leaf in outs:
-            leaf.block_until_ready()
+    computed(result)
     return result, time.perf_counter() - start
