@@ -19,7 +19,7 @@ import pytest
 from jax import export
 
 from pwmesh.errors import NotFound, PwmeshError
-from pwmesh.executor.functions import FunctionCache
+from pwmesh.executor.functions import CompiledFunction, FunctionCache
 from pwmesh.executor.runner import INLINE_SECONDS, Runner, Work, runs_inline
 from pwmesh.executor.store import ObjectStore
 from pwmesh.wire.messages import Computation, ShardRun
@@ -206,6 +206,27 @@ def test_which_computations_run_on_the_loop() -> None:
     assert inline(1.2e-3, runs=32), "every 16th run goes inline, to be timed without thread contention"
     assert not inline(5e-3, runs=32), "but not one that is surely slow"
     assert not inline(float("inf"), runs=0), "never ran: it compiles first, on a device thread"
+
+
+def test_a_streamed_run_never_makes_a_function_look_slower() -> None:
+    """The estimate that decides inline or streamed: a streamed run is timed by a thread that
+    waited for the interpreter, so it may only lower it; runs timed where they were waited for
+    count as before (a quicker one at once, a slower one a quarter)."""
+    exported = export.export(jax.jit(lambda v: v + 1.0))(jax.ShapeDtypeStruct((1,), np.float32))
+    fn = CompiledFunction("inc", exported, spmd=False)
+    fn.ran(2e-3)  # the first run, on a device thread: taken as it is
+    assert fn.seconds == 2e-3
+    for _ in range(8):
+        fn.landed(5e-3)  # landing times include the wait for the interpreter: never slower
+        fn.landed(None)  # computed while the thread waited for the one ahead: its end is unknown
+    assert fn.seconds == 2e-3 and fn.runs == 17, "streamed runs count for the 16th-run rule"
+    assert not runs_inline(fn, fn.seconds * 2)
+    fn.landed(100e-6)
+    assert fn.seconds == 100e-6 and runs_inline(fn, fn.seconds * 2), "a streamed run that ended sooner brings it back"
+    fn.ran(80e-6)
+    assert fn.seconds == 80e-6
+    fn.ran(10e-3)
+    assert fn.seconds == pytest.approx(0.75 * 80e-6 + 0.25 * 10e-3)
 
 
 @pytest.mark.asyncio

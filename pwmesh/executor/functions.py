@@ -41,8 +41,18 @@ class CompiledFunction:
         self.runs = 0
 
     def ran(self, seconds: float) -> None:
-        """Record how long one shard's run took."""
+        """Record how long one shard's run took (timed where it was waited for: the loop or a device thread)."""
         self.seconds = min(seconds, 0.75 * self.seconds + 0.25 * seconds)
+        self.runs += 1
+
+    def landed(self, seconds: float | None) -> None:
+        """Record a streamed run: ``seconds`` (None: its end was not seen) only ever lowers the estimate.
+
+        Its end is taken by a landing thread once it has the interpreter back, which takes up
+        to the switch interval (5 ms) while the loop is busy: timed so, a quick function would
+        look slow, stay streamed and be timed so again; only inline runs tell it slower."""
+        if seconds is not None:
+            self.seconds = min(self.seconds, seconds)
         self.runs += 1
 
     @property

@@ -49,7 +49,7 @@ from pwmesh.dataflow.exchange import Ragged
 from pwmesh.errors import PwmeshError, RemoteError
 from pwmesh.executor.functions import CompiledFunction, FunctionCache
 from pwmesh.executor.store import ObjectStore
-from pwmesh.executor.stream import Landings, Streamed, computed
+from pwmesh.executor.stream import Landed, Landings, Streamed, computed
 from pwmesh.wire.messages import Computation, Emit
 
 log = logging.getLogger(__name__)
@@ -437,15 +437,16 @@ class Runner:
             landings = self._landings[device] = Landings(device, self._landed)
         landings.put(Streamed(work, fn, per_shard, outs, times, reserved))
 
-    def _landed(self, batch: list[tuple[Streamed, float, BaseException | None]]) -> None:
+    def _landed(self, batch: list[Landed]) -> None:
         """Streamed computations are computed (or failed; ``end`` is when): they finish like any other."""
-        for streamed, end, exc in batch:
+        for landed in batch:
             try:
-                self._land(streamed, end, exc)
+                self._land(landed)
             except Exception:  # a bug in one must not lose the others
-                log.exception("%s failed as it landed", streamed.work.label)
+                log.exception("%s failed as it landed", landed.streamed.work.label)
 
-    def _land(self, streamed: Streamed, end: float, exc: BaseException | None) -> None:
+    def _land(self, landed: Landed) -> None:
+        streamed, end, exc = landed.streamed, landed.end, landed.error
         work, fn, comp = streamed.work, streamed.fn, streamed.work.comp
         for device in work.devices:
             self._streaming[device].remove(work)
@@ -463,7 +464,7 @@ class Runner:
             self._device_free[device] = end
         err = None if exc is None else as_error(exc, f"computation {comp.node} ({comp.fn_id[:12]})")
         if err is None:
-            fn.ran(end - begin)
+            fn.landed((end - begin) / len(work.devices) if landed.timed else None)
             work.device_seconds = (end - begin) * len(work.devices)
         self._finish(work, arrived, ready, begin, streamed.per_shard, None if err else streamed.outs, err,
                      streamed.reserved, end=end)

@@ -32,11 +32,20 @@ class Streamed(NamedTuple):
     reserved: int
 
 
+class Landed(NamedTuple):
+    """A streamed computation seen computed (or failed) by its landing thread."""
+
+    streamed: Streamed
+    end: float  # when it was seen computed (wall clock)
+    error: BaseException | None
+    timed: bool  # ``end`` is about when it was computed (once the thread had the interpreter back)
+
+
 class Landings:
     """One thread per device that waits for its streamed computations in the order they were
     handed over, and gives the loop each batch it found computed together (one wake-up)."""
 
-    def __init__(self, device: int, landed: Callable[[list[tuple[Streamed, float, BaseException | None]]], None]
+    def __init__(self, device: int, landed: Callable[[list[Landed]], None]
                  ) -> None:
         self._queue: queue.SimpleQueue[Streamed | None] = queue.SimpleQueue()
         self._loop = asyncio.get_running_loop()
@@ -51,7 +60,7 @@ class Landings:
         self._queue.put(None)
 
     def _wait(self) -> None:
-        batch: list[tuple[Streamed, float, BaseException | None]] = []
+        batch: list[Landed] = []
         while True:
             try:
                 streamed = self._queue.get(block=not batch)
@@ -62,15 +71,18 @@ class Landings:
             if streamed is None:
                 self._hand_over(batch)
                 return
-            if batch and not all(leaf.is_ready() for leaves in streamed.outs for leaf in leaves):
+            waits = not all(leaf.is_ready() for leaves in streamed.outs for leaf in leaves)
+            if batch and waits:
                 self._hand_over(batch)  # do not hold those back while this one computes
                 batch = []
             try:
-                batch.append((streamed, computed(streamed.outs), None))
+                # Timed if this thread waited for it, or found it computed as it took it: not if
+                # it was computed while this thread waited for the ones ahead (it ended then, unseen).
+                batch.append(Landed(streamed, computed(streamed.outs), None, waits or not batch))
             except Exception as exc:  # it fails its computation, not this thread
-                batch.append((streamed, time.time(), exc))
+                batch.append(Landed(streamed, time.time(), exc, False))
 
-    def _hand_over(self, batch: list[tuple[Streamed, float, BaseException | None]]) -> None:
+    def _hand_over(self, batch: list[Landed]) -> None:
         if batch:
             try:
                 self._loop.call_soon_threadsafe(self._landed, batch)
