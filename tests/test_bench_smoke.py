@@ -43,7 +43,7 @@ def check_plot(path: Path) -> None:
 
 @pytest.mark.timeout(110)
 def test_multitenancy_smoke(tmp_path: Path) -> None:
-    run_smoke("multitenancy.py", tmp_path)
+    proc = run_smoke("multitenancy.py", tmp_path)
     data = json.loads((tmp_path / "multitenancy.json").read_text())
     assert {"benchmark", "config", "machine", "shares", "throughput"} <= data.keys()
     assert data["benchmark"] == "multitenancy" and data["smoke"] is True
@@ -52,7 +52,8 @@ def test_multitenancy_smoke(tmp_path: Path) -> None:
     assert [c["weight"] for c in shares["clients"]] == [1.0, 2.0, 4.0, 8.0]
     for c in shares["clients"]:
         assert {"target_share", "share", "error", "relative_error", "device_seconds", "runs"} <= c.keys()
-        assert c["runs"] > 0 and c["device_seconds"] > 0
+        # A client with no run in the window starved or stalled: say which, and what the others got.
+        assert c["runs"] > 0 and c["device_seconds"] > 0, (c["name"], shares["clients"], proc.stdout[-2000:])
     assert abs(sum(c["share"] for c in shares["clients"]) - 1.0) < 1e-6
     assert [r["clients"] for r in data["throughput"]] == data["config"]["client_counts"]
     for r in data["throughput"]:
