@@ -207,3 +207,19 @@ async def test_streams_to_overlapping_device_sets_take_turns() -> None:
         assert spans[1].start >= spans[0].end
         assert all(w.error is None for w in rec.done if w.run_id == "r1")
         np.testing.assert_allclose(np.asarray(r.store.values(["r1/v1/0"])[0]), expected(0, 1), rtol=1e-5)
+
+
+@pytest.mark.asyncio
+async def test_a_quick_computation_queued_behind_a_streamed_one_arrives_when_it_ends() -> None:
+    # Its devices reach it while the streamed one still computes there; its span, the wait that
+    # `pwmesh trace` draws from ``arrived`` included, begins only when that one ended.
+    async with slow_runner() as (r, rec):
+        r.functions.get("double").result().seconds = 0.0  # quick: it runs on the loop
+        slow, quick = chain("r1", 2, shards=1)
+        quick.fn_id = "double"
+        quick.inputs = ["x"]  # independent of the first: only the device orders them
+        r.enqueue_all("r1", "p", [slow, quick])
+        await rec.part("r1")
+        spans = {s.node: s for s in r.spans if s.run_id == "r1"}
+        assert spans[1].arrived >= spans[0].end and spans[1].ready >= spans[0].end
+        assert all(w.error is None for w in rec.done if w.run_id == "r1")

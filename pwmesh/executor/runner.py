@@ -363,7 +363,10 @@ class Runner:
             if streamed is None or self._mixed(work):
                 # A device runs one thing at a time, and what is streamed to it lands in order
                 # (one landing thread a device set): let what is streamed ahead land first.
+                # Its devices reached it only then: that is when its trace's wait begins.
                 await self._room(work, 1)
+                free = max(self._device_free[d] for d in work.devices)
+                arrived, ready = max(arrived, free), ready and max(ready, free)
             start = time.time()
             if fn is None:  # route: nothing runs, it only emits; identity: its inputs are its outputs
                 outs = per_shard if comp.kind == "identity" else [[] for _ in work.shards]
