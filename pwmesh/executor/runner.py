@@ -365,7 +365,7 @@ class Runner:
                 # (one landing thread a device set): let what is streamed ahead land first.
                 # Its devices reached it only then: that is when its trace's wait begins.
                 await self._room(work, 1)
-                free = max(self._device_free[d] for d in work.devices)
+                free = self._free_since(work)
                 arrived, ready = max(arrived, free), ready and max(ready, free)
             start = time.time()
             if fn is None:  # route: nothing runs, it only emits; identity: its inputs are its outputs
@@ -407,6 +407,10 @@ class Runner:
                 assert landed is not None
                 await asyncio.shield(landed)
 
+    def _free_since(self, work: Work) -> float:
+        """When the last computation streamed to its devices ended (0.0: none has)."""
+        return max(self._device_free[d] for d in work.devices)
+
     def _stream(self, work: Work, fn: CompiledFunction, devices: list[jax.Device], exes: list[Any],
                 per_shard: list[list[Any]], times: tuple[float, float, float], reserved: int) -> None:
         """Hand a compiled computation to its devices and return without waiting for it.
@@ -422,8 +426,7 @@ class Runner:
             if comp.spmd:
                 outs = _dispatch_spmd(fn, tuple(devices), per_shard)
             else:
-                outs = [jax.tree_util.tree_leaves(exe(*[_placed(a, d) for a in args]))
-                        for exe, d, args in zip(exes, devices, per_shard, strict=True)]
+                outs = _dispatch_together(exes, devices, per_shard)
         except Exception as exc:
             err = as_error(exc, f"computation {comp.node} ({comp.fn_id[:12]})")
             self._finish(work, times[0], times[1], times[2], per_shard, None, err, reserved)
@@ -461,7 +464,7 @@ class Runner:
         arrived, ready, start = streamed.times
         # Handed over while its devices were still busy with the computations ahead of it: they
         # began it (and waited for anything, as its trace shows) only once those ended.
-        free = max(self._device_free[d] for d in work.devices)
+        free = self._free_since(work)
         arrived, ready, begin = max(arrived, free), max(ready, free), max(start, free)
         for device in work.devices:
             self._device_free[device] = end
@@ -668,13 +671,18 @@ def _placed(value: Any, device: jax.Device) -> Any:
     return jax.device_put(value, device)
 
 
+def _dispatch_together(exes: list[Any], devices: list[jax.Device], per_shard: list[list[Any]]) -> list[list[Any]]:
+    """Dispatch per-device shards (without waiting for them); each device's outputs."""
+    return [jax.tree_util.tree_leaves(exe(*[_placed(a, d) for a in args]))
+            for exe, d, args in zip(exes, devices, per_shard, strict=True)]
+
+
 def _call_together(exes: list[Any], devices: list[jax.Device],
                    per_shard: list[list[Any]]) -> tuple[list[list[Any]], float]:
     """Per-device shards on the calling thread, each dispatched before any is waited for;
     their outputs and the seconds they took together."""
     start = time.perf_counter()
-    outs = [jax.tree_util.tree_leaves(exe(*[_placed(a, d) for a in args]))
-            for exe, d, args in zip(exes, devices, per_shard, strict=True)]
+    outs = _dispatch_together(exes, devices, per_shard)
     computed(outs)
     return outs, time.perf_counter() - start
 

@@ -45,8 +45,7 @@ class Landings:
     """One thread per device that waits for its streamed computations in the order they were
     handed over, and gives the loop each batch it found computed together (one wake-up)."""
 
-    def __init__(self, device: int, landed: Callable[[list[Landed]], None]
-                 ) -> None:
+    def __init__(self, device: int, landed: Callable[[list[Landed]], None]) -> None:
         self._queue: queue.SimpleQueue[Streamed | None] = queue.SimpleQueue()
         self._loop = asyncio.get_running_loop()
         self._landed = landed
