@@ -424,7 +424,8 @@ class Runner:
         comp = work.comp
         try:
             if comp.spmd:
-                outs = _dispatch_spmd(fn, tuple(devices), per_shard)
+                outs, wholes = _dispatch_spmd(fn, tuple(devices), per_shard, self._wholes(work, fn, devices, per_shard))
+                self._keep_wholes(work, fn, devices, outs, wholes)
             else:
                 outs = _dispatch_together(exes, devices, per_shard)
         except Exception as exc:
@@ -573,8 +574,10 @@ class Runner:
             return self._call_inline(work, fn, devices, found[2], per_shard)
         loop = asyncio.get_running_loop()
         if comp.spmd:
-            outs, seconds = await loop.run_in_executor(self.pools[work.devices[-1]], _call_spmd, fn, tuple(devices),
-                                                       per_shard)
+            outs, wholes, seconds = await loop.run_in_executor(
+                self.pools[work.devices[-1]], _call_spmd, fn, tuple(devices), per_shard,
+                self._wholes(work, fn, devices, per_shard))
+            self._keep_wholes(work, fn, devices, outs, wholes)
             fn.ran(seconds / len(devices))
             work.device_seconds = seconds * len(devices)
             return outs
@@ -589,18 +592,31 @@ class Runner:
         work.device_seconds = sum(r[1] for r in results)
         return [r[0] for r in results]
 
-    @staticmethod
-    def _call_inline(work: Work, fn: CompiledFunction, devices: list[jax.Device], exes: list[Any],
+    def _call_inline(self, work: Work, fn: CompiledFunction, devices: list[jax.Device], exes: list[Any],
                      per_shard: list[list[Any]]) -> list[list[Any]]:
         """Run a compiled computation's shards on this thread, all dispatched before any is waited for."""
         if work.comp.spmd:
-            outs, wall = _call_spmd(fn, tuple(devices), per_shard)
+            outs, wholes, wall = _call_spmd(fn, tuple(devices), per_shard, self._wholes(work, fn, devices, per_shard))
+            self._keep_wholes(work, fn, devices, outs, wholes)
             work.device_seconds = wall * len(devices)  # every device was busy all along
         else:
             outs, wall = _call_together(exes, devices, per_shard)
             work.device_seconds = wall
         fn.ran(wall / len(devices))  # ``fn.seconds`` is per shard: runs_inline multiplies it back
         return outs
+
+    def _wholes(self, work: Work, fn: CompiledFunction, devices: list[jax.Device],
+                per_shard: list[list[Any]]) -> list[Any | None]:
+        """An SPMD computation's inputs that some SPMD output here is whole (a global array) on
+        the same devices, as they are: assembling one from its pieces costs ~0.1-0.3 ms a call."""
+        return self.store.wholes(work.comp.inputs, fn.sharding(tuple(devices)), per_shard)
+
+    def _keep_wholes(self, work: Work, fn: CompiledFunction, devices: list[jax.Device], outs: list[list[Any]],
+                     wholes: list[Any]) -> None:
+        """Keep an SPMD computation's outputs whole beside their pieces, for SPMD computations that read them."""
+        sharding = fn.sharding(tuple(devices))
+        for i, (prefix, whole) in enumerate(zip(work.comp.outputs, wholes, strict=False)):
+            self.store.keep_whole(prefix, whole, tuple(out[i] for out in outs), sharding)
 
     def _finish_outputs(self, work: Work, shard: int, outs: list[Any] | None, err: PwmeshError | None,
                         nbytes: list[int] | None = None) -> PwmeshError | None:
@@ -712,28 +728,33 @@ def _call_ragged(fn: CompiledFunction, device: jax.Device, args: list[Any]) -> t
     return [Ragged(np.asarray(out)[:n], rows.index) for out in outs], seconds
 
 
-def _dispatch_spmd(fn: CompiledFunction, devices: tuple[jax.Device, ...],
-                   per_shard: list[list[Any]]) -> list[list[Any]]:
-    """Dispatch an SPMD computation over ``devices`` (without waiting for it); each device's outputs."""
+def _dispatch_spmd(fn: CompiledFunction, devices: tuple[jax.Device, ...], per_shard: list[list[Any]],
+                   wholes: list[Any | None] | None = None) -> tuple[list[list[Any]], list[Any]]:
+    """Dispatch an SPMD computation over ``devices`` (without waiting for it): each device's outputs,
+    and the outputs whole (global arrays). An input with a whole in ``wholes`` goes in as it is."""
     exe = fn.executable(devices)
     sharding = fn.sharding(devices)
     globals_ = []
     for i, aval in enumerate(fn.exported.in_avals):
-        pieces = [_placed(args[i], d) for args, d in zip(per_shard, devices, strict=True)]
-        globals_.append(jax.make_array_from_single_device_arrays(aval.shape, sharding, pieces))
+        whole = wholes[i] if wholes else None
+        if whole is None:
+            pieces = [_placed(args[i], d) for args, d in zip(per_shard, devices, strict=True)]
+            whole = jax.make_array_from_single_device_arrays(aval.shape, sharding, pieces)
+        globals_.append(whole)
     leaves = jax.tree_util.tree_leaves(exe(*globals_))
     order = {d.id: i for i, d in enumerate(devices)}
     result: list[list[Any]] = [[] for _ in devices]
     for leaf in leaves:
         for s in leaf.addressable_shards:
             result[order[s.device.id]].append(s.data)
-    return result
+    return result, leaves
 
 
-def _call_spmd(fn: CompiledFunction, devices: tuple[jax.Device, ...],
-               per_shard: list[list[Any]]) -> tuple[list[list[Any]], float]:
+def _call_spmd(fn: CompiledFunction, devices: tuple[jax.Device, ...], per_shard: list[list[Any]],
+               wholes: list[Any | None] | None = None) -> tuple[list[list[Any]], list[Any], float]:
+    """``_dispatch_spmd``, waited for: also the seconds it took."""
     fn.executable(devices)  # compiles on first use: not part of its time
     start = time.perf_counter()
-    result = _dispatch_spmd(fn, devices, per_shard)
+    result, leaves = _dispatch_spmd(fn, devices, per_shard, wholes)
     computed(result)
-    return result, time.perf_counter() - start
+    return result, leaves, time.perf_counter() - start

@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-from typing import Any
+from typing import Any, NamedTuple
 
 from pwmesh.errors import NotFound, PwmeshError, ResourceExhausted
 
@@ -146,6 +146,14 @@ class MemoryBudget:
                 waiter.granted.set_result(None)
 
 
+class _Whole(NamedTuple):
+    """An SPMD output as its computation made it: one global array over its devices (see ``keep_whole``)."""
+
+    array: Any
+    pieces: tuple[Any, ...]
+    sharding: Any
+
+
 def _retrieve(fut: asyncio.Future[Any]) -> None:
     # Failed entries nobody awaited are normal (a failed input nobody reads);
     # retrieving the exception keeps asyncio from logging it at collection.
@@ -171,6 +179,7 @@ class ObjectStore:
         self._nbytes: dict[str, int] = {}
         self._by_buffer: dict[str, list[str]] = {}
         self._deleted: set[str] = set()  # buffers
+        self._whole: dict[str, _Whole] = {}  # buffers an SPMD computation here produced, whole
         self.memory = MemoryBudget()  # its limit is the executor's to set
 
     def _future(self, key: str) -> asyncio.Future[Any]:
@@ -227,6 +236,26 @@ class ObjectStore:
         self._nbytes[key] = nbytes
         self.memory.allocated(nbytes)
 
+    def keep_whole(self, buffer: str, whole: Any, pieces: tuple[Any, ...], sharding: Any) -> None:
+        """Keep an SPMD output whole (a global array over ``sharding``'s devices) beside its pieces
+        (its shards here, in ``sharding``'s device order), until the buffer is deleted. It holds no
+        memory of its own: it is the pieces' device buffers."""
+        if buffer not in self._deleted:
+            self._whole[buffer] = _Whole(whole, pieces, sharding)
+
+    def wholes(self, buffers: list[str], sharding: Any, per_shard: list[list[Any]]) -> list[Any | None]:
+        """For each input buffer, its whole if it was kept (``keep_whole``) over the same ``sharding``
+        and ``per_shard`` holds exactly its pieces, in order (else None)."""
+        found: list[Any | None] = []
+        for i, buffer in enumerate(buffers):
+            whole = self._whole.get(buffer)
+            if (whole is None or whole.sharding is not sharding or len(whole.pieces) != len(per_shard)
+                    or any(piece is not args[i] for piece, args in zip(whole.pieces, per_shard, strict=True))):
+                found.append(None)
+            else:
+                found.append(whole.array)
+        return found
+
     def fail(self, key: str, exc: PwmeshError) -> None:
         if self.deleted(key) or key in self._values:
             return
@@ -240,6 +269,7 @@ class ObjectStore:
         freed = 0
         for buffer in buffers:
             self._deleted.add(buffer)
+            self._whole.pop(buffer, None)
             for key in self._by_buffer.pop(buffer, ()):
                 removed += 1
                 if self._values.pop(key, None) is not None:
