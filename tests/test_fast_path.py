@@ -20,6 +20,7 @@ from jax import export
 from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
 
 from pwmesh.errors import NotFound, PwmeshError
+from pwmesh.executor.daemon import after_wakeups
 from pwmesh.executor.functions import CompiledFunction, FunctionCache
 from pwmesh.executor.runner import INLINE_SECONDS, Runner, Work, runs_inline
 from pwmesh.executor.store import ObjectStore
@@ -328,3 +329,30 @@ def test_a_whole_goes_in_only_for_exactly_its_pieces_on_its_devices() -> None:
     store.keep_whole("s/b", whole, tuple(pieces), sharding)  # an output landing after its buffer was deleted
     assert store.wholes(["s/b"], sharding, [[pieces[0]], [pieces[1]]]) == [None]
 
+
+@pytest.mark.asyncio
+async def test_completions_leave_after_the_early_fetch_their_last_output_woke() -> None:
+    """The executor reports a chain's completions with ``after_wakeups``, queued at its first
+    node: the fetch its last output woke still replies first (plain ``call_soon`` would not)."""
+    loop = asyncio.get_running_loop()
+    for defer, expected in ((after_wakeups, ["value", "completions"]),
+                            (loop.call_soon, ["completions", "value"])):
+        sent: list[str] = []
+        last_output = loop.create_future()
+        reported = asyncio.Event()
+
+        async def fetch(output: asyncio.Future[None] = last_output, sent: list[str] = sent) -> None:
+            await output
+            sent.append("value")
+
+        fetching = asyncio.create_task(fetch())
+        await asyncio.sleep(0)  # the fetch waits for the output (a posted receive)
+
+        def report(sent: list[str] = sent, reported: asyncio.Event = reported) -> None:
+            sent.append("completions")
+            reported.set()
+
+        defer(report)  # the chain's first node completes
+        last_output.set_result(None)  # ... and, in the same turn, its last one
+        await asyncio.wait_for(asyncio.gather(fetching, reported.wait()), 5)
+        assert sent == expected, defer

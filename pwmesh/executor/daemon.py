@@ -15,6 +15,7 @@ import logging
 import os
 import random
 import socket
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -67,6 +68,13 @@ from pwmesh.wire.messages import (
 from pwmesh.wire.parts import PartTemplates, enqueued
 
 log = logging.getLogger(__name__)
+
+
+def after_wakeups(callback: Callable[[], None]) -> None:
+    """Call ``callback`` once the callbacks the loop holds at the end of this turn have run: the
+    tasks this turn's work woke (a future it resolved) take their next step before it."""
+    loop = asyncio.get_running_loop()
+    loop.call_soon(loop.call_soon, callback)
 
 
 @dataclasses.dataclass
@@ -427,13 +435,17 @@ class Executor(Service):
 
     def _node_done(self, work: Work) -> None:
         """Report a completed computation: failures at once, successes batched per run until the
-        loop's next turn (a chain that ran in one go is one message)."""
+        loop's next turns (a chain that ran in one go is one message).
+
+        The batch leaves after the replies its outputs woke: an early fetch of the value a chain
+        just made goes first, so the proxy forwards it before it takes the chain's completion
+        (~0.5 ms for 128 nodes) and frees the chain's buffers (more again, here)."""
         if work.error is not None:
             self.peers.post(work.proxy, NodeDone(run_id=work.run_id, nodes=[work.comp.node], executor_id=self.name,
                                                  error=ErrorInfo.of(work.error)))
             return
         if not self._completed:
-            asyncio.get_running_loop().call_soon(self._report_completed)
+            after_wakeups(self._report_completed)
         self._completed.setdefault((work.proxy, work.run_id), []).append(work.comp.node)
 
     def _report_completed(self) -> None:
