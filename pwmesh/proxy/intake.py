@@ -73,10 +73,10 @@ def bind(session: Session, msg: RunProgram, program: ProgramSpec) -> Binding:
     return Binding(names, host_data, bound, pinned, temporaries, outputs)
 
 
-def record_run(session: Session, program: ProgramSpec, lowered: Lowered, binding: Binding) -> Run:
+def record_run(session: Session, run_id: str, program: ProgramSpec, lowered: Lowered, binding: Binding) -> Run:
     """Record a lowered run and the buffers it makes in the session (nothing can fail from here on)."""
     names, outputs, pinned, temporaries = binding.names, binding.outputs, binding.pinned, binding.temporaries
-    run = Run(run_id=session.next_run_id(), pending={n: set(ex) for n, ex in lowered.node_executors.items()},
+    run = Run(run_id=run_id, pending={n: set(ex) for n, ex in lowered.node_executors.items()},
               outputs_of={}, pinned=pinned, temporaries=temporaries,
               executors={c.control for comps in lowered.schedules.values() for c in comps},
               schedulers=set(lowered.schedules))
