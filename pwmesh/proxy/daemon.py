@@ -340,14 +340,12 @@ class Proxy(Service):
         for control, sends in lowered.moves.items():
             for send in sends:
                 self.peers.post(control, send)
-        if msg.sequential:
-            pass  # each node goes once its predecessors are done (below, and _node_finished)
-        elif lowered.parts is not None:  # a cached lowering: its parts packed once, this run's names with them
-            for scheduler, parts in lowered.parts.items():
-                self._schedule(session, run_id, scheduler, parts)
-        else:
-            for scheduler, comps in lowered.schedules.items():
-                self._schedule(session, run_id, scheduler, run_parts(comps))
+        if not msg.sequential:  # sequential: each node goes once its predecessors are done (below)
+            # A cached lowering's parts are packed once; this run's names go with them.
+            parts = lowered.parts if lowered.parts is not None else {
+                scheduler: run_parts(comps) for scheduler, comps in lowered.schedules.items()}
+            for scheduler, mine in parts.items():
+                self._schedule(session, run_id, scheduler, mine)
         run = record_run(session, run_id, program, lowered, binding)
         self.runs[run_id] = (session, run)
         if msg.sequential:
