@@ -36,21 +36,26 @@ def allocate(state: ResourceManagerState, owner: str, devices: int) -> SliceInfo
 
 
 def remaps(notes: list[Message]) -> list[SliceRemapped]:
-    return [n for n in notes if isinstance(n, SliceRemapped)]
+    """Every remap announced, whether on its own or inside the loss that caused it."""
+    found: list[SliceRemapped] = []
+    for n in notes:
+        found += n.remapped if isinstance(n, ExecutorLost) else [n] if isinstance(n, SliceRemapped) else []
+    return found
 
 
 def hosts_of(sl: SliceInfo) -> list[str]:
     return [d.executor_id for d in sl.devices]
 
 
-def test_lost_host_remap_keeps_survivors_and_is_announced_after_the_loss() -> None:
+def test_lost_host_remap_keeps_survivors_and_is_announced_inside_the_loss() -> None:
     state = started(islands=1, hosts=3, devices=2)
     sl = allocate(state, "alice", 2)
     state.take_notifications()
     state.handle(UnregisterExecutor(executor_id="i0h0", reason="gone"), now=1.0)
-    notes = state.take_notifications()
-    assert isinstance(notes[0], ExecutorLost)  # the loss first, then where the devices went
-    (note,) = remaps(notes)
+    # One message: a watcher never sees the loss without where the devices went.
+    (lost,) = state.take_notifications()
+    assert isinstance(lost, ExecutorLost) and lost.executor_id == "i0h0"
+    (note,) = lost.remapped
     assert note.slice.slice_id == sl.slice_id and not note.slice.broken
     assert [m.index for m in note.moves] == [0, 1]
     assert {m.old.executor_id for m in note.moves} == {"i0h0"}

@@ -511,6 +511,10 @@ class Proxy(Service):
         for session, run in list(self.runs.values()):  # ended sessions' runs too
             if self._needs(run, lost) or any(b.lost is not None for b in run.pinned):
                 self._abort_run(session, run, err)
+        # In the same callback as the failures above: a client that retries on hearing
+        # of them finds its slices already on live hosts.
+        for remap in lost.remapped:
+            self._slice_remapped(remap)
 
     @staticmethod
     def _needs(run: Run, lost: ExecutorLost) -> bool:

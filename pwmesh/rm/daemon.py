@@ -78,9 +78,10 @@ class ResourceManager(Service):
         for note in self.state.take_notifications():
             if isinstance(note, ExecutorLost):
                 log.warning("executor %s (host %s) lost: %s", note.executor_id, note.host, note.reason)
-            elif isinstance(note, SliceRemapped):
-                log.warning("slice %s remapped (%s)%s", note.slice.slice_id, note.reason,
-                            f": broken, {note.slice.broken}" if note.slice.broken else "")
+            for remap in note.remapped if isinstance(note, ExecutorLost) else [note]:
+                if isinstance(remap, SliceRemapped):
+                    log.warning("slice %s remapped (%s)%s", remap.slice.slice_id, remap.reason,
+                                f": broken, {remap.slice.broken}" if remap.slice.broken else "")
             for peer in self.watchers:
                 self.server.post(peer, note)
 

@@ -2,8 +2,8 @@
 
 Besides replies it produces notifications for watchers (proxies, schedulers),
 collected with ``take_notifications``: ``ExecutorLost`` when a host leaves or
-falls silent, ``SliceRemapped`` when a slice's virtual devices move (off a lost
-or draining host, or back onto new capacity). The state can be rebuilt after a
+falls silent (carrying the remaps that loss caused), ``SliceRemapped`` when a
+slice's virtual devices move off a draining host or back onto new capacity. The state can be rebuilt after a
 restart from what registrants send again (``WatchCluster.slices``).
 """
 
@@ -146,9 +146,12 @@ class ResourceManagerState:
         self.liveness.forget(executor_id)
         self.known.discard(("executor", executor_id))
         self.map_version += 1
-        self.notifications.append(ExecutorLost(executor_id=executor_id, host=info.host, control=info.control,
-                                               reason=reason, graceful=graceful))
+        before = len(self.notifications)
         self._remap(f"{executor_id} is gone ({reason})")
+        remapped = self.notifications[before:]  # only SliceRemapped: they travel inside the loss
+        del self.notifications[before:]
+        self.notifications.append(ExecutorLost(executor_id=executor_id, host=info.host, control=info.control,
+                                               reason=reason, graceful=graceful, remapped=remapped))
 
     def _find(self, name: str) -> ExecutorInfo:
         found = [e for e in self.executors.values() if name in (e.executor_id, e.host)]

@@ -179,11 +179,16 @@ class DrainExecutor(Message, op="rm.drain_executor"):
 
 @record
 class ExecutorLost(Message, op="rm.executor_lost"):
+    """An executor is gone, with where its slices went: one message, so no receiver ever
+    acts between the loss and the remap (a retry that came in between would find the
+    slices still mapped to the dead host)."""
+
     executor_id: str
     host: str
     control: str
     reason: str
     graceful: bool = False  # it drained: everything it sent has left
+    remapped: list[SliceRemapped] = dataclasses.field(default_factory=list)  # applied after the loss
 
 
 @record
