@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import select
 import selectors
 import signal
 import subprocess
@@ -393,3 +394,42 @@ def test_client_connection_serves_many_threads_at_once(echo: str) -> None:
         assert not failures and not any(t.is_alive() for t in threads)
     finally:
         conn.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_reply_that_lands_just_before_a_heartbeat_is_not_hidden_by_it() -> None:
+    """ZeroMQ's FD is edge-triggered and any send may consume its signal: the I/O thread must
+    look at the socket after sending a heartbeat, or a reply that arrived just before waits
+    for the next beat. The peer is a bare ROUTER socket in the test, not a daemon: only that
+    lets the reply land at that instant."""
+    with zmq.Context() as ctx, ctx.socket(zmq.ROUTER) as peer:
+        port = peer.bind_to_random_port("tcp://127.0.0.1")
+        conn = ClientConnection(f"tcp://127.0.0.1:{port}", name="beats", open_session=False)
+        real_send_now = conn._send_now
+        beats = 0
+        second_beat = threading.Event()
+
+        def send_now(frames: list[Any]) -> bool:
+            nonlocal beats
+            if frames[1:] and isinstance(decode(frames[1:]).message, Ping) and decode(frames[1:]).msg_id != asked:
+                beats += 1
+                if beats == 1:
+                    conn.heartbeat_interval_seconds = 120.0  # the beat after the next is far away
+                elif beats == 2:
+                    second_beat.set()  # the test replies now; wait until the reply is in the socket
+                    readable, _, _ = select.select([conn._fd], [], [], 20.0)
+                    assert readable, "the reply never reached the client's socket"
+            return real_send_now(frames)
+
+        try:
+            asked = -1
+            conn._send_now = send_now  # type: ignore[method-assign]
+            fut = conn.submit(Ping())
+            assert fut is not None
+            identity, empty, *request = peer.recv_multipart()
+            asked = decode(request).msg_id
+            assert second_beat.wait(timeout=20.0), "the client sent no second heartbeat"
+            peer.send_multipart([identity, empty, *encode(Pong(role="peer", name="p"), msg_id=1, reply_to=asked)])
+            assert isinstance(conn.wait(fut, "ping", timeout_seconds=10.0), Pong)
+        finally:
+            conn.close(timeout_seconds=0.5)

@@ -176,19 +176,20 @@ class ClientConnection:
                 for fd, _ in poller.poll(timeout_ms):
                     if fd == self._wake_r:
                         self._drain_pipe()
-                if self._service():
-                    last_reply = time.monotonic()
-                now = time.monotonic()
-                if now >= next_beat:
-                    next_beat = now + self.heartbeat_interval_seconds
+                beat = time.monotonic() >= next_beat
+                if beat:
+                    next_beat = time.monotonic() + self.heartbeat_interval_seconds
                     # A session beats (and stays alive); a sessionless connection (CLI) pings.
                     # Either way the reply proves the proxy still answers.
                     probe = Heartbeat(role="client", name=self.session_id) if self.session_id else Ping()
-                    frames = [b"", *encode(probe, msg_id=next_id(), sender=self.session_id)]
+                    with self._lock:  # ``_service`` sends it and then looks at the socket, as every send must
+                        self._backlog.append([b"", *encode(probe, msg_id=next_id(), sender=self.session_id)])
+                if self._service():
+                    last_reply = time.monotonic()
+                if beat:
                     with self._lock:
-                        if self._backlog or not self._send_now(frames):
-                            self._backlog.append(frames)
                         waiting = bool(self._pending)
+                    now = time.monotonic()
                     if waiting and now - last_reply > self.liveness_timeout_seconds:
                         self._fail_all(ConnectionFailed(
                             f"the proxy at {self.address} stopped answering "
