@@ -12,6 +12,7 @@ one goes through the same path.
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -92,9 +93,28 @@ def spy_streams(r: Runner) -> list[tuple[int, bool, bool]]:
 
 
 @pytest.mark.asyncio
-async def test_a_slow_chain_is_handed_over_ahead_but_at_most_run_ahead_deep() -> None:
+async def test_a_slow_chain_is_handed_over_ahead_but_at_most_run_ahead_deep(monkeypatch: pytest.MonkeyPatch) -> None:
+    # On a loaded machine the devices may finish one before the loop hands the next over, so the
+    # landing thread's wait is held until RUN_AHEAD are handed over (or 30 s, for the assertion
+    # to say that the loop never got there).
+    gate = threading.Event()
+    computed = stream_module.computed
+
+    def gated(outs: list[list[Any]]) -> float:
+        gate.wait(timeout=30.0)
+        return computed(outs)
+
     async with slow_runner() as (r, rec):
+        monkeypatch.setattr(stream_module, "computed", gated)  # after the warm-up
         seen = spy_streams(r)
+        spied = r._stream
+
+        def open_gate(work: Any, *args: Any) -> None:
+            spied(work, *args)
+            if len(seen) == RUN_AHEAD:
+                gate.set()
+
+        r._stream = open_gate  # type: ignore[method-assign]
         r.enqueue_all("r1", "p", chain("r1", 8))
         await rec.part("r1")
         depths = [depth for depth, _, _ in seen]
