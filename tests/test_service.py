@@ -411,7 +411,8 @@ def test_a_reply_that_lands_just_before_a_heartbeat_is_not_hidden_by_it() -> Non
 
         def send_now(frames: list[Any]) -> bool:
             nonlocal beats
-            if frames[1:] and isinstance(decode(frames[1:]).message, Ping) and decode(frames[1:]).msg_id != asked:
+            env = decode(frames[1:])
+            if isinstance(env.message, Ping) and env.msg_id != asked:
                 beats += 1
                 if beats == 1:
                     conn.heartbeat_interval_seconds = 120.0  # the beat after the next is far away

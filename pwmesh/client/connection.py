@@ -176,9 +176,10 @@ class ClientConnection:
                 for fd, _ in poller.poll(timeout_ms):
                     if fd == self._wake_r:
                         self._drain_pipe()
-                beat = time.monotonic() >= next_beat
+                now = time.monotonic()
+                beat = now >= next_beat
                 if beat:
-                    next_beat = time.monotonic() + self.heartbeat_interval_seconds
+                    next_beat = now + self.heartbeat_interval_seconds
                     # A session beats (and stays alive); a sessionless connection (CLI) pings.
                     # Either way the reply proves the proxy still answers.
                     probe = Heartbeat(role="client", name=self.session_id) if self.session_id else Ping()

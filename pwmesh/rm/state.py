@@ -3,8 +3,9 @@
 Besides replies it produces notifications for watchers (proxies, schedulers),
 collected with ``take_notifications``: ``ExecutorLost`` when a host leaves or
 falls silent (carrying the remaps that loss caused), ``SliceRemapped`` when a
-slice's virtual devices move off a draining host or back onto new capacity. The state can be rebuilt after a
-restart from what registrants send again (``WatchCluster.slices``).
+slice's virtual devices move off a draining host or back onto new capacity. The
+state can be rebuilt after a restart from what registrants send again
+(``WatchCluster.slices``).
 """
 
 from __future__ import annotations
