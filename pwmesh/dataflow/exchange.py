@@ -17,7 +17,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from pwmesh.dataflow.layout import block, pieces, sources
+from pwmesh.dataflow.layout import Layout, block, plan
 from pwmesh.errors import InvalidArgument
 from pwmesh.wire.messages import DataTuple, Emit, ErrorInfo, Target
 
@@ -51,6 +51,15 @@ def destinations(target: Target) -> dict[int, Destination]:
     return found
 
 
+def emit_layouts(emit: Emit, target: Target) -> tuple[Layout, Layout]:
+    """A block emit's source and destination layouts (the fields left out mean leading-axis blocks)."""
+    if emit.shape is not None:
+        shape = list(emit.shape)
+    else:
+        shape = [emit.rows, *target.shape[1:]] if target.shape else []
+    return (Layout.of(shape, emit.src, emit.src_shards), Layout.of(shape, target.sharding, target.shards))
+
+
 def _tuple(target: Target, shard: int, dest: Destination, src: int, n_sources: int, **fields: Any) -> DataTuple:
     return DataTuple(prefix=target.prefix, shard=shard, device=dest.device, src=src, sources=n_sources,
                      shape=list(target.shape), dtype=target.dtype, **fields)
@@ -64,15 +73,16 @@ def cut(emit: Emit, local: dict[int, Any],
     if emit.mode == "block":
         (target,) = emit.targets
         dests = destinations(target)
+        moves = plan(*emit_layouts(emit, target))
         for src, value in local.items():
-            for piece in pieces(emit.rows, emit.src_shards, target.shards, src):
+            for piece in moves.sends.get(src, ()):
                 dest = dests.get(piece.dest)
                 if dest is None:  # that shard is already where it is needed
                     continue
-                rows = value if np.ndim(value) == 0 else value[piece.lo:piece.hi]
-                n = len(sources(emit.rows, emit.src_shards, target.shards, piece.dest))
-                out.append((dest, _tuple(target, piece.dest, dest, src, n, count=1, seq=0, offset=piece.offset,
-                                         array=np.asarray(rows))))
+                part = value[piece.source_index()] if np.ndim(value) else value
+                n = len(moves.sources[piece.dest])
+                out.append((dest, _tuple(target, piece.dest, dest, src, n, count=1, seq=0,
+                                         offset=list(piece.offset), array=np.asarray(part))))
     elif emit.mode == "route":
         assert selectors is not None
         experts = len(emit.targets)
@@ -116,7 +126,8 @@ def cut_error(emit: Emit, local_shards: list[int], error: ErrorInfo) -> list[tup
     for target in emit.targets:
         dests = destinations(target)
         if emit.mode == "block":
-            wanted = {p.dest for src in local_shards for p in pieces(emit.rows, emit.src_shards, target.shards, src)}
+            sends = plan(*emit_layouts(emit, target)).sends
+            wanted = {p.dest for src in local_shards for p in sends.get(src, ())}
         else:
             wanted = set(dests)
         for j in sorted(wanted & set(dests)):
@@ -135,7 +146,7 @@ def assemble(tuples: list[DataTuple], last: DataTuple) -> np.ndarray | Ragged:
         if not data:
             return Ragged(np.zeros((0, *shape[1:]), dtype), np.zeros((0,), np.int32))
         return Ragged(np.concatenate([t.array for t in data]), np.concatenate([t.index for t in data]))
-    if len(data) == 1 and data[0].index is None and data[0].offset == 0 and data[0].array.shape == shape:
+    if len(data) == 1 and data[0].index is None and not any(data[0].offset) and data[0].array.shape == shape:
         return data[0].array  # a whole shard moved as it is
     out = np.zeros(shape, dtype)
     base = first.shard * shape[0] if shape else 0
@@ -143,8 +154,7 @@ def assemble(tuples: list[DataTuple], last: DataTuple) -> np.ndarray | Ragged:
         assert t.array is not None
         if t.index is not None:  # combined rows: back to their row numbers
             out[t.index - base] = t.array
-        elif shape:
-            out[t.offset:t.offset + len(t.array)] = t.array
-        else:
-            out[...] = t.array
+        else:  # a block, at its offset
+            offset = t.offset or [0] * len(shape)
+            out[tuple(slice(o, o + n) for o, n in zip(offset, t.array.shape, strict=True))] = t.array
     return out

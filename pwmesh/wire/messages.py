@@ -26,6 +26,7 @@ from pwmesh.wire.records import (  # noqa: F401 - re-exported: records travel in
     ProgramSpec,
     SchedulerInfo,
     SessionInfo,
+    Sharding,
     ShardRun,
     Site,
     SliceInfo,
@@ -305,6 +306,9 @@ class RegisterFunction(Message, op="exec.register_function"):
     exported: bytes
     spmd: bool
     devices: list[int]
+    mesh: list[int] = dataclasses.field(default_factory=list)  # SPMD: the mesh's axis sizes (empty: one axis)
+    axes: list[str] = dataclasses.field(default_factory=list)  # and names, as the function was exported over
+    donate: list[int] = dataclasses.field(default_factory=list)  # inputs it may consume (``donate_argnums``)
 
 
 @record
@@ -409,7 +413,7 @@ class DataTuple(Record):
 
     ``src`` is the producer, ``sources`` how many producers report to this shard,
     ``count`` (when >= 0) the marker: how many tuples ``src`` sends here in all.
-    ``array`` holds rows (at row ``offset`` of the shard for block moves); ``index``
+    ``array`` holds a block (at ``offset``, per dimension, in the shard, for block moves); ``index``
     the rows' numbers for routed rows; ``error`` replaces the data when the
     producer failed."""
 
@@ -422,7 +426,7 @@ class DataTuple(Record):
     dtype: str
     count: int = -1
     seq: int = -1  # -1: a marker alone
-    offset: int = 0
+    offset: list[int] = dataclasses.field(default_factory=list)  # empty: at the shard's origin
     ragged: bool = False
     array: np.ndarray | None = None
     index: np.ndarray | None = None
@@ -505,6 +509,9 @@ class RegisterProgramFunction(Message, op="proxy.register_function"):
     exported: bytes
     slice_id: int
     spmd: bool
+    mesh: list[int] = dataclasses.field(default_factory=list)  # see ``RegisterFunction``
+    axes: list[str] = dataclasses.field(default_factory=list)
+    donate: list[int] = dataclasses.field(default_factory=list)
 
 
 @record
@@ -531,6 +538,7 @@ class PutBuffer(Message, op="proxy.put_buffer"):
     buffer: int
     slice_id: int
     array: np.ndarray
+    sharding: Sharding | None = None  # None: equal blocks along the leading axis
 
 
 @record
@@ -555,7 +563,7 @@ class Fetch(Message, op="proxy.fetch"):
 
 @record
 class BufferValue(Message, op="proxy.buffer_value"):
-    shards: list[np.ndarray]
+    shards: list[np.ndarray]  # one per distinct block, in ``Layout.distinct()`` order
 
 
 @record

@@ -47,15 +47,16 @@ def renamed(comp: Computation, name: Callable[[str], str]) -> Computation:
     emits = [renamed_emit(e, name) for e in comp.emits] if comp.emits else []
     return Computation(node=comp.node, fn_id=comp.fn_id, executor_id=comp.executor_id, control=comp.control,
                        runs=comp.runs, inputs=[name(p) for p in comp.inputs], outputs=[name(p) for p in comp.outputs],
-                       emits=emits, spmd=comp.spmd, kind=comp.kind, ragged=comp.ragged, seq=comp.seq, peers=comp.peers)
+                       emits=emits, spmd=comp.spmd, kind=comp.kind, ragged=comp.ragged, seq=comp.seq, peers=comp.peers,
+                       donate=comp.donate)
 
 
 def renamed_emit(emit: Emit, name: Callable[[str], str]) -> Emit:
     """A copy of ``emit`` with its targets' buffers mapped through ``name``."""
     return Emit(mode=emit.mode, rows=emit.rows, src_shards=emit.src_shards, slot=emit.slot, selector=emit.selector,
-                source=emit.source,
-                targets=[Target(prefix=name(t.prefix), shards=t.shards, sites=t.sites, shape=t.shape, dtype=t.dtype)
-                         for t in emit.targets])
+                source=emit.source, shape=emit.shape, src=emit.src,
+                targets=[Target(prefix=name(t.prefix), shards=t.shards, sites=t.sites, shape=t.shape, dtype=t.dtype,
+                                sharding=t.sharding) for t in emit.targets])
 
 
 def referenced_parts(comps: Iterable[Computation]) -> list[tuple[RunPart, list[str]]]:

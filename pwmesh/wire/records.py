@@ -99,6 +99,16 @@ class ClusterState(Record):
 
 
 @record
+class Sharding(Record):
+    """How a value is cut over a slice's devices (``pwmesh.dataflow.layout.Layout`` without the shape):
+    the slice's logical mesh (axis sizes, devices row-major) and, per dimension, the mesh axes (by
+    index, major to minor) that split it; axes that split nothing replicate it."""
+
+    mesh: list[int]
+    spec: list[list[int]] = dataclasses.field(default_factory=list)
+
+
+@record
 class ShardRun(Record):
     """Shards ``[shard, shard + count)`` of a value on devices ``[device, device + count)`` of one executor.
 
@@ -129,14 +139,16 @@ class Target(Record):
     sites: list[Site]
     shape: list[int]  # one destination shard's shape (for a ragged value: its capacity)
     dtype: str
+    sharding: Sharding | None = None  # its layout (None: ``shards`` equal blocks along the leading axis)
 
 
 @record
 class Emit(Record):
     """Send a value's local shards onward as shard-tagged tuples, with progress markers.
 
-    ``mode``: ``"block"`` re-slices leading-axis blocks (a copy when layouts match,
-    else an M-way to N-way reshard); ``"route"`` sends each row to the target its
+    ``mode``: ``"block"`` re-cuts blocks from the source layout (``src``, else ``src_shards``
+    leading-axis blocks) into the target's (a copy when layouts match, else a reshard:
+    n-dimensional blocks, replicas, gathers and scatters alike); ``"route"`` sends each row to the target its
     expert id (in ``selector``) names, with its row number; ``"scatter"`` sends rows
     back to the block of the target that holds their row number (combining routed
     rows in order). ``slot`` and ``selector`` index the computation's inputs, then
@@ -149,6 +161,8 @@ class Emit(Record):
     slot: int = 0
     selector: int = -1
     source: int = -1  # scatter: the producer id it reports as (its expert's index); -1: its shard
+    shape: list[int] | None = None  # block: the value's global shape (None: ``rows`` by the target's block)
+    src: Sharding | None = None  # block: the source layout (None: ``src_shards`` leading-axis blocks)
 
 
 @record
@@ -169,6 +183,7 @@ class Computation(Record):
     emits: list[Emit] = dataclasses.field(default_factory=list)
     spmd: bool = False
     kind: str = "call"
+    donate: list[int] = dataclasses.field(default_factory=list)  # inputs whose buffers it may consume (reuse)
     ragged: bool = False  # its inputs are routed rows: padded to the function's capacity, outputs cut back
     seq: int = -1
     # Control addresses of the other executors holding shards of this node: a gang
@@ -193,6 +208,9 @@ class NodeSpec(Record):
     # outputs -> one value in row order on slice_id.
     kind: str = "call"
     targets: list[int] = dataclasses.field(default_factory=list)
+    # A call's inputs' layouts on its slice, one per input (empty: each in equal leading-axis blocks).
+    in_shardings: list[Sharding] = dataclasses.field(default_factory=list)
+    donate: list[int] = dataclasses.field(default_factory=list)  # inputs it consumes (``donate_argnums``)
 
 
 @record
@@ -201,8 +219,9 @@ class ValueSpec(Record):
 
     shape: list[int]
     dtype: str
-    shards: int
+    shards: int  # devices it lives on (one shard each, replicas included)
     ragged: bool = False  # routed rows: the leading axis is a capacity, the rows present vary per run
+    sharding: Sharding | None = None  # how (None: ``shards`` equal blocks along the leading axis)
 
 
 @record
