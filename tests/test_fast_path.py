@@ -296,7 +296,7 @@ async def test_an_spmd_chain_hands_each_output_whole_to_the_next(monkeypatch: py
 
     monkeypatch.setattr(jax, "make_array_from_single_device_arrays", counting)
     async with runner() as (r, rec):
-        r.functions.register("psum", bytes(_psum_function().serialize()), spmd=True)
+        r.functions.register("psum", bytes(_psum_function().serialize()), spmd=True, mesh=[2], axes=["i"])
         for k in range(3):  # the first compiles on a device thread; the others take the quick paths
             assembled.clear()
             r.enqueue_all(f"r{k}", "p", spmd_chain(f"r{k}", 6))
@@ -306,8 +306,8 @@ async def test_an_spmd_chain_hands_each_output_whole_to_the_next(monkeypatch: py
             assert last is not None and [float(a[0]) for a in last] == [6.0, 6.0]
             assert len(assembled) == 1, f"chain {k}: {len(assembled)} inputs assembled, expected the first only"
             r.store.delete([f"r{k}/v{i}" for i in range(6)])
-            sharding = r.functions.get("psum").result().sharding(tuple(r.devices))
-            assert r.store.wholes([f"r{k}/v5"], sharding, [[last[0]], [last[1]]]) == [None], "dropped with its buffer"
+            shardings = r.functions.get("psum").result().shardings(tuple(r.devices))[0]
+            assert r.store.wholes([f"r{k}/v5"], shardings, [[last[0]], [last[1]]]) == [None], "dropped with its buffer"
 
 
 def test_a_whole_goes_in_only_for_exactly_its_pieces_on_its_devices() -> None:
@@ -318,16 +318,16 @@ def test_a_whole_goes_in_only_for_exactly_its_pieces_on_its_devices() -> None:
     whole = jax.make_array_from_single_device_arrays((2,), sharding, pieces)
     store = ObjectStore()
     store.keep_whole("s/b", whole, tuple(pieces), sharding)
-    assert store.wholes(["s/b"], sharding, [[pieces[0]], [pieces[1]]]) == [whole]
-    assert store.wholes(["s/a", "s/b"], sharding, [[pieces[0], pieces[0]], [pieces[1], pieces[1]]]) == [None, whole]
-    assert store.wholes(["s/b"], sharding, [[pieces[1]], [pieces[0]]]) == [None], "other order"
-    assert store.wholes(["s/b"], other, [[pieces[0]], [pieces[1]]]) == [None], "other devices"
+    assert store.wholes(["s/b"], (sharding,), [[pieces[0]], [pieces[1]]]) == [whole]
+    assert store.wholes(["s/a", "s/b"], (sharding, sharding), [[pieces[0], pieces[0]], [pieces[1], pieces[1]]]) == [None, whole]
+    assert store.wholes(["s/b"], (sharding,), [[pieces[1]], [pieces[0]]]) == [None], "other order"
+    assert store.wholes(["s/b"], (other,), [[pieces[0]], [pieces[1]]]) == [None], "other devices"
     copy = jax.device_put(np.zeros(1, np.float32), devices[0])
-    assert store.wholes(["s/b"], sharding, [[copy], [pieces[1]]]) == [None], "an equal value is not its piece"
+    assert store.wholes(["s/b"], (sharding,), [[copy], [pieces[1]]]) == [None], "an equal value is not its piece"
     store.delete(["s/b"])
-    assert store.wholes(["s/b"], sharding, [[pieces[0]], [pieces[1]]]) == [None]
+    assert store.wholes(["s/b"], (sharding,), [[pieces[0]], [pieces[1]]]) == [None]
     store.keep_whole("s/b", whole, tuple(pieces), sharding)  # an output landing after its buffer was deleted
-    assert store.wholes(["s/b"], sharding, [[pieces[0]], [pieces[1]]]) == [None]
+    assert store.wholes(["s/b"], (sharding,), [[pieces[0]], [pieces[1]]]) == [None]
 
 
 @pytest.mark.asyncio

@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 from pwmesh.dataflow.exchange import Ragged, assemble, cut
+from pwmesh.dataflow.layout import Layout
 from pwmesh.dataflow.progress import Progress
 from pwmesh.errors import InvalidArgument
 from pwmesh.ir.lower import (
@@ -29,8 +30,8 @@ from pwmesh.ir.lower import (
     shard_key,
     sites_of,
     slice_locations,
-    split_host_array,
     validate,
+    value_layout,
 )
 from pwmesh.wire.codec import encode
 from pwmesh.wire.messages import (
@@ -177,10 +178,11 @@ def simulate(program: ProgramSpec, lowered: Lowered, host: dict[int, np.ndarray]
                 store[dest.executor_id][k] = assemble(done.payloads, t)
 
     for v, where in (bound_at or {}).items():
-        for i, (w, part) in enumerate(zip(where, split_host_array((bound or {})[v], len(where)), strict=True)):
+        parts = value_layout(program.values[v]).split((bound or {})[v])
+        for i, (w, part) in enumerate(zip(where, parts, strict=True)):
             store[w.executor_id][key(v, i)] = part
     for put in lowered.puts:
-        store[put.location.executor_id][put.key] = split_host_array(host[put.value], put.shards)[put.shard]
+        store[put.location.executor_id][put.key] = put.layout.split(host[put.value])[put.shard]
     for address, sends in lowered.moves.items():
         ex = executor_of(address)
         for send in sends:
@@ -208,9 +210,13 @@ def simulate(program: ProgramSpec, lowered: Lowered, host: dict[int, np.ndarray]
         for emit in c.emits:
             deliver(cut(emit, slots[emit.slot], slots[emit.selector] if emit.selector >= 0 else None))
     assert all(len(p) == 0 for p in progress.values()), "destinations left waiting"
-    return {v: np.concatenate([np.atleast_1d(store[w.executor_id][key(v, i)])
-                               for i, w in enumerate(lowered.produced[v])]).reshape(program.values[v].shape)
-            for v in program.outputs}
+    gathered = {}
+    for v in program.outputs:
+        layout = value_layout(program.values[v])
+        where = lowered.produced[v]
+        blocks = [store[where[i].executor_id][key(v, i)] for i in layout.distinct()]
+        gathered[v] = layout.assemble(blocks, np.dtype(program.values[v].dtype))
+    return gathered
 
 
 # --------------------------------------------------------------- validate()
@@ -645,10 +651,10 @@ def test_host_inputs_become_puts_deduplicated_per_value_shard_and_executor() -> 
         make_slice(3, [("b", 0), ("a", 0)]),  # shards swap executors: each shard goes to the other one too
     ])
     assert lowered.puts == [
-        HostPut(value=0, shard=0, location=loc("a", 0), key=key(0, 0), shards=2),
-        HostPut(value=0, shard=1, location=loc("b", 0), key=key(0, 1), shards=2),
-        HostPut(value=0, shard=0, location=loc("b", 0), key=key(0, 0), shards=2),
-        HostPut(value=0, shard=1, location=loc("a", 0), key=key(0, 1), shards=2),
+        HostPut(value=0, shard=0, location=loc("a", 0), key=key(0, 0), layout=Layout.blocks([4, 3], 2)),
+        HostPut(value=0, shard=1, location=loc("b", 0), key=key(0, 1), layout=Layout.blocks([4, 3], 2)),
+        HostPut(value=0, shard=0, location=loc("b", 0), key=key(0, 0), layout=Layout.blocks([4, 3], 2)),
+        HostPut(value=0, shard=1, location=loc("a", 0), key=key(0, 1), layout=Layout.blocks([4, 3], 2)),
     ]
     assert lowered.moves == {}
     assert {t.prefix for c in computations(lowered) for e in c.emits for t in e.targets} == {prefix(1)}, \
@@ -664,12 +670,12 @@ def test_host_input_read_at_two_layouts_is_put_at_both() -> None:
                                                                                  ("b", 1)])])
     assert lowered.derived == ["d0"]
     assert lowered.puts == [
-        HostPut(value=0, shard=0, location=loc("a", 0), key=key(0, 0), shards=2),
-        HostPut(value=0, shard=1, location=loc("a", 1), key=key(0, 1), shards=2),
-        HostPut(value=0, shard=0, location=loc("a", 0), key=shard_key(OWNER, "d0", 0), shards=4),
-        HostPut(value=0, shard=1, location=loc("a", 1), key=shard_key(OWNER, "d0", 1), shards=4),
-        HostPut(value=0, shard=2, location=loc("b", 0), key=shard_key(OWNER, "d0", 2), shards=4),
-        HostPut(value=0, shard=3, location=loc("b", 1), key=shard_key(OWNER, "d0", 3), shards=4),
+        HostPut(value=0, shard=0, location=loc("a", 0), key=key(0, 0), layout=Layout.blocks([8, 3], 2)),
+        HostPut(value=0, shard=1, location=loc("a", 1), key=key(0, 1), layout=Layout.blocks([8, 3], 2)),
+        HostPut(value=0, shard=0, location=loc("a", 0), key=shard_key(OWNER, "d0", 0), layout=Layout.blocks([8, 3], 4)),
+        HostPut(value=0, shard=1, location=loc("a", 1), key=shard_key(OWNER, "d0", 1), layout=Layout.blocks([8, 3], 4)),
+        HostPut(value=0, shard=2, location=loc("b", 0), key=shard_key(OWNER, "d0", 2), layout=Layout.blocks([8, 3], 4)),
+        HostPut(value=0, shard=3, location=loc("b", 1), key=shard_key(OWNER, "d0", 3), layout=Layout.blocks([8, 3], 4)),
     ]
     assert [c.inputs for c in computations(lowered)] == [[prefix(0)], [prefix("d0")], [prefix("d0")]]
     assert lowered.holders["d0"] == {control("a"), control("b")}

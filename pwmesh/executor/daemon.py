@@ -179,7 +179,7 @@ class Executor(Service):
     def _register_function(self, peer: bytes, env: Envelope) -> Ok:
         msg = env.message
         assert isinstance(msg, RegisterFunction)
-        fn = self.functions.register(msg.fn_id, msg.exported, msg.spmd)
+        fn = self.functions.register(msg.fn_id, msg.exported, msg.spmd, msg.mesh, msg.axes, msg.donate)
         # Compile for the devices it will run on now, in the background.
         devices = [self.devices[i] for i in msg.devices if 0 <= i < len(self.devices)]
         assignments = [tuple(devices)] if msg.spmd else [(d,) for d in devices]
@@ -190,7 +190,8 @@ class Executor(Service):
     async def _warm(self, fn: Any, devices: tuple[jax.Device, ...]) -> None:
         pool = self.runner.pools[self.devices.index(devices[0])]
         try:
-            await asyncio.get_running_loop().run_in_executor(pool, fn.executable, devices)
+            # As it will most likely run: consuming what it may (a run that must not gets its own compile).
+            await asyncio.get_running_loop().run_in_executor(pool, fn.executable, devices, fn.donate)
         except Exception:  # the real call reports it; a warm-up must not crash anything
             log.warning("background compile of %s failed", fn.fn_id, exc_info=True)
 

@@ -6,6 +6,7 @@ import asyncio
 import functools
 import math
 import threading
+import warnings
 from typing import Any
 
 import jax
@@ -17,23 +18,34 @@ from pwmesh.errors import InvalidArgument
 
 
 @functools.cache
-def _sharding(devices: tuple[jax.Device, ...], spmd: bool) -> Any:
-    """Shardings are made once per device assignment (a mesh costs ~20 us to build, per call)."""
-    if spmd:
-        return NamedSharding(Mesh(np.array(devices), ("x",)), PartitionSpec("x"))
-    (device,) = devices
-    return SingleDeviceSharding(device)
+def _named(devices: tuple[jax.Device, ...], mesh: tuple[int, ...], axes: tuple[str, ...],
+           spec: PartitionSpec) -> NamedSharding:
+    """One sharding object per (devices, mesh, spec), shared by every function: a mesh costs ~20 us to
+    build, and an SPMD output goes on whole into the next SPMD call only under the very same object."""
+    return NamedSharding(Mesh(np.array(devices).reshape(mesh), axes), spec)
 
 
 class CompiledFunction:
-    """One exported function and its executables, one per device assignment."""
+    """One exported function and its executables, one per device assignment (and donation).
 
-    def __init__(self, fn_id: str, exported: export.Exported, spmd: bool) -> None:
+    An SPMD function was exported over a mesh of ``mesh`` sizes and ``axes`` names: it runs
+    over the same mesh of this host's devices, its inputs and outputs laid out as it was
+    exported (``in_shardings``/``out_shardings``). A per-device one runs on one block."""
+
+    def __init__(self, fn_id: str, exported: export.Exported, spmd: bool, mesh: list[int] | None = None,
+                 axes: list[str] | None = None, donate: list[int] | None = None) -> None:
         self.fn_id = fn_id
         self.exported = exported
         self.spmd = spmd
+        self.mesh = tuple(mesh) if mesh and axes else (exported.nr_devices,)
+        self.axes = tuple(axes) if mesh and axes else ("x",)
+        self.donate = tuple(donate or ())
+        if spmd and math.prod(self.mesh) != exported.nr_devices:
+            raise InvalidArgument(f"function {fn_id[:12]} was exported for {exported.nr_devices} devices, "
+                                  f"its mesh {list(self.mesh)} has {math.prod(self.mesh)}")
         self._lock = threading.Lock()
-        self._executables: dict[tuple[int, ...], Any] = {}
+        self._executables: dict[tuple[tuple[int, ...], tuple[int, ...]], Any] = {}
+        self._shardings: dict[tuple[int, ...], tuple[tuple[Any, ...], tuple[Any, ...]]] = {}
         # How long a run of one shard takes (inf: never ran, so it compiles first, on a device
         # thread): a quicker run counts at once, a slower one a quarter, so one pause or busy
         # moment does not send a quick function off the fast path.
@@ -59,35 +71,55 @@ class CompiledFunction:
     def num_inputs(self) -> int:
         return len(self.exported.in_avals)
 
-    @functools.cached_property
-    def shard_output_nbytes(self) -> int:
-        """Bytes one shard's outputs take on its device, known before anything runs.
+    def shardings(self, devices: tuple[jax.Device, ...]) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
+        """Its inputs' and outputs' shardings over ``devices`` (an SPMD function's mesh of them)."""
+        found = self._shardings.get(tuple(d.id for d in devices))
+        if found is None:
+            found = self._shardings[tuple(d.id for d in devices)] = self._make_shardings(devices)
+        return found
 
-        A per-shard function is exported for one block, so its output avals are one
-        shard's; an SPMD one has global output avals, split evenly over its devices."""
-        total = sum(math.prod(a.shape) * np.dtype(a.dtype).itemsize for a in self.exported.out_avals)
-        return total // self.exported.nr_devices if self.spmd else total
+    def _make_shardings(self, devices: tuple[jax.Device, ...]) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
+        if not self.spmd:
+            (device,) = devices
+            single = SingleDeviceSharding(device)
+            return (single,) * self.num_inputs, (single,) * len(self.exported.out_avals)
+        if len(devices) != math.prod(self.mesh):
+            raise InvalidArgument(f"function {self.fn_id[:12]} runs over a mesh of {list(self.mesh)} devices, "
+                                  f"got {len(devices)}")
+        mesh = Mesh(np.array(devices).reshape(self.mesh), self.axes)
+        blocks = PartitionSpec(self.axes[0] if len(self.axes) == 1 else self.axes)  # unspecified: leading axis
+
+        def interned(found: tuple[Any, ...]) -> tuple[Any, ...]:
+            return tuple(_named(tuple(devices), self.mesh, self.axes, blocks if s is None else s.spec) for s in found)
+
+        return interned(self.exported.in_shardings_jax(mesh)), interned(self.exported.out_shardings_jax(mesh))
 
     @functools.cached_property
     def output_nbytes(self) -> list[int]:
-        """Bytes of each output of one shard (see ``shard_output_nbytes``)."""
-        split = self.exported.nr_devices if self.spmd else 1
-        return [math.prod(a.shape) * np.dtype(a.dtype).itemsize // split for a in self.exported.out_avals]
+        """Bytes each output of one shard takes on its device, known before anything runs (a per-device
+        function is exported for one block; an SPMD one has global outputs, each device its block)."""
+        avals = self.exported.out_avals
+        if not self.spmd:
+            return [math.prod(a.shape) * np.dtype(a.dtype).itemsize for a in avals]
+        _, outs = self.shardings(tuple(jax.local_devices()[: self.exported.nr_devices]))
+        return [math.prod(s.shard_shape(a.shape)) * np.dtype(a.dtype).itemsize for a, s in zip(avals, outs, strict=True)]
 
-    def sharding(self, devices: tuple[jax.Device, ...]) -> Any:
-        return _sharding(devices, self.spmd)
+    @property
+    def shard_output_nbytes(self) -> int:
+        return sum(self.output_nbytes)
 
-    def compiled(self, devices: tuple[jax.Device, ...]) -> bool:
+    def compiled(self, devices: tuple[jax.Device, ...], donate: tuple[int, ...] = ()) -> bool:
         """Whether ``executable(devices)`` returns at once (nothing to compile)."""
-        return self.ready(devices) is not None
+        return self.ready(devices, donate) is not None
 
-    def ready(self, devices: tuple[jax.Device, ...]) -> Any:
+    def ready(self, devices: tuple[jax.Device, ...], donate: tuple[int, ...] = ()) -> Any:
         """The executable for ``devices`` if it is compiled already, else None (never compiles)."""
-        return self._executables.get(tuple(d.id for d in devices))
+        return self._executables.get((tuple(d.id for d in devices), donate))
 
-    def executable(self, devices: tuple[jax.Device, ...]) -> Any:
-        """The executable for ``devices``, compiled on first use (call from a worker thread)."""
-        key = tuple(d.id for d in devices)
+    def executable(self, devices: tuple[jax.Device, ...], donate: tuple[int, ...] = ()) -> Any:
+        """The executable for ``devices`` (consuming the ``donate`` inputs), compiled on first use (call from
+        a worker thread)."""
+        key = (tuple(d.id for d in devices), donate)
         with self._lock:
             exe = self._executables.get(key)
         if exe is not None:
@@ -96,10 +128,15 @@ class CompiledFunction:
             raise InvalidArgument(
                 f"function {self.fn_id} was exported for {self.exported.nr_devices} devices, got {len(devices)}"
             )
-        sharding = self.sharding(devices)
-        specs = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding) for a in self.exported.in_avals]
-        out_shardings = sharding if self.spmd else None
-        exe = jax.jit(self.exported.call, out_shardings=out_shardings).lower(*specs).compile()
+        ins, outs = self.shardings(devices)
+        specs = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s) for a, s in zip(self.exported.in_avals, ins,
+                                                                                     strict=True)]
+        out_shardings = jax.tree_util.tree_unflatten(self.exported.out_tree, list(outs)) if self.spmd else None
+        with warnings.catch_warnings():
+            # Donation is a hint: XLA reuses what it can (on CPU too) and says so for the rest.
+            warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
+            exe = jax.jit(self.exported.call, out_shardings=out_shardings,
+                          donate_argnums=donate).lower(*specs).compile()
         with self._lock:
             self._executables.setdefault(key, exe)
             return self._executables[key]
@@ -118,12 +155,13 @@ class FunctionCache:
             self._functions[fn_id] = fut
         return fut
 
-    def register(self, fn_id: str, serialized: bytes, spmd: bool) -> CompiledFunction:
+    def register(self, fn_id: str, serialized: bytes, spmd: bool, mesh: list[int] | None = None,
+                 axes: list[str] | None = None, donate: list[int] | None = None) -> CompiledFunction:
         fut = self._entry(fn_id)
         if fut.done():
             return fut.result()
         try:
-            fn = CompiledFunction(fn_id, export.deserialize(bytearray(serialized)), spmd)
+            fn = CompiledFunction(fn_id, export.deserialize(bytearray(serialized)), spmd, mesh, axes, donate)
         except Exception as exc:  # e.g. exported by a JAX this executor cannot read
             err = InvalidArgument(f"function {fn_id[:12]} cannot be loaded here: {type(exc).__name__}: {exc}")
             fut.set_exception(err)  # computations waiting for it fail with the reason, not hang

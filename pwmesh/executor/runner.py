@@ -36,6 +36,7 @@ import asyncio
 import collections
 import concurrent.futures
 import dataclasses
+import functools
 import logging
 import time
 import traceback
@@ -176,7 +177,8 @@ class Runner:
         self._load = [0] * len(devices)  # per device: queued or running computations (0: free to run one now)
         self._admitting: set[str] = set()  # runs whose computations are being enqueued (no part done yet)
         # (fn_id, spmd, devices) -> what the fast path runs, once compiled (functions never change)
-        self._ready: dict[tuple[str, bool, tuple[int, ...]], tuple[CompiledFunction, list[jax.Device], list[Any]]] = {}
+        self._ready: dict[tuple[str, bool, tuple[int, ...], tuple[int, ...]],
+                          tuple[CompiledFunction, list[jax.Device], list[Any]]] = {}
         self._idle = asyncio.Event()
         self._idle.set()
         # Streamed computations: outputs handed out before they are computed, to computations on
@@ -356,7 +358,9 @@ class Runner:
                 streamed = None if comp.ragged else self._runnable(comp, tuple(work.devices))
                 if streamed is not None and not comp.peers and runs_inline(fn, fn.seconds * len(streamed[1])):
                     streamed = None  # quick: it runs right on the loop (_call), on computed inputs only
-            per_shard = [[await self._input(f"{p}/{shard}", work, streamed is not None) for p in comp.inputs]
+            # A donated input is consumed: it must have landed (its producer's emits and stores done).
+            per_shard = [[await self._input(f"{p}/{shard}", work, streamed is not None and k not in comp.donate)
+                          for k, p in enumerate(comp.inputs)]
                          for shard in work.shards]
             if fn is not None:
                 reserved = await self._reserve(work, fn.shard_output_nbytes * len(work.devices))
@@ -424,10 +428,12 @@ class Runner:
         comp = work.comp
         try:
             if comp.spmd:
-                outs, wholes = _dispatch_spmd(fn, tuple(devices), per_shard, self._wholes(work, fn, devices, per_shard))
+                outs, wholes = _dispatch_spmd(fn, tuple(devices), per_shard, self._wholes(work, fn, devices, per_shard),
+                                              tuple(comp.donate))
                 self._keep_wholes(work, fn, devices, outs, wholes)
             else:
                 outs = _dispatch_together(exes, devices, per_shard)
+            self._consume(work, per_shard)
         except Exception as exc:
             err = as_error(exc, f"computation {comp.node} ({comp.fn_id[:12]})")
             self._finish(work, times[0], times[1], times[2], per_shard, None, err, reserved)
@@ -514,7 +520,7 @@ class Runner:
                   ) -> tuple[CompiledFunction, list[jax.Device], list[Any]] | None:
         """The function, devices and executables of a computation, if it is registered and compiled
         for its devices; found once per (function, devices), then remembered."""
-        key = (comp.fn_id, comp.spmd, device_ids)
+        key = (comp.fn_id, comp.spmd, device_ids, tuple(comp.donate))
         found = self._ready.get(key)
         if found is None:
             entry = self.functions.get(comp.fn_id)
@@ -522,7 +528,7 @@ class Runner:
                 return None
             fn = entry.result()
             devices = [self.devices[d] for d in device_ids]
-            exes = _compiled(fn, comp.spmd, devices)
+            exes = _compiled(fn, comp.spmd, devices, tuple(comp.donate))
             if exes is None:
                 return None
             found = self._ready[key] = (fn, devices, exes)
@@ -573,21 +579,28 @@ class Runner:
             assert found is not None
             return self._call_inline(work, fn, devices, found[2], per_shard)
         loop = asyncio.get_running_loop()
+        donate = tuple(comp.donate)
         if comp.spmd:
-            outs, wholes, seconds = await loop.run_in_executor(
-                self.pools[work.devices[-1]], _call_spmd, fn, tuple(devices), per_shard,
-                self._wholes(work, fn, devices, per_shard))
+            try:
+                outs, wholes, seconds = await loop.run_in_executor(
+                    self.pools[work.devices[-1]], _call_spmd, fn, tuple(devices), per_shard,
+                    self._wholes(work, fn, devices, per_shard), donate)
+            finally:
+                self._consume(work, per_shard)
             self._keep_wholes(work, fn, devices, outs, wholes)
             fn.ran(seconds / len(devices))
             work.device_seconds = seconds * len(devices)
             return outs
-        call = _call_ragged if comp.ragged else _call_single
-        if inline:
-            results = [call(fn, d, args) for d, args in zip(devices, per_shard, strict=True)]
-        else:
-            results = await asyncio.gather(*(
-                loop.run_in_executor(self.pools[d], call, fn, self.devices[d], args)
-                for d, args in zip(work.devices, per_shard, strict=True)))
+        call = _call_ragged if comp.ragged else functools.partial(_call_single, donate=donate)
+        try:
+            if inline:
+                results = [call(fn, d, args) for d, args in zip(devices, per_shard, strict=True)]
+            else:
+                results = await asyncio.gather(*(
+                    loop.run_in_executor(self.pools[d], call, fn, self.devices[d], args)
+                    for d, args in zip(work.devices, per_shard, strict=True)))
+        finally:
+            self._consume(work, per_shard)
         fn.ran(max(r[1] for r in results))
         work.device_seconds = sum(r[1] for r in results)
         return [r[0] for r in results]
@@ -595,13 +608,17 @@ class Runner:
     def _call_inline(self, work: Work, fn: CompiledFunction, devices: list[jax.Device], exes: list[Any],
                      per_shard: list[list[Any]]) -> list[list[Any]]:
         """Run a compiled computation's shards on this thread, all dispatched before any is waited for."""
-        if work.comp.spmd:
-            outs, wholes, wall = _call_spmd(fn, tuple(devices), per_shard, self._wholes(work, fn, devices, per_shard))
-            self._keep_wholes(work, fn, devices, outs, wholes)
-            work.device_seconds = wall * len(devices)  # every device was busy all along
-        else:
-            outs, wall = _call_together(exes, devices, per_shard)
-            work.device_seconds = wall
+        try:
+            if work.comp.spmd:
+                outs, wholes, wall = _call_spmd(fn, tuple(devices), per_shard, self._wholes(work, fn, devices, per_shard),
+                                                tuple(work.comp.donate))
+                self._keep_wholes(work, fn, devices, outs, wholes)
+                work.device_seconds = wall * len(devices)  # every device was busy all along
+            else:
+                outs, wall = _call_together(exes, devices, per_shard)
+                work.device_seconds = wall
+        finally:
+            self._consume(work, per_shard)
         fn.ran(wall / len(devices))  # ``fn.seconds`` is per shard: runs_inline multiplies it back
         return outs
 
@@ -609,14 +626,24 @@ class Runner:
                 per_shard: list[list[Any]]) -> list[Any | None]:
         """An SPMD computation's inputs that some SPMD output here is whole (a global array) on
         the same devices, as they are: assembling one from its pieces costs ~0.1-0.3 ms a call."""
-        return self.store.wholes(work.comp.inputs, fn.sharding(tuple(devices)), per_shard)
+        return self.store.wholes(work.comp.inputs, fn.shardings(tuple(devices))[0], per_shard)
 
     def _keep_wholes(self, work: Work, fn: CompiledFunction, devices: list[jax.Device], outs: list[list[Any]],
                      wholes: list[Any]) -> None:
         """Keep an SPMD computation's outputs whole beside their pieces, for SPMD computations that read them."""
-        sharding = fn.sharding(tuple(devices))
-        for i, (prefix, whole) in enumerate(zip(work.comp.outputs, wholes, strict=False)):
+        shardings = fn.shardings(tuple(devices))[1]
+        for i, (prefix, whole, sharding) in enumerate(zip(work.comp.outputs, wholes, shardings, strict=False)):
             self.store.keep_whole(prefix, whole, tuple(out[i] for out in outs), sharding)
+
+    def _consume(self, work: Work, per_shard: list[list[Any]]) -> None:
+        """The donated inputs XLA took over (reused for outputs, or freed) leave the store now: their
+        bytes are the outputs' now. One it could not take (placed on another device first, say) stays
+        until the proxy deletes it."""
+        for k in work.comp.donate:
+            for shard, args in zip(work.shards, per_shard, strict=True):
+                value = args[k] if k < len(args) else None
+                if isinstance(value, jax.Array) and value.is_deleted():
+                    self.store.consume(f"{work.comp.inputs[k]}/{shard}")
 
     def _finish_outputs(self, work: Work, shard: int, outs: list[Any] | None, err: PwmeshError | None,
                         nbytes: list[int] | None = None) -> PwmeshError | None:
@@ -671,12 +698,12 @@ async def _unless_cancelled(fut: asyncio.Future[Any], work: Work) -> Any:
     return fut.result()
 
 
-def _compiled(fn: CompiledFunction, spmd: bool, devices: list[jax.Device]) -> list[Any] | None:
+def _compiled(fn: CompiledFunction, spmd: bool, devices: list[jax.Device], donate: tuple[int, ...]) -> list[Any] | None:
     """The executables to run on ``devices`` if all are compiled (none for an SPMD function: one call
     compiles and runs for all), else None."""
     if spmd:
-        return [] if fn.compiled(tuple(devices)) else None
-    exes = [fn.ready((d,)) for d in devices]
+        return [] if fn.compiled(tuple(devices), donate) else None
+    exes = [fn.ready((d,), donate) for d in devices]
     return None if None in exes else exes
 
 
@@ -703,8 +730,9 @@ def _call_together(exes: list[Any], devices: list[jax.Device],
     return outs, time.perf_counter() - start
 
 
-def _call_single(fn: CompiledFunction, device: jax.Device, args: list[Any]) -> tuple[list[Any], float]:
-    exe = fn.executable((device,))  # compiles on first use: not part of its time
+def _call_single(fn: CompiledFunction, device: jax.Device, args: list[Any],
+                 donate: tuple[int, ...] = ()) -> tuple[list[Any], float]:
+    exe = fn.executable((device,), donate)  # compiles on first use: not part of its time
     start = time.perf_counter()
     placed = [_placed(a, device) for a in args]
     out = exe(*placed)
@@ -729,13 +757,14 @@ def _call_ragged(fn: CompiledFunction, device: jax.Device, args: list[Any]) -> t
 
 
 def _dispatch_spmd(fn: CompiledFunction, devices: tuple[jax.Device, ...], per_shard: list[list[Any]],
-                   wholes: list[Any | None] | None = None) -> tuple[list[list[Any]], list[Any]]:
+                   wholes: list[Any | None] | None = None,
+                   donate: tuple[int, ...] = ()) -> tuple[list[list[Any]], list[Any]]:
     """Dispatch an SPMD computation over ``devices`` (without waiting for it): each device's outputs,
     and the outputs whole (global arrays). An input with a whole in ``wholes`` goes in as it is."""
-    exe = fn.executable(devices)
-    sharding = fn.sharding(devices)
+    exe = fn.executable(devices, donate)
+    shardings = fn.shardings(devices)[0]
     globals_ = []
-    for i, aval in enumerate(fn.exported.in_avals):
+    for i, (aval, sharding) in enumerate(zip(fn.exported.in_avals, shardings, strict=True)):
         whole = wholes[i] if wholes else None
         if whole is None:
             pieces = [_placed(args[i], d) for args, d in zip(per_shard, devices, strict=True)]
@@ -751,10 +780,11 @@ def _dispatch_spmd(fn: CompiledFunction, devices: tuple[jax.Device, ...], per_sh
 
 
 def _call_spmd(fn: CompiledFunction, devices: tuple[jax.Device, ...], per_shard: list[list[Any]],
-               wholes: list[Any | None] | None = None) -> tuple[list[list[Any]], list[Any], float]:
+               wholes: list[Any | None] | None = None,
+               donate: tuple[int, ...] = ()) -> tuple[list[list[Any]], list[Any], float]:
     """``_dispatch_spmd``, waited for: also the seconds it took."""
-    fn.executable(devices)  # compiles on first use: not part of its time
+    fn.executable(devices, donate)  # compiles on first use: not part of its time
     start = time.perf_counter()
-    result, leaves = _dispatch_spmd(fn, devices, per_shard, wholes)
+    result, leaves = _dispatch_spmd(fn, devices, per_shard, wholes, donate)
     computed(result)
     return result, leaves, time.perf_counter() - start

@@ -243,11 +243,11 @@ class ObjectStore:
         if buffer not in self._deleted:
             self._whole[buffer] = _Whole(whole, pieces, sharding)
 
-    def wholes(self, buffers: list[str], sharding: Any, per_shard: list[list[Any]]) -> list[Any | None]:
-        """For each input buffer, its whole if it was kept (``keep_whole``) over the same ``sharding``
-        and ``per_shard`` holds exactly its pieces, in order (else None)."""
+    def wholes(self, buffers: list[str], shardings: tuple[Any, ...], per_shard: list[list[Any]]) -> list[Any | None]:
+        """For each input buffer, its whole if it was kept (``keep_whole``) over the same sharding as that
+        input's (``shardings[i]``) and ``per_shard`` holds exactly its pieces, in order (else None)."""
         found: list[Any | None] = []
-        for i, buffer in enumerate(buffers):
+        for i, (buffer, sharding) in enumerate(zip(buffers, shardings, strict=False)):
             whole = self._whole.get(buffer)
             if (whole is None or whole.sharding is not sharding or len(whole.pieces) != len(per_shard)
                     or any(piece is not args[i] for piece, args in zip(whole.pieces, per_shard, strict=True))):
@@ -255,6 +255,15 @@ class ObjectStore:
             else:
                 found.append(whole.array)
         return found
+
+    def consume(self, key: str) -> None:
+        """A computation took this value over (donated: its memory reused or freed): it is gone from here,
+        and its bytes with it. The key stays known until the proxy deletes the buffer."""
+        value = self._values.pop(key, None)
+        if value is None:
+            return
+        self._whole.pop(buffer_of(key), None)
+        self.memory.freed(self._nbytes.pop(key, 0))
 
     def fail(self, key: str, exc: PwmeshError) -> None:
         if self.deleted(key) or key in self._values:

@@ -55,7 +55,8 @@ class LoweringCache:
 
     def lower(self, program_id: str, program: ProgramSpec, *, owner: str, names: list[str], host_inputs: set[int],
               bound: dict[int, list[ShardLocation]], slices: dict[int, SliceInfo], spmd: dict[str, bool],
-              fresh_name: Callable[[], str], packed: bool = False) -> tuple[ProgramSpec, Lowered]:
+              fresh_name: Callable[[], str], packed: bool = False,
+              keep: frozenset[int] = frozenset()) -> tuple[ProgramSpec, Lowered]:
         """``lower(...)``'s result for this run, from the cache when it can be; with the spec it is of.
 
         An empty ``program_id`` is never cached. Under a known id the cached spec is the one that
@@ -67,9 +68,9 @@ class LoweringCache:
         if not program_id or len(set(bound_names)) != len(bound_names):
             # Two inputs bound to one buffer share their transfers: placeholders would not.
             return program, lower(program, owner=owner, names=names, host_inputs=host_inputs, bound=bound,
-                                  slices=slices, spmd=spmd, fresh_name=fresh_name)
+                                  slices=slices, spmd=spmd, fresh_name=fresh_name, keep=keep)
         key = (program_id, tuple((v, tuple(where)) for v, where in sorted(bound.items())),
-               tuple(sorted(host_inputs)))
+               tuple(sorted(host_inputs)), keep)
         template = self._templates.get(key)
         if template is not None and all(slices.get(sid) is sl for sid, sl in template.slices.items()):
             _check_same_shape(program_id, template.program, program)
@@ -79,7 +80,7 @@ class LoweringCache:
         placeholders = [f"@{v}" for v in range(len(program.values))]
         derived = (f"@d{k}" for k in itertools.count())
         lowered = lower(program, owner=owner, names=placeholders, host_inputs=host_inputs, bound=bound,
-                        slices=slices, spmd=spmd, fresh_name=lambda: next(derived))
+                        slices=slices, spmd=spmd, fresh_name=lambda: next(derived), keep=keep)
         used = {node.slice_id for node in program.nodes}
         bare = placeholders + lowered.derived
         prefixed = [f"{owner}/{p}" for p in bare]
@@ -118,7 +119,7 @@ def _instantiate(template: _Template, owner: str, names: list[str], fresh_name: 
     def put(p: HostPut) -> HostPut:
         buffer, _, shard = p.key.rpartition("/")
         return HostPut(value=p.value, shard=p.shard, location=p.location, key=f"{by_prefix[buffer]}/{shard}",
-                       shards=p.shards)
+                       layout=p.layout)
 
     if packed:
         schedules = src.schedules

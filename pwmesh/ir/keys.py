@@ -5,6 +5,9 @@ from __future__ import annotations
 import hashlib
 
 
-def function_id(serialized: bytes, spmd: bool) -> str:
-    """A compiled function's id: the hash of its ``jax.export`` bytes (and calling convention)."""
-    return hashlib.sha256(serialized + (b"spmd" if spmd else b"")).hexdigest()[:32]
+def function_id(serialized: bytes, spmd: bool, mesh: list[int] | None = None, axes: list[str] | None = None,
+                donate: list[int] | None = None) -> str:
+    """A compiled function's id: the hash of its ``jax.export`` bytes and of how it is called (one program
+    over a mesh of these axes, or one per device; which inputs it may consume)."""
+    how = f"{'spmd' if spmd else ''}|{mesh or []}|{axes or []}|{donate or []}".encode()
+    return hashlib.sha256(serialized + how).hexdigest()[:32]

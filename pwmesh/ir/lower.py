@@ -3,27 +3,30 @@
 Pure: no sockets, no JAX. Every node becomes one ``Computation`` per executor
 that holds some of its shards (never one message per shard), its shards given
 as runs of contiguous devices, so what the proxy sends does not grow with the
-number of devices. Values are sharded in blocks along their leading axis; shard
-``i`` of a buffer lives under ``"<owner>/<buffer>/<i>"`` on the executor that
-holds it. Where a value must be elsewhere than where it was made — on another
-executor, or split another number of ways — its producer (or the executor that
-holds it) gets an ``Emit``: send your shards onward as shard-tagged tuples, and
-the consumers' progress tracking says when they are complete (``pwmesh.dataflow``).
-A value split M ways read by a node on N devices (M != N) is resharded into a
-derived buffer of its own, freed with the run's temporaries. Routed values
-(``ragged``) go from a route node to one expert each and come back through a
-combine node (mixture-of-experts).
+number of devices. A value lives on the devices of a slice, one shard per device,
+each the block its layout gives that device (``pwmesh.dataflow.layout``: blocks of
+any dimensions over a logical mesh, replicas included; without a ``sharding``,
+equal blocks along the leading axis); shard ``i`` of a buffer lives under
+``"<owner>/<buffer>/<i>"`` on the executor that holds it. Where a value must be
+elsewhere than where it was made — on another executor, or in another layout —
+its producer (or the executor that holds it) gets an ``Emit``: send your shards
+onward as shard-tagged tuples, and the consumers' progress tracking says when they
+are complete (``pwmesh.dataflow``). A value read in another layout than its own is
+resharded into a derived buffer of its own, freed with the run's temporaries.
+Routed values (``ragged``) go from a route node to one expert each and come back
+through a combine node (mixture-of-experts).
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import math
 from collections.abc import Callable
 
 import numpy as np
 
-from pwmesh.dataflow.layout import check_split
+from pwmesh.dataflow.layout import Layout, check_split
 from pwmesh.errors import InvalidArgument
 from pwmesh.wire.messages import (
     Computation,
@@ -33,6 +36,7 @@ from pwmesh.wire.messages import (
     ProgramSpec,
     RunPart,
     SendShards,
+    Sharding,
     ShardRun,
     Site,
     SliceInfo,
@@ -86,13 +90,22 @@ def sites_of(layout: list[ShardLocation], shards: list[int] | None = None) -> li
 
 @dataclasses.dataclass
 class HostPut:
-    """Shard ``shard`` of host input ``value``, split ``shards`` ways, goes to ``location`` under ``key``."""
+    """Shard ``shard`` of host input ``value``, cut as ``layout`` says, goes to ``location`` under ``key``."""
 
     value: int
     shard: int
     location: ShardLocation
     key: str
-    shards: int = 1
+    layout: Layout
+
+
+def value_layout(spec: ValueSpec) -> Layout:
+    """How a value is cut over its ``shards`` devices."""
+    return Layout.of(spec.shape, spec.sharding, spec.shards)
+
+
+def wire_sharding(layout: Layout) -> Sharding:
+    return Sharding(mesh=list(layout.mesh), spec=[list(axes) for axes in layout.spec])
 
 
 @dataclasses.dataclass
@@ -141,11 +154,27 @@ def validate(program: ProgramSpec) -> None:
             raise InvalidArgument(f"value {v} is never read, so it cannot be split ({spec.shards} shards)")
         if spec.shards < 1 or any(d < 0 for d in spec.shape):
             raise InvalidArgument(f"value {v} has an invalid layout: shape {spec.shape}, {spec.shards} shards")
-        if spec.shards > 1 and (not spec.shape or spec.shape[0] % spec.shards):
-            raise InvalidArgument(
-                f"value {v} of shape {tuple(spec.shape)} cannot be split into {spec.shards} equal shards "
-                "along its leading axis"
-            )
+        if spec.sharding is None:
+            if spec.shards > 1 and (not spec.shape or spec.shape[0] % spec.shards):
+                raise InvalidArgument(
+                    f"value {v} of shape {tuple(spec.shape)} cannot be split into {spec.shards} equal shards "
+                    "along its leading axis"
+                )
+        else:
+            layout = value_layout(spec)
+            layout.check(f"value {v}")
+            if layout.devices != spec.shards:
+                raise InvalidArgument(f"value {v} lives on {spec.shards} devices but its mesh "
+                                      f"{spec.sharding.mesh} has {layout.devices}")
+    readers = collections.Counter(v for node in program.nodes for v in node.inputs)
+    for index, node in enumerate(program.nodes):
+        for k in node.donate:
+            if not 0 <= k < len(node.inputs):
+                raise InvalidArgument(f"node {index} donates input {k}; it has {len(node.inputs)}")
+            v = node.inputs[k]
+            if readers[v] > 1 or v in program.outputs:
+                raise InvalidArgument(f"node {index} donates value {v}, which the program also reads elsewhere or "
+                                      "returns: a donated buffer is consumed by the one call it is given to")
 
 
 def _validate_node(program: ProgramSpec, index: int, node: NodeSpec) -> None:
@@ -186,25 +215,17 @@ def _validate_node(program: ProgramSpec, index: int, node: NodeSpec) -> None:
                                   "a reshard keeps shape and dtype")
     else:
         raise InvalidArgument(f"node {index} has unknown kind {node.kind!r} (call, reshard, route or combine)")
-    if node.kind != "call" and node.fn_id:
-        raise InvalidArgument(f"{node.kind} node {index} runs no function")
+    if node.kind != "call" and (node.fn_id or node.in_shardings or node.donate):
+        raise InvalidArgument(f"{node.kind} node {index} runs no function (no function, input layouts or donation)")
+    if node.in_shardings:
+        if len(node.in_shardings) != len(node.inputs):
+            raise InvalidArgument(f"node {index} gives {len(node.in_shardings)} input layouts for "
+                                  f"{len(node.inputs)} inputs")
+        for k, (v, sharding) in enumerate(zip(node.inputs, node.in_shardings, strict=True)):
+            Layout.of(values[v].shape, sharding, 1).check(f"node {index} input {k}")
     for v in node.outputs:
         if values[v].ragged and values[v].shards != 1:
             raise InvalidArgument(f"value {v} is routed rows split {values[v].shards} ways; they live on one device")
-
-
-def shard_slices(shape: list[int], shards: int) -> list[slice]:
-    """The leading-axis block of each shard."""
-    if shards == 1 and not shape:
-        return [slice(None)]
-    step = shape[0] // shards
-    return [slice(i * step, (i + 1) * step) for i in range(shards)]
-
-
-def split_host_array(array: np.ndarray, shards: int) -> list[np.ndarray]:
-    if shards == 1:
-        return [array]
-    return [array[s] for s in shard_slices(list(array.shape), shards)]
 
 
 def lower(
@@ -217,18 +238,21 @@ def lower(
     slices: dict[int, SliceInfo],
     spmd: dict[str, bool],
     fresh_name: Callable[[], str] | None = None,
+    keep: frozenset[int] = frozenset(),
 ) -> Lowered:
     """Lower ``program``; ``names[v]`` is the buffer name of value ``v``; ``bound`` locates existing
-    buffers; ``fresh_name`` names the buffers lowering derives (reshards, combine landings)."""
+    buffers; ``fresh_name`` names the buffers lowering derives (reshards, combine landings); ``keep``:
+    donated values the executors must not consume after all (someone else still reads them)."""
     validate(program)
-    return _Lowering(program, owner, names, host_inputs, bound, slices, spmd, fresh_name).run()
+    return _Lowering(program, owner, names, host_inputs, bound, slices, spmd, fresh_name, keep).run()
 
 
 class _Lowering:
     def __init__(self, program: ProgramSpec, owner: str, names: list[str], host_inputs: set[int],
                  bound: dict[int, list[ShardLocation]], slices: dict[int, SliceInfo], spmd: dict[str, bool],
-                 fresh_name: Callable[[], str] | None) -> None:
+                 fresh_name: Callable[[], str] | None, keep: frozenset[int]) -> None:
         self.program = program
+        self.keep = keep
         self.owner = owner
         self.names = names
         self.host_inputs = host_inputs
@@ -242,7 +266,7 @@ class _Lowering:
         self.producer: dict[int, int] = {}  # value -> node
         self.comps: dict[tuple[int, str], Computation] = {}  # (node, executor) -> its computation
         self.placed: set[tuple[str, int, str]] = set()  # (buffer, shard, executor) present or on its way
-        self.layouts: dict[tuple[int, int, tuple[str, ...]], str] = {}  # (value, N, executors) -> buffer
+        self.layouts: dict[tuple[int, Layout, tuple[str, ...]], str] = {}  # (value, layout, executors) -> buffer
         self.bound_emits: dict[tuple[int, str], SendShards] = {}  # (value, holder) -> its sends
         for v, where in bound.items():
             if len(where) != program.values[v].shards:
@@ -270,7 +294,15 @@ class _Lowering:
                 self.route(index, node, devs, sl.scheduler)
             elif node.kind == "reshard":
                 (v,) = node.inputs
-                inputs = [self.prefix(self.materialize(v, devs, f"reshard node {index}"))]
+                (w,) = node.outputs
+                if self.program.values[w].shards != len(devs):
+                    raise InvalidArgument(f"reshard node {index} runs on {len(devs)} devices but its output {w} "
+                                          f"lives on {self.program.values[w].shards}")
+                if self.program.values[w].sharding is None:
+                    check_split(self.program.values[w].shape, len(devs), f"reshard node {index} reads value {v} "
+                                f"on {len(devs)} devices")
+                want = value_layout(self.program.values[w])
+                inputs = [self.prefix(self.materialize(v, devs, want, f"reshard node {index}"))]
                 self.computations(index, node, devs, sl.scheduler, kind="identity", inputs=inputs,
                                   outputs=[self.prefix(self.names[w]) for w in node.outputs])
                 self.made(index, node.outputs, devs)
@@ -316,7 +348,7 @@ class _Lowering:
                                       f"{values[v].shards} ways")
         inputs = []
         ragged = False
-        for v in node.inputs:
+        for k, v in enumerate(node.inputs):
             if values[v].ragged:
                 ragged = True
                 if self.loc.get(v) != devs:
@@ -324,10 +356,20 @@ class _Lowering:
                                           "route sends it to another slice (call each expert on its own slice)")
                 inputs.append(self.prefix(self.names[v]))
             else:
-                inputs.append(self.prefix(self.materialize(v, devs, f"node {index}")))
+                sharding = node.in_shardings[k] if node.in_shardings else None
+                if sharding is None:  # equal leading-axis blocks: a scalar cannot be cut so
+                    check_split(values[v].shape, n, f"node {index} reads value {v} on {n} devices")
+                want = Layout.of(values[v].shape, sharding, n)
+                if want.devices != n:
+                    raise InvalidArgument(f"node {index} reads input {k} over a mesh of {want.devices} devices; "
+                                          f"it runs on {n}")
+                inputs.append(self.prefix(self.materialize(v, devs, want, f"node {index}")))
         comps = self.computations(index, node, devs, scheduler, kind="call", inputs=inputs,
                                   outputs=[self.prefix(self.names[v]) for v in node.outputs], spmd=is_spmd,
                                   ragged=ragged)
+        donate = [k for k in node.donate if node.inputs[k] not in self.keep]
+        for comp in comps:
+            comp.donate = donate
         if len(comps) > 1:  # a node on several executors is one gang: each part waits for the others
             for comp in comps:
                 comp.peers = sorted(c.control for c in comps if c is not comp)
@@ -341,7 +383,11 @@ class _Lowering:
         """Rows of ``inputs[0]`` go to the expert ``inputs[1]`` names: output ``k`` lands on ``targets[k]``."""
         x, experts = node.inputs
         values = self.program.values
-        inputs = [self.prefix(self.materialize(v, devs, f"route node {index}")) for v in (x, experts)]
+        inputs = []
+        for v in (x, experts):
+            check_split(values[v].shape, len(devs), f"route node {index} reads value {v} on {len(devs)} devices")
+            want = Layout.blocks(values[v].shape, len(devs))
+            inputs.append(self.prefix(self.materialize(v, devs, want, f"route node {index}")))
         targets = []
         for k, (v, slice_id) in enumerate(zip(node.outputs, node.targets, strict=True)):
             sl = self.slices.get(slice_id)
@@ -402,45 +448,45 @@ class _Lowering:
 
     # ------------------------------------------------------------------ edges
 
-    def materialize(self, v: int, devs: list[ShardLocation], reader: str) -> str:
-        """Make shard ``j`` of value ``v`` present on ``devs[j]``'s executor, split ``len(devs)`` ways;
+    def materialize(self, v: int, devs: list[ShardLocation], want: Layout, reader: str) -> str:
+        """Make shard ``j`` of value ``v``, cut as ``want`` says, present on ``devs[j]``'s executor;
         returns the buffer name it is there under (``v``'s own, or a reshard of it)."""
         spec = self.program.values[v]
-        n = len(devs)
-        check_split(spec.shape, n, f"{reader} reads value {v} on {n} devices")
+        want.check(f"{reader} reads value {v} on {len(devs)} devices")
+        have = value_layout(spec)
         if v in self.host_inputs:
             name = self.names[v]
-            if n != spec.shards:
-                name = self.layouts.get(layout_key(v, devs)) or self.layout_name(v, devs)
+            if not have.same_blocks(want):
+                name = self.layouts.get(layout_key(v, want, devs)) or self.layout_name(v, want, devs)
             for j, dev in enumerate(devs):
                 if (name, j, dev.executor_id) not in self.placed:
                     self.placed.add((name, j, dev.executor_id))
-                    self.out.puts.append(HostPut(value=v, shard=j, location=dev,
-                                                 key=shard_key(self.owner, name, j), shards=n))
+                    self.out.puts.append(HostPut(value=v, shard=j, location=dev, key=shard_key(self.owner, name, j),
+                                                 layout=want))
                     self.hold(name, dev)
             return name
-        src = self.loc[v]
         name = self.names[v]
         missing = [j for j, dev in enumerate(devs) if (name, j, dev.executor_id) not in self.placed]
-        if n == len(src) and not missing:
+        same = have.same_blocks(want)
+        if same and not missing:
             return name
-        # Made by this run and split alike: copy the missing shards under its own name. Resharded,
+        # Made by this run and laid out alike: copy the missing shards under its own name. Resharded,
         # or an existing buffer read elsewhere: into a buffer of this run's own, freed with it.
-        if n != len(src) or v not in self.producer:
-            made = self.layouts.get(layout_key(v, devs))
+        if not same or v not in self.producer:
+            made = self.layouts.get(layout_key(v, want, devs))
             if made is not None:
                 return made
-            name = self.layout_name(v, devs)
-            missing = list(range(n))
+            name = self.layout_name(v, want, devs)
+            missing = list(range(len(devs)))
         for j in missing:
             self.placed.add((name, j, devs[j].executor_id))
             self.hold(name, devs[j])
-        self.emit_from(v, block_emit(spec, self.prefix(name), n, sites_of(devs, missing), src_shards=len(src)))
+        self.emit_from(v, block_emit(spec, self.prefix(name), want, sites_of(devs, missing)))
         return name
 
-    def layout_name(self, v: int, devs: list[ShardLocation]) -> str:
+    def layout_name(self, v: int, want: Layout, devs: list[ShardLocation]) -> str:
         name = self.fresh_name()
-        self.layouts[layout_key(v, devs)] = name
+        self.layouts[layout_key(v, want, devs)] = name
         self.out.derived.append(name)
         return name
 
@@ -471,7 +517,7 @@ def move_shard(spec: ValueSpec, prefix: str, shard: int, new: PhysicalDevice) ->
     """The emit that copies shard ``shard`` of a buffer, as it is, to device ``new`` (a drained host's)."""
     site = Site(executor_id=new.executor_id, data=new.data, host=new.host,
                 runs=[ShardRun(device=new.device, shard=shard)])
-    return block_emit(spec, prefix, spec.shards, [site], src_shards=spec.shards)
+    return block_emit(spec, prefix, value_layout(spec), [site])
 
 
 def shard_shape(shape: list[int], shards: int) -> list[int]:
@@ -479,16 +525,20 @@ def shard_shape(shape: list[int], shards: int) -> list[int]:
     return [shape[0] // shards, *shape[1:]] if shape else []
 
 
-def block_emit(spec: ValueSpec, prefix: str, shards: int, sites: list[Site], *, src_shards: int) -> Emit:
-    """Send the ``src_shards``-way value ``spec`` to ``sites`` of its ``shards``-way layout under ``prefix``."""
-    target = Target(prefix=prefix, shards=shards, sites=sites, shape=shard_shape(spec.shape, shards),
-                    dtype=spec.dtype)
-    return Emit(mode="block", rows=spec.shape[0] if spec.shape else 1, src_shards=src_shards, targets=[target])
+def block_emit(spec: ValueSpec, prefix: str, want: Layout, sites: list[Site]) -> Emit:
+    """Send the value ``spec`` (as it is laid out) to ``sites`` of its layout ``want``, under ``prefix``.
+    Leading-axis blocks on both sides travel in the compact form (no shape, no shardings)."""
+    have = value_layout(spec)
+    plain = have == Layout.blocks(have.shape, have.devices) and want == Layout.blocks(want.shape, want.devices)
+    target = Target(prefix=prefix, shards=want.devices, sites=sites, shape=list(want.shard_shape), dtype=spec.dtype,
+                    sharding=None if plain else wire_sharding(want))
+    return Emit(mode="block", rows=spec.shape[0] if spec.shape else 1, src_shards=have.devices, targets=[target],
+                shape=None if plain else list(spec.shape), src=None if plain else wire_sharding(have))
 
 
-def layout_key(v: int, devs: list[ShardLocation]) -> tuple[int, int, tuple[str, ...]]:
-    """Value ``v`` split ``len(devs)`` ways over these executors: one copy serves every device of each."""
-    return (v, len(devs), tuple(d.executor_id for d in devs))
+def layout_key(v: int, want: Layout, devs: list[ShardLocation]) -> tuple[int, Layout, tuple[str, ...]]:
+    """Value ``v`` laid out as ``want`` over these executors: one copy serves every device of each."""
+    return (v, want, tuple(d.executor_id for d in devs))
 
 
 def nbytes(shape: list[int], dtype: str) -> int:

@@ -29,7 +29,7 @@ from pwmesh.errors import (
 )
 from pwmesh.ir.cache import MAX_PROGRAM_ID_CHARS
 from pwmesh.ir.keys import function_id
-from pwmesh.ir.lower import ShardLocation, move_shard, slice_locations, split_host_array
+from pwmesh.ir.lower import ShardLocation, move_shard, slice_locations, value_layout
 from pwmesh.proxy.intake import bind, host_puts, record_run
 from pwmesh.proxy.session import Buffer, Run, Session
 from pwmesh.service.heartbeat import Liveness, every
@@ -130,7 +130,7 @@ class Proxy(Service):
         self.config = config
         self.sessions: dict[bytes, Session] = {}
         self.runs: dict[str, tuple[Session, Run]] = {}
-        self.exported: dict[str, bytes] = {}
+        self.exported: dict[str, RegisterProgramFunction] = {}  # by function id: what executors are sent
         self.registered: set[tuple[str, str, tuple[int, ...]]] = set()
         self.liveness = Liveness(config.session_timeout_seconds)
         self.lost: dict[str, DeviceLost] = {}  # executor id -> why it is gone
@@ -268,9 +268,10 @@ class Proxy(Service):
         session = self._session(peer)
         if msg.slice_id not in session.slices:
             raise NotFound(f"slice {msg.slice_id} is not one of this session's slices")
-        if msg.fn_id != function_id(msg.exported, msg.spmd):
-            raise InvalidArgument("a function's id must be the hash of its exported bytes (see client.functions)")
-        self.exported.setdefault(msg.fn_id, msg.exported)
+        if msg.fn_id != function_id(msg.exported, msg.spmd, msg.mesh, msg.axes, msg.donate):
+            raise InvalidArgument("a function's id must be the hash of its exported bytes and calling convention "
+                                  "(see pwmesh.ir.keys.function_id)")
+        self.exported.setdefault(msg.fn_id, msg)
         session.functions[msg.fn_id] = msg.spmd
         return Ok()
 
@@ -311,7 +312,7 @@ class Proxy(Service):
         program, lowered = session.lowerings.lower(
             msg.program_id, program, owner=session.session_id, names=binding.names,
             host_inputs=set(binding.host_data), bound=binding.bound, slices=session.slices, spmd=session.functions,
-            fresh_name=session.temp_name, packed=not msg.sequential)
+            fresh_name=session.temp_name, packed=not msg.sequential, keep=binding.keep)
         for node in program.nodes:
             broken = session.slices[node.slice_id].broken
             if broken:
@@ -333,8 +334,10 @@ class Proxy(Service):
             for control, devices in sites:
                 if (fn_id, control, devices) not in self.registered:
                     self.registered.add((fn_id, control, devices))
-                    self.peers.post(control, RegisterFunction(fn_id=fn_id, exported=self.exported[fn_id],
-                                                              spmd=session.functions[fn_id], devices=list(devices)))
+                    fn = self.exported[fn_id]
+                    self.peers.post(control, RegisterFunction(fn_id=fn_id, exported=fn.exported, spmd=fn.spmd,
+                                                              devices=list(devices), mesh=fn.mesh, axes=fn.axes,
+                                                              donate=fn.donate))
         for control, batch in host_puts(lowered, binding.host_data).items():
             self.peers.post(control, batch)
         for control, sends in lowered.moves.items():
@@ -542,6 +545,10 @@ class Proxy(Service):
         session.hosts |= run.executors
         for buf in (*run.pinned, *run.outputs):
             buf.pins -= 1
+        for buf in run.pinned:
+            buf.readers -= 1
+        for buf in run.read_inside:
+            buf.read_by_its_run = False
         self._maybe_free(session, *run.pinned, *run.outputs, *run.temporaries)
         self._forget_if_done(session)
 
@@ -577,14 +584,18 @@ class Proxy(Service):
         if msg.buffer in session.buffers:
             raise InvalidArgument(f"buffer {msg.buffer} already exists")
         n = len(sl.devices)
-        if n > 1 and (msg.array.ndim == 0 or msg.array.shape[0] % n):
+        spec = ValueSpec(shape=list(msg.array.shape), dtype=msg.array.dtype.name, shards=n, sharding=msg.sharding)
+        layout = value_layout(spec)
+        if msg.sharding is None and n > 1 and (msg.array.ndim == 0 or msg.array.shape[0] % n):
             raise InvalidArgument(f"an array of shape {msg.array.shape} cannot be split evenly over {n} devices")
-        spec = ValueSpec(shape=list(msg.array.shape), dtype=msg.array.dtype.name, shards=n)
+        layout.check(f"putting an array of shape {msg.array.shape} on slice {msg.slice_id}")
+        if layout.devices != n:
+            raise InvalidArgument(f"a layout over {layout.devices} devices for slice {msg.slice_id} of {n}")
         buf = Buffer.new(session.buffer_name(msg.buffer), spec, client_ref=True)
         buf.locations = slice_locations(sl)
         buf.slice_id = sl.slice_id
         puts: dict[str, PutShards] = {}
-        for i, (loc, part) in enumerate(zip(buf.locations, split_host_array(msg.array, n), strict=True)):
+        for i, (loc, part) in enumerate(zip(buf.locations, layout.split(msg.array), strict=True)):
             batch = puts.setdefault(loc.control, PutShards(keys=[], devices=[], arrays=[]))
             batch.keys.append(buf.keys(session.session_id)[i])
             batch.devices.append(loc.device)
@@ -612,6 +623,8 @@ class Proxy(Service):
     def _buffer(self, session: Session, cid: int) -> Buffer:
         buf = session.buffers.get(cid)
         if buf is None:
+            if cid in session.donated:
+                raise InvalidArgument(f"buffer {cid} was donated to {session.donated[cid]} and can no longer be used")
             raise NotFound(f"buffer {cid} does not exist (deleted, or never made)")
         return buf
 
@@ -637,6 +650,7 @@ class Proxy(Service):
         session = self._session(peer)
         buf = self._buffer(session, msg.buffer)
         buf.pins += 1  # a release while we fetch must not delete the shards under us
+        buf.readers += 1  # nor a run it is donated to consume them
         try:
             shards = None if buf.ready.done() else await self._fetch_early(session, buf)
             if shards is None:
@@ -646,6 +660,7 @@ class Proxy(Service):
                 shards = await self._fetch_shards(session, buf, self.config.fetch_timeout_seconds)
         finally:
             buf.pins -= 1
+            buf.readers -= 1
             self._maybe_free(session, buf)
         return BufferValue(shards=shards)
 
@@ -675,18 +690,20 @@ class Proxy(Service):
                 fetching.exception()  # retrieved: a failure here was reported another way
 
     async def _fetch_shards(self, session: Session, buf: Buffer, timeout_seconds: float) -> list[Any]:
+        """One shard of each distinct block (``Layout.distinct()`` order): replicas are not fetched twice."""
         keys = buf.keys(session.session_id)
+        wanted = value_layout(buf.spec).distinct()
         by_executor: dict[str, list[int]] = {}
-        for i, loc in enumerate(buf.locations):
-            by_executor.setdefault(loc.control, []).append(i)
-        shards: list[Any] = [None] * len(keys)
+        for k, i in enumerate(wanted):
+            by_executor.setdefault(buf.locations[i].control, []).append(k)
+        shards: list[Any] = [None] * len(wanted)
 
         async def fetch_from(control: str, indices: list[int]) -> None:
-            reply = await self.peers.request(control, FetchShards(keys=[keys[i] for i in indices]),
+            reply = await self.peers.request(control, FetchShards(keys=[keys[wanted[k]] for k in indices]),
                                              timeout_seconds=timeout_seconds)
             assert isinstance(reply, ShardValues)
-            for i, arr in zip(indices, reply.arrays, strict=True):
-                shards[i] = arr
+            for k, arr in zip(indices, reply.arrays, strict=True):
+                shards[k] = arr
 
         await asyncio.gather(*(fetch_from(c, idx) for c, idx in by_executor.items()))
         return shards

@@ -9,7 +9,7 @@ import dataclasses
 import numpy as np
 
 from pwmesh.errors import InvalidArgument, NotFound
-from pwmesh.ir.lower import Lowered, ShardLocation, split_host_array
+from pwmesh.ir.lower import Lowered, ShardLocation, value_layout
 from pwmesh.proxy.session import Buffer, Run, Session
 from pwmesh.wire.messages import ProgramSpec, PutShards, RunProgram, ValueSpec
 
@@ -24,6 +24,12 @@ class Binding:
     pinned: list[Buffer]  # those buffers (pinned while the run reads them)
     temporaries: list[Buffer]  # buffers freed with the run
     outputs: dict[int, int]  # output value -> the client's buffer id
+    donated: dict[int, tuple[int, Buffer]]  # donated input value -> (the client's id, its buffer)
+
+    @property
+    def keep(self) -> frozenset[int]:
+        """Donated values the executors must not consume: someone else may still read them."""
+        return frozenset(v for v, (_, buf) in self.donated.items() if not buf.consumable)
 
 
 def bind(session: Session, msg: RunProgram, program: ProgramSpec) -> Binding:
@@ -37,19 +43,31 @@ def bind(session: Session, msg: RunProgram, program: ProgramSpec) -> Binding:
     bound: dict[int, list[ShardLocation]] = {}
     pinned: list[Buffer] = []
     temporaries: list[Buffer] = []
+    donated_values = {node.inputs[k] for node in program.nodes for k in node.donate}
+    donated: dict[int, tuple[int, Buffer]] = {}
     for v, inp in zip(program.inputs, msg.inputs, strict=True):
         spec = program.values[v]
         if inp.buffer is not None:
             buf = session.buffers.get(inp.buffer)
             if buf is None:
+                if inp.buffer in session.donated:
+                    raise InvalidArgument(f"buffer {inp.buffer} was donated to {session.donated[inp.buffer]} and "
+                                          "can no longer be used")
                 raise NotFound(f"buffer {inp.buffer} does not exist (deleted, or never made)")
             if buf.spec.shape != spec.shape or buf.spec.dtype != spec.dtype:
                 raise InvalidArgument(f"input {v}: buffer is {buf.spec.dtype}{buf.spec.shape}, "
                                       f"program expects {spec.dtype}{spec.shape}")
+            if buf.spec.shards != spec.shards or not value_layout(buf.spec).same_blocks(value_layout(spec)):
+                raise InvalidArgument(f"input {v}: buffer {inp.buffer} is laid out as {value_layout(buf.spec)}, "
+                                      f"the program expects {value_layout(spec)}")
             if buf.lost is not None:
                 raise buf.lost
             names[v], bound[v] = buf.name, buf.locations
             pinned.append(buf)
+            if v in donated_values:
+                if any(other is buf for _, other in donated.values()):
+                    raise InvalidArgument(f"buffer {inp.buffer} is donated twice in one run")
+                donated[v] = (inp.buffer, buf)
         elif inp.array is not None:
             if list(inp.array.shape) != spec.shape or inp.array.dtype.name != spec.dtype:
                 raise InvalidArgument(f"input {v}: array is {inp.array.dtype}{list(inp.array.shape)}, "
@@ -70,7 +88,10 @@ def bind(session: Session, msg: RunProgram, program: ProgramSpec) -> Binding:
     for v, name in enumerate(names):
         if not name:
             names[v] = session.temp_name()
-    return Binding(names, host_data, bound, pinned, temporaries, outputs)
+    if any(sum(b is buf for b in pinned) > 1 for _, buf in donated.values()):
+        raise InvalidArgument("a donated buffer is passed to the same run again: it is consumed by the one call "
+                              "it is given to")
+    return Binding(names, host_data, bound, pinned, temporaries, outputs, donated)
 
 
 def record_run(session: Session, run_id: str, program: ProgramSpec, lowered: Lowered, binding: Binding) -> Run:
@@ -82,15 +103,23 @@ def record_run(session: Session, run_id: str, program: ProgramSpec, lowered: Low
               schedulers=set(lowered.schedules))
     for buf in pinned:
         buf.pins += 1
+        buf.readers += 1
         buf.holders |= lowered.holders.get(buf.name, set())
+    for client_id, buf in binding.donated.values():  # the run consumes it: the client's reference ends here
+        buf.client_ref = False
+        session.donate(client_id, run_id)
     for name in lowered.derived:  # reshards and landings: freed with the run
         temporaries.append(Buffer.new(name, ValueSpec(shape=[], dtype="float32", shards=0), client_ref=False))
     for buf in temporaries:
         buf.holders = lowered.holders.get(buf.name, set())
+    read = {v for node in program.nodes for v in node.inputs}
     for index, node in enumerate(program.nodes):
         made = []
         for v in node.outputs:
             buf = Buffer.new(names[v], program.values[v], client_ref=v in outputs)
+            if v in read and v in outputs:  # until this run ends, its own nodes may read it: not consumable
+                buf.read_by_its_run = True
+                run.read_inside.append(buf)
             buf.locations = lowered.produced[v]
             buf.slice_id = node.slice_id
             buf.holders = lowered.holders.get(buf.name, set())
@@ -109,11 +138,11 @@ def record_run(session: Session, run_id: str, program: ProgramSpec, lowered: Low
 def host_puts(lowered: Lowered, host_data: dict[int, np.ndarray]) -> dict[str, PutShards]:
     """The shards of the arrays sent with a run, one batch per executor."""
     puts: dict[str, PutShards] = {}
-    shards: dict[tuple[int, int], list[np.ndarray]] = {}
+    blocks: dict[tuple[int, object], list[np.ndarray]] = {}
     for put in lowered.puts:
-        split = shards.get((put.value, put.shards))
+        split = blocks.get((put.value, put.layout))
         if split is None:
-            split = shards[(put.value, put.shards)] = split_host_array(host_data[put.value], put.shards)
+            split = blocks[(put.value, put.layout)] = put.layout.split(host_data[put.value])
         batch = puts.setdefault(put.location.control, PutShards(keys=[], devices=[], arrays=[]))
         batch.keys.append(put.key)
         batch.devices.append(put.location.device)

@@ -8,6 +8,7 @@ dropped it and no in-flight run still reads it.
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
 import itertools
 import secrets
@@ -36,6 +37,10 @@ class Buffer:
     pins: int = 0
     lost: PwmeshError | None = None  # set when a host holding a shard is gone
     slice_id: int | None = None  # the slice whose devices hold its shards (moves with it)
+    # Who may still read it besides a run that is given it to consume (donation): runs in flight that
+    # read it, fetches under way, and its own run's other nodes until that run ends.
+    readers: int = 0
+    read_by_its_run: bool = False
 
     @classmethod
     def new(cls, name: str, spec: ValueSpec, client_ref: bool) -> Buffer:
@@ -58,6 +63,11 @@ class Buffer:
     def freeable(self) -> bool:
         return not self.client_ref and self.pins == 0
 
+    @property
+    def consumable(self) -> bool:
+        """Whether a run it is donated to may consume it (nobody else can read it any more)."""
+        return self.readers == 0 and not self.read_by_its_run
+
 
 @dataclasses.dataclass(eq=False)
 class Run:
@@ -71,6 +81,7 @@ class Run:
     executors: set[str]  # every executor taking part (to cancel the run if one is lost)
     schedulers: set[str] = dataclasses.field(default_factory=set)  # islands' schedulers it went through
     outputs: list[Buffer] = dataclasses.field(default_factory=list)  # pinned until it finishes
+    read_inside: list[Buffer] = dataclasses.field(default_factory=list)  # its outputs its own nodes read too
     # Sequential dispatch: nodes not sent yet, and the nodes each still waits for.
     held: dict[int, list[tuple[str, Computation]]] = dataclasses.field(default_factory=dict)
     waits_for: dict[int, set[int]] = dataclasses.field(default_factory=dict)
@@ -86,6 +97,9 @@ class Session:
     slices: dict[int, SliceInfo] = dataclasses.field(default_factory=dict)
     functions: dict[str, bool] = dataclasses.field(default_factory=dict)  # fn_id -> spmd
     buffers: dict[int, Buffer] = dataclasses.field(default_factory=dict)  # client id -> buffer
+    # Buffers handed to a run to consume (donated), by client id -> what to: the recent ones, for the error
+    # a later use of the id gets (the client library stops that use itself).
+    donated: collections.OrderedDict[int, str] = dataclasses.field(default_factory=collections.OrderedDict)
     runs: dict[str, Run] = dataclasses.field(default_factory=dict)
     ended: bool = False
     hosts: set[str] = dataclasses.field(default_factory=set)  # executors that may hold its keys
@@ -104,6 +118,13 @@ class Session:
     def buffer_name(self, client_id: int) -> str:
         """Object-store names never repeat, even if a client reuses an id it released."""
         return f"b{client_id}.{next(self._temp_ids)}"
+
+    def donate(self, client_id: int, what: str) -> None:
+        """The client handed buffer ``client_id`` to a run to consume: it is no longer the client's."""
+        self.buffers.pop(client_id, None)
+        self.donated[client_id] = what
+        while len(self.donated) > 10_000:
+            self.donated.popitem(last=False)
 
     def fail_buffer(self, client_id: int, spec: ValueSpec, error: PwmeshError) -> None:
         """A request the client did not wait for failed: the buffer it expects carries the cause."""
