@@ -1,9 +1,10 @@
 """pwmesh: a single-controller, asynchronous, sharded dataflow runtime for JAX.
 
     import pwmesh as pw
+    from jax.sharding import PartitionSpec as P
     pw.connect()                                  # $PWMESH_ADDRESS, else an embedded local cluster
-    s = pw.make_virtual_device_set().add_slice(devices=2)
-    double = pw.pmap(lambda x: x * 2.0, devices=s.devices)
+    s = pw.make_virtual_device_set().add_slice(devices=4, mesh={"data": 2, "model": 2})
+    step = pw.jit(train_step, devices=s, in_specs=(param_specs, P("data")), donate_argnums=0)
 """
 
 from pwmesh.client.api import (
@@ -18,9 +19,9 @@ from pwmesh.client.api import (
 from pwmesh.client.array import Array
 from pwmesh.client.devices import Slice, VirtualDevice, VirtualDeviceSet
 from pwmesh.client.functions import JitFunction, MappedFunction, jit, pmap
-from pwmesh.client.program import Program, program
+from pwmesh.client.program import HostFunction, Program, host, program
 from pwmesh.client.routing import Router, reshard
-from pwmesh.client.tracing import HostFunction, host
+from pwmesh.client.sharding import SliceSharding
 from pwmesh.errors import (
     ConnectionFailed,
     DeviceLost,
@@ -41,6 +42,7 @@ __all__ = [
     "Client",
     "ConnectionFailed",
     "DeviceLost",
+    "HostFunction",
     "InvalidArgument",
     "JitFunction",
     "LocalCluster",
@@ -55,6 +57,7 @@ __all__ = [
     "ResourceExhausted",
     "Router",
     "Slice",
+    "SliceSharding",
     "VirtualDevice",
     "VirtualDeviceSet",
     "connect",
@@ -63,7 +66,6 @@ __all__ = [
     "get",
     "host",
     "jit",
-    "HostFunction",
     "make_virtual_device_set",
     "pmap",
     "program",

@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import PartitionSpec as P
 
 import pwmesh as pw
 from pwmesh.cli.commands import fetch_trace
@@ -73,8 +74,9 @@ def wide(wide_cluster: pw.LocalCluster) -> Iterator[Wide]:
             assert len(sl.devices) == n and {d.executor for d in sl.devices} == {f"island{island}-host0"}
         yield Wide(
             c, slices,
-            produce={key: pw.jit(produce, devices=sl) for key, sl in slices.items()},
-            consume={key: pw.jit(consume, devices=sl) for key, sl in slices.items()},
+            # Rows split over the slice (P("x")): every pair of sizes is a real M -> N reshard.
+            produce={key: pw.jit(produce, devices=sl, in_specs=P("x"), out_specs=P("x")) for key, sl in slices.items()},
+            consume={key: pw.jit(consume, devices=sl, in_specs=P("x"), out_specs=P("x")) for key, sl in slices.items()},
         )
 
 
@@ -126,11 +128,11 @@ def test_value_resharded_between_slices_of_one_executor(wide: Wide, m: int, n: i
 @pytest.mark.parametrize(("m", "n"), PAIRS)
 def test_eager_reshard(wide: Wide, m: int, n: int) -> None:
     x = rows()
-    put = wide.client.put(x, wide.slices[(1, m)])
+    put = wide.client.put(x, wide.slices[(1, m)], spec=P("x"))
     made = wide.produce[(1, m)](x)
-    moved = [pw.reshard(a, devices=wide.slices[(0, n)]) for a in (put, made)]  # to the other island
+    moved = [pw.reshard(a, devices=wide.slices[(0, n)]) for a in (put, made)]  # to the other island, keeping P("x")
     same_executor = pw.reshard(put, devices=wide.slices[(1, n)])  # m == n: onto the slice it is on
-    from_host = pw.reshard(x, devices=wide.slices[(1, n)])
+    from_host = pw.reshard(x, devices=wide.slices[(1, n)], spec=P("x"))
     outs = [*moved, same_executor, from_host]
     assert all(isinstance(a, pw.Array) and a.shards == n and a.shape == x.shape for a in outs)
     got = wide.fetch(put, made, *outs)
@@ -154,7 +156,7 @@ def test_reshard_there_and_back(wide: Wide, m: int, n: int) -> None:
     there, back = round_trip(x)
     assert (there.shards, back.shards) == (n, m)
     # The same eagerly: M -> N -> M on pw.Arrays.
-    eager_there = pw.reshard(wide.client.put(x, home), devices=away)
+    eager_there = pw.reshard(wide.client.put(x, home, spec=P("x")), devices=away)
     eager_back = pw.reshard(eager_there, devices=home)
     got = wide.fetch(there, back, eager_there, eager_back)
     np.testing.assert_array_equal(got[0], produce(x))
@@ -175,10 +177,11 @@ def _work_done(client: pw.Client) -> dict[str, tuple[int, int]]:
 def test_split_that_cannot_be_is_refused_at_call_time(wide: Wide) -> None:
     four = wide.slices[(0, 4)]
     six = rows(6)
-    refuse_four = pytest.raises(pw.InvalidArgument, match=r"shape \(6, 3\) cannot be split into 4 equal")
+    refuse_four = pytest.raises(pw.InvalidArgument, match=r"shape \(6, 3\) \(6\) cannot be split over mesh axes "
+                                r"\('x',\) \(4 devices\)")
     with refuse_four:
-        pw.reshard(six, devices=four)
-    held = wide.client.put(six, wide.slices[(1, 2)])
+        pw.reshard(six, devices=four, spec=P("x"))
+    held = wide.client.put(six, wide.slices[(1, 2)], spec=P("x"))
     np.testing.assert_array_equal(wide.fetch(held)[0], six)
     before = _work_done(wide.client)
     with refuse_four:
@@ -191,14 +194,14 @@ def test_split_that_cannot_be_is_refused_at_call_time(wide: Wide) -> None:
     with refuse_four:
         inside(six)
 
-    with pytest.raises(pw.InvalidArgument, match=r"shape \(12, 3\) cannot be split into 8 equal"):
+    with pytest.raises(pw.InvalidArgument, match=r"shape \(12, 3\) \(12\) cannot be split over mesh axes"):
         wide.consume[(1, 8)](rows(12))
 
     @pw.program
     def three_then_eight(v):
         return wide.consume[(1, 8)](wide.produce[(0, 3)](v))
 
-    with pytest.raises(pw.InvalidArgument, match=r"shape \(6, 3\) cannot be split into 8 equal"):
+    with pytest.raises(pw.InvalidArgument, match=r"shape \(6, 3\) \(6\) cannot be split over mesh axes"):
         three_then_eight(six)
 
     assert _work_done(wide.client) == before, "a refused call sends nothing to the executors"
@@ -213,7 +216,7 @@ def test_split_that_cannot_be_is_refused_at_call_time(wide: Wide) -> None:
 @pytest.mark.timeout(90)
 def test_put_that_cannot_be_split_is_refused_at_call_time(wide: Wide) -> None:
     with pytest.raises(pw.InvalidArgument, match=r"\(6, 3\)"):
-        wide.client.put(rows(6), wide.slices[(0, 4)])
+        wide.client.put(rows(6), wide.slices[(0, 4)], spec=P("x"))
 
 
 # ------------------------------------------------------------------ mixture of experts
@@ -226,7 +229,7 @@ def _spans(address: str, session_id: str) -> list[TraceEvent]:
 
 def _fn_id(expert: pw.JitFunction, x: np.ndarray) -> str:
     # An expert is compiled for all the rows (the router pads what it gets to that capacity).
-    return expert.export_for([jax.ShapeDtypeStruct(x.shape, x.dtype)]).fn_id
+    return expert.bind((x,), {}).exported.fn_id
 
 
 @pytest.mark.timeout(110)

@@ -12,6 +12,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from jax.sharding import PartitionSpec as P
 
 import pwmesh as pw
 from helpers import eventually, slow
@@ -97,7 +98,7 @@ def test_a_program_is_registered_once_and_lowered_once(client: pw.Client) -> Non
     def twice(v):
         return inc(inc(v))
 
-    x = client.put(np.zeros(2, np.float32), sl)
+    x = client.put(np.zeros(2, np.float32), sl, spec=P("x"))  # laid out as inc's outputs: one signature
     for i in range(3):
         x = twice(x)
         np.testing.assert_array_equal(np.asarray(x), np.full(2, 2.0 * (i + 1), np.float32))
@@ -117,13 +118,13 @@ def test_a_run_of_an_unknown_program_fails_its_outputs(client: pw.Client) -> Non
         buffer_id = client.new_buffer_id()
         client.conn.post(RunProgram(program_id=program_id, inputs=[], outputs=[buffer_id]))
         with pytest.raises(pw.NotFound, match="never registered"):
-            np.asarray(pw.Array(client, buffer_id, (1,), np.dtype(np.float32), 1))
+            np.asarray(pw.Array(client.session, buffer_id, (1,), np.dtype(np.float32), pw.SliceSharding(sl, P())))
     # A registered program that is not valid fails when it runs, with what is wrong with it.
     bad = ProgramSpec(values=[ValueSpec(shape=[1], dtype="float32", shards=1)], nodes=[], inputs=[], outputs=[0])
     client.conn.post(RegisterProgram(program_id="bad", program=bad))
     buffer_id = client.new_buffer_id()
     client.conn.post(RunProgram(program_id="bad", inputs=[], outputs=[buffer_id]))
     with pytest.raises(pw.InvalidArgument, match="never defined"):
-        np.asarray(pw.Array(client, buffer_id, (1,), np.dtype(np.float32), 1))
+        np.asarray(pw.Array(client.session, buffer_id, (1,), np.dtype(np.float32), pw.SliceSharding(sl, P())))
     inc = pw.pmap(lambda v: v + 1.0, devices=sl)
     np.testing.assert_array_equal(np.asarray(inc(np.zeros(1, np.float32))), np.ones(1, np.float32))

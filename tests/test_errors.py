@@ -11,6 +11,7 @@ import msgpack
 import numpy as np
 import pytest
 import zmq
+from jax.sharding import PartitionSpec as P
 
 import pwmesh as pw
 from pwmesh.wire import PROTOCOL_VERSION, decode, encode
@@ -148,11 +149,11 @@ def test_data_planes_survive_garbage(cluster: pw.LocalCluster, client: pw.Client
 
 def test_a_failed_put_keeps_its_cause(client: pw.Client) -> None:
     sl = client.make_virtual_device_set().add_slice(devices=2)
-    with pytest.raises(pw.InvalidArgument, match="cannot be split into 2 equal shards"):
-        client.put(np.arange(3.0), sl)  # the client refuses what it can check at once
+    with pytest.raises(pw.InvalidArgument, match=r"\(3\) cannot be split over mesh axes \('x',\) \(2 devices\)"):
+        client.put(np.arange(3.0), sl, spec=P("x"))  # the client refuses what it can check at once
     # A put the proxy refuses (sent around the client's check) fails its buffer with the cause.
     buffer_id = client.new_buffer_id()
     client.conn.post(PutBuffer(buffer=buffer_id, slice_id=sl.slice_id, array=np.arange(3.0, dtype=np.float32)))
-    bad = pw.Array(client, buffer_id, (3,), np.dtype(np.float32), 2)
+    bad = pw.Array(client.session, buffer_id, (3,), np.dtype(np.float32), pw.SliceSharding(sl, P("x")))
     with pytest.raises(pw.InvalidArgument, match="cannot be split evenly over 2 devices"):
         np.asarray(bad)

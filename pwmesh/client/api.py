@@ -1,16 +1,15 @@
-"""``Client``: one connection to a cluster; and the module-level API built on a default client.
+"""The public facade: ``Client`` (a session, and an embedded cluster when no address is given),
+and the module-level API built on a default client (``pw.connect``, ``pw.get``, ``pw.put``, ...).
 
-State lives in ``Client`` instances (tests may hold several); the module
-functions (``pw.connect``, ``pw.get``, ...) use the process's default client.
+State lives in ``Client`` instances (tests may hold several); the module functions
+use the process's default client.
 """
 
 from __future__ import annotations
 
 import atexit
-import itertools
 import os
 import threading
-import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -18,23 +17,14 @@ import jax
 import numpy as np
 
 from pwmesh.client.array import Array
-from pwmesh.client.connection import ClientConnection
 from pwmesh.client.devices import Slice, VirtualDevice, VirtualDeviceSet, slice_of
-from pwmesh.client.functions import ExportedFunction, canonical
-from pwmesh.dataflow.layout import check_split
+from pwmesh.client.dispatch import fetch_all
+from pwmesh.client.export import canonical
+from pwmesh.client.session import Session
+from pwmesh.client.sharding import P, SliceSharding, resolve
 from pwmesh.errors import InvalidArgument
 from pwmesh.service.local_cluster import LocalCluster, LocalClusterSpec
-from pwmesh.wire.messages import (
-    BufferValue,
-    Fetch,
-    GetStatus,
-    ProgramSpec,
-    PutBuffer,
-    RegisterProgram,
-    RegisterProgramFunction,
-    ReleaseBuffers,
-    StatusReply,
-)
+from pwmesh.wire.messages import StatusReply
 
 
 class Client:
@@ -49,90 +39,51 @@ class Client:
             address = self.cluster.start()
         self.address = address
         try:
-            self.conn = ClientConnection(address, name=name or f"pid{os.getpid()}", weight=weight,
-                                         priority=priority, connect_timeout_seconds=connect_timeout_seconds)
+            self.session = Session(address, name=name, weight=weight, priority=priority,
+                                   connect_timeout_seconds=connect_timeout_seconds)
         except BaseException:
             if self.cluster is not None:
                 self.cluster.stop()
             raise
-        self._ids = itertools.count(1)
-        self._lock = threading.Lock()
-        self._functions: set[str] = set()
-        self._programs: set[str] = set()
         self.device_sets: list[VirtualDeviceSet] = []
         atexit.register(self.close)
 
     @property
     def session_id(self) -> str:
-        return self.conn.session_id
+        return self.session.session_id
+
+    @property
+    def conn(self) -> Any:
+        """The connection to the proxy (for tools and tests that speak the wire directly)."""
+        return self.session.conn
 
     def new_buffer_id(self) -> int:
-        return next(self._ids)
-
-    def canonical(self, value: Any) -> np.ndarray:
-        return canonical(value)
+        return self.session.new_buffer_id()
 
     def make_virtual_device_set(self) -> VirtualDeviceSet:
-        devs = VirtualDeviceSet(self)
+        devs = VirtualDeviceSet(self.session)
         self.device_sets.append(devs)
         return devs
 
-    def ensure_function(self, exported: ExportedFunction, slice_id: int) -> None:
-        """Ship a compiled function to the proxy once per session."""
-        with self._lock:
-            if exported.fn_id in self._functions:
-                return
-            self._functions.add(exported.fn_id)
-        self.conn.post(RegisterProgramFunction(fn_id=exported.fn_id, exported=exported.serialized,
-                                               slice_id=slice_id, spmd=exported.spmd))
-
-    def ensure_program(self, program_id: str, spec: ProgramSpec) -> None:
-        """Ship a traced program to the proxy once per session; its runs then send only its id."""
-        with self._lock:
-            if program_id in self._programs:
-                return
-            self._programs.add(program_id)
-        self.conn.post(RegisterProgram(program_id=program_id, program=spec))
-
-    def release(self, buffer_id: int) -> None:
-        if not self.conn.closed:
-            self.conn.post(ReleaseBuffers(buffers=[buffer_id]))
-
     def fetch(self, arrays: Sequence[Array], timeout_seconds: float | None = None) -> list[np.ndarray]:
         """Values of ``arrays``, fetched in parallel; ``PwTimeoutError`` if one takes longer than the timeout."""
-        futures = [self.conn.submit(Fetch(buffer=a.buffer_id)) for a in arrays]
-        deadline = None if timeout_seconds is None else time.monotonic() + timeout_seconds
-        values = []
-        for arr, fut in zip(arrays, futures, strict=True):
-            assert fut is not None
-            remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
-            reply = self.conn.wait(fut, "fetch", remaining)
-            assert isinstance(reply, BufferValue)
-            if len(reply.shards) == 1 or arr.ndim == 0:
-                value = np.array(reply.shards[0], copy=True)
-            else:
-                value = np.concatenate(reply.shards, axis=0)
-            values.append(value.reshape(arr.shape))
-        return values
+        for arr in arrays:
+            arr._check_alive()
+        blocks = self.session.fetch([a.buffer_id for a in arrays], timeout_seconds)
+        return [a.assemble(b) for a, b in zip(arrays, blocks, strict=True)]
 
-    def put(self, value: Any, devices: Slice | Sequence[VirtualDevice]) -> Array:
-        sl = slice_of(devices)
-        if sl.client is not self:
+    def put(self, value: Any, devices: Slice | Sequence[VirtualDevice], spec: Any = None) -> Any:
+        """``pw.put`` on this client's slice."""
+        if slice_of(devices).session is not self.session:
             raise InvalidArgument("that slice belongs to another client")
-        arr = canonical(value)
-        check_split(arr.shape, len(sl.devices), f"put onto {len(sl.devices)} devices")
-        buffer_id = self.new_buffer_id()
-        self.conn.post(PutBuffer(buffer=buffer_id, slice_id=sl.slice_id, array=arr))
-        return Array(self, buffer_id, arr.shape, arr.dtype, len(sl.devices))
+        return put(value, devices, spec)
 
     def status(self) -> StatusReply:
-        reply = self.conn.request(GetStatus(), timeout_seconds=60.0)
-        assert isinstance(reply, StatusReply)
-        return reply
+        return self.session.status()
 
     def close(self) -> None:
         atexit.unregister(self.close)
-        self.conn.close()
+        self.session.close()
         if self.cluster is not None:
             self.cluster.stop()
             self.cluster = None
@@ -186,19 +137,28 @@ def make_virtual_device_set() -> VirtualDeviceSet:
 
 
 def get(tree: Any) -> Any:
-    """Fetch every ``pw.Array`` in a pytree (in parallel); other leaves pass through."""
+    """The pytree with every ``pw.Array`` fetched (in parallel) into a numpy array; other leaves as they are."""
     leaves, treedef = jax.tree_util.tree_flatten(tree, is_leaf=lambda x: isinstance(x, Array))
-    arrays = [leaf for leaf in leaves if isinstance(leaf, Array) and leaf._value is None]
-    by_client: dict[int, list[Array]] = {}
-    for arr in arrays:
-        by_client.setdefault(id(arr._client), []).append(arr)
-    for group in by_client.values():
-        for arr, value in zip(group, group[0]._client.fetch(group), strict=True):
-            arr._value = value
-    return jax.tree_util.tree_unflatten(
-        treedef, [leaf.value() if isinstance(leaf, Array) else leaf for leaf in leaves])
+    fetch_all(leaves)
+    return jax.tree_util.tree_unflatten(treedef, [leaf.value() if isinstance(leaf, Array) else leaf
+                                                  for leaf in leaves])
 
 
-def put(value: Any, devices: Slice | Sequence[VirtualDevice]) -> Array:
-    """Scatter a host array over a slice's devices (split along its leading axis)."""
-    return slice_of(devices).client.put(value, devices)
+def put(value: Any, devices: Slice | Sequence[VirtualDevice], spec: Any = None) -> Any:
+    """``value`` (a pytree of host arrays) on ``devices``, each leaf laid out as ``spec`` says (a
+    ``PartitionSpec`` or a pytree prefix of them; ``None``: replicated, as ``pw.jit`` takes host values)."""
+    sl = slice_of(devices)
+    session = sl.session
+    leaves, treedef = jax.tree_util.tree_flatten(value)
+    specs = resolve(spec, value, "pw.put: spec")
+    arrays = []
+    for i, (leaf, leaf_spec) in enumerate(zip(leaves, specs, strict=True)):
+        if isinstance(leaf, Array):
+            raise InvalidArgument(f"pw.put: leaf {i} is a pw.Array already; pw.reshard moves one")
+        arr = canonical(leaf)
+        sharding = SliceSharding(sl, leaf_spec if leaf_spec is not None else P())
+        sharding.check(arr.shape, f"pw.put: leaf {i}")
+        buffer_id = session.new_buffer_id()
+        session.put(buffer_id, sl.slice_id, arr, sharding.wire)
+        arrays.append(Array(session, buffer_id, arr.shape, arr.dtype, sharding))
+    return jax.tree_util.tree_unflatten(treedef, arrays)

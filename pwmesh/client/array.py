@@ -1,37 +1,44 @@
 """``pw.Array``: a future for a logical, sharded buffer living in the executors' stores.
 
-Shape and dtype are known the moment the array exists (they are static); the
-value is fetched only when asked (``np.asarray``, ``pw.get``) and then cached.
-Dropping the last Python reference releases the buffer on the cluster.
+Shape, dtype and sharding are known the moment the array exists (they are static);
+the value is fetched only when asked (``np.asarray``, ``pw.get``) and then cached.
+Dropping the last Python reference releases the buffer on the cluster; donating it
+to a function (``donate_argnums``) hands it over: it can no longer be used.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+import math
+from typing import Any
 
 import numpy as np
 
-from pwmesh.wire.messages import AwaitBuffers, BuffersState, QueryBuffers
-
-if TYPE_CHECKING:
-    from pwmesh.client.api import Client
+from pwmesh.client.session import Session
+from pwmesh.client.sharding import SliceSharding
+from pwmesh.errors import InvalidArgument
 
 
 class Array:
-    __slots__ = ("__weakref__", "_client", "_id", "_value", "_deleted", "shape", "dtype", "shards")
+    __slots__ = ("__weakref__", "_session", "_id", "_value", "_deleted", "_donated", "shape", "dtype", "sharding")
 
-    def __init__(self, client: Client, buffer_id: int, shape: tuple[int, ...], dtype: np.dtype, shards: int) -> None:
-        self._client = client
+    def __init__(self, session: Session, buffer_id: int, shape: tuple[int, ...], dtype: np.dtype,
+                 sharding: SliceSharding) -> None:
+        self._session = session
         self._id = buffer_id
         self._value: np.ndarray | None = None
         self._deleted = False
+        self._donated = ""  # what it was donated to
         self.shape = tuple(shape)
         self.dtype = np.dtype(dtype)
-        self.shards = shards
+        self.sharding = sharding
 
     @property
     def buffer_id(self) -> int:
         return self._id
+
+    @property
+    def session(self) -> Session:
+        return self._session
 
     @property
     def ndim(self) -> int:
@@ -39,21 +46,35 @@ class Array:
 
     @property
     def size(self) -> int:
-        return int(np.prod(self.shape, dtype=np.int64))
+        return math.prod(self.shape)
 
     @property
     def nbytes(self) -> int:
         return self.size * self.dtype.itemsize
 
+    @property
+    def shards(self) -> int:
+        """How many devices hold a shard of it (replicas included)."""
+        return len(self.sharding.slice.devices)
+
     def _check_alive(self) -> None:
+        if self._donated:
+            raise InvalidArgument(f"pw.Array {self._id} {self.dtype}{list(self.shape)} was donated to "
+                                  f"{self._donated} and can no longer be used")
         if self._deleted:
             raise ValueError(f"pw.Array {self._id} was deleted")
+
+    def donated_to(self, what: str) -> None:
+        """It was handed to ``what`` (``donate_argnums``): the cluster frees it; using it again is an error."""
+        self._donated = what
+        self._deleted = True
+        self._value = None
 
     def block_until_ready(self) -> Array:
         """Wait until the value is computed; raises the remote error if computing it failed."""
         if self._value is None:
             self._check_alive()
-            self._client.conn.request(AwaitBuffers(buffers=[self._id]))
+            self._session.await_buffers([self._id])
         return self
 
     def is_ready(self) -> bool:
@@ -61,15 +82,18 @@ class Array:
         if self._value is not None:
             return True
         self._check_alive()
-        reply = self._client.conn.request(QueryBuffers(buffers=[self._id]))
-        assert isinstance(reply, BuffersState)
-        return reply.ready[0]
+        return self._session.ready([self._id])[0]
 
     def value(self) -> np.ndarray:
         if self._value is None:
             self._check_alive()
-            self._value = self._client.fetch([self])[0]
+            (blocks,) = self._session.fetch([self._id])
+            self._value = self.assemble(blocks)
         return self._value
+
+    def assemble(self, blocks: list[np.ndarray]) -> np.ndarray:
+        """The global value from its distinct blocks as the proxy sends them."""
+        return self.sharding.layout(self.shape).assemble(blocks, self.dtype)
 
     def __array__(self, dtype: Any = None, copy: bool | None = None) -> np.ndarray:
         value = self.value()
@@ -81,7 +105,7 @@ class Array:
         """Free the buffer on the cluster now (also happens when the array is garbage-collected)."""
         if not self._deleted:
             self._deleted = True
-            self._client.release(self._id)
+            self._session.release(self._id)
 
     def __del__(self) -> None:
         try:
@@ -95,5 +119,20 @@ class Array:
         return self.shape[0]
 
     def __repr__(self) -> str:
-        state = "deleted" if self._deleted else ("fetched" if self._value is not None else "future")
-        return f"pw.Array(shape={self.shape}, dtype={self.dtype}, shards={self.shards}, {state})"
+        if self._donated:
+            state = "donated"
+        elif self._deleted:
+            state = "deleted"
+        elif self._value is not None:
+            state = "fetched"
+        else:
+            state = "ready" if self._ready_now() else "not ready"
+        return (f"pw.Array(shape={self.shape}, dtype={self.dtype}, slice={self.sharding.slice.slice_id}, "
+                f"spec={self.sharding.spec}, {state})")
+
+    def _ready_now(self) -> bool:
+        """For ``repr``: asks the proxy; a repr must not raise, so an unreachable one says not ready."""
+        try:
+            return self._session.ready([self._id])[0]
+        except Exception:
+            return False

@@ -1,16 +1,23 @@
-"""Virtual devices: what a client names; the resource manager maps them to physical ones."""
+"""Virtual devices: what a client names; the resource manager maps them to physical ones.
+
+A slice is a set of virtual devices inside one island, seen as a logical mesh: named
+axes whose sizes multiply to the number of devices, devices in row-major order (as
+``jax.sharding.Mesh(np.array(devices).reshape(sizes), names)``). Without ``mesh=`` a
+slice is one axis ``"x"`` over all its devices.
+"""
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
-from typing import TYPE_CHECKING
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
 
+from pwmesh.client.session import Session
 from pwmesh.errors import InvalidArgument
-from pwmesh.wire.messages import CreateSlice, SliceCreated, SliceInfo
+from pwmesh.wire.messages import SliceInfo
 
-if TYPE_CHECKING:
-    from pwmesh.client.api import Client
+DEFAULT_AXIS = "x"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,18 +36,53 @@ class VirtualDevice:
         return f"VirtualDevice(slice={self.slice_id}, index={self.index} -> {self.executor}:{self.device})"
 
 
-class Slice:
-    """A set of virtual devices inside one island, with a logical mesh."""
+def mesh_axes(mesh: Any, devices: int) -> dict[str, int]:
+    """``mesh=`` as axis names to sizes, checked against the number of devices."""
+    if mesh is None:
+        return {DEFAULT_AXIS: devices}
+    if isinstance(mesh, Mapping):
+        pairs = list(mesh.items())
+    elif isinstance(mesh, Sequence) and all(isinstance(p, Sequence) and len(p) == 2 for p in mesh):
+        pairs = [tuple(p) for p in mesh]
+    else:
+        raise InvalidArgument(f"mesh= takes axis names and sizes, e.g. {{'data': 2, 'model': 2}}; got {mesh!r}")
+    for name, size in pairs:
+        if not isinstance(name, str) or not name:
+            raise InvalidArgument(f"mesh axis names are non-empty strings, got {name!r}")
+        if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+            raise InvalidArgument(f"mesh axis {name!r} has size {size!r}; sizes are positive integers")
+    axes = dict(pairs)
+    if len(axes) != len(pairs):
+        raise InvalidArgument(f"mesh {mesh!r} names an axis twice")
+    if math.prod(axes.values()) != devices:
+        raise InvalidArgument(f"mesh {axes} has {math.prod(axes.values())} devices, the slice asks for {devices}")
+    return axes
 
-    def __init__(self, client: Client, info: SliceInfo, mesh: dict[str, int]) -> None:
-        self.client = client
+
+class Slice:
+    """A set of virtual devices inside one island, with a logical mesh (``slice.mesh``: names to sizes)."""
+
+    def __init__(self, session: Session, info: SliceInfo, mesh: dict[str, int]) -> None:
+        self.session = session
         self.slice_id = info.slice_id
         self.island = info.island
-        self.mesh = mesh
+        self.mesh = dict(mesh)
         self.devices = tuple(
             VirtualDevice(info.slice_id, i, d.island, d.host, d.executor_id, d.device, self)
             for i, d in enumerate(info.devices)
         )
+
+    @property
+    def axis_names(self) -> tuple[str, ...]:
+        return tuple(self.mesh)
+
+    @property
+    def mesh_shape(self) -> tuple[int, ...]:
+        return tuple(self.mesh.values())
+
+    @property
+    def executors(self) -> set[str]:
+        return {d.executor for d in self.devices}
 
     def __len__(self) -> int:
         return len(self.devices)
@@ -50,21 +92,17 @@ class Slice:
 
 
 class VirtualDeviceSet:
-    def __init__(self, client: Client) -> None:
-        self.client = client
+    def __init__(self, session: Session) -> None:
+        self.session = session
         self.slices: list[Slice] = []
 
-    def add_slice(self, devices: int, *, island: int | None = None, mesh: dict[str, int] | None = None) -> Slice:
-        """Ask for ``devices`` devices in one island; raises ``ResourceExhausted`` if none can hold them."""
-        mesh = dict(mesh) if mesh else {"x": devices}
-        size = 1
-        for n in mesh.values():
-            size *= n
-        if size != devices:
-            raise InvalidArgument(f"mesh {mesh} has {size} devices, the slice asks for {devices}")
-        reply = self.client.conn.request(CreateSlice(devices=devices, island=island))
-        assert isinstance(reply, SliceCreated)
-        sl = Slice(self.client, reply.slice, mesh)
+    def add_slice(self, devices: int, *, island: int | None = None, mesh: Any = None) -> Slice:
+        """Ask for ``devices`` devices in one island, seen as ``mesh`` (axis names to sizes, row-major;
+        default one axis ``"x"``). Raises ``ResourceExhausted`` if no island can hold them."""
+        if not isinstance(devices, int) or isinstance(devices, bool) or devices < 1:
+            raise InvalidArgument(f"a slice has a positive number of devices, got {devices!r}")
+        axes = mesh_axes(mesh, devices)
+        sl = Slice(self.session, self.session.create_slice(devices, island), axes)
         self.slices.append(sl)
         return sl
 

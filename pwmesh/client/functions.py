@@ -1,149 +1,237 @@
-"""``pw.pmap``: a JAX function mapped over a slice, shipped as a ``jax.export`` artifact.
+"""``pw.jit`` and ``pw.pmap``: JAX functions compiled for a slice, called like JAX's.
 
-Values are sharded in blocks along their leading axis, one block per device, so
-a pmap shard is a block of one element. Without ``axis_name`` each device runs
-the function on its block independently (any slice). With ``axis_name`` the
-function is exported once as an SPMD ``shard_map`` over an abstract mesh of the
-slice's size, so collectives like ``jax.lax.psum(x, axis_name)`` work; that
-needs the slice's devices on one executor until cross-host collectives land.
+``pw.jit(fn, devices=slice, in_specs=..., out_specs=..., static_argnums=...,
+static_argnames=..., donate_argnums=..., donate_argnames=...)`` is ``jax.jit`` with
+``NamedSharding``s over the slice's mesh: ``fn`` sees global arrays and runs as one
+SPMD program over the slice (collectives inserted by XLA). Arguments and results are
+pytrees; static arguments key the compiled function, as in ``jax.jit``. Where a spec
+is left out: an array already on the slice keeps its sharding, one on another slice
+keeps its spec if this mesh has those axes, a host value is replicated, and outputs
+take the sharding XLA's propagation gives them.
+
+``pw.pmap(fn, devices=slice, axis_name=None)`` maps ``fn`` over the leading axis,
+one element per device, as ``jax.pmap`` does.
+
+Called inside ``@pw.program`` either adds one node to the program; called outside,
+it runs as a one-node program of its own.
 """
 
 from __future__ import annotations
 
-import dataclasses
+import inspect
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import jax
-import jax.numpy as jnp
-import numpy as np
-from jax import export
-from jax.sharding import AbstractMesh, NamedSharding, PartitionSpec
 
+from pwmesh.client import dispatch
+from pwmesh.client.array import Array
 from pwmesh.client.devices import Slice, VirtualDevice, slice_of
-from pwmesh.client.tracing import ProgramCache, call_mapped
+from pwmesh.client.export import ExportedFunction, export_jit, export_pmap
+from pwmesh.client.sharding import P, SliceSharding, default_spec, is_spec_leaf, resolve
+from pwmesh.client.tracing import Call, ProgramCache, Symbol, current_builder, leaf_aval, split_static, with_static
 from pwmesh.errors import InvalidArgument
-from pwmesh.ir.keys import function_id
 
 
-@dataclasses.dataclass(frozen=True)
-class ExportedFunction:
-    fn_id: str
-    serialized: bytes
-    spmd: bool
-    out_avals: tuple[jax.ShapeDtypeStruct, ...]  # global (whole-slice) shapes
-    out_tree: Any
+def _argnums(value: int | Iterable[int] | None) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    return (value,) if isinstance(value, int) else tuple(value)
 
 
-class MappedFunction:
-    """What ``pw.pmap`` returns: callable eagerly, or inside a ``@pw.program``."""
+def _argnames(value: str | Iterable[str] | None) -> tuple[str, ...]:
+    if value is None:
+        return ()
+    return (value,) if isinstance(value, str) else tuple(value)
 
-    def __init__(self, fn: Callable[..., Any], devices: Slice | Sequence[VirtualDevice], axis_name: str | None) -> None:
+
+def _both_ways(fn: Callable[..., Any], nums: tuple[int, ...], names: tuple[str, ...]) -> tuple[tuple[int, ...],
+                                                                                                 tuple[str, ...]]:
+    """Argument numbers and names, each completed from the other through ``fn``'s signature (as ``jax.jit``)."""
+    try:
+        params = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):  # a builtin or a callable without a signature
+        return nums, names
+    positional = [p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    nums = tuple(sorted(set(nums) | {positional.index(n) for n in names if n in positional}))
+    names = tuple(dict.fromkeys([*names, *(positional[i] for i in nums if 0 <= i < len(positional))]))
+    return nums, names
+
+
+class _Compiled:
+    """What ``pw.jit`` and ``pw.pmap`` share: the slice, the exports cache, the eager path."""
+
+    def __init__(self, fn: Callable[..., Any], devices: Slice | Sequence[VirtualDevice]) -> None:
         self.fn = fn
         self.slice = slice_of(devices)
-        self.axis_name = axis_name
-        self.__name__ = getattr(fn, "__name__", "mapped")
+        self.__name__ = getattr(fn, "__name__", "fn")
+        self.__doc__ = getattr(fn, "__doc__", None)
         self._lock = threading.Lock()
         self._exports: dict[tuple[Any, ...], ExportedFunction] = {}
-        self.eager = ProgramCache(self)  # called outside @pw.program: a one-node program
+        self.eager = ProgramCache(self._one_call)
+        self.static_argnums: tuple[int, ...] = ()
+        self.static_argnames: tuple[str, ...] = ()
 
     @property
     def num_devices(self) -> int:
         return len(self.slice.devices)
 
-    def export_for(self, avals: Sequence[jax.ShapeDtypeStruct]) -> ExportedFunction:
-        """The exported artifact for these global input shapes (cached)."""
-        key = tuple((a.shape, str(a.dtype)) for a in avals)
+    def split(self, args: Sequence[Any], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any],
+                                                                          tuple[Any, ...]]:
+        return split_static(self.__name__, args, kwargs, self.static_argnums, self.static_argnames)
+
+    def _exported(self, key: tuple[Any, ...], make: Callable[[], ExportedFunction]) -> ExportedFunction:
         with self._lock:
             found = self._exports.get(key)
         if found is None:
-            found = self._export(avals)
+            found = make()
             with self._lock:
                 found = self._exports.setdefault(key, found)
         return found
 
-    def _export(self, avals: Sequence[jax.ShapeDtypeStruct]) -> ExportedFunction:
-        n = self.num_devices
-        for i, a in enumerate(avals):
-            if not a.shape or a.shape[0] != n:
-                raise InvalidArgument(
-                    f"{self.__name__}: argument {i} has shape {a.shape}; pmap over {n} devices needs a leading "
-                    f"axis of size {n}"
-                )
+    def bind(self, args: Sequence[Any], kwargs: dict[str, Any]) -> Call:
+        raise NotImplementedError
+
+    def _one_call(self, args: Sequence[Any], kwargs: dict[str, Any], static: tuple[Any, ...]) -> Any:
+        """The body of the one-node program an eager call runs."""
+        full, kw = with_static(args, kwargs, static)
+        return self(*full, **kw)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        builder = current_builder()
+        if builder is None:
+            return dispatch.call_eagerly(self, args, kwargs)
+        if builder.flushed is not None:  # past a host function in a staged program: run it as it comes
+            return dispatch.call_eagerly(self, *builder.concrete_tree((args, kwargs)))
+        return builder.call(self.bind(args, kwargs))
+
+
+class JitFunction(_Compiled):
+    """What ``pw.jit`` returns: callable eagerly, or inside a ``@pw.program``."""
+
+    def __init__(self, fn: Callable[..., Any], devices: Slice | Sequence[VirtualDevice], *, in_specs: Any = None,
+                 out_specs: Any = None, static_argnums: int | Iterable[int] | None = None,
+                 static_argnames: str | Iterable[str] | None = None, donate_argnums: int | Iterable[int] | None = None,
+                 donate_argnames: str | Iterable[str] | None = None) -> None:
+        super().__init__(fn, devices)
+        self.in_specs = in_specs
+        self.out_specs = out_specs
+        self.static_argnums, self.static_argnames = _both_ways(fn, _argnums(static_argnums),
+                                                               _argnames(static_argnames))
+        self.donate_argnums, self.donate_argnames = _both_ways(fn, _argnums(donate_argnums),
+                                                               _argnames(donate_argnames))
+        clash = set(self.static_argnums) & set(self.donate_argnums)
+        if clash:
+            raise InvalidArgument(f"{self.__name__}: argument(s) {sorted(clash)} are both static and donated")
+
+    def _wanted(self, dyn_args: tuple[Any, ...], dyn_kwargs: dict[str, Any]) -> list[Any]:
+        """The spec asked for each leaf (``None``: the default): ``in_specs`` covers the positional
+        arguments (static ones left out, as ``jax.jit``'s ``in_shardings``); keyword ones take the default."""
+        n_kw = len(jax.tree_util.tree_leaves(dyn_kwargs))
+        if self.in_specs is None:
+            return [None] * (len(jax.tree_util.tree_leaves(dyn_args)) + n_kw)
+        if is_spec_leaf(self.in_specs):
+            return [self.in_specs] * (len(jax.tree_util.tree_leaves(dyn_args)) + n_kw)
+        specs = tuple(self.in_specs) if isinstance(self.in_specs, list) else self.in_specs
+        if not isinstance(specs, tuple) or len(specs) != len(dyn_args):
+            raise InvalidArgument(f"{self.__name__}: in_specs has {len(specs) if isinstance(specs, tuple) else 1} "
+                                  f"entries for {len(dyn_args)} positional arguments (static ones left out); give "
+                                  "one per argument, or one PartitionSpec for all")
+        return resolve(specs, dyn_args, f"{self.__name__}: in_specs") + [None] * n_kw
+
+    def _donated_leaves(self, args: Sequence[Any], kwargs: dict[str, Any]) -> list[int]:
+        """The flat (dynamic) leaves of the donated arguments."""
+        out: list[int] = []
+        at = 0
+        nums = set(self.static_argnums)
+        for i, arg in enumerate(args):
+            if i in nums:
+                continue
+            count = len(jax.tree_util.tree_leaves(arg))
+            if i in self.donate_argnums:
+                out.extend(range(at, at + count))
+            at += count
+        dyn_kwargs = {k: v for k, v in kwargs.items() if k not in self.static_argnames}
+        for name, value in sorted(dyn_kwargs.items()):  # dicts flatten in key order
+            count = len(jax.tree_util.tree_leaves(value))
+            if name in self.donate_argnames:
+                out.extend(range(at, at + count))
+            at += count
+        return out
+
+    def bind(self, args: Sequence[Any], kwargs: dict[str, Any]) -> Call:
+        dyn_args, dyn_kwargs, static = self.split(args, kwargs)
+        leaves, in_tree = jax.tree_util.tree_flatten((dyn_args, dyn_kwargs))
+        wanted = self._wanted(dyn_args, dyn_kwargs)
+        shardings = []
+        avals = []
+        for i, (leaf, spec) in enumerate(zip(leaves, wanted, strict=True)):
+            aval = leaf_aval(leaf)
+            now = leaf.sharding if isinstance(leaf, (Array, Symbol)) else None
+            sharding = SliceSharding(self.slice, spec if spec is not None else default_spec(now, self.slice))
+            sharding.check(aval.shape, f"{self.__name__}: argument leaf {i}")
+            shardings.append(sharding)
+            avals.append(aval)
+        donate = self._donated_leaves(args, kwargs)
+        key = (static, in_tree, tuple((a.shape, str(a.dtype), a.weak_type) for a in avals),
+               tuple(tuple(map(tuple, s.wire.spec)) for s in shardings), tuple(donate))
         fn = self.fn
 
-        def per_block(*blocks: Any) -> Any:
-            out = fn(*[b[0] for b in blocks])
-            return jax.tree_util.tree_map(lambda o: jnp.expand_dims(o, 0), out)
+        def flat_fn(*flat: Any) -> Any:
+            a, k = jax.tree_util.tree_unflatten(in_tree, list(flat))
+            full, kw = with_static(a, k, static)
+            return fn(*full, **kw)
 
-        if self.axis_name is None:
-            block_avals = [jax.ShapeDtypeStruct((1, *a.shape[1:]), a.dtype) for a in avals]
-            exp = export.export(jax.jit(per_block), platforms=["cpu"])(*block_avals)
-            out_avals = tuple(jax.ShapeDtypeStruct((n, *o.shape[1:]), o.dtype) for o in exp.out_avals)
-        else:
-            mesh = AbstractMesh((n,), (self.axis_name,))
-            spec = PartitionSpec(self.axis_name)
-            mapped = jax.shard_map(per_block, mesh=mesh, in_specs=spec, out_specs=spec)
-            sharded = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(mesh, spec)) for a in avals]
-            exp = export.export(jax.jit(mapped), platforms=["cpu"])(*sharded)
-            out_avals = tuple(jax.ShapeDtypeStruct(o.shape, o.dtype) for o in exp.out_avals)
-        serialized = bytes(exp.serialize())
-        fn_id = function_id(serialized, self.axis_name is not None)
-        return ExportedFunction(fn_id, serialized, self.axis_name is not None, out_avals, exp.out_tree)
+        exported = self._exported(key, lambda: export_jit(flat_fn, self.slice, avals, [s.spec for s in shardings],
+                                                          self.out_specs, donate, self.__name__))
+        return Call(self.__name__, exported, self.slice, leaves, shardings, donate)
 
-    def __call__(self, *args: Any) -> Any:
-        return call_mapped(self, args)
+    def __repr__(self) -> str:
+        return f"pw.jit({self.__name__}, slice={self.slice.slice_id}, mesh={self.slice.mesh})"
+
+
+class MappedFunction(_Compiled):
+    """What ``pw.pmap`` returns: ``fn`` over one leading-axis element per device."""
+
+    def __init__(self, fn: Callable[..., Any], devices: Slice | Sequence[VirtualDevice],
+                 axis_name: str | None = None) -> None:
+        super().__init__(fn, devices)
+        self.axis_name = axis_name
+
+    def bind(self, args: Sequence[Any], kwargs: dict[str, Any]) -> Call:
+        if kwargs:
+            raise InvalidArgument(f"{self.__name__}: pw.pmap maps positional arguments; got keywords {sorted(kwargs)}")
+        leaves, in_tree = jax.tree_util.tree_flatten(tuple(args))
+        avals = [leaf_aval(leaf) for leaf in leaves]
+        key = (in_tree, tuple((a.shape, str(a.dtype)) for a in avals))
+        fn = self.fn
+
+        def flat_fn(*flat: Any) -> Any:
+            return fn(*jax.tree_util.tree_unflatten(in_tree, list(flat)))
+
+        exported = self._exported(key, lambda: export_pmap(flat_fn, self.slice, avals, self.axis_name, self.__name__))
+        blocks = SliceSharding(self.slice, exported.in_specs[0] if exported.in_specs else P())
+        return Call(self.__name__, exported, self.slice, leaves, [blocks] * len(leaves), [])
 
     def __repr__(self) -> str:
         return f"pw.pmap({self.__name__}, slice={self.slice.slice_id}, axis_name={self.axis_name!r})"
 
 
-class JitFunction(MappedFunction):
-    """What ``pw.jit`` returns: ``fn`` with a global view of its arguments, which are split in
-    blocks along their leading axis over the slice's devices (one block per device)."""
+def jit(fn: Callable[..., Any], *, devices: Slice | Sequence[VirtualDevice], in_specs: Any = None,
+        out_specs: Any = None, static_argnums: int | Iterable[int] | None = None,
+        static_argnames: str | Iterable[str] | None = None, donate_argnums: int | Iterable[int] | None = None,
+        donate_argnames: str | Iterable[str] | None = None) -> JitFunction:
+    """``fn`` compiled for ``devices`` (a slice) like ``jax.jit`` with ``NamedSharding``s over its mesh.
 
-    def _export(self, avals: Sequence[jax.ShapeDtypeStruct]) -> ExportedFunction:
-        n = self.num_devices
-        for i, a in enumerate(avals):
-            if n > 1 and (not a.shape or a.shape[0] % n):
-                raise InvalidArgument(f"{self.__name__}: argument {i} of shape {a.shape} cannot be split into {n} "
-                                      "equal blocks along its leading axis")
-        if n == 1:
-            exp = export.export(jax.jit(self.fn), platforms=["cpu"])(*avals)
-        else:
-            blocks = NamedSharding(AbstractMesh((n,), ("x",)), PartitionSpec("x"))
-            sharded = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=blocks) for a in avals]
-            out_shape = jax.eval_shape(self.fn, *avals)
-            for o in jax.tree_util.tree_leaves(out_shape):
-                if not o.shape or o.shape[0] % n:
-                    raise InvalidArgument(f"{self.__name__}: an output of shape {o.shape} cannot be split into "
-                                          f"{n} equal blocks along its leading axis")
-            exp = export.export(jax.jit(self.fn, out_shardings=blocks), platforms=["cpu"])(*sharded)
-        serialized = bytes(exp.serialize())
-        fn_id = function_id(serialized, n > 1)
-        out_avals = tuple(jax.ShapeDtypeStruct(o.shape, o.dtype) for o in exp.out_avals)
-        return ExportedFunction(fn_id, serialized, n > 1, out_avals, exp.out_tree)
-
-    def __repr__(self) -> str:
-        return f"pw.jit({self.__name__}, slice={self.slice.slice_id})"
-
-
-def jit(fn: Callable[..., Any], *, devices: Slice | Sequence[VirtualDevice]) -> JitFunction:
-    """``fn`` compiled for ``devices`` with a global view (like ``jax.jit``); arguments and results
-    are split in equal blocks along their leading axis over the devices. Values made by one
-    function and read by another on a slice of another size are resharded on the way."""
-    return JitFunction(fn, devices, axis_name=None)
+    ``in_specs``: a ``PartitionSpec`` for every argument, or a tuple with one entry per positional
+    argument (static ones left out), each a pytree prefix of that argument (``None``: the default).
+    ``out_specs``: a spec or a pytree prefix of the result. Defaults: see the module docstring."""
+    return JitFunction(fn, devices, in_specs=in_specs, out_specs=out_specs, static_argnums=static_argnums,
+                       static_argnames=static_argnames, donate_argnums=donate_argnums, donate_argnames=donate_argnames)
 
 
 def pmap(fn: Callable[..., Any], *, devices: Slice | Sequence[VirtualDevice],
          axis_name: str | None = None) -> MappedFunction:
     """Map ``fn`` over the leading axis of its arguments, one element per device of ``devices``."""
     return MappedFunction(fn, devices, axis_name)
-
-
-def canonical(array: Any) -> np.ndarray:
-    """A host array in the dtype JAX would use for it (float64 → float32 unless x64 is on)."""
-    arr = np.asarray(array)
-    dtype = jax.dtypes.canonicalize_dtype(arr.dtype)
-    return arr if arr.dtype == dtype else arr.astype(dtype)

@@ -1,4 +1,4 @@
-"""Moving values between slices: ``pw.reshard`` and mixture-of-experts routing (``pw.Router``).
+"""Moving values between layouts and slices: ``pw.reshard`` and mixture-of-experts routing (``pw.Router``).
 
 Both add nodes to the program being traced (inside ``@pw.program``) or run as a
 program of their own (outside). Neither sends data through the controller:
@@ -12,26 +12,58 @@ import weakref
 from collections.abc import Sequence
 from typing import Any
 
+import jax
+from jax.sharding import PartitionSpec
+
+from pwmesh.client.array import Array
 from pwmesh.client.devices import Slice, VirtualDevice, slice_of
-from pwmesh.client.functions import MappedFunction
-from pwmesh.client.tracing import ProgramCache, _building, execute
+from pwmesh.client.dispatch import execute
+from pwmesh.client.functions import JitFunction, MappedFunction
+from pwmesh.client.sharding import P, SliceSharding, default_spec, is_spec_leaf, resolve
+from pwmesh.client.tracing import ProgramCache, Symbol, current_builder
 from pwmesh.errors import InvalidArgument
 
 _reshards: weakref.WeakKeyDictionary[Slice, ProgramCache] = weakref.WeakKeyDictionary()
 
 
-def reshard(x: Any, *, devices: Slice | Sequence[VirtualDevice]) -> Any:
-    """``x`` (a ``pw.Array``, a host array, or a value inside ``@pw.program``) split in equal blocks
-    along its leading axis over ``devices``: a copy to other executors or islands, a scatter, a
-    gather or a re-slice, whatever the two layouts need. Only the overlapping rows move."""
+def _reshard_one(x: Any, sl: Slice, spec: PartitionSpec | None) -> Any:
+    builder = current_builder()
+    assert builder is not None
+    now = x.sharding if isinstance(x, (Array, Symbol)) else None
+    return builder.reshard(x, SliceSharding(sl, spec if spec is not None else default_spec(now, sl)))
+
+
+def reshard(x: Any, *, devices: Slice | Sequence[VirtualDevice], spec: Any = None) -> Any:
+    """``x`` (a pytree of ``pw.Array``s, host arrays, or values inside ``@pw.program``) laid out on
+    ``devices`` as ``spec`` says (a ``PartitionSpec`` or a pytree prefix of them; left out, as for
+    ``pw.jit``'s arguments): a copy to other executors or islands, a gather, a scatter or a re-cut,
+    whatever the two layouts need. Only the blocks each destination lacks move."""
     sl = slice_of(devices)
-    builder = _building.get()
-    if builder is not None:
-        return builder.reshard(x, sl)
+    if current_builder() is not None:
+        return _map_with_specs(lambda leaf, s: _reshard_one(leaf, sl, s), x, spec)
     cache = _reshards.get(sl)
     if cache is None:
-        cache = _reshards[sl] = ProgramCache(lambda value: reshard(value, devices=sl))
-    return execute(cache.get([x]), [x])
+        cache = _reshards[sl] = ProgramCache(
+            lambda args, kwargs, static: reshard(args[0], devices=sl, spec=_spec_tree(static[0][1])))
+    traced = cache.get((x,), {}, ((0, _spec_key(spec)),))
+    return execute(traced, jax.tree_util.tree_leaves(x))
+
+
+def _map_with_specs(f: Any, tree: Any, spec: Any) -> Any:
+    leaves, treedef = jax.tree_util.tree_flatten(tree)
+    specs = resolve(spec, tree, "pw.reshard: spec")
+    return jax.tree_util.tree_unflatten(treedef, [f(leaf, s) for leaf, s in zip(leaves, specs, strict=True)])
+
+
+def _spec_key(spec: Any) -> tuple[Any, tuple[Any, ...]]:
+    """A tree of specs as a hashable key (specs are hashable, their containers need not be)."""
+    leaves, treedef = jax.tree_util.tree_flatten(spec, is_leaf=is_spec_leaf)
+    return treedef, tuple(leaves)
+
+
+def _spec_tree(key: tuple[Any, tuple[Any, ...]]) -> Any:
+    treedef, leaves = key
+    return jax.tree_util.tree_unflatten(treedef, list(leaves))
 
 
 class Router:
@@ -46,27 +78,29 @@ class Router:
     expert that gets no rows does not run, and still completes.
     """
 
-    def __init__(self, experts: Sequence[MappedFunction], *,
+    def __init__(self, experts: Sequence[JitFunction | MappedFunction], *,
                  devices: Slice | Sequence[VirtualDevice] | None = None) -> None:
         self.experts = list(experts)
         if not self.experts:
             raise InvalidArgument("a router needs at least one expert")
         for e in self.experts:
-            if not isinstance(e, MappedFunction):
+            if not isinstance(e, (JitFunction, MappedFunction)):
                 raise InvalidArgument(f"experts are pw.jit functions, got {type(e).__name__}")
             if len(e.slice.devices) != 1:
                 raise InvalidArgument(f"expert {e.__name__} runs on {len(e.slice.devices)} devices; "
                                       "an expert runs on a slice of one device")
         self.home = slice_of(devices) if devices is not None else self.experts[0].slice
-        if any(e.slice.client is not self.home.client for e in self.experts):
+        if any(e.slice.session is not self.home.session for e in self.experts):
             raise InvalidArgument("a router's experts and devices must belong to one client")
-        self._eager = ProgramCache(self)
+        names = self.home.axis_names
+        self.blocks = SliceSharding(self.home, P(names[0] if len(names) == 1 else names))
+        self._eager = ProgramCache(lambda args, kwargs, static: self(*args))
 
     def __call__(self, x: Any, expert_ids: Any) -> Any:
-        builder = _building.get()
+        builder = current_builder()
         if builder is not None:
-            return builder.route(x, expert_ids, self.experts, self.home)
-        return execute(self._eager.get([x, expert_ids]), [x, expert_ids])
+            return builder.route(x, expert_ids, self.experts, self.home, self.blocks)
+        return execute(self._eager.get((x, expert_ids), {}), [x, expert_ids])
 
     def __repr__(self) -> str:
         return f"pw.Router({len(self.experts)} experts, slice={self.home.slice_id})"

@@ -1,89 +1,156 @@
-"""Tracing programs into dataflow graphs, and running them.
+"""Tracing programs into dataflow graphs.
 
 A traced program has one node per call of a compiled function (never one per
-shard) and one value per logical buffer. Inside ``@pw.program`` arguments are
-``Symbol``s: shape and dtype only, no data. Calling a compiled function outside
-any program traces a one-node program, so both paths share one dispatch.
+shard) and one value per logical buffer. Inside ``@pw.program`` array arguments
+are ``Symbol``s: shape, dtype and sharding, no data. Calling a compiled function
+outside any program traces a one-node program, so both paths share one dispatch
+(``pwmesh.client.dispatch``). Nothing here talks to the cluster: a program that
+must run part-way while it is traced (a host function) is handed a ``run``
+callback by the layer above.
 """
 
 from __future__ import annotations
 
+import collections
 import contextvars
 import dataclasses
 import hashlib
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import jax
 import numpy as np
 
 from pwmesh.client.array import Array
+from pwmesh.client.devices import Slice
+from pwmesh.client.export import ExportedFunction, canonical, host_aval
+from pwmesh.client.sharding import SliceSharding
 from pwmesh.dataflow.layout import check_split
 from pwmesh.errors import InvalidArgument
 from pwmesh.wire.codec import pack_records
-from pwmesh.wire.messages import NodeSpec, ProgramInput, ProgramSpec, RunProgram, ValueSpec
+from pwmesh.wire.messages import NodeSpec, ProgramSpec, ValueSpec
 
 if TYPE_CHECKING:
-    from pwmesh.client.api import Client
-    from pwmesh.client.devices import Slice
-    from pwmesh.client.functions import ExportedFunction, MappedFunction
+    from pwmesh.client.session import Session
 
 _building: contextvars.ContextVar[ProgramBuilder | None] = contextvars.ContextVar("pwmesh_builder", default=None)
 
 
+def current_builder() -> ProgramBuilder | None:
+    """The program being traced in this context, if any."""
+    return _building.get()
+
+
 class Symbol:
-    """A value inside a program being traced: shape and dtype, no data."""
+    """A value inside a program being traced: shape, dtype and sharding, no data."""
 
-    __slots__ = ("builder", "value", "shape", "dtype")
+    __slots__ = ("builder", "value", "shape", "dtype", "sharding", "weak_type")
 
-    def __init__(self, builder: ProgramBuilder, value: int, shape: tuple[int, ...], dtype: np.dtype) -> None:
+    def __init__(self, builder: ProgramBuilder, value: int, shape: tuple[int, ...], dtype: np.dtype,
+                 sharding: SliceSharding | None, weak_type: bool = False) -> None:
         self.builder = builder
         self.value = value
         self.shape = shape
         self.dtype = dtype
+        self.sharding = sharding  # None: host data, laid out as its first reader asks
+        self.weak_type = weak_type
 
     @property
     def ndim(self) -> int:
         return len(self.shape)
 
+    @property
+    def aval(self) -> jax.ShapeDtypeStruct:
+        return jax.ShapeDtypeStruct(self.shape, self.dtype, weak_type=self.weak_type)
+
     def __array__(self, *args: Any, **kwargs: Any) -> np.ndarray:
         raise InvalidArgument("this value is symbolic inside @pw.program; return it from the program to fetch it")
 
     def __repr__(self) -> str:
-        return f"pw.Symbol(shape={self.shape}, dtype={self.dtype})"
+        return f"pw.Symbol(shape={self.shape}, dtype={self.dtype}, sharding={self.sharding})"
 
 
-class NeedsStaging(Exception):
+@dataclasses.dataclass
+class Call:
+    """One call of a compiled function, bound: what ``ProgramBuilder.call`` turns into a node."""
+
+    name: str
+    exported: ExportedFunction
+    slice: Slice
+    leaves: list[Any]  # the dynamic arguments' leaves, in order
+    in_shardings: list[SliceSharding]  # the layout each is read in
+    donate: list[int]  # leaves it consumes
+
+
+class NeedsStaging(Exception):  # noqa: N818 - a signal to the caller, not an error
     """Raised while tracing symbolically when a host function needs concrete values."""
 
 
+def split_static(fn_name: str, args: Sequence[Any], kwargs: dict[str, Any], static_argnums: Iterable[int],
+                 static_argnames: Iterable[str]) -> tuple[tuple[Any, ...], dict[str, Any], tuple[Any, ...]]:
+    """``(dynamic args, dynamic kwargs, static key)``; static arguments must be hashable (as in ``jax.jit``)."""
+    nums = {i if i >= 0 else len(args) + i for i in static_argnums}
+    names = set(static_argnames)
+    static = tuple((i, args[i]) for i in sorted(nums) if i < len(args)) + tuple(
+        sorted((k, v) for k, v in kwargs.items() if k in names))
+    for where, value in static:
+        try:
+            hash(value)
+        except TypeError:
+            raise InvalidArgument(f"{fn_name}: static argument {where!r} is a {type(value).__name__}, which is not "
+                                  "hashable (static arguments key the compiled function)") from None
+    dyn_args = tuple(a for i, a in enumerate(args) if i not in nums)
+    dyn_kwargs = {k: v for k, v in kwargs.items() if k not in names}
+    return dyn_args, dyn_kwargs, static
+
+
+def with_static(args: Sequence[Any], kwargs: dict[str, Any], static: tuple[Any, ...]) -> tuple[list[Any],
+                                                                                                 dict[str, Any]]:
+    """The call's arguments again, static ones put back where they were."""
+    full = list(args)
+    kw = dict(kwargs)
+    for where, value in static:
+        if isinstance(where, int):
+            full.insert(where, value)
+        else:
+            kw[where] = value
+    return full, kw
+
+
 class ProgramBuilder:
-    def __init__(self, concrete: list[Any] | None = None) -> None:
+    def __init__(self, concrete: list[Any] | None = None, run: Callable[..., list[Any]] | None = None) -> None:
         self.values: list[ValueSpec] = []
         self.nodes: list[NodeSpec] = []
         self.inputs: list[int] = []
         self.functions: dict[str, tuple[ExportedFunction, int]] = {}
-        self.client: Client | None = None
-        self._shards_fixed: set[int] = set()
-        # Staged tracing (a program with host functions): the call's real arguments,
-        # and once a host function ran, every value so far as an Array or host array.
+        self.session: Session | None = None
+        self.shardings: dict[int, SliceSharding] = {}  # value -> its sharding, client side
+        self.constants: dict[int, np.ndarray] = {}  # inputs captured while tracing (not arguments)
+        self.reads: collections.Counter[int] = collections.Counter()
+        self.donated: dict[int, str] = {}  # value -> the function it was donated to
+        self._unfixed: set[int] = set()  # host inputs whose layout their first reader sets
+        # Staged tracing (a program with host functions): the call's real arguments, the
+        # callback that runs what was traced so far, and once a host function ran, every
+        # value so far as an Array or host array.
         self.concrete = concrete
+        self.run = run
         self.flushed: dict[int, Any] | None = None
         self.sequential = False
 
-    def host_call(self, hf: HostFunction, args: Sequence[Any]) -> Any:
-        """A data-dependent step: dispatch what was traced so far, wait for the inputs, run ``hf``.
+    # ------------------------------------------------------------ host functions
+
+    def host_call(self, fn: Callable[..., Any], args: Sequence[Any], fetch: Callable[[list[Any]], list[Any]]) -> Any:
+        """A data-dependent step: dispatch what was traced so far, fetch the inputs, run ``fn``.
         Everything after it is dispatched node by node, once its inputs exist (sequential)."""
         if self.concrete is None:
             raise NeedsStaging()
         if self.flushed is None:
             self._flush()
         leaves, tree = jax.tree_util.tree_flatten(list(args))
-        values = _host_values([self._concrete(leaf) for leaf in leaves])
-        return hf.fn(*jax.tree_util.tree_unflatten(tree, values))
+        return fn(*jax.tree_util.tree_unflatten(tree, fetch([self.concrete_of(leaf) for leaf in leaves])))
 
-    def _concrete(self, leaf: Any) -> Any:
+    def concrete_of(self, leaf: Any) -> Any:
         if isinstance(leaf, Symbol):
             assert self.flushed is not None and leaf.builder is self
             return self.flushed[leaf.value]
@@ -91,63 +158,126 @@ class ProgramBuilder:
 
     def _flush(self) -> None:
         """Dispatch the program traced so far (in parallel), its every computed value an output."""
-        assert self.concrete is not None
-        self.flushed = dict(zip(self.inputs, self.concrete, strict=True))
-        computed = [v for node in self.nodes for v in node.outputs]
+        assert self.concrete is not None and self.run is not None
+        self.flushed = dict(zip(self.inputs, self.concrete, strict=False))
+        self.flushed.update(self.constants)
+        computed = [v for node in self.nodes for v in node.outputs if v not in self.donated]
         if not computed:
             return
-        assert self.client is not None
-        spec = ProgramSpec(values=self.values, nodes=self.nodes, inputs=self.inputs, outputs=computed)
-        traced = TracedProgram(spec, list(self.functions.values()), jax.tree_util.tree_structure(computed),
-                               self.client)
-        outs = execute(traced, self.concrete, sequential=self.sequential)
+        traced = self.finish(computed, jax.tree_util.tree_structure(computed))
+        outs = self.run(traced, self.concrete, sequential=self.sequential)
         self.flushed.update(zip(computed, outs, strict=True))
 
-    def _value(self, shape: tuple[int, ...], dtype: np.dtype, shards: int, *, ragged: bool = False) -> int:
-        self.values.append(ValueSpec(shape=list(shape), dtype=np.dtype(dtype).name, shards=shards, ragged=ragged))
-        self._shards_fixed.add(len(self.values) - 1)
-        return len(self.values) - 1
+    # ------------------------------------------------------------ values
 
-    def _fix_shards(self, sym: Symbol, n: int) -> None:
-        """A program input takes the layout of its first reader."""
-        if sym.value not in self._shards_fixed:
-            self.values[sym.value].shards = n
-            self._shards_fixed.add(sym.value)
+    def _value(self, shape: tuple[int, ...], dtype: np.dtype, sharding: SliceSharding | None, *,
+               shards: int = 1, ragged: bool = False) -> int:
+        wire = sharding.wire if sharding is not None else None
+        devices = len(sharding.slice.devices) if sharding is not None else shards
+        self.values.append(ValueSpec(shape=list(shape), dtype=np.dtype(dtype).name, shards=devices, ragged=ragged,
+                                     sharding=wire))
+        v = len(self.values) - 1
+        if sharding is not None:
+            self.shardings[v] = sharding
+        return v
 
-    def _symbols(self, what: str, args: Sequence[Any], client: Client) -> list[Symbol]:
-        for i, leaf in enumerate(args):
-            if not isinstance(leaf, Symbol) or leaf.builder is not self:
-                raise InvalidArgument(
-                    f"{what}: argument {i} is a {type(leaf).__name__}; inside @pw.program, pass every "
-                    "array in as an argument of the program"
-                )
-        if self.client is None:
-            self.client = client
-        elif client is not self.client:
+    def input(self, aval: jax.ShapeDtypeStruct, sharding: SliceSharding | None) -> Symbol:
+        v = self._value(tuple(aval.shape), aval.dtype, sharding)
+        if sharding is None:
+            self._unfixed.add(v)
+        self.inputs.append(v)
+        return Symbol(self, v, tuple(aval.shape), np.dtype(aval.dtype), sharding, bool(aval.weak_type))
+
+    def _symbol(self, what: str, i: int, leaf: Any) -> Symbol:
+        """A call's argument as a value of this program: a symbol of it, or a constant it captures."""
+        if isinstance(leaf, Symbol):
+            if leaf.builder is not self:
+                raise InvalidArgument(f"{what}: argument {i} belongs to another program being traced")
+            return leaf
+        if isinstance(leaf, Array):
+            raise InvalidArgument(f"{what}: argument {i} is a pw.Array; inside @pw.program, pass every pw.Array "
+                                  "in as an argument of the program")
+        value = canonical(leaf)
+        sym = self.input(host_aval(leaf), None)
+        self.inputs.pop()  # not an argument: sent with every run as it was captured
+        self.constants[sym.value] = value
+        return sym
+
+    def _owned_by(self, what: str, session: Session) -> None:
+        if self.session is None:
+            self.session = session
+        elif session is not self.session:
             raise InvalidArgument(f"{what} belongs to another client than the rest of this program")
-        return list(args)
 
-    def reshard(self, x: Any, sl: Slice) -> Symbol:
-        """``x`` split ``len(sl)`` ways over ``sl``'s devices (a move, a gather or a scatter)."""
-        (sym,) = self._symbols("pw.reshard", [x], sl.client)
-        n = len(sl.devices)
-        check_split(sym.shape, n, f"pw.reshard onto {n} devices")
-        v = self._value(sym.shape, sym.dtype, n)
+    def _fix(self, sym: Symbol, sharding: SliceSharding) -> None:
+        """A host input takes the layout of its first reader (it is put there directly)."""
+        if sym.value in self._unfixed:
+            self._unfixed.discard(sym.value)
+            spec = self.values[sym.value]
+            spec.sharding = sharding.wire
+            spec.shards = len(sharding.slice.devices)
+            self.shardings[sym.value] = sharding
+
+    # ------------------------------------------------------------ nodes
+
+    def concrete_tree(self, tree: Any) -> Any:
+        """``tree`` with its symbols' values (past a host function, where each call runs as it comes)."""
+        return jax.tree_util.tree_map(self.concrete_of, tree, is_leaf=lambda x: isinstance(x, Symbol))
+
+    def call(self, call: Call) -> Any:
+        assert self.flushed is None, "past a host function, calls run eagerly (see concrete_tree)"
+        self._owned_by(call.name, call.slice.session)
+        syms = [self._symbol(call.name, i, leaf) for i, leaf in enumerate(call.leaves)]
+        n = len(call.slice.devices)
+        ragged = any(self.values[s.value].ragged for s in syms)
+        if ragged and n != 1:
+            raise InvalidArgument(f"{call.name} gets routed rows but runs on {n} devices; an expert runs on one")
+        for sym, sharding in zip(syms, call.in_shardings, strict=True):
+            self._fix(sym, sharding)
+            self.reads[sym.value] += 1
+        for i in call.donate:
+            v = syms[i].value
+            if v in self.donated:
+                raise InvalidArgument(f"{call.name}: argument {i} was donated already (to {self.donated[v]})")
+            self.donated[v] = call.name
+        exported = call.exported
+        outs = []
+        for aval, spec in zip(exported.out_avals, exported.out_specs, strict=True):
+            sharding = SliceSharding(call.slice, spec)
+            v = self._value(tuple(aval.shape), np.dtype(aval.dtype), sharding, ragged=ragged)
+            outs.append(Symbol(self, v, tuple(aval.shape), np.dtype(aval.dtype), sharding))
+        self.nodes.append(NodeSpec(fn_id=exported.fn_id, slice_id=call.slice.slice_id, inputs=[s.value for s in syms],
+                                   outputs=[s.value for s in outs], in_shardings=[s.wire for s in call.in_shardings],
+                                   donate=list(call.donate)))
+        self.functions[exported.fn_id] = (exported, call.slice.slice_id)
+        return jax.tree_util.tree_unflatten(exported.out_tree, outs)
+
+    def reshard(self, x: Any, sharding: SliceSharding) -> Symbol:
+        """``x`` laid out as ``sharding`` says (a move, a gather, a scatter or a re-cut)."""
+        sl = sharding.slice
+        self._owned_by("pw.reshard", sl.session)
+        sym = self._symbol("pw.reshard", 0, x)
+        sharding.check(sym.shape, "pw.reshard")
+        self._fix(sym, sharding)
+        self.reads[sym.value] += 1
+        v = self._value(sym.shape, sym.dtype, sharding)
         self.nodes.append(NodeSpec(fn_id="", slice_id=sl.slice_id, inputs=[sym.value], outputs=[v], kind="reshard"))
-        return Symbol(self, v, sym.shape, sym.dtype)
+        return Symbol(self, v, sym.shape, sym.dtype, sharding)
 
-    def route(self, x: Any, expert_ids: Any, experts: Sequence[MappedFunction], home: Slice) -> Symbol:
+    def route(self, x: Any, expert_ids: Any, experts: Sequence[Any], home: Slice, blocks: SliceSharding) -> Symbol:
         """Rows of ``x`` to ``experts[expert_ids[row]]``, and their results back in row order on ``home``."""
-        sym, ids = self._symbols("pw.Router", [x, expert_ids], home.client)
+        self._owned_by("pw.Router", home.session)
+        sym, ids = (self._symbol("pw.Router", i, leaf) for i, leaf in enumerate((x, expert_ids)))
         n = len(home.devices)
         for s in (sym, ids):
-            self._fix_shards(s, n)
-        parts = [self._value(sym.shape, sym.dtype, 1, ragged=True) for _ in experts]
+            self._fix(s, blocks)
+            self.reads[s.value] += 1
+        parts = [self._value(sym.shape, sym.dtype, None, ragged=True) for _ in experts]
         self.nodes.append(NodeSpec(fn_id="", slice_id=home.slice_id, inputs=[sym.value, ids.value], outputs=parts,
                                    kind="route", targets=[e.slice.slice_id for e in experts]))
         results = []
         for expert, part in zip(experts, parts, strict=True):
-            out = expert(Symbol(self, part, sym.shape, sym.dtype))
+            out = expert(Symbol(self, part, sym.shape, sym.dtype, None))
             if not isinstance(out, Symbol):
                 raise InvalidArgument(f"expert {expert.__name__} must return one array, one row per row it gets")
             results.append(out)
@@ -156,40 +286,32 @@ class ProgramBuilder:
             if (out.shape, out.dtype) != (first.shape, first.dtype):
                 raise InvalidArgument(f"experts return different shapes: {expert.__name__} gives "
                                       f"{out.dtype}{out.shape}, {experts[0].__name__} {first.dtype}{first.shape}")
+            self.reads[out.value] += 1
         check_split(first.shape, n, f"pw.Router combining the experts' output onto {n} devices")
-        y = self._value(first.shape, first.dtype, n)
+        y = self._value(first.shape, first.dtype, blocks)
+        self.values[y].sharding = None  # the combine lands leading-axis blocks (the default layout)
         self.nodes.append(NodeSpec(fn_id="", slice_id=home.slice_id, inputs=[r.value for r in results], outputs=[y],
                                    kind="combine"))
-        return Symbol(self, y, first.shape, first.dtype)
+        return Symbol(self, y, first.shape, first.dtype, blocks)
 
-    def input(self, shape: tuple[int, ...], dtype: np.dtype, shards: int | None) -> Symbol:
-        v = self._value(shape, dtype, shards or 1)
-        if shards is None:  # host data: split the way its first reader needs
-            self._shards_fixed.discard(v)
-        self.inputs.append(v)
-        return Symbol(self, v, tuple(shape), np.dtype(dtype))
+    # ------------------------------------------------------------ the program
 
-    def call(self, mf: MappedFunction, args: Sequence[Any]) -> Any:
-        if self.flushed is not None:  # past a host function: each call is its own program
-            concrete = [self._concrete(a) for a in jax.tree_util.tree_leaves(list(args))]
-            concrete_args = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(list(args)), concrete)
-            return execute(mf.eager.get(concrete_args), concrete_args)
-        leaves = self._symbols(mf.__name__, jax.tree_util.tree_leaves(list(args)), mf.slice.client)
-        exported = mf.export_for([jax.ShapeDtypeStruct(s.shape, s.dtype) for s in leaves])
-        n = mf.num_devices
-        ragged = any(self.values[sym.value].ragged for sym in leaves)
-        if ragged and n != 1:
-            raise InvalidArgument(f"{mf.__name__} gets routed rows but runs on {n} devices; an expert runs on one")
-        for sym in leaves:
-            self._fix_shards(sym, n)  # a value split another way is resharded on its way in
-        outs = []
-        for aval in exported.out_avals:
-            v = self._value(tuple(aval.shape), np.dtype(aval.dtype), n, ragged=ragged)
-            outs.append(Symbol(self, v, tuple(aval.shape), np.dtype(aval.dtype)))
-        self.nodes.append(NodeSpec(fn_id=exported.fn_id, slice_id=mf.slice.slice_id,
-                                   inputs=[s.value for s in leaves], outputs=[s.value for s in outs]))
-        self.functions[exported.fn_id] = (exported, mf.slice.slice_id)
-        return jax.tree_util.tree_unflatten(exported.out_tree, outs)
+    def finish(self, outputs: list[int], out_tree: Any, *, check_outputs: bool = True) -> TracedProgram:
+        if self.session is None:
+            raise InvalidArgument("a program must call at least one compiled function (pw.jit, pw.pmap)")
+        for v, name in self.donated.items():
+            if self.reads[v] > 1 or v in outputs:
+                raise InvalidArgument(f"a value donated to {name} is also read elsewhere in the program (or "
+                                      "returned by it): a donated buffer is consumed by the one call it is given to")
+        for v in self._unfixed:  # read by nothing that sets a layout: one copy on the first device it goes to
+            self.values[v].shards = 1
+        spec = ProgramSpec(values=self.values, nodes=self.nodes, inputs=self.inputs + list(self.constants),
+                           outputs=outputs)
+        return TracedProgram(spec, list(self.functions.values()), out_tree, self.session,
+                             [self.shardings[v] for v in outputs],
+                             [i for i, v in enumerate(self.inputs) if v in self.donated],
+                             {i: self.donated[v] for i, v in enumerate(self.inputs) if v in self.donated},
+                             list(self.constants.values()))
 
 
 @dataclasses.dataclass
@@ -197,146 +319,72 @@ class TracedProgram:
     spec: ProgramSpec
     functions: list[tuple[ExportedFunction, int]]
     out_tree: Any
-    client: Client
+    session: Session
+    out_shardings: list[SliceSharding]
+    donated: list[int]  # argument leaves the program consumes
+    donated_to: dict[int, str]  # ... and the function each goes to
+    constants: list[np.ndarray]  # inputs after the arguments: values captured while tracing
     program_id: str = ""  # a traced program kept for reuse is registered with the proxy under its digest
 
 
-def _leaf_signature(leaf: Any) -> tuple[Any, ...]:
+def leaf_signature(leaf: Any) -> tuple[Any, ...]:
+    """What of an argument leaf a traced program depends on (its cache key)."""
     if isinstance(leaf, Array):
-        return ("buffer", leaf.shape, leaf.dtype.name, leaf.shards)
-    arr = np.asarray(leaf)
-    return ("host", arr.shape, jax.dtypes.canonicalize_dtype(arr.dtype).name)
+        return ("buffer", leaf.shape, leaf.dtype.name, id(leaf.sharding.slice), tuple(map(tuple, leaf.sharding.wire.spec)))
+    aval = host_aval(leaf)
+    return ("host", aval.shape, np.dtype(aval.dtype).name, aval.weak_type)
 
 
-def _call_symbolically(builder: ProgramBuilder, fn: Any, args: Sequence[Any]) -> Any:
-    """``fn`` called with a program input ``Symbol`` for every array leaf of ``args``."""
-    leaves, in_tree = jax.tree_util.tree_flatten(list(args))
-    symbols = []
-    for leaf in leaves:
-        kind, shape, dtype, *shards = _leaf_signature(leaf)
-        symbols.append(builder.input(tuple(shape), np.dtype(dtype), shards[0] if shards else None))
+def leaf_aval(leaf: Any) -> jax.ShapeDtypeStruct:
+    if isinstance(leaf, (Array, Symbol)):
+        return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, weak_type=isinstance(leaf, Symbol) and leaf.weak_type)
+    return host_aval(leaf)
+
+
+def trace(fn: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any],
+          builder: ProgramBuilder | None = None) -> tuple[ProgramBuilder, Any]:
+    """Call ``fn(*args, **kwargs)`` with a program input ``Symbol`` for every array leaf."""
+    builder = builder or ProgramBuilder()
+    leaves, in_tree = jax.tree_util.tree_flatten((tuple(args), kwargs))
+    symbols = [builder.input(leaf_aval(leaf), leaf.sharding if isinstance(leaf, Array) else None) for leaf in leaves]
+    sym_args, sym_kwargs = jax.tree_util.tree_unflatten(in_tree, symbols)
     token = _building.set(builder)
     try:
-        return fn(*jax.tree_util.tree_unflatten(in_tree, symbols))
+        return builder, fn(*sym_args, **sym_kwargs)
     finally:
         _building.reset(token)
 
 
-def _host_values(leaves: list[Any]) -> list[Any]:
-    """``leaves`` with every ``pw.Array`` fetched (in parallel) into a host array."""
-    arrays = [leaf for leaf in leaves if isinstance(leaf, Array)]
-    if not arrays:
-        return leaves
-    fetched = dict(zip(map(id, arrays), arrays[0]._client.fetch(arrays), strict=True))
-    return [fetched.get(id(leaf), leaf) for leaf in leaves]
-
-
-def trace(fn: Any, args: Sequence[Any]) -> TracedProgram:
-    """Trace ``fn(*args)`` where array leaves of ``args`` become program inputs."""
-    builder = ProgramBuilder()
-    result = _call_symbolically(builder, fn, args)
+def trace_program(fn: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any]) -> TracedProgram:
+    """The program ``fn`` makes of these arguments; its outputs must be values its calls computed."""
+    builder, result = trace(fn, args, kwargs)
     out_leaves, out_tree = jax.tree_util.tree_flatten(result)
     for i, leaf in enumerate(out_leaves):
         if not isinstance(leaf, Symbol) or leaf.builder is not builder:
             raise InvalidArgument(f"program output {i} is a {type(leaf).__name__}; a program returns values "
                                   "computed by its compiled functions")
-        if leaf.value in builder.inputs:
+        if leaf.value in builder.inputs or leaf.value in builder.constants:
             raise InvalidArgument(f"program output {i} is one of its inputs; return only computed values")
-    if builder.client is None:
-        raise InvalidArgument("a program must call at least one compiled function (pw.pmap)")
-    spec = ProgramSpec(values=builder.values, nodes=builder.nodes, inputs=builder.inputs,
-                       outputs=[s.value for s in out_leaves])
-    return TracedProgram(spec, list(builder.functions.values()), out_tree, builder.client)
+    return builder.finish([s.value for s in out_leaves], out_tree)
 
 
 class ProgramCache:
-    """Traced programs by the signature of their arguments (pytree shape, shapes, dtypes, layouts)."""
+    """Traced programs by the signature of their arguments (pytree structure, static values, shapes, dtypes,
+    shardings)."""
 
-    def __init__(self, fn: Any) -> None:
-        self.fn = fn
+    def __init__(self, fn: Callable[[Sequence[Any], dict[str, Any], tuple[Any, ...]], Any]) -> None:
+        self.fn = fn  # called with (dynamic args, dynamic kwargs, static key)
         self._lock = threading.Lock()
         self._traced: dict[tuple[Any, ...], TracedProgram] = {}
 
-    def get(self, args: Sequence[Any]) -> TracedProgram:
-        leaves, in_tree = jax.tree_util.tree_flatten(list(args))
-        key = (in_tree, tuple(_leaf_signature(leaf) for leaf in leaves))
+    def get(self, args: Sequence[Any], kwargs: dict[str, Any], static: tuple[Any, ...] = ()) -> TracedProgram:
+        leaves, in_tree = jax.tree_util.tree_flatten((tuple(args), kwargs))
+        key = (in_tree, static, tuple(leaf_signature(leaf) for leaf in leaves))
         with self._lock:
             traced = self._traced.get(key)
         if traced is None:
-            traced = trace(self.fn, args)
+            traced = trace_program(lambda *a, **k: self.fn(a, k, static), args, kwargs)
             traced.program_id = hashlib.sha256(pack_records([traced.spec])).hexdigest()
             with self._lock:
                 self._traced[key] = traced
         return traced
-
-
-def execute(traced: TracedProgram, args: Sequence[Any], *, sequential: bool = False) -> Any:
-    """Dispatch a traced program without waiting for it; returns its outputs as ``pw.Array`` futures."""
-    client = traced.client
-    leaves = jax.tree_util.tree_leaves(list(args))
-    inputs = []
-    for leaf in leaves:
-        if isinstance(leaf, Array):
-            leaf._check_alive()
-            if leaf._client is not client:
-                raise InvalidArgument("a pw.Array can only be used with the client that made it")
-            inputs.append(ProgramInput(buffer=leaf.buffer_id))
-        else:
-            inputs.append(ProgramInput(array=client.canonical(leaf)))
-    for exported, slice_id in traced.functions:
-        client.ensure_function(exported, slice_id)
-    ids = [client.new_buffer_id() for _ in traced.spec.outputs]
-    if traced.program_id:  # registered once; each run names it (the proxy caches its lowering)
-        client.ensure_program(traced.program_id, traced.spec)
-        run = RunProgram(program_id=traced.program_id, inputs=inputs, outputs=ids, sequential=sequential)
-    else:  # traced for this run only (a staged program)
-        run = RunProgram(program=traced.spec, inputs=inputs, outputs=ids, sequential=sequential)
-    client.conn.post(run)
-    outs = []
-    for buffer_id, v in zip(ids, traced.spec.outputs, strict=True):
-        spec = traced.spec.values[v]
-        outs.append(Array(client, buffer_id, tuple(spec.shape), np.dtype(spec.dtype), spec.shards))
-    return jax.tree_util.tree_unflatten(traced.out_tree, outs)
-
-
-def call_mapped(mf: MappedFunction, args: Sequence[Any]) -> Any:
-    """A compiled function called inside a program adds a node; called outside, it runs as its own program."""
-    builder = _building.get()
-    if builder is not None:
-        return builder.call(mf, args)
-    return execute(mf.eager.get(args), args)
-
-
-class HostFunction:
-    """``pw.host(fn)``: a host-side step on concrete values (numpy in, numpy out), whose
-    output shape may depend on the data. Inside ``@pw.program`` what comes before it is
-    dispatched as one parallel program; what follows waits for its result (sequential)."""
-
-    def __init__(self, fn: Any) -> None:
-        self.fn = fn
-        self.__name__ = getattr(fn, "__name__", "host")
-
-    def __call__(self, *args: Any) -> Any:
-        builder = _building.get()
-        if builder is not None:
-            return builder.host_call(self, args)
-        leaves, tree = jax.tree_util.tree_flatten(list(args))
-        return self.fn(*jax.tree_util.tree_unflatten(tree, _host_values(leaves)))
-
-
-def host(fn: Any) -> HostFunction:
-    """Mark ``fn`` as a host-side, data-dependent step (see ``HostFunction``)."""
-    return HostFunction(fn)
-
-
-def run_staged(fn: Any, args: Sequence[Any], *, sequential: bool) -> Any:
-    """Run a program that contains host functions: trace with its real arguments at hand."""
-    leaves = jax.tree_util.tree_leaves(list(args))
-    builder = ProgramBuilder(concrete=[leaf if isinstance(leaf, Array) else np.asarray(leaf) for leaf in leaves])
-    builder.sequential = sequential
-    result = _call_symbolically(builder, fn, args)
-    if builder.flushed is None:  # this time no host function ran: one ordinary program
-        builder._flush()
-    assert builder.flushed is not None
-    return jax.tree_util.tree_map(lambda leaf: builder._concrete(leaf), result,
-                                  is_leaf=lambda x: isinstance(x, (Symbol, Array)))

@@ -1,0 +1,101 @@
+"""Running traced programs: their functions and the program registered once, then one ``RunProgram``
+per call, posted without waiting; the outputs come back at once as ``pw.Array`` futures."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+import jax
+import numpy as np
+
+from pwmesh.client.array import Array
+from pwmesh.client.export import canonical
+from pwmesh.client.tracing import ProgramBuilder, Symbol, TracedProgram, trace
+from pwmesh.errors import InvalidArgument
+from pwmesh.wire.messages import ProgramInput, RunProgram
+
+if TYPE_CHECKING:
+    from pwmesh.client.tracing import ProgramCache
+
+
+def _inputs(traced: TracedProgram, leaves: Sequence[Any]) -> list[ProgramInput]:
+    session = traced.session
+    inputs = []
+    for leaf in leaves:
+        if isinstance(leaf, Array):
+            leaf._check_alive()
+            if leaf.session is not session:
+                raise InvalidArgument("a pw.Array can only be used with the client that made it")
+            inputs.append(ProgramInput(buffer=leaf.buffer_id))
+        else:
+            inputs.append(ProgramInput(array=canonical(leaf)))
+    for i in traced.donated:
+        leaf = leaves[i]
+        if isinstance(leaf, Array) and sum(other is leaf for other in leaves) > 1:
+            raise InvalidArgument(f"pw.Array {leaf.buffer_id} is donated to {traced.donated_to[i]} and passed "
+                                  "again in the same call: a donated buffer is consumed by the one call it is given to")
+    inputs.extend(ProgramInput(array=c) for c in traced.constants)
+    return inputs
+
+
+def execute(traced: TracedProgram, leaves: Sequence[Any], *, sequential: bool = False) -> Any:
+    """Dispatch a traced program without waiting for it; returns its outputs as ``pw.Array`` futures."""
+    session = traced.session
+    inputs = _inputs(traced, leaves)
+    for exported, slice_id in traced.functions:
+        exported.register(session.register_function, slice_id)
+    ids = [session.new_buffer_id() for _ in traced.spec.outputs]
+    if traced.program_id:  # registered once; each run names it (the proxy caches its lowering)
+        session.register_program(traced.program_id, traced.spec)
+        run = RunProgram(program_id=traced.program_id, inputs=inputs, outputs=ids, sequential=sequential)
+    else:  # traced for this run only (a staged program)
+        run = RunProgram(program=traced.spec, inputs=inputs, outputs=ids, sequential=sequential)
+    session.post(run)
+    for i in traced.donated:
+        if isinstance(leaves[i], Array):
+            leaves[i].donated_to(traced.donated_to[i])
+    outs = []
+    for buffer_id, v, sharding in zip(ids, traced.spec.outputs, traced.out_shardings, strict=True):
+        spec = traced.spec.values[v]
+        outs.append(Array(session, buffer_id, tuple(spec.shape), np.dtype(spec.dtype), sharding))
+    return jax.tree_util.tree_unflatten(traced.out_tree, outs)
+
+
+def call_eagerly(fn: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
+    """A compiled function called outside any program: its one-node program, traced once per signature."""
+    dyn_args, dyn_kwargs, static = fn.split(args, kwargs)
+    cache: ProgramCache = fn.eager
+    traced = cache.get(dyn_args, dyn_kwargs, static)
+    return execute(traced, jax.tree_util.tree_leaves((dyn_args, dyn_kwargs)))
+
+
+def fetch_all(leaves: Sequence[Any]) -> None:
+    """Fetch every ``pw.Array`` among ``leaves`` not fetched yet, in parallel (one request per buffer)."""
+    arrays = [leaf for leaf in leaves if isinstance(leaf, Array) and leaf._value is None]
+    by_session: dict[int, list[Array]] = {}
+    for arr in arrays:
+        arr._check_alive()
+        by_session.setdefault(id(arr.session), []).append(arr)
+    for group in by_session.values():
+        for arr, blocks in zip(group, group[0].session.fetch([a.buffer_id for a in group]), strict=True):
+            arr._value = arr.assemble(blocks)
+
+
+def host_values(leaves: list[Any]) -> list[Any]:
+    """``leaves`` with every ``pw.Array`` fetched (in parallel) into a host array."""
+    fetch_all(leaves)
+    return [leaf.value() if isinstance(leaf, Array) else leaf for leaf in leaves]
+
+
+def run_staged(fn: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any], *, sequential: bool) -> Any:
+    """Run a program that contains host functions: trace with its real arguments at hand."""
+    leaves = jax.tree_util.tree_leaves((tuple(args), kwargs))
+    builder = ProgramBuilder(concrete=[leaf if isinstance(leaf, Array) else np.asarray(leaf) for leaf in leaves],
+                             run=execute)
+    builder.sequential = sequential
+    builder, result = trace(fn, args, kwargs, builder)
+    if builder.flushed is None:  # this time no host function ran: one ordinary program
+        builder._flush()
+    assert builder.flushed is not None
+    return jax.tree_util.tree_map(builder.concrete_of, result, is_leaf=lambda x: isinstance(x, (Symbol, Array)))

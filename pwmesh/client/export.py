@@ -1,0 +1,160 @@
+"""Compiled functions as portable ``jax.export`` artifacts, traced on the client.
+
+A function is exported for its slice's mesh with its inputs' and outputs'
+``PartitionSpec``s (``export_jit``), or mapped over the leading axis one block per
+device (``export_pmap``). The artifact travels, never pickled Python; its id is the
+hash of its bytes and of how it is called. Nothing here talks to the cluster.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import export
+from jax.sharding import AbstractMesh, NamedSharding, PartitionSpec
+
+from pwmesh.client.devices import Slice
+from pwmesh.client.sharding import P, SliceSharding, abstract_mesh, propagation_mesh, resolve, spec_from
+from pwmesh.errors import InvalidArgument
+from pwmesh.ir.keys import function_id
+
+PLATFORMS = ["cpu"]  # what the executors run today (accelerators: see the cross-host issue)
+
+
+@dataclasses.dataclass(frozen=True)
+class ExportedFunction:
+    """One traced, exported function: what it takes and gives, and how it is registered."""
+
+    fn_id: str
+    serialized: bytes
+    spmd: bool  # one program over the slice's devices (else one per device, each on its block)
+    mesh: list[int]  # the mesh it was exported over (SPMD), and its axis names
+    axes: list[str]
+    donate: list[int]  # flat inputs it may consume
+    in_specs: tuple[PartitionSpec, ...]  # per flat input, over the slice's mesh
+    out_avals: tuple[jax.ShapeDtypeStruct, ...]  # global (whole-slice) shapes
+    out_specs: tuple[PartitionSpec, ...]  # per flat output, over the slice's mesh
+    out_tree: Any
+
+    def register(self, register: Callable[..., None], slice_id: int) -> None:
+        register(self.fn_id, exported=self.serialized, slice_id=slice_id, spmd=self.spmd, mesh=self.mesh,
+                 axes=self.axes, donate=self.donate)
+
+
+def _serialize(exp: export.Exported, spmd: bool, mesh: list[int], axes: list[str],
+               donate: list[int]) -> tuple[str, bytes]:
+    serialized = bytes(exp.serialize())
+    return function_id(serialized, spmd, mesh, axes, donate), serialized
+
+
+def _quiet_export(jitted: Any, avals: Sequence[jax.ShapeDtypeStruct]) -> export.Exported:
+    """``jax.export`` of ``jitted`` for the executors' platforms. Donation is the executors' (they compile
+    with it), so JAX's warning that an export cannot use it is not the user's to see."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
+        return export.export(jitted, platforms=PLATFORMS)(*avals)
+
+
+def export_jit(flat_fn: Callable[..., Any], sl: Slice, avals: Sequence[jax.ShapeDtypeStruct],
+               in_specs: Sequence[PartitionSpec], out_specs: Any, donate: Sequence[int], name: str) -> ExportedFunction:
+    """``flat_fn(*leaves)`` as one SPMD program over ``sl``'s mesh (a plain one on a single device).
+
+    ``out_specs``: a spec or pytree prefix of specs for the outputs (``None`` leaves: what XLA's
+    propagation chooses, asked by compiling here once)."""
+    n = len(sl.devices)
+    out_shape = jax.eval_shape(flat_fn, *avals)
+    out_leaves, out_tree = jax.tree_util.tree_flatten(out_shape)
+    for i, leaf in enumerate(out_leaves):
+        if not isinstance(leaf, jax.ShapeDtypeStruct):
+            raise InvalidArgument(f"{name}: output {i} is a {type(leaf).__name__}; a function returns arrays")
+    wanted = resolve(out_specs, out_shape, f"{name}: out_specs")
+    for i, (leaf, spec) in enumerate(zip(out_leaves, wanted, strict=True)):
+        if spec is not None:
+            SliceSharding(sl, spec).check(leaf.shape, f"{name}: output {i}")
+    if n == 1:
+        exp = _quiet_export(jax.jit(flat_fn), avals)
+        specs_out = tuple(P() for _ in out_leaves)
+        fn_id, serialized = _serialize(exp, False, [1], [], list(donate))
+        return ExportedFunction(fn_id, serialized, False, [1], [], list(donate), tuple(P() for _ in avals),
+                                tuple(jax.ShapeDtypeStruct(o.shape, o.dtype) for o in exp.out_avals), specs_out, out_tree)
+    if any(spec is None for spec in wanted):
+        wanted = _propagated(flat_fn, sl, avals, in_specs, wanted, out_tree)
+    for i, (leaf, spec) in enumerate(zip(out_leaves, wanted, strict=True)):
+        SliceSharding(sl, spec).check(leaf.shape, f"{name}: output {i} (as XLA shards it)")
+    mesh = abstract_mesh(sl)
+    sharded = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(mesh, s), weak_type=a.weak_type)
+               for a, s in zip(avals, in_specs, strict=True)]
+    out_shardings = jax.tree_util.tree_unflatten(out_tree, [NamedSharding(mesh, s) for s in wanted])
+    exp = _quiet_export(jax.jit(flat_fn, out_shardings=out_shardings), sharded)
+    axes = list(sl.axis_names)
+    fn_id, serialized = _serialize(exp, True, list(sl.mesh_shape), axes, list(donate))
+    return ExportedFunction(fn_id, serialized, True, list(sl.mesh_shape), axes, list(donate), tuple(in_specs),
+                            tuple(jax.ShapeDtypeStruct(o.shape, o.dtype) for o in exp.out_avals), tuple(wanted),
+                            out_tree)
+
+
+def _propagated(flat_fn: Callable[..., Any], sl: Slice, avals: Sequence[jax.ShapeDtypeStruct],
+                in_specs: Sequence[PartitionSpec], wanted: list[PartitionSpec | None],
+                out_tree: Any) -> list[PartitionSpec]:
+    """The outputs' specs with XLA's choice where none was asked for: ``jax.jit``'s outputs, exactly."""
+    mesh = propagation_mesh(sl.mesh_shape, sl.axis_names)
+    out_shardings = [None if s is None else NamedSharding(mesh, s) for s in wanted]
+    compiled = jax.jit(flat_fn, in_shardings=tuple(NamedSharding(mesh, s) for s in in_specs),
+                       out_shardings=jax.tree_util.tree_unflatten(out_tree, out_shardings)).lower(*avals).compile()
+    return [spec if spec is not None else spec_from(chosen, sl.axis_names)
+            for spec, chosen in zip(wanted, jax.tree_util.tree_leaves(compiled.output_shardings), strict=True)]
+
+
+def export_pmap(fn: Callable[..., Any], sl: Slice, avals: Sequence[jax.ShapeDtypeStruct], axis_name: str | None,
+                name: str) -> ExportedFunction:
+    """``fn`` mapped over the leading axis, one element per device (``jax.pmap``'s semantics): each device
+    runs it on its block alone, or (``axis_name``) all run it as one SPMD program so collectives work."""
+    n = len(sl.devices)
+    for i, a in enumerate(avals):
+        if not a.shape or a.shape[0] != n:
+            raise InvalidArgument(f"{name}: argument {i} has shape {a.shape}; pmap over {n} devices needs a leading "
+                                  f"axis of size {n}")
+    names = sl.axis_names
+    blocks = P(names[0] if len(names) == 1 else names)  # the leading axis over every device, in the slice's order
+
+    def per_block(*args: Any) -> Any:
+        out = fn(*[a[0] for a in args])
+        return jax.tree_util.tree_map(lambda o: jnp.expand_dims(o, 0), out)
+
+    if axis_name is None:
+        block_avals = [jax.ShapeDtypeStruct((1, *a.shape[1:]), a.dtype) for a in avals]
+        exp = _quiet_export(jax.jit(per_block), block_avals)
+        out_avals = tuple(jax.ShapeDtypeStruct((n, *o.shape[1:]), o.dtype) for o in exp.out_avals)
+        mesh, axes = [n], []
+    else:
+        abstract = AbstractMesh((n,), (axis_name,))
+        spec = P(axis_name)
+        mapped = jax.shard_map(per_block, mesh=abstract, in_specs=spec, out_specs=spec)
+        sharded = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(abstract, spec)) for a in avals]
+        exp = _quiet_export(jax.jit(mapped), sharded)
+        out_avals = tuple(jax.ShapeDtypeStruct(o.shape, o.dtype) for o in exp.out_avals)
+        mesh, axes = [n], [axis_name]
+    spmd = axis_name is not None
+    fn_id, serialized = _serialize(exp, spmd, mesh, axes, [])
+    return ExportedFunction(fn_id, serialized, spmd, mesh, axes, [], tuple(blocks for _ in avals), out_avals,
+                            tuple(blocks for _ in out_avals), exp.out_tree)
+
+
+def canonical(value: Any) -> np.ndarray:
+    """A host value as the array JAX would make of it (float64 -> float32 unless x64 is on)."""
+    arr = np.asarray(value)
+    dtype = jax.dtypes.canonicalize_dtype(arr.dtype)
+    return arr if arr.dtype == dtype else arr.astype(dtype)
+
+
+def host_aval(value: Any) -> jax.ShapeDtypeStruct:
+    """The abstract value of a host leaf; Python scalars are weakly typed, as in ``jax.jit``."""
+    weak = isinstance(value, (bool, int, float, complex)) and not isinstance(value, np.generic)
+    arr = canonical(value)
+    return jax.ShapeDtypeStruct(arr.shape, arr.dtype, weak_type=weak and not isinstance(value, bool))

@@ -1,0 +1,126 @@
+"""A client's session on the proxy: the bottom of the client library.
+
+Everything the upper layers ask of the cluster goes through here, as wire messages
+over the one ``ClientConnection``: buffer ids, registering functions and programs,
+running programs, putting, fetching, awaiting and releasing buffers, slices and
+status. Nothing here knows about arrays, tracing or meshes beyond what travels.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import threading
+import time
+from collections.abc import Sequence
+
+import numpy as np
+
+from pwmesh.client.connection import ClientConnection
+from pwmesh.wire.messages import (
+    AwaitBuffers,
+    BuffersState,
+    BufferValue,
+    CreateSlice,
+    Fetch,
+    GetStatus,
+    Message,
+    ProgramSpec,
+    PutBuffer,
+    QueryBuffers,
+    RegisterProgram,
+    RegisterProgramFunction,
+    ReleaseBuffers,
+    Sharding,
+    SliceCreated,
+    SliceInfo,
+    StatusReply,
+)
+
+
+class Session:
+    """One session: ids, registrations (each once) and the requests behind ``pw.Array``."""
+
+    def __init__(self, address: str, *, name: str = "", weight: float = 1.0, priority: int = 0,
+                 connect_timeout_seconds: float = 10.0) -> None:
+        self.address = address
+        self.conn = ClientConnection(address, name=name or f"pid{os.getpid()}", weight=weight, priority=priority,
+                                     connect_timeout_seconds=connect_timeout_seconds)
+        self._ids = itertools.count(1)
+        self._lock = threading.Lock()
+        self._functions: set[str] = set()
+        self._programs: set[str] = set()
+
+    @property
+    def session_id(self) -> str:
+        return self.conn.session_id
+
+    @property
+    def closed(self) -> bool:
+        return self.conn.closed
+
+    def new_buffer_id(self) -> int:
+        return next(self._ids)
+
+    def _first_time(self, seen: set[str], key: str) -> bool:
+        with self._lock:
+            if key in seen:
+                return False
+            seen.add(key)
+            return True
+
+    def register_function(self, fn_id: str, *, exported: bytes, slice_id: int, spmd: bool, mesh: list[int],
+                          axes: list[str], donate: list[int]) -> None:
+        """Ship a compiled function to the proxy, once per session."""
+        if self._first_time(self._functions, fn_id):
+            self.conn.post(RegisterProgramFunction(fn_id=fn_id, exported=exported, slice_id=slice_id, spmd=spmd,
+                                                   mesh=mesh, axes=axes, donate=donate))
+
+    def register_program(self, program_id: str, spec: ProgramSpec) -> None:
+        """Ship a traced program once per session; its runs then send only its id."""
+        if self._first_time(self._programs, program_id):
+            self.conn.post(RegisterProgram(program_id=program_id, program=spec))
+
+    def post(self, message: Message) -> None:
+        self.conn.post(message)
+
+    def create_slice(self, devices: int, island: int | None) -> SliceInfo:
+        reply = self.conn.request(CreateSlice(devices=devices, island=island))
+        assert isinstance(reply, SliceCreated)
+        return reply.slice
+
+    def put(self, buffer_id: int, slice_id: int, array: np.ndarray, sharding: Sharding) -> None:
+        self.conn.post(PutBuffer(buffer=buffer_id, slice_id=slice_id, array=array, sharding=sharding))
+
+    def fetch(self, buffer_ids: Sequence[int], timeout_seconds: float | None = None) -> list[list[np.ndarray]]:
+        """Each buffer's distinct blocks (fetched in parallel); ``PwTimeoutError`` past the timeout."""
+        futures = [self.conn.submit(Fetch(buffer=b)) for b in buffer_ids]
+        deadline = None if timeout_seconds is None else time.monotonic() + timeout_seconds
+        blocks = []
+        for fut in futures:
+            assert fut is not None
+            remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+            reply = self.conn.wait(fut, "fetch", remaining)
+            assert isinstance(reply, BufferValue)
+            blocks.append(reply.shards)
+        return blocks
+
+    def await_buffers(self, buffer_ids: list[int]) -> None:
+        self.conn.request(AwaitBuffers(buffers=buffer_ids))
+
+    def ready(self, buffer_ids: list[int]) -> list[bool]:
+        reply = self.conn.request(QueryBuffers(buffers=buffer_ids))
+        assert isinstance(reply, BuffersState)
+        return reply.ready
+
+    def release(self, buffer_id: int) -> None:
+        if not self.conn.closed:
+            self.conn.post(ReleaseBuffers(buffers=[buffer_id]))
+
+    def status(self) -> StatusReply:
+        reply = self.conn.request(GetStatus(), timeout_seconds=60.0)
+        assert isinstance(reply, StatusReply)
+        return reply
+
+    def close(self) -> None:
+        self.conn.close()
