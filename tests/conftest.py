@@ -24,11 +24,23 @@ jax.config.update("jax_num_cpu_devices", 2)
 # executors across both islands (Figure 2) and for same-host collectives.
 SPEC = pw.LocalClusterSpec(islands=2, hosts_per_island=2, devices_per_host=2, session_timeout_seconds=30.0)
 
+# One executor of eight devices per island: every slice of up to 8 devices fits on one host
+# of either island (SPMD over a 2x2 mesh included), and island 0 -> island 1 is always
+# another executor. Slices may share devices (placement balances load).
+WIDE = pw.LocalClusterSpec(islands=2, hosts_per_island=1, devices_per_host=8)
+
 
 @pytest.fixture(scope="session")
 def cluster() -> Iterator[pw.LocalCluster]:
     os.environ.pop("PWMESH_ADDRESS", None)
     with pw.LocalCluster(SPEC) as running:
+        yield running
+
+
+@pytest.fixture(scope="session")
+def wide_cluster() -> Iterator[pw.LocalCluster]:
+    os.environ.pop("PWMESH_ADDRESS", None)
+    with pw.LocalCluster(WIDE) as running:
         yield running
 
 

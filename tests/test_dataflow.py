@@ -8,7 +8,6 @@ what a user sees (values, errors, trace spans), on real daemons with real JAX on
 from __future__ import annotations
 
 import dataclasses
-import os
 from collections.abc import Iterator
 
 import jax
@@ -30,10 +29,6 @@ ROWS = 24  # splits evenly over every size in SIZES
 FETCH_TIMEOUT_SECONDS = 60.0
 # Per-test timeouts include the fixtures' setup: the first test on a cluster also starts it.
 
-# One executor of eight devices per island: every size up to 8 fits on either island, and
-# island 0 -> island 1 is always another executor. Slices may share devices (placement
-# balances load), so one slice per size per island fits too.
-WIDE = pw.LocalClusterSpec(islands=2, hosts_per_island=1, devices_per_host=8)
 
 
 def produce(x: jax.Array) -> jax.Array:
@@ -56,13 +51,6 @@ class Wide:
 
     def fetch(self, *arrays: pw.Array) -> list[np.ndarray]:
         return self.client.fetch(list(arrays), timeout_seconds=FETCH_TIMEOUT_SECONDS)
-
-
-@pytest.fixture(scope="module")
-def wide_cluster() -> Iterator[pw.LocalCluster]:
-    os.environ.pop("PWMESH_ADDRESS", None)
-    with pw.LocalCluster(WIDE) as running:
-        yield running
 
 
 @pytest.fixture(scope="module")

@@ -70,6 +70,7 @@ def export_jit(flat_fn: Callable[..., Any], sl: Slice, avals: Sequence[jax.Shape
     n = len(sl.devices)
     out_shape = jax.eval_shape(flat_fn, *avals)
     out_leaves, out_tree = jax.tree_util.tree_flatten(out_shape)
+    flat_fn = _flat_outputs(flat_fn)  # the artifact's pytrees are lists: the client keeps the structure
     for i, leaf in enumerate(out_leaves):
         if not isinstance(leaf, jax.ShapeDtypeStruct):
             raise InvalidArgument(f"{name}: output {i} is a {type(leaf).__name__}; a function returns arrays")
@@ -84,14 +85,13 @@ def export_jit(flat_fn: Callable[..., Any], sl: Slice, avals: Sequence[jax.Shape
         return ExportedFunction(fn_id, serialized, False, [1], [], list(donate), tuple(P() for _ in avals),
                                 tuple(jax.ShapeDtypeStruct(o.shape, o.dtype) for o in exp.out_avals), specs_out, out_tree)
     if any(spec is None for spec in wanted):
-        wanted = _propagated(flat_fn, sl, avals, in_specs, wanted, out_tree)
+        wanted = _propagated(flat_fn, sl, avals, in_specs, wanted)
     for i, (leaf, spec) in enumerate(zip(out_leaves, wanted, strict=True)):
         SliceSharding(sl, spec).check(leaf.shape, f"{name}: output {i} (as XLA shards it)")
     mesh = abstract_mesh(sl)
     sharded = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(mesh, s), weak_type=a.weak_type)
                for a, s in zip(avals, in_specs, strict=True)]
-    out_shardings = jax.tree_util.tree_unflatten(out_tree, [NamedSharding(mesh, s) for s in wanted])
-    exp = _quiet_export(jax.jit(flat_fn, out_shardings=out_shardings), sharded)
+    exp = _quiet_export(jax.jit(flat_fn, out_shardings=[NamedSharding(mesh, s) for s in wanted]), sharded)
     axes = list(sl.axis_names)
     fn_id, serialized = _serialize(exp, True, list(sl.mesh_shape), axes, list(donate))
     return ExportedFunction(fn_id, serialized, True, list(sl.mesh_shape), axes, list(donate), tuple(in_specs),
@@ -100,13 +100,12 @@ def export_jit(flat_fn: Callable[..., Any], sl: Slice, avals: Sequence[jax.Shape
 
 
 def _propagated(flat_fn: Callable[..., Any], sl: Slice, avals: Sequence[jax.ShapeDtypeStruct],
-                in_specs: Sequence[PartitionSpec], wanted: list[PartitionSpec | None],
-                out_tree: Any) -> list[PartitionSpec]:
+                in_specs: Sequence[PartitionSpec], wanted: list[PartitionSpec | None]) -> list[PartitionSpec]:
     """The outputs' specs with XLA's choice where none was asked for: ``jax.jit``'s outputs, exactly."""
     mesh = propagation_mesh(sl.mesh_shape, sl.axis_names)
-    out_shardings = [None if s is None else NamedSharding(mesh, s) for s in wanted]
     compiled = jax.jit(flat_fn, in_shardings=tuple(NamedSharding(mesh, s) for s in in_specs),
-                       out_shardings=jax.tree_util.tree_unflatten(out_tree, out_shardings)).lower(*avals).compile()
+                       out_shardings=[None if s is None else NamedSharding(mesh, s) for s in wanted]
+                       ).lower(*avals).compile()
     return [spec if spec is not None else spec_from(chosen, sl.axis_names)
             for spec, chosen in zip(wanted, jax.tree_util.tree_leaves(compiled.output_shardings), strict=True)]
 
@@ -123,9 +122,12 @@ def export_pmap(fn: Callable[..., Any], sl: Slice, avals: Sequence[jax.ShapeDtyp
     names = sl.axis_names
     blocks = P(names[0] if len(names) == 1 else names)  # the leading axis over every device, in the slice's order
 
+    trees: list[Any] = []  # the output's structure, seen as the export traces it (inside the mapped axis)
+
     def per_block(*args: Any) -> Any:
-        out = fn(*[a[0] for a in args])
-        return jax.tree_util.tree_map(lambda o: jnp.expand_dims(o, 0), out)
+        leaves, tree = jax.tree_util.tree_flatten(fn(*[a[0] for a in args]))
+        trees.append(tree)
+        return [jnp.expand_dims(o, 0) for o in leaves]
 
     if axis_name is None:
         block_avals = [jax.ShapeDtypeStruct((1, *a.shape[1:]), a.dtype) for a in avals]
@@ -143,7 +145,17 @@ def export_pmap(fn: Callable[..., Any], sl: Slice, avals: Sequence[jax.ShapeDtyp
     spmd = axis_name is not None
     fn_id, serialized = _serialize(exp, spmd, mesh, axes, [])
     return ExportedFunction(fn_id, serialized, spmd, mesh, axes, [], tuple(blocks for _ in avals), out_avals,
-                            tuple(blocks for _ in out_avals), exp.out_tree)
+                            tuple(blocks for _ in out_avals), trees[-1])
+
+
+def _flat_outputs(fn: Callable[..., Any]) -> Callable[..., list[Any]]:
+    """``fn`` returning its outputs' leaves: an artifact holds no user pytree types (optax's states, say,
+    which ``jax.export`` cannot serialize); the caller rebuilds the structure it traced."""
+
+    def flat(*args: Any) -> list[Any]:
+        return jax.tree_util.tree_leaves(fn(*args))
+
+    return flat
 
 
 def canonical(value: Any) -> np.ndarray:

@@ -137,18 +137,27 @@ def resolve(specs: Any, tree: Any, what: str) -> list[PartitionSpec | None]:
     if is_spec_leaf(specs):
         return [specs] * len(jax.tree_util.tree_leaves(tree))
     try:
-        per_leaf = jax.tree_util.tree_map(lambda s, sub: [s] * len(jax.tree_util.tree_leaves(sub)), specs, tree,
-                                          is_leaf=is_spec_leaf)
+        per_leaf = jax.tree_util.tree_map(lambda s, sub: _Broadcast(s, len(jax.tree_util.tree_leaves(sub))), specs,
+                                          tree, is_leaf=is_spec_leaf)
     except (ValueError, TypeError) as exc:
         raise InvalidArgument(f"{what} do not match the values' structure (they must be a pytree prefix of it, "
                               f"with PartitionSpecs or None as leaves): {exc}") from None
     out: list[PartitionSpec | None] = []
-    for group in jax.tree_util.tree_leaves(per_leaf, is_leaf=lambda x: isinstance(x, list)):
-        for spec in group:
-            if not is_spec_leaf(spec):
-                raise InvalidArgument(f"{what}: {spec!r} is not a PartitionSpec")
-            out.append(spec)
+    for group in jax.tree_util.tree_leaves(per_leaf):
+        if not is_spec_leaf(group.spec):
+            raise InvalidArgument(f"{what}: {group.spec!r} is not a PartitionSpec")
+        out.extend([group.spec] * group.leaves)
     return out
+
+
+class _Broadcast:
+    """One spec over the ``leaves`` leaves of a subtree (a pytree leaf itself, whatever the spec is)."""
+
+    __slots__ = ("spec", "leaves")
+
+    def __init__(self, spec: Any, leaves: int) -> None:
+        self.spec = spec
+        self.leaves = leaves
 
 
 def abstract_mesh(sl: Slice) -> AbstractMesh:

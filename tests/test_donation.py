@@ -1,0 +1,135 @@
+"""Donation inside the executor and the proxy, without daemons.
+
+The executor part drives a real ``Runner`` (real JAX on the 2 CPU devices of this
+process, a real object store): a computation that may consume its input hands the
+buffer to XLA (aliased into an output here), and the store drops it and its bytes;
+one told to keep it (someone else still reads it) leaves it. The proxy part checks
+when a donated buffer may be consumed at all.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import export
+from jax.sharding import AbstractMesh, NamedSharding, PartitionSpec
+from test_fast_path import Recorder, device_loops
+
+from pwmesh.errors import InvalidArgument
+from pwmesh.executor.functions import FunctionCache
+from pwmesh.executor.runner import Runner
+from pwmesh.executor.store import ObjectStore
+from pwmesh.proxy.intake import bind
+from pwmesh.proxy.session import Buffer, Session
+from pwmesh.wire.messages import Computation, NodeSpec, ProgramInput, ProgramSpec, RunProgram, ShardRun, ValueSpec
+
+pytestmark = pytest.mark.timeout(60)
+
+ROWS = 4  # per device
+
+
+def _spmd_update() -> bytes:
+    """``(w, g) -> (w - 0.5 g, sum(w))`` over a 2-device mesh, rows split: w's buffer can become the new w's."""
+    mesh = AbstractMesh((2,), ("x",))
+    rows, whole = NamedSharding(mesh, PartitionSpec("x")), NamedSharding(mesh, PartitionSpec())
+    avals = [jax.ShapeDtypeStruct((2 * ROWS, 8), jnp.float32, sharding=rows)] * 2
+    fn = jax.jit(lambda w, g: [w - 0.5 * g, w.sum()], out_shardings=[rows, whole])
+    return bytes(export.export(fn, platforms=["cpu"])(*avals).serialize())
+
+
+def _single_update() -> bytes:
+    aval = jax.ShapeDtypeStruct((ROWS, 8), jnp.float32)
+    return bytes(export.export(jax.jit(lambda w: [w * 2.0]), platforms=["cpu"])(aval).serialize())
+
+
+def _update(run: str, donate: list[int], w: str = "w") -> Computation:
+    return Computation(node=0, fn_id="update", executor_id="e", control="c", spmd=True, donate=donate,
+                       runs=[ShardRun(device=0, shard=0, count=2)], inputs=[w, "g"], outputs=[f"{run}/w", f"{run}/s"])
+
+
+async def _runner() -> tuple[Runner, Recorder]:
+    devices = jax.devices("cpu")[:2]
+    rec = Recorder()
+    r = Runner(devices, ObjectStore(), FunctionCache(), emit=lambda *_: None, done=rec.on_done, part_done=rec.on_part)
+    r.functions.register("update", _spmd_update(), spmd=True, mesh=[2], axes=["x"], donate=[0])
+    r.functions.register("double", _single_update(), spmd=False, donate=[0])
+    for i, d in enumerate(devices):
+        r.store.put(f"g/{i}", jax.device_put(np.ones((ROWS, 8), np.float32), d), ROWS * 8 * 4)
+    return r, rec
+
+
+def _put_w(r: Runner, name: str = "w") -> None:
+    for i, d in enumerate(r.devices):
+        r.store.put(f"{name}/{i}", jax.device_put(np.full((ROWS, 8), 2.0, np.float32), d), ROWS * 8 * 4)
+
+
+@pytest.mark.asyncio
+async def test_a_donated_input_leaves_the_store_with_its_bytes_on_every_path() -> None:
+    r, rec = await _runner()
+    async with device_loops(r):
+        block = ROWS * 8 * 4
+        for k in range(4):  # the first compiles on a device thread; later ones take the quick paths
+            _put_w(r, f"w{k}")
+            before = r.memory.stored
+            r.enqueue_all(f"r{k}", "p", [_update(f"r{k}", donate=[0], w=f"w{k}")])
+            await rec.part(f"r{k}")
+            assert all(w.error is None for w in rec.done), [w.error for w in rec.done]
+            assert r.store.values([f"w{k}/0"]) is None and r.store.values([f"w{k}/1"]) is None, "consumed"
+            # The new w took the donated buffers' place: only the scalar sum is new (4 bytes a device).
+            assert r.memory.stored == before - 2 * block + 2 * block + 2 * 4
+            new = r.store.values([f"r{k}/w/0", f"r{k}/w/1"])
+            assert new is not None and all(np.all(np.asarray(v) == 1.5) for v in new)
+
+
+@pytest.mark.asyncio
+async def test_an_input_it_must_keep_stays() -> None:
+    r, rec = await _runner()
+    async with device_loops(r):
+        _put_w(r)
+        r.enqueue_all("r1", "p", [_update("r1", donate=[])])  # the proxy said: someone else reads it
+        await rec.part("r1")
+        kept = r.store.values(["w/0", "w/1"])
+        assert kept is not None and all(not v.is_deleted() for v in kept)
+
+
+@pytest.mark.asyncio
+async def test_a_per_device_function_consumes_its_input_too() -> None:
+    r, rec = await _runner()
+    async with device_loops(r):
+        r.store.put("v/0", jax.device_put(np.ones((ROWS, 8), np.float32), r.devices[0]), ROWS * 8 * 4)
+        comp = Computation(node=0, fn_id="double", executor_id="e", control="c", donate=[0],
+                           runs=[ShardRun(device=0, shard=0)], inputs=["v"], outputs=["r1/v"])
+        r.enqueue_all("r1", "p", [comp])
+        await rec.part("r1")
+        assert r.store.values(["v/0"]) is None
+        (out,) = r.store.values(["r1/v/0"]) or [None]
+        np.testing.assert_array_equal(np.asarray(out), np.full((ROWS, 8), 2.0))
+
+
+# ------------------------------------------------------------------ the proxy: may it be consumed?
+
+
+def _program() -> ProgramSpec:
+    value = ValueSpec(shape=[4], dtype="float32", shards=1)
+    return ProgramSpec(values=[value, value], inputs=[0], outputs=[1],
+                       nodes=[NodeSpec(fn_id="f", slice_id=1, inputs=[0], outputs=[1], donate=[0])])
+
+
+@pytest.mark.asyncio
+async def test_a_donated_buffer_is_consumed_only_when_nobody_else_reads_it() -> None:
+    # (async: a Buffer's readiness future belongs to the running loop)
+    session = Session(session_id="s1", name="t", peer=b"p")
+    buf = Buffer.new("b1.0", ValueSpec(shape=[4], dtype="float32", shards=1), client_ref=True)
+    session.buffers[7] = buf
+    run = RunProgram(inputs=[ProgramInput(buffer=7)], outputs=[8], program_id="x")
+    assert bind(session, run, _program()).keep == frozenset(), "nobody else: the executors may consume it"
+    buf.readers = 1  # another run in flight reads it, or a fetch is under way
+    assert bind(session, run, _program()).keep == frozenset({0})
+    buf.readers = 0
+    buf.read_by_its_run = True  # the run that made it still has nodes that read it
+    assert bind(session, run, _program()).keep == frozenset({0})
+    session.donate(7, "run s1:3")
+    with pytest.raises(InvalidArgument, match="buffer 7 was donated to run s1:3 and can no longer be used"):
+        bind(session, run, _program())
