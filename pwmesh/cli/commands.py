@@ -64,8 +64,8 @@ def up(config: UpConfig) -> None:
     print("stopped.")
 
 
-def submit(address: str | None, job: str, args: list[str]) -> int:
-    pw.connect(address, name=os.path.basename(job))
+def submit(address: str | None, job: str, args: list[str], cluster: LocalClusterSpec | None = None) -> int:
+    pw.connect(address, name=os.path.basename(job), cluster=cluster)
     old_argv = sys.argv
     sys.argv = [job, *args]
     try:

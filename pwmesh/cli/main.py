@@ -7,10 +7,12 @@ CLI is tested with click's ``CliRunner`` and the functions without click.
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 
 import click
 
 from pwmesh.cli import commands
+from pwmesh.service.local_cluster import LocalClusterSpec
 
 _address = click.option("--address", envvar="PWMESH_ADDRESS", default=None,
                         help="Proxy address (default: $PWMESH_ADDRESS).")
@@ -22,10 +24,19 @@ def main() -> None:
     """pwmesh: one controller for many hosts' accelerators (an open Pathways)."""
 
 
+def _shape(command: Callable[..., None]) -> Callable[..., None]:
+    """The options that shape a local cluster (``pwmesh up``, and ``pwmesh submit``'s embedded one)."""
+    for option in reversed((
+        click.option("--islands", type=click.IntRange(min=1), default=2, show_default=True),
+        click.option("--hosts-per-island", type=click.IntRange(min=1), default=2, show_default=True),
+        click.option("--devices-per-host", type=click.IntRange(min=1), default=2, show_default=True),
+    )):
+        command = option(command)
+    return command
+
+
 @main.command()
-@click.option("--islands", type=click.IntRange(min=1), default=2, show_default=True)
-@click.option("--hosts-per-island", type=click.IntRange(min=1), default=2, show_default=True)
-@click.option("--devices-per-host", type=click.IntRange(min=1), default=2, show_default=True)
+@_shape
 @click.option("--log-dir", type=click.Path(file_okay=False), default=None, help="Where daemon logs go.")
 @click.option("--log-level", default="WARNING", show_default=True)
 def up(islands: int, hosts_per_island: int, devices_per_host: int, log_dir: str | None, log_level: str) -> None:
@@ -35,11 +46,15 @@ def up(islands: int, hosts_per_island: int, devices_per_host: int, log_dir: str 
 
 @main.command(context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False})
 @_address
+@_shape
 @click.argument("job", type=click.Path(exists=True, dir_okay=False))
 @click.argument("args", nargs=-1, type=click.UNPROCESSED)
-def submit(address: str | None, job: str, args: tuple[str, ...]) -> None:
-    """Run the Python file JOB connected to a cluster (an embedded one without an address)."""
-    sys.exit(commands.submit(address, job, list(args)))
+def submit(address: str | None, islands: int, hosts_per_island: int, devices_per_host: int, job: str,
+           args: tuple[str, ...]) -> None:
+    """Run the Python file JOB connected to a cluster: the one at --address, else an embedded one of the
+    shape the other options give (a job's SPMD slices must fit one host: e.g. --devices-per-host 4)."""
+    cluster = LocalClusterSpec(islands=islands, hosts_per_island=hosts_per_island, devices_per_host=devices_per_host)
+    sys.exit(commands.submit(address, job, list(args), cluster))
 
 
 @main.command()
