@@ -1,0 +1,196 @@
+"""Train a byte-level Transformer language model on pwmesh, data- and model-parallel.
+
+The model, data and shardings are ``pwmesh.examples.lm``'s. One slice of 4 devices
+is a 2x2 mesh ``{"data": 2, "model": 2}``; the training step is one ``pw.jit``
+over it with ``in_specs``/``out_specs`` from the model's ``PartitionSpec``s, and
+parameters and optimizer state are donated, so they stay on the devices from step
+to step: one call per step, dispatched ahead while the devices compute. Losses are
+fetched only to report them.
+
+    pwmesh submit --devices-per-host 4 pwmesh/examples/train_lm.py --steps 300
+    python -m pwmesh.examples.train_lm --reference --steps 300   # plain jax.jit, same shardings
+
+``--checkpoint DIR`` resumes from the newest checkpoint there and saves one at the
+end (and every ``--checkpoint-every`` steps). ``--json PATH`` writes the losses and
+the measured speed. With ``--reference`` the identical model trains with plain
+``jax.jit`` and the same ``NamedSharding``s in this process (on 4 CPU devices:
+the script asks for them itself when JAX has not started yet).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+import pwmesh as pw
+from pwmesh.examples import lm
+
+MESH = {"data": 2, "model": 2}
+WARMUP_STEPS = 3  # compile and first runs: not part of the speed
+
+
+@dataclasses.dataclass
+class Result:
+    losses: list[float]
+    step_seconds: float  # per step, after warm-up (wall clock, dispatch included)
+    tokens_per_second: float
+    first_step: int  # where this run started (a resumed run starts after its checkpoint)
+
+
+@dataclasses.dataclass
+class Trainer:
+    """One way of running ``lm.make_train_step``: its step, and how state gets on and off the devices."""
+
+    step: Callable[[Any, Any, Any], tuple[Any, Any, Any]]
+    place: Callable[[Any, Any], Any]  # (host tree, specs) -> device tree
+    fetch: Callable[[Any], Any]  # device tree -> host tree (numpy)
+
+
+def pwmesh_trainer(config: lm.Config, optimizer: Any) -> Trainer:
+    sl = pw.make_virtual_device_set().add_slice(devices=4, mesh=MESH)
+    if len(sl.executors) > 1:
+        raise SystemExit(f"the 2x2 mesh landed on {len(sl.executors)} hosts; this example needs 4 devices on one "
+                         "(pwmesh submit --devices-per-host 4 ...), until cross-host collectives land")
+    pspecs, ospecs = lm.param_specs(config), lm.opt_state_specs(config, optimizer)
+    step = pw.jit(lm.make_train_step(config, optimizer), devices=sl, in_specs=(pspecs, ospecs, lm.batch_spec()),
+                  out_specs=(pspecs, ospecs, P()), donate_argnums=(0, 1))
+    return Trainer(step, lambda tree, specs: pw.put(tree, devices=sl, spec=specs), pw.get)
+
+
+def jax_trainer(config: lm.Config, optimizer: Any) -> Trainer:
+    """The same step under plain ``jax.jit`` in this process, with the same shardings."""
+    if jax.config.jax_platforms in (None, "", "cpu") and jax.config.jax_num_cpu_devices < 4:
+        try:  # the mesh needs 4 devices: ask for 4 CPU ones if JAX has not started its backends yet
+            jax.config.update("jax_num_cpu_devices", 4)
+        except RuntimeError:
+            pass
+    if len(jax.devices()) < 4:
+        raise SystemExit(f"--reference needs 4 JAX devices, this process has {len(jax.devices())} (set "
+                         "XLA_FLAGS=--xla_force_host_platform_device_count=4 before JAX starts)")
+    mesh = Mesh(np.array(jax.devices()[:4]).reshape(2, 2), tuple(MESH))
+
+    def named(specs: Any) -> Any:
+        return jax.tree_util.tree_map(lambda s: NamedSharding(mesh, s), specs, is_leaf=lambda x: isinstance(x, P))
+
+    pspecs, ospecs = named(lm.param_specs(config)), named(lm.opt_state_specs(config, optimizer))
+    step = jax.jit(lm.make_train_step(config, optimizer), in_shardings=(pspecs, ospecs, named(lm.batch_spec())),
+                   out_shardings=(pspecs, ospecs, named(P())), donate_argnums=(0, 1))
+    return Trainer(step, lambda tree, specs: jax.device_put(tree, named(specs)), jax.device_get)
+
+
+def train(config: lm.Config, steps: int, trainer: Trainer, optimizer: Any, *, checkpoint: str | None = None,
+          checkpoint_every: int = 0, progress: bool = True, log_every: int = 10) -> Result:
+    """Train up to step ``steps`` (from the newest checkpoint in ``checkpoint``, if any)."""
+    params, opt_state, start = _initial_state(config, optimizer, checkpoint)
+    params = trainer.place(params, lm.param_specs(config))
+    opt_state = trainer.place(opt_state, lm.opt_state_specs(config, optimizer))
+    data = lm.batches(config, start=start)
+    losses: list[Any] = []
+    reported: list[float] = []
+    began = shown = time.perf_counter()
+    timed_from = None
+    with _progress(progress, steps - start) as bar:
+        for step in range(start, steps):
+            params, opt_state, loss = trainer.step(params, opt_state, next(data))
+            losses.append(loss)
+            if step - start == WARMUP_STEPS - 1:
+                trainer.fetch(loss)  # the warm-up (compiles) is done: time from here
+                timed_from = (time.perf_counter(), len(losses))
+            if len(losses) - len(reported) >= log_every or step == steps - 1:
+                fresh = [float(v) for v in trainer.fetch(losses[len(reported):])]
+                now = time.perf_counter()
+                bar.update(len(reported) + len(fresh), fresh[-1], config.tokens_per_step * len(fresh) / (now - shown))
+                reported += fresh
+                shown = now
+            if checkpoint and checkpoint_every and (step + 1) % checkpoint_every == 0 and step + 1 < steps:
+                lm.save_checkpoint(checkpoint, step + 1, trainer.fetch(params), trainer.fetch(opt_state))
+    end = time.perf_counter()
+    if checkpoint and steps > start:
+        lm.save_checkpoint(checkpoint, steps, trainer.fetch(params), trainer.fetch(opt_state))
+    if timed_from is None or len(losses) == timed_from[1]:
+        seconds = (end - began) / max(1, len(losses))
+    else:
+        seconds = (end - timed_from[0]) / (len(losses) - timed_from[1])
+    return Result(reported, seconds, config.tokens_per_step / seconds, start)
+
+
+def _initial_state(config: lm.Config, optimizer: Any, checkpoint: str | None) -> tuple[Any, Any, int]:
+    params = jax.device_get(lm.init_params(config))
+    opt_state = jax.device_get(optimizer.init(params))
+    if checkpoint and lm.latest_checkpoint(checkpoint) is not None:
+        start, params, opt_state = lm.load_checkpoint(checkpoint, params, opt_state)
+        return params, opt_state, start
+    return params, opt_state, 0
+
+
+class _Bar:
+    def __init__(self, progress: Progress | None, task: Any) -> None:
+        self.progress, self.task = progress, task
+
+    def update(self, done: int, loss: float, tokens_per_second: float) -> None:
+        if self.progress is not None:
+            self.progress.update(self.task, completed=done, loss=loss, speed=tokens_per_second)
+
+
+class _progress:  # noqa: N801 - used as a context manager, like rich's own
+    """A rich progress bar with the loss and tokens/s (or nothing, when ``enabled`` is false)."""
+
+    def __init__(self, enabled: bool, total: int) -> None:
+        self.progress = Progress(TextColumn("step"), MofNCompleteColumn(), BarColumn(),
+                                 TextColumn("loss {task.fields[loss]:.4f}"),
+                                 TextColumn("{task.fields[speed]:,.0f} tokens/s"), TimeRemainingColumn(),
+                                 transient=False) if enabled else None
+        self.total = total
+
+    def __enter__(self) -> _Bar:
+        if self.progress is None:
+            return _Bar(None, None)
+        self.progress.start()
+        return _Bar(self.progress, self.progress.add_task("train", total=self.total, loss=float("nan"), speed=0.0))
+
+    def __exit__(self, *exc_info: object) -> None:
+        if self.progress is not None:
+            self.progress.stop()
+
+
+def main(argv: list[str] | None = None) -> Result:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--preset", choices=sorted(lm.PRESETS), default="small")
+    parser.add_argument("--steps", type=int, default=200, help="train up to this step (default: 200)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--checkpoint", metavar="DIR", help="resume from the newest checkpoint here; save at the end")
+    parser.add_argument("--checkpoint-every", type=int, default=0, metavar="N", help="also save every N steps")
+    parser.add_argument("--reference", action="store_true", help="plain jax.jit in this process, same shardings")
+    parser.add_argument("--json", metavar="PATH", help="write the losses and the speed here")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    args = parser.parse_args(argv)
+    config = dataclasses.replace(lm.PRESETS[args.preset], seed=args.seed)
+    optimizer = lm.make_optimizer(config)
+    trainer = jax_trainer(config, optimizer) if args.reference else pwmesh_trainer(config, optimizer)
+    result = train(config, args.steps, trainer, optimizer, checkpoint=args.checkpoint,
+                   checkpoint_every=args.checkpoint_every, progress=not args.no_progress)
+    where = "plain JAX (one process)" if args.reference else "pwmesh"
+    if result.losses:
+        print(f"{where}: steps {result.first_step}..{args.steps}, loss {result.losses[0]:.4f} -> "
+              f"{result.losses[-1]:.4f}, {result.tokens_per_second:,.0f} tokens/s "
+              f"({result.step_seconds * 1e3:.2f} ms a step)")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"system": "jax" if args.reference else "pwmesh",
+                                               "preset": args.preset, "config": dataclasses.asdict(config),
+                                               **dataclasses.asdict(result)}) + "\n")
+    return result
+
+
+if __name__ == "__main__":
+    main()
