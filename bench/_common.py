@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import platform
+import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -125,3 +127,31 @@ def save_figure(fig: Any, path: Path) -> bool:
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return True
+
+
+def threshold_crossing(points: list[dict[str, Any]], threshold: float) -> dict[str, Any]:
+    """Over ``points`` (each a ``compute_ms_per_step`` and a pwmesh/JAX ``ratio``, in growing compute), the
+    smallest compute time from which every larger point reaches ``threshold`` (a lone point above it among
+    points below it is noise): that point, its time, and the time interpolated (log) from the one below."""
+    first = len(points)
+    while first > 0 and points[first - 1]["ratio"] >= threshold:
+        first -= 1
+    if first == len(points):
+        return {"point": None, "min_ms": None, "min_ms_interpolated": None}
+    hit = points[first]
+    interpolated = hit["compute_ms_per_step"]
+    if first > 0:
+        below = points[first - 1]
+        lo, hi = math.log(below["compute_ms_per_step"]), math.log(hit["compute_ms_per_step"])
+        if hit["ratio"] > below["ratio"] and hi > lo:
+            frac = (threshold - below["ratio"]) / (hit["ratio"] - below["ratio"])
+            interpolated = math.exp(lo + frac * (hi - lo))
+    return {"point": hit, "min_ms": hit["compute_ms_per_step"], "min_ms_interpolated": interpolated}
+
+
+def fixed_overhead(points: list[dict[str, Any]], threshold: float) -> dict[str, float]:
+    """pwmesh's extra time per step, if it simply adds to the compute time c: ratio = c / (c + o), so
+    o = c (1/ratio - 1), median over the points; then the threshold needs c >= o * threshold / (1 - threshold).
+    Less noisy than the crossing on a shared machine, where one point's ratio can jump."""
+    extra = statistics.median(p["compute_ms_per_step"] * (1 / p["ratio"] - 1) for p in points)
+    return {"overhead_ms": extra, "predicted_min_ms": max(0.0, extra) * threshold / (1 - threshold)}

@@ -54,7 +54,17 @@ import numpy as np  # noqa: E402
 import pwmesh as pw  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import DEFAULT_OUT, load_average, machine, pyplot, save_figure, save_results, table  # noqa: E402
+from _common import (  # noqa: E402
+    DEFAULT_OUT,
+    fixed_overhead,
+    load_average,
+    machine,
+    pyplot,
+    save_figure,
+    save_results,
+    table,
+    threshold_crossing,
+)
 
 LAYOUTS = {"span": 4, "one": 2}  # slice devices: over both executors, on one executor
 TARGET_MS = 2.3
@@ -162,31 +172,17 @@ def sweep(client: pw.Client, layout: str, config: Config, deadline: float) -> di
 
 
 def crossing(points: list[dict[str, Any]], threshold: float) -> dict[str, Any]:
-    """Smallest per-step compute time from which every larger size measured reaches ``threshold``
-    (a lone size above it among sizes below it is noise), measured and interpolated (log time)."""
-    first = len(points)
-    while first > 0 and points[first - 1]["ratio"] >= threshold:
-        first -= 1
-    if first == len(points):
+    """The crossing (``_common.threshold_crossing``) under this benchmark's names, against its target."""
+    found = threshold_crossing(points, threshold)
+    if found["point"] is None:
         return {"min_compute_ms": None, "min_compute_ms_interpolated": None, "target_met": False}
-    hit = points[first]
-    interpolated = hit["compute_ms_per_step"]
-    if first > 0:
-        below = points[first - 1]
-        lo, hi = math.log(below["compute_ms_per_step"]), math.log(hit["compute_ms_per_step"])
-        if hit["ratio"] > below["ratio"] and hi > lo:
-            frac = (threshold - below["ratio"]) / (hit["ratio"] - below["ratio"])
-            interpolated = math.exp(lo + frac * (hi - lo))
-    return {"min_compute_ms": hit["compute_ms_per_step"], "min_compute_n": hit["n"],
-            "min_compute_ms_interpolated": interpolated, "target_met": hit["compute_ms_per_step"] <= TARGET_MS}
+    return {"min_compute_ms": found["min_ms"], "min_compute_n": found["point"]["n"],
+            "min_compute_ms_interpolated": found["min_ms_interpolated"], "target_met": found["min_ms"] <= TARGET_MS}
 
 
 def overhead(points: list[dict[str, Any]], threshold: float) -> dict[str, float]:
-    """pwmesh's extra time per step, if it simply adds to the compute time c: ratio = c / (c + o), so
-    o = c (1/ratio - 1), median over the sizes; then the threshold needs c >= o * threshold / (1 - threshold).
-    Less noisy than the crossing on a shared machine, where one size's ratio can jump."""
-    extra = statistics.median(p["compute_ms_per_step"] * (1 / p["ratio"] - 1) for p in points)
-    return {"overhead_ms_per_step": extra, "predicted_min_compute_ms": max(0.0, extra) * threshold / (1 - threshold)}
+    found = fixed_overhead(points, threshold)
+    return {"overhead_ms_per_step": found["overhead_ms"], "predicted_min_compute_ms": found["predicted_min_ms"]}
 
 
 def plot(path: Path, sweeps: list[dict[str, Any]], threshold: float) -> bool:

@@ -163,3 +163,16 @@ def test_codec_rate_smoke(tmp_path: Path) -> None:
                      "Computation x1 (packed)", "Computation x128 (packed)"]
     for r in data["rows"]:
         assert r["body_bytes"] > 0 and r["encode_us"] > 0 and r["decode_us"] > 0
+
+
+@pytest.mark.timeout(110)
+def test_train_smoke(tmp_path: Path) -> None:
+    run_smoke("train.py", tmp_path)
+    data = json.loads((tmp_path / "train.json").read_text())
+    assert {"benchmark", "config", "machine", "points", "min_step_ms", "overhead_ms_per_step"} <= data.keys()
+    assert data["benchmark"] == "train" and data["smoke"] is True
+    (point,) = data["points"]
+    assert point["preset"] == "tiny" and point["ratio"] > 0
+    assert point["jax_tokens_per_second"] > 0 and point["pwmesh_tokens_per_second"] > 0
+    assert point["losses_identical"], "pwmesh and plain JAX train the same model to the same losses"
+    check_plot(tmp_path / "train.png")

@@ -1,0 +1,198 @@
+"""Training throughput of a real model on pwmesh against plain JAX (the paper's Figure 6, asked of a Transformer).
+
+``pwmesh/examples/train_lm.py``'s model trains, data- and model-parallel on a 2x2
+mesh of 4 CPU devices, for each of its presets (per-step compute from about 3 ms
+to about 200 ms here):
+
+- plain JAX: ``train_lm --reference`` in a process of its own with 4 CPU devices
+  (one ``jax.jit`` step with ``NamedSharding``s, parameters and state donated);
+- pwmesh: the same step as one ``pw.jit`` over a slice of a local cluster of one
+  executor with 4 CPU devices, from this process.
+
+Each system trains ``--rounds`` times per preset, alternating which goes first;
+tokens/s are taken after the warm-up steps (compiles), and the medians compared.
+The answer: the ratio per preset, and the smallest step time at which pwmesh
+reaches ``--threshold`` (95 %) of plain JAX, interpolated (log time) between
+presets, with the fixed per-step overhead fitted over all of them.
+
+    python bench/train.py              # a few minutes
+    python bench/train.py --smoke      # seconds: the tiny preset, a few steps
+
+Writes ``train.json`` and ``train.png`` into ``--out`` (default: bench/results).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import pwmesh as pw
+from pwmesh.examples import lm, train_lm
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import (  # noqa: E402
+    DEFAULT_OUT,
+    fixed_overhead,
+    load_average,
+    machine,
+    pyplot,
+    save_figure,
+    save_results,
+    table,
+    threshold_crossing,
+)
+
+
+@dataclasses.dataclass
+class Config:
+    presets: tuple[str, ...] = ("tiny", "small", "large")
+    steps: dict[str, int] = dataclasses.field(default_factory=lambda: {"tiny": 300, "small": 80, "large": 14})
+    rounds: int = 2
+    threshold: float = 0.95
+
+
+def jax_run(preset: str, steps: int) -> dict[str, Any]:
+    """``train_lm --reference`` in a process of its own (its 4 CPU devices are its own)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "PWMESH_ADDRESS")}
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "jax.json"
+        proc = subprocess.run([sys.executable, "-m", "pwmesh.examples.train_lm", "--reference", "--preset", preset,
+                               "--steps", str(steps), "--json", str(out), "--no-progress"],
+                              env=env, capture_output=True, text=True, timeout=600)
+        if proc.returncode != 0:
+            raise RuntimeError(f"train_lm --reference failed:\n{proc.stderr[-3000:]}")
+        return json.loads(out.read_text())
+
+
+def pwmesh_run(preset: str, steps: int) -> dict[str, Any]:
+    config = lm.PRESETS[preset]
+    optimizer = lm.make_optimizer(config)
+    result = train_lm.train(config, steps, train_lm.pwmesh_trainer(config, optimizer), optimizer, progress=False)
+    return dataclasses.asdict(result)
+
+
+def measure(preset: str, config: Config) -> dict[str, Any]:
+    steps = config.steps[preset]
+    runs: dict[str, list[dict[str, Any]]] = {"jax": [], "pwmesh": []}
+    for r in range(config.rounds):
+        for name in (("jax", "pwmesh") if r % 2 == 0 else ("pwmesh", "jax")):
+            runs[name].append(jax_run(preset, steps) if name == "jax" else pwmesh_run(preset, steps))
+    jax_s = statistics.median(run["step_seconds"] for run in runs["jax"])
+    pw_s = statistics.median(run["step_seconds"] for run in runs["pwmesh"])
+    tokens = lm.PRESETS[preset].tokens_per_step
+    same = all(a["losses"] == runs["jax"][0]["losses"] for a in runs["jax"] + runs["pwmesh"])
+    point = {
+        "preset": preset,
+        "config": dataclasses.asdict(lm.PRESETS[preset]),
+        "steps": steps,
+        "compute_ms_per_step": 1000 * jax_s,
+        "pwmesh_ms_per_step": 1000 * pw_s,
+        "jax_tokens_per_second": tokens / jax_s,
+        "pwmesh_tokens_per_second": tokens / pw_s,
+        "ratio": jax_s / pw_s,
+        "jax_rounds_ms": [1000 * run["step_seconds"] for run in runs["jax"]],
+        "pwmesh_rounds_ms": [1000 * run["step_seconds"] for run in runs["pwmesh"]],
+        "losses_identical": same,
+        "final_loss": runs["pwmesh"][0]["losses"][-1],
+        "load_average_1m": load_average(),
+    }
+    print(f"  {preset}: JAX {point['compute_ms_per_step']:.2f} ms/step, pwmesh {point['pwmesh_ms_per_step']:.2f} "
+          f"ms/step, pwmesh/JAX {point['ratio']:.3f}, losses identical: {same}", flush=True)
+    return point
+
+
+def plot(path: Path, points: list[dict[str, Any]], threshold: float) -> bool:
+    plt = pyplot()
+    if plt is None:
+        return False
+    fig, ax = plt.subplots(figsize=(7.5, 4.5))
+    ax.plot([p["compute_ms_per_step"] for p in points], [p["ratio"] for p in points], "o-",
+            label="pwmesh / plain JAX tokens/s")
+    for p in points:
+        ax.annotate(p["preset"], (p["compute_ms_per_step"], p["ratio"]), textcoords="offset points",
+                    xytext=(4, -12), fontsize=8)
+    ax.axhline(threshold, color="grey", linestyle=":", label=f"{threshold:.0%} of plain JAX")
+    ax.set_xscale("log")
+    ax.xaxis.set_major_formatter(plt.FuncFormatter(lambda v, _: f"{v:g}"))
+    ax.set_xlabel("training step time (ms, plain JAX, 2x2 mesh of 4 CPU devices)")
+    ax.set_ylabel("pwmesh / plain-JAX throughput")
+    ax.set_ylim(0, max(1.1, 1.05 * max(p["ratio"] for p in points)))
+    ax.set_title("Transformer LM training: how big a step must be to hide pwmesh's dispatch", fontsize=10)
+    ax.legend(fontsize=8)
+    return save_figure(fig, path)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--presets", default=None, help="comma-separated, of " + ",".join(lm.PRESETS))
+    parser.add_argument("--rounds", type=int, default=None, help="runs per system and preset (2)")
+    parser.add_argument("--threshold", type=float, default=None, help="pwmesh/JAX ratio to reach (0.95)")
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="output directory")
+    parser.add_argument("--smoke", action="store_true", help="tiny run (seconds) to check that everything works")
+    args = parser.parse_args(argv)
+    config = Config(presets=("tiny",), steps={"tiny": 8}, rounds=1) if args.smoke else Config()
+    if args.presets:
+        config.presets = tuple(p for p in args.presets.split(",") if p)
+        if set(config.presets) - set(lm.PRESETS):
+            parser.error(f"presets are {sorted(lm.PRESETS)}")
+    for field in ("rounds", "threshold"):
+        if getattr(args, field) is not None:
+            setattr(config, field, getattr(args, field))
+
+    started = time.monotonic()
+    load_at_start = load_average()
+    spec = pw.LocalClusterSpec(islands=1, hosts_per_island=1, devices_per_host=4)
+    with pw.LocalCluster(spec) as cluster:
+        pw.connect(cluster.address, name="bench-train")
+        try:
+            points = [measure(preset, config) for preset in config.presets]
+        finally:
+            pw.disconnect()
+    points.sort(key=lambda p: p["compute_ms_per_step"])
+    crossed = threshold_crossing(points, config.threshold)
+    fitted = fixed_overhead(points, config.threshold)
+
+    print()
+    print(table(["preset", "JAX ms/step", "pwmesh ms/step", "JAX tokens/s", "pwmesh tokens/s", "pwmesh/JAX"],
+                [[p["preset"], f"{p['compute_ms_per_step']:.2f}", f"{p['pwmesh_ms_per_step']:.2f}",
+                  f"{p['jax_tokens_per_second']:,.0f}", f"{p['pwmesh_tokens_per_second']:,.0f}", f"{p['ratio']:.3f}"]
+                 for p in points]))
+    print()
+    if crossed["point"] is None:
+        print(f"pwmesh reached {config.threshold:.0%} of plain JAX at none of the step times measured "
+              f"(up to {points[-1]['compute_ms_per_step']:.1f} ms)")
+    else:
+        print(f"smallest step time at which pwmesh reaches {config.threshold:.0%} of plain JAX: "
+              f"{crossed['min_ms']:.1f} ms measured ({crossed['point']['preset']}), "
+              f"{crossed['min_ms_interpolated']:.1f} ms interpolated")
+    print(f"fitted fixed overhead: {fitted['overhead_ms']:.2f} ms a step, so {config.threshold:.0%} needs steps "
+          f"of at least {fitted['predicted_min_ms']:.1f} ms")
+
+    result = {
+        "benchmark": "train",
+        "smoke": args.smoke,
+        "config": dataclasses.asdict(config),
+        "machine": machine(load_at_start),
+        "threshold": config.threshold,
+        "points": points,
+        "min_step_ms": crossed["min_ms"],
+        "min_step_ms_interpolated": crossed["min_ms_interpolated"],
+        "overhead_ms_per_step": fitted["overhead_ms"],
+        "predicted_min_step_ms": fitted["predicted_min_ms"],
+        "wall_seconds": time.monotonic() - started,
+    }
+    save_results(args.out, "train", result, lambda path: plot(path, points, config.threshold))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
