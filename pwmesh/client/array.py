@@ -17,6 +17,8 @@ from pwmesh.client.session import Session
 from pwmesh.client.sharding import SliceSharding
 from pwmesh.errors import InvalidArgument
 
+REPR_TIMEOUT_SECONDS = 2.0  # how long a repr waits for the proxy to say whether the value is ready
+
 
 class Array:
     __slots__ = ("__weakref__", "_session", "_id", "_value", "_deleted", "_donated", "shape", "dtype", "sharding")
@@ -126,13 +128,13 @@ class Array:
         elif self._value is not None:
             state = "fetched"
         else:
-            state = "ready" if self._ready_now() else "not ready"
+            state = self._state_now()
         return (f"pw.Array(shape={self.shape}, dtype={self.dtype}, slice={self.sharding.slice.slice_id}, "
                 f"spec={self.sharding.spec}, {state})")
 
-    def _ready_now(self) -> bool:
-        """For ``repr``: asks the proxy; a repr must not raise, so an unreachable one says not ready."""
+    def _state_now(self) -> str:
+        """For ``repr``, which asks the proxy (briefly) and never raises: ready, not ready, or unknown."""
         try:
-            return self._session.ready([self._id])[0]
-        except Exception:
-            return False
+            return "ready" if self._session.ready([self._id], timeout_seconds=REPR_TIMEOUT_SECONDS)[0] else "not ready"
+        except Exception as exc:  # a closed session, an unreachable proxy: say so rather than guess
+            return f"state unknown: {type(exc).__name__}"

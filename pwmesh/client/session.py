@@ -108,8 +108,8 @@ class Session:
     def await_buffers(self, buffer_ids: list[int]) -> None:
         self.conn.request(AwaitBuffers(buffers=buffer_ids))
 
-    def ready(self, buffer_ids: list[int]) -> list[bool]:
-        reply = self.conn.request(QueryBuffers(buffers=buffer_ids))
+    def ready(self, buffer_ids: list[int], timeout_seconds: float | None = None) -> list[bool]:
+        reply = self.conn.request(QueryBuffers(buffers=buffer_ids), timeout_seconds=timeout_seconds)
         assert isinstance(reply, BuffersState)
         return reply.ready
 

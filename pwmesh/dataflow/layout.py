@@ -81,12 +81,11 @@ class Layout(NamedTuple):
     @property
     def splits(self) -> tuple[int, ...]:
         """Per dimension, how many blocks it is cut into."""
-        return tuple(math.prod(self.mesh[a] for a in self.spec[d]) if d < len(self.spec) else 1
-                     for d in range(len(self.shape)))
+        return _tables(self).splits
 
     @property
     def shard_shape(self) -> tuple[int, ...]:
-        return tuple(n // k for n, k in zip(self.shape, self.splits, strict=True))
+        return _tables(self).shard_shape
 
     @property
     def replicated_fully(self) -> bool:
@@ -115,11 +114,10 @@ class Layout(NamedTuple):
 
     def block(self, device: int) -> tuple[int, ...]:
         """Per dimension, the index of the block ``device`` holds."""
-        return _tables(self)[0][device]
+        return _tables(self).blocks[device]
 
     def box(self, device: int) -> Box:
-        sizes = self.shard_shape
-        return tuple((i * s, (i + 1) * s) for i, s in zip(self.block(device), sizes, strict=True))
+        return _tables(self).boxes[device]
 
     def index(self, device: int) -> tuple[slice, ...]:
         """``device``'s block of the global array, for numpy indexing."""
@@ -127,16 +125,15 @@ class Layout(NamedTuple):
 
     def replicas(self, block: tuple[int, ...]) -> tuple[int, ...]:
         """The devices holding ``block``, in order."""
-        return _tables(self)[1][block]
+        return _tables(self).holders[block]
 
     def distinct(self) -> list[int]:
         """One device per distinct block (the first holding it), in row-major order of the blocks."""
-        return [devs[0] for _, devs in sorted(_tables(self)[1].items())]
+        return _tables(self).distinct
 
     def same_blocks(self, other: Layout) -> bool:
         """Whether every device holds the same block under both (a copy needs no reshard)."""
-        return (self.shape == other.shape and self.devices == other.devices
-                and all(self.box(d) == other.box(d) for d in range(self.devices)))
+        return self == other or (self.shape == other.shape and _tables(self).boxes == _tables(other).boxes)
 
     def split(self, array: np.ndarray) -> list[np.ndarray]:
         """``array``'s block for every device (replicas share one view)."""
@@ -153,10 +150,22 @@ class Layout(NamedTuple):
         return out
 
 
-@functools.lru_cache(maxsize=1024)
-def _tables(layout: Layout) -> tuple[list[tuple[int, ...]], dict[tuple[int, ...], tuple[int, ...]]]:
-    """Per device its block; per block the devices holding it."""
-    by_device = []
+class _Tables(NamedTuple):
+    splits: tuple[int, ...]
+    shard_shape: tuple[int, ...]
+    blocks: list[tuple[int, ...]]  # per device, the index of its block per dimension
+    boxes: list[Box]  # per device, its block's [lo, hi) per dimension
+    holders: dict[tuple[int, ...], tuple[int, ...]]  # per block, the devices holding it
+    distinct: list[int]  # one device per block, in row-major order of the blocks
+
+
+@functools.lru_cache(maxsize=4096)
+def _tables(layout: Layout) -> _Tables:
+    """Everything a layout says per device, computed once per layout (lowering asks often)."""
+    splits = tuple(math.prod(layout.mesh[a] for a in layout.spec[d]) if d < len(layout.spec) else 1
+                   for d in range(len(layout.shape)))
+    shard_shape = tuple(n // k for n, k in zip(layout.shape, splits, strict=True))
+    blocks = []
     holders: dict[tuple[int, ...], list[int]] = {}
     for device in range(layout.devices):
         coords = layout.coords(device)
@@ -166,9 +175,11 @@ def _tables(layout: Layout) -> tuple[list[tuple[int, ...]], dict[tuple[int, ...]
             for a in layout.spec[d] if d < len(layout.spec) else ():
                 index = index * layout.mesh[a] + coords[a]
             block.append(index)
-        by_device.append(tuple(block))
+        blocks.append(tuple(block))
         holders.setdefault(tuple(block), []).append(device)
-    return by_device, {b: tuple(devs) for b, devs in holders.items()}
+    boxes = [tuple((i * s, (i + 1) * s) for i, s in zip(b, shard_shape, strict=True)) for b in blocks]
+    return _Tables(splits, shard_shape, blocks, boxes, {b: tuple(devs) for b, devs in holders.items()},
+                   [devs[0] for _, devs in sorted(holders.items())])
 
 
 class Plan(NamedTuple):

@@ -4,6 +4,7 @@ makes recorded in the session, and its host arrays split into puts per executor.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 
 import numpy as np
@@ -57,7 +58,8 @@ def bind(session: Session, msg: RunProgram, program: ProgramSpec) -> Binding:
             if buf.spec.shape != spec.shape or buf.spec.dtype != spec.dtype:
                 raise InvalidArgument(f"input {v}: buffer is {buf.spec.dtype}{buf.spec.shape}, "
                                       f"program expects {spec.dtype}{spec.shape}")
-            if buf.spec.shards != spec.shards or not value_layout(buf.spec).same_blocks(value_layout(spec)):
+            if (buf.spec.sharding, buf.spec.shards) != (spec.sharding, spec.shards) and (
+                    buf.spec.shards != spec.shards or not value_layout(buf.spec).same_blocks(value_layout(spec))):
                 raise InvalidArgument(f"input {v}: buffer {inp.buffer} is laid out as {value_layout(buf.spec)}, "
                                       f"the program expects {value_layout(spec)}")
             if buf.lost is not None:
@@ -88,9 +90,11 @@ def bind(session: Session, msg: RunProgram, program: ProgramSpec) -> Binding:
     for v, name in enumerate(names):
         if not name:
             names[v] = session.temp_name()
-    if any(sum(b is buf for b in pinned) > 1 for _, buf in donated.values()):
-        raise InvalidArgument("a donated buffer is passed to the same run again: it is consumed by the one call "
-                              "it is given to")
+    if donated and len({id(b) for b in pinned}) != len(pinned):
+        passed = collections.Counter(id(b) for b in pinned)
+        if any(passed[id(buf)] > 1 for _, buf in donated.values()):
+            raise InvalidArgument("a donated buffer is passed to the same run again: it is consumed by the one "
+                                  "call it is given to")
     return Binding(names, host_data, bound, pinned, temporaries, outputs, donated)
 
 

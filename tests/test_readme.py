@@ -1,0 +1,54 @@
+"""The README's training example runs as written (against the 8-device test cluster)."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+import pwmesh as pw
+
+README = Path(__file__).resolve().parent.parent / "README.md"
+
+pytestmark = pytest.mark.cluster
+
+
+def block_under(heading: str) -> str:
+    """The first Python block after ``heading``."""
+    text = README.read_text()
+    found = re.search(r"```python\n(.*?)```", text[text.index(heading):], re.S)
+    assert found is not None, f"no python block under {heading!r}"
+    return found.group(1)
+
+
+@pytest.mark.timeout(120)
+def test_the_training_example_trains(wide_cluster: pw.LocalCluster, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PWMESH_ADDRESS", wide_cluster.address)  # its pw.connect() finds the cluster there
+    rng = np.random.default_rng(0)
+    scope = {"batches": [rng.standard_normal((8, 64)).astype(np.float32) for _ in range(5)]}
+    try:
+        exec(compile(block_under("## Training a model"), str(README), "exec"), scope)  # noqa: S102
+        assert np.isfinite(np.asarray(scope["loss"]))
+        assert scope["params"]["w1"].sharding.spec == P(None, "model")
+        assert scope["params"]["w2"].sharding.spec == P("model", None)
+    finally:
+        pw.disconnect()
+
+
+@pytest.mark.timeout(120)
+def test_the_resharding_example_reshards(wide_cluster: pw.LocalCluster) -> None:
+    code = block_under("**Resharding.**").strip().splitlines()
+    *body, refused = code
+    assert "InvalidArgument" in refused
+    with pw.Client(wide_cluster.address, name="readme") as client:
+        scope = {"devs": client.make_virtual_device_set(), "np": np, "pw": pw, "P": P}
+        exec(compile("\n".join(body), str(README), "exec"), scope)  # noqa: S102
+        np.testing.assert_array_equal(np.asarray(scope["f"](np.ones((12, 4), np.float32))), np.full((1, 4), 24.0))
+        y = scope["y"]
+        assert (y.sharding.slice.mesh, y.sharding.spec) == ({"x": 3}, P("x"))
+        np.testing.assert_array_equal(np.asarray(y), np.arange(12.0))
+        with pytest.raises(pw.InvalidArgument, match="cannot be split"):
+            exec(compile(refused, str(README), "exec"), scope)  # noqa: S102
