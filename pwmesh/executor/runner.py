@@ -358,10 +358,7 @@ class Runner:
                 streamed = None if comp.ragged else self._runnable(comp, tuple(work.devices))
                 if streamed is not None and not comp.peers and runs_inline(fn, fn.seconds * len(streamed[1])):
                     streamed = None  # quick: it runs right on the loop (_call), on computed inputs only
-            # A donated input is consumed: it must have landed (its producer's emits and stores done).
-            per_shard = [[await self._input(f"{p}/{shard}", work, streamed is not None and k not in comp.donate)
-                          for k, p in enumerate(comp.inputs)]
-                         for shard in work.shards]
+            per_shard = await self._inputs(work, streamed is not None)
             if fn is not None:
                 reserved = await self._reserve(work, fn.shard_output_nbytes * len(work.devices))
             if streamed is None or self._mixed(work):
@@ -385,6 +382,20 @@ class Runner:
                 raise
             err = as_error(exc, f"computation {comp.node} ({comp.fn_id[:12] or comp.kind})")
         self._finish(work, arrived, ready, start, per_shard, outs, err, reserved)
+
+    async def _inputs(self, work: Work, streamed: bool) -> list[list[Any]]:
+        """Every local shard's inputs: looked up at once where all are stored (no future each), else
+        waited for one by one. A donated input is consumed, so it is taken only once it has landed
+        (its producer's emits and stores are done), never as a streamed computation's pending output."""
+        comp = work.comp
+        per_shard = []
+        for shard in work.shards:
+            keys = [f"{p}/{shard}" for p in comp.inputs]
+            values = self.store.values(keys)
+            if values is None:
+                values = [await self._input(key, work, streamed and k not in comp.donate) for k, key in enumerate(keys)]
+            per_shard.append(values)
+        return per_shard
 
     async def _input(self, key: str, work: Work, pending: bool) -> Any:
         """An input: the stored value, or (``pending``: for a computation that is streamed too, so
@@ -480,7 +491,7 @@ class Runner:
             fn.landed((end - begin) / len(work.devices) if landed.timed else None)
             work.device_seconds = (end - begin) * len(work.devices)
         self._finish(work, arrived, ready, begin, streamed.per_shard, None if err else streamed.outs, err,
-                     streamed.reserved, end=end)
+                     streamed.reserved, fn.output_nbytes, end=end)
 
     def _run_now(self, work: Work) -> bool:
         """Run ``work`` here and now if it can start at once and is quick; False leaves it to the queues."""
@@ -639,10 +650,14 @@ class Runner:
         """The donated inputs XLA took over (reused for outputs, or freed) leave the store now: their
         bytes are the outputs' now. One it could not take (placed on another device first, say) stays
         until the proxy deletes it."""
+        spmd = work.comp.spmd
         for k in work.comp.donate:
+            consumed = None  # one SPMD call took all of an input's pieces or none (one global array)
             for shard, args in zip(work.shards, per_shard, strict=True):
                 value = args[k] if k < len(args) else None
-                if isinstance(value, jax.Array) and value.is_deleted():
+                if consumed is None or not spmd:
+                    consumed = isinstance(value, jax.Array) and value.is_deleted()
+                if consumed:
                     self.store.consume(f"{work.comp.inputs[k]}/{shard}")
 
     def _finish_outputs(self, work: Work, shard: int, outs: list[Any] | None, err: PwmeshError | None,
