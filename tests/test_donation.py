@@ -9,6 +9,8 @@ when a donated buffer may be consumed at all.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -133,3 +135,50 @@ async def test_a_donated_buffer_is_consumed_only_when_nobody_else_reads_it() -> 
     session.donate(7, "run s1:3")
     with pytest.raises(InvalidArgument, match="buffer 7 was donated to run s1:3 and can no longer be used"):
         bind(session, run, _program())
+
+
+def _slow_update() -> bytes:
+    """``update``, but a few milliseconds a call: it is streamed to the devices, not run on the loop."""
+    mesh = AbstractMesh((2,), ("x",))
+    rows, whole = NamedSharding(mesh, PartitionSpec("x")), NamedSharding(mesh, PartitionSpec())
+    avals = [jax.ShapeDtypeStruct((2 * ROWS, 8), jnp.float32, sharding=rows)] * 2
+
+    def update(w: jax.Array, g: jax.Array) -> list[jax.Array]:
+        m = jnp.full((96, 96), 0.01, jnp.float32)
+        busy = jax.lax.fori_loop(0, 60, lambda i, a: jnp.tanh(a @ m), jnp.ones((96, 96), jnp.float32)).sum()
+        return [w - 0.5 * g + 0.0 * busy, w.sum()]
+
+    return bytes(export.export(jax.jit(update, out_shardings=[rows, whole]), platforms=["cpu"])(*avals).serialize())
+
+
+@pytest.mark.asyncio
+async def test_a_streamed_chain_consumes_outputs_still_being_computed() -> None:
+    """Step k + 1 takes step k's output before it lands (as jax.jit does with donated arguments), and
+    the landing of step k then stores nothing of it: no error, the right values, bytes that stay flat."""
+    r, rec = await _runner()
+    r.functions.register("slow", _slow_update(), spmd=True, mesh=[2], axes=["x"], donate=[0])
+    async with device_loops(r):
+        _put_w(r, "w")
+        steps = 6
+        comps = []
+        for k in range(steps):  # node k reads what node k - 1 made (the first reads w)
+            comp = _update(f"r{k}", donate=[0], w="w" if k == 0 else f"r{k - 1}/w")
+            comp.fn_id, comp.node = "slow", k
+            comps.append(comp)
+        for k in range(2):  # compile and time it first, so the chain is streamed
+            _put_w(r, f"warm{k}")
+            r.enqueue_all(f"warm{k}", "p", [dataclasses.replace(comps[0], inputs=[f"warm{k}", "g"],
+                                                                 outputs=[f"warm{k}/w", f"warm{k}/s"])])
+            await rec.part(f"warm{k}")
+        rec.done.clear()
+        before = r.memory.stored
+        r.enqueue_all("chain", "p", comps)
+        await rec.part("chain")
+        assert all(w.error is None for w in rec.done), [w.error for w in rec.done]
+        assert all(w.landed is not None for w in rec.done), "every step was streamed"
+        for k in range(steps - 1):
+            assert r.store.values([f"r{k}/w/0"]) is None, f"step {k}'s output was consumed by step {k + 1}"
+        last = r.store.values([f"r{steps - 1}/w/0", f"r{steps - 1}/w/1"])
+        assert last is not None and all(np.all(np.asarray(v) == 2.0 - 0.5 * steps) for v in last)
+        block = ROWS * 8 * 4
+        assert r.memory.stored == before - 2 * block + 2 * block + steps * 2 * 4, "w's bytes, once; the sums"

@@ -385,15 +385,15 @@ class Runner:
 
     async def _inputs(self, work: Work, streamed: bool) -> list[list[Any]]:
         """Every local shard's inputs: looked up at once where all are stored (no future each), else
-        waited for one by one. A donated input is consumed, so it is taken only once it has landed
-        (its producer's emits and stores are done), never as a streamed computation's pending output."""
-        comp = work.comp
+        waited for one by one (a streamed computation takes outputs still being computed, donated ones
+        too: the proxy lets a run consume a buffer only when nothing else reads it, so its producer
+        has no emits of it, and stores nothing once it lands consumed)."""
         per_shard = []
         for shard in work.shards:
-            keys = [f"{p}/{shard}" for p in comp.inputs]
+            keys = [f"{p}/{shard}" for p in work.comp.inputs]
             values = self.store.values(keys)
             if values is None:
-                values = [await self._input(key, work, streamed and k not in comp.donate) for k, key in enumerate(keys)]
+                values = [await self._input(key, work, streamed) for key in keys]
             per_shard.append(values)
         return per_shard
 
@@ -669,7 +669,10 @@ class Runner:
         for i, key in enumerate(keys):
             if err is None:
                 assert outs is not None
-                self.store.put(key, outs[i], outs[i].nbytes if nbytes is None else nbytes[i])
+                value = outs[i]
+                if isinstance(value, jax.Array) and value.is_deleted():
+                    continue  # a computation it was donated to consumed it before it landed: nothing to keep
+                self.store.put(key, value, value.nbytes if nbytes is None else nbytes[i])
             else:
                 self.store.fail(key, err)
         if err is not None and work.error is None:
