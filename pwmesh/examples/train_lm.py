@@ -38,6 +38,7 @@ from pwmesh.examples import lm
 
 MESH = {"data": 2, "model": 2}
 WARMUP_STEPS = 3  # compile and first runs: not part of the speed
+IN_FLIGHT = 2  # steps left running while the losses before them are fetched
 
 
 @dataclasses.dataclass
@@ -107,8 +108,11 @@ def train(config: lm.Config, steps: int, trainer: Trainer, optimizer: Any, *, ch
             if step - start == WARMUP_STEPS - 1:
                 trainer.fetch(loss)  # the warm-up (compiles) is done: time from here
                 timed_from = (time.perf_counter(), len(losses))
-            if len(losses) - len(reported) >= log_every or step == steps - 1:
-                fresh = [float(v) for v in trainer.fetch(losses[len(reported):])]
+            # Losses are fetched IN_FLIGHT steps behind: the newest steps keep the devices busy meanwhile.
+            last = step == steps - 1
+            if len(losses) - len(reported) >= log_every + IN_FLIGHT or last:
+                upto = len(losses) if last else len(losses) - IN_FLIGHT
+                fresh = [float(v) for v in trainer.fetch(losses[len(reported):upto])]
                 now = time.perf_counter()
                 bar.update(len(reported) + len(fresh), fresh[-1], config.tokens_per_step * len(fresh) / (now - shown))
                 reported += fresh
