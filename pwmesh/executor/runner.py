@@ -176,7 +176,7 @@ class Runner:
         self._outstanding = 0  # computations enqueued and not yet complete
         self._load = [0] * len(devices)  # per device: queued or running computations (0: free to run one now)
         self._admitting: set[str] = set()  # runs whose computations are being enqueued (no part done yet)
-        # (fn_id, spmd, devices) -> what the fast path runs, once compiled (functions never change)
+        # (fn_id, spmd, devices, donated inputs) -> what the fast path runs, once compiled (functions never change)
         self._ready: dict[tuple[str, bool, tuple[int, ...], tuple[int, ...]],
                           tuple[CompiledFunction, list[jax.Device], list[Any]]] = {}
         self._idle = asyncio.Event()
