@@ -287,6 +287,33 @@ def test_validate_rejects_splitting_a_value_nobody_reads() -> None:
         validate(spec)
 
 
+def _donating(nodes: list[tuple[list[int], list[int]]], donate: dict[int, list[int]], outputs: list[int]) -> ProgramSpec:
+    spec = program(nodes, inputs=[0], outputs=outputs, n_values=6)
+    for index, ks in donate.items():
+        spec.nodes[index].donate = ks
+    return spec
+
+
+def test_a_value_may_be_donated_to_a_call_after_all_its_other_readers() -> None:
+    # v0 is read by nodes 0 and 1 (making v1, v2); node 2 reads v1, v2 and consumes v0: both came before it.
+    validate(_donating([([0], [1]), ([0, 1], [2]), ([0, 1, 2], [3])], {2: [0]}, outputs=[3]))
+
+
+@pytest.mark.parametrize(("nodes", "donate", "outputs", "message"), [
+    pytest.param([([0], [1]), ([0], [2])], {0: [0]}, [1, 2], "node 1 also reads and may not have read yet",
+                  id="a-later-reader"),
+    pytest.param([([0], [1]), ([0], [2]), ([1, 2], [3])], {1: [0]}, [3], "node 0 also reads and may not have",
+                  id="a-reader-beside-it"),
+    pytest.param([([0], [1]), ([1], [2])], {1: [0]}, [2, 1], "returns", id="returned"),
+    pytest.param([([0], [1]), ([1], [2]), ([1, 2], [3])], {1: [0], 2: [0]}, [3], "node 2 also reads", id="twice"),
+    pytest.param([([0, 0], [1])], {0: [0]}, [1], "also reads as another argument", id="same-call"),
+])
+def test_validate_rejects_a_donation_another_reader_may_still_need(nodes, donate, outputs, message) -> None:
+    spec = _donating(nodes, donate, outputs)  # donate: node -> the positions of its inputs it consumes
+    with pytest.raises(InvalidArgument, match=message):
+        validate(spec)
+
+
 def test_validate_rejects_an_unknown_node_kind() -> None:
     spec = chain(1)
     spec.nodes[1].kind = "reduce"

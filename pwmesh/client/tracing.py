@@ -28,6 +28,7 @@ from pwmesh.client.export import ExportedFunction, canonical, host_aval
 from pwmesh.client.sharding import SliceSharding
 from pwmesh.dataflow.layout import check_split
 from pwmesh.errors import InvalidArgument
+from pwmesh.ir.graph import donation_error
 from pwmesh.wire.codec import pack_records
 from pwmesh.wire.messages import NodeSpec, ProgramSpec, ValueSpec
 
@@ -122,6 +123,7 @@ class ProgramBuilder:
     def __init__(self, concrete: list[Any] | None = None, run: Callable[..., list[Any]] | None = None) -> None:
         self.values: list[ValueSpec] = []
         self.nodes: list[NodeSpec] = []
+        self.node_names: list[str] = []  # what each node calls (for errors)
         self.inputs: list[int] = []
         self.functions: dict[str, tuple[ExportedFunction, int]] = {}
         self.session: Session | None = None
@@ -246,6 +248,7 @@ class ProgramBuilder:
             sharding = SliceSharding(call.slice, spec)
             v = self._value(tuple(aval.shape), np.dtype(aval.dtype), sharding, ragged=ragged)
             outs.append(Symbol(self, v, tuple(aval.shape), np.dtype(aval.dtype), sharding))
+        self.node_names.append(call.name)
         self.nodes.append(NodeSpec(fn_id=exported.fn_id, slice_id=call.slice.slice_id, inputs=[s.value for s in syms],
                                    outputs=[s.value for s in outs], in_shardings=[s.wire for s in call.in_shardings],
                                    donate=list(call.donate)))
@@ -261,6 +264,7 @@ class ProgramBuilder:
         self._fix(sym, sharding)
         self.reads[sym.value] += 1
         v = self._value(sym.shape, sym.dtype, sharding)
+        self.node_names.append("pw.reshard")
         self.nodes.append(NodeSpec(fn_id="", slice_id=sl.slice_id, inputs=[sym.value], outputs=[v], kind="reshard"))
         return Symbol(self, v, sym.shape, sym.dtype, sharding)
 
@@ -273,6 +277,7 @@ class ProgramBuilder:
             self._fix(s, blocks)
             self.reads[s.value] += 1
         parts = [self._value(sym.shape, sym.dtype, None, ragged=True) for _ in experts]
+        self.node_names.append("pw.Router")
         self.nodes.append(NodeSpec(fn_id="", slice_id=home.slice_id, inputs=[sym.value, ids.value], outputs=parts,
                                    kind="route", targets=[e.slice.slice_id for e in experts]))
         results = []
@@ -290,6 +295,7 @@ class ProgramBuilder:
         check_split(first.shape, n, f"pw.Router combining the experts' output onto {n} devices")
         y = self._value(first.shape, first.dtype, blocks)
         self.values[y].sharding = None  # the combine lands leading-axis blocks (the default layout)
+        self.node_names.append("pw.Router (combine)")
         self.nodes.append(NodeSpec(fn_id="", slice_id=home.slice_id, inputs=[r.value for r in results], outputs=[y],
                                    kind="combine"))
         return Symbol(self, y, first.shape, first.dtype, blocks)
@@ -299,14 +305,13 @@ class ProgramBuilder:
     def finish(self, outputs: list[int], out_tree: Any, *, check_outputs: bool = True) -> TracedProgram:
         if self.session is None:
             raise InvalidArgument("a program must call at least one compiled function (pw.jit, pw.pmap)")
-        for v, name in self.donated.items():
-            if self.reads[v] > 1 or v in outputs:
-                raise InvalidArgument(f"a value donated to {name} is also read elsewhere in the program (or "
-                                      "returned by it): a donated buffer is consumed by the one call it is given to")
         for v in self._unfixed:  # read by nothing that sets a layout: one copy on the first device it goes to
             self.values[v].shards = 1
         spec = ProgramSpec(values=self.values, nodes=self.nodes, inputs=self.inputs + list(self.constants),
                            outputs=outputs)
+        unsafe = donation_error(spec, self.node_names)
+        if unsafe is not None:
+            raise InvalidArgument(unsafe)
         return TracedProgram(spec, list(self.functions.values()), out_tree, self.session,
                              [self.shardings[v] for v in outputs],
                              [i for i, v in enumerate(self.inputs) if v in self.donated],

@@ -19,7 +19,6 @@ through a combine node (mixture-of-experts).
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import math
 from collections.abc import Callable
@@ -28,6 +27,7 @@ import numpy as np
 
 from pwmesh.dataflow.layout import Layout, check_split
 from pwmesh.errors import InvalidArgument
+from pwmesh.ir.graph import donation_error
 from pwmesh.wire.messages import (
     Computation,
     Emit,
@@ -149,8 +149,9 @@ def validate(program: ProgramSpec) -> None:
     for index, node in enumerate(program.nodes):
         _validate_node(program, index, node)
     read = {v for node in program.nodes for v in node.inputs} | set(program.outputs)
+    computed = {v for node in program.nodes for v in node.outputs}  # an output nobody reads is made and freed
     for v, spec in enumerate(program.values):
-        if v not in read and spec.shards != 1:
+        if v not in read and v not in computed and spec.shards != 1:
             raise InvalidArgument(f"value {v} is never read, so it cannot be split ({spec.shards} shards)")
         if spec.shards < 1 or any(d < 0 for d in spec.shape):
             raise InvalidArgument(f"value {v} has an invalid layout: shape {spec.shape}, {spec.shards} shards")
@@ -166,15 +167,13 @@ def validate(program: ProgramSpec) -> None:
             if layout.devices != spec.shards:
                 raise InvalidArgument(f"value {v} lives on {spec.shards} devices but its mesh "
                                       f"{spec.sharding.mesh} has {layout.devices}")
-    readers = collections.Counter(v for node in program.nodes for v in node.inputs)
     for index, node in enumerate(program.nodes):
         for k in node.donate:
             if not 0 <= k < len(node.inputs):
                 raise InvalidArgument(f"node {index} donates input {k}; it has {len(node.inputs)}")
-            v = node.inputs[k]
-            if readers[v] > 1 or v in program.outputs:
-                raise InvalidArgument(f"node {index} donates value {v}, which the program also reads elsewhere or "
-                                      "returns: a donated buffer is consumed by the one call it is given to")
+    unsafe = donation_error(program)
+    if unsafe is not None:
+        raise InvalidArgument(unsafe)
 
 
 def _validate_node(program: ProgramSpec, index: int, node: NodeSpec) -> None:
