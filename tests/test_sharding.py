@@ -278,6 +278,14 @@ def test_a_value_read_by_earlier_calls_can_be_donated_to_a_later_one(wide: Wide)
         np.asarray(before)
 
 
+def test_an_argument_the_function_does_not_use_is_still_laid_out_as_asked(wide: Wide) -> None:
+    """XLA drops an unused argument, and jax.export then records no sharding for it; the executor must
+    still know how the value it is handed is cut (here: replicated, of a size 4 devices cannot split)."""
+    second = pw.jit(lambda a, b: b * 2, devices=wide.grid, in_specs=(P(), P("data")))
+    a = pw.put(np.arange(6, dtype=np.float32), devices=wide.grid)
+    np.testing.assert_array_equal(pw.get(second(a, np.arange(8, dtype=np.float32))), np.arange(8) * 2)
+
+
 def test_an_output_nobody_reads_is_computed_and_freed(wide: Wide) -> None:
     both = pw.jit(lambda x: (x * 2, x.sum()), devices=wide.grid, in_specs=P("data"))
 

@@ -91,7 +91,8 @@ def export_jit(flat_fn: Callable[..., Any], sl: Slice, avals: Sequence[jax.Shape
     mesh = abstract_mesh(sl)
     sharded = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(mesh, s), weak_type=a.weak_type)
                for a, s in zip(avals, in_specs, strict=True)]
-    exp = _quiet_export(jax.jit(flat_fn, out_shardings=[NamedSharding(mesh, s) for s in wanted]), sharded)
+    exp = _quiet_export(jax.jit(flat_fn, out_shardings=[NamedSharding(mesh, s) for s in wanted], keep_unused=True),
+                        sharded)
     axes = list(sl.axis_names)
     fn_id, serialized = _serialize(exp, True, list(sl.mesh_shape), axes, list(donate))
     return ExportedFunction(fn_id, serialized, True, list(sl.mesh_shape), axes, list(donate), tuple(in_specs),

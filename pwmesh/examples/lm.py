@@ -70,10 +70,11 @@ PRESETS: dict[str, Config] = {
 # ------------------------------------------------------------------ the model
 
 
-def init_params(config: Config) -> dict[str, Any]:
-    """Parameters, deterministic from ``config.seed``: a nested dict of float32 arrays."""
+def init_params(config: Config, key: jax.Array | None = None) -> dict[str, Any]:
+    """Parameters, deterministic from ``key`` (else ``config.seed``): a nested dict of float32 arrays."""
     d, h, k, f, v = config.d_model, config.n_heads, config.head_dim, config.d_ff, config.vocab
-    keys = iter(jax.random.split(jax.random.key(config.seed), 4 + 6 * config.n_layers))
+    key = jax.random.key(config.seed) if key is None else key
+    keys = iter(jax.random.split(key, 4 + 6 * config.n_layers))
     residual = 0.02 / math.sqrt(2 * config.n_layers)  # GPT-2: the residual branches' outputs start small
 
     def normal(shape: tuple[int, ...], scale: float = 0.02) -> jax.Array:
@@ -126,17 +127,84 @@ def _block(h: jax.Array, layer: dict[str, Any], mask: jax.Array) -> jax.Array:
     return h + jax.nn.gelu(m @ layer["w1"] + layer["b1"]) @ layer["w2"] + layer["b2"]
 
 
-def loss_fn(params: dict[str, Any], tokens: jax.Array) -> jax.Array:
-    """Mean next-byte cross-entropy of ``tokens`` (int32 [batch, seq_len + 1]), in float32."""
-    inputs, targets = tokens[:, :-1], tokens[:, 1:]
-    t = inputs.shape[1]
-    h = params["embed"][inputs] + params["pos"][:t]
+def _embed(params: dict[str, Any], tokens: jax.Array) -> jax.Array:
+    inputs = tokens[:, :-1]
+    return params["embed"][inputs] + params["pos"][:inputs.shape[1]]
+
+
+def _blocks(h: jax.Array, layers: list[dict[str, Any]]) -> jax.Array:
+    t = h.shape[1]
     mask = jnp.tril(jnp.ones((t, t), bool))
-    for layer in params["layers"]:
+    for layer in layers:
         h = _block(h, layer, mask)
+    return h
+
+
+def _head_loss(params: dict[str, Any], h: jax.Array, tokens: jax.Array) -> jax.Array:
     logits = _layer_norm(h, params["ln_f"]) @ params["unembed"]
     logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
-    return -jnp.take_along_axis(logp, targets[..., None], axis=-1).mean()
+    return -jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1).mean()
+
+
+def loss_fn(params: dict[str, Any], tokens: jax.Array) -> jax.Array:
+    """Mean next-byte cross-entropy of ``tokens`` (int32 [batch, seq_len + 1]), in float32."""
+    return _head_loss(params, _blocks(_embed(params, tokens), params["layers"]), tokens)
+
+
+# ------------------------------------------------------------------ the model as pipeline stages
+#
+# Stage 0 embeds and runs the first layers, the last stage runs the last layers and the loss, the
+# ones between run layers only; the layers are dealt out as evenly as they go. What crosses from
+# stage to stage is the residual stream, float32 [batch, seq_len, d_model].
+
+
+def stage_layers(config: Config, stages: int) -> list[range]:
+    """Which layers each of ``stages`` stages runs."""
+    if not 1 <= stages <= config.n_layers:
+        raise ValueError(f"{config.n_layers} layers cannot fill {stages} stages (each runs at least one)")
+    bounds = np.linspace(0, config.n_layers, stages + 1).round().astype(int)
+    return [range(int(a), int(b)) for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
+
+
+def split_params(config: Config, tree: dict[str, Any], stages: int) -> list[dict[str, Any]]:
+    """``init_params``'s tree (or ``param_specs``', or any tree shaped so) cut into the stages' own trees."""
+    out = []
+    for s, layers in enumerate(stage_layers(config, stages)):
+        part: dict[str, Any] = {}
+        if s == 0:
+            part.update(embed=tree["embed"], pos=tree["pos"])
+        part["layers"] = [tree["layers"][i] for i in layers]
+        if s == stages - 1:
+            part.update(ln_f=tree["ln_f"], unembed=tree["unembed"])
+        out.append(part)
+    return out
+
+
+def join_params(parts: list[dict[str, Any]]) -> dict[str, Any]:
+    """The stages' trees back into one ``init_params``-shaped tree."""
+    whole = {k: v for part in parts for k, v in part.items() if k != "layers"}
+    whole["layers"] = [layer for part in parts for layer in part["layers"]]
+    return {k: whole[k] for k in ("embed", "pos", "layers", "ln_f", "unembed")}
+
+
+def stage_apply(config: Config, stage: int, stages: int) -> Any:
+    """Stage ``stage``'s function, as ``pwmesh.pipeline.Stage.apply`` takes it: the first maps tokens to
+    the residual stream, the middle ones the stream to the stream, the last the stream (and the tokens,
+    for the targets) to the mean loss. A single stage maps ``(params, tokens, tokens)`` to the loss."""
+    del config  # the shapes come from the parameters
+    first, last = stage == 0, stage == stages - 1
+    if first and last:
+        return lambda p, tokens, _: loss_fn(p, tokens)
+    if first:
+        return lambda p, tokens: _blocks(_embed(p, tokens), p["layers"])
+    if last:
+        return lambda p, h, tokens: _head_loss(p, _blocks(h, p["layers"]), tokens)
+    return lambda p, h: _blocks(h, p["layers"])
+
+
+def stage_init(config: Config, stage: int, stages: int) -> Any:
+    """Stage ``stage``'s ``init(key)``: its part of a whole model drawn from ``key``."""
+    return lambda key: split_params(config, init_params(config, key), stages)[stage]
 
 
 # ------------------------------------------------------------------ training
