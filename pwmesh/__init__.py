@@ -5,6 +5,8 @@
     pw.connect()                                  # $PWMESH_ADDRESS, else an embedded local cluster
     s = pw.make_virtual_device_set().add_slice(devices=4, mesh={"data": 2, "model": 2})
     step = pw.jit(train_step, devices=s, in_specs=(param_specs, P("data")), donate_argnums=0)
+
+Pipeline-parallel training over several slices (and islands): ``pw.pipeline``.
 """
 
 from pwmesh.client.api import (
@@ -36,6 +38,16 @@ from pwmesh.errors import (
 from pwmesh.service.local_cluster import LocalCluster, LocalClusterSpec
 
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str) -> object:
+    """``pw.pipeline``, imported on first use (it brings optax, which plain pwmesh does not need)."""
+    if name == "pipeline":
+        import importlib  # noqa: PLC0415
+
+        return importlib.import_module("pwmesh.pipeline")
+    raise AttributeError(f"module 'pwmesh' has no attribute {name!r}")
+
 
 __all__ = [
     "Array",

@@ -176,3 +176,22 @@ def test_train_smoke(tmp_path: Path) -> None:
     assert point["jax_tokens_per_second"] > 0 and point["pwmesh_tokens_per_second"] > 0
     assert point["losses_identical"], "pwmesh and plain JAX train the same model to the same losses"
     check_plot(tmp_path / "train.png")
+
+
+@pytest.mark.timeout(110)
+def test_pipeline_smoke(tmp_path: Path) -> None:
+    run_smoke("pipeline.py", tmp_path)
+    data = json.loads((tmp_path / "pipeline.json").read_text())
+    assert {"benchmark", "config", "machine", "arrangements", "ratios", "jax", "trace"} <= data.keys()
+    assert data["benchmark"] == "pipeline" and data["smoke"] is True
+    arrangements = data["arrangements"]
+    assert {name: a["islands"] for name, a in arrangements.items()} == {"a": 1, "b": 2, "c": 4}
+    for a in arrangements.values():
+        assert a["tokens_per_second"] > 0 and len(set(a["executors"])) == 4, "each stage on an executor of its own"
+    assert set(data["ratios"]) == {"b/a", "c/a"} and data["jax"]["tokens_per_second"] > 0
+    assert data["losses_identical"], "the arrangements train the same model to the same losses"
+    m = data["config"]["microbatches"]
+    kinds = sorted((s["stage"], s["kind"]) for s in data["trace"])
+    assert kinds.count((0, "F")) == m and kinds.count((3, "B")) == m, "the trace is one whole step"
+    check_plot(tmp_path / "pipeline.png")
+    check_plot(tmp_path / "pipeline_trace.png")

@@ -52,3 +52,18 @@ def test_the_resharding_example_reshards(wide_cluster: pw.LocalCluster) -> None:
         np.testing.assert_array_equal(np.asarray(y), np.arange(12.0))
         with pytest.raises(pw.InvalidArgument, match="cannot be split"):
             exec(compile(refused, str(README), "exec"), scope)  # noqa: S102
+
+
+@pytest.mark.timeout(180)
+def test_the_pipeline_example_trains(wide_cluster: pw.LocalCluster, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PWMESH_ADDRESS", wide_cluster.address)
+    code = block_under("## Pipeline-parallel training")
+    assert "range(100)" in code
+    scope: dict[str, object] = {}
+    try:
+        exec(compile(code.replace("range(100)", "range(3)"), str(README), "exec"), scope)  # noqa: S102
+        assert np.isfinite(np.asarray(scope["loss"]))
+        slices = scope["slices"]
+        assert [sl.island for sl in slices] == [0, 0, 1, 1]  # type: ignore[attr-defined]
+    finally:
+        pw.disconnect()
