@@ -9,21 +9,8 @@
 Pipeline-parallel training over several slices (and islands): ``pw.pipeline``.
 """
 
-from pwmesh.client.api import (
-    Client,
-    connect,
-    default_client,
-    disconnect,
-    get,
-    make_virtual_device_set,
-    put,
-)
-from pwmesh.client.array import Array
-from pwmesh.client.devices import Slice, VirtualDevice, VirtualDeviceSet
-from pwmesh.client.functions import JitFunction, MappedFunction, jit, pmap
-from pwmesh.client.program import HostFunction, Program, host, program
-from pwmesh.client.routing import Router, reshard
-from pwmesh.client.sharding import SliceSharding
+from typing import TYPE_CHECKING
+
 from pwmesh.errors import (
     ConnectionFailed,
     DeviceLost,
@@ -35,18 +22,51 @@ from pwmesh.errors import (
     RemoteError,
     ResourceExhausted,
 )
-from pwmesh.service.local_cluster import LocalCluster, LocalClusterSpec
+
+# The API is imported on first use (PEP 562): ``import pwmesh`` stays cheap for the CLI and the
+# daemons, and JAX is loaded only by what needs it.
+_LAZY = {
+    "pwmesh.client.api": ("Client", "connect", "default_client", "disconnect", "get", "make_virtual_device_set",
+                          "put"),
+    "pwmesh.client.array": ("Array",),
+    "pwmesh.client.devices": ("Slice", "VirtualDevice", "VirtualDeviceSet"),
+    "pwmesh.client.functions": ("JitFunction", "MappedFunction", "jit", "pmap"),
+    "pwmesh.client.program": ("HostFunction", "Program", "host", "program"),
+    "pwmesh.client.routing": ("Router", "reshard"),
+    "pwmesh.client.sharding": ("SliceSharding",),
+    "pwmesh.service.local_cluster": ("LocalCluster", "LocalClusterSpec"),
+}
+_WHERE = {name: module for module, names in _LAZY.items() for name in names}
+
+if TYPE_CHECKING:  # what static tools see: the same names, imported for real
+    from pwmesh import pipeline
+    from pwmesh.client.api import Client, connect, default_client, disconnect, get, make_virtual_device_set, put
+    from pwmesh.client.array import Array
+    from pwmesh.client.devices import Slice, VirtualDevice, VirtualDeviceSet
+    from pwmesh.client.functions import JitFunction, MappedFunction, jit, pmap
+    from pwmesh.client.program import HostFunction, Program, host, program
+    from pwmesh.client.routing import Router, reshard
+    from pwmesh.client.sharding import SliceSharding
+    from pwmesh.service.local_cluster import LocalCluster, LocalClusterSpec
 
 __version__ = "0.1.0"
 
 
 def __getattr__(name: str) -> object:
-    """``pw.pipeline``, imported on first use (it brings optax, which plain pwmesh does not need)."""
-    if name == "pipeline":
-        import importlib  # noqa: PLC0415
+    import importlib  # noqa: PLC0415
 
+    if name == "pipeline":  # a submodule (it brings optax)
         return importlib.import_module("pwmesh.pipeline")
-    raise AttributeError(f"module 'pwmesh' has no attribute {name!r}")
+    module = _WHERE.get(name)
+    if module is None:
+        raise AttributeError(f"module 'pwmesh' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_WHERE, "pipeline"])
 
 
 __all__ = [
@@ -79,6 +99,7 @@ __all__ = [
     "host",
     "jit",
     "make_virtual_device_set",
+    "pipeline",
     "pmap",
     "program",
     "put",

@@ -108,3 +108,75 @@ def test_up_serves_until_ctrl_c_and_stops_every_process(tmp_path: Path) -> None:
             up.wait()
         if up.stdout is not None:
             up.stdout.close()
+
+
+# ------------------------------------------------------------------ behaving as people expect
+
+
+def test_help_imports_neither_jax_nor_the_client() -> None:
+    """What keeps every --help quick: the CLI loads JAX only inside the command that runs."""
+    code = textwrap.dedent("""
+        import sys
+        from click.testing import CliRunner
+        from pwmesh.cli.main import main
+        for args in (["--help"], *([c, "--help"] for c in main.commands)):
+            result = CliRunner().invoke(main, args)
+            assert result.exit_code == 0, (args, result.output)
+        print(sorted(m for m in sys.modules if m == "jax" or m.startswith("pwmesh.client")))
+    """)
+    out = subprocess.run([sys.executable, "-c", code], env=_env(), capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
+
+
+def test_options_show_the_environment_variables_they_read() -> None:
+    text = CliRunner().invoke(main, ["status", "--help"]).output
+    assert "PWMESH_ADDRESS" in text and "PWMESH_CONNECT_TIMEOUT" in text
+    assert "PWMESH_DEBUG" in CliRunner().invoke(main, ["--help"]).output
+
+
+def test_nothing_answering_is_one_line_within_the_connect_timeout() -> None:
+    result = CliRunner().invoke(main, ["status", "--address", "tcp://127.0.0.1:1", "--connect-timeout", "0.5"])
+    assert result.exit_code == 1
+    lines = result.output.strip().splitlines()
+    assert len(lines) == 1 and "nothing answered at tcp://127.0.0.1:1 within 0.5 seconds" in lines[0], result.output
+    debug = CliRunner().invoke(main, ["--debug", "status", "--address", "tcp://127.0.0.1:1", "--connect-timeout",
+                                      "0.5"])
+    assert isinstance(debug.exception, pw.ConnectionFailed), "--debug lets the exception (and traceback) through"
+
+
+def test_a_user_error_from_the_cluster_is_one_line(cluster: pw.LocalCluster) -> None:
+    result = CliRunner().invoke(main, ["drain", "nosuchhost", "--address", cluster.address])
+    assert result.exit_code == 1
+    assert result.output.strip().splitlines() == [
+        "Error: no executor or host named 'nosuchhost'  (NotFound; --debug shows more)"]
+
+
+TINY = pw.LocalClusterSpec(islands=1, hosts_per_island=1, devices_per_host=1)
+
+
+def test_a_clean_stop_logs_no_loss_and_removes_its_own_directory(tmp_path: Path) -> None:
+    with pw.LocalCluster(TINY, log_dir=str(tmp_path)) as kept:
+        assert kept.log_dir == tmp_path
+    rm_log = (tmp_path / "rm.log").read_text()
+    assert "lost" not in rm_log, rm_log
+    assert tmp_path.exists(), "a directory it was given stays"
+    with pw.LocalCluster(TINY) as own:
+        made = own.log_dir
+        assert made.exists()
+    assert not made.exists(), "its own temporary directory is gone after a clean stop"
+
+
+def test_a_second_connect_while_an_embedded_cluster_runs_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("PWMESH_ADDRESS", raising=False)
+    first = pw.connect(cluster=TINY)
+    try:
+        assert first.cluster is not None
+        with pytest.raises(pw.InvalidArgument, match=r"already runs an embedded cluster .* pw.disconnect\(\) first"):
+            pw.connect(cluster=TINY)
+        assert pw.default_client() is first, "the running cluster and its client are untouched"
+        with pw.Client(first.address, name="second") as second:  # what the error suggests
+            assert second.session_id != first.session_id
+    finally:
+        pw.disconnect()
+    pw.disconnect()

@@ -11,6 +11,7 @@ import signal
 import sys
 import threading
 import time
+import traceback
 from typing import Any
 
 import pwmesh as pw
@@ -47,7 +48,10 @@ def up(config: UpConfig) -> None:
     previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
     cluster = LocalCluster(spec, log_dir=config.log_dir)
     try:
-        address = cluster.start()
+        daemons = 2 + config.islands * (1 + config.hosts_per_island)
+        if not sys.stderr.isatty():
+            print(f"starting {daemons} daemons...", file=sys.stderr, flush=True)
+        address = cluster.start_visibly()
         total = config.islands * config.hosts_per_island * config.devices_per_host
         print(f"pwmesh cluster up: {config.islands} islands x {config.hosts_per_island} hosts x "
               f"{config.devices_per_host} devices = {total} devices")
@@ -64,22 +68,27 @@ def up(config: UpConfig) -> None:
     print("stopped.")
 
 
-def submit(address: str | None, job: str, args: list[str], cluster: LocalClusterSpec | None = None) -> int:
-    pw.connect(address, name=os.path.basename(job), cluster=cluster)
+def submit(address: str | None, job: str, args: list[str], cluster: LocalClusterSpec | None = None, *,
+           connect_timeout_seconds: float = 10.0) -> int:
+    pw.connect(address, name=os.path.basename(job), cluster=cluster, connect_timeout_seconds=connect_timeout_seconds)
     old_argv = sys.argv
     sys.argv = [job, *args]
     try:
         runpy.run_path(job, run_name="__main__")
     except SystemExit as exc:
         return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+    except Exception:  # the job's own error: shown as Python shows it, the job's exit status 1
+        traceback.print_exc()
+        return 1
     finally:
         sys.argv = old_argv
         pw.disconnect()
     return 0
 
 
-def fetch_status(address: str) -> StatusReply:
-    conn = ClientConnection(address, name="status", open_session=False)
+def fetch_status(address: str, connect_timeout_seconds: float = 10.0) -> StatusReply:
+    conn = ClientConnection(address, name="status", open_session=False, probe=True,
+                            connect_timeout_seconds=connect_timeout_seconds)
     try:
         reply = conn.request(GetStatus(), timeout_seconds=30.0)
     finally:
@@ -88,8 +97,9 @@ def fetch_status(address: str) -> StatusReply:
     return reply
 
 
-def drain(address: str, host: str, timeout_seconds: float) -> str:
-    conn = ClientConnection(address, name="drain", open_session=False)
+def drain(address: str, host: str, timeout_seconds: float, *, connect_timeout_seconds: float = 10.0) -> str:
+    conn = ClientConnection(address, name="drain", open_session=False, probe=True,
+                            connect_timeout_seconds=connect_timeout_seconds)
     try:
         reply = conn.request(DrainHost(executor=host), timeout_seconds=timeout_seconds)
     finally:
@@ -149,15 +159,16 @@ def format_status(reply: StatusReply) -> str:
     ])
 
 
-def status(address: str, as_json: bool) -> str:
-    reply = fetch_status(address)
+def status(address: str, as_json: bool, *, connect_timeout_seconds: float = 10.0) -> str:
+    reply = fetch_status(address, connect_timeout_seconds)
     if as_json:
         return json.dumps(reply.to_wire(), indent=2, default=str)
     return format_status(reply)
 
 
-def fetch_trace(address: str, since: float = 0.0, limit: int = 0) -> ClusterTrace:
-    conn = ClientConnection(address, name="trace", open_session=False)
+def fetch_trace(address: str, since: float = 0.0, limit: int = 0, connect_timeout_seconds: float = 10.0) -> ClusterTrace:
+    conn = ClientConnection(address, name="trace", open_session=False, probe=True,
+                            connect_timeout_seconds=connect_timeout_seconds)
     try:
         reply = conn.request(GetClusterTrace(since=since, limit=limit), timeout_seconds=60.0)
     finally:
@@ -237,10 +248,11 @@ def _trace_events(pid: int, executor_id: str, island: int, ev: TraceEvent,
     return out
 
 
-def trace(address: str, out: str, last_seconds: float | None = None, limit: int = 0) -> str:
+def trace(address: str, out: str, last_seconds: float | None = None, limit: int = 0, *,
+          connect_timeout_seconds: float = 10.0) -> str:
     """Write the cluster's trace to ``out``; returns what to tell the user."""
     since = time.time() - last_seconds if last_seconds is not None else 0.0
-    reply = fetch_trace(address, since=since, limit=limit)
+    reply = fetch_trace(address, since=since, limit=limit, connect_timeout_seconds=connect_timeout_seconds)
     doc = trace_json(reply)
     with open(out, "w", encoding="utf-8") as f:
         json.dump(doc, f)
@@ -256,9 +268,9 @@ def trace(address: str, out: str, last_seconds: float | None = None, limit: int 
     return "\n".join(lines)
 
 
-def demo(address: str | None) -> None:
+def demo(address: str | None, *, connect_timeout_seconds: float = 10.0) -> None:
     start = time.monotonic()
-    client = pw.connect(address, name="demo")
+    client = pw.connect(address, name="demo", connect_timeout_seconds=connect_timeout_seconds)
     where = f"the cluster at {client.address}" if client.cluster is None else "an embedded local cluster"
     print(f"connected to {where} in {time.monotonic() - start:.1f} s")
     try:

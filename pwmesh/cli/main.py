@@ -2,25 +2,58 @@
 
 Each command parses its options and calls one function in ``commands``, so the
 CLI is tested with click's ``CliRunner`` and the functions without click.
+``commands`` (and with it JAX) is imported only by the command that runs, so
+``--help`` answers at once. A pwmesh error is one line on stderr and exit status
+1; ``--debug`` (or ``$PWMESH_DEBUG``) shows the traceback instead.
 """
 
 from __future__ import annotations
 
 import sys
 from collections.abc import Callable
+from typing import Any
 
 import click
 
-from pwmesh.cli import commands
+from pwmesh.errors import PwmeshError
 from pwmesh.service.local_cluster import LocalClusterSpec
 
-_address = click.option("--address", envvar="PWMESH_ADDRESS", default=None,
-                        help="Proxy address (default: $PWMESH_ADDRESS).")
+CONNECT_TIMEOUT_SECONDS = 5.0
 
 
-@click.group()
+def _connection(command: Callable[..., None]) -> Callable[..., None]:
+    """``--address`` and ``--connect-timeout``: where the cluster is, and how long to wait for it to answer."""
+    command = click.option("--connect-timeout", "connect_timeout", type=click.FloatRange(min=0.1),
+                           envvar="PWMESH_CONNECT_TIMEOUT", show_envvar=True, default=CONNECT_TIMEOUT_SECONDS,
+                           show_default=True, help="Seconds to wait for the cluster to answer at all.")(command)
+    return click.option("--address", envvar="PWMESH_ADDRESS", show_envvar=True, default=None,
+                        help="The cluster's (its proxy's) address.")(command)
+
+
+def _need(address: str | None) -> str:
+    if not address:
+        raise click.UsageError("no cluster address: pass --address or set PWMESH_ADDRESS (see `pwmesh up`)")
+    return address
+
+
+class _Main(click.Group):
+    """The command group: a pwmesh error becomes one line and exit status 1 (unless ``--debug``)."""
+
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except PwmeshError as exc:
+            if ctx.params.get("debug"):
+                raise
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise click.ClickException(f"{first}  ({type(exc).__name__}; --debug shows more)") from None
+
+
+@click.group(cls=_Main)
 @click.version_option(package_name="pwmesh")
-def main() -> None:
+@click.option("--debug", is_flag=True, envvar="PWMESH_DEBUG", show_envvar=True,
+              help="Show the traceback of an error, not just its message.")
+def main(debug: bool) -> None:
     """pwmesh: one controller for many hosts' accelerators (an open Pathways)."""
 
 
@@ -41,72 +74,78 @@ def _shape(command: Callable[..., None]) -> Callable[..., None]:
 @click.option("--log-level", default="WARNING", show_default=True)
 def up(islands: int, hosts_per_island: int, devices_per_host: int, log_dir: str | None, log_level: str) -> None:
     """Run a local cluster in the foreground until Ctrl-C."""
+    from pwmesh.cli import commands  # noqa: PLC0415 - see the module docstring
+
     commands.up(commands.UpConfig(islands, hosts_per_island, devices_per_host, log_dir, log_level))
 
 
 @main.command(context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False})
-@_address
+@_connection
 @_shape
 @click.argument("job", type=click.Path(exists=True, dir_okay=False))
 @click.argument("args", nargs=-1, type=click.UNPROCESSED)
-def submit(address: str | None, islands: int, hosts_per_island: int, devices_per_host: int, job: str,
-           args: tuple[str, ...]) -> None:
+def submit(address: str | None, connect_timeout: float, islands: int, hosts_per_island: int,
+           devices_per_host: int, job: str, args: tuple[str, ...]) -> None:
     """Run the Python file JOB connected to a cluster: the one at --address, else an embedded one of the
     shape the other options give (a job's SPMD slices must fit one host: e.g. --devices-per-host 4)."""
+    from pwmesh.cli import commands  # noqa: PLC0415
+
     cluster = LocalClusterSpec(islands=islands, hosts_per_island=hosts_per_island, devices_per_host=devices_per_host)
-    sys.exit(commands.submit(address, job, list(args), cluster))
+    sys.exit(commands.submit(address, job, list(args), cluster, connect_timeout_seconds=connect_timeout))
 
 
 @main.command()
-@_address
+@_connection
 @click.option("--json", "as_json", is_flag=True, help="Print the raw status as JSON.")
-def status(address: str | None, as_json: bool) -> None:
+def status(address: str | None, connect_timeout: float, as_json: bool) -> None:
     """Show islands, hosts, devices, queues and sessions."""
-    if not address:
-        raise click.UsageError("no cluster address: pass --address or set PWMESH_ADDRESS (see `pwmesh up`)")
-    click.echo(commands.status(address, as_json))
+    from pwmesh.cli import commands  # noqa: PLC0415
+
+    click.echo(commands.status(_need(address), as_json, connect_timeout_seconds=connect_timeout))
 
 
 @main.command()
-@_address
+@_connection
 @click.argument("host")
 @click.option("--timeout-seconds", type=float, default=600.0, show_default=True,
               help="How long to wait for the host's in-flight work and moves to finish.")
-def drain(address: str | None, host: str, timeout_seconds: float) -> None:
+def drain(address: str | None, connect_timeout: float, host: str, timeout_seconds: float) -> None:
     """Move HOST's virtual devices and buffers elsewhere and let its work finish.
 
     HOST is an executor id or host label, as `pwmesh status` shows. Afterwards the
     host runs nothing new and holds nothing: it can be stopped without losing data.
     """
-    if not address:
-        raise click.UsageError("no cluster address: pass --address or set PWMESH_ADDRESS (see `pwmesh up`)")
-    click.echo(commands.drain(address, host, timeout_seconds))
+    from pwmesh.cli import commands  # noqa: PLC0415
+
+    click.echo(commands.drain(_need(address), host, timeout_seconds, connect_timeout_seconds=connect_timeout))
 
 
 @main.command()
-@_address
+@_connection
 @click.option("--out", required=True, type=click.Path(dir_okay=False, writable=True),
               help="Where to write the trace (JSON).")
 @click.option("--last-seconds", type=click.FloatRange(min=0), default=None,
               help="Only computations that ended in the last this many seconds.")
 @click.option("--limit", type=click.IntRange(min=0), default=0, show_default=True,
               help="At most this many newest computations per executor (0: all they kept).")
-def trace(address: str | None, out: str, last_seconds: float | None, limit: int) -> None:
+def trace(address: str | None, connect_timeout: float, out: str, last_seconds: float | None, limit: int) -> None:
     """Write a Chrome/Perfetto trace of what ran on which device, and when.
 
     One track per device, grouped by executor; open the file at
     https://ui.perfetto.dev or chrome://tracing.
     """
-    if not address:
-        raise click.UsageError("no cluster address: pass --address or set PWMESH_ADDRESS (see `pwmesh up`)")
-    click.echo(commands.trace(address, out, last_seconds, limit))
+    from pwmesh.cli import commands  # noqa: PLC0415
+
+    click.echo(commands.trace(_need(address), out, last_seconds, limit, connect_timeout_seconds=connect_timeout))
 
 
 @main.command()
-@_address
-def demo(address: str | None) -> None:
+@_connection
+def demo(address: str | None, connect_timeout: float) -> None:
     """Run the paper's Figure-2 program and say where each computation ran."""
-    commands.demo(address)
+    from pwmesh.cli import commands  # noqa: PLC0415
+
+    commands.demo(address, connect_timeout_seconds=connect_timeout)
 
 
 if __name__ == "__main__":

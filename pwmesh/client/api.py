@@ -36,7 +36,7 @@ class Client:
         self.cluster: LocalCluster | None = None
         if address is None:
             self.cluster = LocalCluster(cluster)
-            address = self.cluster.start()
+            address = self.cluster.start_visibly()
         self.address = address
         try:
             self.session = Session(address, name=name, weight=weight, priority=priority,
@@ -103,9 +103,19 @@ def connect(address: str | None = None, *, name: str = "", weight: float = 1.0, 
             cluster: LocalClusterSpec | None = None, connect_timeout_seconds: float = 10.0) -> Client:
     """Connect to the cluster at ``address`` (else ``$PWMESH_ADDRESS``, else start an embedded one).
 
-    The client becomes the default one used by ``pw.make_virtual_device_set``, ``pw.get`` and ``pw.put``.
+    The client becomes the default one used by ``pw.make_virtual_device_set``, ``pw.get`` and ``pw.put``
+    (a previous default client is closed). While the default client runs an embedded cluster, another
+    ``pw.connect()`` raises ``InvalidArgument``: stopping that cluster would break its arrays. Call
+    ``pw.disconnect()`` first, or use ``pw.Client(address)`` for a second session on it.
     """
     global _default
+    with _default_lock:
+        running = _default.cluster if _default is not None else None
+    if running is not None:
+        raise InvalidArgument(
+            f"pw.connect(): the default client already runs an embedded cluster (at {running.address}), whose "
+            "arrays would break if it stopped. Call pw.disconnect() first to stop it, or open another session "
+            f"on it with pw.Client({running.address!r})")
     client = Client(address, name=name, weight=weight, priority=priority, cluster=cluster,
                     connect_timeout_seconds=connect_timeout_seconds)
     with _default_lock:

@@ -46,7 +46,10 @@ BACKLOG_RETRY_SECONDS = 0.05
 
 class ClientConnection:
     def __init__(self, address: str, *, name: str, weight: float = 1.0, priority: int = 0,
-                 connect_timeout_seconds: float = 10.0, open_session: bool = True) -> None:
+                 connect_timeout_seconds: float = 10.0, open_session: bool = True, probe: bool = False) -> None:
+        """``open_session``: open a session (what a client is). Without one (tools, the CLI), ``probe``
+        first proves something answers there with a ``Ping``; either way nothing answering within
+        ``connect_timeout_seconds`` is ``ConnectionFailed``."""
         self.address = address
         self.session_id = ""
         self.heartbeat_interval_seconds = 1.0
@@ -76,18 +79,20 @@ class ClientConnection:
         self._lost: PwmeshError | None = None
         self._thread = threading.Thread(target=self._io_loop, name="pwmesh-client-io", daemon=True)
         self._thread.start()
+        # The first request proves something answers there: a session's opening, or a probe's ping.
+        if not open_session and not probe:
+            return
+        first: Message = OpenSession(name=name, weight=weight, priority=priority) if open_session else Ping()
+        try:
+            opened = self.request(first, timeout_seconds=connect_timeout_seconds)
+        except PwTimeoutError:
+            self.close()
+            raise ConnectionFailed(f"nothing answered at {address} within {connect_timeout_seconds:g} seconds "
+                                   "(is a pwmesh cluster running there?)") from None
+        except BaseException:
+            self.close()
+            raise
         if open_session:
-            try:
-                opened = self.request(OpenSession(name=name, weight=weight, priority=priority),
-                                      timeout_seconds=connect_timeout_seconds)
-            except PwTimeoutError:
-                self.close()
-                raise ConnectionFailed(
-                    f"no pwmesh proxy answered at {address} within {connect_timeout_seconds} seconds"
-                ) from None
-            except BaseException:
-                self.close()
-                raise
             assert isinstance(opened, SessionOpened)
             self.session_id = opened.session_id
             self.heartbeat_interval_seconds = opened.heartbeat_interval_seconds

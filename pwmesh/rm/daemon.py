@@ -76,12 +76,15 @@ class ResourceManager(Service):
     def _notify(self) -> None:
         """Post what the state produced to every watcher, before the current reply."""
         for note in self.state.take_notifications():
+            # An executor that left (it drained and unregistered: a clean stop) is news, not trouble.
+            level = logging.INFO if isinstance(note, ExecutorLost) and note.graceful else logging.WARNING
             if isinstance(note, ExecutorLost):
-                log.warning("executor %s (host %s) lost: %s", note.executor_id, note.host, note.reason)
+                log.log(level, "executor %s (host %s) %s: %s", note.executor_id, note.host,
+                        "left" if note.graceful else "lost", note.reason)
             for remap in note.remapped if isinstance(note, ExecutorLost) else [note]:
                 if isinstance(remap, SliceRemapped):
-                    log.warning("slice %s remapped (%s)%s", remap.slice.slice_id, remap.reason,
-                                f": broken, {remap.slice.broken}" if remap.slice.broken else "")
+                    log.log(level, "slice %s remapped (%s)%s", remap.slice.slice_id, remap.reason,
+                            f": broken, {remap.slice.broken}" if remap.slice.broken else "")
             for peer in self.watchers:
                 self.server.post(peer, note)
 

@@ -14,11 +14,13 @@ import json
 import logging
 import os
 import selectors
+import shutil
 import signal
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -61,6 +63,9 @@ class LocalCluster:
         self.children: list[Child] = []
         self.address = ""
         self.rm_address = ""
+        self._progress: Callable[[str], None] | None = None
+        # A temporary log directory of our own is removed on a clean stop; kept when something failed.
+        self._keep_logs = False
 
     # -------------------------------------------------------------- processes
 
@@ -79,6 +84,7 @@ class LocalCluster:
 
     def _wait_ready(self, children: list[Child], deadline: float) -> None:
         waiting = {c.popen.stdout.fileno(): c for c in children if c.popen.stdout is not None}
+        ready: list[Child] = []
         buffers: dict[int, bytes] = {fd: b"" for fd in waiting}
         with selectors.DefaultSelector() as sel:
             for fd in waiting:
@@ -106,16 +112,22 @@ class LocalCluster:
                             child.info = json.loads(text[len(READY_PREFIX):])
                             sel.unregister(fd)
                             del waiting[fd]
+                            ready.append(child)
+                            if len(children) > 1:
+                                self._starting(ready, list(waiting.values()))
                             break
 
-    def start(self) -> str:
-        """Start every daemon and return the proxy's address (the cluster's address)."""
+    def start(self, progress: Callable[[str], None] | None = None) -> str:
+        """Start every daemon and return the proxy's address (the cluster's address). ``progress`` is told,
+        in words, each time another daemon is ready (``pwmesh up`` and the embedded cluster show it)."""
         if self.address:
             return self.address
         spec = self.spec
         deadline = time.monotonic() + spec.startup_timeout_seconds
+        self._progress = progress
         try:
             rm = self._spawn("rm", "rm", ["--heartbeat-timeout-seconds", str(spec.heartbeat_timeout_seconds)])
+            self._say("starting the resource manager")
             self._wait_ready([rm], deadline)
             self.rm_address = rm.info["address"]
             rest = []
@@ -129,10 +141,40 @@ class LocalCluster:
                                                    str(spec.session_timeout_seconds)])
             self._wait_ready([*rest, proxy], deadline)
         except BaseException:
+            self._keep_logs = True  # what went wrong is in them
             self.stop()
             raise
+        finally:
+            self._progress = None
         self.address = proxy.info["address"]
         return self.address
+
+    def start_visibly(self) -> str:
+        """``start``, showing on stderr which daemons are ready while they start, where stderr is a terminal
+        (a spinner that is gone once the cluster is up)."""
+        if not sys.stderr.isatty():
+            return self.start()
+        from rich.console import Console  # noqa: PLC0415 - only a terminal needs it
+
+        console = Console(stderr=True)
+        with console.status("starting a local pwmesh cluster") as shown:
+            return self.start(progress=lambda what: shown.update(f"local pwmesh cluster: {what}"))
+
+    def _say(self, what: str) -> None:
+        if self._progress is not None:
+            self._progress(what)
+
+    def _starting(self, ready: list[Child], waiting: list[Child]) -> None:
+        """Tell ``progress`` how many of each role are ready."""
+        if self._progress is None:
+            return
+        parts = []
+        for role, label in (("scheduler", "schedulers"), ("executor", "executors"), ("proxy", "proxy")):
+            total = sum(c.role == role for c in ready + waiting)
+            if total:
+                done = sum(c.role == role for c in ready)
+                parts.append(f"{label} {done}/{total}" if total > 1 else f"{label} {'ready' if done else '...'}")
+        self._say("starting " + ", ".join(parts))
 
     # Each stage drains while the peers it confirms delivery to are still up: executors
     # (to the proxy and the RM), then the proxy (to the schedulers), schedulers, the RM.
@@ -185,14 +227,22 @@ class LocalCluster:
                     log.warning("%s (pid %s) ignored SIGTERM; killing it", child.name, child.popen.pid)
                     child.popen.kill()
                     child.popen.wait()
+                    self._keep_logs = True
         for child in self.children:
             if child.popen.poll() is None:  # a role no stage names
                 child.popen.kill()
                 child.popen.wait()
             if child.popen.stdout is not None:
                 child.popen.stdout.close()
+            if child.popen.returncode not in (0, None):  # it failed, or was killed: keep its log
+                self._keep_logs = True
         self.children.clear()
         self.address = ""
+        if self._own_log_dir and self.log_dir.exists():
+            if self._keep_logs:
+                log.warning("local cluster: a daemon failed or was killed; its logs are in %s", self.log_dir)
+            else:
+                shutil.rmtree(self.log_dir, ignore_errors=True)
 
     def child(self, name: str) -> Child:
         return next(c for c in self.children if c.name == name)
