@@ -15,6 +15,7 @@ import asyncio
 import inspect
 import itertools
 import logging
+import time
 import traceback
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -34,6 +35,33 @@ Reply = Message | None
 Handler = Callable[[bytes, Envelope], Reply | Awaitable[Reply]]
 
 _ids = itertools.count(1)
+
+
+class RejectedLog:
+    """Rejected frames, logged at most once per peer per ``interval_seconds`` with a count of the rest:
+    junk cannot fill a disk with warnings (a WARNING of ~200 bytes per frame, before). At most
+    ``peers`` peers are remembered (the oldest forgotten), so many junk peers cannot fill memory."""
+
+    def __init__(self, name: str, interval_seconds: float = 10.0, peers: int = 1024,
+                 clock: Callable[[], float] | None = None) -> None:
+        self.name = name
+        self.interval_seconds = interval_seconds
+        self.peers = peers
+        self._clock = clock or time.monotonic
+        self._seen: dict[Any, tuple[float, int]] = {}  # peer -> (when last logged, rejected since)
+
+    def rejected(self, peer: Any, reason: str) -> None:
+        now = self._clock()
+        last = self._seen.pop(peer, None)
+        if last is not None and now - last[0] < self.interval_seconds:
+            self._seen[peer] = (last[0], last[1] + 1)
+            return
+        since = last[1] if last is not None else 0
+        more = f" ({since} more from it in the last {now - last[0]:.0f} s)" if since and last is not None else ""
+        log.warning("%s: rejected frame from %r: %s%s", self.name, peer, reason, more)
+        self._seen[peer] = (now, 0)
+        while len(self._seen) > self.peers:
+            self._seen.pop(next(iter(self._seen)))
 
 
 def next_id() -> int:
@@ -76,6 +104,7 @@ class Server:
         self._on_unreachable = on_unreachable
         self.address = self._sock.address
         self.rejected = 0  # frames dropped or answered with ProtocolError
+        self._rejected_log = RejectedLog(name)
 
     def start(self) -> None:
         self._tasks.spawn(_receive_until_cancelled(self._sock, self._received), name=f"{self._name}.recv")
@@ -105,7 +134,7 @@ class Server:
             env = decode(payload, self._limits)
         except FrameError as exc:
             self.rejected += 1
-            log.warning("%s: rejected frame from %r: %s", self._name, peer, exc.message)
+            self._rejected_log.rejected(peer, exc.message)
             if exc.msg_id is not None:
                 self.post(peer, Error(code="protocol", message=exc.message), reply_to=exc.msg_id)
             return
@@ -162,6 +191,7 @@ class Connection:
         self._sock: DealerSocket = ctx.dealer(address)
         self.address = address
         self._name = name
+        self._rejected_log = RejectedLog(name)
         self._pending: dict[int, asyncio.Future[Message]] = {}
         self._on_message = on_message
         self._limits = limits
@@ -216,7 +246,7 @@ class Connection:
             env = decode(payload, self._limits)
         except FrameError as exc:
             # An unreadable reply cannot be matched to its request, which then times out.
-            log.warning("%s: rejected frame from %s: %s", self._name, self.address, exc.message)
+            self._rejected_log.rejected(self.address, exc.message)
             return
         fut = self._pending.get(env.reply_to) if env.reply_to is not None else None
         if fut is not None:
