@@ -339,17 +339,12 @@ class Pipeline:
             x = microbatches[i] if s == 0 else inputs.get((s, i))
             if op.kind == "F":
                 inputs[(s + 1, i)] = fns[s].forward(params[s], x)
-            elif op.kind == "B" and s == last:
-                out = fns[s].backward(params[s], x, microbatches[i], acc[s])
-                acc[s], grads_in[(s - 1, i)] = out if s > 0 else (out, None)
-            elif op.kind == "B":
-                out = fns[s].backward(params[s], x, grads_in.pop((s, i)), acc[s])
+            elif op.kind == "B":  # the last stage reads the microbatch (targets), the others their gradient
+                out = fns[s].backward(params[s], x, microbatches[i] if s == last else grads_in.pop((s, i)), acc[s])
                 acc[s], grads_in[(s - 1, i)] = out if s > 0 else (out, None)
             else:
-                if s == last:
-                    params[s], opt[s], acc[s], loss = fns[s].update(params[s], opt[s], acc[s])
-                else:
-                    params[s], opt[s], acc[s] = fns[s].update(params[s], opt[s], acc[s])
+                params[s], opt[s], acc[s], *rest = fns[s].update(params[s], opt[s], acc[s])
+                loss = rest[0] if s == last else loss
         return PipelineState(params, opt, acc), loss
 
 
