@@ -11,7 +11,6 @@ callback by the layer above.
 
 from __future__ import annotations
 
-import collections
 import contextvars
 import dataclasses
 import hashlib
@@ -129,7 +128,6 @@ class ProgramBuilder:
         self.session: Session | None = None
         self.shardings: dict[int, SliceSharding] = {}  # value -> its sharding, client side
         self.constants: dict[int, np.ndarray] = {}  # inputs captured while tracing (not arguments)
-        self.reads: collections.Counter[int] = collections.Counter()
         self.donated: dict[int, str] = {}  # value -> the function it was donated to
         self._unfixed: set[int] = set()  # host inputs whose layout their first reader sets
         # Staged tracing (a program with host functions): the call's real arguments, the
@@ -236,7 +234,6 @@ class ProgramBuilder:
             raise InvalidArgument(f"{call.name} gets routed rows but runs on {n} devices; an expert runs on one")
         for sym, sharding in zip(syms, call.in_shardings, strict=True):
             self._fix(sym, sharding)
-            self.reads[sym.value] += 1
         for i in call.donate:
             v = syms[i].value
             if v in self.donated:
@@ -262,7 +259,6 @@ class ProgramBuilder:
         sym = self._symbol("pw.reshard", 0, x)
         sharding.check(sym.shape, "pw.reshard")
         self._fix(sym, sharding)
-        self.reads[sym.value] += 1
         v = self._value(sym.shape, sym.dtype, sharding)
         self.node_names.append("pw.reshard")
         self.nodes.append(NodeSpec(fn_id="", slice_id=sl.slice_id, inputs=[sym.value], outputs=[v], kind="reshard"))
@@ -275,7 +271,6 @@ class ProgramBuilder:
         n = len(home.devices)
         for s in (sym, ids):
             self._fix(s, blocks)
-            self.reads[s.value] += 1
         parts = [self._value(sym.shape, sym.dtype, None, ragged=True) for _ in experts]
         self.node_names.append("pw.Router")
         self.nodes.append(NodeSpec(fn_id="", slice_id=home.slice_id, inputs=[sym.value, ids.value], outputs=parts,
@@ -291,7 +286,6 @@ class ProgramBuilder:
             if (out.shape, out.dtype) != (first.shape, first.dtype):
                 raise InvalidArgument(f"experts return different shapes: {expert.__name__} gives "
                                       f"{out.dtype}{out.shape}, {experts[0].__name__} {first.dtype}{first.shape}")
-            self.reads[out.value] += 1
         check_split(first.shape, n, f"pw.Router combining the experts' output onto {n} devices")
         y = self._value(first.shape, first.dtype, blocks)
         self.values[y].sharding = None  # the combine lands leading-axis blocks (the default layout)
