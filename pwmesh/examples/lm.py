@@ -180,13 +180,6 @@ def split_params(config: Config, tree: dict[str, Any], stages: int) -> list[dict
     return out
 
 
-def join_params(parts: list[dict[str, Any]]) -> dict[str, Any]:
-    """The stages' trees back into one ``init_params``-shaped tree."""
-    whole = {k: v for part in parts for k, v in part.items() if k != "layers"}
-    whole["layers"] = [layer for part in parts for layer in part["layers"]]
-    return {k: whole[k] for k in ("embed", "pos", "layers", "ln_f", "unembed")}
-
-
 def stage_apply(config: Config, stage: int, stages: int) -> Any:
     """Stage ``stage``'s function, as ``pwmesh.pipeline.Stage.apply`` takes it: the first maps tokens to
     the residual stream, the middle ones the stream to the stream, the last the stream (and the tokens,
@@ -236,6 +229,20 @@ def make_train_step(config: Config, optimizer: optax.GradientTransformation | No
         return optax.apply_updates(params, updates), opt_state, loss
 
     return train_step
+
+
+def local_devices(n: int, what: str) -> list[Any]:
+    """``n`` JAX devices of this process for ``what`` (a flag, for the message). On CPU they are asked for
+    if JAX has not started its backends yet; otherwise the process must have been started with them."""
+    if jax.config.jax_platforms in (None, "", "cpu") and jax.config.jax_num_cpu_devices < n:
+        try:
+            jax.config.update("jax_num_cpu_devices", n)
+        except RuntimeError:  # JAX has started its backends already
+            pass
+    if len(jax.devices()) < n:
+        raise SystemExit(f"{what} needs {n} JAX devices, this process has {len(jax.devices())} (set "
+                         f"XLA_FLAGS=--xla_force_host_platform_device_count={n} before JAX starts)")
+    return jax.devices()[:n]
 
 
 # ------------------------------------------------------------------ data

@@ -78,7 +78,8 @@ def train_reference(config: lm.Config, steps: int, stages: list[pipeline.Stage],
                     progress: bool = True, log_every: int = 10) -> Result:
     """Plain ``jax.jit`` of the whole model, unpipelined; on ``devices`` > 1 CPU devices of this process,
     data-parallel (the batch split over them, parameters replicated: XLA all-reduces the gradients)."""
-    mesh = Mesh(np.array(cpu_devices(devices)), ("data",)) if devices > 1 else None  # before JAX starts
+    # The devices first: on CPU they can be asked for only before anything starts JAX's backends.
+    mesh = Mesh(np.array(lm.local_devices(devices, f"--devices {devices}")), ("data",)) if devices > 1 else None
     optimizer = make_optimizer(config)
     params = initial_params(config, stages)
     state = (params, optimizer.init(params))
@@ -95,19 +96,6 @@ def train_reference(config: lm.Config, steps: int, stages: list[pipeline.Stage],
         return (params, opt_state), loss
 
     return _loop(config, steps, one, state, jax.device_get, progress, log_every)
-
-
-def cpu_devices(n: int) -> list[Any]:
-    """``n`` CPU devices of this process (asked for before JAX starts, as ``train_lm --reference`` does)."""
-    if jax.config.jax_num_cpu_devices < n:
-        try:
-            jax.config.update("jax_num_cpu_devices", n)
-        except RuntimeError:  # JAX has started its backends already
-            pass
-    if len(jax.devices("cpu")) < n:
-        raise SystemExit(f"--devices {n} needs {n} CPU devices, this process has {len(jax.devices('cpu'))} (set "
-                         f"XLA_FLAGS=--xla_force_host_platform_device_count={n} before JAX starts)")
-    return jax.devices("cpu")[:n]
 
 
 def _loop(config: lm.Config, steps: int, step: Any, state: Any, fetch: Any, progress: bool,

@@ -71,15 +71,7 @@ def pwmesh_trainer(config: lm.Config, optimizer: Any) -> Trainer:
 
 def jax_trainer(config: lm.Config, optimizer: Any) -> Trainer:
     """The same step under plain ``jax.jit`` in this process, with the same shardings."""
-    if jax.config.jax_platforms in (None, "", "cpu") and jax.config.jax_num_cpu_devices < 4:
-        try:  # the mesh needs 4 devices: ask for 4 CPU ones if JAX has not started its backends yet
-            jax.config.update("jax_num_cpu_devices", 4)
-        except RuntimeError:
-            pass
-    if len(jax.devices()) < 4:
-        raise SystemExit(f"--reference needs 4 JAX devices, this process has {len(jax.devices())} (set "
-                         "XLA_FLAGS=--xla_force_host_platform_device_count=4 before JAX starts)")
-    mesh = Mesh(np.array(jax.devices()[:4]).reshape(2, 2), tuple(MESH))
+    mesh = Mesh(np.array(lm.local_devices(4, "--reference")).reshape(2, 2), tuple(MESH))
 
     def named(specs: Any) -> Any:
         return jax.tree_util.tree_map(lambda s: NamedSharding(mesh, s), specs, is_leaf=lambda x: isinstance(x, P))
