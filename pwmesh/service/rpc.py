@@ -56,8 +56,7 @@ class RejectedLog:
         if last is not None and now - last[0] < self.interval_seconds:
             self._seen[peer] = (last[0], last[1] + 1)
             return
-        since = last[1] if last is not None else 0
-        more = f" ({since} more from it in the last {now - last[0]:.0f} s)" if since and last is not None else ""
+        more = f" ({last[1]} more from it in the last {now - last[0]:.0f} s)" if last is not None and last[1] else ""
         log.warning("%s: rejected frame from %r: %s%s", self.name, peer, reason, more)
         self._seen[peer] = (now, 0)
         while len(self._seen) > self.peers:
