@@ -152,57 +152,13 @@ def test_daemon_cli_rejects_missing_options() -> None:
 
 ROOT = Path(__file__).resolve().parent.parent
 
-# A daemon with one Server, run as every daemon is (lifecycle.run). It counts the NodeDone it
-# receives and whether they came in order; ``Heartbeat(role=PAD, name="push:N[:PEER_HEX]")``
-# makes it post N NodeDone (run_id=PAD) to PEER (default: the asker). Every command answers
-# Pong(role=received, name=out_of_order, status="BACKLOG:UNREACHABLE").
-ECHO_DAEMON = """
-import sys
-from pwmesh.service.lifecycle import Service, run
-from pwmesh.service.rpc import Server
-from pwmesh.service.transport import Context
-from pwmesh.wire.messages import Heartbeat, NodeDone, Ping, Pong
-
-class Echo(Service):
-    role = "test-echo"
-
-    def __init__(self):
-        super().__init__("echo")
-        self.ctx.close()
-        self.ctx = Context(high_water_mark=int(sys.argv[1]))
-        self.received = self.out_of_order = 0
-        self.unreachable = []
-
-    async def setup(self):
-        handlers = {Ping: self.ping, NodeDone: self.note, Heartbeat: self.command}
-        self.server = Server(self.ctx, "tcp://127.0.0.1:0", handlers, tasks=self.tasks, name=self.name,
-                             on_unreachable=self.unreachable.append)
-        self.server.start()
-
-    def note(self, peer, env):
-        self.out_of_order += env.message.nodes != [self.received]
-        self.received += 1
-
-    def command(self, peer, env):
-        verb, _, arg = env.message.name.partition(":")
-        if verb == "push":
-            count, _, to = arg.partition(":")
-            for i in range(int(count)):
-                self.server.post(bytes.fromhex(to) if to else peer,
-                                 NodeDone(run_id=env.message.role, nodes=[i], executor_id="echo"))
-        return Pong(role=str(self.received), name=str(self.out_of_order),
-                    status=f"{self.server.backlog}:{len(self.unreachable)}")
-
-    def ready_info(self):
-        return {**super().ready_info(), "address": self.server.address}
-
-run(Echo())
-"""
+# The peer of the socket-layer tests (what it answers is in its docstring).
+ECHO_DAEMON = Path(__file__).resolve().with_name("echo_daemon.py")
 
 
 def start_echo(high_water_mark: int = 100_000) -> tuple[subprocess.Popen[bytes], str]:
     env = {**os.environ, "PWMESH_PARENT_PID": str(os.getpid())}
-    proc = subprocess.Popen([sys.executable, "-c", ECHO_DAEMON, str(high_water_mark)], cwd=ROOT, env=env,
+    proc = subprocess.Popen([sys.executable, str(ECHO_DAEMON), str(high_water_mark)], cwd=ROOT, env=env,
                             stdout=subprocess.PIPE, stdin=subprocess.DEVNULL)
     assert proc.stdout is not None
     deadline = time.monotonic() + 60
