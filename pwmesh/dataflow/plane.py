@@ -43,6 +43,7 @@ from typing import Any
 import msgpack
 import numpy as np
 
+from pwmesh.service.rpc import RejectedLog
 from pwmesh.wire import codec
 from pwmesh.wire.messages import TupleBatch
 
@@ -53,6 +54,41 @@ BIG_FRAME_BYTES = 64 << 10  # frames at least this big go through pooled buffers
 _LEN = struct.Struct("!I")
 _ACK = struct.Struct("!Q")
 MAX_PREAMBLE_BYTES = 1 << 20
+MAX_HELLO_BYTES = 4096
+HANDSHAKE_TIMEOUT_SECONDS = 30.0  # a peer that connects and never says hello holds a thread no longer
+
+
+class StreamError(ValueError):
+    """What came in on a stream is not the data-plane protocol: the stream is closed."""
+
+
+def _unpack(data: bytes, what: str) -> Any:
+    try:
+        return msgpack.unpackb(data)
+    except Exception as exc:  # msgpack raises a zoo of types on garbage
+        raise StreamError(f"unreadable {what}: {type(exc).__name__}: {exc}") from None
+
+
+def _map_segment(name: str) -> tuple[mmap.mmap, np.ndarray]:
+    """A sender's shared-memory segment, read-only; ``StreamError`` if there is no such segment."""
+    try:
+        fd = os.open(f"/dev/shm/{name}", os.O_RDONLY)
+    except OSError as exc:
+        raise StreamError(f"shared-memory segment {name!r}: {exc.strerror}") from None
+    try:
+        mapped = mmap.mmap(fd, 0, prot=mmap.PROT_READ)
+    except (OSError, ValueError) as exc:  # an empty file cannot be mapped
+        raise StreamError(f"shared-memory segment {name!r}: {exc}") from None
+    finally:
+        os.close(fd)
+    return mapped, np.frombuffer(mapped, dtype=np.uint8)
+
+
+def _machine_of(hello: Any) -> str:
+    """The ``machine`` of a handshake (``""`` for none); ``StreamError`` if it is not one."""
+    if not isinstance(hello, dict) or not isinstance(hello.get("machine", ""), str):
+        raise StreamError("malformed handshake")
+    return hello.get("machine", "")  # type: ignore[no-any-return]
 
 
 def machine_id() -> str:
@@ -157,8 +193,10 @@ class _Stream:
                                "pid": os.getpid()})
         sock.sendall(_LEN.pack(len(hello)) + hello)
         (n,) = _LEN.unpack(_recv_bytes(sock, _LEN.size))
-        reply = msgpack.unpackb(_recv_bytes(sock, min(n, 4096)))
-        self.shared = bool(self.plane.machine) and reply.get("machine") == self.plane.machine
+        if n > MAX_HELLO_BYTES:
+            raise StreamError(f"a handshake of {n} bytes")
+        self.shared = bool(self.plane.machine) and _machine_of(_unpack(_recv_bytes(sock, n), "handshake")) == \
+            self.plane.machine
         threading.Thread(target=self._ack_loop, args=(sock,), name=f"pwmesh-acks-{self.address}", daemon=True).start()
         return sock
 
@@ -196,7 +234,7 @@ class _Stream:
                 if self.sock is None:
                     self.sock = self._connect()
                 self._write(self.sock, frames, slots)
-            except (OSError, ConnectionError) as exc:
+            except (OSError, StreamError) as exc:
                 log.warning("data plane: lost the stream to %s (%s); a batch was dropped", self.address, exc)
                 self._reset()
 
@@ -258,7 +296,7 @@ class DataPlane:
     batch that arrives; ``idle`` is set whenever every batch sent so far has been acknowledged."""
 
     def __init__(self, loop: Any, on_batch: Callable[[TupleBatch], None], *, bind_host: str = "127.0.0.1",
-                 shared_memory: bool = True, max_segments: int = 8,
+                 shared_memory: bool = True, max_segments: int = 8, max_streams: int = 4096,
                  limits: codec.Limits = codec.DEFAULT_LIMITS) -> None:
         self.loop = loop
         self.on_batch = on_batch
@@ -275,7 +313,10 @@ class DataPlane:
         self._listener = socket.create_server((bind_host, 0), backlog=128)
         host, port = self._listener.getsockname()[:2]
         self.address = f"tcp://{host}:{port}"
-        self._readers: list[socket.socket] = []
+        self.max_streams = max_streams
+        self._readers: set[socket.socket] = set()  # inbound streams being read (one thread each)
+        self._readers_lock = threading.Lock()
+        self._rejected = RejectedLog("data plane")
         self._closing = False
         threading.Thread(target=self._accept_loop, name="pwmesh-data-accept", daemon=True).start()
 
@@ -311,67 +352,99 @@ class DataPlane:
     def _accept_loop(self) -> None:
         while True:
             try:
-                sock, _ = self._listener.accept()
+                sock, addr = self._listener.accept()
             except OSError:
                 return
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            self._readers.append(sock)
-            threading.Thread(target=self._read_loop, args=(sock,), name="pwmesh-data-in", daemon=True).start()
+            peer = addr[0] if isinstance(addr, tuple) else addr  # by host: every connection has its own port
+            with self._readers_lock:
+                full = len(self._readers) >= self.max_streams
+                if not full:
+                    self._readers.add(sock)
+            if full:
+                self._rejected.rejected(peer, f"{self.max_streams} streams are open already; connection closed")
+                sock.close()
+                continue
+            try:
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                threading.Thread(target=self._read_loop, args=(sock, peer), name="pwmesh-data-in",
+                                 daemon=True).start()
+            except (OSError, RuntimeError) as exc:  # reset already, or no thread to be had
+                self._rejected.rejected(peer, f"cannot serve a stream: {exc}")
+                self._forget(sock)
 
-    def _read_loop(self, sock: socket.socket) -> None:
+    def _forget(self, sock: socket.socket) -> None:
+        with self._readers_lock:
+            self._readers.discard(sock)
+        sock.close()
+
+    def _read_loop(self, sock: socket.socket, peer: Any) -> None:
         segments: dict[str, tuple[mmap.mmap, np.ndarray]] = {}
         try:
-            (n,) = _LEN.unpack(_recv_bytes(sock, _LEN.size))
-            hello = msgpack.unpackb(_recv_bytes(sock, min(n, 4096)))
-            shared = bool(self.shared_memory and self.machine and hello.get("machine") == self.machine)
-            reply = msgpack.packb({"machine": self.machine if shared else ""})
-            sock.sendall(_LEN.pack(len(reply)) + reply)
+            shared = self._handshake(sock)
             while True:
                 frames = self._read_message(sock, segments, shared)
                 sock.sendall(_ACK.pack(1))  # held here now: the sender may reuse its slots
                 try:
                     env = codec.decode(frames, self.limits)
                 except codec.FrameError as exc:
-                    log.warning("data plane: dropped a malformed batch: %s", exc)
+                    self._rejected.rejected(peer, exc.message)
                     continue
                 if isinstance(env.message, TupleBatch):
                     self.loop.call_soon_threadsafe(self.on_batch, env.message)
                 else:
-                    log.warning("data plane: dropped a %s (only tuple batches travel here)", env.message.op)
-        except (OSError, ConnectionError, ValueError, msgpack.UnpackException) as exc:
+                    self._rejected.rejected(peer, f"a {env.message.op} (only tuple batches travel here)")
+        except StreamError as exc:
+            self._rejected.rejected(peer, f"{exc}; stream closed")
+        except OSError as exc:
             if not self._closing:
                 log.debug("data plane: a peer's stream ended: %s", exc)
+        except Exception as exc:  # a bug; whatever it is, one peer's stream must not end the plane (or flood the log)
+            self._rejected.rejected(peer, f"stream failed: {type(exc).__name__}: {exc}")
         finally:
-            sock.close()
+            self._forget(sock)
             for mapped, _ in segments.values():
                 mapped.close()
+
+    def _handshake(self, sock: socket.socket) -> bool:
+        """Read the peer's hello and answer it; whether the stream's big frames come through shared memory."""
+        sock.settimeout(HANDSHAKE_TIMEOUT_SECONDS)
+        (n,) = _LEN.unpack(_recv_bytes(sock, _LEN.size))
+        if n > MAX_HELLO_BYTES:
+            raise StreamError(f"a handshake of {n} bytes")
+        machine = _machine_of(_unpack(_recv_bytes(sock, n), "handshake"))
+        shared = bool(self.shared_memory and self.machine and machine == self.machine)
+        reply = msgpack.packb({"machine": self.machine if shared else ""})
+        sock.sendall(_LEN.pack(len(reply)) + reply)
+        sock.settimeout(None)  # a stream may rightly be idle for as long as its sender has nothing to send
+        return shared
 
     def _read_message(self, sock: socket.socket, segments: dict[str, tuple[mmap.mmap, np.ndarray]],
                       shared: bool) -> list[Any]:
         (n,) = _LEN.unpack(_recv_bytes(sock, _LEN.size))
         if n > MAX_PREAMBLE_BYTES:
-            raise ValueError(f"preamble of {n} bytes")
-        preamble = msgpack.unpackb(_recv_bytes(sock, n))
-        if not isinstance(preamble, list) or len(preamble) < 2 or len(preamble) > self.limits.max_buffers + 2:
-            raise ValueError("malformed preamble")
+            raise StreamError(f"a preamble of {n} bytes")
+        preamble = _unpack(_recv_bytes(sock, n), "preamble")
+        limits = self.limits
+        if not isinstance(preamble, list) or not 2 <= len(preamble) <= limits.max_buffers + 2:
+            raise StreamError("malformed preamble")
+        for entry in preamble:  # every entry checked before a byte of any frame is read
+            if not (isinstance(entry, list) and len(entry) == 4 and entry[0] in (INLINE, SHARED)
+                    and type(entry[1]) is int and 0 <= entry[1] <= limits.max_buffer_bytes):
+                raise StreamError(f"malformed preamble entry {str(entry)[:80]}")
+            if entry[0] == SHARED and not (shared and isinstance(entry[2], str) and entry[2].startswith("pwmesh-")
+                                           and "/" not in entry[2] and type(entry[3]) is int and entry[3] >= 0):
+                raise StreamError("a shared-memory frame this stream cannot have")
+        declared = sum(entry[1] for entry in preamble)
+        if declared > limits.max_header_bytes + limits.max_body_bytes + limits.max_buffer_bytes:
+            raise StreamError(f"a message of {declared} bytes")
         frames: list[Any] = []
-        for entry in preamble:
-            kind, nbytes, name, offset = entry
-            if not isinstance(nbytes, int) or nbytes < 0 or nbytes > self.limits.max_buffer_bytes:
-                raise ValueError(f"frame of {nbytes} bytes")
+        for kind, nbytes, name, offset in preamble:
             if kind == SHARED:
-                if not shared or not isinstance(name, str) or not name.startswith("pwmesh-") or "/" in name:
-                    raise ValueError("shared-memory frame on a stream that does not share memory")
                 if name not in segments:
-                    fd = os.open(f"/dev/shm/{name}", os.O_RDONLY)
-                    try:
-                        mapped = mmap.mmap(fd, 0, prot=mmap.PROT_READ)
-                    finally:
-                        os.close(fd)
-                    segments[name] = (mapped, np.frombuffer(mapped, dtype=np.uint8))
+                    segments[name] = _map_segment(name)
                 source = segments[name][1]
-                if offset < 0 or offset + nbytes > source.nbytes:
-                    raise ValueError("shared-memory frame outside its segment")
+                if offset + nbytes > source.nbytes:
+                    raise StreamError("shared-memory frame outside its segment")
                 buf = self.pool.take(nbytes)
                 np.copyto(buf, source[offset:offset + nbytes])
                 frames.append(buf)
@@ -388,7 +461,9 @@ class DataPlane:
         self._listener.close()
         for stream in self._streams.values():
             stream.close()
-        for sock in self._readers:
+        with self._readers_lock:
+            readers = list(self._readers)
+        for sock in readers:
             try:
                 sock.shutdown(socket.SHUT_RDWR)
             except OSError:
