@@ -14,7 +14,9 @@ import pytest
 
 from pwmesh.dataflow import plane as plane_module
 from pwmesh.dataflow.plane import INLINE, SHARED, DataPlane, machine_id
+from pwmesh.errors import InvalidArgument
 from pwmesh.service.rpc import RejectedLog
+from pwmesh.service.transport import Context
 from pwmesh.wire import encode
 from pwmesh.wire.messages import Ping, TupleBatch
 
@@ -203,3 +205,18 @@ async def test_inbound_streams_are_capped() -> None:
         await asyncio.to_thread(many)
     finally:
         plane.close()
+
+
+# ------------------------------------------------------------------ addresses from peers
+
+
+@pytest.mark.timeout(10)
+@pytest.mark.parametrize("address", ["xxxx", "tcp://", "tcp://host:port", "", "x" * 3000])
+def test_connecting_to_an_address_that_is_none_is_a_refusal_and_leaks_no_socket(address: str) -> None:
+    """Executors, schedulers and the proxy connect to addresses other daemons (or anyone) sent them;
+    before, a bad one raised ZMQError from deep inside a handler and left its socket open (the
+    context then never terminated: every daemon's stop hung on it)."""
+    ctx = Context()
+    with pytest.raises(InvalidArgument, match="cannot connect to"):
+        ctx.dealer(address)
+    ctx.close()  # returns: no socket is left open

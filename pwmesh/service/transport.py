@@ -28,6 +28,8 @@ from typing import Any
 
 import zmq
 
+from pwmesh.errors import InvalidArgument
+
 log = logging.getLogger(__name__)
 
 # Frames at least this big are sent without a copy; below it, copying is cheaper
@@ -90,8 +92,14 @@ class Context:
         return router
 
     def dealer(self, connect: str, identity: bytes | None = None) -> DealerSocket:
+        """A socket connected to ``connect``; ``InvalidArgument`` if that is no address ZeroMQ can connect to
+        (addresses come from peers: a bad one is a refused request, not a leaked socket)."""
         sock = self._socket(zmq.DEALER, identity)
-        sock.connect(connect)
+        try:
+            sock.connect(connect)
+        except zmq.ZMQError as exc:
+            sock.close(linger=0)
+            raise InvalidArgument(f"cannot connect to {connect[:200]!r}: {exc.strerror}") from None
         dealer = DealerSocket(sock, connect)
         self._sockets.append(dealer)
         return dealer
