@@ -1,10 +1,12 @@
-"""Gang scheduling end to end: the island order is what keeps overlapping gangs from
-deadlocking. Four clients at once submit programs whose gang computations span
-executors and overlap on devices in seeded random patterns, over a network that
-reorders messages (test-only jitter). With the island order, all complete. With
-each executor ordering by arrival instead, the same workload deadlocks, and the
-watchdogs report which devices wait on whom. The long version runs with
-``pytest -m long`` (and ``python -m pwmesh.examples.gang_stress``)."""
+"""Gang scheduling end to end: the island order is what keeps overlapping collectives
+from deadlocking. Four clients at once submit programs whose collectives (a psum)
+span executors (one JAX group per island) and overlap on devices in seeded random
+patterns, over a network that reorders messages (test-only jitter). With the
+island order, all complete. With each executor ordering by arrival instead, the
+same workload really deadlocks inside JAX's cross-process collectives, and the
+watchdogs report which devices are stuck in which collective. No executor waits
+for another before it starts a computation: the collectives synchronise. The long
+version runs with ``pytest -m long`` (and ``python -m pwmesh.examples.gang_stress``)."""
 
 from __future__ import annotations
 
@@ -24,7 +26,7 @@ JITTER = ("--test-enqueue-jitter-seconds", "0.02", "--test-seed", "3", "--watchd
 
 def _cluster(*extra: str) -> Iterator[pw.LocalCluster]:
     spec = pw.LocalClusterSpec(islands=1, hosts_per_island=3, devices_per_host=2, executor_args=(*JITTER, *extra),
-                               stop_timeout_seconds=3.0)
+                               stop_timeout_seconds=3.0, collectives=True)
     with pw.LocalCluster(spec) as c:
         yield c
 
@@ -51,16 +53,20 @@ def test_overlapping_gangs_long(ordered: pw.LocalCluster) -> None:
 
 
 def _wait_for_graph(address: str) -> dict[str, set[str]]:
-    """Executor control address -> the peers its waiting gangs wait for (from the watchdogs)."""
+    """Executor -> the executors it waits for (from the watchdogs): those its devices' collectives span
+    that are not in the same collective (they run another one first)."""
     status = fetch_status(address)
-    control = {e.executor_id: e.control for e in status.cluster.executors}
-    graph: dict[str, set[str]] = {}
+    owner = {d.global_id: e.executor_id for e in status.cluster.executors for d in e.devices}
+    stuck: dict[str, dict[str, set[str]]] = {}  # executor -> collective ("run R node N") -> executors it spans
     for stats in status.executor_stats:
         for wait in stats.gang_waits:
-            missing = re.search(r"for \[(.*?)\]", wait)
-            assert missing is not None, wait
-            graph.setdefault(control[stats.executor_id], set()).update(re.findall(r"'([^']+)'", missing.group(1)))
-    return graph
+            found = re.search(r"in (run \S+ node \d+) .*over JAX devices \[(.*?)\]", wait)
+            assert found is not None, wait
+            spans = {owner[int(i)] for i in found.group(2).split(",")}
+            stuck.setdefault(stats.executor_id, {})[found.group(1)] = spans
+    return {executor: {other for label, spans in mine.items() for other in spans
+                       if other != executor and label not in stuck.get(other, {})}
+            for executor, mine in stuck.items()}
 
 
 def _has_cycle(graph: dict[str, set[str]]) -> bool:
@@ -87,8 +93,8 @@ def test_without_the_island_order_the_same_workload_deadlocks(by_arrival: pw.Loc
     thread = threading.Thread(target=clients)
     thread.start()
     try:
-        # Executors hold devices at gangs, each waiting for an executor that holds its
-        # devices at another gang: a cycle, as the watchdogs report it.
+        # Executors' devices are in collectives, each waiting for an executor whose devices are
+        # in another collective first: a cycle, as the watchdogs report it.
         eventually(lambda: _has_cycle(_wait_for_graph(by_arrival.address)), 11)
     finally:
         thread.join(timeout=60)

@@ -358,7 +358,7 @@ def test_one_computation_per_node_and_executor_whatever_the_shards() -> None:
         assert c.shards() == [(0, first), (1, first + 1)]
         assert c.inputs == [prefix(c.node)] and c.outputs == [prefix(c.node + 1)]
         assert c.emits == [], "every shard is read where it was made"
-        assert c.peers == [control("b" if c.executor_id == "a" else "a")], "a node over two executors is a gang"
+        assert c.gang == [], "shards that do not communicate wait for nobody: no gang to join"
     assert lowered.node_executors == {0: {"a", "b"}, 1: {"a", "b"}}
 
 
@@ -834,15 +834,31 @@ def test_one_island_gives_one_schedule_in_program_order() -> None:
 # --------------------------------------------------------------- refusals
 
 
-def test_spmd_node_over_a_slice_spanning_two_executors() -> None:
-    with pytest.raises(InvalidArgument, match="several executors"):
+def test_spmd_node_over_executors_outside_one_jax_group_is_refused() -> None:
+    with pytest.raises(InvalidArgument, match=r"spans several executors \(a \(no group\), b \(no group\)\).*"
+                                              "one JAX group"):
         run(chain(2, 1, 1), [make_slice(1, [("a", 0), ("b", 0)])], spmd={"f": True})
+    grouped = make_slice(1, [("a", 0), ("b", 0)])
+    grouped.devices[0].group, grouped.devices[1].group = "tcp://g1", "tcp://g2"
+    with pytest.raises(InvalidArgument, match="one JAX group"):
+        run(chain(2, 1, 1), [grouped], spmd={"f": True})
+
+
+def test_spmd_node_over_executors_of_one_jax_group_names_every_device_of_its_gang() -> None:
+    sl = make_slice(1, [("a", 0), ("b", 0), ("a", 1), ("b", 1)])
+    for d, global_id in zip(sl.devices, [0, 4, 1, 5], strict=True):
+        d.group, d.global_id = "g", global_id
+    lowered = run(chain(4, 1, 1), [sl], spmd={"f": True})
+    comps = [c for c in computations(lowered) if c.fn_id == "f"]
+    assert {c.executor_id for c in comps} == {"a", "b"}
+    assert all(c.gang == [0, 4, 1, 5] for c in comps), "every part names the whole mesh, in shard order"
+    assert sorted(c.shards() for c in comps) == [[(0, 0), (1, 2)], [(0, 1), (1, 3)]]
 
 
 def test_spmd_node_on_one_executor_is_fine() -> None:
     lowered = run(chain(2, 1, 1), [make_slice(1, [("a", 0), ("a", 1)])], spmd={"f": True, "g": True})
     assert [c.runs for c in computations(lowered)] == [[sr(0, 0, 2)]] * 2
-    assert all(c.spmd and c.peers == [] for c in computations(lowered))
+    assert all(c.spmd and c.gang == [] for c in computations(lowered))
 
 
 @pytest.mark.parametrize("devices", [1, 4])

@@ -380,11 +380,11 @@ def test_a_layout_that_cannot_be_made_fails_before_anything_runs(wide: Wide) -> 
     assert executed() == before, "a refused call sends nothing to the executors"
 
 
-def test_collectives_over_a_slice_spanning_executors_are_refused_clearly(client: pw.Client) -> None:
-    sl = client.make_virtual_device_set().add_slice(devices=4)  # two hosts of two devices each
+def test_collectives_over_executors_outside_a_jax_group_are_refused_clearly(client: pw.Client) -> None:
+    sl = client.make_virtual_device_set().add_slice(devices=4)  # two hosts of two devices each, in no JAX group
     assert len({d.executor for d in sl.devices}) == 2
     total = pw.jit(lambda v: v.sum(), devices=sl, in_specs=P("x"))
-    with pytest.raises(pw.InvalidArgument, match="cross-host collectives are not supported yet"):
+    with pytest.raises(pw.InvalidArgument, match=r"spans several executors .*no group.*one JAX group.*--jax-coordinator"):
         np.asarray(total(np.arange(8.0, dtype=np.float32)))
 
 

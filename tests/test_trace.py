@@ -104,7 +104,7 @@ def test_trace_has_an_event_per_computation_per_device(cluster: pw.LocalCluster,
             assert isinstance(e["ts"], (int, float)) and isinstance(e["dur"], (int, float))
             assert e["dur"] >= 0
             assert e["name"] == f"{e['args']['fn_id'][:8]} node {node}"
-            assert e["args"]["gang_wait_us"] >= 0 and e["args"]["input_wait_us"] >= 0
+            assert e["args"]["input_wait_us"] >= 0
     # Within a run, node 1 consumes node 0's output: it starts after node 0 ended.
     for run_id in {run for run, _ in mine}:
         first_end = max(e["ts"] + e["dur"] for e in mine[(run_id, 0)].values())
@@ -148,7 +148,7 @@ def test_a_gang_over_two_executors_shows_on_both(cluster: pw.LocalCluster, clien
     # Each executor's part of the gang has its own place in the island order, shared by its devices.
     seqs = {(e["pid"], e["args"]["seq"]) for e in by_track.values()}
     assert len(seqs) == 2 and len({seq for _, seq in seqs}) == 2
-    assert all(e["args"]["gang_wait_us"] >= 0 for e in by_track.values())
+    assert all(e["args"]["input_wait_us"] >= 0 for e in by_track.values())
     _assert_no_overlap(doc)
 
 
@@ -162,9 +162,9 @@ def test_trace_without_address_is_a_usage_error(monkeypatch: pytest.MonkeyPatch,
 def test_trace_json_shows_waits_and_errors_without_a_cluster() -> None:
     t0 = 1_700_000_000.0
     waited = TraceEvent(run_id="s1-abc:7", node=2, seq=11, fn_id="f" * 32, devices=[0, 1],
-                        arrived=t0, ready=t0 + 0.25, start=t0 + 0.5, end=t0 + 1.0)
+                        arrived=t0, start=t0 + 0.5, end=t0 + 1.0)
     failed = TraceEvent(run_id="s1-abc:8#0", node=0, seq=12, fn_id="e" * 32, devices=[1],
-                        arrived=t0 + 2.0, ready=t0 + 2.0, start=t0 + 2.0, end=t0 + 2.0, error="boom")
+                        arrived=t0 + 2.0, start=t0 + 2.0, end=t0 + 2.0, error="boom")
     reply = ClusterTrace(executors=[TraceEvents(executor_id="x0", island=3, host="h", events=[waited, failed],
                                                 devices=[DeviceInfo(index=0), DeviceInfo(index=1)])],
                          limit=0, missing=["x1"])
@@ -176,7 +176,7 @@ def test_trace_json_shows_waits_and_errors_without_a_cluster() -> None:
     assert [(e["tid"], e["ts"], e["dur"]) for e in waits] == [(0, 0.0, 500_000.0), (1, 0.0, 500_000.0)]
     runs = [e for e in xs if e["cat"] == "computation"]
     assert [(e["tid"], e["ts"], e["dur"]) for e in runs] == [(0, 500_000.0, 500_000.0), (1, 500_000.0, 500_000.0)]
-    assert runs[0]["args"]["gang_wait_us"] == 250_000.0 and runs[0]["args"]["input_wait_us"] == 250_000.0
+    assert runs[0]["args"]["input_wait_us"] == 500_000.0
     assert runs[0]["args"]["session"] == "s1-abc"
     (err,) = [e for e in xs if e["cat"] == "error"]
     assert err["ts"] == 2_000_000.0 and err["dur"] == 0 and err["args"]["error"] == "boom" and err["args"]["session"] == "s1-abc"

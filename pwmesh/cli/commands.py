@@ -37,11 +37,13 @@ class UpConfig:
     devices_per_host: int
     log_dir: str | None = None
     log_level: str = "WARNING"
+    collectives: bool = False
 
 
 def up(config: UpConfig) -> None:
     spec = LocalClusterSpec(islands=config.islands, hosts_per_island=config.hosts_per_island,
-                            devices_per_host=config.devices_per_host, log_level=config.log_level)
+                            devices_per_host=config.devices_per_host, log_level=config.log_level,
+                            collectives=config.collectives)
     # Handlers go in before start-up so no stop signal is lost; the children
     # get default handlers again (their signal mask is never touched).
     stop = threading.Event()
@@ -232,8 +234,7 @@ def _trace_events(pid: int, executor_id: str, island: int, ev: TraceEvent,
         "run_id": ev.run_id, "node": ev.node, "seq": ev.seq,
         "session": ev.run_id.partition(":")[0],  # run ids are "<session id>:<n>" (proxy Session.next_run_id)
         "fn_id": ev.fn_id, "executor": executor_id, "island": island,
-        "gang_wait_us": _us(ev.ready - ev.arrived),  # its local devices all there, waiting for peer executors
-        "input_wait_us": _us(ev.start - ev.ready),  # then for inputs, the compiled function, memory
+        "input_wait_us": _us(ev.start - ev.arrived),  # its local devices all there, waiting for inputs, function, memory
     }
     if ev.error:
         args["error"] = ev.error

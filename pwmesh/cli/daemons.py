@@ -96,7 +96,14 @@ class _ByteSize(click.ParamType):
                    "fit waits until buffers are freed; one that could never fit fails with ResourceExhausted. "
                    "0: no limit.")
 @click.option("--watchdog-seconds", type=float, default=10.0, show_default=True,
-              help="Log gang computations that wait on peer executors for longer than this.")
+              help="Log gang computations that wait in their collectives for longer than this.")
+@click.option("--jax-coordinator", default="", envvar="PWMESH_JAX_COORDINATOR", show_envvar=True,
+              help="HOST:PORT of the island's JAX group coordinator (pwmesh-jax-coordinator): the island's "
+                   "executors form one JAX multi-process group, so SPMD computations (collectives) span them.")
+@click.option("--jax-processes", type=int, default=0, envvar="PWMESH_JAX_PROCESSES", show_envvar=True,
+              help="How many processes the JAX group has: the coordinator and every executor in it.")
+@click.option("--jax-process-id", type=int, default=1, envvar="PWMESH_JAX_PROCESS_ID", show_envvar=True,
+              help="This executor's place in the JAX group, 1 to --jax-processes - 1 (0 is the coordinator).")
 @click.option("--shared-memory/--no-shared-memory", default=True, show_default=True,
               help="Exchange bulk data with executors on the same machine through /dev/shm (else TCP).")
 @click.option("--test-enqueue-jitter-seconds", type=float, default=0.0, hidden=True)
@@ -106,7 +113,8 @@ class _ByteSize(click.ParamType):
 @_heartbeat
 @_log_level
 def executor_main(island: int, rm: str, devices: int, listen: str, data_listen: str, name: str, host: str,
-                  watchdog_seconds: float, shared_memory: bool, test_enqueue_jitter_seconds: float, test_order_by_arrival: bool,
+                  watchdog_seconds: float, jax_coordinator: str, jax_processes: int, jax_process_id: int,
+                  shared_memory: bool, test_enqueue_jitter_seconds: float, test_order_by_arrival: bool,
                   test_seed: int,
                   memory_limit_bytes: int, heartbeat_interval_seconds: float, log_level: str) -> None:
     """Run a host executor on island ISLAND."""
@@ -115,10 +123,13 @@ def executor_main(island: int, rm: str, devices: int, listen: str, data_listen: 
     if "xla_force_host_platform_device_count" not in flags:
         os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={devices}".strip()
     from pwmesh.executor.daemon import Executor, ExecutorConfig  # noqa: PLC0415
+    from pwmesh.executor.group import GroupConfig  # noqa: PLC0415
 
     config = ExecutorConfig(island=island, rm=rm, devices=devices, listen=listen, data_listen=data_listen,
                             name=name, host=host, heartbeat_interval_seconds=heartbeat_interval_seconds,
                             memory_limit_bytes=memory_limit_bytes, watchdog_seconds=watchdog_seconds,
+                            group=GroupConfig(jax_coordinator, jax_processes, jax_process_id)
+                            if jax_coordinator else None,
                             shared_memory=shared_memory,
                             test_enqueue_jitter_seconds=test_enqueue_jitter_seconds,
                             test_order_by_arrival=test_order_by_arrival, test_seed=test_seed)
@@ -140,7 +151,24 @@ def proxy_main(rm: str, listen: str, name: str, session_timeout_seconds: float, 
     run(Proxy(ProxyConfig(rm=rm, listen=listen, name=name, session_timeout_seconds=session_timeout_seconds)))
 
 
-DAEMONS = {"rm": rm_main, "scheduler": scheduler_main, "executor": executor_main, "proxy": proxy_main}
+@click.command(name="pwmesh-jax-coordinator")
+@click.option("--address", required=True, envvar="PWMESH_JAX_COORDINATOR", show_envvar=True,
+              help="HOST:PORT to serve the island's JAX group on (its executors' --jax-coordinator).")
+@click.option("--processes", type=int, required=True, envvar="PWMESH_JAX_PROCESSES", show_envvar=True,
+              help="How many processes the group has: this one and every executor in it.")
+@_log_level
+def jax_coordinator_main(address: str, processes: int, log_level: str) -> None:
+    """Serve an island's JAX group (process 0, which computes nothing) until SIGTERM."""
+    from pwmesh.executor.group import GroupConfig, serve  # noqa: PLC0415
+    from pwmesh.service.lifecycle import READY_PREFIX, die_with_parent  # noqa: PLC0415
+
+    setup_logging("jax-coordinator", address, log_level)
+    die_with_parent()
+    serve(GroupConfig(address, processes, 0), READY_PREFIX)
+
+
+DAEMONS = {"rm": rm_main, "scheduler": scheduler_main, "executor": executor_main, "proxy": proxy_main,
+           "jax-coordinator": jax_coordinator_main}
 
 if __name__ == "__main__":  # ``python -m pwmesh.cli.daemons ROLE ...``, used by the local launcher
     import sys

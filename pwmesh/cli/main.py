@@ -63,6 +63,8 @@ def _shape(command: Callable[..., None]) -> Callable[..., None]:
         click.option("--islands", type=click.IntRange(min=1), default=2, show_default=True),
         click.option("--hosts-per-island", type=click.IntRange(min=1), default=2, show_default=True),
         click.option("--devices-per-host", type=click.IntRange(min=1), default=2, show_default=True),
+        click.option("--collectives/--no-collectives", default=False, show_default=True,
+                     help="Each island's executors form one JAX group, so SPMD slices (collectives) may span hosts."),
     )):
         command = option(command)
     return command
@@ -72,11 +74,12 @@ def _shape(command: Callable[..., None]) -> Callable[..., None]:
 @_shape
 @click.option("--log-dir", type=click.Path(file_okay=False), default=None, help="Where daemon logs go.")
 @click.option("--log-level", default="WARNING", show_default=True)
-def up(islands: int, hosts_per_island: int, devices_per_host: int, log_dir: str | None, log_level: str) -> None:
+def up(islands: int, hosts_per_island: int, devices_per_host: int, collectives: bool, log_dir: str | None,
+       log_level: str) -> None:
     """Run a local cluster in the foreground until Ctrl-C."""
     from pwmesh.cli import commands  # noqa: PLC0415 - see the module docstring
 
-    commands.up(commands.UpConfig(islands, hosts_per_island, devices_per_host, log_dir, log_level))
+    commands.up(commands.UpConfig(islands, hosts_per_island, devices_per_host, log_dir, log_level, collectives))
 
 
 @main.command(context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False})
@@ -85,12 +88,14 @@ def up(islands: int, hosts_per_island: int, devices_per_host: int, log_dir: str 
 @click.argument("job", type=click.Path(exists=True, dir_okay=False))
 @click.argument("args", nargs=-1, type=click.UNPROCESSED)
 def submit(address: str | None, connect_timeout: float, islands: int, hosts_per_island: int,
-           devices_per_host: int, job: str, args: tuple[str, ...]) -> None:
+           devices_per_host: int, collectives: bool, job: str, args: tuple[str, ...]) -> None:
     """Run the Python file JOB connected to a cluster: the one at --address, else an embedded one of the
-    shape the other options give (a job's SPMD slices must fit one host: e.g. --devices-per-host 4)."""
+    shape the other options give (a job's SPMD slices span hosts only with --collectives; else they must fit
+    one host: e.g. --devices-per-host 4)."""
     from pwmesh.cli import commands  # noqa: PLC0415
 
-    cluster = LocalClusterSpec(islands=islands, hosts_per_island=hosts_per_island, devices_per_host=devices_per_host)
+    cluster = LocalClusterSpec(islands=islands, hosts_per_island=hosts_per_island, devices_per_host=devices_per_host,
+                               collectives=collectives)
     sys.exit(commands.submit(address, job, list(args), cluster, connect_timeout_seconds=connect_timeout))
 
 

@@ -1,10 +1,13 @@
-"""Gang-scheduling stress: several clients submit programs whose gang computations
-overlap on devices in random (seeded) patterns, all at once.
+"""Gang-scheduling stress: several clients submit programs whose collectives (a
+``psum`` over a slice that may span executors) overlap on devices in random
+(seeded) patterns, all at once.
 
 With the island schedulers' consistent order, every program completes. Run it
 against a cluster whose executors order work by arrival instead
-(``--test-order-by-arrival``, with ``--test-enqueue-jitter-seconds``) and it
-deadlocks; the executors' watchdogs then report which devices wait on whom.
+(``--test-order-by-arrival``, with ``--test-enqueue-jitter-seconds``) and two
+collectives that each hold a device the other needs deadlock, inside JAX's
+cross-process collectives; the executors' watchdogs then report which devices
+are stuck in which collective.
 
     python -m pwmesh.examples.gang_stress --clients 8 --programs 200    # needs $PWMESH_ADDRESS
 """
@@ -19,6 +22,7 @@ import random
 import threading
 import time
 
+import jax
 import numpy as np
 
 import pwmesh as pw
@@ -38,7 +42,8 @@ def client_workload(address: str, client_index: int, programs: int, seed: int, s
     with pw.Client(address, name=f"stress-{client_index}") as client:
         devs = client.make_virtual_device_set()
         slices = [devs.add_slice(devices=rng.choice(slice_sizes)) for _ in range(3)]
-        fns = [pw.pmap(lambda x, k=k: x * 2.0 + k, devices=sl) for k, sl in enumerate(slices)]
+        fns = [pw.pmap(lambda x, k=k: jax.lax.psum(x, "i") + k, devices=sl, axis_name="i")
+               for k, sl in enumerate(slices)]
         deadline = None if timeout_seconds is None else time.monotonic() + timeout_seconds
 
         def remaining() -> float | None:
@@ -53,7 +58,7 @@ def client_workload(address: str, client_index: int, programs: int, seed: int, s
         for i in range(programs):
             k = rng.randrange(len(fns))
             x = np.full(len(slices[k]), float(i))
-            outs.append((fns[k](x), x * 2.0 + k))
+            outs.append((fns[k](x), np.full_like(x, x.sum() + k)))
         correct = 0
         for arr, expected in outs:
             value = client.fetch([arr], timeout_seconds=remaining())[0]
@@ -92,7 +97,8 @@ def main() -> None:
     cluster = None
     address = args.address or os.environ.get("PWMESH_ADDRESS")
     if not address:
-        cluster = pw.LocalCluster(pw.LocalClusterSpec(islands=1, hosts_per_island=3, devices_per_host=2))
+        cluster = pw.LocalCluster(pw.LocalClusterSpec(islands=1, hosts_per_island=3, devices_per_host=2,
+                                                      collectives=True))
         address = cluster.start()
     try:
         results = run(address, args.clients, args.programs, args.seed)

@@ -26,6 +26,7 @@ from pwmesh.dataflow.plane import DataPlane
 from pwmesh.dataflow.progress import Arrived, Progress, ProgressError
 from pwmesh.errors import InvalidArgument, PwmeshError
 from pwmesh.executor.functions import FunctionCache
+from pwmesh.executor.group import GroupConfig, join
 from pwmesh.executor.runner import Runner, Work, as_error
 from pwmesh.executor.store import ObjectStore
 from pwmesh.service.heartbeat import every
@@ -46,7 +47,6 @@ from pwmesh.wire.messages import (
     ExecutorStats,
     FetchShards,
     ForgetOwner,
-    GangReady,
     GetExecutorStats,
     GetTrace,
     Heartbeat,
@@ -90,7 +90,8 @@ class ExecutorConfig:
     rm_timeout_seconds: float = 30.0
     heartbeat_interval_seconds: float = 2.0
     memory_limit_bytes: int = 0  # all this executor's devices together; 0: no limit
-    watchdog_seconds: float = 10.0  # report gangs waiting on peers for longer than this
+    watchdog_seconds: float = 10.0  # report gang computations in their collectives for longer than this
+    group: GroupConfig | None = None  # the island's JAX group, for SPMD computations across executors
     # Test-only fault injection: delay each Enqueue by a random time, and (arrival
     # order) run work in the order it arrives instead of the island's order.
     test_enqueue_jitter_seconds: float = 0.0
@@ -106,6 +107,8 @@ class Executor(Service):
         super().__init__(config.name or f"{host}-{os.getpid()}")
         self.config = config
         self.host = host
+        if config.group is not None:
+            join(config.group)  # before anything starts JAX's backend: it is formed with the group
         local = jax.local_devices()
         if len(local) < config.devices:
             raise InvalidArgument(
@@ -120,7 +123,7 @@ class Executor(Service):
         self.progress = Progress()
         self.part_templates = PartTemplates()  # cached lowerings' parts, unpacked once each
         self.runner = Runner(self.devices, self.store, self.functions, emit=self._emit, done=self._node_done,
-                             gang_ready=self._gang_ready, part_done=self._part_done,
+                             part_done=self._part_done,
                              memory_limit_bytes=self.config.memory_limit_bytes, host=self.host)
         self._expected_seq: dict[str, int] = {}  # per scheduler: the next Enqueue to admit
         self._held: dict[str, dict[int, Enqueue]] = {}  # per scheduler: arrived early, by executor_seq
@@ -131,7 +134,6 @@ class Executor(Service):
         control = {
             RegisterFunction: self._register_function,
             Enqueue: self._enqueue,
-            GangReady: self._peer_ready,
             PutShards: self._put,
             SendShards: self._send_shards,
             FetchShards: self._fetch,
@@ -163,7 +165,8 @@ class Executor(Service):
         return ExecutorInfo(
             executor_id=self.name, island=self.config.island, host=self.host,
             control=self.control.address, data=self.plane.address, pid=os.getpid(),
-            devices=[DeviceInfo(index=i, kind=d.platform) for i, d in enumerate(self.devices)],
+            devices=[DeviceInfo(index=i, kind=d.platform, global_id=d.id) for i, d in enumerate(self.devices)],
+            group=self.config.group.coordinator if self.config.group is not None else "",
         )
 
     def _notified(self, env: Envelope) -> None:
@@ -180,8 +183,11 @@ class Executor(Service):
         msg = env.message
         assert isinstance(msg, RegisterFunction)
         fn = self.functions.register(msg.fn_id, msg.exported, msg.spmd, msg.mesh, msg.axes, msg.donate)
-        # Compile for the devices it will run on now, in the background.
+        # Compile for the devices it will run on now, in the background (not an SPMD function over a mesh
+        # that spans executors: the devices here are only part of it; it compiles as it first runs).
         devices = [self.devices[i] for i in msg.devices if 0 <= i < len(self.devices)]
+        if msg.spmd and len(devices) != fn.exported.nr_devices:
+            return Ok()
         assignments = [tuple(devices)] if msg.spmd else [(d,) for d in devices]
         for assignment in assignments:
             self.tasks.spawn(self._warm(fn, assignment), name=f"compile-{msg.fn_id[:8]}")
@@ -241,15 +247,6 @@ class Executor(Service):
         for comp, exc in self.runner.enqueue_all(msg.run_id, msg.proxy, comps, msg.scheduler):
             self.peers.post(msg.proxy, NodeDone(run_id=msg.run_id, nodes=[comp.node], executor_id=self.name,
                                                 error=ErrorInfo.of(exc)))
-
-    def _gang_ready(self, work: Work) -> None:
-        for control in work.comp.peers:
-            self.peers.post(control, GangReady(run_id=work.run_id, node=work.comp.node, control=self.control.address))
-
-    def _peer_ready(self, peer: bytes, env: Envelope) -> None:
-        msg = env.message
-        assert isinstance(msg, GangReady)
-        self.runner.peer_ready(msg.run_id, msg.node, msg.control)
 
     def _part_done(self, run_id: str, scheduler: str, device_seconds: float) -> None:
         if not scheduler:
@@ -354,7 +351,7 @@ class Executor(Service):
         msg = env.message
         assert isinstance(msg, GetTrace)
         events = [TraceEvent(run_id=s.run_id, node=s.node, seq=s.seq, fn_id=s.fn_id, devices=list(s.devices),
-                             arrived=s.arrived, ready=s.ready, start=s.start, end=s.end, error=s.error)
+                             arrived=s.arrived, start=s.start, end=s.end, error=s.error)
                   for s in self.runner.trace(since=msg.since, limit=msg.limit)]
         info = self.info()
         return TraceEvents(executor_id=self.name, island=self.config.island, host=self.host, devices=info.devices,

@@ -12,7 +12,7 @@ from typing import Any
 import jax
 import numpy as np
 from jax import export
-from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceSharding
+from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec, SingleDeviceSharding
 
 from pwmesh.errors import InvalidArgument
 
@@ -101,7 +101,10 @@ class CompiledFunction:
         avals = self.exported.out_avals
         if not self.spmd:
             return [math.prod(a.shape) * np.dtype(a.dtype).itemsize for a in avals]
-        _, outs = self.shardings(tuple(jax.local_devices()[: self.exported.nr_devices]))
+        # Over the abstract mesh: a mesh spanning executors has devices this host cannot address.
+        mesh = AbstractMesh(self.mesh, self.axes)
+        blocks = PartitionSpec(self.axes[0] if len(self.axes) == 1 else self.axes)
+        outs = [NamedSharding(mesh, blocks if s is None else s.spec) for s in self.exported.out_shardings_jax(mesh)]
         return [math.prod(s.shard_shape(a.shape)) * np.dtype(a.dtype).itemsize for a, s in zip(avals, outs, strict=True)]
 
     @property

@@ -2,25 +2,27 @@
 
 Each device has one non-preemptive FIFO queue and one worker thread, as a TPU
 core has one stream. The executor puts a computation's shards on their devices'
-queues in island order. Every computation is a *gang*: it starts only when
-each of its devices has reached it at the head of its queue — on this host, and
-on every other executor holding shards of it (``Computation.peers``; those say
-so with ``GangReady``). Until then the devices that arrived wait, holding their
-queues, exactly as devices running a collective would. That is why every
-executor of an island must see the same order (the island scheduler's): with
-two orders, two gangs can each hold a device the other needs, forever.
+queues in island order. A computation starts here once each of its local
+devices has reached it at the head of its queue, and its inputs are here: no
+host waits for another. Shards on other executors that do not communicate never
+wait for each other; an SPMD computation spanning executors (``Computation.gang``)
+joins its peers in its collectives, through the executors' JAX group, and its
+devices wait there, holding their queues. That is why every executor of an
+island must see the same order (the island scheduler's): with two orders, two
+such computations can each hold a device the other needs, forever.
 
 Inputs are futures in the object store, posted before their producers run, so
-a gang whose devices have all arrived starts the moment its inputs resolve.
+a computation whose local devices have all arrived starts the moment its inputs
+resolve.
 
 How a computation runs once it starts: a quick one whose function is compiled
-runs right on the event loop (no thread hop); a slower one, or a part of a gang
-across executors, is *streamed* — handed to XLA without waiting, as to an
-accelerator's stream, so the loop goes on to the next one (meeting its gang's
-peers, reading outputs still being computed) while the devices compute, at most
+runs right on the event loop (no thread hop); a slower one is *streamed* —
+handed to XLA without waiting, as to an accelerator's stream, so the loop goes on
+to the next one (reading outputs still being computed) while the devices compute, at most
 RUN_AHEAD ahead per device; a device thread sees each computed and it lands
 (stored, emitted, reported) then. The rest (a first run, which compiles; routed
-rows) runs on its devices' threads, once what is streamed ahead of it has landed.
+rows; a gang, whose hand-over to XLA may wait for its peers) runs on its devices'
+threads, once what is streamed ahead of it has landed.
 
 Memory back-pressure: a computation's output bytes are known statically. One
 whose outputs could never fit the executor's memory limit fails at once
@@ -47,8 +49,9 @@ import jax
 import numpy as np
 
 from pwmesh.dataflow.exchange import Ragged
-from pwmesh.errors import PwmeshError, RemoteError
+from pwmesh.errors import DeviceLost, PwmeshError, RemoteError
 from pwmesh.executor.functions import CompiledFunction, FunctionCache
+from pwmesh.executor.group import peer_gone
 from pwmesh.executor.store import ObjectStore
 from pwmesh.executor.stream import Landed, Landings, Streamed, computed
 from pwmesh.wire.messages import Computation, Emit
@@ -80,13 +83,10 @@ class Work:
     shards: list[int]  # the shard each of them runs
     # Only work that goes through the queues waits, so only it has these (``queue``):
     done: asyncio.Future[None] = dataclasses.field(init=False)
-    peers_ready: asyncio.Future[None] = dataclasses.field(init=False)
     cancel: asyncio.Future[None] = dataclasses.field(init=False)  # fails when its run is cancelled
     queued: bool = False
     finished: bool = False  # completed and reported
-    peers_pending: set[str] = dataclasses.field(default_factory=set)  # peers not yet at this gang
     arrived: int = 0
-    waiting_since: float = 0.0  # when all local devices arrived (watchdog)
     error: PwmeshError | None = None
     cancelled: PwmeshError | None = None  # its run was cancelled: it never waits for memory
     device_seconds: float = 0.0
@@ -96,11 +96,8 @@ class Work:
         """Make the futures its waits need: it goes through the device queues."""
         self.queued = True
         self.done = loop.create_future()
-        self.peers_ready = loop.create_future()
         self.cancel = loop.create_future()
-        self.peers_ready.add_done_callback(_retrieve)
         self.cancel.add_done_callback(_retrieve)
-        self.peers_pending = set(self.comp.peers)
 
     @property
     def label(self) -> str:
@@ -114,7 +111,6 @@ class Span(NamedTuple):
     line up; across hosts they are only as aligned as the hosts' clocks."""
 
     arrived: float  # every local device had reached it at the head of its queue
-    ready: float  # every peer executor had too (== arrived for a computation on one host)
     start: float  # inputs, function and memory were there and (streamed) what was ahead on its devices ended
     end: float
     run_id: str
@@ -146,7 +142,6 @@ class Runner:
         *,
         emit: Callable[[Work, Emit, dict[int, Any], dict[int, Any], PwmeshError | None], None],
         done: Callable[[Work], None],
-        gang_ready: Callable[[Work], None] = lambda work: None,
         part_done: Callable[[str, str, float], None] = lambda run_id, scheduler, seconds: None,
         memory_limit_bytes: int = 0,
         host: str = "",
@@ -160,7 +155,6 @@ class Runner:
         self.memory.limit_bytes = memory_limit_bytes
         self._emit = emit
         self._done = done
-        self._gang_ready = gang_ready
         self._part_done = part_done
         self.queues: list[asyncio.Queue[Work]] = [asyncio.Queue() for _ in devices]
         self.pools = [
@@ -171,8 +165,7 @@ class Runner:
         self.spans: collections.deque[Span] = collections.deque(maxlen=trace_spans)  # newest; for ``pwmesh trace``
         self._runs: dict[str, list[Work]] = {}  # incomplete work by run, for cancellation and reports
         self._run_seconds: dict[str, float] = {}
-        self._by_node: dict[tuple[str, int], Work] = {}  # gang waits, for GangReady
-        self._early: dict[tuple[str, int], set[str]] = {}  # GangReady that came before its work
+        self._collectives: dict[Work, float] = {}  # gang computations running, since when (the watchdog)
         self._outstanding = 0  # computations enqueued and not yet complete
         self._load = [0] * len(devices)  # per device: queued or running computations (0: free to run one now)
         self._admitting: set[str] = set()  # runs whose computations are being enqueued (no part done yet)
@@ -187,6 +180,7 @@ class Runner:
         self._streaming: list[collections.deque[Work]] = [collections.deque() for _ in devices]
         self._device_free: list[float] = [0.0] * len(devices)  # when its last streamed computation ended
         self._landings: list[Landings | None] = [None] * len(devices)  # started with a device's first stream
+        self._global: dict[int, jax.Device] | None = None  # every device of this executor's JAX group, by id
 
     @property
     def outstanding(self) -> int:
@@ -247,34 +241,15 @@ class Runner:
         self._runs.setdefault(run_id, []).append(work)
         for device in devices:
             self.queues[device].put_nowait(work)
-        key = (run_id, comp.node)
-        self._by_node[key] = work
-        self._check_peers(work, self._early.pop(key, set()))
-
-    def peer_ready(self, run_id: str, node: int, control: str) -> None:
-        """A peer executor's devices have all reached this gang computation."""
-        key = (run_id, node)
-        work = self._by_node.get(key)
-        if work is None:  # it came before our Enqueue: keep it for then
-            self._early.setdefault(key, set()).add(control)
-        else:
-            self._check_peers(work, {control})
-
-    def _check_peers(self, work: Work, arrived: set[str]) -> None:
-        work.peers_pending -= arrived
-        if not work.peers_pending and not work.peers_ready.done():
-            work.peers_ready.set_result(None)
 
     def cancel_run(self, run_id: str, error: PwmeshError) -> None:
-        """Fail what ``run_id``'s computations still wait for (inputs, memory, peers), so none blocks a queue.
+        """Fail what ``run_id``'s computations still wait for (inputs, memory), so none blocks a queue.
 
         Nodes dispatched one by one (sequential dispatch) run as ``run_id#node``: those too."""
         works = [w for rid, ws in self._runs.items() if rid == run_id or rid.startswith(f"{run_id}#") for w in ws]
         for work in works:
             work.cancelled = error
             self.memory.cancel(work, error)
-            if not work.peers_ready.done():
-                work.peers_ready.set_exception(error)
             # Only this work stops waiting: the keys it waits for may serve other runs.
             if not work.cancel.done():
                 work.cancel.set_exception(error)
@@ -288,15 +263,16 @@ class Runner:
         return [q.qsize() for q in self.queues]
 
     def gang_waits(self, older_than_seconds: float = 0.0) -> list[str]:
-        """What waits on whom: gangs whose local devices are all here but some peer is not."""
+        """The gang computations that devices here run (the first handed to each device; those behind wait
+        for it) for longer than ``older_than_seconds``: each waits for peers on other executors that have
+        not reached it (a deadlock, if those wait for one here)."""
         now = time.monotonic()
-        waits = []
-        for work in self._by_node.values():
-            if work.waiting_since and not work.peers_ready.done() and now - work.waiting_since >= older_than_seconds:
-                missing = sorted(work.peers_pending)
-                devices = ",".join(map(str, work.devices))
-                waits.append(f"devices [{devices}] wait at {work.label} for {missing} "
-                             f"({now - work.waiting_since:.1f} s)")
+        waits, seen = [], set()
+        for work, since in list(self._collectives.items()):  # in the order they were handed over
+            if seen.isdisjoint(work.devices) and now - since >= older_than_seconds:
+                waits.append(f"devices [{','.join(map(str, work.devices))}] have been in {work.label}, a collective "
+                             f"over JAX devices {work.comp.gang}, for {now - since:.1f} s")
+            seen.update(work.devices)
         return waits
 
     async def device_loop(self, index: int) -> None:
@@ -312,7 +288,6 @@ class Runner:
             except Exception:  # a bug in one computation must not take its device down with it
                 log.exception("computation %s failed outside its own error handling", work.label)
             finally:
-                self._by_node.pop((work.run_id, work.comp.node), None)
                 if not work.done.done():
                     work.done.set_result(None)
 
@@ -338,25 +313,20 @@ class Runner:
         outs: list[list[Any]] | None = None
         err: PwmeshError | None = None
         await self._room(work, RUN_AHEAD)
-        # Wall clock, so the spans of processes on one machine line up. ``ready``/``start``
-        # stay 0 if it fails before them: it then shows as a zero-length span at the failure.
+        # Wall clock, so the spans of processes on one machine line up. ``start`` stays 0
+        # if it fails before it: it then shows as a zero-length span at the failure.
         arrived = time.time()
-        ready = 0.0 if comp.peers else arrived
         start = 0.0
         try:
-            if comp.peers:
-                work.waiting_since = time.monotonic()
-                self._gang_ready(work)
-                await work.peers_ready
-                work.waiting_since = 0.0
-                ready = time.time()
             fn = None
             streamed = None  # what to hand over without waiting for it (see _stream), if that is how it runs
             if comp.kind == "call":
                 fn = await _unless_cancelled(self.functions.get(comp.fn_id), work)
                 self._check_fits(work, fn)
-                streamed = None if comp.ragged else self._runnable(comp, tuple(work.devices))
-                if streamed is not None and not comp.peers and runs_inline(fn, fn.seconds * len(streamed[1])):
+                # A gang runs on its device thread: handing it to XLA may wait there for its peers, and
+                # the loop must go on serving the other devices (their queues are their own order).
+                streamed = None if comp.ragged or comp.gang else self._runnable(comp, tuple(work.devices))
+                if streamed is not None and not comp.gang and runs_inline(fn, fn.seconds * len(streamed[1])):
                     streamed = None  # quick: it runs right on the loop (_call), on computed inputs only
             per_shard = await self._inputs(work, streamed is not None)
             if fn is not None:
@@ -366,13 +336,12 @@ class Runner:
                 # (one landing thread a device set): let what is streamed ahead land first.
                 # Its devices reached it only then: that is when its trace's wait begins.
                 await self._room(work, 1)
-                free = self._free_since(work)
-                arrived, ready = max(arrived, free), ready and max(ready, free)
+                arrived = max(arrived, self._free_since(work))
             start = time.time()
             if fn is None:  # route: nothing runs, it only emits; identity: its inputs are its outputs
                 outs = per_shard if comp.kind == "identity" else [[] for _ in work.shards]
             elif streamed is not None:
-                self._stream(work, fn, streamed[1], streamed[2], per_shard, (arrived, ready, start), reserved)
+                self._stream(work, fn, streamed[1], streamed[2], per_shard, (arrived, start), reserved)
                 return
             else:
                 outs = await self._call(work, fn, per_shard)
@@ -381,7 +350,10 @@ class Runner:
                 self.memory.release(reserved)
                 raise
             err = as_error(exc, f"computation {comp.node} ({comp.fn_id[:12] or comp.kind})")
-        self._finish(work, arrived, ready, start, per_shard, outs, err, reserved)
+            if comp.gang and peer_gone(exc):
+                err = DeviceLost(f"computation {comp.node} ({comp.fn_id[:12]}) lost a peer in its collectives over "
+                                 f"JAX devices {comp.gang}: {exc}")
+        self._finish(work, arrived, start, per_shard, outs, err, reserved)
 
     async def _inputs(self, work: Work, streamed: bool) -> list[list[Any]]:
         """Every local shard's inputs: looked up at once where all are stored (no future each), else
@@ -427,7 +399,7 @@ class Runner:
         return max(self._device_free[d] for d in work.devices)
 
     def _stream(self, work: Work, fn: CompiledFunction, devices: list[jax.Device], exes: list[Any],
-                per_shard: list[list[Any]], times: tuple[float, float, float], reserved: int) -> None:
+                per_shard: list[list[Any]], times: tuple[float, float], reserved: int) -> None:
         """Hand a compiled computation to its devices and return without waiting for it.
 
         As on an accelerator's stream, XLA queues it behind what its devices run now, and
@@ -439,15 +411,15 @@ class Runner:
         comp = work.comp
         try:
             if comp.spmd:
-                outs, wholes = _dispatch_spmd(fn, tuple(devices), per_shard, self._wholes(work, fn, devices, per_shard),
-                                              tuple(comp.donate))
+                outs, wholes = _dispatch_spmd(fn, tuple(devices), self._local(work), per_shard,
+                                              self._wholes(work, fn, devices, per_shard), tuple(comp.donate))
                 self._keep_wholes(work, fn, devices, outs, wholes)
             else:
                 outs = _dispatch_together(exes, devices, per_shard)
             self._consume(work, per_shard)
         except Exception as exc:
             err = as_error(exc, f"computation {comp.node} ({comp.fn_id[:12]})")
-            self._finish(work, times[0], times[1], times[2], per_shard, None, err, reserved)
+            self._finish(work, times[0], times[1], per_shard, None, err, reserved)
             return
         for shard, out in zip(work.shards, outs, strict=True):
             for prefix, value in zip(comp.outputs, out, strict=False):  # a count mismatch fails in _finish
@@ -479,24 +451,24 @@ class Runner:
                 self._pending.pop(f"{prefix}/{shard}", None)
         assert work.landed is not None
         work.landed.set_result(None)
-        arrived, ready, start = streamed.times
+        arrived, start = streamed.times
         # Handed over while its devices were still busy with the computations ahead of it: they
         # began it (and waited for anything, as its trace shows) only once those ended.
         free = self._free_since(work)
-        arrived, ready, begin = max(arrived, free), max(ready, free), max(start, free)
+        arrived, begin = max(arrived, free), max(start, free)
         for device in work.devices:
             self._device_free[device] = end
         err = None if exc is None else as_error(exc, f"computation {comp.node} ({comp.fn_id[:12]})")
         if err is None:
             fn.landed((end - begin) / len(work.devices) if landed.timed else None)
             work.device_seconds = (end - begin) * len(work.devices)
-        self._finish(work, arrived, ready, begin, streamed.per_shard, None if err else streamed.outs, err,
+        self._finish(work, arrived, begin, streamed.per_shard, None if err else streamed.outs, err,
                      streamed.reserved, fn.output_nbytes, end=end)
 
     def _run_now(self, work: Work) -> bool:
         """Run ``work`` here and now if it can start at once and is quick; False leaves it to the queues."""
         comp = work.comp
-        if comp.peers or comp.kind != "call" or comp.ragged:
+        if comp.gang or comp.kind != "call" or comp.ragged:
             return False
         load = self._load
         for d in work.devices:
@@ -524,34 +496,49 @@ class Runner:
             outs = self._call_inline(work, fn, devices, exes, per_shard)
         except Exception as exc:
             err = as_error(exc, f"computation {comp.node} ({comp.fn_id[:12]})")
-        self._finish(work, arrived, arrived, arrived, per_shard, outs, err, nbytes, fn.output_nbytes)
+        self._finish(work, arrived, arrived, per_shard, outs, err, nbytes, fn.output_nbytes)
         return True
 
     def _runnable(self, comp: Computation, device_ids: tuple[int, ...]
                   ) -> tuple[CompiledFunction, list[jax.Device], list[Any]] | None:
-        """The function, devices and executables of a computation, if it is registered and compiled
-        for its devices; found once per (function, devices), then remembered."""
-        key = (comp.fn_id, comp.spmd, device_ids, tuple(comp.donate))
+        """The function, devices (a gang's: its whole mesh) and executables of a computation, if it is
+        registered and compiled for its devices; found once per (function, devices), then remembered."""
+        key = (comp.fn_id, comp.spmd, tuple(comp.gang) or device_ids, tuple(comp.donate))
         found = self._ready.get(key)
         if found is None:
             entry = self.functions.get(comp.fn_id)
             if not entry.done() or entry.exception() is not None:
                 return None
             fn = entry.result()
-            devices = [self.devices[d] for d in device_ids]
+            devices = self._mesh(comp, device_ids)
             exes = _compiled(fn, comp.spmd, devices, tuple(comp.donate))
             if exes is None:
                 return None
             found = self._ready[key] = (fn, devices, exes)
         return found
 
-    def _finish(self, work: Work, arrived: float, ready: float, start: float, per_shard: list[list[Any]],
+    def _mesh(self, comp: Computation, device_ids: tuple[int, ...]) -> list[jax.Device]:
+        """The devices a computation runs over: its local ones, or a gang's every device (JAX ids)."""
+        if not comp.gang:
+            return [self.devices[d] for d in device_ids]
+        if self._global is None:
+            self._global = {d.id: d for d in jax.devices()}
+        missing = [i for i in comp.gang if i not in self._global]
+        if missing:
+            raise PwmeshError(f"computation {comp.node} spans JAX devices {missing}, which this executor's JAX group "
+                              f"does not have (it has {sorted(self._global)})")
+        return [self._global[i] for i in comp.gang]
+
+    def _local(self, work: Work) -> tuple[jax.Device, ...]:
+        return tuple(self.devices[d] for d in work.devices)
+
+    def _finish(self, work: Work, arrived: float, start: float, per_shard: list[list[Any]],
                 outs: list[list[Any]] | None, err: PwmeshError | None, reserved: int,
                 nbytes: list[int] | None = None, end: float = 0.0) -> None:
         """Store (or fail) its outputs, give back its reservation, send its emits, report it done."""
         comp = work.comp
         end = end or time.time()
-        self.spans.append(Span(arrived, ready or end, start or end, end, work.run_id, comp.node, comp.seq, comp.fn_id,
+        self.spans.append(Span(arrived, start or end, end, work.run_id, comp.node, comp.seq, comp.fn_id,
                                tuple(work.devices), "" if err is None else err.message))
         try:
             for i, shard in enumerate(work.shards):
@@ -582,21 +569,24 @@ class Runner:
     async def _call(self, work: Work, fn: CompiledFunction, per_shard: list[list[Any]]) -> list[list[Any]]:
         comp = work.comp
         found = self._runnable(comp, tuple(work.devices))
-        devices = found[1] if found is not None else [self.devices[d] for d in work.devices]
+        devices = found[1] if found is not None else self._mesh(comp, tuple(work.devices))
         # A quick computation runs right here, on the loop: the hop to a device thread and back
-        # (~0.1-0.5 ms on a busy host) would dominate it.
-        inline = found is not None and runs_inline(fn, fn.seconds * len(devices))
+        # (~0.1-0.5 ms on a busy host) would dominate it. Never a gang: it waits for its peers.
+        inline = found is not None and not comp.gang and runs_inline(fn, fn.seconds * len(devices))
         if inline and not comp.ragged:
             assert found is not None
             return self._call_inline(work, fn, devices, found[2], per_shard)
         loop = asyncio.get_running_loop()
         donate = tuple(comp.donate)
         if comp.spmd:
+            if comp.gang:
+                self._collectives[work] = time.monotonic()
             try:
                 outs, wholes, seconds = await loop.run_in_executor(
-                    self.pools[work.devices[-1]], _call_spmd, fn, tuple(devices), per_shard,
+                    self.pools[work.devices[-1]], _call_spmd, fn, tuple(devices), self._local(work), per_shard,
                     self._wholes(work, fn, devices, per_shard), donate)
             finally:
+                self._collectives.pop(work, None)
                 self._consume(work, per_shard)
             self._keep_wholes(work, fn, devices, outs, wholes)
             fn.ran(seconds / len(devices))
@@ -621,8 +611,8 @@ class Runner:
         """Run a compiled computation's shards on this thread, all dispatched before any is waited for."""
         try:
             if work.comp.spmd:
-                outs, wholes, wall = _call_spmd(fn, tuple(devices), per_shard, self._wholes(work, fn, devices, per_shard),
-                                                tuple(work.comp.donate))
+                outs, wholes, wall = _call_spmd(fn, tuple(devices), self._local(work), per_shard,
+                                                self._wholes(work, fn, devices, per_shard), tuple(work.comp.donate))
                 self._keep_wholes(work, fn, devices, outs, wholes)
                 work.device_seconds = wall * len(devices)  # every device was busy all along
             else:
@@ -774,35 +764,36 @@ def _call_ragged(fn: CompiledFunction, device: jax.Device, args: list[Any]) -> t
     return [Ragged(np.asarray(out)[:n], rows.index) for out in outs], seconds
 
 
-def _dispatch_spmd(fn: CompiledFunction, devices: tuple[jax.Device, ...], per_shard: list[list[Any]],
-                   wholes: list[Any | None] | None = None,
+def _dispatch_spmd(fn: CompiledFunction, devices: tuple[jax.Device, ...], local: tuple[jax.Device, ...],
+                   per_shard: list[list[Any]], wholes: list[Any | None] | None = None,
                    donate: tuple[int, ...] = ()) -> tuple[list[list[Any]], list[Any]]:
-    """Dispatch an SPMD computation over ``devices`` (without waiting for it): each device's outputs,
-    and the outputs whole (global arrays). An input with a whole in ``wholes`` goes in as it is."""
+    """Dispatch an SPMD computation over ``devices`` (without waiting for it), given the shards of its
+    ``local`` ones (all of them, unless it spans executors): each local device's outputs, and the outputs
+    whole (global arrays). An input with a whole in ``wholes`` goes in as it is."""
     exe = fn.executable(devices, donate)
     shardings = fn.shardings(devices)[0]
     globals_ = []
     for i, (aval, sharding) in enumerate(zip(fn.exported.in_avals, shardings, strict=True)):
         whole = wholes[i] if wholes else None
         if whole is None:
-            pieces = [_placed(args[i], d) for args, d in zip(per_shard, devices, strict=True)]
+            pieces = [_placed(args[i], d) for args, d in zip(per_shard, local, strict=True)]
             whole = jax.make_array_from_single_device_arrays(aval.shape, sharding, pieces)
         globals_.append(whole)
     leaves = jax.tree_util.tree_leaves(exe(*globals_))
-    order = {d.id: i for i, d in enumerate(devices)}
-    result: list[list[Any]] = [[] for _ in devices]
+    order = {d.id: i for i, d in enumerate(local)}
+    result: list[list[Any]] = [[] for _ in local]
     for leaf in leaves:
         for s in leaf.addressable_shards:
             result[order[s.device.id]].append(s.data)
     return result, leaves
 
 
-def _call_spmd(fn: CompiledFunction, devices: tuple[jax.Device, ...], per_shard: list[list[Any]],
-               wholes: list[Any | None] | None = None,
+def _call_spmd(fn: CompiledFunction, devices: tuple[jax.Device, ...], local: tuple[jax.Device, ...],
+               per_shard: list[list[Any]], wholes: list[Any | None] | None = None,
                donate: tuple[int, ...] = ()) -> tuple[list[list[Any]], list[Any], float]:
     """``_dispatch_spmd``, waited for: also the seconds it took."""
     fn.executable(devices, donate)  # compiles on first use: not part of its time
     start = time.perf_counter()
-    result, leaves = _dispatch_spmd(fn, devices, per_shard, wholes, donate)
+    result, leaves = _dispatch_spmd(fn, devices, local, per_shard, wholes, donate)
     computed(result)
     return result, leaves, time.perf_counter() - start

@@ -2,7 +2,7 @@
 
 An accelerator's stream runs what it is given in order, with no host work in
 between; XLA on CPU does the same for a computation whose inputs are outputs
-still being computed. The runner streams slow computations and gang parts
+still being computed. The runner streams slow computations
 (``Runner._stream``); here a thread per device waits for them in the order they
 were handed over and gives the event loop each batch found computed together.
 """
@@ -28,7 +28,7 @@ class Streamed(NamedTuple):
     fn: CompiledFunction
     per_shard: list[list[Any]]
     outs: list[list[Any]]
-    times: tuple[float, float, float]  # arrived, ready, start
+    times: tuple[float, float]  # arrived, start
     reserved: int
 
 

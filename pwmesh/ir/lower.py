@@ -57,10 +57,31 @@ class ShardLocation:
     device: int
     island: int
     host: str = ""
+    group: str = ""  # the executor's JAX group ("" for none)
+    global_id: int = -1  # the device's JAX id in that group
+
+
+def location(d: PhysicalDevice) -> ShardLocation:
+    return ShardLocation(d.executor_id, d.control, d.data, d.device, d.island, d.host, d.group, d.global_id)
 
 
 def slice_locations(sl: SliceInfo) -> list[ShardLocation]:
-    return [ShardLocation(d.executor_id, d.control, d.data, d.device, d.island, d.host) for d in sl.devices]
+    return [location(d) for d in sl.devices]
+
+
+def cross_host_gang(index: int, devs: list[ShardLocation]) -> list[int]:
+    """The JAX ids of an SPMD node's devices, in shard order, when they span several executors (their
+    collectives then join across processes, through the executors' JAX group); [] when they fit one."""
+    if len({d.executor_id for d in devs}) == 1:
+        return []
+    groups = {d.group for d in devs}
+    if len(groups) != 1 or "" in groups:
+        hosts = sorted({f"{d.executor_id} ({d.group or 'no group'})" for d in devs})
+        raise InvalidArgument(
+            f"node {index} uses collectives over a slice that spans several executors ({', '.join(hosts)}), "
+            "which must all be in one JAX group for that: start the island's executors with --jax-coordinator "
+            "(pwmesh up --collectives; LocalClusterSpec(collectives=True)), or ask for a slice that fits one host")
+    return [d.global_id for d in devs]
 
 
 def runs_of(pairs: list[tuple[int, int]]) -> list[ShardRun]:
@@ -336,11 +357,7 @@ class _Lowering:
         n = len(devs)
         values = self.program.values
         is_spmd = self.spmd[node.fn_id]
-        if is_spmd and len({d.executor_id for d in devs}) > 1:
-            raise InvalidArgument(
-                f"node {index} uses collectives over a slice that spans several executors; "
-                "cross-host collectives are not supported yet (ask for a slice that fits one host)"
-            )
+        gang = cross_host_gang(index, devs) if is_spmd else []
         for v in node.outputs:
             if values[v].shards != n:
                 raise InvalidArgument(f"node {index} runs on {n} devices but its output {v} is split "
@@ -369,9 +386,7 @@ class _Lowering:
         donate = [k for k in node.donate if node.inputs[k] not in self.keep]
         for comp in comps:
             comp.donate = donate
-        if len(comps) > 1:  # a node on several executors is one gang: each part waits for the others
-            for comp in comps:
-                comp.peers = sorted(c.control for c in comps if c is not comp)
+            comp.gang = gang
         for comp in comps:
             devices = tuple(r.device + k for r in comp.runs for k in range(r.count))
             sites = {(comp.control, devices)} if is_spmd else {(comp.control, (d,)) for d in devices}

@@ -29,7 +29,7 @@ from pwmesh.errors import (
 )
 from pwmesh.ir.cache import MAX_PROGRAM_ID_CHARS
 from pwmesh.ir.keys import function_id
-from pwmesh.ir.lower import ShardLocation, move_shard, slice_locations, value_layout
+from pwmesh.ir.lower import location, move_shard, slice_locations, value_layout
 from pwmesh.proxy.intake import bind, host_puts, record_run
 from pwmesh.proxy.session import Buffer, Run, Session
 from pwmesh.service.heartbeat import Liveness, every
@@ -474,8 +474,7 @@ class Proxy(Service):
                 self.peers.post(here.control, SendShards(
                     prefix=prefix, runs=[ShardRun(device=here.device, shard=move.index)],
                     emits=[move_shard(buf.spec, prefix, move.index, new)]))
-                buf.locations[move.index] = ShardLocation(new.executor_id, new.control, new.data, new.device,
-                                                          new.island, new.host)
+                buf.locations[move.index] = location(new)
                 buf.holders.add(new.control)
                 moved.add(here.control)
             if moved:

@@ -180,8 +180,9 @@ class ResourceManagerState:
 
     def _physical(self, ref: DeviceRef) -> PhysicalDevice:
         ex = self.executors[ref[0]]
+        global_id = next((d.global_id for d in ex.devices if d.index == ref[1]), -1)
         return PhysicalDevice(executor_id=ex.executor_id, island=ex.island, host=ex.host, device=ref[1],
-                              control=ex.control, data=ex.data)
+                              control=ex.control, data=ex.data, group=ex.group, global_id=global_id)
 
     def load(self) -> dict[DeviceRef, int]:
         counts: dict[DeviceRef, int] = {}

@@ -16,6 +16,7 @@ import os
 import selectors
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -28,6 +29,13 @@ from pwmesh.errors import PwTimeoutError
 from pwmesh.service.lifecycle import READY_PREFIX
 
 log = logging.getLogger(__name__)
+
+
+def free_port() -> int:
+    """A TCP port on loopback that nothing listens on now (for a listener that cannot pick its own)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
 
 
 @dataclasses.dataclass
@@ -43,6 +51,9 @@ class LocalClusterSpec:
     memory_limit_bytes: int = 0  # per executor (all its devices together); 0: no limit
     policy: str = "fair"  # the island schedulers' sharing policy
     executor_args: tuple[str, ...] = ()  # extra flags for every executor (tests: fault injection)
+    # Each island's executors form one JAX group, so SPMD computations (collectives) may span them.
+    # Its members are those started with the cluster: an executor added later joins no group.
+    collectives: bool = False
 
 
 @dataclasses.dataclass
@@ -135,8 +146,16 @@ class LocalCluster:
                 rest.append(self._spawn("scheduler", f"scheduler-{island}",
                                         ["--island", str(island), "--rm", self.rm_address, "--policy", spec.policy,
                                          *self._beat()]))
+                group = []
+                if spec.collectives:  # process 0 serves the group; the executors are 1..N
+                    group = ["--jax-coordinator", f"127.0.0.1:{free_port()}",
+                             "--jax-processes", str(spec.hosts_per_island + 1)]
+                    rest.append(self._spawn("jax-coordinator", f"jax-coordinator-{island}",
+                                            ["--address", group[1], "--processes", group[3]]))
                 for host in range(spec.hosts_per_island):
-                    rest.append(self._spawn_executor(island, f"island{island}-host{host}", spec.devices_per_host))
+                    joins = [*group, "--jax-process-id", str(host + 1)] if group else []
+                    rest.append(self._spawn_executor(island, f"island{island}-host{host}", spec.devices_per_host,
+                                                     joins))
             proxy = self._spawn("proxy", "proxy", ["--rm", self.rm_address, "--session-timeout-seconds",
                                                    str(spec.session_timeout_seconds)])
             self._wait_ready([*rest, proxy], deadline)
@@ -178,17 +197,17 @@ class LocalCluster:
 
     # Each stage drains while the peers it confirms delivery to are still up: executors
     # (to the proxy and the RM), then the proxy (to the schedulers), schedulers, the RM.
-    STOP_STAGES = (("executor",), ("proxy",), ("scheduler",), ("rm",))
+    STOP_STAGES = (("executor",), ("proxy",), ("scheduler", "jax-coordinator"), ("rm",))
 
     def _beat(self) -> list[str]:
         # Four beats per timeout: one late beat never gets a live daemon declared lost.
         return ["--heartbeat-interval-seconds", str(self.spec.heartbeat_timeout_seconds / 4)]
 
-    def _spawn_executor(self, island: int, name: str, devices: int) -> Child:
+    def _spawn_executor(self, island: int, name: str, devices: int, extra: list[str] | None = None) -> Child:
         return self._spawn("executor", name, [
             "--island", str(island), "--rm", self.rm_address, "--devices", str(devices),
             "--name", name, "--host", name, "--memory-limit", str(self.spec.memory_limit_bytes), *self._beat(),
-            *self.spec.executor_args])
+            *(extra or []), *self.spec.executor_args])
 
     def add_executor(self, island: int, name: str, devices: int | None = None) -> Child:
         """Start one more executor (a host joining the running cluster); returns once it serves."""

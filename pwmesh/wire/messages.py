@@ -327,15 +327,6 @@ class Enqueue(Message, op="exec.enqueue"):
 
 
 @record
-class GangReady(Message, op="exec.gang_ready"):
-    """Every device of the executor at ``control`` has reached this gang computation."""
-
-    run_id: str
-    node: int
-    control: str
-
-
-@record
 class PutShards(Message, op="exec.put_shards"):
     keys: list[str]
     devices: list[int]
@@ -384,7 +375,7 @@ class ExecutorStats(Message, op="exec.stats"):
     executed: int
     memory_limit: int = 0  # bytes; 0: no limit
     waiting_for_memory: int = 0  # computations held back until memory is freed
-    gang_waits: list[str] = dataclasses.field(default_factory=list)  # what waits on which peers
+    gang_waits: list[str] = dataclasses.field(default_factory=list)  # collectives that wait for peers
 
 
 @record

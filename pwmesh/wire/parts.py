@@ -47,7 +47,7 @@ def renamed(comp: Computation, name: Callable[[str], str]) -> Computation:
     emits = [renamed_emit(e, name) for e in comp.emits] if comp.emits else []
     return Computation(node=comp.node, fn_id=comp.fn_id, executor_id=comp.executor_id, control=comp.control,
                        runs=comp.runs, inputs=[name(p) for p in comp.inputs], outputs=[name(p) for p in comp.outputs],
-                       emits=emits, spmd=comp.spmd, kind=comp.kind, ragged=comp.ragged, seq=comp.seq, peers=comp.peers,
+                       emits=emits, spmd=comp.spmd, kind=comp.kind, ragged=comp.ragged, seq=comp.seq, gang=comp.gang,
                        donate=comp.donate)
 
 

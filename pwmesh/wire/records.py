@@ -32,6 +32,7 @@ class ErrorInfo(Record):
 class DeviceInfo(Record):
     index: int
     kind: str = "cpu"
+    global_id: int = -1  # its JAX device id in the executor's JAX group (see ``ExecutorInfo.group``)
 
 
 @record
@@ -45,6 +46,9 @@ class ExecutorInfo(Record):
     alive: bool = True
     draining: bool = False  # being emptied: no new slices land here
     pid: int = 0
+    # The JAX multi-process group it belongs to (its coordinator's address; "" for none): SPMD
+    # computations may span the executors of one group, their collectives joined by JAX.
+    group: str = ""
 
 
 @record
@@ -64,6 +68,8 @@ class PhysicalDevice(Record):
     device: int
     control: str
     data: str
+    group: str = ""  # the executor's JAX group ("" for none)
+    global_id: int = -1  # the device's JAX id in that group
 
 
 @record
@@ -186,9 +192,9 @@ class Computation(Record):
     donate: list[int] = dataclasses.field(default_factory=list)  # inputs whose buffers it may consume (reuse)
     ragged: bool = False  # its inputs are routed rows: padded to the function's capacity, outputs cut back
     seq: int = -1
-    # Control addresses of the other executors holding shards of this node: a gang
-    # computation starts only when every one of them has reached it too.
-    peers: list[str] = dataclasses.field(default_factory=list)
+    # An SPMD computation spanning executors: the JAX ids of all its devices, in shard order (its mesh's
+    # devices). Each executor runs its own shards of it; their collectives join through the JAX group.
+    gang: list[int] = dataclasses.field(default_factory=list)
 
     def shards(self) -> list[tuple[int, int]]:
         """(device, shard) of every local shard, in order."""
@@ -245,8 +251,8 @@ class TraceEvent(Record):
     """One computation an executor ran (all its local shards), for ``pwmesh trace``.
 
     Times are wall-clock seconds (``time.time()``) on the executor's host:
-    ``arrived`` (all local devices at it), ``ready`` (all peer executors too),
-    ``start`` (handed to the devices), ``end``."""
+    ``arrived`` (all local devices at it), ``start`` (inputs, function and memory
+    there: handed to the devices), ``end``."""
 
     run_id: str  # "<session id>:<n>..."
     node: int
@@ -254,7 +260,6 @@ class TraceEvent(Record):
     fn_id: str
     devices: list[int]  # the executor's device indices it ran on
     arrived: float
-    ready: float
     start: float
     end: float
     error: str = ""

@@ -1,0 +1,123 @@
+"""SPMD across hosts: collectives over slices that span executors of one island.
+
+Each island's executors form one JAX multi-process group (``LocalClusterSpec(collectives=True)``:
+a coordinator process per island, the executors its members, gloo on CPU). A ``pw.pmap`` with
+``psum`` or a ``pw.jit`` over a mesh spanning executors is one SPMD program whose shards run on
+their own executors and meet in their collectives; no executor waits for another before it starts.
+Results equal one-process JAX; a collective whose peer dies fails with ``DeviceLost`` and the
+survivors go on serving.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+from test_train import reference, train
+
+import pwmesh as pw
+from helpers import eventually
+from pwmesh.cli.commands import fetch_status
+
+SPEC = pw.LocalClusterSpec(islands=1, hosts_per_island=2, devices_per_host=2, collectives=True)
+
+
+@pytest.fixture(scope="module")
+def grouped() -> Iterator[pw.LocalCluster]:
+    with pw.LocalCluster(SPEC) as running:
+        yield running
+
+
+@pytest.fixture
+def client(grouped: pw.LocalCluster) -> Iterator[pw.Client]:
+    with pw.Client(grouped.address, name="collectives") as c:
+        yield c
+
+
+def spanning(client: pw.Client, devices: int = 4, **kwargs: object) -> pw.Slice:
+    sl = client.make_virtual_device_set().add_slice(devices=devices, **kwargs)  # type: ignore[arg-type]
+    assert len({d.executor for d in sl.devices}) == 2, "the slice spans both executors"
+    return sl
+
+
+def test_the_island_executors_report_one_jax_group(grouped: pw.LocalCluster) -> None:
+    executors = fetch_status(grouped.address).cluster.executors
+    assert len(executors) == 2 and len({e.group for e in executors}) == 1 and executors[0].group
+    ids = [d.global_id for e in executors for d in e.devices]
+    assert len(set(ids)) == 4 and min(ids) >= 0, "every device has its own JAX id in the group"
+
+
+def test_pmap_psum_over_executors_equals_one_process_jax(client: pw.Client) -> None:
+    sl = spanning(client)
+    total = pw.pmap(lambda x: jax.lax.psum(x, "i") * 2.0, devices=sl, axis_name="i")
+    x = np.arange(8, dtype=np.float32).reshape(4, 2)
+    for _ in range(3):  # the first run compiles; the rest run as compiled
+        np.testing.assert_array_equal(np.asarray(total(x)), np.broadcast_to(x.sum(0) * 2.0, (4, 2)))
+
+
+def test_jit_over_a_mesh_spanning_executors_equals_one_process_jax(client: pw.Client) -> None:
+    sl = spanning(client, mesh={"data": 2, "model": 2})
+
+    def layer(x: jax.Array, w: jax.Array) -> jax.Array:
+        return jnp.tanh(x @ w).sum(axis=1, keepdims=True) * x
+
+    step = pw.jit(layer, devices=sl, in_specs=(P("data", None), P(None, "model")), out_specs=P("data", None))
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((8, 6)).astype(np.float32)
+    w = rng.standard_normal((6, 4)).astype(np.float32)
+    np.testing.assert_allclose(np.asarray(step(x, w)), np.asarray(jax.jit(layer)(x, w)), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.timeout(300)
+def test_training_on_a_mesh_over_two_hosts_equals_plain_jax(grouped: pw.LocalCluster, tmp_path: Path) -> None:
+    pw.connect(grouped.address, name="train-over-hosts")
+    try:
+        ours = train("tiny", 10).losses
+    finally:
+        pw.disconnect()
+    theirs = reference("tiny", 10, tmp_path / "jax.json")
+    np.testing.assert_allclose(ours, theirs, rtol=1e-4)
+
+
+HEARTBEAT_TIMEOUT_SECONDS = 3.0
+
+
+@pytest.fixture
+def fragile() -> Iterator[pw.LocalCluster]:
+    spec = pw.LocalClusterSpec(islands=1, hosts_per_island=2, devices_per_host=2, collectives=True,
+                               heartbeat_timeout_seconds=HEARTBEAT_TIMEOUT_SECONDS, stop_timeout_seconds=3.0)
+    with pw.LocalCluster(spec) as running:
+        yield running
+
+
+@pytest.mark.timeout(180)
+def test_a_collective_whose_peer_dies_fails_with_device_lost_and_the_survivor_serves_on(
+        fragile: pw.LocalCluster) -> None:
+    with pw.Client(fragile.address, name="victim") as client:
+        sl = spanning(client)
+        busy = client.make_virtual_device_set().add_slice(devices=1)  # one device of the executor that dies
+        victim = busy.devices[0].executor
+        total = pw.pmap(lambda x: jax.lax.psum(x, "i"), devices=sl, axis_name="i")
+        slow = pw.pmap(lambda x: jax.lax.fori_loop(0, 2_000_000_000, lambda i, v: v * 1.0000001, x), devices=busy)
+        assert np.asarray(total(np.ones(4, np.float32))).tolist() == [4.0] * 4
+        slow(np.ones(1, np.float32))  # holds one of the victim's devices (for minutes), so ...
+        stuck = total(np.ones(4, np.float32))  # ... the survivor's shards wait in the psum for the victim's
+        next(c for c in fragile.children if c.name == victim).popen.kill()
+        start = time.monotonic()
+        with pytest.raises(pw.DeviceLost):
+            np.asarray(stuck)
+        assert time.monotonic() - start < 2 * HEARTBEAT_TIMEOUT_SECONDS
+        # The survivor's devices are free again: they run new work (once the victim is known to be
+        # lost, a new slice can land only there).
+        eventually(lambda: not any(e.alive for e in fetch_status(fragile.address).cluster.executors
+                                   if e.executor_id == victim), 3 * HEARTBEAT_TIMEOUT_SECONDS)
+        after = client.make_virtual_device_set().add_slice(devices=2)
+        assert victim not in after.executors
+        double = pw.pmap(lambda x: x * 2.0, devices=after)
+        assert np.asarray(double(np.ones(2, np.float32))).tolist() == [2.0, 2.0]
