@@ -14,11 +14,12 @@ import pytest
 
 from pwmesh.dataflow import plane as plane_module
 from pwmesh.dataflow.plane import INLINE, SHARED, DataPlane, machine_id
-from pwmesh.errors import InvalidArgument
-from pwmesh.service.rpc import RejectedLog
+from pwmesh.errors import InvalidArgument, PwmeshError
+from pwmesh.service.rpc import Connection, RejectedLog, Server
+from pwmesh.service.tasks import TaskGroup
 from pwmesh.service.transport import Context
-from pwmesh.wire import encode
-from pwmesh.wire.messages import Ping, TupleBatch
+from pwmesh.wire import Envelope, encode
+from pwmesh.wire.messages import GetClusterState, GetSchedulerStats, Ping, Pong, SchedulerJoined, TupleBatch
 
 _LEN = struct.Struct("!I")
 
@@ -220,3 +221,50 @@ def test_connecting_to_an_address_that_is_none_is_a_refusal_and_leaks_no_socket(
     with pytest.raises(InvalidArgument, match="cannot connect to"):
         ctx.dealer(address)
     ctx.close()  # returns: no socket is left open
+
+
+# ------------------------------------------------------------------ the daemons' socket pump
+
+
+@pytest.mark.asyncio
+@pytest.mark.timeout(30)
+async def test_what_a_peer_can_make_fail_again_and_again_is_answered_every_time_and_logged_rarely(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """Found by fuzzing the resource manager: a WatchCluster restoring a slice whose map version is
+    2^64 - 1 (msgpack's largest integer) made it store 2^64, which no reply holding it could encode
+    again: the exception escaped the socket's reader (a traceback per request) and the requester
+    waited for its timeout. Handlers failing, and replies to peers that left, were a line each."""
+    ctx, tasks = Context(), TaskGroup()
+    peers: list[bytes] = []
+
+    def unencodable(peer: bytes, env: Envelope) -> SchedulerJoined:
+        peers.append(peer)
+        server.post(peer, SchedulerJoined(island=2**64, address="x"))  # a notification: dropped, logged
+        return SchedulerJoined(island=2**64, address="x")
+
+    def buggy(peer: bytes, env: Envelope) -> None:
+        raise KeyError("a handler's bug")
+
+    server = Server(ctx, "tcp://127.0.0.1:0", {GetClusterState: unencodable, GetSchedulerStats: buggy,
+                                               Ping: lambda peer, env: Pong(role="test", name="test")},
+                    tasks=tasks, name="srv")
+    server.start()
+    conn = Connection(ctx, server.address, tasks=tasks, name="client")
+    try:
+        with caplog.at_level(logging.INFO, logger="pwmesh"):
+            for _ in range(100):
+                with pytest.raises(PwmeshError, match="srv could not encode its rm.scheduler_joined reply"):
+                    await conn.request(GetClusterState(), timeout_seconds=5.0)
+                with pytest.raises(PwmeshError, match="a handler's bug"):
+                    await conn.request(GetSchedulerStats(), timeout_seconds=5.0)
+            for _ in range(100):
+                server.post(b"gone", Pong(role="test", name="test"))
+            assert isinstance(await conn.request(Ping(), timeout_seconds=5.0), Pong)
+        lines = [r.getMessage() for r in caplog.records]
+        assert len(lines) == 3, lines
+        assert sum("cannot encode rm.scheduler_joined" in line for line in lines) == 1
+        assert sum("handler for sched.get_stats failed" in line for line in lines) == 1
+        assert sum("cannot send pong to peer b'gone'" in line for line in lines) == 1
+    finally:
+        await tasks.stop()
+        ctx.close()

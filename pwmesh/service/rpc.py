@@ -137,6 +137,10 @@ class Server:
         self.address = self._sock.address
         self.rejected = 0  # frames dropped or answered with ProtocolError
         self._rejected_log = RejectedLog(name)
+        # Failed handlers and sends, each kind logged at most once per interval: what a peer can make
+        # fail again and again (a refused request, replies to a peer that left) cannot flood the log.
+        self._failure_log = RejectedLog(name)
+        self._unreachable_log = RejectedLog(name)
 
     def start(self) -> None:
         self._tasks.spawn(_receive_until_cancelled(self._sock, self._received), name=f"{self._name}.recv")
@@ -147,8 +151,24 @@ class Server:
         return self._sock.backlog
 
     def post(self, peer: bytes, message: Message, *, reply_to: int | None = None) -> None:
-        """Send ``message`` to ``peer`` without waiting; messages leave in the order posted."""
-        frames = encode(message, msg_id=next_id(), reply_to=reply_to, sender=self._name)
+        """Send ``message`` to ``peer`` without waiting; messages leave in the order posted.
+
+        A message that cannot be encoded (a value msgpack cannot hold, such as an integer past 64
+        bits that the daemon's state reached from a peer's) is logged and, if it was a reply, replaced
+        by an ``Error`` saying so: the requester learns why, and the socket's reader never sees the
+        exception."""
+        try:
+            frames = encode(message, msg_id=next_id(), reply_to=reply_to, sender=self._name)
+        except (TypeError, ValueError, OverflowError) as exc:
+            more = self._failure_log.allow(("encode", message.op, type(exc).__name__), alike="like it")
+            if more is not None:
+                log.error("%s: cannot encode %s for peer %r: %s: %s%s", self._name, message.op, peer,
+                          type(exc).__name__, exc, more)
+            if reply_to is None or isinstance(message, Error):
+                return
+            error = Error(code="internal", message=f"{self._name} could not encode its {message.op} reply: "
+                                                   f"{type(exc).__name__}: {exc}")
+            frames = encode(error, msg_id=next_id(), reply_to=reply_to, sender=self._name)
         try:
             self._sock.send_nowait(peer, frames)
         except zmq.ZMQError as exc:  # the peer is gone (ROUTER_MANDATORY): tell, never crash
@@ -156,7 +176,9 @@ class Server:
 
     def _send_failed(self, peer: bytes, exc: zmq.ZMQError, dropped: int, op: str = "") -> None:
         what = op or f"{dropped} queued message(s)"
-        log.warning("%s: cannot send %s to peer %r: %s", self._name, what, peer, exc)
+        more = self._unreachable_log.allow(peer, alike="to it")
+        if more is not None:
+            log.warning("%s: cannot send %s to peer %r: %s%s", self._name, what, peer, exc, more)
         if self._on_unreachable is not None:
             # Later, not inside post(): the caller may be iterating what the hook changes.
             asyncio.get_running_loop().call_soon(self._on_unreachable, peer)
@@ -190,10 +212,14 @@ class Server:
             self._tasks.spawn(self._finish(peer, env, result), name=f"{self._name}.{env.message.op}")
 
     def _log_failure(self, env: Envelope, exc: Exception) -> None:
+        """Log a failed handler: once per op and exception type per interval (the caller gets every one)."""
+        more = self._failure_log.allow((env.message.op, type(exc).__name__), alike="like it")
+        if more is None:
+            return
         if isinstance(exc, PwmeshError):  # an expected refusal: the caller gets it as an error
-            log.info("%s: %s refused: %s", self._name, env.message.op, exc.message)
+            log.info("%s: %s refused: %s%s", self._name, env.message.op, exc.message, more)
         else:
-            log.exception("%s: handler for %s failed", self._name, env.message.op, exc_info=exc)
+            log.error("%s: handler for %s failed%s", self._name, env.message.op, more, exc_info=exc)
 
     async def _finish(self, peer: bytes, env: Envelope, pending: Awaitable[Reply]) -> None:
         try:
