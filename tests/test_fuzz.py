@@ -268,3 +268,20 @@ async def test_what_a_peer_can_make_fail_again_and_again_is_answered_every_time_
     finally:
         await tasks.stop()
         ctx.close()
+
+
+@pytest.mark.asyncio
+async def test_tasks_failing_alike_are_logged_once_per_interval(caplog: pytest.LogCaptureFixture) -> None:
+    """Found by fuzzing the executors: every SendShards with a junk emit mode was accepted, then its
+    task failed with a traceback in the log: one per message."""
+    tasks = TaskGroup()
+
+    async def fail() -> None:
+        raise InvalidArgument("unknown emit mode 'fuzz'")
+
+    with caplog.at_level(logging.ERROR, logger="pwmesh.service.tasks"):
+        spawned = [tasks.spawn(fail(), name=f"send-fuzz-{i}") for i in range(100)]
+        spawned.append(tasks.spawn(fail(), name="other"))
+        await asyncio.gather(*spawned, return_exceptions=True)  # the group's own callbacks ran first
+    assert [r.getMessage() for r in caplog.records] == ["task send-fuzz-0 failed", "task other failed"]
+    await tasks.stop()

@@ -43,7 +43,7 @@ from typing import Any
 import msgpack
 import numpy as np
 
-from pwmesh.service.rpc import RejectedLog
+from pwmesh.service.ratelimit import RejectedLog
 from pwmesh.wire import codec
 from pwmesh.wire.messages import TupleBatch
 
@@ -316,7 +316,7 @@ class DataPlane:
         self.max_streams = max_streams
         self._readers: set[socket.socket] = set()  # inbound streams being read (one thread each)
         self._readers_lock = threading.Lock()
-        self._rejected = RejectedLog("data plane")
+        self._rejected = RejectedLog("data plane", logger=log)
         self._closing = False
         threading.Thread(target=self._accept_loop, name="pwmesh-data-accept", daemon=True).start()
 

@@ -3,6 +3,8 @@
 Like ``asyncio.TaskGroup`` but long-lived: tasks may be added at any time, a
 task that dies with an exception is logged (and, for ``critical`` ones, stops
 the service), and ``stop()`` cancels every task and waits for all of them.
+Failures are logged once per kind of task and exception per interval: a task a
+peer's message spawned may fail the same way for every such message.
 """
 
 from __future__ import annotations
@@ -12,6 +14,8 @@ import logging
 from collections.abc import Callable, Coroutine
 from typing import Any
 
+from pwmesh.service.ratelimit import RejectedLog
+
 log = logging.getLogger(__name__)
 
 
@@ -20,6 +24,7 @@ class TaskGroup:
         self._tasks: set[asyncio.Task[Any]] = set()
         self._closed = False
         self._on_crash = on_crash
+        self._failures = RejectedLog("tasks", logger=log)
 
     def spawn(self, coro: Coroutine[Any, Any, Any], *, name: str, critical: bool = False) -> asyncio.Task[Any]:
         if self._closed:
@@ -36,7 +41,11 @@ class TaskGroup:
             return
         exc = task.exception()
         if exc is not None:
-            log.error("task %s failed", task.get_name(), exc_info=exc)
+            name = task.get_name()
+            # Its kind: the name up to its first "-" ("send-s1:7/b3" is a "send" task).
+            more = "" if critical else self._failures.allow((name.partition("-")[0], type(exc)), alike="like it")
+            if more is not None:
+                log.error("task %s failed%s", name, more, exc_info=exc)
             if critical and self._on_crash is not None:
                 self._on_crash(exc)
 
