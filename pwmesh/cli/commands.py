@@ -137,7 +137,8 @@ def format_status(reply: StatusReply) -> str:
     host_rows = []
     for e in sorted(state.executors, key=lambda e: (e.island, e.executor_id)):
         st = stats.get(e.executor_id)
-        devices = " ".join(f"{d.kind}{d.index}[{load.get((e.executor_id, d.index), 0)}]" for d in e.devices)
+        devices = " ".join(f"{d.platform}{d.index}[{load.get((e.executor_id, d.index), 0)}]" for d in e.devices)
+        kinds = ", ".join(sorted({d.kind for d in e.devices})) or "-"
         memory = "?"
         if st:
             # What the executor holds against its limit (all its devices together).
@@ -145,7 +146,7 @@ def format_status(reply: StatusReply) -> str:
             if st.waiting_for_memory:
                 memory += f", {st.waiting_for_memory} waiting"
         state_word = "LOST" if not e.alive else ("draining" if e.draining else "up")
-        host_rows.append([e.island, e.executor_id, e.host, state_word, devices,
+        host_rows.append([e.island, e.executor_id, e.host, state_word, kinds, devices,
                           st.objects if st else "?", memory, st.executed if st else "?",
                           " ".join(map(str, st.queued)) if st else "?"])
     session_rows = [[s.session_id, s.name, s.buffers, s.programs, s.weight, s.priority, s.registered,
@@ -153,7 +154,7 @@ def format_status(reply: StatusReply) -> str:
     return "\n\n".join([
         f"map version {state.map_version}, {len(state.slices)} slices",
         table(["island", "hosts", "devices", "scheduler"], island_rows),
-        table(["island", "executor", "host", "state", "devices[slices]", "objects", "memory", "executed",
+        table(["island", "executor", "host", "state", "device kind", "devices[slices]", "objects", "memory", "executed",
                 "queued"], host_rows),
         table(["session", "name", "buffers", "running", "weight", "priority", "programs", "lowerings reused"],
               session_rows)
@@ -192,7 +193,7 @@ def trace_json(reply: ClusterTrace) -> dict[str, Any]:
     """The Chrome trace-event / Perfetto JSON of ``reply``: a process per executor, a thread per device.
 
     Every computation is one complete event (``"ph": "X"``) on each device it ran on;
-    if its devices then waited (for peer executors of a gang, inputs or memory)
+    if its devices then waited (for its inputs, its compiled function or memory)
     at least 0.1 ms before it started, a ``wait`` event covers that time. Timestamps are each
     host's wall clock, in microseconds since ``otherData.origin_unix_seconds``."""
     origin = _origin(reply)
@@ -204,7 +205,7 @@ def trace_json(reply: ClusterTrace) -> dict[str, Any]:
         events.append({"ph": "M", "name": "process_sort_index", "pid": pid, "tid": 0, "args": {"sort_index": pid}})
         for d in got.devices:
             events.append({"ph": "M", "name": "thread_name", "pid": pid, "tid": d.index,
-                           "args": {"name": f"{d.kind}{d.index}"}})
+                           "args": {"name": f"{d.platform}{d.index}"}})
             events.append({"ph": "M", "name": "thread_sort_index", "pid": pid, "tid": d.index,
                            "args": {"sort_index": d.index}})
         for ev in got.events:

@@ -106,6 +106,9 @@ class _ByteSize(click.ParamType):
               help="This executor's place in the JAX group, 1 to --jax-processes - 1 (0 is the coordinator).")
 @click.option("--shared-memory/--no-shared-memory", default=True, show_default=True,
               help="Exchange bulk data with executors on the same machine through /dev/shm (else TCP).")
+@click.option("--platform", type=click.Choice(["cpu", "cuda", "rocm", "tpu"]), default=None,
+              envvar="PWMESH_PLATFORM", show_envvar=True,
+              help="The devices to expose (sets JAX_PLATFORMS). Default: what JAX finds.")
 @click.option("--test-enqueue-jitter-seconds", type=float, default=0.0, hidden=True)
 @click.option("--test-order-by-arrival", is_flag=True, hidden=True,
               help="TEST ONLY: ignore the island order (shows why it exists: gangs can deadlock).")
@@ -114,7 +117,8 @@ class _ByteSize(click.ParamType):
 @_log_level
 def executor_main(island: int, rm: str, devices: int, listen: str, data_listen: str, name: str, host: str,
                   watchdog_seconds: float, jax_coordinator: str, jax_processes: int, jax_process_id: int,
-                  shared_memory: bool, test_enqueue_jitter_seconds: float, test_order_by_arrival: bool,
+                  shared_memory: bool, platform: str | None, test_enqueue_jitter_seconds: float,
+                  test_order_by_arrival: bool,
                   test_seed: int,
                   memory_limit_bytes: int, heartbeat_interval_seconds: float, log_level: str) -> None:
     """Run a host executor on island ISLAND."""
@@ -122,6 +126,8 @@ def executor_main(island: int, rm: str, devices: int, listen: str, data_listen: 
     flags = os.environ.get("XLA_FLAGS", "")
     if "xla_force_host_platform_device_count" not in flags:
         os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={devices}".strip()
+    if platform:
+        os.environ["JAX_PLATFORMS"] = platform
     from pwmesh.executor.daemon import Executor, ExecutorConfig  # noqa: PLC0415
     from pwmesh.executor.group import GroupConfig  # noqa: PLC0415
 
@@ -130,7 +136,7 @@ def executor_main(island: int, rm: str, devices: int, listen: str, data_listen: 
                             memory_limit_bytes=memory_limit_bytes, watchdog_seconds=watchdog_seconds,
                             group=GroupConfig(jax_coordinator, jax_processes, jax_process_id)
                             if jax_coordinator else None,
-                            shared_memory=shared_memory,
+                            shared_memory=shared_memory, platform=platform or "",
                             test_enqueue_jitter_seconds=test_enqueue_jitter_seconds,
                             test_order_by_arrival=test_order_by_arrival, test_seed=test_seed)
     setup_logging("executor", name or f"island{island}", log_level)

@@ -71,6 +71,8 @@ class Slice:
             VirtualDevice(info.slice_id, i, d.island, d.host, d.executor_id, d.device, self)
             for i, d in enumerate(info.devices)
         )
+        # What its functions are exported for (cpu, cuda, rocm, tpu): its devices', which a remap keeps.
+        self.platforms = sorted({d.platform for d in info.devices})
 
     @property
     def axis_names(self) -> tuple[str, ...]:
@@ -96,13 +98,15 @@ class VirtualDeviceSet:
         self.session = session
         self.slices: list[Slice] = []
 
-    def add_slice(self, devices: int, *, island: int | None = None, mesh: Any = None) -> Slice:
+    def add_slice(self, devices: int, *, island: int | None = None, mesh: Any = None, kind: str = "") -> Slice:
         """Ask for ``devices`` devices in one island, seen as ``mesh`` (axis names to sizes, row-major;
-        default one axis ``"x"``). Raises ``ResourceExhausted`` if no island can hold them."""
+        default one axis ``"x"``), all of ``kind`` if given: a platform (``"cpu"``, ``"gpu"``, ``"cuda"``,
+        ``"rocm"``, ``"tpu"``) or part of a device kind (``"H100"``). Raises ``ResourceExhausted`` if no
+        island can hold them."""
         if not isinstance(devices, int) or isinstance(devices, bool) or devices < 1:
             raise InvalidArgument(f"a slice has a positive number of devices, got {devices!r}")
         axes = mesh_axes(mesh, devices)
-        sl = Slice(self.session, self.session.create_slice(devices, island), axes)
+        sl = Slice(self.session, self.session.create_slice(devices, island, kind), axes)
         self.slices.append(sl)
         return sl
 

@@ -24,8 +24,6 @@ from pwmesh.client.sharding import P, SliceSharding, abstract_mesh, propagation_
 from pwmesh.errors import InvalidArgument
 from pwmesh.ir.keys import function_id
 
-PLATFORMS = ["cpu"]  # what the executors run today (accelerators: see the cross-host issue)
-
 
 @dataclasses.dataclass(frozen=True)
 class ExportedFunction:
@@ -53,12 +51,13 @@ def _serialize(exp: export.Exported, spmd: bool, mesh: list[int], axes: list[str
     return function_id(serialized, spmd, mesh, axes, donate), serialized
 
 
-def _quiet_export(jitted: Any, avals: Sequence[jax.ShapeDtypeStruct]) -> export.Exported:
-    """``jax.export`` of ``jitted`` for the executors' platforms. Donation is the executors' (they compile
-    with it), so JAX's warning that an export cannot use it is not the user's to see."""
+def _quiet_export(jitted: Any, sl: Slice, avals: Sequence[jax.ShapeDtypeStruct]) -> export.Exported:
+    """``jax.export`` of ``jitted`` for the platforms of ``sl``'s devices (this process need not have them).
+    Donation is the executors' (they compile with it), so JAX's warning that an export cannot use it is
+    not the user's to see."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
-        return export.export(jitted, platforms=PLATFORMS)(*avals)
+        return export.export(jitted, platforms=sl.platforms)(*avals)
 
 
 def export_jit(flat_fn: Callable[..., Any], sl: Slice, avals: Sequence[jax.ShapeDtypeStruct],
@@ -79,7 +78,7 @@ def export_jit(flat_fn: Callable[..., Any], sl: Slice, avals: Sequence[jax.Shape
         if spec is not None:
             SliceSharding(sl, spec).check(leaf.shape, f"{name}: output {i}")
     if n == 1:
-        exp = _quiet_export(jax.jit(flat_fn), avals)
+        exp = _quiet_export(jax.jit(flat_fn), sl, avals)
         specs_out = tuple(P() for _ in out_leaves)
         fn_id, serialized = _serialize(exp, False, [1], [], list(donate))
         return ExportedFunction(fn_id, serialized, False, [1], [], list(donate), tuple(P() for _ in avals),
@@ -92,7 +91,7 @@ def export_jit(flat_fn: Callable[..., Any], sl: Slice, avals: Sequence[jax.Shape
     sharded = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(mesh, s), weak_type=a.weak_type)
                for a, s in zip(avals, in_specs, strict=True)]
     exp = _quiet_export(jax.jit(flat_fn, out_shardings=[NamedSharding(mesh, s) for s in wanted], keep_unused=True),
-                        sharded)
+                        sl, sharded)
     axes = list(sl.axis_names)
     fn_id, serialized = _serialize(exp, True, list(sl.mesh_shape), axes, list(donate))
     return ExportedFunction(fn_id, serialized, True, list(sl.mesh_shape), axes, list(donate), tuple(in_specs),
@@ -132,7 +131,7 @@ def export_pmap(fn: Callable[..., Any], sl: Slice, avals: Sequence[jax.ShapeDtyp
 
     if axis_name is None:
         block_avals = [jax.ShapeDtypeStruct((1, *a.shape[1:]), a.dtype) for a in avals]
-        exp = _quiet_export(jax.jit(per_block), block_avals)
+        exp = _quiet_export(jax.jit(per_block), sl, block_avals)
         out_avals = tuple(jax.ShapeDtypeStruct((n, *o.shape[1:]), o.dtype) for o in exp.out_avals)
         mesh, axes = [n], []
     else:
@@ -140,7 +139,7 @@ def export_pmap(fn: Callable[..., Any], sl: Slice, avals: Sequence[jax.ShapeDtyp
         spec = P(axis_name)
         mapped = jax.shard_map(per_block, mesh=abstract, in_specs=spec, out_specs=spec)
         sharded = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(abstract, spec)) for a in avals]
-        exp = _quiet_export(jax.jit(mapped), sharded)
+        exp = _quiet_export(jax.jit(mapped), sl, sharded)
         out_avals = tuple(jax.ShapeDtypeStruct(o.shape, o.dtype) for o in exp.out_avals)
         mesh, axes = [n], [axis_name]
     spmd = axis_name is not None

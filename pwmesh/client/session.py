@@ -84,8 +84,8 @@ class Session:
     def post(self, message: Message) -> None:
         self.conn.post(message)
 
-    def create_slice(self, devices: int, island: int | None) -> SliceInfo:
-        reply = self.conn.request(CreateSlice(devices=devices, island=island))
+    def create_slice(self, devices: int, island: int | None, kind: str = "") -> SliceInfo:
+        reply = self.conn.request(CreateSlice(devices=devices, island=island, kind=kind))
         assert isinstance(reply, SliceCreated)
         return reply.slice
 

@@ -77,6 +77,13 @@ def after_wakeups(callback: Callable[[], None]) -> None:
     loop.call_soon(loop.call_soon, callback)
 
 
+def platform_of(device: jax.Device) -> str:
+    """The platform ``jax.export`` names for ``device``: cpu, cuda, rocm or tpu (JAX calls both GPUs "gpu")."""
+    if device.platform != "gpu":
+        return device.platform
+    return "rocm" if "rocm" in device.client.platform_version.lower() else "cuda"
+
+
 @dataclasses.dataclass
 class ExecutorConfig:
     island: int
@@ -92,6 +99,7 @@ class ExecutorConfig:
     memory_limit_bytes: int = 0  # all this executor's devices together; 0: no limit
     watchdog_seconds: float = 10.0  # report gang computations in their collectives for longer than this
     group: GroupConfig | None = None  # the island's JAX group, for SPMD computations across executors
+    platform: str = ""  # cpu, cuda, rocm or tpu: what its devices must be ("": whatever JAX finds)
     # Test-only fault injection: delay each Enqueue by a random time, and (arrival
     # order) run work in the order it arrives instead of the island's order.
     test_enqueue_jitter_seconds: float = 0.0
@@ -109,7 +117,14 @@ class Executor(Service):
         self.host = host
         if config.group is not None:
             join(config.group)  # before anything starts JAX's backend: it is formed with the group
-        local = jax.local_devices()
+        try:
+            local = jax.local_devices()
+        except RuntimeError as exc:  # JAX cannot start the platform asked for (JAX_PLATFORMS)
+            raise InvalidArgument(f"asked for {config.platform or 'the default'} devices, but JAX cannot start "
+                                  f"them here: {exc}") from None
+        found = platform_of(local[0]) if local else "none"
+        if config.platform and found != config.platform:
+            raise InvalidArgument(f"asked for {config.platform} devices but JAX found {found} ones")
         if len(local) < config.devices:
             raise InvalidArgument(
                 f"asked for {config.devices} devices but JAX sees {len(local)}; on CPU set "
@@ -165,7 +180,8 @@ class Executor(Service):
         return ExecutorInfo(
             executor_id=self.name, island=self.config.island, host=self.host,
             control=self.control.address, data=self.plane.address, pid=os.getpid(),
-            devices=[DeviceInfo(index=i, kind=d.platform, global_id=d.id) for i, d in enumerate(self.devices)],
+            devices=[DeviceInfo(index=i, kind=d.device_kind, platform=platform_of(d), global_id=d.id)
+                     for i, d in enumerate(self.devices)],
             group=self.config.group.coordinator if self.config.group is not None else "",
         )
 

@@ -256,7 +256,8 @@ class Proxy(Service):
         assert isinstance(msg, CreateSlice)
         session = self._session(peer)
         reply = await self.peers.request(
-            self.config.rm, AllocateSlice(owner=session.session_id, devices=msg.devices, island=msg.island),
+            self.config.rm, AllocateSlice(owner=session.session_id, devices=msg.devices, island=msg.island,
+                                         kind=msg.kind),
             timeout_seconds=self.config.rm_timeout_seconds)
         assert isinstance(reply, SliceAllocated)
         session.slices[reply.slice.slice_id] = reply.slice

@@ -11,9 +11,17 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 
 from pwmesh.errors import InvalidArgument, ResourceExhausted
-from pwmesh.wire.messages import ExecutorInfo
+from pwmesh.wire.messages import DeviceInfo, ExecutorInfo
 
 DeviceRef = tuple[str, int]  # (executor_id, device index)
+
+
+def of_kind(device: DeviceInfo, kind: str) -> bool:
+    """Whether ``device`` is of ``kind``: its platform (cpu, cuda, rocm, tpu; gpu for either GPU), or
+    part of its device kind, in any case ("H100" is an "NVIDIA H100 80GB HBM3")."""
+    wanted = kind.lower()
+    return (wanted == device.platform or (wanted == "gpu" and device.platform in ("cuda", "rocm"))
+            or wanted in device.kind.lower())
 
 
 def place(

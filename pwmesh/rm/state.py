@@ -14,7 +14,7 @@ import dataclasses
 import itertools
 
 from pwmesh.errors import InvalidArgument, NotFound, ResourceExhausted
-from pwmesh.rm.placement import DeviceRef, place
+from pwmesh.rm.placement import DeviceRef, of_kind, place
 from pwmesh.service.heartbeat import Liveness
 from pwmesh.wire.messages import (
     AllocateSlice,
@@ -82,8 +82,8 @@ class ResourceManagerState:
                 if role in ("executor", "scheduler"):
                     self.liveness.beat(f"{role}:{name}" if role == "scheduler" else name, now)
                 return None
-            case AllocateSlice(owner=owner, devices=n, island=island):
-                return SliceAllocated(slice=self._allocate(owner, n, island))
+            case AllocateSlice(owner=owner, devices=n, island=island, kind=kind):
+                return SliceAllocated(slice=self._allocate(owner, n, island, kind))
             case ReleaseSlices(owner=owner, slice_ids=ids):
                 self._release(owner, ids)
                 return Ok()
@@ -175,14 +175,19 @@ class ResourceManagerState:
 
     # ----------------------------------------------------------------- slices
 
-    def _usable(self) -> list[ExecutorInfo]:
-        return [e for e in self.executors.values() if e.alive and not e.draining]
+    def _usable(self, kind: str = "") -> list[ExecutorInfo]:
+        """Live executors that take new slices, with only their devices of ``kind``."""
+        usable = [e for e in self.executors.values() if e.alive and not e.draining]
+        if not kind:
+            return usable
+        return [dataclasses.replace(e, devices=[d for d in e.devices if of_kind(d, kind)]) for e in usable]
 
     def _physical(self, ref: DeviceRef) -> PhysicalDevice:
         ex = self.executors[ref[0]]
-        global_id = next((d.global_id for d in ex.devices if d.index == ref[1]), -1)
+        info = next((d for d in ex.devices if d.index == ref[1]), None)
         return PhysicalDevice(executor_id=ex.executor_id, island=ex.island, host=ex.host, device=ref[1],
-                              control=ex.control, data=ex.data, group=ex.group, global_id=global_id)
+                              control=ex.control, data=ex.data, group=ex.group,
+                              global_id=info.global_id if info else -1, platform=info.platform if info else "cpu")
 
     def load(self) -> dict[DeviceRef, int]:
         counts: dict[DeviceRef, int] = {}
@@ -192,14 +197,21 @@ class ResourceManagerState:
                 counts[ref] = counts.get(ref, 0) + 1
         return counts
 
-    def _allocate(self, owner: str, n: int, island: int | None) -> SliceInfo:
-        isl, refs = place(self._usable(), self.load(), n, island)
+    def _allocate(self, owner: str, n: int, island: int | None, kind: str = "") -> SliceInfo:
+        usable = self._usable(kind)
+        if kind and not any(e.devices for e in usable):
+            kinds = sorted({f"{d.platform} ({d.kind})" for e in self._usable() for d in e.devices}) or ["none"]
+            raise ResourceExhausted(f"no live device is of kind {kind!r} (live devices: {', '.join(kinds)})")
+        isl, refs = place(usable, self.load(), n, island)
         if isl not in self.schedulers:
             raise NotFound(f"island {isl} has devices but no scheduler has registered for it yet")
         self.map_version += 1
-        sl = SliceInfo(slice_id=next(self._slice_ids), owner=owner, island=isl,
-                       devices=[self._physical(r) for r in refs],
-                       map_version=self.map_version, scheduler=self.schedulers[isl].address)
+        devices = [self._physical(r) for r in refs]
+        platforms = {d.platform for d in devices}
+        # Its functions are exported for its devices' platform: a replacement must be of it too.
+        kind = kind or (platforms.pop() if len(platforms) == 1 else "")
+        sl = SliceInfo(slice_id=next(self._slice_ids), owner=owner, island=isl, devices=devices,
+                       map_version=self.map_version, scheduler=self.schedulers[isl].address, kind=kind)
         self.slices[sl.slice_id] = sl
         return sl
 
@@ -221,7 +233,7 @@ class ResourceManagerState:
             taken = {(d.executor_id, d.device) for d in sl.devices}
             candidates = [
                 dataclasses.replace(e, devices=[d for d in e.devices if (e.executor_id, d.index) not in taken])
-                for e in self._usable() if e.island == sl.island
+                for e in self._usable(sl.kind) if e.island == sl.island
             ]
             try:
                 _, refs = place(candidates, self.load(), len(stale), sl.island)

@@ -54,6 +54,7 @@ class LocalClusterSpec:
     # Each island's executors form one JAX group, so SPMD computations (collectives) may span them.
     # Its members are those started with the cluster: an executor added later joins no group.
     collectives: bool = False
+    platform: str = "cpu"  # the executors' devices: cpu (the default, on any machine), cuda, rocm or tpu
 
 
 @dataclasses.dataclass
@@ -82,7 +83,8 @@ class LocalCluster:
 
     def _spawn(self, role: str, name: str, args: list[str], env: dict[str, str] | None = None) -> Child:
         log_path = self.log_dir / f"{name}.log"
-        child_env = {**os.environ, "PWMESH_PARENT_PID": str(os.getpid()), "JAX_PLATFORMS": "cpu", **(env or {})}
+        child_env = {**os.environ, "PWMESH_PARENT_PID": str(os.getpid()), "JAX_PLATFORMS": self.spec.platform,
+                     **(env or {})}
         child_env.pop("XLA_FLAGS", None)  # each executor sets its own device count
         with open(log_path, "ab") as log_file:
             popen = subprocess.Popen(
@@ -207,6 +209,7 @@ class LocalCluster:
         return self._spawn("executor", name, [
             "--island", str(island), "--rm", self.rm_address, "--devices", str(devices),
             "--name", name, "--host", name, "--memory-limit", str(self.spec.memory_limit_bytes), *self._beat(),
+            "--platform", self.spec.platform,
             *(extra or []), *self.spec.executor_args])
 
     def add_executor(self, island: int, name: str, devices: int | None = None) -> Child:

@@ -197,6 +197,7 @@ class AllocateSlice(Message, op="rm.allocate_slice"):
     owner: str
     devices: int
     island: int | None = None
+    kind: str = ""  # see CreateSlice
 
 
 @record
@@ -487,6 +488,7 @@ class CloseSession(Message, op="proxy.close_session"):
 class CreateSlice(Message, op="proxy.create_slice"):
     devices: int
     island: int | None = None
+    kind: str = ""  # a platform (cpu, gpu, cuda, rocm, tpu) or part of a device kind ("H100"); "": any
 
 
 @record

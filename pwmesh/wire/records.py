@@ -31,7 +31,8 @@ class ErrorInfo(Record):
 @record
 class DeviceInfo(Record):
     index: int
-    kind: str = "cpu"
+    kind: str = "cpu"  # JAX's device kind ("cpu", "NVIDIA H100 80GB HBM3", "TPU v5 lite")
+    platform: str = "cpu"  # what functions are exported for: cpu, cuda, rocm or tpu
     global_id: int = -1  # its JAX device id in the executor's JAX group (see ``ExecutorInfo.group``)
 
 
@@ -70,6 +71,7 @@ class PhysicalDevice(Record):
     data: str
     group: str = ""  # the executor's JAX group ("" for none)
     global_id: int = -1  # the device's JAX id in that group
+    platform: str = "cpu"  # cpu, cuda, rocm or tpu
 
 
 @record
@@ -81,6 +83,7 @@ class SliceInfo(Record):
     map_version: int
     scheduler: str
     broken: str = ""  # why some devices have no live backing (the island cannot replace them)
+    kind: str = ""  # the kind of device asked for ("": any), which replacements must be too
 
 
 @record
