@@ -4,14 +4,22 @@ against a real cluster (10^4 frames per socket)."""
 from __future__ import annotations
 
 import asyncio
+import importlib.util
+import json
 import logging
+import os
 import socket
 import struct
+import subprocess
+import sys
 import threading
+from pathlib import Path
+from types import ModuleType
 
 import msgpack
 import pytest
 
+import pwmesh as pw
 from pwmesh.dataflow import plane as plane_module
 from pwmesh.dataflow.plane import INLINE, SHARED, DataPlane, machine_id
 from pwmesh.errors import InvalidArgument, PwmeshError
@@ -285,3 +293,61 @@ async def test_tasks_failing_alike_are_logged_once_per_interval(caplog: pytest.L
         await asyncio.gather(*spawned, return_exceptions=True)  # the group's own callbacks ran first
     assert [r.getMessage() for r in caplog.records] == ["task send-fuzz-0 failed", "task other failed"]
     await tasks.stop()
+
+
+# ------------------------------------------------------------------ the fuzzer against a real cluster
+
+FRAMES_PER_SOCKET = 10_000
+MAX_RSS_GROWTH_MIB = 64.0  # per daemon, over the whole run (measured: under 10)
+MAX_LOG_GROWTH_KIB = 64.0  # per daemon (measured: under 25; a line per rejected frame was ~1.5 MiB)
+
+
+def load_fuzzer() -> ModuleType:
+    path = Path(__file__).resolve().parent.parent / "bench" / "fuzz.py"
+    spec = importlib.util.spec_from_file_location("pwmesh_bench_fuzz", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.cluster
+@pytest.mark.timeout(150)
+def test_fuzzing_every_socket_crashes_nothing_bounds_memory_and_logs_and_a_program_runs_after(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """10^4 random, truncated and mutated frames to every daemon's socket (the resource manager, the
+    island scheduler, each executor, the proxy) and as many junk messages to each executor's data
+    plane; then every daemon still runs, grew little, and a real program computes the right values."""
+    fuzz = load_fuzzer()
+    monkeypatch.delenv("PWMESH_ADDRESS", raising=False)
+    cluster = pw.LocalCluster(fuzz.SPEC, log_dir=str(tmp_path))
+    try:
+        cluster.start()
+        fuzz.limit_address_space(cluster, 8.0)
+        result = fuzz.run(cluster, FRAMES_PER_SOCKET, seed=19)
+    finally:
+        cluster.stop()
+    planes = sorted((t["name"], t["plane"]) for t in result["targets"])
+    assert planes == sorted([("rm", "control"), ("scheduler-0", "control"), ("proxy", "control"),
+                             *((f"island0-host{i}", plane) for i in (0, 1) for plane in ("control", "data"))])
+    assert all(t["frames"] == FRAMES_PER_SOCKET for t in result["targets"]), result["targets"]
+    assert set(result["targets"][0]["kinds"]) == set(fuzz.KINDS)  # every kind of mutation was sent
+    assert fuzz.failures(result, MAX_RSS_GROWTH_MIB, MAX_LOG_GROWTH_KIB) == [], result["daemons"]
+    assert result["totals"]["crashes"] == 0 and result["program"]["ok"]
+    assert os.listdir(tmp_path)  # the daemons' logs, measured above, are there to read
+
+
+@pytest.mark.cluster
+@pytest.mark.timeout(110)
+def test_the_fuzz_benchmark_runs_and_writes_its_results(tmp_path: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if k != "PWMESH_ADDRESS"}
+    bench = Path(__file__).resolve().parent.parent / "bench" / "fuzz.py"
+    proc = subprocess.run([sys.executable, str(bench), "--smoke", "--out", str(tmp_path)], env=env,
+                          capture_output=True, text=True, timeout=100)
+    assert proc.returncode == 0, f"{proc.stdout}\n{proc.stderr}"
+    data = json.loads((tmp_path / "fuzz-smoke.json").read_text())
+    assert data["benchmark"] == "fuzz" and data["smoke"] is True and data["failures"] == []
+    assert {"config", "machine", "targets", "daemons", "rss_curve", "program", "totals"} <= data.keys()
+    assert data["totals"]["crashes"] == 0 and data["totals"]["frames"] == 7 * data["config"]["frames_per_socket"]
+    assert "frames/s" in proc.stdout
