@@ -38,12 +38,13 @@ class UpConfig:
     log_dir: str | None = None
     log_level: str = "WARNING"
     collectives: bool = False
+    log_format: str = "text"
 
 
 def up(config: UpConfig) -> None:
     spec = LocalClusterSpec(islands=config.islands, hosts_per_island=config.hosts_per_island,
                             devices_per_host=config.devices_per_host, log_level=config.log_level,
-                            collectives=config.collectives)
+                            log_format=config.log_format, collectives=config.collectives)
     # Handlers go in before start-up so no stop signal is lost; the children
     # get default handlers again (their signal mask is never touched).
     stop = threading.Event()

@@ -10,9 +10,15 @@ import os
 
 import click
 
-from pwmesh.service.lifecycle import run, setup_logging
+from pwmesh.service.lifecycle import run
+from pwmesh.service.logs import FORMATS, setup_logging
 
-_log_level = click.option("--log-level", default="INFO", envvar="PWMESH_LOG_LEVEL", show_default=True)
+_log_level = click.option("--log-level", default="INFO", envvar="PWMESH_LOG_LEVEL", show_envvar=True,
+                          show_default=True)
+_log_format = click.option("--log-format", type=click.Choice(FORMATS), default="text", envvar="PWMESH_LOG_FORMAT",
+                           show_envvar=True, show_default=True,
+                           help="text: one line of key=value pairs per event; json: one JSON object per line, "
+                                "the event's fields (run, session, host, op, reason, peer...) as keys.")
 _rm = click.option("--rm", "rm", required=True, envvar="PWMESH_RM_ADDRESS",
                    help="Resource manager address, e.g. tcp://10.0.0.1:7100.")
 _heartbeat = click.option("--heartbeat-interval-seconds", type=float, default=2.0, show_default=True,
@@ -27,11 +33,12 @@ _listen = click.option("--listen", default="tcp://127.0.0.1:0", envvar="PWMESH_L
 @click.option("--name", default="rm")
 @click.option("--heartbeat-timeout-seconds", type=float, default=10.0, show_default=True)
 @_log_level
-def rm_main(listen: str, name: str, heartbeat_timeout_seconds: float, log_level: str) -> None:
+@_log_format
+def rm_main(listen: str, name: str, heartbeat_timeout_seconds: float, log_level: str, log_format: str) -> None:
     """Run the resource manager."""
     from pwmesh.rm.daemon import ResourceManager, ResourceManagerConfig  # noqa: PLC0415 - keep CLI import light
 
-    setup_logging("rm", name, log_level)
+    setup_logging("rm", name, log_level, log_format)
     run(ResourceManager(ResourceManagerConfig(listen=listen, name=name,
                                               heartbeat_timeout_seconds=heartbeat_timeout_seconds)))
 
@@ -48,14 +55,15 @@ def rm_main(listen: str, name: str, heartbeat_timeout_seconds: float, log_level:
               help="Runs in flight per device; the policy chooses among the rest.")
 @_heartbeat
 @_log_level
+@_log_format
 def scheduler_main(island: int, rm: str, listen: str, name: str, policy: str, window: int,
-                   heartbeat_interval_seconds: float, log_level: str) -> None:
+                   heartbeat_interval_seconds: float, log_level: str, log_format: str) -> None:
     """Run the island scheduler of island ISLAND."""
     from pwmesh.scheduler.daemon import Scheduler, SchedulerConfig  # noqa: PLC0415
 
     config = SchedulerConfig(island=island, rm=rm, listen=listen, name=name, policy=policy, window=window,
                              heartbeat_interval_seconds=heartbeat_interval_seconds)
-    setup_logging("scheduler", config.name or f"scheduler-{island}", log_level)
+    setup_logging("scheduler", config.name or f"scheduler-{island}", log_level, log_format)
     run(Scheduler(config))
 
 
@@ -115,12 +123,14 @@ class _ByteSize(click.ParamType):
 @click.option("--test-seed", type=int, default=0, hidden=True)
 @_heartbeat
 @_log_level
+@_log_format
 def executor_main(island: int, rm: str, devices: int, listen: str, data_listen: str, name: str, host: str,
                   watchdog_seconds: float, jax_coordinator: str, jax_processes: int, jax_process_id: int,
                   shared_memory: bool, platform: str | None, test_enqueue_jitter_seconds: float,
                   test_order_by_arrival: bool,
                   test_seed: int,
-                  memory_limit_bytes: int, heartbeat_interval_seconds: float, log_level: str) -> None:
+                  memory_limit_bytes: int, heartbeat_interval_seconds: float, log_level: str,
+                  log_format: str) -> None:
     """Run a host executor on island ISLAND."""
     # XLA reads its flags once, when JAX initialises: set them before importing it.
     flags = os.environ.get("XLA_FLAGS", "")
@@ -139,7 +149,7 @@ def executor_main(island: int, rm: str, devices: int, listen: str, data_listen: 
                             shared_memory=shared_memory, platform=platform or "",
                             test_enqueue_jitter_seconds=test_enqueue_jitter_seconds,
                             test_order_by_arrival=test_order_by_arrival, test_seed=test_seed)
-    setup_logging("executor", name or f"island{island}", log_level)
+    setup_logging("executor", name or f"island{island}", log_level, log_format)
     run(Executor(config))
 
 
@@ -149,11 +159,13 @@ def executor_main(island: int, rm: str, devices: int, listen: str, data_listen: 
 @click.option("--name", default="proxy")
 @click.option("--session-timeout-seconds", type=float, default=30.0, show_default=True)
 @_log_level
-def proxy_main(rm: str, listen: str, name: str, session_timeout_seconds: float, log_level: str) -> None:
+@_log_format
+def proxy_main(rm: str, listen: str, name: str, session_timeout_seconds: float, log_level: str,
+               log_format: str) -> None:
     """Run a client proxy."""
     from pwmesh.proxy.daemon import Proxy, ProxyConfig  # noqa: PLC0415
 
-    setup_logging("proxy", name, log_level)
+    setup_logging("proxy", name, log_level, log_format)
     run(Proxy(ProxyConfig(rm=rm, listen=listen, name=name, session_timeout_seconds=session_timeout_seconds)))
 
 
@@ -163,12 +175,13 @@ def proxy_main(rm: str, listen: str, name: str, session_timeout_seconds: float, 
 @click.option("--processes", type=int, required=True, envvar="PWMESH_JAX_PROCESSES", show_envvar=True,
               help="How many processes the group has: this one and every executor in it.")
 @_log_level
-def jax_coordinator_main(address: str, processes: int, log_level: str) -> None:
+@_log_format
+def jax_coordinator_main(address: str, processes: int, log_level: str, log_format: str) -> None:
     """Serve an island's JAX group (process 0, which computes nothing) until SIGTERM."""
     from pwmesh.executor.group import GroupConfig, serve  # noqa: PLC0415
     from pwmesh.service.lifecycle import READY_PREFIX, die_with_parent  # noqa: PLC0415
 
-    setup_logging("jax-coordinator", address, log_level)
+    setup_logging("jax-coordinator", address, log_level, log_format)
     die_with_parent()
     serve(GroupConfig(address, processes, 0), READY_PREFIX)
 

@@ -17,6 +17,7 @@ import click
 
 from pwmesh.errors import PwmeshError
 from pwmesh.service.local_cluster import LocalClusterSpec
+from pwmesh.service.logs import FORMATS
 
 CONNECT_TIMEOUT_SECONDS = 5.0
 
@@ -74,12 +75,16 @@ def _shape(command: Callable[..., None]) -> Callable[..., None]:
 @_shape
 @click.option("--log-dir", type=click.Path(file_okay=False), default=None, help="Where daemon logs go.")
 @click.option("--log-level", default="WARNING", show_default=True)
+@click.option("--log-format", type=click.Choice(FORMATS), default="text", envvar="PWMESH_LOG_FORMAT",
+              show_envvar=True, show_default=True,
+              help="Every daemon's log: key=value pairs (text) or one JSON object per line (json).")
 def up(islands: int, hosts_per_island: int, devices_per_host: int, collectives: bool, log_dir: str | None,
-       log_level: str) -> None:
+       log_level: str, log_format: str) -> None:
     """Run a local cluster in the foreground until Ctrl-C."""
     from pwmesh.cli import commands  # noqa: PLC0415 - see the module docstring
 
-    commands.up(commands.UpConfig(islands, hosts_per_island, devices_per_host, log_dir, log_level, collectives))
+    commands.up(commands.UpConfig(islands, hosts_per_island, devices_per_host, log_dir, log_level, collectives,
+                                  log_format=log_format))
 
 
 @main.command(context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False})

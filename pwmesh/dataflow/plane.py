@@ -235,7 +235,8 @@ class _Stream:
                     self.sock = self._connect()
                 self._write(self.sock, frames, slots)
             except (OSError, StreamError) as exc:
-                log.warning("data plane: lost the stream to %s (%s); a batch was dropped", self.address, exc)
+                log.warning("data plane: lost the stream to %s (%s); a batch was dropped", self.address, exc,
+                            extra={"peer": self.address, "reason": str(exc)})
                 self._reset()
 
     def _write(self, sock: socket.socket, frames: list[Any], slots: list[_Segment]) -> None:

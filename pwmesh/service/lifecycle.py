@@ -125,15 +125,6 @@ class Service:
         await self.close()
 
 
-def setup_logging(role: str, name: str, level: str = "INFO") -> None:
-    """Structured one-line logs (logfmt-like) on stderr."""
-    logging.basicConfig(
-        level=getattr(logging, level.upper(), logging.INFO),
-        stream=sys.stderr,
-        format=f"ts=%(asctime)s level=%(levelname)s role={role} name={name} logger=%(name)s msg=%(message)r",
-    )
-
-
 def die_with_parent() -> None:
     """If started by a launcher (``PWMESH_PARENT_PID``), exit when it dies (Linux)."""
     parent = os.environ.get("PWMESH_PARENT_PID")

@@ -46,6 +46,7 @@ class LocalClusterSpec:
     session_timeout_seconds: float = 30.0
     heartbeat_timeout_seconds: float = 10.0
     log_level: str = "WARNING"
+    log_format: str = "text"  # every daemon's: "text" (key=value) or "json" (see pwmesh.service.logs)
     startup_timeout_seconds: float = 120.0
     stop_timeout_seconds: float = 10.0
     memory_limit_bytes: int = 0  # per executor (all its devices together); 0: no limit
@@ -88,7 +89,8 @@ class LocalCluster:
         child_env.pop("XLA_FLAGS", None)  # each executor sets its own device count
         with open(log_path, "ab") as log_file:
             popen = subprocess.Popen(
-                [sys.executable, "-m", "pwmesh.cli.daemons", role, *args, "--log-level", self.spec.log_level],
+                [sys.executable, "-m", "pwmesh.cli.daemons", role, *args, "--log-level", self.spec.log_level,
+                 "--log-format", self.spec.log_format],
                 stdout=subprocess.PIPE, stderr=log_file, stdin=subprocess.DEVNULL, env=child_env,
             )
         child = Child(role, name, popen, log_path, args)

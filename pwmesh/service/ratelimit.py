@@ -40,7 +40,8 @@ class RejectedLog:
     def rejected(self, peer: Any, reason: str) -> None:
         more = self.allow(peer)
         if more is not None:
-            self.log.warning("%s: rejected frame from %r: %s%s", self.name, peer, reason, more)
+            self.log.warning("%s: rejected frame from %r: %s%s", self.name, peer, reason, more,
+                             extra={"peer": peer, "reason": reason})
 
     def allow(self, key: Any, alike: str = "from it") -> str | None:
         """Whether a line about ``key`` may be written now: ``None`` if not (it is counted), else the

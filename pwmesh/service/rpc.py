@@ -37,6 +37,19 @@ Handler = Callable[[bytes, Envelope], Reply | Awaitable[Reply]]
 _ids = itertools.count(1)
 
 
+def event_fields(message: Message) -> dict[str, Any]:
+    """What a log line about ``message`` names as fields (``extra=``): its op, and its run and session
+    where it has them."""
+    out: dict[str, Any] = {"op": message.op}
+    run = getattr(message, "run_id", "")
+    if run and isinstance(run, str):
+        out["run"] = run
+    session = getattr(message, "session", "")
+    if session and isinstance(session, str):
+        out["session"] = session
+    return out
+
+
 def next_id() -> int:
     return next(_ids)
 
@@ -104,7 +117,8 @@ class Server:
             more = self._failure_log.allow(("encode", message.op, type(exc).__name__), alike="like it")
             if more is not None:
                 log.error("%s: cannot encode %s for peer %r: %s: %s%s", self._name, message.op, peer,
-                          type(exc).__name__, exc, more)
+                          type(exc).__name__, exc, more,
+                          extra={**event_fields(message), "peer": peer, "reason": f"{type(exc).__name__}: {exc}"})
             if reply_to is None or isinstance(message, Error):
                 return
             error = Error(code="internal", message=f"{self._name} could not encode its {message.op} reply: "
@@ -119,7 +133,8 @@ class Server:
         what = op or f"{dropped} queued message(s)"
         more = self._unreachable_log.allow(peer, alike="to it")
         if more is not None:
-            log.warning("%s: cannot send %s to peer %r: %s%s", self._name, what, peer, exc, more)
+            fields = {"op": op, "peer": peer, "reason": str(exc)} if op else {"peer": peer, "reason": str(exc)}
+            log.warning("%s: cannot send %s to peer %r: %s%s", self._name, what, peer, exc, more, extra=fields)
         if self._on_unreachable is not None:
             # Later, not inside post(): the caller may be iterating what the hook changes.
             asyncio.get_running_loop().call_soon(self._on_unreachable, peer)
@@ -142,7 +157,7 @@ class Server:
         try:
             result = handler(peer, env)
         except Exception as exc:  # a handler bug must not kill the socket
-            self._log_failure(env, exc)
+            self._log_failure(peer, env, exc)
             self.post(peer, error_reply(exc), reply_to=env.msg_id)
             return
         if result is None:
@@ -152,21 +167,23 @@ class Server:
         elif inspect.isawaitable(result):
             self._tasks.spawn(self._finish(peer, env, result), name=f"{self._name}.{env.message.op}")
 
-    def _log_failure(self, env: Envelope, exc: Exception) -> None:
+    def _log_failure(self, peer: bytes, env: Envelope, exc: Exception) -> None:
         """Log a failed handler: once per op and exception type per interval (the caller gets every one)."""
         more = self._failure_log.allow((env.message.op, type(exc).__name__), alike="like it")
         if more is None:
             return
         if isinstance(exc, PwmeshError):  # an expected refusal: the caller gets it as an error
-            log.info("%s: %s refused: %s%s", self._name, env.message.op, exc.message, more)
+            log.info("%s: %s refused: %s%s", self._name, env.message.op, exc.message, more,
+                     extra={**event_fields(env.message), "peer": peer, "reason": exc.message})
         else:
-            log.error("%s: handler for %s failed%s", self._name, env.message.op, more, exc_info=exc)
+            log.error("%s: handler for %s failed%s", self._name, env.message.op, more, exc_info=exc,
+                      extra={**event_fields(env.message), "peer": peer, "reason": f"{type(exc).__name__}: {exc}"})
 
     async def _finish(self, peer: bytes, env: Envelope, pending: Awaitable[Reply]) -> None:
         try:
             reply = await pending
         except Exception as exc:
-            self._log_failure(env, exc)
+            self._log_failure(peer, env, exc)
             reply = error_reply(exc)
         if reply is not None:
             self.post(peer, reply, reply_to=env.msg_id)

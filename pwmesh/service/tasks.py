@@ -45,7 +45,7 @@ class TaskGroup:
             # Its kind: the name up to its first "-" ("send-s1:7/b3" is a "send" task).
             more = "" if critical else self._failures.allow((name.partition("-")[0], type(exc)), alike="like it")
             if more is not None:
-                log.error("task %s failed%s", name, more, exc_info=exc)
+                log.error("task %s failed%s", name, more, exc_info=exc, extra={"task": name, "reason": str(exc)})
             if critical and self._on_crash is not None:
                 self._on_crash(exc)
 
