@@ -1,14 +1,29 @@
-"""Helpers shared by the tests that start their own clusters."""
+"""Helpers shared by the tests that start their own clusters, and the leak checks every
+test of a cluster gets (conftest.py applies them)."""
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+import functools
+import gc
+import itertools
+import os
+import select
+import signal
+import sys
+import threading
 import time
+import traceback
+import weakref
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 import zmq
 
 import pwmesh as pw
@@ -62,3 +77,205 @@ def slow_then_after(client: pw.Client, address: str) -> tuple[Any, pw.Slice, pw.
     x, y = f(np.ones(1))
     eventually(lambda: fetch_status(address).executor_stats[0].outstanding == 1, 30)
     return f, on0, on1, x, y
+
+
+# ------------------------------------------------------------------ leak checks
+#
+# In the manner of dask's ``gen_cluster`` (``check_thread_leak``, ``check_process_leak``,
+# ``check_instances``): what a test or a cluster fixture took must be given back once it is
+# done, after a bounded grace period spent waiting on the resources themselves.
+
+# A cluster's daemons drain before they exit and a client's I/O thread finishes its last
+# poll: on a busy 2-core machine that can take seconds. Only a real leak waits this long.
+LEAK_GRACE_SECONDS = 15.0
+# How often file descriptors and contexts (which signal nothing when released) are looked at again.
+LEAK_RECHECK_SECONDS = 0.05
+
+_contexts: weakref.WeakKeyDictionary[zmq.Context[Any], str] = weakref.WeakKeyDictionary()
+_contexts_lock = threading.Lock()
+_context_serial = itertools.count(1)
+
+
+def track_zmq_contexts() -> None:
+    """Record every ZeroMQ context made from now on, and where (pyzmq keeps no list of them).
+
+    Called once, before any test runs; shadow contexts own nothing and are left out."""
+    original = zmq.Context.__init__
+    if getattr(original, "tracked_by_pwmesh_tests", False):
+        return
+
+    @functools.wraps(original)
+    def init(self: zmq.Context[Any], *args: Any, **kwargs: Any) -> None:
+        original(self, *args, **kwargs)
+        if not self._shadow:
+            label = f"context #{next(_context_serial)} made at {_call_site()}"
+            with _contexts_lock:
+                _contexts[self] = label
+
+    init.tracked_by_pwmesh_tests = True  # type: ignore[attr-defined]
+    zmq.Context.__init__ = init  # type: ignore[method-assign]
+
+
+def start_zmq_garbage_collector() -> None:
+    """Start pyzmq's garbage collector now, with one zero-copy send.
+
+    It frees zero-copy frames once ZeroMQ is done with them, with a thread, a context and
+    sockets of its own that it starts at the first such send and keeps for the life of the
+    process: started before any test, it is in every check's "before" rather than charged as
+    a leak to whichever test first sent a big frame."""
+    big = b"\0" * (4 * zmq.COPY_THRESHOLD)  # copy=False copies frames below the threshold
+    with zmq.Context() as ctx, ctx.socket(zmq.PAIR) as out, ctx.socket(zmq.PAIR) as into:
+        out.bind("inproc://warm-the-zmq-gc")
+        into.connect("inproc://warm-the-zmq-gc")
+        out.send(big, copy=False)
+        into.recv()
+    assert zmq.utils.garbage.gc.is_alive()
+
+
+def _call_site() -> str:
+    """The innermost frames outside pyzmq and this file: who made the context."""
+    skip = (f"{os.sep}zmq{os.sep}", f"{os.sep}_pytest{os.sep}", f"{os.sep}pluggy{os.sep}", threading.__file__, __file__)
+    frames = [f for f in traceback.extract_stack(sys._getframe(2), limit=16)
+              if not any(part in f.filename for part in skip)]
+    return " <- ".join(f"{Path(f.filename).name}:{f.lineno} ({f.name})" for f in reversed(frames[-3:]))
+
+
+@dataclasses.dataclass(frozen=True)
+class Resources:
+    """What this process holds that a test or a cluster could leave behind."""
+
+    threads: frozenset[threading.Thread] = frozenset()
+    children: frozenset[tuple[int, str]] = frozenset()  # (pid, command line) of live child processes
+    fds: frozenset[tuple[int, str]] = frozenset()  # (descriptor, what it refers to)
+    contexts: frozenset[str] = frozenset()  # open ZeroMQ contexts, by label (serial and maker)
+
+    def _combine(self, other: Resources, op: Callable[[frozenset[Any], frozenset[Any]], frozenset[Any]]) -> Resources:
+        return Resources(*(op(getattr(self, f.name), getattr(other, f.name)) for f in dataclasses.fields(self)))
+
+    def __sub__(self, other: Resources) -> Resources:
+        return self._combine(other, frozenset.__sub__)
+
+    def __or__(self, other: Resources) -> Resources:
+        return self._combine(other, frozenset.__or__)
+
+    def __and__(self, other: Resources) -> Resources:
+        return self._combine(other, frozenset.__and__)
+
+    def __bool__(self) -> bool:
+        return any(getattr(self, f.name) for f in dataclasses.fields(self))
+
+    def describe(self) -> str:
+        stacks = sys._current_frames()
+        parts = []
+        for thread in sorted(self.threads, key=lambda t: t.name):
+            stack = stacks.get(thread.ident or -1)
+            # Where it is in its own code (threading's waits say nothing), else what it runs.
+            frames = [f for f in traceback.extract_stack(stack) if f.filename != threading.__file__] if stack else []
+            where = "".join(traceback.format_list(frames[-4:])) or f"    running {getattr(thread, '_target', None)!r}\n"
+            parts.append(f"thread {thread.name!r} ({'daemon' if thread.daemon else 'not daemon'}), at:\n"
+                         + where.rstrip("\n"))
+        parts += [f"child process {pid}: {cmdline}" for pid, cmdline in sorted(self.children)]
+        parts += [f"file descriptor {fd} -> {target}" for fd, target in sorted(self.fds)]
+        parts += [f"ZeroMQ {label}" for label in sorted(self.contexts)]
+        return "\n".join(f"  - {part}" for part in parts)
+
+
+def held() -> Resources:
+    """The threads, child processes, file descriptors and open ZeroMQ contexts held now."""
+    with _contexts_lock:
+        contexts = frozenset(label for ctx, label in list(_contexts.items()) if not ctx.closed)
+    return Resources(frozenset(t for t in threading.enumerate() if t is not threading.current_thread()),
+                     _children(), _fds(), contexts)
+
+
+def _fds() -> frozenset[tuple[int, str]]:
+    if not sys.platform.startswith("linux"):
+        return frozenset()
+    found = []
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            found.append((int(name), os.readlink(f"/proc/self/fd/{name}")))
+        except FileNotFoundError:  # the descriptor listdir read the directory with, closed since
+            pass
+    return frozenset(found)
+
+
+def _children() -> frozenset[tuple[int, str]]:
+    """Live (not yet exited) direct children; every thread's children are the process's."""
+    if not sys.platform.startswith("linux"):
+        return frozenset()
+    pids: set[int] = set()
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            pids.update(int(p) for p in Path(f"/proc/self/task/{tid}/children").read_text().split())
+        except (FileNotFoundError, ProcessLookupError):  # a thread that ended meanwhile
+            pass
+    found = []
+    for pid in pids:
+        try:
+            stat = Path(f"/proc/{pid}/stat").read_text()
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+        except (FileNotFoundError, ProcessLookupError):  # reaped meanwhile
+            continue
+        if stat[stat.rindex(")") + 2] not in "ZX":  # exited, not yet reaped by its Popen: released
+            found.append((pid, cmdline.replace(b"\0", b" ").decode(errors="replace").strip()))
+    return frozenset(found)
+
+
+_reported = Resources()  # leaks already reported once: a later check does not report them again
+
+
+def check_released(taken: Resources, *, what: str, timeout_seconds: float | None = None) -> None:
+    """Fail (naming each) if anything in ``taken`` is still held once ``timeout_seconds`` have passed.
+
+    The wait is on the resources themselves: leaked threads are joined and leaked child
+    processes waited on (a pidfd, which reaps nothing: their ``Popen`` still will); descriptors
+    and contexts, which signal nothing, are looked at again every ``LEAK_RECHECK_SECONDS``."""
+    global _reported
+    timeout_seconds = LEAK_GRACE_SECONDS if timeout_seconds is None else timeout_seconds
+    deadline = time.monotonic() + timeout_seconds
+    collected = False
+    while leaked := (taken & held()) - _reported:
+        if not collected:  # something unreachable may hold it until the collector runs
+            gc.collect()
+            collected = True
+            continue
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            break
+        _wait_for_release(leaked, min(remaining, LEAK_RECHECK_SECONDS))
+    else:
+        return
+    _reported |= leaked
+    for pid, _ in leaked.children:  # they would run on through every later test
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    pytest.fail(f"{what} leaked (still held {timeout_seconds:g} seconds later):\n{leaked.describe()}", pytrace=False)
+
+
+def check_no_leaks(before: Resources, *, what: str, allowed: Resources = Resources(),
+                   timeout_seconds: float | None = None) -> None:
+    """Fail (naming each) if anything taken since ``before`` (other than ``allowed``) is still held."""
+    check_released(held() - before - allowed, what=what, timeout_seconds=timeout_seconds)
+
+
+def _wait_for_release(leaked: Resources, timeout_seconds: float) -> None:
+    """Block until something in ``leaked`` may have been released, or ``timeout_seconds`` pass."""
+    deadline = time.monotonic() + timeout_seconds
+    joined = False
+    for thread in leaked.threads:
+        if not isinstance(thread, threading._DummyThread):  # a thread Python did not start cannot be joined
+            thread.join(max(0.0, deadline - time.monotonic()))
+            joined = True
+    pidfds = []
+    try:
+        for pid, _ in leaked.children:
+            with contextlib.suppress(OSError):  # gone already, or a kernel without pidfds: look again
+                pidfds.append(os.pidfd_open(pid))
+        if pidfds:
+            select.select(pidfds, [], [], max(0.0, deadline - time.monotonic()))  # readable once it exits
+        elif not joined:
+            time.sleep(max(0.0, deadline - time.monotonic()))  # descriptors and contexts signal nothing
+    finally:
+        for fd in pidfds:
+            os.close(fd)
