@@ -18,8 +18,6 @@ import pytest
 import pwmesh as pw
 from pwmesh.cli.commands import fetch_status
 
-pytestmark = pytest.mark.cluster
-
 DEVICES = (2, 8, 64)
 
 

@@ -21,8 +21,6 @@ from pwmesh.cli.commands import fetch_trace
 from pwmesh.examples import moe
 from pwmesh.wire.messages import TraceEvent
 
-pytestmark = pytest.mark.cluster
-
 SIZES = (1, 2, 3, 4, 8)
 PAIRS = [(m, n) for m in SIZES for n in SIZES]
 ROWS = 24  # splits evenly over every size in SIZES

@@ -126,7 +126,6 @@ def assert_same_training(got: list[float], reference: list[float], params: Any, 
     assert worst[1] <= 1e-4, f"parameter {worst[0]} differs by {worst[1]:.2e} (relative, in norm)"
 
 
-@pytest.mark.cluster
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("stages", [2, 4])
 @pytest.mark.parametrize("microbatches", [1, 4, 8])
@@ -138,7 +137,6 @@ def test_a_pipeline_trains_exactly_as_the_unpipelined_model(devs: pw.VirtualDevi
     assert_same_training(*train_both(pipe, model))
 
 
-@pytest.mark.cluster
 @pytest.mark.timeout(240)
 def test_1f1b_trains_exactly_as_the_unpipelined_model(devs: pw.VirtualDeviceSet) -> None:
     slices = [devs.add_slice(devices=1, island=s // 2) for s in range(4)]  # two stages per island
@@ -147,7 +145,6 @@ def test_1f1b_trains_exactly_as_the_unpipelined_model(devs: pw.VirtualDeviceSet)
     assert_same_training(*train_both(pipe, model))
 
 
-@pytest.mark.cluster
 @pytest.mark.timeout(240)
 def test_stages_that_are_data_and_model_parallel_on_their_slices(devs: pw.VirtualDeviceSet) -> None:
     """Each stage on a 2x2 mesh of its island: batch over "data", Megatron specs over "model"."""
@@ -159,7 +156,6 @@ def test_stages_that_are_data_and_model_parallel_on_their_slices(devs: pw.Virtua
     assert_same_training(got, reference, params, ref_params)
 
 
-@pytest.mark.cluster
 @pytest.mark.timeout(240)
 def test_state_stays_on_the_stages_and_memory_stays_flat(devs: pw.VirtualDeviceSet) -> None:
     slices = [devs.add_slice(devices=1, island=s) for s in range(2)]
@@ -188,7 +184,6 @@ def test_state_stays_on_the_stages_and_memory_stays_flat(devs: pw.VirtualDeviceS
         pw.get(old.params[0]["embed"])
 
 
-@pytest.mark.cluster
 def test_bad_pipelines_and_batches_say_what_is_wrong(devs: pw.VirtualDeviceSet) -> None:
     one = devs.add_slice(devices=1, island=0)
     model = lm_stages(2)

@@ -13,8 +13,6 @@ import pwmesh as pw
 
 README = Path(__file__).resolve().parent.parent / "README.md"
 
-pytestmark = pytest.mark.cluster
-
 
 def block_under(heading: str) -> str:
     """The first Python block after ``heading``."""

@@ -26,8 +26,6 @@ import pwmesh as pw
 from helpers import slow
 from pwmesh.client.sharding import propagation_mesh
 
-pytestmark = pytest.mark.cluster
-
 FETCH_TIMEOUT_SECONDS = 60.0
 
 

@@ -66,7 +66,6 @@ def _slice_tracks(sl: pw.Slice) -> set[Track]:
     return {(d.executor, f"cpu{d.device}") for d in sl.devices}
 
 
-@pytest.mark.cluster
 def test_trace_has_an_event_per_computation_per_device(cluster: pw.LocalCluster, client: pw.Client,
                                                        tmp_path: Path) -> None:
     devs = client.make_virtual_device_set()
@@ -133,7 +132,6 @@ def test_trace_has_an_event_per_computation_per_device(cluster: pw.LocalCluster,
         "the newest computation of each executor: the last run's two nodes"
 
 
-@pytest.mark.cluster
 def test_a_gang_over_two_executors_shows_on_both(cluster: pw.LocalCluster, client: pw.Client,
                                                   tmp_path: Path) -> None:
     wide = client.make_virtual_device_set().add_slice(devices=4, island=1)

@@ -20,8 +20,6 @@ import pytest
 import pwmesh as pw
 from pwmesh.examples import lm, train_lm
 
-pytestmark = pytest.mark.cluster
-
 
 @pytest.fixture(scope="module")
 def on_wide(wide_cluster: pw.LocalCluster) -> Iterator[pw.Client]:
