@@ -13,11 +13,13 @@ import struct
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 from types import ModuleType
 
 import msgpack
 import pytest
+import zmq
 
 import pwmesh as pw
 from pwmesh.dataflow import plane as plane_module
@@ -26,7 +28,7 @@ from pwmesh.errors import InvalidArgument, PwmeshError
 from pwmesh.service.rpc import Connection, RejectedLog, Server
 from pwmesh.service.tasks import TaskGroup
 from pwmesh.service.transport import Context
-from pwmesh.wire import Envelope, encode
+from pwmesh.wire import Envelope, decode, encode
 from pwmesh.wire.messages import GetClusterState, GetSchedulerStats, Ping, Pong, SchedulerJoined, TupleBatch
 
 _LEN = struct.Struct("!I")
@@ -274,6 +276,43 @@ async def test_what_a_peer_can_make_fail_again_and_again_is_answered_every_time_
         assert sum("handler for sched.get_stats failed" in line for line in lines) == 1
         assert sum("cannot send pong to peer b'gone'" in line for line in lines) == 1
     finally:
+        await tasks.stop()
+        ctx.close()
+
+
+@pytest.mark.asyncio
+@pytest.mark.timeout(30)
+async def test_a_send_refused_for_a_peer_that_left_does_not_stall_the_socket() -> None:
+    """Found by fuzzing (the proxy, an executor): a reply to a peer that had left (ROUTER_MANDATORY:
+    EHOSTUNREACH), sent from outside the socket's reader callback, processed the socket's pending
+    commands and so consumed the FD's edge-triggered signal for a message that had just arrived from
+    another peer: nothing looked at the socket again until an unrelated event, 20 s later."""
+    ctx, tasks = Context(), TaskGroup()
+    peers: list[bytes] = []
+
+    def ping(peer: bytes, env: Envelope) -> Pong:
+        peers.append(peer)
+        return Pong(role="test", name="srv")
+
+    server = Server(ctx, "tcp://127.0.0.1:0", {Ping: ping}, tasks=tasks, name="srv")
+    server.start()
+    zctx = zmq.Context()
+    gone, new = zctx.socket(zmq.DEALER), zctx.socket(zmq.DEALER)
+    try:
+        gone.connect(server.address)
+        gone.send_multipart([b"", *encode(Ping(), msg_id=1)])
+        assert await asyncio.to_thread(gone.poll, 5000)
+        assert isinstance(decode(gone.recv_multipart()[1:]).message, Pong)
+        gone.close(linger=0)
+        new.connect(server.address)
+        new.send_multipart([b"", *encode(Ping(), msg_id=2)])
+        time.sleep(0.3)  # the loop is busy (not a wait): the departure and the new ping land meanwhile
+        server.post(peers[0], Pong(role="test", name="late"))  # to the peer that left: refused
+        assert await asyncio.to_thread(new.poll, 5000), "the new peer's ping was never answered"
+    finally:
+        gone.close(linger=0)
+        new.close(linger=0)
+        zctx.term()
         await tasks.stop()
         ctx.close()
 
