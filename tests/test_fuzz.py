@@ -25,7 +25,7 @@ import pwmesh as pw
 from pwmesh.dataflow import plane as plane_module
 from pwmesh.dataflow.plane import INLINE, SHARED, DataPlane, machine_id
 from pwmesh.errors import InvalidArgument, PwmeshError
-from pwmesh.service.rpc import Connection, RejectedLog, Server
+from pwmesh.service.rpc import Connection, Connections, RejectedLog, Server
 from pwmesh.service.tasks import TaskGroup
 from pwmesh.service.transport import Context
 from pwmesh.wire import Envelope, decode, encode
@@ -313,6 +313,27 @@ async def test_a_send_refused_for_a_peer_that_left_does_not_stall_the_socket() -
         gone.close(linger=0)
         new.close(linger=0)
         zctx.term()
+        await tasks.stop()
+        ctx.close()
+
+
+@pytest.mark.asyncio
+@pytest.mark.timeout(30)
+async def test_a_peer_that_never_answers_a_barrier_is_logged_once_per_interval(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """Found by the 10^6-frame run: an Enqueue naming a junk proxy address makes the executor post to it,
+    and every AwaitIdle after that waits a barrier on it and logged that it did not answer."""
+    ctx, tasks = Context(), TaskGroup()
+    peers = Connections(ctx, tasks=tasks, name="executor")
+    try:
+        with caplog.at_level(logging.WARNING, logger="pwmesh.service.rpc"):
+            for _ in range(5):
+                peers.post("tcp://127.0.0.1:1", Ping())  # nothing listens there
+                await peers.barrier(timeout_seconds=0.05)
+        assert [r.getMessage() for r in caplog.records] == [
+            "executor: no barrier reply from tcp://127.0.0.1:1: tcp://127.0.0.1:1 did not answer ping within "
+            "0.05 seconds"]
+    finally:
         await tasks.stop()
         ctx.close()
 

@@ -290,6 +290,7 @@ class Connections:
         self.lost: set[str] = set()  # peers known gone: posts to them are dropped
         self.sent_messages = 0  # posted, ever (the proxy reports its program traffic from these)
         self.sent_bytes = 0
+        self._silent_log = RejectedLog(name, logger=log)  # peers that did not answer a barrier
 
     def get(self, address: str) -> Connection:
         conn = self._by_address.get(address)
@@ -330,8 +331,11 @@ class Connections:
         async def ping(conn: Connection) -> None:
             try:
                 await conn.request(Ping(), timeout_seconds=timeout_seconds)
-            except PwmeshError as exc:
-                log.warning("%s: no barrier reply from %s: %s", self._name, conn.address, exc)
+            except PwmeshError as exc:  # once per peer per interval: a peer's junk may name an address often
+                more = self._silent_log.allow(conn.address, alike="from it")
+                if more is not None:
+                    log.warning("%s: no barrier reply from %s: %s%s", self._name, conn.address, exc, more,
+                                extra={"peer": conn.address, "reason": exc.message})
 
         await asyncio.gather(*(ping(c) for a, c in list(self._by_address.items())
                                if c.unconfirmed and a not in self.lost))
