@@ -10,8 +10,10 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+import zmq
 
-from helpers import eventually
+import pwmesh as pw
+from helpers import check_no_leaks, eventually, held
 
 TESTS = Path(__file__).resolve().parent
 
@@ -178,3 +180,12 @@ def running(pid: int) -> bool:
     except FileNotFoundError:
         return False
     return stat[stat.rindex(")") + 2] not in "ZX"  # exited, and not (yet) reaped
+
+
+def test_a_client_refused_at_once_leaves_nothing_behind() -> None:
+    """An address ZeroMQ refuses fails the client before any I/O thread starts; its context
+    and socket are closed then, not left to the collector (which would warn)."""
+    before = held()
+    with pytest.raises(zmq.ZMQError):
+        pw.Client("not-an-address")
+    check_no_leaks(before, what="a client given an address ZeroMQ refuses", timeout_seconds=5.0)

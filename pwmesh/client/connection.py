@@ -55,13 +55,17 @@ class ClientConnection:
         self.heartbeat_interval_seconds = 1.0
         self.liveness_timeout_seconds = max(connect_timeout_seconds, 10.0)
         self._ctx = zmq.Context()
-        self._sock = self._ctx.socket(zmq.DEALER)
-        self._sock.setsockopt(zmq.LINGER, 0)
-        # A fixed routing id: after a TCP blip ZeroMQ reconnects as the same peer,
-        # so the proxy still knows which session this is.
-        self._sock.setsockopt(zmq.ROUTING_ID, b"client-" + secrets.token_bytes(12))
-        self._sock.copy_threshold = ZERO_COPY_THRESHOLD_BYTES  # copy=False sends copy small frames anyway
-        self._sock.connect(address)
+        try:
+            self._sock = self._ctx.socket(zmq.DEALER)
+            self._sock.setsockopt(zmq.LINGER, 0)
+            # A fixed routing id: after a TCP blip ZeroMQ reconnects as the same peer,
+            # so the proxy still knows which session this is.
+            self._sock.setsockopt(zmq.ROUTING_ID, b"client-" + secrets.token_bytes(12))
+            self._sock.copy_threshold = ZERO_COPY_THRESHOLD_BYTES  # copy=False sends copy small frames anyway
+            self._sock.connect(address)
+        except BaseException:  # an address ZeroMQ refuses: nothing may outlive the refusal
+            self._ctx.destroy(linger=0)
+            raise
         self._fd = self._sock.getsockopt(zmq.FD)  # what the I/O thread waits on: the socket is the callers'
         # Messages not yet handed to the socket, in order: refused (high-water mark), or posted
         # from ``__del__`` while this thread was inside a socket call. Guarded by ``_lock``.
