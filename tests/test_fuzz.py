@@ -218,6 +218,38 @@ async def test_inbound_streams_are_capped() -> None:
         plane.close()
 
 
+@pytest.mark.asyncio
+@pytest.mark.timeout(30)
+async def test_a_data_plane_address_where_something_else_answers_drops_the_batch_not_the_writer(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """Addresses come from peers: the sender's side of the handshake is checked like the receiver's.
+    Before, a reply that was not a map killed the stream's writer thread, and every batch queued for that
+    address waited forever (the plane never became idle again)."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    host, port = listener.getsockname()[:2]
+
+    def impostor() -> None:
+        for reply in (msgpack.packb([1, 2]), msgpack.packb({"machine": 3})):
+            conn, _ = listener.accept()
+            with conn:
+                conn.recv(4096)
+                conn.sendall(_LEN.pack(len(reply)) + reply)
+
+    plane = DataPlane(asyncio.get_running_loop(), lambda batch: None)
+    serving = asyncio.create_task(asyncio.to_thread(impostor))
+    try:
+        with caplog.at_level(logging.WARNING, logger="pwmesh.dataflow.plane"):
+            for _ in range(2):
+                plane.send(f"tcp://{host}:{port}", TupleBatch(tuples=[]))
+                await asyncio.wait_for(plane.idle.wait(), 10.0)  # dropped, and counted as settled
+        assert len(caplog.records) == 2, [r.getMessage() for r in caplog.records]
+        assert "malformed handshake" in caplog.records[0].getMessage()
+    finally:
+        await serving
+        listener.close()
+        plane.close()
+
+
 # ------------------------------------------------------------------ addresses from peers
 
 

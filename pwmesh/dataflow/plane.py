@@ -187,16 +187,20 @@ class _Stream:
     def _connect(self) -> socket.socket:
         host, port = self.address.removeprefix("tcp://").rsplit(":", 1)
         sock = socket.create_connection((host, int(port)), timeout=30.0)
-        sock.settimeout(None)
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        hello = msgpack.packb({"machine": self.plane.machine if self.plane.shared_memory else "",
-                               "pid": os.getpid()})
-        sock.sendall(_LEN.pack(len(hello)) + hello)
-        (n,) = _LEN.unpack(_recv_bytes(sock, _LEN.size))
-        if n > MAX_HELLO_BYTES:
-            raise StreamError(f"a handshake of {n} bytes")
-        self.shared = bool(self.plane.machine) and _machine_of(_unpack(_recv_bytes(sock, n), "handshake")) == \
-            self.plane.machine
+        try:
+            sock.settimeout(None)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            hello = msgpack.packb({"machine": self.plane.machine if self.plane.shared_memory else "",
+                                   "pid": os.getpid()})
+            sock.sendall(_LEN.pack(len(hello)) + hello)
+            (n,) = _LEN.unpack(_recv_bytes(sock, _LEN.size))
+            if n > MAX_HELLO_BYTES:
+                raise StreamError(f"a handshake of {n} bytes")
+            machine = _machine_of(_unpack(_recv_bytes(sock, n), "handshake"))
+        except BaseException:  # whoever answered there is no data plane: do not keep its socket
+            sock.close()
+            raise
+        self.shared = bool(self.plane.machine) and machine == self.plane.machine
         threading.Thread(target=self._ack_loop, args=(sock,), name=f"pwmesh-acks-{self.address}", daemon=True).start()
         return sock
 
