@@ -18,8 +18,9 @@ from pwmesh.cli.commands import fetch_status, format_status
 from pwmesh.cli.daemons import _ByteSize
 from pwmesh.errors import DeviceLost
 from pwmesh.executor.functions import FunctionCache
-from pwmesh.executor.runner import Runner, Work
+from pwmesh.executor.runner import Runner
 from pwmesh.executor.store import MemoryBudget, ObjectStore, format_bytes
+from pwmesh.executor.work import Work
 from pwmesh.wire.messages import Computation, ExecutorStats, ShardRun
 
 MiB = 1 << 20
@@ -157,14 +158,10 @@ async def running(limit: int) -> AsyncIterator[tuple[Runner, asyncio.Queue[Work]
         fn = filled(nbytes) if nbytes > 4 else (lambda s: s + 1.0)
         exported = export.export(jax.jit(fn), platforms=["cpu"])(jax.ShapeDtypeStruct((), jnp.float32))
         functions.register(name, bytes(exported.serialize()), spmd=False)
-    loop = asyncio.create_task(runner.device_loop(0))
     try:
         yield runner, finished
     finally:
-        loop.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await loop
-        runner.close()
+        await runner.aclose()
 
 
 def computation(node: int, fn_id: str, inputs: list[str], output: str) -> Computation:

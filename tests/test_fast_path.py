@@ -22,8 +22,9 @@ from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
 from pwmesh.errors import NotFound, PwmeshError
 from pwmesh.executor.daemon import after_wakeups
 from pwmesh.executor.functions import CompiledFunction, FunctionCache
-from pwmesh.executor.runner import INLINE_SECONDS, Runner, Work, runs_inline
+from pwmesh.executor.runner import INLINE_SECONDS, Runner, runs_inline
 from pwmesh.executor.store import ObjectStore
+from pwmesh.executor.work import Work
 from pwmesh.wire.messages import Computation, ShardRun
 
 pytestmark = pytest.mark.timeout(60)
@@ -66,15 +67,11 @@ async def runner() -> AsyncIterator[tuple[Runner, Recorder]]:
 
 @contextlib.asynccontextmanager
 async def device_loops(r: Runner) -> AsyncIterator[None]:
-    """Run ``r``'s device loops for the block; then stop them and close it."""
-    loops = [asyncio.create_task(r.device_loop(i)) for i in range(len(r.devices))]
+    """Let ``r`` run for the block; then stop what it runs and close it."""
     try:
         yield
     finally:
-        for loop in loops:
-            loop.cancel()
-        await asyncio.gather(*loops, return_exceptions=True)
-        r.close()
+        await r.aclose()
 
 
 def chain(run: str, n: int, first: str = "x", shards: int = 2) -> list[Computation]:

@@ -27,8 +27,9 @@ from pwmesh.dataflow.progress import Arrived, Progress, ProgressError
 from pwmesh.errors import InvalidArgument, PwmeshError
 from pwmesh.executor.functions import FunctionCache
 from pwmesh.executor.group import GroupConfig, join
-from pwmesh.executor.runner import Runner, Work, as_error
+from pwmesh.executor.runner import Runner, as_error
 from pwmesh.executor.store import ObjectStore
+from pwmesh.executor.work import Work
 from pwmesh.service.heartbeat import every
 from pwmesh.service.lifecycle import Service
 from pwmesh.service.rpc import Connections, Server, wait_for_peer
@@ -169,8 +170,6 @@ class Executor(Service):
         self._sending = 0  # transfers waiting for their shard, or under way
         self._sent = asyncio.Event()
         self._sent.set()
-        for i in range(len(self.devices)):
-            self.tasks.spawn(self.runner.device_loop(i), name=f"device-{i}", critical=True)
         await wait_for_peer(self.peers.get(self.config.rm), RegisterExecutor(info=self.info()),
                             timeout_seconds=self.config.rm_timeout_seconds)
         self.tasks.spawn(every(self.config.heartbeat_interval_seconds, self._heartbeat), name="heartbeat")
@@ -489,7 +488,7 @@ class Executor(Service):
     async def close(self) -> None:
         await super().close()
         if hasattr(self, "runner"):
-            self.runner.close()
+            await self.runner.aclose()
         if hasattr(self, "plane"):
             self.plane.close()
 

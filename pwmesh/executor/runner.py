@@ -1,10 +1,12 @@
-"""Per-device FIFO run queues and the execution of computations.
+"""The execution of computations: the shell around the device queues (``queues.DeviceQueues``).
 
 Each device has one non-preemptive FIFO queue and one worker thread, as a TPU
 core has one stream. The executor puts a computation's shards on their devices'
-queues in island order. A computation starts here once each of its local
-devices has reached it at the head of its queue, and its inputs are here: no
-host waits for another. Shards on other executors that do not communicate never
+queues in island order (the pure core decides when each starts, and when a run's
+part is done); this module waits for its inputs, function and memory, makes the
+JAX calls (``calls``) and stores, emits and reports what they made. A computation
+starts here once each of its local devices has reached it at the head of its
+queue, and its inputs are here: no host waits for another. Shards on other executors that do not communicate never
 wait for each other; an SPMD computation spanning executors (``Computation.gang``)
 joins its peers in its collectives, through the executors' JAX group, and its
 devices wait there, holding their queues. That is why every executor of an
@@ -37,23 +39,31 @@ from __future__ import annotations
 import asyncio
 import collections
 import concurrent.futures
-import dataclasses
 import functools
 import logging
 import time
 import traceback
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
-import numpy as np
 
-from pwmesh.dataflow.exchange import Ragged
 from pwmesh.errors import DeviceLost, PwmeshError, RemoteError
+from pwmesh.executor.calls import (
+    call_ragged,
+    call_single,
+    call_spmd,
+    call_together,
+    compiled,
+    dispatch_spmd,
+    dispatch_together,
+)
 from pwmesh.executor.functions import CompiledFunction, FunctionCache
 from pwmesh.executor.group import peer_gone
+from pwmesh.executor.queues import DeviceQueues, PartDone, Start
 from pwmesh.executor.store import ObjectStore
-from pwmesh.executor.stream import Landed, Landings, Streamed, computed
+from pwmesh.executor.stream import Landed, Landings, Streamed
+from pwmesh.executor.work import Span, Work
 from pwmesh.wire.messages import Computation, Emit
 
 log = logging.getLogger(__name__)
@@ -71,66 +81,11 @@ def runs_inline(fn: CompiledFunction, seconds: float) -> bool:
     return seconds < INLINE_SECONDS or (seconds < 2 * INLINE_SECONDS and fn.runs % 16 == 0)
 
 
-@dataclasses.dataclass(eq=False)
-class Work:
-    """One computation of one run on this executor: all of its local shards."""
-
-    run_id: str
-    proxy: str
-    scheduler: str
-    comp: Computation
-    devices: list[int]  # its local devices, one per shard
-    shards: list[int]  # the shard each of them runs
-    # Only work that goes through the queues waits, so only it has these (``queue``):
-    done: asyncio.Future[None] = dataclasses.field(init=False)
-    cancel: asyncio.Future[None] = dataclasses.field(init=False)  # fails when its run is cancelled
-    queued: bool = False
-    finished: bool = False  # completed and reported
-    arrived: int = 0
-    error: PwmeshError | None = None
-    cancelled: PwmeshError | None = None  # its run was cancelled: it never waits for memory
-    device_seconds: float = 0.0
-    landed: asyncio.Future[None] | None = None  # streamed: resolved once its outputs are computed
-
-    def queue(self, loop: asyncio.AbstractEventLoop) -> None:
-        """Make the futures its waits need: it goes through the device queues."""
-        self.queued = True
-        self.done = loop.create_future()
-        self.cancel = loop.create_future()
-        self.cancel.add_done_callback(_retrieve)
-
-    @property
-    def label(self) -> str:
-        return f"run {self.run_id} node {self.comp.node} (seq {self.comp.seq})"
-
-
-class Span(NamedTuple):
-    """When one computation ran on this executor's devices, for ``pwmesh trace``.
-
-    Wall-clock (``time.time()``) seconds, so the spans of processes on one machine
-    line up; across hosts they are only as aligned as the hosts' clocks."""
-
-    arrived: float  # every local device had reached it at the head of its queue
-    start: float  # inputs, function and memory were there and (streamed) what was ahead on its devices ended
-    end: float
-    run_id: str
-    node: int
-    seq: int
-    fn_id: str
-    devices: tuple[int, ...]
-    error: str  # empty when it succeeded
-
-
 def as_error(exc: BaseException, context: str) -> PwmeshError:
     """The error a failed shard stores: remote errors keep their original traceback."""
     if isinstance(exc, PwmeshError):
         return exc
     return RemoteError(f"{context}: {type(exc).__name__}: {exc}", remote_traceback="".join(traceback.format_exception(exc)))
-
-
-def _retrieve(fut: asyncio.Future[Any]) -> None:
-    if not fut.cancelled():
-        fut.exception()
 
 
 class Runner:
@@ -156,19 +111,14 @@ class Runner:
         self._emit = emit
         self._done = done
         self._part_done = part_done
-        self.queues: list[asyncio.Queue[Work]] = [asyncio.Queue() for _ in devices]
+        self.core = DeviceQueues(len(devices))  # the queues and the runs' accounting; this class acts on it
+        self._starts: set[asyncio.Task[None]] = set()  # started computations, until they release their devices
         self.pools = [
             concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"pwmesh-dev{i}")
             for i in range(len(devices))
         ]
-        self.executed = 0
         self.spans: collections.deque[Span] = collections.deque(maxlen=trace_spans)  # newest; for ``pwmesh trace``
-        self._runs: dict[str, list[Work]] = {}  # incomplete work by run, for cancellation and reports
-        self._run_seconds: dict[str, float] = {}
         self._collectives: dict[Work, float] = {}  # gang computations running, since when (the watchdog)
-        self._outstanding = 0  # computations enqueued and not yet complete
-        self._load = [0] * len(devices)  # per device: queued or running computations (0: free to run one now)
-        self._admitting: set[str] = set()  # runs whose computations are being enqueued (no part done yet)
         # (fn_id, spmd, devices, donated inputs) -> what the fast path runs, once compiled (functions never change)
         self._ready: dict[tuple[str, bool, tuple[int, ...], tuple[int, ...]],
                           tuple[CompiledFunction, list[jax.Device], list[Any]]] = {}
@@ -184,7 +134,11 @@ class Runner:
 
     @property
     def outstanding(self) -> int:
-        return self._outstanding
+        return self.core.outstanding
+
+    @property
+    def executed(self) -> int:
+        return self.core.executed
 
     async def wait_idle(self) -> None:
         """Return once every enqueued computation has completed (used to drain)."""
@@ -197,7 +151,7 @@ class Runner:
         The run's part is done (``part_done``) once all of them have completed, not before:
         a computation that runs at once (see ``enqueue``) must not end the part alone."""
         refused = []
-        self._admitting.add(run_id)
+        self.core.admitting(run_id)
         try:
             for comp in comps:
                 try:
@@ -208,9 +162,7 @@ class Runner:
                     log.exception("enqueueing computation %s of run %s failed", comp.node, run_id)
                     refused.append((comp, as_error(exc, f"enqueueing computation {comp.node}")))
         finally:
-            self._admitting.discard(run_id)
-            if not self._runs.get(run_id):
-                self._end_part(run_id, scheduler)
+            self._act(self.core.admitted(run_id, scheduler))
         return refused
 
     def enqueue(self, run_id: str, proxy: str, comp: Computation, scheduler: str = "") -> None:
@@ -225,11 +177,8 @@ class Runner:
         if not devices or any(not 0 <= d < len(self.devices) for d in devices) or len(set(devices)) != len(devices):
             raise PwmeshError(f"computation {comp.node} names devices {devices}; this host has {len(self.devices)}")
         work = Work(run_id, proxy, scheduler, comp, devices, [shard for _, shard in shards])
-        self._outstanding += 1
+        self.core.add(work)
         self._idle.clear()
-        self._run_seconds.setdefault(run_id, 0.0)
-        for device in devices:
-            self._load[device] += 1
         try:
             if self._run_now(work):
                 return
@@ -238,16 +187,31 @@ class Runner:
             if work.finished:  # it ran and was reported; only its tail went wrong
                 return
         work.queue(asyncio.get_running_loop())
-        self._runs.setdefault(run_id, []).append(work)
-        for device in devices:
-            self.queues[device].put_nowait(work)
+        self._act(self.core.queue(work))
+
+    def _act(self, actions: list[Start] | list[PartDone]) -> None:
+        for action in actions:
+            if isinstance(action, Start):
+                task = asyncio.get_running_loop().create_task(self._start(action.work), name=action.work.label)
+                self._starts.add(task)
+                task.add_done_callback(self._starts.discard)
+            else:
+                self._part_done(action.run_id, action.scheduler, action.device_seconds)
+
+    async def _start(self, work: Work) -> None:
+        """Run ``work``: every local device has reached it. Its devices are held until this returns."""
+        try:
+            await self._run(work)
+        except Exception:  # a bug in one computation must not take its devices down with it
+            log.exception("computation %s failed outside its own error handling", work.label)
+        finally:
+            self._act(self.core.release(work))
 
     def cancel_run(self, run_id: str, error: PwmeshError) -> None:
         """Fail what ``run_id``'s computations still wait for (inputs, memory), so none blocks a queue.
 
         Nodes dispatched one by one (sequential dispatch) run as ``run_id#node``: those too."""
-        works = [w for rid, ws in self._runs.items() if rid == run_id or rid.startswith(f"{run_id}#") for w in ws]
-        for work in works:
+        for work in self.core.of_run(run_id):
             work.cancelled = error
             self.memory.cancel(work, error)
             # Only this work stops waiting: the keys it waits for may serve other runs.
@@ -260,7 +224,7 @@ class Runner:
         return spans[-limit:] if limit > 0 else spans
 
     def queued(self) -> list[int]:
-        return [q.qsize() for q in self.queues]
+        return self.core.queued()
 
     def gang_waits(self, older_than_seconds: float = 0.0) -> list[str]:
         """The gang computations that devices here run (the first handed to each device; those behind wait
@@ -274,22 +238,6 @@ class Runner:
                              f"over JAX devices {work.comp.gang}, for {now - since:.1f} s")
             seen.update(work.devices)
         return waits
-
-    async def device_loop(self, index: int) -> None:
-        queue = self.queues[index]
-        while True:
-            work = await queue.get()
-            work.arrived += 1
-            if work.arrived < len(work.devices):
-                await asyncio.shield(work.done)  # the last local device to arrive runs it for all
-                continue
-            try:
-                await self._run(work)
-            except Exception:  # a bug in one computation must not take its device down with it
-                log.exception("computation %s failed outside its own error handling", work.label)
-            finally:
-                if not work.done.done():
-                    work.done.set_result(None)
 
     # --------------------------------------------------------------- running
 
@@ -411,11 +359,11 @@ class Runner:
         comp = work.comp
         try:
             if comp.spmd:
-                outs, wholes = _dispatch_spmd(fn, tuple(devices), self._local(work), per_shard,
+                outs, wholes = dispatch_spmd(fn, tuple(devices), self._local(work), per_shard,
                                               self._wholes(work, fn, devices, per_shard), tuple(comp.donate))
                 self._keep_wholes(work, fn, devices, outs, wholes)
             else:
-                outs = _dispatch_together(exes, devices, per_shard)
+                outs = dispatch_together(exes, devices, per_shard)
             self._consume(work, per_shard)
         except Exception as exc:
             err = as_error(exc, f"computation {comp.node} ({comp.fn_id[:12]})")
@@ -468,12 +416,8 @@ class Runner:
     def _run_now(self, work: Work) -> bool:
         """Run ``work`` here and now if it can start at once and is quick; False leaves it to the queues."""
         comp = work.comp
-        if comp.gang or comp.kind != "call" or comp.ragged:
+        if comp.gang or comp.kind != "call" or comp.ragged or not self.core.free(work):
             return False
-        load = self._load
-        for d in work.devices:
-            if load[d] > 1:
-                return False
         found = self._runnable(comp, tuple(work.devices))
         if found is None:
             return False
@@ -511,7 +455,7 @@ class Runner:
                 return None
             fn = entry.result()
             devices = self._mesh(comp, device_ids)
-            exes = _compiled(fn, comp.spmd, devices, tuple(comp.donate))
+            exes = compiled(fn, comp.spmd, devices, tuple(comp.donate))
             if exes is None:
                 return None
             found = self._ready[key] = (fn, devices, exes)
@@ -583,7 +527,7 @@ class Runner:
                 self._collectives[work] = time.monotonic()
             try:
                 outs, wholes, seconds = await loop.run_in_executor(
-                    self.pools[work.devices[-1]], _call_spmd, fn, tuple(devices), self._local(work), per_shard,
+                    self.pools[work.devices[-1]], call_spmd, fn, tuple(devices), self._local(work), per_shard,
                     self._wholes(work, fn, devices, per_shard), donate)
             finally:
                 self._collectives.pop(work, None)
@@ -592,7 +536,7 @@ class Runner:
             fn.ran(seconds / len(devices))
             work.device_seconds = seconds * len(devices)
             return outs
-        call = _call_ragged if comp.ragged else functools.partial(_call_single, donate=donate)
+        call = call_ragged if comp.ragged else functools.partial(call_single, donate=donate)
         try:
             if inline:
                 results = [call(fn, d, args) for d, args in zip(devices, per_shard, strict=True)]
@@ -611,12 +555,12 @@ class Runner:
         """Run a compiled computation's shards on this thread, all dispatched before any is waited for."""
         try:
             if work.comp.spmd:
-                outs, wholes, wall = _call_spmd(fn, tuple(devices), self._local(work), per_shard,
+                outs, wholes, wall = call_spmd(fn, tuple(devices), self._local(work), per_shard,
                                                 self._wholes(work, fn, devices, per_shard), tuple(work.comp.donate))
                 self._keep_wholes(work, fn, devices, outs, wholes)
                 work.device_seconds = wall * len(devices)  # every device was busy all along
             else:
-                outs, wall = _call_together(exes, devices, per_shard)
+                outs, wall = call_together(exes, devices, per_shard)
                 work.device_seconds = wall
         finally:
             self._consume(work, per_shard)
@@ -670,26 +614,22 @@ class Runner:
         return err
 
     def _complete(self, work: Work) -> None:
-        work.finished = True
-        self.executed += 1
-        self._outstanding -= 1
-        for device in work.devices:
-            self._load[device] -= 1
-        if self._outstanding == 0:
+        actions = self.core.complete(work)
+        if self.core.outstanding == 0:
             self._idle.set()
-        self._done(work)
-        self._run_seconds[work.run_id] = self._run_seconds.get(work.run_id, 0.0) + work.device_seconds
-        works = self._runs.get(work.run_id)
-        if works and work.queued:
-            works.remove(work)
-        if not works and work.run_id not in self._admitting:
-            self._end_part(work.run_id, work.scheduler)
+        self._done(work)  # before its part ends: the executor reports the two together
+        self._act(actions)
 
-    def _end_part(self, run_id: str, scheduler: str) -> None:
-        self._runs.pop(run_id, None)
-        self._part_done(run_id, scheduler, self._run_seconds.pop(run_id, 0.0))
+    async def aclose(self) -> None:
+        """Stop what runs (the started computations' tasks), then ``close``."""
+        for task in self._starts:
+            task.cancel()
+        await asyncio.gather(*self._starts, return_exceptions=True)
+        self.close()
 
     def close(self) -> None:
+        for task in self._starts:
+            task.cancel()
         for pool in self.pools:
             pool.shutdown(wait=False, cancel_futures=True)
         for landings in self._landings:
@@ -706,94 +646,3 @@ async def _unless_cancelled(fut: asyncio.Future[Any], work: Work) -> Any:
     return fut.result()
 
 
-def _compiled(fn: CompiledFunction, spmd: bool, devices: list[jax.Device], donate: tuple[int, ...]) -> list[Any] | None:
-    """The executables to run on ``devices`` if all are compiled (none for an SPMD function: one call
-    compiles and runs for all), else None."""
-    if spmd:
-        return [] if fn.compiled(tuple(devices), donate) else None
-    exes = [fn.ready((d,), donate) for d in devices]
-    return None if None in exes else exes
-
-
-def _placed(value: Any, device: jax.Device) -> Any:
-    """``value`` on ``device``: as it is if it is there already (``device_put`` would cost ~60 us to do nothing)."""
-    if isinstance(value, jax.Array) and getattr(value.sharding, "_device", None) is device:
-        return value
-    return jax.device_put(value, device)
-
-
-def _dispatch_together(exes: list[Any], devices: list[jax.Device], per_shard: list[list[Any]]) -> list[list[Any]]:
-    """Dispatch per-device shards (without waiting for them); each device's outputs."""
-    return [jax.tree_util.tree_leaves(exe(*[_placed(a, d) for a in args]))
-            for exe, d, args in zip(exes, devices, per_shard, strict=True)]
-
-
-def _call_together(exes: list[Any], devices: list[jax.Device],
-                   per_shard: list[list[Any]]) -> tuple[list[list[Any]], float]:
-    """Per-device shards on the calling thread, each dispatched before any is waited for;
-    their outputs and the seconds they took together."""
-    start = time.perf_counter()
-    outs = _dispatch_together(exes, devices, per_shard)
-    computed(outs)
-    return outs, time.perf_counter() - start
-
-
-def _call_single(fn: CompiledFunction, device: jax.Device, args: list[Any],
-                 donate: tuple[int, ...] = ()) -> tuple[list[Any], float]:
-    exe = fn.executable((device,), donate)  # compiles on first use: not part of its time
-    start = time.perf_counter()
-    placed = [_placed(a, device) for a in args]
-    out = exe(*placed)
-    leaves = jax.tree_util.tree_leaves(out)
-    jax.block_until_ready(leaves)
-    return leaves, time.perf_counter() - start
-
-
-def _call_ragged(fn: CompiledFunction, device: jax.Device, args: list[Any]) -> tuple[list[Any], float]:
-    """An expert on its routed rows: padded to the capacity it was compiled for, its outputs cut back.
-    An expert that got no rows does not run: its outputs are empty."""
-    (rows,) = args
-    assert isinstance(rows, Ragged)
-    n = len(rows.index)
-    if n == 0:
-        return [Ragged(np.zeros((0, *a.shape[1:]), a.dtype), rows.index) for a in fn.exported.out_avals], 0.0
-    (aval,) = fn.exported.in_avals
-    padded = np.zeros(aval.shape, aval.dtype)
-    padded[:n] = rows.array
-    outs, seconds = _call_single(fn, device, [padded])
-    return [Ragged(np.asarray(out)[:n], rows.index) for out in outs], seconds
-
-
-def _dispatch_spmd(fn: CompiledFunction, devices: tuple[jax.Device, ...], local: tuple[jax.Device, ...],
-                   per_shard: list[list[Any]], wholes: list[Any | None] | None = None,
-                   donate: tuple[int, ...] = ()) -> tuple[list[list[Any]], list[Any]]:
-    """Dispatch an SPMD computation over ``devices`` (without waiting for it), given the shards of its
-    ``local`` ones (all of them, unless it spans executors): each local device's outputs, and the outputs
-    whole (global arrays). An input with a whole in ``wholes`` goes in as it is."""
-    exe = fn.executable(devices, donate)
-    shardings = fn.shardings(devices)[0]
-    globals_ = []
-    for i, (aval, sharding) in enumerate(zip(fn.exported.in_avals, shardings, strict=True)):
-        whole = wholes[i] if wholes else None
-        if whole is None:
-            pieces = [_placed(args[i], d) for args, d in zip(per_shard, local, strict=True)]
-            whole = jax.make_array_from_single_device_arrays(aval.shape, sharding, pieces)
-        globals_.append(whole)
-    leaves = jax.tree_util.tree_leaves(exe(*globals_))
-    order = {d.id: i for i, d in enumerate(local)}
-    result: list[list[Any]] = [[] for _ in local]
-    for leaf in leaves:
-        for s in leaf.addressable_shards:
-            result[order[s.device.id]].append(s.data)
-    return result, leaves
-
-
-def _call_spmd(fn: CompiledFunction, devices: tuple[jax.Device, ...], local: tuple[jax.Device, ...],
-               per_shard: list[list[Any]], wholes: list[Any | None] | None = None,
-               donate: tuple[int, ...] = ()) -> tuple[list[list[Any]], list[Any], float]:
-    """``_dispatch_spmd``, waited for: also the seconds it took."""
-    fn.executable(devices, donate)  # compiles on first use: not part of its time
-    start = time.perf_counter()
-    result, leaves = _dispatch_spmd(fn, devices, local, per_shard, wholes, donate)
-    computed(result)
-    return result, leaves, time.perf_counter() - start

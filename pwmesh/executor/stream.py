@@ -16,9 +16,11 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, NamedTuple
 
+from pwmesh.executor.calls import computed, is_computed, last_outputs
+
 if TYPE_CHECKING:
     from pwmesh.executor.functions import CompiledFunction
-    from pwmesh.executor.runner import Work
+    from pwmesh.executor.work import Work
 
 
 class Streamed(NamedTuple):
@@ -70,7 +72,7 @@ class Landings:
             if streamed is None:
                 self._hand_over(batch)
                 return
-            waits = not all(_ready(leaf) for leaf in last_outputs(streamed.outs))
+            waits = not all(is_computed(leaf) for leaf in last_outputs(streamed.outs))
             if batch and waits:
                 self._hand_over(batch)  # do not hold those back while this one computes
                 batch = []
@@ -89,37 +91,3 @@ class Landings:
                 pass
 
 
-def last_outputs(outs: list[list[Any]]) -> list[Any]:
-    """One output per device (``outs``: per shard, the arrays one execution made there) that a later
-    computation has not consumed (donated). An execution's outputs on a device are computed (or fail)
-    together, so one stands for all: a step with 54 outputs on 4 devices waits on 4 arrays, not 216.
-    A device whose outputs were all consumed already has none: what consumed them follows it."""
-    found = []
-    for leaves in outs:
-        live = next((leaf for leaf in reversed(leaves) if not leaf.is_deleted()), None)
-        if live is not None:
-            found.append(live)
-    return found
-
-
-def _ready(leaf: Any) -> bool:
-    try:
-        return bool(leaf.is_ready())
-    except RuntimeError:
-        if leaf.is_deleted():  # consumed since it was looked at: what consumed it waits for it
-            return True
-        raise
-
-
-def computed(outs: list[list[Any]]) -> float:
-    """Wait until every output (per shard, a list of arrays) is computed; when that was (wall clock).
-    Each is waited for directly: jax.block_until_ready's pytree walk costs more than the wait. An output
-    consumed meanwhile by a computation it was donated to is not waited for (it cannot be); that one
-    runs after this, on the same devices, and lands after it."""
-    for leaf in last_outputs(outs):
-        try:
-            leaf.block_until_ready()
-        except RuntimeError:
-            if not leaf.is_deleted():
-                raise
-    return time.time()

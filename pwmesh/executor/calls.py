@@ -1,0 +1,145 @@
+"""The JAX calls an executor makes: run compiled computations on its devices, dispatched or waited for.
+
+Every function here takes a computation's shards (per shard, its input arrays) and the
+devices they run on; none knows of queues, runs or the event loop (``runner.Runner``).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import jax
+import numpy as np
+
+from pwmesh.dataflow.exchange import Ragged
+from pwmesh.executor.functions import CompiledFunction
+
+
+def compiled(fn: CompiledFunction, spmd: bool, devices: list[jax.Device], donate: tuple[int, ...]) -> list[Any] | None:
+    """The executables to run on ``devices`` if all are compiled (none for an SPMD function: one call
+    compiles and runs for all), else None."""
+    if spmd:
+        return [] if fn.compiled(tuple(devices), donate) else None
+    exes = [fn.ready((d,), donate) for d in devices]
+    return None if None in exes else exes
+
+
+def placed(value: Any, device: jax.Device) -> Any:
+    """``value`` on ``device``: as it is if it is there already (``device_put`` would cost ~60 us to do nothing)."""
+    if isinstance(value, jax.Array) and getattr(value.sharding, "_device", None) is device:
+        return value
+    return jax.device_put(value, device)
+
+
+def dispatch_together(exes: list[Any], devices: list[jax.Device], per_shard: list[list[Any]]) -> list[list[Any]]:
+    """Dispatch per-device shards (without waiting for them); each device's outputs."""
+    return [jax.tree_util.tree_leaves(exe(*[placed(a, d) for a in args]))
+            for exe, d, args in zip(exes, devices, per_shard, strict=True)]
+
+
+def call_together(exes: list[Any], devices: list[jax.Device],
+                   per_shard: list[list[Any]]) -> tuple[list[list[Any]], float]:
+    """Per-device shards on the calling thread, each dispatched before any is waited for;
+    their outputs and the seconds they took together."""
+    start = time.perf_counter()
+    outs = dispatch_together(exes, devices, per_shard)
+    computed(outs)
+    return outs, time.perf_counter() - start
+
+
+def call_single(fn: CompiledFunction, device: jax.Device, args: list[Any],
+                 donate: tuple[int, ...] = ()) -> tuple[list[Any], float]:
+    exe = fn.executable((device,), donate)  # compiles on first use: not part of its time
+    start = time.perf_counter()
+    on_device = [placed(a, device) for a in args]
+    out = exe(*on_device)
+    leaves = jax.tree_util.tree_leaves(out)
+    jax.block_until_ready(leaves)
+    return leaves, time.perf_counter() - start
+
+
+def call_ragged(fn: CompiledFunction, device: jax.Device, args: list[Any]) -> tuple[list[Any], float]:
+    """An expert on its routed rows: padded to the capacity it was compiled for, its outputs cut back.
+    An expert that got no rows does not run: its outputs are empty."""
+    (rows,) = args
+    assert isinstance(rows, Ragged)
+    n = len(rows.index)
+    if n == 0:
+        return [Ragged(np.zeros((0, *a.shape[1:]), a.dtype), rows.index) for a in fn.exported.out_avals], 0.0
+    (aval,) = fn.exported.in_avals
+    padded = np.zeros(aval.shape, aval.dtype)
+    padded[:n] = rows.array
+    outs, seconds = call_single(fn, device, [padded])
+    return [Ragged(np.asarray(out)[:n], rows.index) for out in outs], seconds
+
+
+def dispatch_spmd(fn: CompiledFunction, devices: tuple[jax.Device, ...], local: tuple[jax.Device, ...],
+                   per_shard: list[list[Any]], wholes: list[Any | None] | None = None,
+                   donate: tuple[int, ...] = ()) -> tuple[list[list[Any]], list[Any]]:
+    """Dispatch an SPMD computation over ``devices`` (without waiting for it), given the shards of its
+    ``local`` ones (all of them, unless it spans executors): each local device's outputs, and the outputs
+    whole (global arrays). An input with a whole in ``wholes`` goes in as it is."""
+    exe = fn.executable(devices, donate)
+    shardings = fn.shardings(devices)[0]
+    globals_ = []
+    for i, (aval, sharding) in enumerate(zip(fn.exported.in_avals, shardings, strict=True)):
+        whole = wholes[i] if wholes else None
+        if whole is None:
+            pieces = [placed(args[i], d) for args, d in zip(per_shard, local, strict=True)]
+            whole = jax.make_array_from_single_device_arrays(aval.shape, sharding, pieces)
+        globals_.append(whole)
+    leaves = jax.tree_util.tree_leaves(exe(*globals_))
+    order = {d.id: i for i, d in enumerate(local)}
+    result: list[list[Any]] = [[] for _ in local]
+    for leaf in leaves:
+        for s in leaf.addressable_shards:
+            result[order[s.device.id]].append(s.data)
+    return result, leaves
+
+
+def call_spmd(fn: CompiledFunction, devices: tuple[jax.Device, ...], local: tuple[jax.Device, ...],
+               per_shard: list[list[Any]], wholes: list[Any | None] | None = None,
+               donate: tuple[int, ...] = ()) -> tuple[list[list[Any]], list[Any], float]:
+    """``dispatch_spmd``, waited for: also the seconds it took."""
+    fn.executable(devices, donate)  # compiles on first use: not part of its time
+    start = time.perf_counter()
+    result, leaves = dispatch_spmd(fn, devices, local, per_shard, wholes, donate)
+    computed(result)
+    return result, leaves, time.perf_counter() - start
+
+
+def last_outputs(outs: list[list[Any]]) -> list[Any]:
+    """One output per device (``outs``: per shard, the arrays one execution made there) that a later
+    computation has not consumed (donated). An execution's outputs on a device are computed (or fail)
+    together, so one stands for all: a step with 54 outputs on 4 devices waits on 4 arrays, not 216.
+    A device whose outputs were all consumed already has none: what consumed them follows it."""
+    found = []
+    for leaves in outs:
+        live = next((leaf for leaf in reversed(leaves) if not leaf.is_deleted()), None)
+        if live is not None:
+            found.append(live)
+    return found
+
+
+def is_computed(leaf: Any) -> bool:
+    try:
+        return bool(leaf.is_ready())
+    except RuntimeError:
+        if leaf.is_deleted():  # consumed since it was looked at: what consumed it waits for it
+            return True
+        raise
+
+
+def computed(outs: list[list[Any]]) -> float:
+    """Wait until every output (per shard, a list of arrays) is computed; when that was (wall clock).
+    Each is waited for directly: jax.block_until_ready's pytree walk costs more than the wait. An output
+    consumed meanwhile by a computation it was donated to is not waited for (it cannot be); that one
+    runs after this, on the same devices, and lands after it."""
+    for leaf in last_outputs(outs):
+        try:
+            leaf.block_until_ready()
+        except RuntimeError:
+            if not leaf.is_deleted():
+                raise
+    return time.time()
