@@ -116,7 +116,7 @@ def starts_a_cluster(func: Any, seen: set[types.CodeType] | None = None) -> bool
     return False
 
 
-# Every fixture definition found to be a cluster fixture (the leak checks look them up).
+# Whether each fixture definition collected is a cluster fixture (the leak checks look them up).
 _cluster_fixturedefs: dict[Any, bool] = {}
 
 

@@ -133,7 +133,7 @@ def start_zmq_garbage_collector() -> None:
 
 
 def _call_site() -> str:
-    """The innermost frames outside pyzmq and this file: who made the context."""
+    """The innermost frames outside pyzmq, pytest, threading and this file: who made the context."""
     skip = (f"{os.sep}zmq{os.sep}", f"{os.sep}_pytest{os.sep}", f"{os.sep}pluggy{os.sep}", threading.__file__, __file__)
     frames = [f for f in traceback.extract_stack(sys._getframe(2), limit=16)
               if not any(part in f.filename for part in skip)]
