@@ -17,7 +17,7 @@ each fed by the previous result, in up to three modes:
   Ray actor call.
 
 pwmesh runs on a local cluster of 1 island x 2 executors x 2 devices, its slice
-packed on one executor (psum across the slice needs one host for now). Plain
+packed on one executor (as plain JAX's devices are in one process). Plain
 JAX runs in this process on 2 CPU devices; Ray's workers run the same
 ``jax.pmap``'d op on 2 CPU devices each. A sequence's time runs from the first
 call to the last value at the client (checked). Rounds alternate the

@@ -9,7 +9,8 @@ device and fed by the previous step, runs for growing n in two systems:
   1 island x 2 executors x 2 devices.
 
 Two slice layouts: ``span`` (the default), 4 devices over both executors (every
-step is a gang across the two processes, as a Pathways computation spans hosts),
+step has shards in both processes, as a Pathways computation spans hosts; they do
+not communicate, so neither executor waits for the other: no host barrier),
 and ``one`` (``--layouts span,one``), 2 devices on one executor. Plain JAX uses
 as many CPU devices. The per-step compute time is plain JAX's time per step;
 the ratio is pwmesh's throughput over JAX's. For each size the rounds alternate
@@ -190,7 +191,7 @@ def plot(path: Path, sweeps: list[dict[str, Any]], threshold: float) -> bool:
     if plt is None:
         return False
     fig, ax = plt.subplots(figsize=(7.5, 4.5))
-    labels = {"span": "slice over 2 executors (4 devices, gang)", "one": "slice on 1 executor (2 devices)"}
+    labels = {"span": "slice over 2 executors (4 devices)", "one": "slice on 1 executor (2 devices)"}
     for s, style in zip(sweeps, ("o-", "s--"), strict=False):
         points = sorted(s["points"], key=lambda p: p["compute_ms_per_step"])  # noise can reorder sizes
         ax.plot([p["compute_ms_per_step"] for p in points], [p["ratio"] for p in points], style,
