@@ -27,10 +27,10 @@ except ImportError:
 pytestmark = pytest.mark.cluster
 
 
-def run_smoke(script: str, out: Path) -> subprocess.CompletedProcess[str]:
+def run_smoke(script: str, out: Path, timeout_seconds: float = 100) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if k != "PWMESH_ADDRESS"}  # each starts its own cluster
     proc = subprocess.run([sys.executable, str(BENCH / script), "--smoke", "--out", str(out)], env=env,
-                          capture_output=True, text=True, timeout=100)
+                          capture_output=True, text=True, timeout=timeout_seconds)
     assert proc.returncode == 0, f"{script} --smoke exited {proc.returncode}:\n{proc.stdout}\n{proc.stderr}"
     return proc
 
@@ -178,9 +178,11 @@ def test_train_smoke(tmp_path: Path) -> None:
     check_plot(tmp_path / "train.png")
 
 
-@pytest.mark.timeout(110)
+@pytest.mark.timeout(260)
 def test_pipeline_smoke(tmp_path: Path) -> None:
-    run_smoke("pipeline.py", tmp_path)
+    # Three clusters (1, 2 and 4 islands), each compiling four stages: ~90 s on 2 idle cores (measured at
+    # c504b41 and now alike), so 100 s failed whenever the machine was busy.
+    run_smoke("pipeline.py", tmp_path, timeout_seconds=240)
     data = json.loads((tmp_path / "pipeline.json").read_text())
     assert {"benchmark", "config", "machine", "arrangements", "ratios", "jax", "trace"} <= data.keys()
     assert data["benchmark"] == "pipeline" and data["smoke"] is True
