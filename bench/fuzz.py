@@ -70,7 +70,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import DEFAULT_OUT, load_average, machine, table, write_json  # noqa: E402
 
 import pwmesh as pw  # noqa: E402
-from pwmesh.dataflow.plane import INLINE, SHARED, machine_id  # noqa: E402
+from pwmesh.dataflow.plane import INLINE, SHARED, machine_id, recv_bytes  # noqa: E402
 from pwmesh.wire import PROTOCOL_VERSION, Record, decode, encode, message_types  # noqa: E402
 from pwmesh.wire.messages import Ping, Pong, ShardRun  # noqa: E402
 
@@ -480,8 +480,8 @@ def _data_stream(maker: FrameMaker, address: str, budget: int, kinds: collection
         shared = rng.random() < 0.5
         hello = msgpack.packb({"machine": machine_id() if shared else "", "pid": 1})
         sock.sendall(_LEN.pack(len(hello)) + hello)
-        (n,) = _LEN.unpack(_recv(sock, _LEN.size))
-        _recv(sock, n)
+        (n,) = _LEN.unpack(recv_bytes(sock, _LEN.size))
+        recv_bytes(sock, n)
         # Up to 200 messages on this stream, sent back to back: mutated messages framed right, then maybe one
         # that is not (the stream ends there). Then the stream's end, and every acknowledgement until the
         # receiver closes it too: a receiver that stops reading shows as a timeout (a hang).
@@ -523,16 +523,6 @@ def _bad_preamble(rng: random.Random) -> bytes:
     head = msgpack.packb(entries)
     length = rng.choice([len(head)] * 4 + [2**32 - 1, (1 << 20) + 1, 0])
     return _LEN.pack(length) + head
-
-
-def _recv(sock: socket.socket, n: int) -> bytes:
-    buf = b""
-    while len(buf) < n:
-        chunk = sock.recv(n - len(buf))
-        if not chunk:
-            raise ConnectionError("closed")
-        buf += chunk
-    return buf
 
 
 # ------------------------------------------------------------------ the cluster

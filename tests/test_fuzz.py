@@ -23,7 +23,7 @@ import zmq
 
 import pwmesh as pw
 from pwmesh.dataflow import plane as plane_module
-from pwmesh.dataflow.plane import INLINE, SHARED, DataPlane, machine_id
+from pwmesh.dataflow.plane import INLINE, SHARED, DataPlane, machine_id, recv_bytes
 from pwmesh.errors import InvalidArgument, PwmeshError
 from pwmesh.service.rpc import Connection, Connections, RejectedLog, Server
 from pwmesh.service.tasks import TaskGroup
@@ -88,18 +88,8 @@ def _connect(plane: DataPlane) -> socket.socket:
 def _hello(sock: socket.socket, machine: str = "") -> None:
     hello = msgpack.packb({"machine": machine, "pid": 1})
     sock.sendall(_LEN.pack(len(hello)) + hello)
-    (n,) = _LEN.unpack(_recv(sock, _LEN.size))
-    _recv(sock, n)
-
-
-def _recv(sock: socket.socket, n: int) -> bytes:
-    buf = b""
-    while len(buf) < n:
-        chunk = sock.recv(n - len(buf))
-        if not chunk:
-            raise ConnectionError("closed")
-        buf += chunk
-    return buf
+    (n,) = _LEN.unpack(recv_bytes(sock, _LEN.size))
+    recv_bytes(sock, n)
 
 
 def _closed_by_peer(sock: socket.socket) -> bool:
@@ -162,7 +152,7 @@ async def test_junk_on_the_data_plane_closes_its_stream_logs_little_and_leaves_t
             _hello(sock)
             for frames in ([b"\xc1", b""], encode(Ping(), msg_id=1), [b"x"] * 5):
                 sock.sendall(_preamble([[INLINE, len(f), "", 0] for f in frames]) + b"".join(map(bytes, frames)))
-                assert _recv(sock, 8) == struct.pack("!Q", 1)
+                assert recv_bytes(sock, 8) == struct.pack("!Q", 1)
 
     try:
         with caplog.at_level(logging.DEBUG, logger="pwmesh"):

@@ -109,7 +109,8 @@ def _recv_exactly(sock: socket.socket, view: memoryview) -> None:
         view = view[got:]
 
 
-def _recv_bytes(sock: socket.socket, n: int) -> bytes:
+def recv_bytes(sock: socket.socket, n: int) -> bytes:
+    """Exactly ``n`` bytes from ``sock`` (``ConnectionError`` if the peer closes first)."""
     buf = bytearray(n)
     _recv_exactly(sock, memoryview(buf))
     return bytes(buf)
@@ -193,10 +194,10 @@ class _Stream:
             hello = msgpack.packb({"machine": self.plane.machine if self.plane.shared_memory else "",
                                    "pid": os.getpid()})
             sock.sendall(_LEN.pack(len(hello)) + hello)
-            (n,) = _LEN.unpack(_recv_bytes(sock, _LEN.size))
+            (n,) = _LEN.unpack(recv_bytes(sock, _LEN.size))
             if n > MAX_HELLO_BYTES:
                 raise StreamError(f"a handshake of {n} bytes")
-            machine = _machine_of(_unpack(_recv_bytes(sock, n), "handshake"))
+            machine = _machine_of(_unpack(recv_bytes(sock, n), "handshake"))
         except BaseException:  # whoever answered there is no data plane: do not keep its socket
             sock.close()
             raise
@@ -264,7 +265,7 @@ class _Stream:
     def _ack_loop(self, sock: socket.socket) -> None:
         try:
             while True:
-                (count,) = _ACK.unpack(_recv_bytes(sock, _ACK.size))
+                (count,) = _ACK.unpack(recv_bytes(sock, _ACK.size))
                 with self.lock:
                     for _ in range(count):
                         self.free.extend(self.unacked.popleft())
@@ -413,10 +414,10 @@ class DataPlane:
     def _handshake(self, sock: socket.socket) -> bool:
         """Read the peer's hello and answer it; whether the stream's big frames come through shared memory."""
         sock.settimeout(HANDSHAKE_TIMEOUT_SECONDS)
-        (n,) = _LEN.unpack(_recv_bytes(sock, _LEN.size))
+        (n,) = _LEN.unpack(recv_bytes(sock, _LEN.size))
         if n > MAX_HELLO_BYTES:
             raise StreamError(f"a handshake of {n} bytes")
-        machine = _machine_of(_unpack(_recv_bytes(sock, n), "handshake"))
+        machine = _machine_of(_unpack(recv_bytes(sock, n), "handshake"))
         shared = bool(self.shared_memory and self.machine and machine == self.machine)
         reply = msgpack.packb({"machine": self.machine if shared else ""})
         sock.sendall(_LEN.pack(len(reply)) + reply)
@@ -425,10 +426,10 @@ class DataPlane:
 
     def _read_message(self, sock: socket.socket, segments: dict[str, tuple[mmap.mmap, np.ndarray]],
                       shared: bool) -> list[Any]:
-        (n,) = _LEN.unpack(_recv_bytes(sock, _LEN.size))
+        (n,) = _LEN.unpack(recv_bytes(sock, _LEN.size))
         if n > MAX_PREAMBLE_BYTES:
             raise StreamError(f"a preamble of {n} bytes")
-        preamble = _unpack(_recv_bytes(sock, n), "preamble")
+        preamble = _unpack(recv_bytes(sock, n), "preamble")
         limits = self.limits
         if not isinstance(preamble, list) or not 2 <= len(preamble) <= limits.max_buffers + 2:
             raise StreamError("malformed preamble")
@@ -458,7 +459,7 @@ class DataPlane:
                 _recv_exactly(sock, memoryview(buf))
                 frames.append(buf)
             else:
-                frames.append(_recv_bytes(sock, nbytes))
+                frames.append(recv_bytes(sock, nbytes))
         return frames
 
     def close(self) -> None:
