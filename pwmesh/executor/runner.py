@@ -274,7 +274,7 @@ class Runner:
                 # A gang runs on its device thread: handing it to XLA may wait there for its peers, and
                 # the loop must go on serving the other devices (their queues are their own order).
                 streamed = None if comp.ragged or comp.gang else self._runnable(comp, tuple(work.devices))
-                if streamed is not None and not comp.gang and runs_inline(fn, fn.seconds * len(streamed[1])):
+                if streamed is not None and runs_inline(fn, fn.seconds * len(streamed[1])):
                     streamed = None  # quick: it runs right on the loop (_call), on computed inputs only
             per_shard = await self._inputs(work, streamed is not None)
             if fn is not None:
