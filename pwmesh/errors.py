@@ -74,6 +74,13 @@ class NotFound(PwmeshError, KeyError):
         return PwmeshError.__str__(self)
 
 
+class Unavailable(PwmeshError):
+    """The daemon stopped (or restarted, e.g. into its island's next JAX group) before it answered: the
+    request was not carried out, and may be sent again."""
+
+    code = "unavailable"
+
+
 _BY_CODE: dict[str, type[PwmeshError]] = {
     cls.code: cls
     for cls in (
@@ -86,6 +93,7 @@ _BY_CODE: dict[str, type[PwmeshError]] = {
         ConnectionFailed,
         InvalidArgument,
         NotFound,
+        Unavailable,
     )
 }
 

@@ -182,6 +182,10 @@ class Server:
     async def _finish(self, peer: bytes, env: Envelope, pending: Awaitable[Reply]) -> None:
         try:
             reply = await pending
+        except asyncio.CancelledError:  # the daemon is stopping: the requester must not wait for ever
+            self.post(peer, Error(code="unavailable", message=f"{self._name} stopped before it answered "
+                                                              f"{env.message.op}"), reply_to=env.msg_id)
+            raise
         except Exception as exc:
             self._log_failure(peer, env, exc)
             reply = error_reply(exc)
@@ -215,14 +219,33 @@ class Connection:
         # to a request proves everything posted before it arrived (one ordered pipe).
         self._posted = 0
         self._delivered = 0
+        self._held: list[list[Any]] | None = None  # while held (see ``hold``): what waits to be sent
         tasks.spawn(_receive_until_cancelled(self._sock, self._received), name=f"{name}->{address}.recv")
 
     def post(self, message: Message) -> int:
         """Send ``message`` without waiting; posted messages leave in the order posted. Returns its bytes."""
         self._posted += 1
         frames = encode(message, msg_id=next_id(), sender=self._name)
-        self._sock.send_nowait(frames)
+        self._send(frames)
         return sum(memoryview(f).nbytes for f in frames)
+
+    def _send(self, frames: list[Any]) -> None:
+        if self._held is not None:
+            self._held.append(frames)
+        else:
+            self._sock.send_nowait(frames)
+
+    def hold(self) -> None:
+        """Keep what is posted or requested here until ``release`` (the peer is restarting)."""
+        if self._held is None:
+            self._held = []
+
+    def release(self, *, drop: bool = False) -> None:
+        """Send, in order, what ``hold`` kept (or, with ``drop``, forget it: the peer is gone)."""
+        held, self._held = self._held, None
+        for frames in held or ():
+            if not drop:
+                self._sock.send_nowait(frames)
 
     @property
     def unconfirmed(self) -> bool:
@@ -243,7 +266,7 @@ class Connection:
             # The same ordered pipe as post(): a request never overtakes what was posted before it.
             self._posted += 1
             upto = self._posted
-            self._sock.send_nowait(encode(message, msg_id=msg_id, sender=self._name))
+            self._send(encode(message, msg_id=msg_id, sender=self._name))
             reply = await fut
             self._delivered = max(self._delivered, upto)
         finally:
@@ -309,14 +332,24 @@ class Connections:
         self.sent_bytes += self.get(address).post(message)
         self.sent_messages += 1
 
+    def fence(self, address: str, message: Message) -> None:
+        """Post ``message`` (the last thing ``address`` gets before it restarts), then hold what
+        follows for it until it is back (``mark_alive``) or gone (``mark_lost``)."""
+        self.post(address, message)
+        self.get(address).hold()
+
     def mark_alive(self, address: str) -> None:
         self.lost.discard(address)
+        conn = self._by_address.get(address)
+        if conn is not None:
+            conn.release()
 
     def mark_lost(self, address: str, exc: PwmeshError) -> None:
         """``address`` is gone: fail what waits on it, drop what would be sent to it."""
         self.lost.add(address)
         conn = self._by_address.get(address)
         if conn is not None:
+            conn.release(drop=True)
             conn.fail_pending(exc)
 
     async def flush(self) -> None:

@@ -61,6 +61,8 @@ class Context:
         self._ctx = zmq.Context()
         self._sockets: list[_Pump] = []
         self.high_water_mark = high_water_mark  # messages queued per peer and direction
+        # How long ``close`` lets what is queued leave (0: drop it; a restarting daemon's last replies matter).
+        self.linger_on_close_ms = 0
 
     def _socket(self, kind: int, identity: bytes | None = None) -> zmq.Socket[bytes]:
         sock = self._ctx.socket(kind)
@@ -106,7 +108,7 @@ class Context:
 
     def close(self) -> None:
         for sock in self._sockets:
-            sock.close()
+            sock.close(linger_ms=self.linger_on_close_ms)
         self._sockets.clear()
         self._ctx.term()
 
@@ -338,7 +340,7 @@ class _Pump:
             self._drained = self._attach().create_future()
         await asyncio.shield(self._drained)
 
-    def close(self) -> None:
+    def close(self, linger_ms: int = 0) -> None:
         if self._closed:
             return
         self._closed = True
@@ -356,7 +358,7 @@ class _Pump:
             self._drained.set_result(None)  # nothing more will leave: do not keep anyone waiting
         self._backlog.clear()
         self._backlogged = 0
-        self._sock.close(linger=0)
+        self._sock.close(linger=linger_ms)
 
 
 class RouterSocket(_Pump):
