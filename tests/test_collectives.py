@@ -88,12 +88,16 @@ def test_training_on_a_mesh_over_two_hosts_equals_plain_jax(grouped: pw.LocalClu
 HEARTBEAT_TIMEOUT_SECONDS = 3.0
 
 
-@pytest.fixture
-def fragile() -> Iterator[pw.LocalCluster]:
+def quick_to_notice_loss() -> Iterator[pw.LocalCluster]:
+    """A cluster of its own (the test changes its membership) that declares a silent host lost in 3 s."""
     spec = pw.LocalClusterSpec(islands=1, hosts_per_island=2, devices_per_host=2, collectives=True,
-                               heartbeat_timeout_seconds=HEARTBEAT_TIMEOUT_SECONDS, stop_timeout_seconds=3.0)
+                               heartbeat_timeout_seconds=HEARTBEAT_TIMEOUT_SECONDS, stop_timeout_seconds=5.0)
     with pw.LocalCluster(spec) as running:
         yield running
+
+
+fragile = pytest.fixture(quick_to_notice_loss, name="fragile")
+elastic = pytest.fixture(quick_to_notice_loss, name="elastic")
 
 
 @pytest.mark.timeout(180)
@@ -121,3 +125,47 @@ def test_a_collective_whose_peer_dies_fails_with_device_lost_and_the_survivor_se
         assert victim not in after.executors
         double = pw.pmap(lambda x: x * 2.0, devices=after)
         assert np.asarray(double(np.ones(2, np.float32))).tolist() == [2.0, 2.0]
+
+
+def _formings(cluster: pw.LocalCluster) -> dict[str, int]:
+    """Live executor -> the forming of the island's JAX group it is in."""
+    return {e.executor_id: e.group_epoch for e in fetch_status(cluster.address).cluster.executors if e.alive}
+
+
+@pytest.mark.timeout(300)
+def test_the_group_re_forms_as_executors_join_and_leave_and_buffers_stay(elastic: pw.LocalCluster) -> None:
+    with pw.Client(elastic.address, name="elastic") as client:
+        sl = spanning(client)
+        total = pw.pmap(lambda x: jax.lax.psum(x, "i") * 2.0, devices=sl, axis_name="i")
+        x = np.arange(8, dtype=np.float32).reshape(4, 2)
+        expected = np.broadcast_to(x.sum(0) * 2.0, (4, 2))
+        kept = total(x)  # stays on both executors (never fetched) while they restart into new formings
+        np.asarray(total(x))
+        first = _formings(elastic)
+        assert len(set(first.values())) == 1 and min(first.values()) >= 1, first
+
+        # A host joins: every member restarts into a forming of three, and keeps what it held.
+        elastic.add_executor(0, "island0-host2")
+        eventually(lambda: len(set(_formings(elastic).values())) == 1 and len(_formings(elastic)) == 3, 60)
+        joined = _formings(elastic)
+        assert min(joined.values()) > max(first.values()), (first, joined)
+        np.testing.assert_array_equal(np.asarray(kept), expected)
+        np.testing.assert_array_equal(np.asarray(total(x)), expected)  # functions registered before
+        wide = client.make_virtual_device_set().add_slice(devices=6)
+        assert len(wide.executors) == 3
+        wider = pw.pmap(lambda v: jax.lax.psum(v, "i"), devices=wide, axis_name="i")
+        np.testing.assert_array_equal(np.asarray(wider(np.ones(6, np.float32))), [6.0] * 6)
+
+        # A host leaves (stopped, as after a drain): the other two form a group without it.
+        leaving = next(c for c in elastic.children if c.name == "island0-host2")
+        leaving.popen.terminate()
+        assert leaving.popen.wait(timeout=30) == 0
+        # Work submitted as the others restart (its function and inputs sent to executors on their
+        # way out: their proxy fences, then holds them) completes once they are back.
+        during = pw.pmap(lambda v: v + 1.0, devices=client.make_virtual_device_set().add_slice(devices=2))
+        np.testing.assert_array_equal(np.asarray(during(np.zeros(2, np.float32))), [1.0, 1.0])
+        eventually(lambda: set(_formings(elastic)) == set(first)
+                   and len(set(_formings(elastic).values())) == 1
+                   and min(_formings(elastic).values()) > max(joined.values()), 60)
+        np.testing.assert_array_equal(np.asarray(kept), expected)
+        np.testing.assert_array_equal(np.asarray(total(x)), expected)

@@ -56,13 +56,12 @@ def _wait_for_graph(address: str) -> dict[str, set[str]]:
     """Executor -> the executors it waits for (from the watchdogs): those its devices' collectives span
     that are not in the same collective (they run another one first)."""
     status = fetch_status(address)
-    owner = {d.global_id: e.executor_id for e in status.cluster.executors for d in e.devices}
     stuck: dict[str, dict[str, set[str]]] = {}  # executor -> collective ("run R node N") -> executors it spans
     for stats in status.executor_stats:
         for wait in stats.gang_waits:
-            found = re.search(r"in (run \S+ node \d+) .*over JAX devices \[(.*?)\]", wait)
+            found = re.search(r"in (run \S+ node \d+) .*over \d+ devices of (.*?), for ", wait)
             assert found is not None, wait
-            spans = {owner[int(i)] for i in found.group(2).split(",")}
+            spans = set(found.group(2).split(", "))
             stuck.setdefault(stats.executor_id, {})[found.group(1)] = spans
     return {executor: {other for label, spans in mine.items() for other in spans
                        if other != executor and label not in stuck.get(other, {})}

@@ -382,7 +382,7 @@ def test_collectives_over_executors_outside_a_jax_group_are_refused_clearly(clie
     sl = client.make_virtual_device_set().add_slice(devices=4)  # two hosts of two devices each, in no JAX group
     assert len({d.executor for d in sl.devices}) == 2
     total = pw.jit(lambda v: v.sum(), devices=sl, in_specs=P("x"))
-    with pytest.raises(pw.InvalidArgument, match=r"spans several executors .*no group.*one JAX group.*--jax-coordinator"):
+    with pytest.raises(pw.InvalidArgument, match=r"spans several executors .*no group.*one JAX group.*--collectives"):
         np.asarray(total(np.arange(8.0, dtype=np.float32)))
 
 

@@ -6,7 +6,10 @@ Every option can also come from an environment variable (``PWMESH_RM_ADDRESS``,
 
 from __future__ import annotations
 
+import logging
 import os
+import sys
+from typing import NoReturn
 
 import click
 
@@ -53,16 +56,20 @@ def rm_main(listen: str, name: str, heartbeat_timeout_seconds: float, log_level:
               help="fair: strict priority, then least device time per unit of weight; fifo: arrival order.")
 @click.option("--window", type=click.IntRange(min=1), default=8, envvar="PWMESH_WINDOW", show_default=True,
               help="Runs in flight per device; the policy chooses among the rest.")
+@click.option("--collectives/--no-collectives", default=False, envvar="PWMESH_COLLECTIVES", show_envvar=True,
+              show_default=True,
+              help="Form the island's JAX group of its --collectives executors (and form it again as they come "
+                   "and go), serving each forming's coordinator as a child process on this host.")
 @_heartbeat
 @_log_level
 @_log_format
-def scheduler_main(island: int, rm: str, listen: str, name: str, policy: str, window: int,
+def scheduler_main(island: int, rm: str, listen: str, name: str, policy: str, window: int, collectives: bool,
                    heartbeat_interval_seconds: float, log_level: str, log_format: str) -> None:
     """Run the island scheduler of island ISLAND."""
     from pwmesh.scheduler.daemon import Scheduler, SchedulerConfig  # noqa: PLC0415
 
     config = SchedulerConfig(island=island, rm=rm, listen=listen, name=name, policy=policy, window=window,
-                             heartbeat_interval_seconds=heartbeat_interval_seconds)
+                             collectives=collectives, heartbeat_interval_seconds=heartbeat_interval_seconds)
     setup_logging("scheduler", config.name or f"scheduler-{island}", log_level, log_format)
     run(Scheduler(config))
 
@@ -105,13 +112,19 @@ class _ByteSize(click.ParamType):
                    "0: no limit.")
 @click.option("--watchdog-seconds", type=float, default=10.0, show_default=True,
               help="Log gang computations that wait in their collectives for longer than this.")
-@click.option("--jax-coordinator", default="", envvar="PWMESH_JAX_COORDINATOR", show_envvar=True,
-              help="HOST:PORT of the island's JAX group coordinator (pwmesh-jax-coordinator): the island's "
-                   "executors form one JAX multi-process group, so SPMD computations (collectives) span them.")
-@click.option("--jax-processes", type=int, default=0, envvar="PWMESH_JAX_PROCESSES", show_envvar=True,
-              help="How many processes the JAX group has: the coordinator and every executor in it.")
-@click.option("--jax-process-id", type=int, default=1, envvar="PWMESH_JAX_PROCESS_ID", show_envvar=True,
-              help="This executor's place in the JAX group, 1 to --jax-processes - 1 (0 is the coordinator).")
+@click.option("--collectives/--no-collectives", default=False, envvar="PWMESH_COLLECTIVES", show_envvar=True,
+              show_default=True,
+              help="Join the island's JAX multi-process group, so SPMD computations (collectives) span this "
+                   "executor and the island's others; the island's scheduler (also --collectives) forms the "
+                   "group and re-forms it as executors come and go (this process then restarts its JAX runtime, "
+                   "keeping its buffers).")
+# Set by the executor itself when it restarts into a forming of its island's JAX group.
+@click.option("--jax-coordinator", default="", hidden=True)
+@click.option("--jax-processes", type=int, default=0, hidden=True)
+@click.option("--jax-process-id", type=int, default=1, hidden=True)
+@click.option("--group-epoch", type=int, default=0, hidden=True)
+@click.option("--group-members", default="", hidden=True)
+@click.option("--resume-from", default="", hidden=True)
 @click.option("--shared-memory/--no-shared-memory", default=True, show_default=True,
               help="Exchange bulk data with executors on the same machine through /dev/shm (else TCP).")
 @click.option("--platform", type=click.Choice(["cpu", "cuda", "rocm", "tpu"]), default=None,
@@ -125,7 +138,8 @@ class _ByteSize(click.ParamType):
 @_log_level
 @_log_format
 def executor_main(island: int, rm: str, devices: int, listen: str, data_listen: str, name: str, host: str,
-                  watchdog_seconds: float, jax_coordinator: str, jax_processes: int, jax_process_id: int,
+                  watchdog_seconds: float, collectives: bool, jax_coordinator: str, jax_processes: int,
+                  jax_process_id: int, group_epoch: int, group_members: str, resume_from: str,
                   shared_memory: bool, platform: str | None, test_enqueue_jitter_seconds: float,
                   test_order_by_arrival: bool,
                   test_seed: int,
@@ -139,18 +153,53 @@ def executor_main(island: int, rm: str, devices: int, listen: str, data_listen: 
     if platform:
         os.environ["JAX_PLATFORMS"] = platform
     from pwmesh.executor.daemon import Executor, ExecutorConfig  # noqa: PLC0415
-    from pwmesh.executor.group import GroupConfig  # noqa: PLC0415
+    from pwmesh.executor.group import GroupConfig, GroupJoinFailed  # noqa: PLC0415
 
     config = ExecutorConfig(island=island, rm=rm, devices=devices, listen=listen, data_listen=data_listen,
                             name=name, host=host, heartbeat_interval_seconds=heartbeat_interval_seconds,
                             memory_limit_bytes=memory_limit_bytes, watchdog_seconds=watchdog_seconds,
+                            collectives=collectives,
                             group=GroupConfig(jax_coordinator, jax_processes, jax_process_id)
-                            if jax_coordinator else None,
+                            if collectives and jax_coordinator else None,
+                            group_epoch=group_epoch, group_members=tuple(filter(None, group_members.split(","))),
+                            resume_from=resume_from,
                             shared_memory=shared_memory, platform=platform or "",
                             test_enqueue_jitter_seconds=test_enqueue_jitter_seconds,
                             test_order_by_arrival=test_order_by_arrival, test_seed=test_seed)
     setup_logging("executor", name or f"island{island}", log_level, log_format)
-    run(Executor(config))
+    try:
+        executor = Executor(config)
+    except GroupJoinFailed as exc:  # that forming failed: start outside any; the scheduler forms another
+        logging.getLogger("pwmesh.executor").error("%s; restarting outside the group", exc.message)
+        restart(["--jax-coordinator", "", "--group-epoch", "0", "--group-members", ""])
+    run(executor)
+    if executor.restart is not None:  # into its island's JAX group's next forming
+        restart(executor.restart)
+
+
+# The options a restart sets (each takes one value): an earlier restart's are dropped, not piled up.
+_RESTART_OPTIONS = {"--listen", "--data-listen", "--name", "--jax-coordinator", "--jax-processes",
+                    "--jax-process-id", "--group-epoch", "--group-members", "--resume-from"}
+
+
+def restart(options: list[str]) -> NoReturn:
+    """Replace this executor process by a new one (same pid, same arguments but ``options``): JAX's runtime
+    can join a multi-process group only when it starts."""
+    args, given = [], sys.argv[1:]
+    i = 0
+    while i < len(given):
+        flag = given[i].split("=", 1)[0]
+        if flag in _RESTART_OPTIONS and "=" not in given[i] and flag in options:
+            i += 2
+            continue
+        if flag in _RESTART_OPTIONS and flag in options:
+            i += 1
+            continue
+        args.append(given[i])
+        i += 1
+    for handler in logging.getLogger().handlers:
+        handler.flush()
+    os.execv(sys.executable, [sys.executable, "-m", "pwmesh.cli.daemons", "executor", *args, *options])
 
 
 @click.command(name="pwmesh-proxy")
@@ -171,7 +220,8 @@ def proxy_main(rm: str, listen: str, name: str, session_timeout_seconds: float, 
 
 @click.command(name="pwmesh-jax-coordinator")
 @click.option("--address", required=True, envvar="PWMESH_JAX_COORDINATOR", show_envvar=True,
-              help="HOST:PORT to serve the island's JAX group on (its executors' --jax-coordinator).")
+              help="HOST:PORT to serve a forming of an island's JAX group on (the island's scheduler starts one "
+                   "per forming).")
 @click.option("--processes", type=int, required=True, envvar="PWMESH_JAX_PROCESSES", show_envvar=True,
               help="How many processes the group has: this one and every executor in it.")
 @_log_level
@@ -190,7 +240,5 @@ DAEMONS = {"rm": rm_main, "scheduler": scheduler_main, "executor": executor_main
            "jax-coordinator": jax_coordinator_main}
 
 if __name__ == "__main__":  # ``python -m pwmesh.cli.daemons ROLE ...``, used by the local launcher
-    import sys
-
     role = sys.argv.pop(1)
     DAEMONS[role](prog_name=f"pwmesh-{role}")

@@ -302,7 +302,7 @@ class DataPlane:
     batch that arrives; ``idle`` is set whenever every batch sent so far has been acknowledged."""
 
     def __init__(self, loop: Any, on_batch: Callable[[TupleBatch], None], *, bind_host: str = "127.0.0.1",
-                 shared_memory: bool = True, max_segments: int = 8, max_streams: int = 4096,
+                 port: int = 0, shared_memory: bool = True, max_segments: int = 8, max_streams: int = 4096,
                  limits: codec.Limits = codec.DEFAULT_LIMITS) -> None:
         self.loop = loop
         self.on_batch = on_batch
@@ -316,7 +316,7 @@ class DataPlane:
         self._count_lock = threading.Lock()
         self.idle = asyncio.Event()  # set while nothing sent is unacknowledged (built on the owner's loop)
         self.idle.set()
-        self._listener = socket.create_server((bind_host, 0), backlog=128)
+        self._listener = socket.create_server((bind_host, port), backlog=128)
         host, port = self._listener.getsockname()[:2]
         self.address = f"tcp://{host}:{port}"
         self.max_streams = max_streams

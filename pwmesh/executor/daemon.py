@@ -16,6 +16,7 @@ import os
 import random
 import socket
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import jax
@@ -25,13 +26,14 @@ from pwmesh.dataflow.exchange import Destination, Ragged, assemble, cut, cut_err
 from pwmesh.dataflow.plane import DataPlane
 from pwmesh.dataflow.progress import Arrived, Progress, ProgressError
 from pwmesh.errors import InvalidArgument, PwmeshError
+from pwmesh.executor import spill
 from pwmesh.executor.functions import FunctionCache
-from pwmesh.executor.group import GroupConfig, join
+from pwmesh.executor.group import GroupConfig, group_devices, join
 from pwmesh.executor.runner import Runner, as_error
 from pwmesh.executor.store import ObjectStore
 from pwmesh.executor.work import Work
 from pwmesh.service.heartbeat import every
-from pwmesh.service.lifecycle import Service
+from pwmesh.service.lifecycle import Service, Status
 from pwmesh.service.rpc import Connections, Server, wait_for_peer
 from pwmesh.wire import Envelope
 from pwmesh.wire.messages import (
@@ -46,11 +48,14 @@ from pwmesh.wire.messages import (
     ErrorInfo,
     ExecutorInfo,
     ExecutorStats,
+    Fence,
     FetchShards,
     ForgetOwner,
     GetExecutorStats,
     GetTrace,
     Heartbeat,
+    JoinGroup,
+    LeavingForGroup,
     NodeDone,
     Ok,
     Ping,
@@ -65,6 +70,7 @@ from pwmesh.wire.messages import (
     TraceEvents,
     TupleBatch,
     UnregisterExecutor,
+    Watchers,
 )
 from pwmesh.wire.parts import PartTemplates, enqueued
 
@@ -93,13 +99,18 @@ class ExecutorConfig:
     name: str = ""
     host: str = ""
     listen: str = "tcp://127.0.0.1:0"
-    data_listen: str = "tcp://127.0.0.1:0"  # the data plane's TCP listener (its port is always chosen)
+    data_listen: str = "tcp://127.0.0.1:0"  # the data plane's TCP listener (port 0: a free one)
     shared_memory: bool = True  # same-machine peers exchange bulk data through /dev/shm
     rm_timeout_seconds: float = 30.0
     heartbeat_interval_seconds: float = 2.0
     memory_limit_bytes: int = 0  # all this executor's devices together; 0: no limit
     watchdog_seconds: float = 10.0  # report gang computations in their collectives for longer than this
-    group: GroupConfig | None = None  # the island's JAX group, for SPMD computations across executors
+    # Join the island's JAX group, which its scheduler forms and re-forms, so SPMD computations span executors.
+    collectives: bool = False
+    group: GroupConfig | None = None  # the forming to join now (None: none yet)
+    group_epoch: int = 0  # which forming that is
+    group_members: tuple[str, ...] = ()  # its executors: processes 1..N
+    resume_from: str = ""  # state saved before restarting into that forming (``pwmesh.executor.spill``)
     platform: str = ""  # cpu, cuda, rocm or tpu: what its devices must be ("": whatever JAX finds)
     # Test-only fault injection: delay each Enqueue by a random time, and (arrival
     # order) run work in the order it arrives instead of the island's order.
@@ -133,6 +144,8 @@ class Executor(Service):
             )
         self.devices = local[: config.devices]
         self.store = ObjectStore()
+        self.restart: list[str] | None = None  # set when leaving to restart into a new forming: the arguments
+        self._joining: JoinGroup | None = None
 
     async def setup(self) -> None:
         self.functions = FunctionCache()
@@ -147,6 +160,13 @@ class Executor(Service):
         self._cancelled: collections.OrderedDict[str, PwmeshError] = collections.OrderedDict()
         self._completed: dict[tuple[str, str], list[int]] = {}  # (proxy, run) -> nodes done, not yet reported
         self._parts_done: list[tuple[str, RunPartDone]] = []  # (scheduler, message) sent with those
+        self._registered: dict[str, RegisterFunction] = {}  # kept across a restart into a new forming
+        self._fences: collections.Counter[int] = collections.Counter()  # forming -> watchers fenced
+        self._fenced = asyncio.Event()
+        if self.config.group is not None:
+            self.runner.group_devices = group_devices(self.name, self.devices, self.config.group_members)
+        if self.config.resume_from:
+            self._resume(Path(self.config.resume_from))
         control = {
             RegisterFunction: self._register_function,
             Enqueue: self._enqueue,
@@ -157,13 +177,15 @@ class Executor(Service):
             CancelRun: self._cancel_run,
             ForgetOwner: self._forget_owner,
             AwaitIdle: self._await_idle,
+            JoinGroup: self._join_group,
+            Fence: self._fence,
             GetExecutorStats: lambda peer, env: self.stats(),
             GetTrace: self._trace,
             Ping: self.ping,
         }
         self.control = Server(self.ctx, self.config.listen, control, tasks=self.tasks, name=self.name)
-        bind_host = self.config.data_listen.removeprefix("tcp://").rsplit(":", 1)[0]
-        self.plane = DataPlane(asyncio.get_running_loop(), self._receive, bind_host=bind_host,
+        bind_host, _, port = self.config.data_listen.removeprefix("tcp://").rpartition(":")
+        self.plane = DataPlane(asyncio.get_running_loop(), self._receive, bind_host=bind_host, port=int(port or 0),
                                shared_memory=self.config.shared_memory)
         self.control.start()
         self.peers = Connections(self.ctx, tasks=self.tasks, name=self.name, on_message=self._notified)
@@ -181,7 +203,8 @@ class Executor(Service):
             control=self.control.address, data=self.plane.address, pid=os.getpid(),
             devices=[DeviceInfo(index=i, kind=d.device_kind, platform=platform_of(d), global_id=d.id)
                      for i, d in enumerate(self.devices)],
-            group=self.config.group.coordinator if self.config.group is not None else "",
+            group=f"island-{self.config.island}" if self.config.collectives else "",
+            group_epoch=self.config.group_epoch if self.config.group is not None else 0,
         )
 
     def _notified(self, env: Envelope) -> None:
@@ -198,6 +221,7 @@ class Executor(Service):
         msg = env.message
         assert isinstance(msg, RegisterFunction)
         fn = self.functions.register(msg.fn_id, msg.exported, msg.spmd, msg.mesh, msg.axes, msg.donate)
+        self._registered.setdefault(msg.fn_id, msg)
         # Compile for the devices it will run on now, in the background (not an SPMD function over a mesh
         # that spans executors: the devices here are only part of it; it compiles as it first runs).
         devices = [self.devices[i] for i in msg.devices if 0 <= i < len(self.devices)]
@@ -469,14 +493,122 @@ class Executor(Service):
         for scheduler, done in parts:
             self.peers.post(scheduler, done)
 
-    async def drain(self) -> None:
-        """Let every queued computation finish (and its results leave) before closing."""
+    # ------------------------------------------------------------ the JAX group
+
+    def _join_group(self, peer: bytes, env: Envelope) -> Ok:
+        """Restart into forming ``epoch`` of the island's JAX group, once the work here is done."""
+        msg = env.message
+        assert isinstance(msg, JoinGroup)
+        if not self.config.collectives:
+            raise InvalidArgument(f"executor {self.name} was not started with --collectives: it joins no JAX group")
+        if self.name not in msg.members:
+            raise InvalidArgument(f"forming {msg.epoch} of the JAX group does not name executor {self.name}")
+        current = self.config.group_epoch if self.config.group is not None else 0
+        if self.status is not Status.RUNNING:
+            return Ok()  # leaving anyway
+        if msg.epoch == current or (self._joining is not None and self._joining.epoch == msg.epoch):
+            return Ok()  # asked again: already there, or on the way
+        first = self._joining is None
+        self._joining = msg  # the newest forming wins, if several arrive while the work here finishes
+        if first:
+            self.tasks.spawn(self._leave_for_group(), name="join-group")
+        return Ok()
+
+    def _fence(self, peer: bytes, env: Envelope) -> None:
+        msg = env.message
+        assert isinstance(msg, Fence)
+        self._fences[msg.epoch] += 1
+        self._fenced.set()
+
+    async def _drained(self, going: str) -> None:
+        """Wait until queued work has finished and what we sent has left (``going``: why, for the log)."""
         await self.runner.wait_idle()
         await self._sent.wait()
         try:
             await asyncio.wait_for(self.plane.idle.wait(), timeout=5.0)
         except TimeoutError:
-            log.warning("%d data batches were not acknowledged before leaving", self.plane.in_flight)
+            log.warning("%d data batches were not acknowledged before %s", self.plane.in_flight, going)
+
+    async def _wait_fences(self, epoch: int, watchers: int) -> None:
+        while self._fences[epoch] < watchers:
+            self._fenced.clear()
+            await self._fenced.wait()
+
+    async def _leave_for_group(self) -> None:
+        await self._drained("restarting")
+        msg = self._joining
+        assert msg is not None
+        log.info("restarting into forming %d of island %d's JAX group (%d members)", msg.epoch, self.config.island,
+                 len(msg.members))
+        # Not lost while away (the restart, JAX's import, then every member joining, takes seconds);
+        # and every watcher fences: what it posted before arrives here, what it posts next waits for
+        # our return (a message arriving while this process closes would be lost with it).
+        grace = GroupConfig.timeout_seconds + 30.0
+        try:
+            reply = await self.peers.request(self.config.rm, LeavingForGroup(executor_id=self.name, epoch=msg.epoch,
+                                                                             grace_seconds=grace),
+                                             timeout_seconds=5.0)
+            watchers = reply.count if isinstance(reply, Watchers) else 0
+            await asyncio.wait_for(self._wait_fences(msg.epoch, watchers), timeout=5.0)
+        except (PwmeshError, TimeoutError) as exc:
+            log.warning("restarting into forming %d without every watcher's fence (%s): messages sent here "
+                        "meanwhile may be lost", msg.epoch, exc)
+        await self._drained("restarting")  # what arrived before the fences (a move to send, say) is done too
+        await self.peers.barrier(timeout_seconds=5.0)  # completions delivered
+        self.restart = [
+            "--listen", self.control.address, "--data-listen", self.plane.address,
+            "--name", self.name, "--jax-coordinator", msg.coordinator,
+            "--jax-processes", str(len(msg.members) + 1), "--jax-process-id", str(msg.members.index(self.name) + 1),
+            "--group-epoch", str(msg.epoch), "--group-members", ",".join(msg.members),
+        ]
+        self.ctx.linger_on_close_ms = 2000  # requests still waiting here are answered Unavailable: let that leave
+        asyncio.get_running_loop().create_task(self.close(), name="close-to-restart")  # noqa: RUF006 - run() awaits it
+
+    def _spill(self) -> None:
+        """Move everything that must outlive the restart to host memory (``restart`` gets where)."""
+        index = {d: i for i, d in enumerate(self.devices)}
+        values: list[tuple[str, int, Any, int]] = []
+        for key, value, nbytes in self.store.held():
+            if isinstance(value, Ragged):
+                values.append((key, 0, value, nbytes))
+            else:
+                device = next(iter(value.devices()))
+                values.append((key, index.get(device, 0), np.asarray(value), nbytes))
+        directory = spill.spill_directory(self.name)
+        spill.save(spill.Saved(values=values, failures=self.store.failures(), tombstones=self.store.tombstones(),
+                               functions=list(self._registered.values()),
+                               expected_seq=dict(self._expected_seq)), directory)
+        assert self.restart is not None
+        self.restart += ["--resume-from", str(directory)]
+        log.info("moved %d buffers (%d bytes) to host memory for the restart", len(values),
+                 sum(v[3] for v in values))
+
+    def _resume(self, directory: Path) -> None:
+        """Take back what ``_spill`` saved before this process restarted into its group's forming."""
+        saved = spill.load(directory)
+        for key, device, value, nbytes in saved.values:
+            if isinstance(value, Ragged):
+                self.store.put(key, value, nbytes)
+            else:
+                self.store.put(key, jax.device_put(value, self.devices[device]), nbytes)
+        for key, exc in saved.failures.items():
+            self.store.fail(key, exc)
+        self.store.bury(saved.tombstones)
+        for fn in saved.functions:
+            self.functions.register(fn.fn_id, fn.exported, fn.spmd, fn.mesh, fn.axes, fn.donate)
+            self._registered[fn.fn_id] = fn
+        self._expected_seq.update(saved.expected_seq)
+        spill.remove(directory)
+        log.info("took back %d buffers and %d functions after restarting into forming %d", len(saved.values),
+                 len(saved.functions), self.config.group_epoch)
+
+    # ------------------------------------------------------------------ leaving
+
+    async def drain(self) -> None:
+        """Let every queued computation finish (and its results leave) before closing."""
+        if self.restart is not None:  # idle already; not leaving the cluster, only restarting
+            return
+        await self._drained("leaving")
         await self.peers.barrier(timeout_seconds=5.0)
         # Leave on purpose, so clients learn at once that this host's objects are gone.
         try:
@@ -487,6 +619,8 @@ class Executor(Service):
 
     async def close(self) -> None:
         await super().close()
+        if self.restart is not None:  # sockets closed: nothing more can arrive
+            self._spill()
         if hasattr(self, "runner"):
             await self.runner.aclose()
         if hasattr(self, "plane"):
@@ -494,4 +628,7 @@ class Executor(Service):
 
     def ready_info(self) -> dict[str, Any]:
         return {**super().ready_info(), "address": self.control.address, "data": self.plane.address,
-                "island": self.config.island, "devices": len(self.devices)}
+                "island": self.config.island, "devices": len(self.devices),
+                "group_epoch": self.config.group_epoch if self.config.group is not None else 0,
+                "group_size": len(self.config.group_members) if self.config.group is not None else 0}
+

@@ -72,6 +72,11 @@ INLINE_SECONDS = 1e-3  # computations quicker than this (all shards, recently) r
 RUN_AHEAD = 4  # computations handed to a device and not yet finished there, at most (see ``Runner._stream``)
 
 
+def gang_label(comp: Computation) -> str:
+    hosts = sorted({g.executor_id for g in comp.gang})
+    return f"{len(comp.gang)} devices of {', '.join(hosts)}"
+
+
 def runs_inline(fn: CompiledFunction, seconds: float) -> bool:
     """Whether a computation expected to take ``seconds`` (all its shards) is quick enough to run
     right on the loop (held at most INLINE_SECONDS), rather than hop to device threads and back.
@@ -130,7 +135,9 @@ class Runner:
         self._streaming: list[collections.deque[Work]] = [collections.deque() for _ in devices]
         self._device_free: list[float] = [0.0] * len(devices)  # when its last streamed computation ended
         self._landings: list[Landings | None] = [None] * len(devices)  # started with a device's first stream
-        self._global: dict[int, jax.Device] | None = None  # every device of this executor's JAX group, by id
+        # Every device of this executor's JAX group by (executor, device index): a gang's mesh (set by the
+        # executor once it has joined the group).
+        self.group_devices: dict[tuple[str, int], jax.Device] = {}
 
     @property
     def outstanding(self) -> int:
@@ -235,7 +242,7 @@ class Runner:
         for work, since in list(self._collectives.items()):  # in the order they were handed over
             if seen.isdisjoint(work.devices) and now - since >= older_than_seconds:
                 waits.append(f"devices [{','.join(map(str, work.devices))}] have been in {work.label}, a collective "
-                             f"over JAX devices {work.comp.gang}, for {now - since:.1f} s")
+                             f"over {gang_label(work.comp)}, for {now - since:.1f} s")
             seen.update(work.devices)
         return waits
 
@@ -300,7 +307,7 @@ class Runner:
             err = as_error(exc, f"computation {comp.node} ({comp.fn_id[:12] or comp.kind})")
             if comp.gang and peer_gone(exc):
                 err = DeviceLost(f"computation {comp.node} ({comp.fn_id[:12]}) lost a peer in its collectives over "
-                                 f"JAX devices {comp.gang}: {exc}")
+                                 f"{gang_label(comp)}: {exc}")
         self._finish(work, arrived, start, per_shard, outs, err, reserved)
 
     async def _inputs(self, work: Work, streamed: bool) -> list[list[Any]]:
@@ -447,7 +454,8 @@ class Runner:
                   ) -> tuple[CompiledFunction, list[jax.Device], list[Any]] | None:
         """The function, devices (a gang's: its whole mesh) and executables of a computation, if it is
         registered and compiled for its devices; found once per (function, devices), then remembered."""
-        key = (comp.fn_id, comp.spmd, tuple(comp.gang) or device_ids, tuple(comp.donate))
+        mesh = tuple((g.executor_id, g.device) for g in comp.gang)
+        key = (comp.fn_id, comp.spmd, mesh or device_ids, tuple(comp.donate))
         found = self._ready.get(key)
         if found is None:
             entry = self.functions.get(comp.fn_id)
@@ -462,16 +470,14 @@ class Runner:
         return found
 
     def _mesh(self, comp: Computation, device_ids: tuple[int, ...]) -> list[jax.Device]:
-        """The devices a computation runs over: its local ones, or a gang's every device (JAX ids)."""
+        """The devices a computation runs over: its local ones, or a gang's every device."""
         if not comp.gang:
             return [self.devices[d] for d in device_ids]
-        if self._global is None:
-            self._global = {d.id: d for d in jax.devices()}
-        missing = [i for i in comp.gang if i not in self._global]
+        missing = [f"{g.executor_id}:{g.device}" for g in comp.gang if (g.executor_id, g.device) not in self.group_devices]
         if missing:
-            raise PwmeshError(f"computation {comp.node} spans JAX devices {missing}, which this executor's JAX group "
-                              f"does not have (it has {sorted(self._global)})")
-        return [self._global[i] for i in comp.gang]
+            raise DeviceLost(f"computation {comp.node} spans devices {', '.join(missing)}, which are not in this "
+                             f"executor's JAX group now")
+        return [self.group_devices[g.executor_id, g.device] for g in comp.gang]
 
     def _local(self, work: Work) -> tuple[jax.Device, ...]:
         return tuple(self.devices[d] for d in work.devices)

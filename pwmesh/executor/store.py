@@ -294,6 +294,25 @@ class ObjectStore:
         """Drop the tombstones of an owner (a closed session): its buffers never come again."""
         self._deleted = {k for k in self._deleted if not k.startswith(prefix)}
 
+    def held(self) -> list[tuple[str, Any, int]]:
+        """(key, value, bytes) of every value here."""
+        return [(k, v, self._nbytes.get(k, 0)) for k, v in self._values.items()]
+
+    def failures(self) -> dict[str, PwmeshError]:
+        """The keys that failed, with their failures."""
+        out = {}
+        for key, fut in self._futures.items():
+            if fut.done() and not fut.cancelled() and isinstance(fut.exception(), PwmeshError):
+                out[key] = fut.exception()
+        return out
+
+    def tombstones(self) -> list[str]:
+        return sorted(self._deleted)
+
+    def bury(self, buffers: list[str]) -> None:
+        """Mark ``buffers`` deleted (tombstones kept across a restart of this executor)."""
+        self._deleted.update(buffers)
+
     def __len__(self) -> int:
         return len(self._values) + len(self._futures)  # a key is in one of them at most
 

@@ -31,6 +31,7 @@ from pwmesh.ir.graph import donation_error
 from pwmesh.wire.messages import (
     Computation,
     Emit,
+    GangDevice,
     NodeSpec,
     PhysicalDevice,
     ProgramSpec,
@@ -58,20 +59,19 @@ class ShardLocation:
     island: int
     host: str = ""
     group: str = ""  # the executor's JAX group ("" for none)
-    global_id: int = -1  # the device's JAX id in that group
 
 
 def location(d: PhysicalDevice) -> ShardLocation:
-    return ShardLocation(d.executor_id, d.control, d.data, d.device, d.island, d.host, d.group, d.global_id)
+    return ShardLocation(d.executor_id, d.control, d.data, d.device, d.island, d.host, d.group)
 
 
 def slice_locations(sl: SliceInfo) -> list[ShardLocation]:
     return [location(d) for d in sl.devices]
 
 
-def cross_host_gang(index: int, devs: list[ShardLocation]) -> list[int]:
-    """The JAX ids of an SPMD node's devices, in shard order, when they span several executors (their
-    collectives then join across processes, through the executors' JAX group); [] when they fit one."""
+def cross_host_gang(index: int, devs: list[ShardLocation]) -> list[GangDevice]:
+    """An SPMD node's devices, in shard order, when they span several executors (their collectives then
+    join across processes, through the executors' JAX group); [] when they fit one."""
     if len({d.executor_id for d in devs}) == 1:
         return []
     groups = {d.group for d in devs}
@@ -79,9 +79,10 @@ def cross_host_gang(index: int, devs: list[ShardLocation]) -> list[int]:
         hosts = sorted({f"{d.executor_id} ({d.group or 'no group'})" for d in devs})
         raise InvalidArgument(
             f"node {index} uses collectives over a slice that spans several executors ({', '.join(hosts)}), "
-            "which must all be in one JAX group for that: start the island's executors with --jax-coordinator "
-            "(pwmesh up --collectives; LocalClusterSpec(collectives=True)), or ask for a slice that fits one host")
-    return [d.global_id for d in devs]
+            "which must all be in one JAX group for that: start the island's scheduler and executors with "
+            "--collectives (pwmesh up --collectives; LocalClusterSpec(collectives=True)), or ask for a slice "
+            "that fits one host")
+    return [GangDevice(executor_id=d.executor_id, device=d.device) for d in devs]
 
 
 def runs_of(pairs: list[tuple[int, int]]) -> list[ShardRun]:

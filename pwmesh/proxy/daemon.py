@@ -26,6 +26,7 @@ from pwmesh.errors import (
     ProtocolError,
     PwmeshError,
     ResourceExhausted,
+    Unavailable,
 )
 from pwmesh.ir.cache import MAX_PROGRAM_ID_CHARS
 from pwmesh.ir.keys import function_id
@@ -56,7 +57,9 @@ from pwmesh.wire.messages import (
     ErrorInfo,
     ExecutorJoined,
     ExecutorLost,
+    ExecutorRestarting,
     ExecutorStats,
+    Fence,
     Fetch,
     FetchShards,
     ForgetOwner,
@@ -449,7 +452,9 @@ class Proxy(Service):
             self.lost_schedulers.pop(msg.address, None)
         elif isinstance(msg, ExecutorJoined):
             self.lost.pop(msg.executor_id, None)  # what it held stays lost: it was declared gone
-            self.peers.mark_alive(msg.control)
+            self.peers.mark_alive(msg.control)  # and sends what waited for it to restart
+        elif isinstance(msg, ExecutorRestarting):
+            self.peers.fence(msg.control, Fence(epoch=msg.epoch))
         elif isinstance(msg, Error):
             log.warning("a daemon refused a message we sent without waiting: %s: %s", msg.code, msg.message)
         elif isinstance(msg, PleaseRegister):  # the resource manager restarted
@@ -699,8 +704,15 @@ class Proxy(Service):
         shards: list[Any] = [None] * len(wanted)
 
         async def fetch_from(control: str, indices: list[int]) -> None:
-            reply = await self.peers.request(control, FetchShards(keys=[keys[wanted[k]] for k in indices]),
-                                             timeout_seconds=timeout_seconds)
+            deadline = time.monotonic() + timeout_seconds
+            while True:
+                try:
+                    reply = await self.peers.request(control, FetchShards(keys=[keys[wanted[k]] for k in indices]),
+                                                     timeout_seconds=max(0.0, deadline - time.monotonic()))
+                    break
+                except Unavailable:  # it restarted (into its JAX group's next forming) and holds the shards again
+                    if time.monotonic() >= deadline:
+                        raise
             assert isinstance(reply, ShardValues)
             for k, arr in zip(indices, reply.arrays, strict=True):
                 shards[k] = arr
@@ -754,3 +766,4 @@ class Proxy(Service):
         found = await asyncio.gather(*(events(e.control) for e in live))
         return ClusterTrace(executors=[t for t in found if t], limit=limit,
                             missing=[e.executor_id for e, t in zip(live, found, strict=True) if t is None])
+

@@ -18,6 +18,8 @@ from pwmesh.wire.messages import (
     ExecutorLost,
     GetClusterState,
     Heartbeat,
+    LeavingForGroup,
+    Ok,
     Ping,
     RegisterExecutor,
     RegisterScheduler,
@@ -25,6 +27,7 @@ from pwmesh.wire.messages import (
     SliceRemapped,
     UnregisterExecutor,
     WatchCluster,
+    Watchers,
 )
 
 log = logging.getLogger(__name__)
@@ -54,6 +57,7 @@ class ResourceManager(Service):
             cls: self._handle for cls in (RegisterExecutor, UnregisterExecutor, RegisterScheduler, Heartbeat,
                                           AllocateSlice, ReleaseSlices, DrainExecutor, GetClusterState)}
         handlers[WatchCluster] = self._watch
+        handlers[LeavingForGroup] = self._leaving
         handlers[Ping] = self.ping
         self.server = Server(self.ctx, self.config.listen, handlers, tasks=self.tasks, name=self.name,
                              on_unreachable=self.watchers.discard)
@@ -68,6 +72,10 @@ class ResourceManager(Service):
     def _watch(self, peer: bytes, env: Envelope) -> Message | None:
         self.watchers.add(peer)
         return self._handle(peer, env)
+
+    def _leaving(self, peer: bytes, env: Envelope) -> Message | None:
+        reply = self._handle(peer, env)  # every watcher is told before the executor hears back
+        return Watchers(count=len(self.watchers)) if isinstance(reply, Ok) else reply
 
     async def _expire(self) -> None:
         self.state.expire(time.monotonic())

@@ -26,8 +26,10 @@ from pwmesh.wire.messages import (
     ExecutorInfo,
     ExecutorJoined,
     ExecutorLost,
+    ExecutorRestarting,
     GetClusterState,
     Heartbeat,
+    LeavingForGroup,
     Message,
     Ok,
     PhysicalDevice,
@@ -82,6 +84,15 @@ class ResourceManagerState:
                 if role in ("executor", "scheduler"):
                     self.liveness.beat(f"{role}:{name}" if role == "scheduler" else name, now)
                 return None
+            case LeavingForGroup(executor_id=executor_id, epoch=epoch, grace_seconds=grace):
+                info = self.executors.get(executor_id)
+                if info is None:
+                    return PleaseRegister()
+                # The grace counts as a beat that far in the future: a restart under way is no loss.
+                self.liveness.excuse(executor_id, now + max(0.0, min(grace, 600.0)))
+                self.notifications.append(ExecutorRestarting(executor_id=executor_id, control=info.control,
+                                                             epoch=epoch))
+                return Ok()
             case AllocateSlice(owner=owner, devices=n, island=island, kind=kind):
                 return SliceAllocated(slice=self._allocate(owner, n, island, kind))
             case ReleaseSlices(owner=owner, slice_ids=ids):
@@ -96,13 +107,16 @@ class ResourceManagerState:
     # ------------------------------------------------------------------ hosts
 
     def _register_executor(self, info: ExecutorInfo, now: float) -> Ok:
-        old = self.executors.get(info.executor_id)
-        if old is not None and not old.alive:  # back from the dead (paused, partitioned, restarted)
-            self.notifications.append(ExecutorJoined(executor_id=info.executor_id, control=old.control))
+        # New, back from the dead (paused, partitioned, restarted), or restarted into its JAX group's
+        # next forming: watchers deliver to it again, and its island's scheduler tracks the group.
+        self.notifications.append(ExecutorJoined(executor_id=info.executor_id, control=info.control,
+                                                 island=info.island, group=info.group,
+                                                 group_epoch=info.group_epoch))
         info.alive = True
         info.draining = False
         self.executors[info.executor_id] = info
         self.known.add(("executor", info.executor_id))
+        self.liveness.forget(info.executor_id)  # registered again: any excuse for a restart ends
         self.liveness.beat(info.executor_id, now)
         self.map_version += 1
         self._remap(f"capacity returned with {info.executor_id}", only_broken=True)
@@ -187,7 +201,7 @@ class ResourceManagerState:
         info = next((d for d in ex.devices if d.index == ref[1]), None)
         return PhysicalDevice(executor_id=ex.executor_id, island=ex.island, host=ex.host, device=ref[1],
                               control=ex.control, data=ex.data, group=ex.group,
-                              global_id=info.global_id if info else -1, platform=info.platform if info else "cpu")
+                              platform=info.platform if info else "cpu")
 
     def load(self) -> dict[DeviceRef, int]:
         counts: dict[DeviceRef, int] = {}

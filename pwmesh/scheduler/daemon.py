@@ -1,21 +1,36 @@
-"""``pwmesh-scheduler --island N``: the asyncio shell around ``IslandOrder``."""
+"""``pwmesh-scheduler --island N``: the asyncio shell around ``IslandOrder`` (and, with
+``--collectives``, ``IslandGroup``: it serves the island's JAX group, each forming's
+coordinator a child process of its own)."""
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
+import logging
+import os
+import signal
+import socket
+import sys
+import time
 from typing import Any
 
-from pwmesh.errors import DeviceLost
+from pwmesh.errors import DeviceLost, PwmeshError
+from pwmesh.scheduler.group import AskAgain, Form, Formed, IslandGroup, Joined, Left, Tick
 from pwmesh.scheduler.order import IslandOrder, SendEnqueue
 from pwmesh.service.heartbeat import every
 from pwmesh.service.lifecycle import Service
 from pwmesh.service.rpc import Connections, Server, wait_for_peer
 from pwmesh.wire import Envelope
 from pwmesh.wire.messages import (
+    ClusterStateReply,
     ExecutorJoined,
     ExecutorLost,
+    ExecutorRestarting,
+    Fence,
+    GetClusterState,
     GetSchedulerStats,
     Heartbeat,
+    JoinGroup,
     Ping,
     PleaseRegister,
     RegisterScheduler,
@@ -37,6 +52,10 @@ class SchedulerConfig:
     heartbeat_interval_seconds: float = 2.0
     policy: str = "fair"
     window: int = 8  # runs in flight per device
+    collectives: bool = False  # form the island's JAX group of its --collectives executors
+
+
+log = logging.getLogger(__name__)
 
 
 class Scheduler(Service):
@@ -62,6 +81,20 @@ class Scheduler(Service):
         await wait_for_peer(rm, self._registration(), timeout_seconds=self.config.rm_timeout_seconds)
         await rm.request(WatchCluster(role=self.role, name=self.name), timeout_seconds=self.config.rm_timeout_seconds)
         self.tasks.spawn(every(self.config.heartbeat_interval_seconds, self._heartbeat), name="heartbeat")
+        self.group = IslandGroup() if self.config.collectives else None
+        self._held: list[list[SendEnqueue]] = []  # the island's work while its group forms, in order
+        self._controls: dict[str, str] = {}  # executor -> control address (the group's members)
+        self._coordinators: dict[int, asyncio.subprocess.Process] = {}  # forming -> its coordinator
+        self._addresses: dict[int, str] = {}  # forming -> its coordinator's address
+        if self.group is not None:
+            # Executors that registered before we watched: the notifications after this add to them.
+            reply = await rm.request(GetClusterState(), timeout_seconds=self.config.rm_timeout_seconds)
+            assert isinstance(reply, ClusterStateReply)
+            for info in reply.state.executors:
+                if info.alive and info.island == self.config.island and info.group:
+                    self._controls[info.executor_id] = info.control
+                    self._group(Joined(info.executor_id, info.group_epoch))
+            self.tasks.spawn(every(0.25, self._tick), name="group-tick")
 
     def _registration(self) -> RegisterScheduler:
         return RegisterScheduler(info=SchedulerInfo(island=self.config.island, address=self.server.address,
@@ -72,11 +105,19 @@ class Scheduler(Service):
             self.peers.post(self.config.rm, self._registration())
             self.peers.post(self.config.rm, WatchCluster(role=self.role, name=self.name))
         elif isinstance(env.message, ExecutorJoined):
-            self.peers.mark_alive(env.message.control)
+            joined = env.message
+            self.peers.mark_alive(joined.control)
+            if self.group is not None and joined.island == self.config.island and joined.group:
+                self._controls[joined.executor_id] = joined.control
+                self._group(Joined(joined.executor_id, joined.group_epoch))
+        elif isinstance(env.message, ExecutorRestarting):
+            self.peers.fence(env.message.control, Fence(epoch=env.message.epoch))
         elif isinstance(env.message, ExecutorLost):
             lost = env.message
             self.peers.mark_lost(lost.control, DeviceLost(f"executor {lost.executor_id} is gone ({lost.reason})"))
             self._post(self.order.forget_executor(lost.executor_id))
+            if self.group is not None:
+                self._group(Left(lost.executor_id))
 
     async def _heartbeat(self) -> None:
         self.peers.post(self.config.rm, Heartbeat(role=self.role, name=self.name))
@@ -84,8 +125,85 @@ class Scheduler(Service):
     def _post(self, actions: list[SendEnqueue]) -> None:
         # Synchronous from sequencing to posting: each executor receives its parts in
         # island order (and can restore it from ``executor_seq`` regardless).
+        if self.group is not None and (self._held or self.group.holding):
+            if actions:
+                self._held.append(actions)  # posted, in order, once the group has formed
+            return
         for action in actions:
             self.peers.post(action.control, action.enqueue)
+
+    # ------------------------------------------------------------ the JAX group
+
+    async def _tick(self) -> None:
+        self._group(Tick())
+
+    def _group(self, event: Joined | Left | Tick) -> None:
+        assert self.group is not None
+        for action in self.group.handle(event, time.monotonic()):
+            match action:
+                case Form(epoch=epoch, members=members):
+                    self._form(epoch, members)
+                case AskAgain(epoch=epoch, members=members):
+                    log.warning("island %d: %s not in forming %d of the JAX group yet; asking again",
+                                self.config.island, ", ".join(members), epoch)
+                    self._ask(epoch, members, self.group.forming or members)
+                case Formed(epoch=epoch, members=members):
+                    log.info("island %d: JAX group forming %d complete: %s", self.config.island, epoch,
+                             ", ".join(members) or "no members")
+                    for old in [e for e in self._coordinators if e < epoch]:
+                        self.tasks.spawn(self._stop_coordinator(old), name=f"stop-coordinator-{old}")
+                    held, self._held = self._held, []
+                    for actions in held:
+                        for a in actions:
+                            self.peers.post(a.control, a.enqueue)
+
+    def _form(self, epoch: int, members: tuple[str, ...]) -> None:
+        # Formings abandoned under way (a member left) stop now: their members fail to join and start over.
+        assert self.group is not None
+        for old in [e for e in self._coordinators if e > self.group.formed_epoch]:
+            self.tasks.spawn(self._stop_coordinator(old), name=f"stop-coordinator-{old}")
+        host = self.server.address.removeprefix("tcp://").rsplit(":", 1)[0].strip("[]")
+        if host in ("*", "0.0.0.0", ""):  # noqa: S104 - a wildcard bind: the group listens where we are reached
+            host = socket.gethostname()
+        with socket.socket() as probe:
+            probe.bind((host, 0))
+            port = probe.getsockname()[1]
+        address = f"{host}:{port}"
+        log.info("island %d: forming %d of the JAX group at %s: %s", self.config.island, epoch, address,
+                 ", ".join(members))
+        self.tasks.spawn(self._coordinate(epoch, address, len(members) + 1), name=f"coordinator-{epoch}")
+        self._ask(epoch, members, members, address)
+
+    def _ask(self, epoch: int, ask: tuple[str, ...], members: tuple[str, ...], address: str = "") -> None:
+        address = address or self._addresses.get(epoch, "")
+        self._addresses[epoch] = address
+        for member in ask:
+            self.peers.post(self._controls[member], JoinGroup(epoch=epoch, coordinator=address, members=list(members)))
+
+    async def _coordinate(self, epoch: int, address: str, processes: int) -> None:
+        """Serve forming ``epoch``: its coordinator is a child process until a later forming completes."""
+        env = {**os.environ, "PWMESH_PARENT_PID": str(os.getpid()), "JAX_PLATFORMS": "cpu"}
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "pwmesh.cli.daemons", "jax-coordinator", "--address", address,
+            "--processes", str(processes), stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.DEVNULL,
+            env=env)
+        self._coordinators[epoch] = proc
+        code = await proc.wait()
+        if self._coordinators.get(epoch) is proc and code != 0:
+            log.warning("island %d: the coordinator of forming %d exited with %d", self.config.island, epoch, code)
+
+    async def _stop_coordinator(self, epoch: int) -> None:
+        """SIGTERM, then SIGKILL after 5 s: a stuck coordinator never outlives its forming."""
+        proc = self._coordinators.pop(epoch, None)
+        self._addresses.pop(epoch, None)
+        if proc is None or proc.returncode is not None:
+            return
+        proc.send_signal(signal.SIGTERM)
+        try:
+            await asyncio.wait_for(proc.wait(), timeout=5.0)
+        except TimeoutError:
+            proc.kill()
+            await proc.wait()
 
     def _schedule(self, peer: bytes, env: Envelope) -> None:
         run = env.message
@@ -103,6 +221,14 @@ class Scheduler(Service):
 
     async def drain(self) -> None:
         await self.peers.barrier(timeout_seconds=2.0)
+
+    async def close(self) -> None:
+        await super().close()
+        for epoch in list(getattr(self, "_coordinators", {})):
+            try:
+                await self._stop_coordinator(epoch)
+            except (PwmeshError, ProcessLookupError):
+                pass
 
     def ready_info(self) -> dict[str, Any]:
         return {**super().ready_info(), "address": self.server.address, "island": self.config.island}

@@ -52,8 +52,8 @@ class LocalClusterSpec:
     memory_limit_bytes: int = 0  # per executor (all its devices together); 0: no limit
     policy: str = "fair"  # the island schedulers' sharing policy
     executor_args: tuple[str, ...] = ()  # extra flags for every executor (tests: fault injection)
-    # Each island's executors form one JAX group, so SPMD computations (collectives) may span them.
-    # Its members are those started with the cluster: an executor added later joins no group.
+    # Each island's executors form one JAX group, so SPMD computations (collectives) may span them; the
+    # island's scheduler re-forms it as executors join, drain or are lost. ``start`` returns once formed.
     collectives: bool = False
     platform: str = "cpu"  # the executors' devices: cpu (the default, on any machine), cuda, rocm or tpu
 
@@ -97,7 +97,9 @@ class LocalCluster:
         self.children.append(child)
         return child
 
-    def _wait_ready(self, children: list[Child], deadline: float) -> None:
+    def _wait_ready(self, children: list[Child], deadline: float, group_size: int = 0) -> None:
+        """Wait for each child's ready line (an executor's, with ``group_size``: the one it prints once in
+        a forming of its island's JAX group with that many members; it restarts into it first)."""
         waiting = {c.popen.stdout.fileno(): c for c in children if c.popen.stdout is not None}
         ready: list[Child] = []
         buffers: dict[int, bytes] = {fd: b"" for fd in waiting}
@@ -120,11 +122,14 @@ class LocalCluster:
                         tail = child.log_path.read_text(errors="replace")[-3000:]
                         raise RuntimeError(f"local cluster: {child.name} exited during startup "
                                            f"(code {child.popen.wait()}):\n{tail}")
-                    buffers[fd] += chunk
-                    for line in buffers[fd].split(b"\n"):
+                    *lines, buffers[fd] = (buffers[fd] + chunk).split(b"\n")
+                    for line in lines:
                         text = line.decode(errors="replace")
                         if text.startswith(READY_PREFIX):
-                            child.info = json.loads(text[len(READY_PREFIX):])
+                            info = json.loads(text[len(READY_PREFIX):])
+                            if child.role == "executor" and info.get("group_size", 0) < group_size:
+                                continue  # up, but not in its island's JAX group yet
+                            child.info = info
                             sel.unregister(fd)
                             del waiting[fd]
                             ready.append(child)
@@ -146,23 +151,16 @@ class LocalCluster:
             self._wait_ready([rm], deadline)
             self.rm_address = rm.info["address"]
             rest = []
+            collectives = ["--collectives"] if spec.collectives else []
             for island in range(spec.islands):
                 rest.append(self._spawn("scheduler", f"scheduler-{island}",
                                         ["--island", str(island), "--rm", self.rm_address, "--policy", spec.policy,
-                                         *self._beat()]))
-                group = []
-                if spec.collectives:  # process 0 serves the group; the executors are 1..N
-                    group = ["--jax-coordinator", f"127.0.0.1:{free_port()}",
-                             "--jax-processes", str(spec.hosts_per_island + 1)]
-                    rest.append(self._spawn("jax-coordinator", f"jax-coordinator-{island}",
-                                            ["--address", group[1], "--processes", group[3]]))
+                                         *collectives, *self._beat()]))
                 for host in range(spec.hosts_per_island):
-                    joins = [*group, "--jax-process-id", str(host + 1)] if group else []
-                    rest.append(self._spawn_executor(island, f"island{island}-host{host}", spec.devices_per_host,
-                                                     joins))
+                    rest.append(self._spawn_executor(island, f"island{island}-host{host}", spec.devices_per_host))
             proxy = self._spawn("proxy", "proxy", ["--rm", self.rm_address, "--session-timeout-seconds",
                                                    str(spec.session_timeout_seconds)])
-            self._wait_ready([*rest, proxy], deadline)
+            self._wait_ready([*rest, proxy], deadline, group_size=spec.hosts_per_island if spec.collectives else 0)
         except BaseException:
             self._keep_logs = True  # what went wrong is in them
             self.stop()
@@ -201,7 +199,7 @@ class LocalCluster:
 
     # Each stage drains while the peers it confirms delivery to are still up: executors
     # (to the proxy and the RM), then the proxy (to the schedulers), schedulers, the RM.
-    STOP_STAGES = (("executor",), ("proxy",), ("scheduler", "jax-coordinator"), ("rm",))
+    STOP_STAGES = (("executor",), ("proxy",), ("scheduler",), ("rm",))
 
     def _beat(self) -> list[str]:
         # Four beats per timeout: one late beat never gets a live daemon declared lost.
@@ -211,13 +209,17 @@ class LocalCluster:
         return self._spawn("executor", name, [
             "--island", str(island), "--rm", self.rm_address, "--devices", str(devices),
             "--name", name, "--host", name, "--memory-limit", str(self.spec.memory_limit_bytes), *self._beat(),
-            "--platform", self.spec.platform,
+            "--platform", self.spec.platform, *(["--collectives"] if self.spec.collectives else []),
             *(extra or []), *self.spec.executor_args])
 
     def add_executor(self, island: int, name: str, devices: int | None = None) -> Child:
-        """Start one more executor (a host joining the running cluster); returns once it serves."""
+        """Start one more executor (a host joining the running cluster); returns once it serves (with
+        collectives: once it is in its island's JAX group, re-formed with it)."""
         child = self._spawn_executor(island, name, devices or self.spec.devices_per_host)
-        self._wait_ready([child], time.monotonic() + self.spec.startup_timeout_seconds)
+        size = sum(c.role == "executor" and c.popen.poll() is None and c.info.get("island") == island
+                   for c in self.children if c is not child) + 1
+        self._wait_ready([child], time.monotonic() + self.spec.startup_timeout_seconds,
+                         group_size=size if self.spec.collectives else 0)
         return child
 
     def restart(self, name: str) -> Child:

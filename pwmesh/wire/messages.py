@@ -20,6 +20,7 @@ from pwmesh.wire.records import (  # noqa: F401 - re-exported: records travel in
     Emit,
     ErrorInfo,
     ExecutorInfo,
+    GangDevice,
     NodeSpec,
     PhysicalDevice,
     ProgramInput,
@@ -144,10 +145,40 @@ class SchedulerJoined(Message, op="rm.scheduler_joined"):
 
 @record
 class ExecutorJoined(Message, op="rm.executor_joined"):
-    """An executor registered (again): messages to it are delivered again."""
+    """An executor registered: new, back from the dead, or restarted into its JAX group's next forming."""
 
     executor_id: str
     control: str
+    island: int = -1
+    group: str = ""
+    group_epoch: int = 0
+
+
+@record
+class LeavingForGroup(Message, op="rm.leaving_for_group"):
+    """An executor about to restart into forming ``epoch`` of its island's JAX group: not lost for
+    ``grace_seconds`` (the restart takes seconds), and every watcher is told (``ExecutorRestarting``).
+    The reply (``Watchers``) says how many ``Fence`` messages to wait for before going."""
+
+    executor_id: str
+    epoch: int
+    grace_seconds: float
+
+
+@record
+class Watchers(Message, op="rm.watchers"):
+    count: int
+
+
+@record
+class ExecutorRestarting(Message, op="rm.executor_restarting"):
+    """To watchers: the executor restarts into forming ``epoch``. Post it a ``Fence``, then hold
+    what would go there until it registers again (``ExecutorJoined``) or is lost: a message arriving
+    while it closes would be lost with its old process."""
+
+    executor_id: str
+    control: str
+    epoch: int
 
 
 @record
@@ -382,6 +413,26 @@ class ExecutorStats(Message, op="exec.stats"):
 @record
 class AwaitIdle(Message, op="exec.await_idle"):
     """Reply once every queued computation and outgoing transfer is done and delivered."""
+
+
+@record
+class JoinGroup(Message, op="exec.join_group"):
+    """From the island's scheduler: leave the JAX group and join its forming ``epoch`` (coordinator at
+    ``coordinator``; ``members`` are processes 1..N in order, 0 is the coordinator). The executor
+    finishes its queued work, moves its buffers to host memory, restarts its JAX runtime in the new
+    group and registers again with ``group_epoch`` = ``epoch``."""
+
+    epoch: int
+    coordinator: str
+    members: list[str]
+
+
+@record
+class Fence(Message, op="exec.fence"):
+    """From a watcher told of ``ExecutorRestarting``: everything it posted here before has arrived
+    (one ordered connection), and it holds what it posts next until this executor is back."""
+
+    epoch: int
 
 
 @record

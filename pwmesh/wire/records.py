@@ -33,7 +33,7 @@ class DeviceInfo(Record):
     index: int
     kind: str = "cpu"  # JAX's device kind ("cpu", "NVIDIA H100 80GB HBM3", "TPU v5 lite")
     platform: str = "cpu"  # what functions are exported for: cpu, cuda, rocm or tpu
-    global_id: int = -1  # its JAX device id in the executor's JAX group (see ``ExecutorInfo.group``)
+    global_id: int = -1  # its JAX device id in the executor's JAX group now (it changes when the group re-forms)
 
 
 @record
@@ -47,9 +47,10 @@ class ExecutorInfo(Record):
     alive: bool = True
     draining: bool = False  # being emptied: no new slices land here
     pid: int = 0
-    # The JAX multi-process group it belongs to (its coordinator's address; "" for none): SPMD
-    # computations may span the executors of one group, their collectives joined by JAX.
+    # The JAX multi-process group it belongs to ("island-N": its island's scheduler forms and re-forms
+    # it; "" for none): SPMD computations may span the executors of one group, collectives joined by JAX.
     group: str = ""
+    group_epoch: int = 0  # which forming of that group it is in now (0: not in one yet)
 
 
 @record
@@ -70,7 +71,6 @@ class PhysicalDevice(Record):
     control: str
     data: str
     group: str = ""  # the executor's JAX group ("" for none)
-    global_id: int = -1  # the device's JAX id in that group
     platform: str = "cpu"  # cpu, cuda, rocm or tpu
 
 
@@ -115,6 +115,15 @@ class Sharding(Record):
 
     mesh: list[int]
     spec: list[list[int]] = dataclasses.field(default_factory=list)
+
+
+@record
+class GangDevice(Record):
+    """One device of a gang: device ``device`` of executor ``executor_id`` (its JAX id depends on the
+    group's current forming, so a gang names devices by executor)."""
+
+    executor_id: str
+    device: int
 
 
 @record
@@ -195,9 +204,9 @@ class Computation(Record):
     donate: list[int] = dataclasses.field(default_factory=list)  # inputs whose buffers it may consume (reuse)
     ragged: bool = False  # its inputs are routed rows: padded to the function's capacity, outputs cut back
     seq: int = -1
-    # An SPMD computation spanning executors: the JAX ids of all its devices, in shard order (its mesh's
-    # devices). Each executor runs its own shards of it; their collectives join through the JAX group.
-    gang: list[int] = dataclasses.field(default_factory=list)
+    # An SPMD computation spanning executors: all its devices, in shard order (its mesh's devices).
+    # Each executor runs its own shards of it; their collectives join through the JAX group.
+    gang: list[GangDevice] = dataclasses.field(default_factory=list)
 
     def shards(self) -> list[tuple[int, int]]:
         """(device, shard) of every local shard, in order."""
