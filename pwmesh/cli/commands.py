@@ -39,12 +39,13 @@ class UpConfig:
     log_level: str = "WARNING"
     collectives: bool = False
     log_format: str = "text"
+    keys: str = ""  # the cluster's keys directory: every socket speaks CURVE
 
 
 def up(config: UpConfig) -> None:
     spec = LocalClusterSpec(islands=config.islands, hosts_per_island=config.hosts_per_island,
                             devices_per_host=config.devices_per_host, log_level=config.log_level,
-                            log_format=config.log_format, collectives=config.collectives)
+                            log_format=config.log_format, collectives=config.collectives, keys=config.keys)
     # Handlers go in before start-up so no stop signal is lost; the children
     # get default handlers again (their signal mask is never touched).
     stop = threading.Event()
@@ -61,6 +62,9 @@ def up(config: UpConfig) -> None:
         print(f"address: {address}")
         print(f"logs:    {cluster.log_dir}")
         print(f"in another shell:  export PWMESH_ADDRESS={address}")
+        if config.keys:
+            print(f"keys:    {config.keys} (a client needs its own: pwmesh keys add-client NAME --keys {config.keys};"
+                  " then export PWMESH_KEYS=<the directory it prints>)")
         print("Ctrl-C stops every daemon.", flush=True)
         stop.wait()
         print("stopping...", flush=True)

@@ -9,10 +9,13 @@ from __future__ import annotations
 import logging
 import os
 import sys
+from collections.abc import Callable
 from typing import NoReturn
 
 import click
 
+from pwmesh.errors import PwmeshError
+from pwmesh.service.keys import Security
 from pwmesh.service.lifecycle import run
 from pwmesh.service.logs import FORMATS, setup_logging
 
@@ -27,26 +30,51 @@ _rm = click.option("--rm", "rm", required=True, envvar="PWMESH_RM_ADDRESS",
 _heartbeat = click.option("--heartbeat-interval-seconds", type=float, default=2.0, show_default=True,
                           envvar="PWMESH_HEARTBEAT_INTERVAL_SECONDS",
                           help="How often to tell the resource manager this daemon is alive.")
+class _Daemon(click.Command):
+    """A daemon's command: a pwmesh error while it starts (bad keys, a refused bind) is one line on stderr
+    and exit status 1, not a traceback."""
+
+    def invoke(self, ctx: click.Context) -> object:
+        try:
+            return super().invoke(ctx)
+        except PwmeshError as exc:
+            raise click.ClickException(f"{ctx.info_name}: {exc.message}") from None
+
+
+def _security(command: Callable[..., None]) -> Callable[..., None]:
+    """``--keys`` and ``--insecure``: how the daemon's sockets are guarded."""
+    command = click.option("--insecure", is_flag=True, envvar="PWMESH_INSECURE", show_envvar=True,
+                           help="Bind off loopback without keys: every peer that reaches the daemon is "
+                                "trusted, traffic is plaintext. Only on a network you trust.")(command)
+    return click.option("--keys", default="", envvar="PWMESH_KEYS", show_envvar=True,
+                        help="The cluster's keys directory (`pwmesh keys init DIR`): every socket speaks "
+                             "CURVE and only authorized peers get through. Without it a daemon binds only "
+                             "loopback (or with --insecure).")(command)
+
+
 _listen = click.option("--listen", default="tcp://127.0.0.1:0", envvar="PWMESH_LISTEN", show_default=True,
                        help="Address to bind; port 0 picks a free port.")
 
 
-@click.command(name="pwmesh-rm")
+@click.command(name="pwmesh-rm", cls=_Daemon)
 @_listen
 @click.option("--name", default="rm")
 @click.option("--heartbeat-timeout-seconds", type=float, default=10.0, show_default=True)
+@_security
 @_log_level
 @_log_format
-def rm_main(listen: str, name: str, heartbeat_timeout_seconds: float, log_level: str, log_format: str) -> None:
+def rm_main(listen: str, name: str, heartbeat_timeout_seconds: float, keys: str, insecure: bool, log_level: str,
+            log_format: str) -> None:
     """Run the resource manager."""
     from pwmesh.rm.daemon import ResourceManager, ResourceManagerConfig  # noqa: PLC0415 - keep CLI import light
 
     setup_logging("rm", name, log_level, log_format)
     run(ResourceManager(ResourceManagerConfig(listen=listen, name=name,
-                                              heartbeat_timeout_seconds=heartbeat_timeout_seconds)))
+                                              heartbeat_timeout_seconds=heartbeat_timeout_seconds,
+                                              security=Security(keys, insecure))))
 
 
-@click.command(name="pwmesh-scheduler")
+@click.command(name="pwmesh-scheduler", cls=_Daemon)
 @click.option("--island", type=int, required=True, envvar="PWMESH_ISLAND")
 @_rm
 @_listen
@@ -61,15 +89,18 @@ def rm_main(listen: str, name: str, heartbeat_timeout_seconds: float, log_level:
               help="Form the island's JAX group of its --collectives executors (and form it again as they come "
                    "and go), serving each forming's coordinator as a child process on this host.")
 @_heartbeat
+@_security
 @_log_level
 @_log_format
 def scheduler_main(island: int, rm: str, listen: str, name: str, policy: str, window: int, collectives: bool,
-                   heartbeat_interval_seconds: float, log_level: str, log_format: str) -> None:
+                   heartbeat_interval_seconds: float, keys: str, insecure: bool, log_level: str,
+                   log_format: str) -> None:
     """Run the island scheduler of island ISLAND."""
     from pwmesh.scheduler.daemon import Scheduler, SchedulerConfig  # noqa: PLC0415
 
     config = SchedulerConfig(island=island, rm=rm, listen=listen, name=name, policy=policy, window=window,
-                             collectives=collectives, heartbeat_interval_seconds=heartbeat_interval_seconds)
+                             collectives=collectives, heartbeat_interval_seconds=heartbeat_interval_seconds,
+                             security=Security(keys, insecure))
     setup_logging("scheduler", config.name or f"scheduler-{island}", log_level, log_format)
     run(Scheduler(config))
 
@@ -95,7 +126,7 @@ class _ByteSize(click.ParamType):
         return int(size * scale)
 
 
-@click.command(name="pwmesh-executor")
+@click.command(name="pwmesh-executor", cls=_Daemon)
 @click.option("--island", type=int, required=True, envvar="PWMESH_ISLAND")
 @_rm
 @click.option("--devices", type=int, default=1, envvar="PWMESH_DEVICES", show_default=True,
@@ -135,6 +166,7 @@ class _ByteSize(click.ParamType):
               help="TEST ONLY: ignore the island order (shows why it exists: gangs can deadlock).")
 @click.option("--test-seed", type=int, default=0, hidden=True)
 @_heartbeat
+@_security
 @_log_level
 @_log_format
 def executor_main(island: int, rm: str, devices: int, listen: str, data_listen: str, name: str, host: str,
@@ -143,8 +175,8 @@ def executor_main(island: int, rm: str, devices: int, listen: str, data_listen: 
                   shared_memory: bool, platform: str | None, test_enqueue_jitter_seconds: float,
                   test_order_by_arrival: bool,
                   test_seed: int,
-                  memory_limit_bytes: int, heartbeat_interval_seconds: float, log_level: str,
-                  log_format: str) -> None:
+                  memory_limit_bytes: int, heartbeat_interval_seconds: float, keys: str, insecure: bool,
+                  log_level: str, log_format: str) -> None:
     """Run a host executor on island ISLAND."""
     # XLA reads its flags once, when JAX initialises: set them before importing it.
     flags = os.environ.get("XLA_FLAGS", "")
@@ -165,7 +197,8 @@ def executor_main(island: int, rm: str, devices: int, listen: str, data_listen: 
                             resume_from=resume_from,
                             shared_memory=shared_memory, platform=platform or "",
                             test_enqueue_jitter_seconds=test_enqueue_jitter_seconds,
-                            test_order_by_arrival=test_order_by_arrival, test_seed=test_seed)
+                            test_order_by_arrival=test_order_by_arrival, test_seed=test_seed,
+                            security=Security(keys, insecure))
     setup_logging("executor", name or f"island{island}", log_level, log_format)
     try:
         executor = Executor(config)
@@ -202,20 +235,22 @@ def restart(options: list[str]) -> NoReturn:
     os.execv(sys.executable, [sys.executable, "-m", "pwmesh.cli.daemons", "executor", *args, *options])
 
 
-@click.command(name="pwmesh-proxy")
+@click.command(name="pwmesh-proxy", cls=_Daemon)
 @_rm
 @_listen
 @click.option("--name", default="proxy")
 @click.option("--session-timeout-seconds", type=float, default=30.0, show_default=True)
+@_security
 @_log_level
 @_log_format
-def proxy_main(rm: str, listen: str, name: str, session_timeout_seconds: float, log_level: str,
-               log_format: str) -> None:
+def proxy_main(rm: str, listen: str, name: str, session_timeout_seconds: float, keys: str, insecure: bool,
+               log_level: str, log_format: str) -> None:
     """Run a client proxy."""
     from pwmesh.proxy.daemon import Proxy, ProxyConfig  # noqa: PLC0415
 
     setup_logging("proxy", name, log_level, log_format)
-    run(Proxy(ProxyConfig(rm=rm, listen=listen, name=name, session_timeout_seconds=session_timeout_seconds)))
+    run(Proxy(ProxyConfig(rm=rm, listen=listen, name=name, session_timeout_seconds=session_timeout_seconds,
+                          security=Security(keys, insecure))))
 
 
 @click.command(name="pwmesh-jax-coordinator")

@@ -9,6 +9,7 @@ CLI is tested with click's ``CliRunner`` and the functions without click.
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -20,10 +21,20 @@ from pwmesh.service.local_cluster import LocalClusterSpec
 from pwmesh.service.logs import FORMATS
 
 CONNECT_TIMEOUT_SECONDS = 5.0
+KEYS_ENV = "PWMESH_KEYS"  # pwmesh.service.keys.ENV (not imported: --help stays light)
+
+
+def _use_keys(ctx: click.Context, param: click.Parameter, value: str | None) -> None:
+    if value:  # every connection this command makes (and a submitted job's) reads it from there
+        os.environ[KEYS_ENV] = value
 
 
 def _connection(command: Callable[..., None]) -> Callable[..., None]:
-    """``--address`` and ``--connect-timeout``: where the cluster is, and how long to wait for it to answer."""
+    """``--address``, ``--connect-timeout`` and ``--keys``: where the cluster is, how long to wait for it to
+    answer, and the keys to show it."""
+    command = click.option("--keys", envvar=KEYS_ENV, show_envvar=True, default=None, expose_value=False,
+                           callback=_use_keys, help="The keys directory this client was given (a cluster "
+                           "started with --keys answers only clients with keys).")(command)
     command = click.option("--connect-timeout", "connect_timeout", type=click.FloatRange(min=0.1),
                            envvar="PWMESH_CONNECT_TIMEOUT", show_envvar=True, default=CONNECT_TIMEOUT_SECONDS,
                            show_default=True, help="Seconds to wait for the cluster to answer at all.")(command)
@@ -78,13 +89,16 @@ def _shape(command: Callable[..., None]) -> Callable[..., None]:
 @click.option("--log-format", type=click.Choice(FORMATS), default="text", envvar="PWMESH_LOG_FORMAT",
               show_envvar=True, show_default=True,
               help="Every daemon's log: key=value pairs (text) or one JSON object per line (json).")
+@click.option("--keys", envvar=KEYS_ENV, show_envvar=True, default="", type=click.Path(file_okay=False),
+              help="The cluster's keys directory (`pwmesh keys init`): every socket speaks CURVE, and clients "
+                   "need a key issued with `pwmesh keys add-client`.")
 def up(islands: int, hosts_per_island: int, devices_per_host: int, collectives: bool, log_dir: str | None,
-       log_level: str, log_format: str) -> None:
+       log_level: str, log_format: str, keys: str) -> None:
     """Run a local cluster in the foreground until Ctrl-C."""
     from pwmesh.cli import commands  # noqa: PLC0415 - see the module docstring
 
     commands.up(commands.UpConfig(islands, hosts_per_island, devices_per_host, log_dir, log_level, collectives,
-                                  log_format=log_format))
+                                  log_format=log_format, keys=keys))
 
 
 @main.command(context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False})
@@ -156,6 +170,49 @@ def demo(address: str | None, connect_timeout: float) -> None:
     from pwmesh.cli import commands  # noqa: PLC0415
 
     commands.demo(address, connect_timeout_seconds=connect_timeout)
+
+
+@main.group()
+def keys() -> None:
+    """Make and issue the cluster's CURVE keys (ZeroMQ certificates)."""
+
+
+@keys.command(name="init")
+@click.argument("directory", type=click.Path(file_okay=False))
+def keys_init(directory: str) -> None:
+    """Make the cluster's keys in DIRECTORY (new or empty); give it to every daemon as --keys."""
+    from pwmesh.service import keys as cluster_keys  # noqa: PLC0415
+
+    where = cluster_keys.init(directory)
+    click.echo(f"made the cluster's keys in {where}: start every daemon with --keys {where} "
+               f"(or {KEYS_ENV}={where}); issue clients theirs with `pwmesh keys add-client NAME --keys {where}`")
+
+
+def _cluster_keys(command: Callable[..., None]) -> Callable[..., None]:
+    return click.option("--keys", "directory", envvar=KEYS_ENV, show_envvar=True, required=True,
+                        type=click.Path(file_okay=False), help="The cluster's keys directory.")(command)
+
+
+@keys.command(name="add-client")
+@click.argument("name")
+@_cluster_keys
+def keys_add_client(name: str, directory: str) -> None:
+    """Issue client NAME a key pair and authorize it; prints the directory to hand that client."""
+    from pwmesh.service import keys as cluster_keys  # noqa: PLC0415
+
+    given = cluster_keys.add_client(directory, name)
+    click.echo(f"{given}\n(give the client this directory: pw.connect(address, keys=...) or {KEYS_ENV}; "
+               "running daemons accept it from now on)")
+
+
+@keys.command(name="list")
+@_cluster_keys
+def keys_list(directory: str) -> None:
+    """Show the keys the cluster lets in."""
+    from pwmesh.service import keys as cluster_keys  # noqa: PLC0415
+
+    for name, role, public in cluster_keys.listing(directory):
+        click.echo(f"{name:<24} {role:<8} {public}")
 
 
 if __name__ == "__main__":

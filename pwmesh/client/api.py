@@ -31,16 +31,20 @@ class Client:
     """A session on a pwmesh cluster (an embedded local one if no address is given)."""
 
     def __init__(self, address: str | None = None, *, name: str = "", weight: float = 1.0, priority: int = 0,
-                 cluster: LocalClusterSpec | None = None, connect_timeout_seconds: float = 10.0) -> None:
+                 cluster: LocalClusterSpec | None = None, connect_timeout_seconds: float = 10.0,
+                 keys: str | None = None) -> None:
+        """``keys``: the keys directory this client was given (else ``$PWMESH_KEYS``; an embedded cluster
+        started with ``LocalClusterSpec(keys=...)`` lends its own)."""
         address = address or os.environ.get("PWMESH_ADDRESS") or None
         self.cluster: LocalCluster | None = None
         if address is None:
             self.cluster = LocalCluster(cluster)
             address = self.cluster.start_visibly()
+            keys = keys or self.cluster.spec.keys or None
         self.address = address
         try:
             self.session = Session(address, name=name, weight=weight, priority=priority,
-                                   connect_timeout_seconds=connect_timeout_seconds)
+                                   connect_timeout_seconds=connect_timeout_seconds, keys=keys)
         except BaseException:
             if self.cluster is not None:
                 self.cluster.stop()
@@ -100,7 +104,8 @@ _default_lock = threading.Lock()
 
 
 def connect(address: str | None = None, *, name: str = "", weight: float = 1.0, priority: int = 0,
-            cluster: LocalClusterSpec | None = None, connect_timeout_seconds: float = 10.0) -> Client:
+            cluster: LocalClusterSpec | None = None, connect_timeout_seconds: float = 10.0,
+            keys: str | None = None) -> Client:
     """Connect to the cluster at ``address`` (else ``$PWMESH_ADDRESS``, else start an embedded one).
 
     The client becomes the default one used by ``pw.make_virtual_device_set``, ``pw.get`` and ``pw.put``
@@ -117,7 +122,7 @@ def connect(address: str | None = None, *, name: str = "", weight: float = 1.0, 
             "arrays would break if it stopped. Call pw.disconnect() first to stop it, or open another session "
             f"on it with pw.Client({running.address!r})")
     client = Client(address, name=name, weight=weight, priority=priority, cluster=cluster,
-                    connect_timeout_seconds=connect_timeout_seconds)
+                    connect_timeout_seconds=connect_timeout_seconds, keys=keys)
     with _default_lock:
         old, _default = _default, client
     if old is not None:

@@ -28,6 +28,7 @@ from typing import Any
 import zmq
 
 from pwmesh.errors import ConnectionFailed, PwmeshError, PwTimeoutError
+from pwmesh.service.keys import Keys
 from pwmesh.service.rpc import next_id, raise_error
 from pwmesh.service.transport import ZERO_COPY_THRESHOLD_BYTES
 from pwmesh.wire import Message, decode, encode
@@ -46,10 +47,13 @@ BACKLOG_RETRY_SECONDS = 0.05
 
 class ClientConnection:
     def __init__(self, address: str, *, name: str, weight: float = 1.0, priority: int = 0,
-                 connect_timeout_seconds: float = 10.0, open_session: bool = True, probe: bool = False) -> None:
+                 connect_timeout_seconds: float = 10.0, open_session: bool = True, probe: bool = False,
+                 keys: str | None = None) -> None:
         """``open_session``: open a session (what a client is). Without one (tools, the CLI), ``probe``
         first proves something answers there with a ``Ping``; either way nothing answering within
-        ``connect_timeout_seconds`` is ``ConnectionFailed``."""
+        ``connect_timeout_seconds`` is ``ConnectionFailed``. ``keys``: the keys directory this client was
+        given (else ``$PWMESH_KEYS``): the connection speaks CURVE (``pwmesh.service.keys``)."""
+        curve = Keys.from_option(keys)
         self.address = address
         self.session_id = ""
         self.heartbeat_interval_seconds = 1.0
@@ -62,6 +66,8 @@ class ClientConnection:
             # so the proxy still knows which session this is.
             self._sock.setsockopt(zmq.ROUTING_ID, b"client-" + secrets.token_bytes(12))
             self._sock.copy_threshold = ZERO_COPY_THRESHOLD_BYTES  # copy=False sends copy small frames anyway
+            if curve is not None:
+                curve.connect(self._sock)
             self._sock.connect(address)
         except BaseException:  # an address ZeroMQ refuses: nothing may outlive the refusal
             self._ctx.destroy(linger=0)
@@ -91,8 +97,10 @@ class ClientConnection:
             opened = self.request(first, timeout_seconds=connect_timeout_seconds)
         except PwTimeoutError:
             self.close()
+            why = ("is a pwmesh cluster running there, and do these keys belong to it?" if curve is not None else
+                   "is a pwmesh cluster running there? One that requires keys answers only clients with keys")
             raise ConnectionFailed(f"nothing answered at {address} within {connect_timeout_seconds:g} seconds "
-                                   "(is a pwmesh cluster running there?)") from None
+                                   f"({why})") from None
         except BaseException:
             self.close()
             raise

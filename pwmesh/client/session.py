@@ -42,10 +42,10 @@ class Session:
     """One session: ids, registrations (each once) and the requests behind ``pw.Array``."""
 
     def __init__(self, address: str, *, name: str = "", weight: float = 1.0, priority: int = 0,
-                 connect_timeout_seconds: float = 10.0) -> None:
+                 connect_timeout_seconds: float = 10.0, keys: str | None = None) -> None:
         self.address = address
         self.conn = ClientConnection(address, name=name or f"pid{os.getpid()}", weight=weight, priority=priority,
-                                     connect_timeout_seconds=connect_timeout_seconds)
+                                     connect_timeout_seconds=connect_timeout_seconds, keys=keys)
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
         self._functions: set[str] = set()

@@ -33,8 +33,10 @@ from pwmesh.executor.runner import Runner, as_error
 from pwmesh.executor.store import ObjectStore
 from pwmesh.executor.work import Work
 from pwmesh.service.heartbeat import every
+from pwmesh.service.keys import Security
 from pwmesh.service.lifecycle import Service, Status
 from pwmesh.service.rpc import Connections, Server, wait_for_peer
+from pwmesh.service.transport import is_loopback
 from pwmesh.wire import Envelope
 from pwmesh.wire.messages import (
     AwaitIdle,
@@ -117,6 +119,7 @@ class ExecutorConfig:
     test_enqueue_jitter_seconds: float = 0.0
     test_order_by_arrival: bool = False
     test_seed: int = 0
+    security: Security = dataclasses.field(default_factory=Security)  # --keys, --insecure
 
 
 class Executor(Service):
@@ -124,7 +127,7 @@ class Executor(Service):
 
     def __init__(self, config: ExecutorConfig) -> None:
         host = config.host or socket.gethostname()
-        super().__init__(config.name or f"{host}-{os.getpid()}")
+        super().__init__(config.name or f"{host}-{os.getpid()}", config.security)
         self.config = config
         self.host = host
         if config.group is not None:
@@ -185,6 +188,13 @@ class Executor(Service):
         }
         self.control = Server(self.ctx, self.config.listen, control, tasks=self.tasks, name=self.name)
         bind_host, _, port = self.config.data_listen.removeprefix("tcp://").rpartition(":")
+        if not is_loopback(self.config.data_listen):
+            if self.ctx.keys is None and not self.ctx.allow_insecure:
+                raise InvalidArgument(f"refusing to bind the data plane at {self.config.data_listen} without keys "
+                                      "(give --keys DIR, or --insecure on a network you trust)")
+            # Keys guard the control sockets; the data plane's own authentication is still to come.
+            log.warning("the data plane at %s accepts any peer that speaks its hello and sends plaintext: "
+                        "keep it on a network you trust", self.config.data_listen)
         self.plane = DataPlane(asyncio.get_running_loop(), self._receive, bind_host=bind_host, port=int(port or 0),
                                shared_memory=self.config.shared_memory)
         self.control.start()

@@ -34,6 +34,7 @@ from pwmesh.ir.lower import location, move_shard, slice_locations, value_layout
 from pwmesh.proxy.intake import bind, host_puts, record_run
 from pwmesh.proxy.session import Buffer, Run, Session
 from pwmesh.service.heartbeat import Liveness, every
+from pwmesh.service.keys import Security
 from pwmesh.service.lifecycle import Service
 from pwmesh.service.rpc import Connections, Server, wait_for_peer
 from pwmesh.wire import Envelope, Message
@@ -123,13 +124,14 @@ class ProxyConfig:
     drain_timeout_seconds: float = 300.0
     trace_timeout_seconds: float = 10.0  # per executor, for GetClusterTrace
     trace_events_per_reply: int = 200_000  # over all executors: ~32 MiB, half the message size limit
+    security: Security = dataclasses.field(default_factory=Security)  # --keys, --insecure
 
 
 class Proxy(Service):
     role = "proxy"
 
     def __init__(self, config: ProxyConfig) -> None:
-        super().__init__(config.name)
+        super().__init__(config.name, config.security)
         self.config = config
         self.sessions: dict[bytes, Session] = {}
         self.runs: dict[str, tuple[Session, Run]] = {}

@@ -9,6 +9,7 @@ from typing import Any
 
 from pwmesh.rm.state import ResourceManagerState
 from pwmesh.service.heartbeat import every
+from pwmesh.service.keys import Security
 from pwmesh.service.lifecycle import Service
 from pwmesh.service.rpc import Server
 from pwmesh.wire import Envelope, Message
@@ -38,13 +39,14 @@ class ResourceManagerConfig:
     listen: str = "tcp://127.0.0.1:0"
     name: str = "rm"
     heartbeat_timeout_seconds: float = 10.0
+    security: Security = dataclasses.field(default_factory=Security)  # --keys, --insecure
 
 
 class ResourceManager(Service):
     role = "rm"
 
     def __init__(self, config: ResourceManagerConfig) -> None:
-        super().__init__(config.name)
+        super().__init__(config.name, config.security)
         self.config = config
         # Slice ids start from the clock, so a restarted RM never hands out an id that
         # a proxy still holds from before (they are restored as proxies re-register).

@@ -18,6 +18,7 @@ from pwmesh.errors import DeviceLost, PwmeshError
 from pwmesh.scheduler.group import AskAgain, Form, Formed, IslandGroup, Joined, Left, Tick
 from pwmesh.scheduler.order import IslandOrder, SendEnqueue
 from pwmesh.service.heartbeat import every
+from pwmesh.service.keys import Security
 from pwmesh.service.lifecycle import Service
 from pwmesh.service.rpc import Connections, Server, wait_for_peer
 from pwmesh.wire import Envelope
@@ -53,6 +54,7 @@ class SchedulerConfig:
     policy: str = "fair"
     window: int = 8  # runs in flight per device
     collectives: bool = False  # form the island's JAX group of its --collectives executors
+    security: Security = dataclasses.field(default_factory=Security)  # --keys, --insecure
 
 
 log = logging.getLogger(__name__)
@@ -62,7 +64,7 @@ class Scheduler(Service):
     role = "scheduler"
 
     def __init__(self, config: SchedulerConfig) -> None:
-        super().__init__(config.name or f"scheduler-{config.island}")
+        super().__init__(config.name or f"scheduler-{config.island}", config.security)
         self.config = config
 
     async def setup(self) -> None:

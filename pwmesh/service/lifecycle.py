@@ -21,6 +21,7 @@ import signal
 import sys
 from typing import Any
 
+from pwmesh.service.keys import Security
 from pwmesh.service.tasks import TaskGroup
 from pwmesh.service.transport import Context
 from pwmesh.wire import Envelope
@@ -47,10 +48,11 @@ class Service:
     startup_timeout_seconds = 60.0
     drain_timeout_seconds = 10.0
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, security: Security | None = None) -> None:
         self.name = name
         self.status = Status.INIT
-        self.ctx = Context()
+        self.security = security or Security()
+        self.ctx = Context(keys=self.security.load(), allow_insecure=self.security.insecure)
         self.tasks = TaskGroup(on_crash=self._crashed)
         self._start_task: asyncio.Task[None] | None = None
         self._closed: asyncio.Event | None = None

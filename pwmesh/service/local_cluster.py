@@ -56,6 +56,7 @@ class LocalClusterSpec:
     # island's scheduler re-forms it as executors join, drain or are lost. ``start`` returns once formed.
     collectives: bool = False
     platform: str = "cpu"  # the executors' devices: cpu (the default, on any machine), cuda, rocm or tpu
+    keys: str = ""  # the cluster's keys directory (``pwmesh keys init``): every socket speaks CURVE
 
 
 @dataclasses.dataclass
@@ -90,7 +91,7 @@ class LocalCluster:
         with open(log_path, "ab") as log_file:
             popen = subprocess.Popen(
                 [sys.executable, "-m", "pwmesh.cli.daemons", role, *args, "--log-level", self.spec.log_level,
-                 "--log-format", self.spec.log_format],
+                 "--log-format", self.spec.log_format, *(("--keys", self.spec.keys) if self.spec.keys else ())],
                 stdout=subprocess.PIPE, stderr=log_file, stdin=subprocess.DEVNULL, env=child_env,
             )
         child = Child(role, name, popen, log_path, args)

@@ -27,8 +27,10 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import zmq
+from zmq.auth.thread import ThreadAuthenticator
 
 from pwmesh.errors import InvalidArgument
+from pwmesh.service.keys import Keys, start_authenticator
 
 log = logging.getLogger(__name__)
 
@@ -57,8 +59,14 @@ def is_loopback(address: str) -> bool:
 class Context:
     """One ZeroMQ context per process; owns every socket made from it."""
 
-    def __init__(self, *, high_water_mark: int = 100_000) -> None:
+    def __init__(self, *, high_water_mark: int = 100_000, keys: Keys | None = None,
+                 allow_insecure: bool = False) -> None:
+        """``keys``: every socket speaks CURVE (see ``pwmesh.service.keys``). Without them, binding
+        anything but loopback is refused unless ``allow_insecure`` (a network you trust)."""
         self._ctx = zmq.Context()
+        self.keys = keys
+        self.allow_insecure = allow_insecure
+        self._auth: ThreadAuthenticator | None = None
         self._sockets: list[_Pump] = []
         self.high_water_mark = high_water_mark  # messages queued per peer and direction
         # How long ``close`` lets what is queued leave (0: drop it; a restarting daemon's last replies matter).
@@ -77,10 +85,18 @@ class Context:
         return sock
 
     def router(self, bind: str) -> RouterSocket:
-        if not is_loopback(bind):
-            log.warning("binding %s without authentication: CURVE is not implemented yet, so keep pwmesh "
-                        "on a private network you trust", bind)
+        if self.keys is None and not is_loopback(bind):
+            if not self.allow_insecure:
+                raise InvalidArgument(f"refusing to bind {bind} without keys: anyone who reaches it could run "
+                                      "code on the cluster. Give --keys DIR (`pwmesh keys init DIR`), or "
+                                      "--insecure on a network you trust")
+            log.warning("INSECURE: binding %s without keys (--insecure): every peer that reaches it is "
+                        "trusted and traffic is plaintext", bind)
         sock = self._socket(zmq.ROUTER)
+        if self.keys is not None:
+            if self._auth is None:
+                self._auth = start_authenticator(self._ctx, self.keys)
+            self.keys.serve(sock)
         # An unknown routing id is an error we want to hear about, not a silent drop.
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         if bind.endswith(":0"):
@@ -97,6 +113,8 @@ class Context:
         """A socket connected to ``connect``; ``InvalidArgument`` if that is no address ZeroMQ can connect to
         (addresses come from peers: a bad one is a refused request, not a leaked socket)."""
         sock = self._socket(zmq.DEALER, identity)
+        if self.keys is not None:
+            self.keys.connect(sock)
         try:
             sock.connect(connect)
         except zmq.ZMQError as exc:
@@ -110,6 +128,9 @@ class Context:
         for sock in self._sockets:
             sock.close(linger_ms=self.linger_on_close_ms)
         self._sockets.clear()
+        if self._auth is not None:
+            self._auth.stop()
+            self._auth = None
         self._ctx.term()
 
 

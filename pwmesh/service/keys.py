@@ -1,0 +1,202 @@
+"""The cluster's CURVE keys: ZeroMQ certificates made and read with pyzmq's ``zmq.auth``.
+
+A keys directory, as ``pwmesh keys init DIR`` makes it::
+
+    DIR/cluster.key, cluster.key_secret   the daemons' key pair (every daemon serves and connects with it)
+    DIR/authorized/*.key                  public keys allowed in: the cluster's, and each client's
+    DIR/clients/NAME/                     what a client NAME is given: its pair and cluster.key
+
+Daemons take ``--keys DIR`` (or ``$PWMESH_KEYS``); a client takes the directory it was given
+(``pw.connect(..., keys=DIR/clients/NAME)``), or ``DIR`` itself on a host of the cluster. A peer whose
+key is not in ``authorized/`` fails the CURVE handshake: ZeroMQ drops it before any message reaches
+pwmesh, so it gets no reply, creates no state and logs nothing above DEBUG. Keys added to or removed
+from ``authorized/`` count from the next handshake on (no restart).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import shutil
+import stat
+import threading
+import time
+from pathlib import Path
+
+import zmq
+import zmq.auth
+from zmq.auth.thread import ThreadAuthenticator
+
+from pwmesh.errors import InvalidArgument
+
+CLUSTER = "cluster"
+ENV = "PWMESH_KEYS"
+# Handshakes re-read ``authorized/`` at most this often (junk cannot make us read a directory per
+# connection attempt).
+RELOAD_INTERVAL_SECONDS = 1.0
+
+
+@dataclasses.dataclass(frozen=True)
+class Keys:
+    """One party's keys: the cluster's public key (what every daemon serves with), its own pair, and,
+    for a daemon, where the public keys it lets in are."""
+
+    server_public: bytes
+    public: bytes
+    secret: bytes
+    directory: Path
+    authorized: Path | None = None  # None: a client's keys (it serves nothing)
+
+    @classmethod
+    def load(cls, directory: str | os.PathLike[str]) -> Keys:
+        where = Path(directory).expanduser()
+        if not where.is_dir():
+            raise InvalidArgument(f"no keys directory at {where} (make one with `pwmesh keys init {where}`)")
+        server = where / f"{CLUSTER}.key"
+        if not server.is_file():
+            raise InvalidArgument(f"{where} holds no {CLUSTER}.key: not a pwmesh keys directory")
+        server_public, _ = zmq.auth.load_certificate(server)
+        secrets = sorted(where.glob("*.key_secret"))
+        if not secrets:
+            raise InvalidArgument(f"{where} holds no secret key (*.key_secret): a client needs its own pair")
+        if len(secrets) > 1:
+            raise InvalidArgument(f"{where} holds several secret keys ({', '.join(s.name for s in secrets)}): "
+                                  "give a directory with exactly one")
+        _check_private(secrets[0])
+        public, secret = zmq.auth.load_certificate(secrets[0])
+        assert secret is not None  # a .key_secret file always has it
+        authorized = where / "authorized" if secrets[0].stem == CLUSTER else None
+        return cls(server_public=server_public, public=public, secret=secret, directory=where,
+                   authorized=authorized)
+
+    @classmethod
+    def from_option(cls, directory: str | os.PathLike[str] | None) -> Keys | None:
+        """``directory``, else ``$PWMESH_KEYS``, else no keys."""
+        chosen = directory or os.environ.get(ENV) or None
+        return cls.load(chosen) if chosen else None
+
+    def serve(self, sock: zmq.Socket[bytes]) -> None:
+        """Make ``sock`` (bound) a CURVE server: only authorized peers get through."""
+        if self.authorized is None:
+            raise InvalidArgument(f"the keys in {self.directory} are a client's: a daemon needs the cluster's "
+                                  f"({CLUSTER}.key_secret)")
+        sock.curve_secretkey = self.secret
+        sock.curve_publickey = self.public
+        sock.curve_server = True
+
+    def connect(self, sock: zmq.Socket[bytes]) -> None:
+        """Make ``sock`` (before it connects) a CURVE client of the cluster."""
+        sock.curve_secretkey = self.secret
+        sock.curve_publickey = self.public
+        sock.curve_serverkey = self.server_public
+
+
+@dataclasses.dataclass(frozen=True)
+class Security:
+    """A daemon's ``--keys DIR`` and ``--insecure``, as its config carries them."""
+
+    keys: str = ""  # the cluster's keys directory; "": none (loopback only, unless insecure)
+    insecure: bool = False  # bind off loopback without keys (a network you trust), loudly
+
+    def load(self) -> Keys | None:
+        return Keys.load(self.keys) if self.keys else None
+
+
+def _check_private(path: Path) -> None:
+    mode = path.stat().st_mode
+    if mode & (stat.S_IRWXG | stat.S_IRWXO):
+        raise InvalidArgument(f"{path} is readable by others (mode {stat.filemode(mode)}): chmod 600 it")
+
+
+class _AuthorizedKeys:
+    """ZAP credentials: is this public key in ``authorized/``? (Re-read at most once a second, at a
+    handshake: a key added or removed counts from then on; connections already made stay.)"""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+        self._lock = threading.Lock()
+        self._keys: set[bytes] = set()
+        self._read_at = float("-inf")
+        self._reload(time.monotonic())
+
+    def _reload(self, now: float) -> None:
+        keys = set()
+        for path in self.directory.glob("*.key"):
+            try:
+                public, _ = zmq.auth.load_certificate(path)
+            except (OSError, ValueError):
+                continue  # a half-written or foreign file: not a key
+            keys.add(public)
+        self._keys, self._read_at = keys, now
+
+    def callback(self, domain: str, key: bytes) -> bool:  # pyzmq's credentials-provider protocol (z85 key)
+        with self._lock:
+            now = time.monotonic()
+            if now - self._read_at >= RELOAD_INTERVAL_SECONDS:
+                self._reload(now)
+            return key in self._keys
+
+
+def start_authenticator(ctx: zmq.Context[zmq.Socket[bytes]], keys: Keys) -> ThreadAuthenticator:
+    """Serve ZeroMQ's authentication requests for ``ctx``'s CURVE servers (pyzmq's ZAP handler thread)."""
+    assert keys.authorized is not None
+    auth = ThreadAuthenticator(ctx)
+    auth.start()
+    auth.configure_curve_callback(domain="*", credentials_provider=_AuthorizedKeys(keys.authorized))
+    return auth
+
+
+# ------------------------------------------------------------------ pwmesh keys
+
+
+def _private_dir(path: Path) -> None:
+    path.mkdir(parents=True, exist_ok=True)
+    path.chmod(0o700)
+
+
+def _make_pair(directory: Path, name: str) -> tuple[Path, Path]:
+    public, secret = (Path(p) for p in zmq.auth.create_certificates(directory, name))
+    secret.chmod(0o600)
+    return public, secret
+
+
+def init(directory: str | os.PathLike[str]) -> Path:
+    """Make the cluster's keys in ``directory`` (new, or empty); returns it."""
+    where = Path(directory).expanduser()
+    if where.exists() and any(where.iterdir()):
+        raise InvalidArgument(f"{where} is not empty: the cluster's keys go in a new directory")
+    _private_dir(where)
+    _private_dir(where / "authorized")
+    _private_dir(where / "clients")
+    public, _ = _make_pair(where, CLUSTER)
+    shutil.copy(public, where / "authorized" / public.name)  # daemons connect to each other
+    return where
+
+
+def add_client(directory: str | os.PathLike[str], name: str) -> Path:
+    """Issue client ``name`` a key pair (and authorize it); returns the directory to give that client."""
+    keys = Keys.load(directory)
+    if keys.authorized is None:
+        raise InvalidArgument(f"{keys.directory} is a client's keys directory, not the cluster's")
+    if not name or not name.replace("-", "").replace("_", "").replace(".", "").isalnum() or name == CLUSTER:
+        raise InvalidArgument(f"a client name is letters, digits, '-', '_' and '.', not {CLUSTER!r}: {name!r}")
+    given = keys.directory / "clients" / name
+    if given.exists():
+        raise InvalidArgument(f"client {name!r} already has keys ({given})")
+    _private_dir(given)
+    public, _ = _make_pair(given, name)
+    shutil.copy(keys.directory / f"{CLUSTER}.key", given / f"{CLUSTER}.key")
+    shutil.copy(public, keys.authorized / public.name)
+    return given
+
+
+def listing(directory: str | os.PathLike[str]) -> list[tuple[str, str, str]]:
+    """(name, role, public key) of every key a cluster's keys directory authorizes."""
+    keys = Keys.load(directory)
+    if keys.authorized is None:
+        raise InvalidArgument(f"{keys.directory} is a client's keys directory, not the cluster's")
+    rows = []
+    for path in sorted(keys.authorized.glob("*.key")):
+        public, _ = zmq.auth.load_certificate(path)
+        rows.append((path.stem, "daemons" if path.stem == CLUSTER else "client", public.decode()))
+    return rows
