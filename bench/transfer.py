@@ -11,6 +11,8 @@ float32 array, several times each, by:
 - **shm**: one segment in /dev/shm, created once per measurement and reused; the
   writer ``np.copyto``'s the array in, signals the reader with one byte on a Unix
   socket, the reader copies it out into its own pre-allocated array and acknowledges;
+- **pwmesh-sealed**, **pwmesh-authed**: the same with the cluster's keys: streams authenticated
+  and sealed with AES-256-GCM (the default), or authenticated only (``--data-plane-plaintext``);
 - **pwmesh**: the executor-to-executor data plane. Not measured yet: ``measure_pwmesh``
   is the hook (it returns None, and the row reads "not measured").
 
@@ -74,9 +76,11 @@ import mmap
 import multiprocessing
 import os
 import resource
+import shutil
 import socket
 import statistics
 import sys
+import tempfile
 import time
 import traceback
 import uuid
@@ -97,7 +101,9 @@ from _common import DEFAULT_OUT, load_average, machine, pyplot, save_figure, sav
 
 KiB = 1 << 10
 MiB = 1 << 20
-METHODS = ("tcp", "zmq", "shm", "pwmesh", "pwmesh-shm")
+METHODS = ("tcp", "zmq", "shm", "pwmesh", "pwmesh-shm", "pwmesh-sealed", "pwmesh-authed")
+# pwmesh-sealed / pwmesh-authed: the data plane's TCP path with the cluster's keys, sealed (AES-256-GCM,
+# the default with keys) or authenticated only (--data-plane-plaintext); plain "pwmesh" has no keys.
 ACK = b"a"
 PAGE = 4096
 JAX_ALIGNMENT = 64  # jax.device_put aliases host memory on CPU only from 64-byte aligned arrays
@@ -642,15 +648,20 @@ class _PwmeshSetup:
     """One embedded cluster per data path, started on first use and kept for every round: two
     islands of one executor with one device each; the array moves from island 0 to island 1."""
 
-    def __init__(self, shared_memory: bool) -> None:
+    def __init__(self, shared_memory: bool, security: str = "") -> None:
         import pwmesh as pw  # noqa: PLC0415 - the baselines run without it
+        from pwmesh.service import keys  # noqa: PLC0415
 
         args = () if shared_memory else ("--no-shared-memory",)
+        args += ("--data-plane-plaintext",) if security == "authed" else ()
+        self.keys_dir = tempfile.mkdtemp(prefix="pwmesh-bench-keys-") if security else ""
+        if self.keys_dir:
+            keys.init(self.keys_dir)  # the client shows the cluster's own pair
         self.pw = pw
         self.cluster = pw.LocalCluster(pw.LocalClusterSpec(islands=2, hosts_per_island=1, devices_per_host=1,
-                                                           executor_args=args))
+                                                           executor_args=args, keys=self.keys_dir))
         self.cluster.start()
-        self.client = pw.Client(self.cluster.address, name="bench-transfer")
+        self.client = pw.Client(self.cluster.address, name="bench-transfer", keys=self.keys_dir or None)
         devs = self.client.make_virtual_device_set()
         self.source, self.dest = devs.add_slice(devices=1, island=0), devs.add_slice(devices=1, island=1)
         self.arrays: dict[int, Any] = {}
@@ -665,9 +676,11 @@ class _PwmeshSetup:
     def close(self) -> None:
         self.client.close()
         self.cluster.stop()
+        if self.keys_dir:
+            shutil.rmtree(self.keys_dir, ignore_errors=True)
 
 
-_PWMESH: dict[bool, _PwmeshSetup] = {}
+_PWMESH: dict[tuple[bool, str], _PwmeshSetup] = {}
 
 
 def close_pwmesh() -> None:
@@ -676,16 +689,16 @@ def close_pwmesh() -> None:
 
 
 def measure_pwmesh(nbytes: int, repeats: int, *, peers: Peers | None = None, warmup: int = 2,
-                   shared_memory: bool = False, **options: Any) -> dict[str, Any]:
+                   shared_memory: bool = False, security: str = "", **options: Any) -> dict[str, Any]:
     """pwmesh, executor to executor across islands: ``pw.reshard`` of a buffer on island 0's executor
     onto island 1's, timed from the call to the destination buffer being ready (one program: the
     proxy's dispatch, the data plane, the completion coming back). ``shared_memory=False`` (the
     executors run with --no-shared-memory) is the path between hosts: a raw TCP stream into pooled,
     pre-faulted, page-aligned buffers that JAX adopts without a copy; ``True`` is one machine's path
-    through /dev/shm."""
-    setup = _PWMESH.get(shared_memory)
+    through /dev/shm. ``security``: "" (no keys), "sealed" or "authed" (see ``METHODS``)."""
+    setup = _PWMESH.get((shared_memory, security))
     if setup is None:
-        setup = _PWMESH[shared_memory] = _PwmeshSetup(shared_memory)
+        setup = _PWMESH[(shared_memory, security)] = _PwmeshSetup(shared_memory, security)
     x = setup.array(nbytes)
     records = []
     for i in range(warmup + repeats):
@@ -705,7 +718,8 @@ def measure_pwmesh(nbytes: int, repeats: int, *, peers: Peers | None = None, war
     pipelined = time.perf_counter() - start
     for y in moved:
         y.delete()
-    method = "pwmesh-shm" if shared_memory else "pwmesh"
+    method = "pwmesh-shm" if shared_memory else {"": "pwmesh", "sealed": "pwmesh-sealed",
+                                                  "authed": "pwmesh-authed"}[security]
     return summarize(method, nbytes, options, records, [], {
         "pipelined_transfers": repeats, "pipelined_gbytes_per_second": repeats * nbytes / pipelined / 1e9})
 
@@ -717,7 +731,7 @@ def control_under_bulk(nbytes: int, transfers: int, pings: int) -> dict[str, Any
     from pwmesh.client.connection import ClientConnection  # noqa: PLC0415
     from pwmesh.wire.messages import Ping  # noqa: PLC0415
 
-    setup = _PWMESH.get(False) or _PWMESH.setdefault(False, _PwmeshSetup(False))
+    setup = _PWMESH.get((False, "")) or _PWMESH.setdefault((False, ""), _PwmeshSetup(False))
     x = setup.array(nbytes)
     dest = next(e for e in fetch_status(setup.cluster.address).cluster.executors if e.island == 1)
     conn = ClientConnection(dest.control, name="bench-ping", open_session=False)
@@ -753,12 +767,22 @@ def measure_pwmesh_shm(nbytes: int, repeats: int, *, peers: Peers | None = None,
     return measure_pwmesh(nbytes, repeats, peers=peers, warmup=warmup, shared_memory=True, **options)
 
 
+def measure_pwmesh_sealed(nbytes: int, repeats: int, *, peers: Peers | None = None, warmup: int = 2,
+                          **options: Any) -> dict[str, Any]:
+    return measure_pwmesh(nbytes, repeats, peers=peers, warmup=warmup, security="sealed", **options)
+
+
+def measure_pwmesh_authed(nbytes: int, repeats: int, *, peers: Peers | None = None, warmup: int = 2,
+                          **options: Any) -> dict[str, Any]:
+    return measure_pwmesh(nbytes, repeats, peers=peers, warmup=warmup, security="authed", **options)
+
+
 # ---------------------------------------------------------------------------------------------------------------
 
 
 MEASURES: dict[str, Callable[..., dict[str, Any] | None]] = {
     "tcp": measure_tcp, "zmq": measure_zmq, "shm": measure_shm, "pwmesh": measure_pwmesh,
-    "pwmesh-shm": measure_pwmesh_shm}
+    "pwmesh-shm": measure_pwmesh_shm, "pwmesh-sealed": measure_pwmesh_sealed, "pwmesh-authed": measure_pwmesh_authed}
 
 # One knob at a time, at the largest size: (method, label, options). The first of each method is its baseline.
 VARIANTS: list[tuple[str, str, dict[str, Any]]] = [
@@ -869,7 +893,8 @@ def run_rounds(jobs: list[tuple[str, int, str, dict[str, Any]]], config: Config,
 def ratios(rows: list[dict[str, Any]], sizes: tuple[int, ...],
            key: str = "gbytes_per_second") -> dict[str, dict[str, float | None]]:
     """Per size: each method's bandwidth (``key``: median or best) over raw TCP's (and pwmesh's over shm's)."""
-    pairs = (("zmq", "tcp"), ("shm", "tcp"), ("pwmesh", "tcp"), ("pwmesh-shm", "shm"))
+    pairs = (("zmq", "tcp"), ("shm", "tcp"), ("pwmesh", "tcp"), ("pwmesh-shm", "shm"), ("pwmesh-sealed", "pwmesh"),
+             ("pwmesh-authed", "pwmesh"))
     out: dict[str, dict[str, float | None]] = {}
     for nbytes in sizes:
         bw = {r["method"]: r[key] for r in rows if r["bytes"] == nbytes}

@@ -131,11 +131,11 @@ def test_transfer_smoke(tmp_path: Path) -> None:
     assert {"benchmark", "config", "machine", "results", "ratios", "control_under_bulk"} <= data.keys()
     assert data["benchmark"] == "transfer" and data["smoke"] is True
     methods = {r["method"] for r in data["results"]}
-    assert methods == {"tcp", "zmq", "shm", "pwmesh", "pwmesh-shm"}
+    assert methods == {"tcp", "zmq", "shm", "pwmesh", "pwmesh-shm", "pwmesh-sealed", "pwmesh-authed"}
     for r in data["results"]:
         assert r["measured"] and r["gbytes_per_second"] > 0, r["method"]
     for ratios in data["ratios"].values():
-        assert ratios["pwmesh/tcp"] > 0 and ratios["pwmesh-shm/shm"] > 0
+        assert ratios["pwmesh/tcp"] > 0 and ratios["pwmesh-shm/shm"] > 0 and ratios["pwmesh-sealed/pwmesh"] > 0
     control = data["control_under_bulk"]
     assert control["idle_ping_ms_median"] > 0 and control["bulk_gbytes_per_second"] > 0
     check_plot(tmp_path / "transfer.png")

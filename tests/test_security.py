@@ -7,8 +7,13 @@ leaves no session and makes no log line in the daemons.
 
 from __future__ import annotations
 
+import asyncio
+import logging
+import os
+import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,15 +22,18 @@ import numpy as np
 import pytest
 import zmq
 from click.testing import CliRunner
+from jax.sharding import PartitionSpec as P
 
 import pwmesh as pw
 from pwmesh.cli.commands import fetch_status
 from pwmesh.cli.main import main
 from pwmesh.client.connection import ClientConnection
+from pwmesh.dataflow.plane import DataPlane, StreamError, _map_segment
+from pwmesh.dataflow.secure import plane_key
 from pwmesh.service import keys as cluster_keys
 from pwmesh.service.transport import Context
 from pwmesh.wire import encode
-from pwmesh.wire.messages import Ping
+from pwmesh.wire.messages import DataTuple, Ping, TupleBatch
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +47,7 @@ def key_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 @pytest.fixture(scope="module")
 def keyed(key_dirs: dict[str, Path]) -> Iterator[pw.LocalCluster]:
-    spec = pw.LocalClusterSpec(islands=1, hosts_per_island=1, devices_per_host=2, keys=str(key_dirs["cluster"]))
+    spec = pw.LocalClusterSpec(islands=1, hosts_per_island=2, devices_per_host=1, keys=str(key_dirs["cluster"]))
     with pw.LocalCluster(spec) as running:
         yield running
 
@@ -75,8 +83,14 @@ def test_a_secret_key_readable_by_others_is_refused(tmp_path: Path) -> None:
 
 def test_a_client_with_the_key_runs_programs(keyed: pw.LocalCluster, key_dirs: dict[str, Path]) -> None:
     with pw.Client(keyed.address, name="alice", keys=str(key_dirs["alice"])) as client:
-        double = pw.pmap(lambda x: x * 2.0, devices=client.make_virtual_device_set().add_slice(devices=2))
+        both = client.make_virtual_device_set().add_slice(devices=2)
+        assert len(both.executors) == 2
+        double = pw.pmap(lambda x: x * 2.0, devices=both)
         np.testing.assert_array_equal(np.asarray(double(np.array([1.0, 2.0], np.float32))), [2.0, 4.0])
+        # Blocks move between the executors over their data planes (authenticated, sealed).
+        x = np.arange(8.0, dtype=np.float32)
+        whole = pw.reshard(pw.put(x, devices=both, spec=P("x")), devices=both, spec=P())
+        np.testing.assert_array_equal(np.asarray(whole), x)
 
 
 @pytest.mark.parametrize("who", ["no keys", "another cluster's client"])
@@ -101,8 +115,11 @@ def test_raw_frames_without_curve_get_no_reply(keyed: pw.LocalCluster) -> None:
         sock = ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.connect(keyed.address)
-        sock.send_multipart(encode(Ping(), msg_id=1, sender="plaintext"))
-        sock.send_multipart([b"junk", b"\x00" * 64])
+        for frames in (encode(Ping(), msg_id=1, sender="plaintext"), [b"junk", b"\x00" * 64]):
+            try:  # once the handshake has failed, ZeroMQ has no peer to queue for: it refuses at once
+                sock.send_multipart(frames, flags=zmq.NOBLOCK)
+            except zmq.Again:
+                pass
         assert sock.poll(timeout=1000) == 0, "a plaintext peer gets nothing back"
     finally:
         ctx.destroy(linger=0)
@@ -122,3 +139,142 @@ def test_binding_off_loopback_without_keys_is_refused_with_a_clear_message() -> 
     assert daemon.stderr.strip().splitlines()[-1] == (
         "Error: pwmesh-rm: refusing to bind tcp://0.0.0.0:0 without keys: anyone who reaches it could run code "
         "on the cluster. Give --keys DIR (`pwmesh keys init DIR`), or --insecure on a network you trust")
+
+
+# ------------------------------------------------------------------ the data plane
+# Two real data planes in this process, talking over loopback TCP (shared memory off, so every byte
+# crosses the socket); a relay between them records (or alters) what crosses.
+
+PATTERN = np.frombuffer(b"pwmesh-secret-pattern-", dtype=np.uint8)
+
+
+def batch(rows: int) -> TupleBatch:
+    block = np.resize(PATTERN, rows)  # the known pattern, over and over: ~100 KiB takes the big-frame path
+    return TupleBatch(tuples=[DataTuple(prefix="s/b", shard=0, device=0, src=0, sources=1, shape=[rows],
+                                        dtype="uint8", count=1, seq=0, array=block)])
+
+
+class Relay:
+    """A TCP relay on 127.0.0.1: records every byte from sender to receiver; may flip one of them."""
+
+    def __init__(self, target: str, flip_at: int = -1) -> None:
+        self.host, port = target.removeprefix("tcp://").rsplit(":", 1)
+        self.target = (self.host, int(port))
+        self.flip_at = flip_at
+        self.seen = bytearray()
+        self.sockets: list[socket.socket] = []
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.address = f"tcp://127.0.0.1:{self.listener.getsockname()[1]}"
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        try:
+            inbound, _ = self.listener.accept()
+        except OSError:
+            return
+        outbound = socket.create_connection(self.target)
+        self.sockets += [inbound, outbound]
+        threading.Thread(target=self._pump, args=(outbound, inbound, False), daemon=True).start()
+        self._pump(inbound, outbound, True)
+
+    def _pump(self, src: socket.socket, dst: socket.socket, record: bool) -> None:
+        try:
+            while chunk := src.recv(1 << 16):
+                if record:
+                    start = len(self.seen)
+                    self.seen += chunk
+                    if start <= self.flip_at < len(self.seen):
+                        chunk = bytearray(chunk)
+                        chunk[self.flip_at - start] ^= 0xFF
+                dst.sendall(chunk)
+        except OSError:
+            pass
+        finally:
+            for s in (src, dst):  # one side ended: end the other (``close`` lets go of both)
+                try:
+                    s.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+
+    def close(self) -> None:
+        self.listener.close()
+        for s in self.sockets:
+            try:
+                s.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            s.close()
+
+
+async def across(sender_key: bytes | None, receiver_key: bytes | None, *, plaintext: bool = False,
+                 flip_at: int = -1) -> tuple[list[TupleBatch], bytes]:
+    """Send one batch from one plane to another through a relay: (what arrived, what crossed)."""
+    loop = asyncio.get_running_loop()
+    got: list[TupleBatch] = []
+    arrived = asyncio.Event()
+    receiver = DataPlane(loop, lambda b: (got.append(b), arrived.set()), shared_memory=False, key=receiver_key,
+                         plaintext=plaintext)
+    sender = DataPlane(loop, lambda b: None, shared_memory=False, key=sender_key, plaintext=plaintext)
+    relay = Relay(receiver.address, flip_at)
+    try:
+        sender.send(relay.address, batch(100_000))
+        # Settled either way: acknowledged once it arrived, or dropped when the stream broke.
+        await asyncio.wait_for(sender.idle.wait(), 10.0)
+        if got or sender_key == receiver_key and flip_at < 0:
+            await asyncio.wait_for(arrived.wait(), 10.0)
+        return got, bytes(relay.seen)
+    finally:
+        sender.close()
+        receiver.close()
+        relay.close()
+
+
+KEY = plane_key(b"k" * 32)
+
+
+@pytest.mark.asyncio
+@pytest.mark.timeout(60)
+async def test_the_data_plane_with_keys_delivers_and_nothing_crosses_in_cleartext() -> None:
+    got, crossed = await across(KEY, KEY)
+    np.testing.assert_array_equal(got[0].tuples[0].array, batch(100_000).tuples[0].array)
+    assert PATTERN.tobytes() not in crossed and len(crossed) > 100_000, "the array crossed, sealed"
+
+
+@pytest.mark.asyncio
+@pytest.mark.timeout(60)
+async def test_plaintext_when_both_ends_ask_still_authenticated() -> None:
+    got, crossed = await across(KEY, KEY, plaintext=True)
+    assert len(got) == 1 and PATTERN.tobytes() in crossed
+
+
+@pytest.mark.asyncio
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("sender", ["another cluster's key", "no key"])
+async def test_a_stream_without_the_cluster_key_delivers_nothing(sender: str,
+                                                                caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.INFO, logger="pwmesh"):
+        got, _ = await across(plane_key(b"x" * 32) if sender != "no key" else None, KEY)
+    assert got == []
+    assert any("cluster's keys" in r.getMessage() for r in caplog.records), "the receiver says why"
+
+
+@pytest.mark.asyncio
+@pytest.mark.timeout(60)
+async def test_an_altered_byte_closes_the_stream_and_delivers_nothing(caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.INFO, logger="pwmesh"):
+        got, _ = await across(KEY, KEY, flip_at=60_000)  # inside the sealed array frame
+    assert got == []
+    assert any("authentication tag" in r.getMessage() for r in caplog.records)
+
+
+def test_a_shared_memory_segment_others_can_read_is_refused(tmp_path: Path) -> None:
+    name = f"pwmesh-test-{os.getpid()}"
+    fd = os.open(f"/dev/shm/{name}", os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o644)
+    try:
+        os.fchmod(fd, 0o644)  # whatever the umask made of it
+        os.ftruncate(fd, 4096)
+        with pytest.raises(StreamError, match="not this user's alone"):
+            _map_segment(name)
+    finally:
+        os.close(fd)
+        os.unlink(f"/dev/shm/{name}")

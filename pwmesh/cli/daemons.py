@@ -156,6 +156,9 @@ class _ByteSize(click.ParamType):
 @click.option("--group-epoch", type=int, default=0, hidden=True)
 @click.option("--group-members", default="", hidden=True)
 @click.option("--resume-from", default="", hidden=True)
+@click.option("--data-plane-plaintext", is_flag=True, envvar="PWMESH_DATA_PLANE_PLAINTEXT", show_envvar=True,
+              help="With --keys: data-plane streams are still authenticated but not encrypted (both ends must "
+                   "ask). For fabrics you trust, where the encryption's CPU cost matters.")
 @click.option("--shared-memory/--no-shared-memory", default=True, show_default=True,
               help="Exchange bulk data with executors on the same machine through /dev/shm (else TCP).")
 @click.option("--platform", type=click.Choice(["cpu", "cuda", "rocm", "tpu"]), default=None,
@@ -172,7 +175,7 @@ class _ByteSize(click.ParamType):
 def executor_main(island: int, rm: str, devices: int, listen: str, data_listen: str, name: str, host: str,
                   watchdog_seconds: float, collectives: bool, jax_coordinator: str, jax_processes: int,
                   jax_process_id: int, group_epoch: int, group_members: str, resume_from: str,
-                  shared_memory: bool, platform: str | None, test_enqueue_jitter_seconds: float,
+                  data_plane_plaintext: bool, shared_memory: bool, platform: str | None, test_enqueue_jitter_seconds: float,
                   test_order_by_arrival: bool,
                   test_seed: int,
                   memory_limit_bytes: int, heartbeat_interval_seconds: float, keys: str, insecure: bool,
@@ -196,6 +199,7 @@ def executor_main(island: int, rm: str, devices: int, listen: str, data_listen: 
                             group_epoch=group_epoch, group_members=tuple(filter(None, group_members.split(","))),
                             resume_from=resume_from,
                             shared_memory=shared_memory, platform=platform or "",
+                            data_plane_plaintext=data_plane_plaintext,
                             test_enqueue_jitter_seconds=test_enqueue_jitter_seconds,
                             test_order_by_arrival=test_order_by_arrival, test_seed=test_seed,
                             security=Security(keys, insecure))

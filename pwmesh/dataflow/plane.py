@@ -43,6 +43,7 @@ from typing import Any
 import msgpack
 import numpy as np
 
+from pwmesh.dataflow.secure import TAG_BYTES, Seal, SealError, new_nonce, proof, proves
 from pwmesh.service.ratelimit import RejectedLog
 from pwmesh.wire import codec
 from pwmesh.wire.messages import TupleBatch
@@ -76,6 +77,10 @@ def _map_segment(name: str) -> tuple[mmap.mmap, np.ndarray]:
     except OSError as exc:
         raise StreamError(f"shared-memory segment {name!r}: {exc.strerror}") from None
     try:
+        info = os.fstat(fd)
+        if info.st_uid != os.geteuid() or info.st_mode & 0o077:
+            raise StreamError(f"shared-memory segment {name!r} is not this user's alone (uid {info.st_uid}, "
+                              f"mode {info.st_mode & 0o777:o})")
         mapped = mmap.mmap(fd, 0, prot=mmap.PROT_READ)
     except (OSError, ValueError) as exc:  # an empty file cannot be mapped
         raise StreamError(f"shared-memory segment {name!r}: {exc}") from None
@@ -89,6 +94,21 @@ def _machine_of(hello: Any) -> str:
     if not isinstance(hello, dict) or not isinstance(hello.get("machine", ""), str):
         raise StreamError("malformed handshake")
     return hello.get("machine", "")  # type: ignore[no-any-return]
+
+
+def _send_hello(sock: socket.socket, hello: dict[str, Any]) -> None:
+    data = msgpack.packb(hello)
+    sock.sendall(_LEN.pack(len(data)) + data)
+
+
+def _recv_hello(sock: socket.socket) -> dict[str, Any]:
+    (n,) = _LEN.unpack(recv_bytes(sock, _LEN.size))
+    if n > MAX_HELLO_BYTES:
+        raise StreamError(f"a handshake of {n} bytes")
+    hello = _unpack(recv_bytes(sock, n), "handshake")
+    if not isinstance(hello, dict):
+        raise StreamError("malformed handshake")
+    return hello
 
 
 def machine_id() -> str:
@@ -181,6 +201,7 @@ class _Stream:
         self.segments: list[_Segment] = []
         self.sock: socket.socket | None = None
         self.shared = False
+        self.seal: Seal | None = None  # this stream's sealing (the cluster has keys, and not plaintext)
         self.closed = False
         self.writer = threading.Thread(target=self._write_loop, name=f"pwmesh-data-to-{address}", daemon=True)
         self.writer.start()
@@ -191,16 +212,24 @@ class _Stream:
         try:
             sock.settimeout(None)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            hello = msgpack.packb({"machine": self.plane.machine if self.plane.shared_memory else "",
-                                   "pid": os.getpid()})
-            sock.sendall(_LEN.pack(len(hello)) + hello)
-            (n,) = _LEN.unpack(recv_bytes(sock, _LEN.size))
-            if n > MAX_HELLO_BYTES:
-                raise StreamError(f"a handshake of {n} bytes")
-            machine = _machine_of(_unpack(recv_bytes(sock, n), "handshake"))
+            key = self.plane.key
+            nonce = new_nonce() if key is not None else b""
+            _send_hello(sock, {"machine": self.plane.machine if self.plane.shared_memory else "", "pid": os.getpid(),
+                               "nonce": nonce, "plaintext": self.plane.plaintext})
+            reply = _recv_hello(sock)
+            machine = _machine_of(reply)
+            seal = None
+            if key is not None:
+                theirs = reply.get("nonce")
+                if not (isinstance(theirs, bytes) and proves(key, b"server", nonce, theirs, reply.get("proof"))):
+                    raise StreamError(f"the data plane at {self.address} did not prove it holds the cluster's keys")
+                _send_hello(sock, {"proof": proof(key, b"client", nonce, theirs)})
+                if reply.get("encrypted") is not False:
+                    seal = Seal(key, nonce, theirs)
         except BaseException:  # whoever answered there is no data plane: do not keep its socket
             sock.close()
             raise
+        self.seal = seal
         self.shared = bool(self.plane.machine) and machine == self.plane.machine
         threading.Thread(target=self._ack_loop, args=(sock,), name=f"pwmesh-acks-{self.address}", daemon=True).start()
         return sock
@@ -258,9 +287,19 @@ class _Stream:
                 preamble.append([INLINE, view.nbytes, "", 0])
                 inline.append(view)
         head = msgpack.packb(preamble)
+        seal = self.seal
+        if seal is not None:
+            head = seal.seal(head)
         sock.sendall(_LEN.pack(len(head)) + head)
         for view in inline:
-            sock.sendall(view)
+            if seal is None:
+                sock.sendall(view)
+            elif view.nbytes >= BIG_FRAME_BYTES:
+                out = self.plane.pool.take(view.nbytes + TAG_BYTES)  # warm, reused once sent
+                seal.seal_into(view, out)
+                sock.sendall(out)
+            else:
+                sock.sendall(seal.seal(view))
 
     def _ack_loop(self, sock: socket.socket) -> None:
         try:
@@ -303,8 +342,13 @@ class DataPlane:
 
     def __init__(self, loop: Any, on_batch: Callable[[TupleBatch], None], *, bind_host: str = "127.0.0.1",
                  port: int = 0, shared_memory: bool = True, max_segments: int = 8, max_streams: int = 4096,
-                 limits: codec.Limits = codec.DEFAULT_LIMITS) -> None:
+                 limits: codec.Limits = codec.DEFAULT_LIMITS, key: bytes | None = None,
+                 plaintext: bool = False) -> None:
+        """``key`` (``secure.plane_key`` of the cluster's keys): streams prove it both ways and are sealed,
+        unless both ends are ``plaintext`` (a fabric you trust). None: anyone who connects is a peer."""
         self.loop = loop
+        self.key = key
+        self.plaintext = plaintext
         self.on_batch = on_batch
         self.shared_memory = shared_memory
         self.machine = machine_id()
@@ -386,9 +430,9 @@ class DataPlane:
     def _read_loop(self, sock: socket.socket, peer: Any) -> None:
         segments: dict[str, tuple[mmap.mmap, np.ndarray]] = {}
         try:
-            shared = self._handshake(sock)
+            shared, seal = self._handshake(sock)
             while True:
-                frames = self._read_message(sock, segments, shared)
+                frames = self._read_message(sock, segments, shared, seal)
                 sock.sendall(_ACK.pack(1))  # held here now: the sender may reuse its slots
                 try:
                     env = codec.decode(frames, self.limits)
@@ -399,7 +443,7 @@ class DataPlane:
                     self.loop.call_soon_threadsafe(self.on_batch, env.message)
                 else:
                     self._rejected.rejected(peer, f"a {env.message.op} (only tuple batches travel here)")
-        except StreamError as exc:
+        except (StreamError, SealError) as exc:
             self._rejected.rejected(peer, f"{exc}; stream closed")
         except OSError as exc:
             if not self._closing:
@@ -411,25 +455,38 @@ class DataPlane:
             for mapped, _ in segments.values():
                 mapped.close()
 
-    def _handshake(self, sock: socket.socket) -> bool:
-        """Read the peer's hello and answer it; whether the stream's big frames come through shared memory."""
+    def _handshake(self, sock: socket.socket) -> tuple[bool, Seal | None]:
+        """Read the peer's hello and answer it (with keys: each end proves it holds them); whether the
+        stream's big frames come through shared memory, and how its payload is sealed."""
         sock.settimeout(HANDSHAKE_TIMEOUT_SECONDS)
-        (n,) = _LEN.unpack(recv_bytes(sock, _LEN.size))
-        if n > MAX_HELLO_BYTES:
-            raise StreamError(f"a handshake of {n} bytes")
-        machine = _machine_of(_unpack(recv_bytes(sock, n), "handshake"))
-        shared = bool(self.shared_memory and self.machine and machine == self.machine)
-        reply = msgpack.packb({"machine": self.machine if shared else ""})
-        sock.sendall(_LEN.pack(len(reply)) + reply)
+        hello = _recv_hello(sock)
+        machine = _machine_of(hello)
+        key, seal = self.key, None
+        if key is None:
+            _send_hello(sock, {"machine": self.machine if self._shares(machine) else ""})
+        else:
+            theirs, mine = hello.get("nonce"), new_nonce()
+            if not (isinstance(theirs, bytes) and len(theirs) == len(mine)):
+                raise StreamError("a hello without the cluster's keys")
+            encrypted = not (self.plaintext and hello.get("plaintext") is True)  # plaintext if both ends ask
+            _send_hello(sock, {"machine": self.machine if self._shares(machine) else "", "nonce": mine,
+                               "proof": proof(key, b"server", theirs, mine), "encrypted": encrypted})
+            if not proves(key, b"client", theirs, mine, _recv_hello(sock).get("proof")):
+                raise StreamError("a peer that does not hold the cluster's keys")
+            seal = Seal(key, theirs, mine) if encrypted else None
         sock.settimeout(None)  # a stream may rightly be idle for as long as its sender has nothing to send
-        return shared
+        return self._shares(machine), seal
+
+    def _shares(self, machine: str) -> bool:
+        return bool(self.shared_memory and self.machine and machine == self.machine)
 
     def _read_message(self, sock: socket.socket, segments: dict[str, tuple[mmap.mmap, np.ndarray]],
-                      shared: bool) -> list[Any]:
+                      shared: bool, seal: Seal | None) -> list[Any]:
         (n,) = _LEN.unpack(recv_bytes(sock, _LEN.size))
-        if n > MAX_PREAMBLE_BYTES:
+        if n > MAX_PREAMBLE_BYTES + TAG_BYTES:
             raise StreamError(f"a preamble of {n} bytes")
-        preamble = _unpack(recv_bytes(sock, n), "preamble")
+        head = recv_bytes(sock, n)
+        preamble = _unpack(head if seal is None else seal.open(head), "preamble")
         limits = self.limits
         if not isinstance(preamble, list) or not 2 <= len(preamble) <= limits.max_buffers + 2:
             raise StreamError("malformed preamble")
@@ -454,6 +511,14 @@ class DataPlane:
                 buf = self.pool.take(nbytes)
                 np.copyto(buf, source[offset:offset + nbytes])
                 frames.append(buf)
+            elif seal is not None and nbytes >= BIG_FRAME_BYTES:
+                sealed = self.pool.take(nbytes + TAG_BYTES)
+                _recv_exactly(sock, memoryview(sealed))
+                buf = self.pool.take(nbytes)
+                seal.open_into(sealed, buf)
+                frames.append(buf)
+            elif seal is not None:
+                frames.append(seal.open(recv_bytes(sock, nbytes + TAG_BYTES)))
             elif nbytes >= BIG_FRAME_BYTES:
                 buf = self.pool.take(nbytes)
                 _recv_exactly(sock, memoryview(buf))

@@ -25,6 +25,7 @@ import numpy as np
 from pwmesh.dataflow.exchange import Destination, Ragged, assemble, cut, cut_error
 from pwmesh.dataflow.plane import DataPlane
 from pwmesh.dataflow.progress import Arrived, Progress, ProgressError
+from pwmesh.dataflow.secure import plane_key
 from pwmesh.errors import InvalidArgument, PwmeshError
 from pwmesh.executor import spill
 from pwmesh.executor.functions import FunctionCache
@@ -119,6 +120,7 @@ class ExecutorConfig:
     test_enqueue_jitter_seconds: float = 0.0
     test_order_by_arrival: bool = False
     test_seed: int = 0
+    data_plane_plaintext: bool = False  # with keys: streams authenticated, not encrypted (a trusted fabric)
     security: Security = dataclasses.field(default_factory=Security)  # --keys, --insecure
 
 
@@ -188,15 +190,17 @@ class Executor(Service):
         }
         self.control = Server(self.ctx, self.config.listen, control, tasks=self.tasks, name=self.name)
         bind_host, _, port = self.config.data_listen.removeprefix("tcp://").rpartition(":")
-        if not is_loopback(self.config.data_listen):
-            if self.ctx.keys is None and not self.ctx.allow_insecure:
+        keys = self.ctx.keys
+        if keys is None and not is_loopback(self.config.data_listen):
+            if not self.ctx.allow_insecure:
                 raise InvalidArgument(f"refusing to bind the data plane at {self.config.data_listen} without keys "
                                       "(give --keys DIR, or --insecure on a network you trust)")
-            # Keys guard the control sockets; the data plane's own authentication is still to come.
-            log.warning("the data plane at %s accepts any peer that speaks its hello and sends plaintext: "
-                        "keep it on a network you trust", self.config.data_listen)
+            log.warning("INSECURE: the data plane at %s accepts any peer and sends plaintext (--insecure)",
+                        self.config.data_listen)
         self.plane = DataPlane(asyncio.get_running_loop(), self._receive, bind_host=bind_host, port=int(port or 0),
-                               shared_memory=self.config.shared_memory)
+                               shared_memory=self.config.shared_memory,
+                               key=plane_key(keys.secret) if keys is not None else None,
+                               plaintext=self.config.data_plane_plaintext)
         self.control.start()
         self.peers = Connections(self.ctx, tasks=self.tasks, name=self.name, on_message=self._notified)
         self._sending = 0  # transfers waiting for their shard, or under way
