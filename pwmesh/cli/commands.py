@@ -39,12 +39,13 @@ class UpConfig:
     log_level: str = "WARNING"
     collectives: bool = False
     log_format: str = "text"
+    metrics: bool = True
 
 
 def up(config: UpConfig) -> None:
     spec = LocalClusterSpec(islands=config.islands, hosts_per_island=config.hosts_per_island,
                             devices_per_host=config.devices_per_host, log_level=config.log_level,
-                            log_format=config.log_format, collectives=config.collectives)
+                            log_format=config.log_format, collectives=config.collectives, metrics=config.metrics)
     # Handlers go in before start-up so no stop signal is lost; the children
     # get default handlers again (their signal mask is never touched).
     stop = threading.Event()
@@ -60,6 +61,12 @@ def up(config: UpConfig) -> None:
               f"{config.devices_per_host} devices = {total} devices")
         print(f"address: {address}")
         print(f"logs:    {cluster.log_dir}")
+        metrics = cluster.metrics_addresses()
+        if metrics:
+            print("metrics:")
+            width = max(map(len, metrics))
+            for name, where in metrics.items():
+                print(f"  {name:<{width}}  {where}")
         print(f"in another shell:  export PWMESH_ADDRESS={address}")
         print("Ctrl-C stops every daemon.", flush=True)
         stop.wait()

@@ -19,8 +19,12 @@ import logging
 import os
 import signal
 import sys
+from collections.abc import Iterable
 from typing import Any
 
+from prometheus_client.core import Metric
+
+from pwmesh.service.metrics import MetricsServer
 from pwmesh.service.tasks import TaskGroup
 from pwmesh.service.transport import Context
 from pwmesh.wire import Envelope
@@ -47,11 +51,15 @@ class Service:
     startup_timeout_seconds = 60.0
     drain_timeout_seconds = 10.0
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, *, metrics_port: int | None = None, metrics_host: str = "127.0.0.1") -> None:
         self.name = name
         self.status = Status.INIT
         self.ctx = Context()
         self.tasks = TaskGroup(on_crash=self._crashed)
+        # Prometheus metrics over HTTP on this port once started (0: a free one; None: none served).
+        self.metrics_port = metrics_port
+        self.metrics_host = metrics_host
+        self.metrics: MetricsServer | None = None
         self._start_task: asyncio.Task[None] | None = None
         self._closed: asyncio.Event | None = None
         self._close_task: asyncio.Task[None] | None = None
@@ -62,8 +70,15 @@ class Service:
     async def drain(self) -> None:
         """Finish in-flight work before sockets close (bounded by ``drain_timeout_seconds``)."""
 
+    def collect(self) -> Iterable[Metric]:
+        """What this daemon's metrics endpoint serves, read from its state at scrape time (on the loop)."""
+        return ()
+
     def ready_info(self) -> dict[str, Any]:
-        return {"role": self.role, "name": self.name, "pid": os.getpid()}
+        info: dict[str, Any] = {"role": self.role, "name": self.name, "pid": os.getpid()}
+        if self.metrics is not None:
+            info["metrics"] = self.metrics.address
+        return info
 
     def ping(self, peer: bytes, env: Envelope) -> Pong:
         """Every daemon answers ``Ping`` with who it is and its lifecycle status."""
@@ -80,6 +95,9 @@ class Service:
         try:
             async with asyncio.timeout(self.startup_timeout_seconds):
                 await self.setup()
+                if self.metrics_port is not None:  # last: a scrape finds everything it reads set up
+                    self.metrics = MetricsServer(self.collect, tasks=self.tasks, name=self.name)
+                    await self.metrics.start(self.metrics_host, self.metrics_port)
         except BaseException:
             await self.close()
             raise
@@ -101,6 +119,8 @@ class Service:
                 log.warning("%s: drain did not finish within %s seconds", self.name, self.drain_timeout_seconds)
             except Exception:
                 log.exception("%s: drain failed", self.name)
+        if self.metrics is not None:
+            await self.metrics.close()
         await self.tasks.stop()
         self.ctx.close()
         self.status = Status.CLOSED
