@@ -20,15 +20,15 @@ import os
 import signal
 import sys
 from collections.abc import Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from prometheus_client.core import Metric
-
-from pwmesh.service.metrics import MetricsServer
 from pwmesh.service.tasks import TaskGroup
 from pwmesh.service.transport import Context
 from pwmesh.wire import Envelope
 from pwmesh.wire.messages import Pong
+
+if TYPE_CHECKING:
+    from pwmesh.service.metrics import Metric, MetricsServer
 
 log = logging.getLogger(__name__)
 
@@ -96,6 +96,9 @@ class Service:
             async with asyncio.timeout(self.startup_timeout_seconds):
                 await self.setup()
                 if self.metrics_port is not None:  # last: a scrape finds everything it reads set up
+                    # Here, not at the top: the CLI imports this module, and prometheus-client costs ~50 ms.
+                    from pwmesh.service.metrics import MetricsServer  # noqa: PLC0415
+
                     self.metrics = MetricsServer(self.collect, tasks=self.tasks, name=self.name)
                     await self.metrics.start(self.metrics_host, self.metrics_port)
         except BaseException:

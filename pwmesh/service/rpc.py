@@ -90,11 +90,12 @@ class Server:
         self._limits = limits
         self._on_unreachable = on_unreachable
         self.address = self._sock.address
-        # For the metrics: one integer increment per message, nothing more on this path.
-        self.received: collections.Counter[str] = collections.Counter()  # by op
-        self.sent: collections.Counter[str] = collections.Counter()  # by op
-        self.rejected: collections.Counter[str] = collections.Counter()  # frames dropped or answered
-        # with ProtocolError, by ``FrameError.reason``
+        # For the metrics: one integer increment per message, nothing more on this path (a defaultdict:
+        # ~50 ns an increment, a Counter ~120 ns).
+        self.received: collections.defaultdict[str, int] = collections.defaultdict(int)  # by op
+        self.sent: collections.defaultdict[str, int] = collections.defaultdict(int)  # by op
+        # Frames dropped or answered with ProtocolError, by ``FrameError.reason``.
+        self.rejected: collections.defaultdict[str, int] = collections.defaultdict(int)
         self._rejected_log = RejectedLog(name, logger=log)
         # Failed handlers and sends, each kind logged at most once per interval: what a peer can make
         # fail again and again (a refused request, replies to a peer that left) cannot flood the log.
@@ -214,12 +215,14 @@ class Connection:
 
     def __init__(self, ctx: Context, address: str, *, tasks: TaskGroup, name: str,
                  on_message: Callable[[Envelope], None] | None = None,
-                 limits: Limits = DEFAULT_LIMITS, sent: collections.Counter[str] | None = None) -> None:
+                 limits: Limits = DEFAULT_LIMITS, sent: collections.defaultdict[str, int] | None = None) -> None:
         self._sock: DealerSocket = ctx.dealer(address)
         self.address = address
-        self.sent = collections.Counter() if sent is None else sent  # by op (shared by a ``Connections``)
-        self.received: collections.Counter[str] = collections.Counter()  # by op: replies and notifications
-        self.rejected: collections.Counter[str] = collections.Counter()  # unreadable frames, by reason
+        # For the metrics, by op: sent (shared by a ``Connections``), received (replies and notifications);
+        # unreadable frames by reason.
+        self.sent: collections.defaultdict[str, int] = collections.defaultdict(int) if sent is None else sent
+        self.received: collections.defaultdict[str, int] = collections.defaultdict(int)
+        self.rejected: collections.defaultdict[str, int] = collections.defaultdict(int)
         self._name = name
         self._rejected_log = RejectedLog(name, logger=log)
         self._pending: dict[int, asyncio.Future[Message]] = {}
@@ -327,7 +330,7 @@ class Connections:
         self.lost: set[str] = set()  # peers known gone: posts to them are dropped
         self.sent_messages = 0  # posted, ever (the proxy reports its program traffic from these)
         self.sent_bytes = 0
-        self.sent: collections.Counter[str] = collections.Counter()  # by op, every connection's (the metrics)
+        self.sent: collections.defaultdict[str, int] = collections.defaultdict(int)  # by op, every connection's
         self._silent_log = RejectedLog(name, logger=log)  # peers that did not answer a barrier
 
     def get(self, address: str) -> Connection:
@@ -343,12 +346,13 @@ class Connections:
 
     def counts(self) -> tuple[dict[str, int], dict[str, int]]:
         """Messages received over every connection by op, and frames rejected by reason (the metrics)."""
-        received: collections.Counter[str] = collections.Counter()
-        rejected: collections.Counter[str] = collections.Counter()
+        received: dict[str, int] = {}
+        rejected: dict[str, int] = {}
         for conn in self._by_address.values():
-            received.update(conn.received)
-            rejected.update(conn.rejected)
-        return dict(received), dict(rejected)
+            for total, counts in ((received, conn.received), (rejected, conn.rejected)):
+                for key, n in counts.items():
+                    total[key] = total.get(key, 0) + n
+        return received, rejected
 
     def post(self, address: str, message: Message) -> None:
         if address in self.lost:
