@@ -309,3 +309,31 @@ def test_the_resource_manager_counts_executors_that_miss_their_heartbeats() -> N
     assert state.heartbeat_misses[("executor",)] == 1 and state.executors_lost == 1
     state.handle(UnregisterExecutor(executor_id="a", reason="drained"), now=1.6)
     assert state.executors_left == 1 and state.heartbeat_misses[("executor",)] == 1
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+@pytest.mark.timeout(120)
+def test_an_executor_restarting_into_its_jax_group_keeps_its_metrics_port() -> None:
+    spec = pw.LocalClusterSpec(islands=1, hosts_per_island=2, devices_per_host=1, metrics=True, collectives=True)
+    with pw.LocalCluster(spec) as c:
+        for host in ("island0-host0", "island0-host1"):
+            child = c.child(host)
+            assert child.info["group_epoch"] >= 1  # it restarted (same process) into the group's forming
+            address = child.info["metrics"]
+            port = address.rsplit(":", 1)[1].removesuffix("/metrics")
+            argv = Path(f"/proc/{child.popen.pid}/cmdline").read_bytes().decode().split("\0")
+            flags = [argv[i + 1] for i, arg in enumerate(argv) if arg == "--metrics-port"]
+            assert flags == [port]  # the free port it first took (0), passed on, not a new one
+            assert value(scrape(address), "pwmesh_daemon_info", role="executor", name=host) == 1
+
+
+@pytest.mark.timeout(120)
+def test_a_daemon_restarted_in_place_is_scraped_at_the_same_address() -> None:
+    spec = pw.LocalClusterSpec(islands=1, hosts_per_island=1, devices_per_host=1, metrics=True)
+    with pw.LocalCluster(spec) as c:  # its own: the restarted process must stop with the test
+        before = c.metrics_addresses()["island0-host0"]
+        c.restart("island0-host0")  # SIGKILL, then the same command on the same addresses
+        assert c.metrics_addresses()["island0-host0"] == before
+        samples = scrape(before)
+        assert value(samples, "pwmesh_daemon_info", role="executor", name="island0-host0") == 1
+        assert value(samples, "pwmesh_executor_computations_finished_total") == 0  # a new process, counted afresh
