@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -90,12 +91,20 @@ def test_up_serves_until_ctrl_c_and_stops_every_process(tmp_path: Path) -> None:
     try:
         assert up.stdout is not None
         address = ""
+        metrics = {}
         for line in up.stdout:  # ends at EOF if `up` dies; the test timeout bounds it
             if line.startswith("address:"):
                 address = line.split()[1]
+            elif line.startswith("  ") and line.strip().endswith("/metrics"):
+                name, where = line.split()
+                metrics[name] = where
+            elif line.startswith("Ctrl-C"):
                 break
         assert address, "pwmesh up printed no address"
         assert len(_children_of(up.pid)) == 4  # rm, scheduler, executor, proxy
+        assert set(metrics) == {"rm", "scheduler-0", "island0-host0", "proxy"}  # each daemon's, scrapeable
+        with urllib.request.urlopen(metrics["island0-host0"], timeout=10) as reply:
+            assert b"pwmesh_executor_computations_finished_total" in reply.read()
         status = CliRunner().invoke(main, ["status", "--address", address])
         assert "island0-host0" in status.output
         up.send_signal(signal.SIGINT)

@@ -40,12 +40,14 @@ class UpConfig:
     collectives: bool = False
     log_format: str = "text"
     keys: str = ""  # the cluster's keys directory: every socket speaks CURVE
+    metrics: bool = True
 
 
 def up(config: UpConfig) -> None:
     spec = LocalClusterSpec(islands=config.islands, hosts_per_island=config.hosts_per_island,
                             devices_per_host=config.devices_per_host, log_level=config.log_level,
-                            log_format=config.log_format, collectives=config.collectives, keys=config.keys)
+                            log_format=config.log_format, collectives=config.collectives, keys=config.keys,
+                            metrics=config.metrics)
     # Handlers go in before start-up so no stop signal is lost; the children
     # get default handlers again (their signal mask is never touched).
     stop = threading.Event()
@@ -61,6 +63,12 @@ def up(config: UpConfig) -> None:
               f"{config.devices_per_host} devices = {total} devices")
         print(f"address: {address}")
         print(f"logs:    {cluster.log_dir}")
+        metrics = cluster.metrics_addresses()
+        if metrics:
+            print("metrics:")
+            width = max(map(len, metrics))
+            for name, where in metrics.items():
+                print(f"  {name:<{width}}  {where}")
         print(f"in another shell:  export PWMESH_ADDRESS={address}")
         if config.keys:
             print(f"keys:    {config.keys} (a client needs its own: pwmesh keys add-client NAME --keys {config.keys};"

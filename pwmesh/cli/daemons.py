@@ -30,6 +30,8 @@ _rm = click.option("--rm", "rm", required=True, envvar="PWMESH_RM_ADDRESS",
 _heartbeat = click.option("--heartbeat-interval-seconds", type=float, default=2.0, show_default=True,
                           envvar="PWMESH_HEARTBEAT_INTERVAL_SECONDS",
                           help="How often to tell the resource manager this daemon is alive.")
+
+
 class _Daemon(click.Command):
     """A daemon's command: a pwmesh error while it starts (bad keys, a refused bind) is one line on stderr
     and exit status 1, not a traceback."""
@@ -52,6 +54,33 @@ def _security(command: Callable[..., None]) -> Callable[..., None]:
                              "loopback (or with --insecure).")(command)
 
 
+class _MetricsPort(click.ParamType):
+    """A TCP port for the metrics (0: a free one); empty or ``off``: no metrics, so a unit can pass
+    ``--metrics-port ${PWMESH_..._METRICS_PORT}`` whether the environment file sets it or not."""
+
+    name = "port"
+
+    def convert(self, value: object, param: click.Parameter | None, ctx: click.Context | None) -> int | None:
+        if value is None or isinstance(value, int):
+            return value
+        text = str(value).strip().lower()
+        if text in ("", "off", "none"):
+            return None
+        try:
+            port = int(text)
+        except ValueError:
+            self.fail(f"{value!r} is not a port number (0-65535; 0 picks a free one; empty or 'off': none)",
+                      param, ctx)
+        if not 0 <= port <= 65535:
+            self.fail(f"port {port} is out of range 0-65535", param, ctx)
+        return port
+
+
+_metrics_port = click.option("--metrics-port", type=_MetricsPort(), default=None, envvar="PWMESH_METRICS_PORT",
+                             show_envvar=True,
+                             help="Serve Prometheus metrics over HTTP at http://HOST:PORT/metrics, HOST being "
+                                  "--listen's; 0 picks a free port (the ready line and `pwmesh up` show it). "
+                                  "Default: none served.")
 _listen = click.option("--listen", default="tcp://127.0.0.1:0", envvar="PWMESH_LISTEN", show_default=True,
                        help="Address to bind; port 0 picks a free port.")
 
@@ -61,9 +90,11 @@ _listen = click.option("--listen", default="tcp://127.0.0.1:0", envvar="PWMESH_L
 @click.option("--name", default="rm")
 @click.option("--heartbeat-timeout-seconds", type=float, default=10.0, show_default=True)
 @_security
+@_metrics_port
 @_log_level
 @_log_format
-def rm_main(listen: str, name: str, heartbeat_timeout_seconds: float, keys: str, insecure: bool, log_level: str,
+def rm_main(listen: str, name: str, heartbeat_timeout_seconds: float, keys: str, insecure: bool,
+            metrics_port: int | None, log_level: str,
             log_format: str) -> None:
     """Run the resource manager."""
     from pwmesh.rm.daemon import ResourceManager, ResourceManagerConfig  # noqa: PLC0415 - keep CLI import light
@@ -71,7 +102,7 @@ def rm_main(listen: str, name: str, heartbeat_timeout_seconds: float, keys: str,
     setup_logging("rm", name, log_level, log_format)
     run(ResourceManager(ResourceManagerConfig(listen=listen, name=name,
                                               heartbeat_timeout_seconds=heartbeat_timeout_seconds,
-                                              security=Security(keys, insecure))))
+                                              security=Security(keys, insecure), metrics_port=metrics_port)))
 
 
 @click.command(name="pwmesh-scheduler", cls=_Daemon)
@@ -90,17 +121,19 @@ def rm_main(listen: str, name: str, heartbeat_timeout_seconds: float, keys: str,
                    "and go), serving each forming's coordinator as a child process on this host.")
 @_heartbeat
 @_security
+@_metrics_port
 @_log_level
 @_log_format
 def scheduler_main(island: int, rm: str, listen: str, name: str, policy: str, window: int, collectives: bool,
-                   heartbeat_interval_seconds: float, keys: str, insecure: bool, log_level: str,
+                   heartbeat_interval_seconds: float, keys: str, insecure: bool, metrics_port: int | None,
+                   log_level: str,
                    log_format: str) -> None:
     """Run the island scheduler of island ISLAND."""
     from pwmesh.scheduler.daemon import Scheduler, SchedulerConfig  # noqa: PLC0415
 
     config = SchedulerConfig(island=island, rm=rm, listen=listen, name=name, policy=policy, window=window,
                              collectives=collectives, heartbeat_interval_seconds=heartbeat_interval_seconds,
-                             security=Security(keys, insecure))
+                             security=Security(keys, insecure), metrics_port=metrics_port)
     setup_logging("scheduler", config.name or f"scheduler-{island}", log_level, log_format)
     run(Scheduler(config))
 
@@ -170,6 +203,7 @@ class _ByteSize(click.ParamType):
 @click.option("--test-seed", type=int, default=0, hidden=True)
 @_heartbeat
 @_security
+@_metrics_port
 @_log_level
 @_log_format
 def executor_main(island: int, rm: str, devices: int, listen: str, data_listen: str, name: str, host: str,
@@ -179,6 +213,7 @@ def executor_main(island: int, rm: str, devices: int, listen: str, data_listen: 
                   test_order_by_arrival: bool,
                   test_seed: int,
                   memory_limit_bytes: int, heartbeat_interval_seconds: float, keys: str, insecure: bool,
+                  metrics_port: int | None,
                   log_level: str, log_format: str) -> None:
     """Run a host executor on island ISLAND."""
     # XLA reads its flags once, when JAX initialises: set them before importing it.
@@ -202,7 +237,7 @@ def executor_main(island: int, rm: str, devices: int, listen: str, data_listen: 
                             data_plane_plaintext=data_plane_plaintext,
                             test_enqueue_jitter_seconds=test_enqueue_jitter_seconds,
                             test_order_by_arrival=test_order_by_arrival, test_seed=test_seed,
-                            security=Security(keys, insecure))
+                            security=Security(keys, insecure), metrics_port=metrics_port)
     setup_logging("executor", name or f"island{island}", log_level, log_format)
     try:
         executor = Executor(config)
@@ -215,7 +250,7 @@ def executor_main(island: int, rm: str, devices: int, listen: str, data_listen: 
 
 
 # The options a restart sets (each takes one value): an earlier restart's are dropped, not piled up.
-_RESTART_OPTIONS = {"--listen", "--data-listen", "--name", "--jax-coordinator", "--jax-processes",
+_RESTART_OPTIONS = {"--listen", "--data-listen", "--metrics-port", "--name", "--jax-coordinator", "--jax-processes",
                     "--jax-process-id", "--group-epoch", "--group-members", "--resume-from"}
 
 
@@ -245,16 +280,18 @@ def restart(options: list[str]) -> NoReturn:
 @click.option("--name", default="proxy")
 @click.option("--session-timeout-seconds", type=float, default=30.0, show_default=True)
 @_security
+@_metrics_port
 @_log_level
 @_log_format
 def proxy_main(rm: str, listen: str, name: str, session_timeout_seconds: float, keys: str, insecure: bool,
+               metrics_port: int | None,
                log_level: str, log_format: str) -> None:
     """Run a client proxy."""
     from pwmesh.proxy.daemon import Proxy, ProxyConfig  # noqa: PLC0415
 
     setup_logging("proxy", name, log_level, log_format)
     run(Proxy(ProxyConfig(rm=rm, listen=listen, name=name, session_timeout_seconds=session_timeout_seconds,
-                          security=Security(keys, insecure))))
+                          security=Security(keys, insecure), metrics_port=metrics_port)))
 
 
 @click.command(name="pwmesh-jax-coordinator")

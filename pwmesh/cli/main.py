@@ -92,13 +92,15 @@ def _shape(command: Callable[..., None]) -> Callable[..., None]:
 @click.option("--keys", envvar=KEYS_ENV, show_envvar=True, default="", type=click.Path(file_okay=False),
               help="The cluster's keys directory (`pwmesh keys init`): every socket speaks CURVE, and clients "
                    "need a key issued with `pwmesh keys add-client`.")
+@click.option("--metrics/--no-metrics", default=True, show_default=True,
+              help="Every daemon serves Prometheus metrics on a free loopback port; their addresses are printed.")
 def up(islands: int, hosts_per_island: int, devices_per_host: int, collectives: bool, log_dir: str | None,
-       log_level: str, log_format: str, keys: str) -> None:
+       log_level: str, log_format: str, keys: str, metrics: bool) -> None:
     """Run a local cluster in the foreground until Ctrl-C."""
     from pwmesh.cli import commands  # noqa: PLC0415 - see the module docstring
 
     commands.up(commands.UpConfig(islands, hosts_per_island, devices_per_host, log_dir, log_level, collectives,
-                                  log_format=log_format, keys=keys))
+                                  log_format=log_format, keys=keys, metrics=metrics))
 
 
 @main.command(context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False})

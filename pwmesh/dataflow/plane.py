@@ -203,6 +203,7 @@ class _Stream:
         self.shared = False
         self.seal: Seal | None = None  # this stream's sealing (the cluster has keys, and not plaintext)
         self.closed = False
+        self.sent_bytes = [0, 0]  # by path (INLINE: the TCP stream, SHARED: shared memory); its writer's alone
         self.writer = threading.Thread(target=self._write_loop, name=f"pwmesh-data-to-{address}", daemon=True)
         self.writer.start()
 
@@ -300,6 +301,8 @@ class _Stream:
                 sock.sendall(out)
             else:
                 sock.sendall(seal.seal(view))
+        for kind, nbytes, _, _ in preamble:
+            self.sent_bytes[kind] += nbytes
 
     def _ack_loop(self, sock: socket.socket) -> None:
         try:
@@ -367,6 +370,11 @@ class DataPlane:
         self._readers: set[socket.socket] = set()  # inbound streams being read (one thread each)
         self._readers_lock = threading.Lock()
         self._rejected = RejectedLog("data plane", logger=log)
+        # For the metrics. Bytes received by path (INLINE, SHARED): each stream's reader thread counts its
+        # own (no lock per message), folded into ``_received_bytes`` when it ends.
+        self._reading: dict[socket.socket, list[int]] = {}
+        self._received_bytes = [0, 0]
+        self.rejected: collections.Counter[str] = collections.Counter()  # by reason (under ``_readers_lock``)
         self._closing = False
         threading.Thread(target=self._accept_loop, name="pwmesh-data-accept", daemon=True).start()
 
@@ -411,7 +419,8 @@ class DataPlane:
                 if not full:
                     self._readers.add(sock)
             if full:
-                self._rejected.rejected(peer, f"{self.max_streams} streams are open already; connection closed")
+                self._reject(peer, "too_many_streams",
+                             f"{self.max_streams} streams are open already; connection closed")
                 sock.close()
                 continue
             try:
@@ -419,37 +428,61 @@ class DataPlane:
                 threading.Thread(target=self._read_loop, args=(sock, peer), name="pwmesh-data-in",
                                  daemon=True).start()
             except (OSError, RuntimeError) as exc:  # reset already, or no thread to be had
-                self._rejected.rejected(peer, f"cannot serve a stream: {exc}")
+                self._reject(peer, "stream", f"cannot serve a stream: {exc}")
                 self._forget(sock)
 
     def _forget(self, sock: socket.socket) -> None:
         with self._readers_lock:
             self._readers.discard(sock)
+            counted = self._reading.pop(sock, None)
+            if counted is not None:
+                self._received_bytes = [a + b for a, b in zip(self._received_bytes, counted, strict=True)]
         sock.close()
+
+    def _reject(self, peer: Any, reason: str, message: str) -> None:
+        with self._readers_lock:
+            self.rejected[reason] += 1
+        self._rejected.rejected(peer, message)
+
+    def bytes_moved(self) -> dict[tuple[str, str], int]:
+        """Bytes sent and received so far, by ``(direction, path)``: path ``tcp`` (the stream) or ``shm``
+        (shared memory, between executors of one machine)."""
+        sent = [0, 0]
+        for stream in list(self._streams.values()):
+            sent = [a + b for a, b in zip(sent, stream.sent_bytes, strict=True)]
+        with self._readers_lock:
+            received = list(self._received_bytes)
+            for counted in self._reading.values():
+                received = [a + b for a, b in zip(received, counted, strict=True)]
+        return {("sent", "tcp"): sent[INLINE], ("sent", "shm"): sent[SHARED],
+                ("received", "tcp"): received[INLINE], ("received", "shm"): received[SHARED]}
 
     def _read_loop(self, sock: socket.socket, peer: Any) -> None:
         segments: dict[str, tuple[mmap.mmap, np.ndarray]] = {}
+        counted = [0, 0]
+        with self._readers_lock:
+            self._reading[sock] = counted
         try:
             shared, seal = self._handshake(sock)
             while True:
-                frames = self._read_message(sock, segments, shared, seal)
+                frames = self._read_message(sock, segments, shared, seal, counted)
                 sock.sendall(_ACK.pack(1))  # held here now: the sender may reuse its slots
                 try:
                     env = codec.decode(frames, self.limits)
                 except codec.FrameError as exc:
-                    self._rejected.rejected(peer, exc.message)
+                    self._reject(peer, exc.reason, exc.message)
                     continue
                 if isinstance(env.message, TupleBatch):
                     self.loop.call_soon_threadsafe(self.on_batch, env.message)
                 else:
-                    self._rejected.rejected(peer, f"a {env.message.op} (only tuple batches travel here)")
+                    self._reject(peer, "wrong_op", f"a {env.message.op} (only tuple batches travel here)")
         except (StreamError, SealError) as exc:
-            self._rejected.rejected(peer, f"{exc}; stream closed")
+            self._reject(peer, "stream", f"{exc}; stream closed")
         except OSError as exc:
             if not self._closing:
                 log.debug("data plane: a peer's stream ended: %s", exc)
         except Exception as exc:  # a bug; whatever it is, one peer's stream must not end the plane (or flood the log)
-            self._rejected.rejected(peer, f"stream failed: {type(exc).__name__}: {exc}")
+            self._reject(peer, "stream", f"stream failed: {type(exc).__name__}: {exc}")
         finally:
             self._forget(sock)
             for mapped, _ in segments.values():
@@ -481,7 +514,8 @@ class DataPlane:
         return bool(self.shared_memory and self.machine and machine == self.machine)
 
     def _read_message(self, sock: socket.socket, segments: dict[str, tuple[mmap.mmap, np.ndarray]],
-                      shared: bool, seal: Seal | None) -> list[Any]:
+                      shared: bool, seal: Seal | None, counted: list[int]) -> list[Any]:
+        """One message's frames (its bytes added to ``counted``, by path, once all are read)."""
         (n,) = _LEN.unpack(recv_bytes(sock, _LEN.size))
         if n > MAX_PREAMBLE_BYTES + TAG_BYTES:
             raise StreamError(f"a preamble of {n} bytes")
@@ -525,6 +559,8 @@ class DataPlane:
                 frames.append(buf)
             else:
                 frames.append(recv_bytes(sock, nbytes))
+        for kind, nbytes, _, _ in preamble:
+            counted[kind] += nbytes
         return frames
 
     def close(self) -> None:

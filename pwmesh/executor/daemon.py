@@ -36,6 +36,7 @@ from pwmesh.executor.work import Work
 from pwmesh.service.heartbeat import every
 from pwmesh.service.keys import Security
 from pwmesh.service.lifecycle import Service, Status
+from pwmesh.service.metrics import Metric, counter, gauge, listen_host, merged, wire_metrics
 from pwmesh.service.rpc import Connections, Server, wait_for_peer
 from pwmesh.service.transport import is_loopback
 from pwmesh.wire import Envelope
@@ -115,6 +116,7 @@ class ExecutorConfig:
     group_members: tuple[str, ...] = ()  # its executors: processes 1..N
     resume_from: str = ""  # state saved before restarting into that forming (``pwmesh.executor.spill``)
     platform: str = ""  # cpu, cuda, rocm or tpu: what its devices must be ("": whatever JAX finds)
+    metrics_port: int | None = None  # Prometheus metrics over HTTP (0: a free port; None: none)
     # Test-only fault injection: delay each Enqueue by a random time, and (arrival
     # order) run work in the order it arrives instead of the island's order.
     test_enqueue_jitter_seconds: float = 0.0
@@ -129,7 +131,8 @@ class Executor(Service):
 
     def __init__(self, config: ExecutorConfig) -> None:
         host = config.host or socket.gethostname()
-        super().__init__(config.name or f"{host}-{os.getpid()}", config.security)
+        super().__init__(config.name or f"{host}-{os.getpid()}", config.security, metrics_port=config.metrics_port,
+                         metrics_host=listen_host(config.listen))
         self.config = config
         self.host = host
         if config.group is not None:
@@ -419,6 +422,37 @@ class Executor(Service):
                              waiting_for_memory=self.runner.memory.waiting,
                              gang_waits=self.runner.gang_waits())
 
+    def collect(self) -> list[Metric]:
+        core, memory = self.runner.core, self.runner.memory
+        received, rejected = self.peers.counts()
+        devices = [str(i) for i in range(len(self.devices))]
+        data_rejected = {f"data_{reason}": n for reason, n in self.plane.rejected.items()}  # the data plane's own
+        return [
+            *wire_metrics(self.role, self.name, merged(self.control.received, received),
+                          merged(self.control.sent, self.peers.sent), merged(self.control.rejected, rejected, data_rejected)),
+            gauge("pwmesh_executor_queue_depth", "Computations waiting in each device's queue (behind the one "
+                  "it runs).", labels={"device": ""}, values=(((d,), n) for d, n in zip(devices, core.queued(),
+                                                                                       strict=True))),
+            counter("pwmesh_executor_computations_started", "Computations started on this executor's devices.",
+                    core.started),
+            counter("pwmesh_executor_computations_finished", "Computations completed (their outputs stored or "
+                    "failed), failed ones included.", core.executed),
+            counter("pwmesh_executor_computations_failed", "Computations that completed with an error.", core.failed),
+            counter("pwmesh_executor_device_busy_seconds", "Seconds each device spent computing.",
+                    labels={"device": ""}, values=(((d,), s) for d, s in zip(devices, core.busy_seconds, strict=True))),
+            counter("pwmesh_dataplane_bytes", "Bytes of shard-tagged tuples over the data plane, by direction and "
+                    "path (tcp: a stream; shm: shared memory between executors of one machine).",
+                    labels={"direction": "", "path": ""}, values=self.plane.bytes_moved().items()),
+            gauge("pwmesh_executor_buffers", "Buffers (shards) in the object store, values and pending futures.",
+                  len(self.store)),
+            gauge("pwmesh_executor_memory_used_bytes", "Bytes the devices hold: stored, and reserved for outputs "
+                  "being computed.", memory.in_use),
+            gauge("pwmesh_executor_memory_limit_bytes", "The memory limit of all devices together (0: none).",
+                  memory.limit_bytes),
+            gauge("pwmesh_executor_waiting_for_memory", "Computations waiting for memory to be freed.", memory.waiting),
+            gauge("pwmesh_executor_functions", "Functions registered here.", len(self.functions)),
+        ]
+
     # --------------------------------------------------------------- data plane
 
     def _emit(self, work: Work, emit: Emit, local: dict[int, Any], selectors: dict[int, Any],
@@ -571,6 +605,7 @@ class Executor(Service):
         await self.peers.barrier(timeout_seconds=5.0)  # completions delivered
         self.restart = [
             "--listen", self.control.address, "--data-listen", self.plane.address,
+            *(["--metrics-port", str(self.metrics.port)] if self.metrics is not None else []),  # the same again
             "--name", self.name, "--jax-coordinator", msg.coordinator,
             "--jax-processes", str(len(msg.members) + 1), "--jax-process-id", str(msg.members.index(self.name) + 1),
             "--group-epoch", str(msg.epoch), "--group-members", ",".join(msg.members),

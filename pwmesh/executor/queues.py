@@ -42,7 +42,12 @@ class DeviceQueues:
         self.fifos: list[collections.deque[Work]] = [collections.deque() for _ in range(devices)]
         self.load = [0] * devices  # per device: computations added and not completed (0: free now)
         self.outstanding = 0  # computations added and not completed
+        # Ever, for the metrics: computations started (on the runner's fast path too: it counts those),
+        # completed (ok or failed), failed, and per device the seconds it computed.
+        self.started = 0
         self.executed = 0
+        self.failed = 0
+        self.busy_seconds = [0.0] * devices
         self._started: set[Work] = set()
         self._runs: dict[str, list[Work]] = {}  # queued work not yet completed, by run
         self._run_seconds: dict[str, float] = {}
@@ -91,9 +96,13 @@ class DeviceQueues:
         """``work``'s outputs are stored (or failed): count it out, and end its run's part if it was the last."""
         work.finished = True
         self.executed += 1
+        if work.error is not None:
+            self.failed += 1
         self.outstanding -= 1
+        share = work.device_seconds / len(work.devices) if work.devices else 0.0
         for device in work.devices:
             self.load[device] -= 1
+            self.busy_seconds[device] += share
         self._run_seconds[work.run_id] = self._run_seconds.get(work.run_id, 0.0) + work.device_seconds
         works = self._runs.get(work.run_id)
         if works and work.queued:
@@ -113,6 +122,7 @@ class DeviceQueues:
         for work in dict.fromkeys(candidates):  # once each, in order
             if work not in self._started and all(self.fifos[d][0] is work for d in work.devices):
                 self._started.add(work)
+                self.started += 1
                 starts.append(Start(work))
         return starts
 

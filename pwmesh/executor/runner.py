@@ -443,6 +443,7 @@ class Runner:
         arrived = time.time()
         outs = None
         err = None
+        self.core.started += 1  # it never reaches the queues' own start
         try:
             outs = self._call_inline(work, fn, devices, exes, per_shard)
         except Exception as exc:

@@ -36,6 +36,7 @@ from pwmesh.proxy.session import Buffer, Run, Session
 from pwmesh.service.heartbeat import Liveness, every
 from pwmesh.service.keys import Security
 from pwmesh.service.lifecycle import Service
+from pwmesh.service.metrics import Metric, counter, gauge, listen_host, merged, wire_metrics
 from pwmesh.service.rpc import Connections, Server, wait_for_peer
 from pwmesh.wire import Envelope, Message
 from pwmesh.wire.messages import (
@@ -125,15 +126,18 @@ class ProxyConfig:
     trace_timeout_seconds: float = 10.0  # per executor, for GetClusterTrace
     trace_events_per_reply: int = 200_000  # over all executors: ~32 MiB, half the message size limit
     security: Security = dataclasses.field(default_factory=Security)  # --keys, --insecure
+    metrics_port: int | None = None  # Prometheus metrics over HTTP (0: a free port; None: none)
 
 
 class Proxy(Service):
     role = "proxy"
 
     def __init__(self, config: ProxyConfig) -> None:
-        super().__init__(config.name, config.security)
+        super().__init__(config.name, config.security, metrics_port=config.metrics_port, metrics_host=listen_host(config.listen))
         self.config = config
         self.sessions: dict[bytes, Session] = {}
+        self.sessions_opened = 0  # ever
+        self.sessions_expired = 0  # ended because their client stopped sending heartbeats
         self.runs: dict[str, tuple[Session, Run]] = {}
         self.exported: dict[str, RegisterProgramFunction] = {}  # by function id: what executors are sent
         self.registered: set[tuple[str, str, tuple[int, ...]]] = set()
@@ -185,6 +189,25 @@ class Proxy(Service):
     def ready_info(self) -> dict[str, Any]:
         return {**super().ready_info(), "address": self.server.address}
 
+    def collect(self) -> list[Metric]:
+        received, rejected = self.peers.counts()
+        return [
+            *wire_metrics(self.role, self.name, merged(self.server.received, received),
+                          merged(self.server.sent, self.peers.sent), merged(self.server.rejected, rejected)),
+            gauge("pwmesh_proxy_sessions", "Client sessions open now.", len(self.sessions)),
+            counter("pwmesh_proxy_sessions_opened", "Client sessions opened.", self.sessions_opened),
+            counter("pwmesh_proxy_sessions_expired", "Sessions ended because their client missed its heartbeats.",
+                    self.sessions_expired),
+            gauge("pwmesh_proxy_buffers", "Logical buffers the sessions hold.",
+                  sum(len(s.buffers) for s in self.sessions.values())),
+            gauge("pwmesh_proxy_runs", "Program runs dispatched and not yet finished.", len(self.runs)),
+            counter("pwmesh_proxy_programs", "Program runs dispatched.", self.programs),
+            counter("pwmesh_proxy_dispatch_messages", "Messages sent to dispatch and finish programs.",
+                    self.dispatch_messages),
+            counter("pwmesh_proxy_dispatch_bytes", "Bytes of those messages.", self.dispatch_bytes),
+            gauge("pwmesh_proxy_executors_lost", "Executors this proxy knows are gone.", len(self.lost)),
+        ]
+
     async def drain(self) -> None:
         await self.peers.barrier(timeout_seconds=2.0)
 
@@ -205,6 +228,7 @@ class Proxy(Service):
         if old is not None:
             self._end_session(old, "reopened")
         sid = f"s{next(self._session_ids)}-{secrets.token_hex(3)}"
+        self.sessions_opened += 1
         self.sessions[peer] = Session(session_id=sid, name=msg.name, peer=peer, weight=msg.weight,
                                       priority=msg.priority)
         self.liveness.beat(sid, time.monotonic())
@@ -226,6 +250,7 @@ class Proxy(Service):
     async def _expire_sessions(self) -> None:
         lost = set(self.liveness.expired(time.monotonic()))
         for session in [s for s in self.sessions.values() if s.session_id in lost]:
+            self.sessions_expired += 1
             self._end_session(session, f"no heartbeat for {self.config.session_timeout_seconds} seconds")
 
     def _end_session(self, session: Session, why: str) -> None:

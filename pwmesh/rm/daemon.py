@@ -11,6 +11,7 @@ from pwmesh.rm.state import ResourceManagerState
 from pwmesh.service.heartbeat import every
 from pwmesh.service.keys import Security
 from pwmesh.service.lifecycle import Service
+from pwmesh.service.metrics import Metric, counter, gauge, listen_host, wire_metrics
 from pwmesh.service.rpc import Server
 from pwmesh.wire import Envelope, Message
 from pwmesh.wire.messages import (
@@ -40,13 +41,14 @@ class ResourceManagerConfig:
     name: str = "rm"
     heartbeat_timeout_seconds: float = 10.0
     security: Security = dataclasses.field(default_factory=Security)  # --keys, --insecure
+    metrics_port: int | None = None  # Prometheus metrics over HTTP (0: a free port; None: none)
 
 
 class ResourceManager(Service):
     role = "rm"
 
     def __init__(self, config: ResourceManagerConfig) -> None:
-        super().__init__(config.name, config.security)
+        super().__init__(config.name, config.security, metrics_port=config.metrics_port, metrics_host=listen_host(config.listen))
         self.config = config
         # Slice ids start from the clock, so a restarted RM never hands out an id that
         # a proxy still holds from before (they are restored as proxies re-register).
@@ -97,6 +99,24 @@ class ResourceManager(Service):
                             f": broken, {remap.slice.broken}" if remap.slice.broken else "")
             for peer in self.watchers:
                 self.server.post(peer, note)
+
+    def collect(self) -> list[Metric]:
+        state = self.state
+        executors = list(state.executors.values())
+        return [
+            *wire_metrics(self.role, self.name, self.server.received, self.server.sent, self.server.rejected),
+            gauge("pwmesh_rm_executors", "Executors known, by state.", labels={"state": ""}, values=[
+                (("alive",), sum(e.alive and not e.draining for e in executors)),
+                (("draining",), sum(e.alive and e.draining for e in executors)),
+                (("lost",), sum(not e.alive for e in executors))]),
+            counter("pwmesh_rm_heartbeat_misses", "Daemons declared lost for missing their heartbeats, by role.",
+                    labels={"role": ""}, values=sorted(state.heartbeat_misses.items())),
+            counter("pwmesh_rm_executors_lost", "Executors lost (missed heartbeats, or died) or left (drained).",
+                    labels={"how": ""}, values=[(("lost",), state.executors_lost), (("left",), state.executors_left)]),
+            gauge("pwmesh_rm_schedulers", "Island schedulers registered.", len(state.schedulers)),
+            gauge("pwmesh_rm_slices", "Virtual slices allocated.", len(state.slices)),
+            gauge("pwmesh_rm_map_version", "Version of the virtual-to-physical device map.", state.map_version),
+        ]
 
     def ready_info(self) -> dict[str, Any]:
         return {**super().ready_info(), "address": self.server.address}

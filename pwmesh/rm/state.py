@@ -61,6 +61,10 @@ class ResourceManagerState:
         self.liveness = Liveness(self.heartbeat_timeout_seconds)
         self.notifications: list[Message] = []
         self.known: set[tuple[str, str]] = set()  # (role, name) of every registrant
+        # Ever, for the metrics: daemons found silent by role ((role,) keys), executors lost and left.
+        self.heartbeat_misses: dict[tuple[str], int] = {("executor",): 0, ("scheduler",): 0}
+        self.executors_lost = 0
+        self.executors_left = 0
         self._slice_ids = itertools.count(self.first_slice_id)
 
     def handle(self, message: Message, now: float) -> Message | None:
@@ -139,8 +143,10 @@ class ResourceManagerState:
         silent = self.liveness.expired(now)
         why = f"missed heartbeats for {self.heartbeat_timeout_seconds} seconds"
         for name in [n for n in silent if n.startswith("scheduler:")]:
+            self.heartbeat_misses[("scheduler",)] += 1
             self._lose_scheduler(name.removeprefix("scheduler:"), why)
         lost = [e for e in silent if e in self.executors and self.executors[e].alive]
+        self.heartbeat_misses[("executor",)] += len(lost)
         for executor_id in lost:
             self._lose(executor_id, why)
         return lost
@@ -158,6 +164,10 @@ class ResourceManagerState:
         if not info.alive:
             return
         info.alive = False
+        if graceful:
+            self.executors_left += 1
+        else:
+            self.executors_lost += 1
         self.liveness.forget(executor_id)
         self.known.discard(("executor", executor_id))
         self.map_version += 1

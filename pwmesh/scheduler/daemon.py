@@ -20,6 +20,7 @@ from pwmesh.scheduler.order import IslandOrder, SendEnqueue
 from pwmesh.service.heartbeat import every
 from pwmesh.service.keys import Security
 from pwmesh.service.lifecycle import Service
+from pwmesh.service.metrics import Metric, counter, gauge, listen_host, merged, wire_metrics
 from pwmesh.service.rpc import Connections, Server, wait_for_peer
 from pwmesh.wire import Envelope
 from pwmesh.wire.messages import (
@@ -55,6 +56,7 @@ class SchedulerConfig:
     window: int = 8  # runs in flight per device
     collectives: bool = False  # form the island's JAX group of its --collectives executors
     security: Security = dataclasses.field(default_factory=Security)  # --keys, --insecure
+    metrics_port: int | None = None  # Prometheus metrics over HTTP (0: a free port; None: none)
 
 
 log = logging.getLogger(__name__)
@@ -64,7 +66,9 @@ class Scheduler(Service):
     role = "scheduler"
 
     def __init__(self, config: SchedulerConfig) -> None:
-        super().__init__(config.name or f"scheduler-{config.island}", config.security)
+        super().__init__(config.name or f"scheduler-{config.island}", config.security,
+                         metrics_port=config.metrics_port,
+                         metrics_host=listen_host(config.listen))
         self.config = config
 
     async def setup(self) -> None:
@@ -231,6 +235,20 @@ class Scheduler(Service):
                 await self._stop_coordinator(epoch)
             except (PwmeshError, ProcessLookupError):
                 pass
+
+    def collect(self) -> list[Metric]:
+        received, rejected = self.peers.counts()
+        usage = self.order.usage()
+        return [
+            *wire_metrics(self.role, self.name, merged(self.server.received, received),
+                          merged(self.server.sent, self.peers.sent), merged(self.server.rejected, rejected)),
+            counter("pwmesh_scheduler_sequenced", "Computations placed in the island's order.", self.order.next_seq),
+            gauge("pwmesh_scheduler_runs_in_flight", "Runs sequenced and not yet done on every executor.",
+                  self.order.in_flight),
+            gauge("pwmesh_scheduler_runs_waiting", "Runs waiting for their devices' window.",
+                  sum(u.waiting for u in usage)),
+            gauge("pwmesh_scheduler_clients", "Client sessions the policy tracks.", len(usage)),
+        ]
 
     def ready_info(self) -> dict[str, Any]:
         return {**super().ready_info(), "address": self.server.address, "island": self.config.island}

@@ -207,6 +207,11 @@ class IslandOrder:
                 actions.extend(self.part_done(run_id, executor_id, 0.0))
         return actions
 
+    @property
+    def in_flight(self) -> int:
+        """Runs sequenced whose parts are not all done."""
+        return len(self._in_flight)
+
     def usage(self) -> list[ClientUsage]:
         return [ClientUsage(session=c.session, weight=c.weight, priority=c.priority, device_seconds=c.device_seconds,
                             runs=c.runs, waiting=len(c.queue)) for c in self._clients.values()]

@@ -19,13 +19,17 @@ import logging
 import os
 import signal
 import sys
-from typing import Any
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
 
 from pwmesh.service.keys import Security
 from pwmesh.service.tasks import TaskGroup
 from pwmesh.service.transport import Context
 from pwmesh.wire import Envelope
 from pwmesh.wire.messages import Pong
+
+if TYPE_CHECKING:
+    from pwmesh.service.metrics import Metric, MetricsServer
 
 log = logging.getLogger(__name__)
 
@@ -48,12 +52,17 @@ class Service:
     startup_timeout_seconds = 60.0
     drain_timeout_seconds = 10.0
 
-    def __init__(self, name: str, security: Security | None = None) -> None:
+    def __init__(self, name: str, security: Security | None = None, *, metrics_port: int | None = None,
+                 metrics_host: str = "127.0.0.1") -> None:
         self.name = name
         self.status = Status.INIT
         self.security = security or Security()
         self.ctx = Context(keys=self.security.load(), allow_insecure=self.security.insecure)
         self.tasks = TaskGroup(on_crash=self._crashed)
+        # Prometheus metrics over HTTP on this port once started (0: a free one; None: none served).
+        self.metrics_port = metrics_port
+        self.metrics_host = metrics_host
+        self.metrics: MetricsServer | None = None
         self._start_task: asyncio.Task[None] | None = None
         self._closed: asyncio.Event | None = None
         self._close_task: asyncio.Task[None] | None = None
@@ -64,8 +73,15 @@ class Service:
     async def drain(self) -> None:
         """Finish in-flight work before sockets close (bounded by ``drain_timeout_seconds``)."""
 
+    def collect(self) -> Iterable[Metric]:
+        """What this daemon's metrics endpoint serves, read from its state at scrape time (on the loop)."""
+        return ()
+
     def ready_info(self) -> dict[str, Any]:
-        return {"role": self.role, "name": self.name, "pid": os.getpid()}
+        info: dict[str, Any] = {"role": self.role, "name": self.name, "pid": os.getpid()}
+        if self.metrics is not None:
+            info["metrics"] = self.metrics.address
+        return info
 
     def ping(self, peer: bytes, env: Envelope) -> Pong:
         """Every daemon answers ``Ping`` with who it is and its lifecycle status."""
@@ -82,6 +98,12 @@ class Service:
         try:
             async with asyncio.timeout(self.startup_timeout_seconds):
                 await self.setup()
+                if self.metrics_port is not None:  # last: a scrape finds everything it reads set up
+                    # Here, not at the top: the CLI imports this module, and prometheus-client costs ~50 ms.
+                    from pwmesh.service.metrics import MetricsServer  # noqa: PLC0415
+
+                    self.metrics = MetricsServer(self.collect, tasks=self.tasks, name=self.name)
+                    await self.metrics.start(self.metrics_host, self.metrics_port)
         except BaseException:
             await self.close()
             raise
@@ -103,6 +125,8 @@ class Service:
                 log.warning("%s: drain did not finish within %s seconds", self.name, self.drain_timeout_seconds)
             except Exception:
                 log.exception("%s: drain failed", self.name)
+        if self.metrics is not None:
+            await self.metrics.close()
         await self.tasks.stop()
         self.ctx.close()
         self.status = Status.CLOSED

@@ -57,6 +57,7 @@ class LocalClusterSpec:
     collectives: bool = False
     platform: str = "cpu"  # the executors' devices: cpu (the default, on any machine), cuda, rocm or tpu
     keys: str = ""  # the cluster's keys directory (``pwmesh keys init``): every socket speaks CURVE
+    metrics: bool = False  # every daemon serves Prometheus metrics on a free loopback port (``metrics_addresses``)
 
 
 @dataclasses.dataclass
@@ -84,6 +85,8 @@ class LocalCluster:
     # -------------------------------------------------------------- processes
 
     def _spawn(self, role: str, name: str, args: list[str], env: dict[str, str] | None = None) -> Child:
+        if self.spec.metrics and "--metrics-port" not in args:
+            args = [*args, "--metrics-port", "0"]
         log_path = self.log_dir / f"{name}.log"
         child_env = {**os.environ, "PWMESH_PARENT_PID": str(os.getpid()), "JAX_PLATFORMS": self.spec.platform,
                      **(env or {})}
@@ -233,6 +236,8 @@ class LocalCluster:
             old.popen.stdout.close()
         self.children.remove(old)
         args = [*old.args, "--listen", old.info["address"]]
+        if old.info.get("metrics"):  # scraped at the same address as before
+            args += ["--metrics-port", old.info["metrics"].rpartition(":")[2].removesuffix("/metrics")]
         if old.role == "executor":
             args += ["--data-listen", old.info["data"]]
         child = self._spawn(old.role, name, args)
@@ -270,6 +275,10 @@ class LocalCluster:
                 log.warning("local cluster: a daemon failed or was killed; its logs are in %s", self.log_dir)
             else:
                 shutil.rmtree(self.log_dir, ignore_errors=True)
+
+    def metrics_addresses(self) -> dict[str, str]:
+        """Each running daemon's metrics address by name (with ``LocalClusterSpec.metrics``)."""
+        return {c.name: c.info["metrics"] for c in self.children if c.info.get("metrics")}
 
     def child(self, name: str) -> Child:
         return next(c for c in self.children if c.name == name)

@@ -12,6 +12,7 @@ owned task so one slow request never stalls the socket. Exceptions become
 from __future__ import annotations
 
 import asyncio
+import collections
 import inspect
 import itertools
 import logging
@@ -89,7 +90,12 @@ class Server:
         self._limits = limits
         self._on_unreachable = on_unreachable
         self.address = self._sock.address
-        self.rejected = 0  # frames dropped or answered with ProtocolError
+        # For the metrics: one integer increment per message, nothing more on this path (a defaultdict:
+        # ~50 ns an increment, a Counter ~120 ns).
+        self.received: collections.defaultdict[str, int] = collections.defaultdict(int)  # by op
+        self.sent: collections.defaultdict[str, int] = collections.defaultdict(int)  # by op
+        # Frames dropped or answered with ProtocolError, by ``FrameError.reason``.
+        self.rejected: collections.defaultdict[str, int] = collections.defaultdict(int)
         self._rejected_log = RejectedLog(name, logger=log)
         # Failed handlers and sends, each kind logged at most once per interval: what a peer can make
         # fail again and again (a refused request, replies to a peer that left) cannot flood the log.
@@ -124,6 +130,7 @@ class Server:
             error = Error(code="internal", message=f"{self._name} could not encode its {message.op} reply: "
                                                    f"{type(exc).__name__}: {exc}")
             frames = encode(error, msg_id=next_id(), reply_to=reply_to, sender=self._name)
+        self.sent[message.op] += 1
         try:
             self._sock.send_nowait(peer, frames)
         except zmq.ZMQError as exc:  # the peer is gone (ROUTER_MANDATORY): tell, never crash
@@ -143,14 +150,15 @@ class Server:
         try:
             env = decode(payload, self._limits)
         except FrameError as exc:
-            self.rejected += 1
+            self.rejected[exc.reason] += 1
             self._rejected_log.rejected(peer, exc.message)
             if exc.msg_id is not None:
                 self.post(peer, Error(code="protocol", message=exc.message), reply_to=exc.msg_id)
             return
+        self.received[env.message.op] += 1
         handler = self._handlers.get(env.message.op)
         if handler is None:
-            self.rejected += 1
+            self.rejected["unserved_op"] += 1
             self.post(peer, Error(code="protocol", message=f"{self._name} does not serve op {env.message.op!r}"),
                       reply_to=env.msg_id)
             return
@@ -207,9 +215,14 @@ class Connection:
 
     def __init__(self, ctx: Context, address: str, *, tasks: TaskGroup, name: str,
                  on_message: Callable[[Envelope], None] | None = None,
-                 limits: Limits = DEFAULT_LIMITS) -> None:
+                 limits: Limits = DEFAULT_LIMITS, sent: collections.defaultdict[str, int] | None = None) -> None:
         self._sock: DealerSocket = ctx.dealer(address)
         self.address = address
+        # For the metrics, by op: sent (shared by a ``Connections``), received (replies and notifications);
+        # unreadable frames by reason.
+        self.sent: collections.defaultdict[str, int] = collections.defaultdict(int) if sent is None else sent
+        self.received: collections.defaultdict[str, int] = collections.defaultdict(int)
+        self.rejected: collections.defaultdict[str, int] = collections.defaultdict(int)
         self._name = name
         self._rejected_log = RejectedLog(name, logger=log)
         self._pending: dict[int, asyncio.Future[Message]] = {}
@@ -226,6 +239,7 @@ class Connection:
         """Send ``message`` without waiting; posted messages leave in the order posted. Returns its bytes."""
         self._posted += 1
         frames = encode(message, msg_id=next_id(), sender=self._name)
+        self.sent[message.op] += 1
         self._send(frames)
         return sum(memoryview(f).nbytes for f in frames)
 
@@ -267,6 +281,7 @@ class Connection:
             self._posted += 1
             upto = self._posted
             self._send(encode(message, msg_id=msg_id, sender=self._name))
+            self.sent[message.op] += 1
             reply = await fut
             self._delivered = max(self._delivered, upto)
         finally:
@@ -285,8 +300,10 @@ class Connection:
             env = decode(payload, self._limits)
         except FrameError as exc:
             # An unreadable reply cannot be matched to its request, which then times out.
+            self.rejected[exc.reason] += 1
             self._rejected_log.rejected(self.address, exc.message)
             return
+        self.received[env.message.op] += 1
         fut = self._pending.get(env.reply_to) if env.reply_to is not None else None
         if fut is not None:
             if not fut.done():
@@ -313,17 +330,29 @@ class Connections:
         self.lost: set[str] = set()  # peers known gone: posts to them are dropped
         self.sent_messages = 0  # posted, ever (the proxy reports its program traffic from these)
         self.sent_bytes = 0
+        self.sent: collections.defaultdict[str, int] = collections.defaultdict(int)  # by op, every connection's
         self._silent_log = RejectedLog(name, logger=log)  # peers that did not answer a barrier
 
     def get(self, address: str) -> Connection:
         conn = self._by_address.get(address)
         if conn is None:
-            conn = Connection(self._ctx, address, tasks=self._tasks, name=self._name, on_message=self._on_message)
+            conn = Connection(self._ctx, address, tasks=self._tasks, name=self._name, on_message=self._on_message,
+                              sent=self.sent)
             self._by_address[address] = conn
         return conn
 
     async def request(self, address: str, message: Message, *, timeout_seconds: float) -> Message:
         return await self.get(address).request(message, timeout_seconds=timeout_seconds)
+
+    def counts(self) -> tuple[dict[str, int], dict[str, int]]:
+        """Messages received over every connection by op, and frames rejected by reason (the metrics)."""
+        received: dict[str, int] = {}
+        rejected: dict[str, int] = {}
+        for conn in self._by_address.values():
+            for total, counts in ((received, conn.received), (rejected, conn.rejected)):
+                for key, n in counts.items():
+                    total[key] = total.get(key, 0) + n
+        return received, rejected
 
     def post(self, address: str, message: Message) -> None:
         if address in self.lost:

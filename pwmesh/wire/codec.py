@@ -41,12 +41,15 @@ DEFAULT_LIMITS = Limits()
 
 
 class FrameError(ProtocolError):
-    """A rejected inbound frame; ``msg_id``/``sender`` are set when the header was readable."""
+    """A rejected inbound frame; ``msg_id``/``sender`` are set when the header was readable. ``reason`` is
+    one word for the kind of fault (the metrics count by it; ``message`` says the rest)."""
 
-    def __init__(self, message: str, *, msg_id: int | None = None, op: str | None = None) -> None:
+    def __init__(self, message: str, *, msg_id: int | None = None, op: str | None = None,
+                 reason: str = "malformed") -> None:
         super().__init__(message)
         self.msg_id = msg_id
         self.op = op
+        self.reason = reason
 
 
 @dataclasses.dataclass(slots=True)
@@ -131,48 +134,50 @@ def decode_header(frame: Any, limits: Limits = DEFAULT_LIMITS) -> tuple[str, int
     """``(op, msg_id, reply_to, sender)`` from a header frame, fully validated."""
     view = memoryview(frame)
     if view.nbytes > limits.max_header_bytes:
-        raise FrameError(f"header of {view.nbytes} bytes exceeds {limits.max_header_bytes}")
+        raise FrameError(f"header of {view.nbytes} bytes exceeds {limits.max_header_bytes}", reason="oversized")
     try:
         header = _unpack(view)
     except Exception as exc:
-        raise FrameError(f"unreadable header: {exc}") from None
+        raise FrameError(f"unreadable header: {exc}", reason="header") from None
     if not isinstance(header, list) or len(header) != 5:
-        raise FrameError("header must be [version, op, msg_id, reply_to, sender]")
+        raise FrameError("header must be [version, op, msg_id, reply_to, sender]", reason="header")
     version, op, msg_id, reply_to, sender = header
     if not isinstance(msg_id, int) or isinstance(msg_id, bool):
-        raise FrameError("header msg_id must be an integer")
+        raise FrameError("header msg_id must be an integer", reason="header")
     if version != PROTOCOL_VERSION:
         raise FrameError(
             f"protocol version {version!r} is not supported (this side speaks {PROTOCOL_VERSION})",
-            msg_id=msg_id,
+            msg_id=msg_id, reason="version",
         )
     if not isinstance(op, str):
-        raise FrameError("header op must be a string", msg_id=msg_id)
+        raise FrameError("header op must be a string", msg_id=msg_id, reason="header")
     if reply_to is not None and (not isinstance(reply_to, int) or isinstance(reply_to, bool)):
-        raise FrameError("header reply_to must be an integer or nil", msg_id=msg_id, op=op)
+        raise FrameError("header reply_to must be an integer or nil", msg_id=msg_id, op=op, reason="header")
     if not isinstance(sender, str):
-        raise FrameError("header sender must be a string", msg_id=msg_id, op=op)
+        raise FrameError("header sender must be a string", msg_id=msg_id, op=op, reason="header")
     return op, msg_id, reply_to, sender
 
 
 def decode(frames: Sequence[Any], limits: Limits = DEFAULT_LIMITS) -> Envelope:
     """Validate and decode ``[header, body, *buffers]``; raise ``FrameError`` on anything wrong."""
     if not frames:
-        raise FrameError("empty message")
+        raise FrameError("empty message", reason="header")
     op, msg_id, reply_to, sender = decode_header(frames[0], limits)
     if len(frames) < 2:  # the header was readable: the sender gets an answer, not a timeout
-        raise FrameError("a message needs a header and a body frame", msg_id=msg_id, op=op)
+        raise FrameError("a message needs a header and a body frame", msg_id=msg_id, op=op, reason="body")
     cls = message_types().get(op)
     if cls is None:
-        raise FrameError(f"unknown op {op!r}", msg_id=msg_id, op=op)
+        raise FrameError(f"unknown op {op!r}", msg_id=msg_id, op=op, reason="unknown_op")
     buffers = [memoryview(f) for f in frames[2:]]
     if len(buffers) > limits.max_buffers:
-        raise FrameError(f"{len(buffers)} buffers exceed the limit of {limits.max_buffers}", msg_id=msg_id, op=op)
+        raise FrameError(f"{len(buffers)} buffers exceed the limit of {limits.max_buffers}", msg_id=msg_id, op=op,
+                         reason="oversized")
     if sum(b.nbytes for b in buffers) > limits.max_buffer_bytes:
-        raise FrameError(f"buffers exceed {limits.max_buffer_bytes} bytes", msg_id=msg_id, op=op)
+        raise FrameError(f"buffers exceed {limits.max_buffer_bytes} bytes", msg_id=msg_id, op=op, reason="oversized")
     body_view = memoryview(frames[1])
     if body_view.nbytes > limits.max_body_bytes:
-        raise FrameError(f"body of {body_view.nbytes} bytes exceeds {limits.max_body_bytes}", msg_id=msg_id, op=op)
+        raise FrameError(f"body of {body_view.nbytes} bytes exceeds {limits.max_body_bytes}", msg_id=msg_id, op=op,
+                         reason="oversized")
     used: set[int] = set()
 
     def ext_hook(code: int, data: bytes) -> Any:
@@ -201,9 +206,11 @@ def decode(frames: Sequence[Any], limits: Limits = DEFAULT_LIMITS) -> Envelope:
     except FrameError:
         raise
     except ProtocolError as exc:
-        raise FrameError(f"bad {op} body: {exc.message}", msg_id=msg_id, op=op) from None
+        raise FrameError(f"bad {op} body: {exc.message}", msg_id=msg_id, op=op, reason="body") from None
     except Exception as exc:  # msgpack raises a zoo of types on garbage
-        raise FrameError(f"unreadable {op} body: {type(exc).__name__}: {exc}", msg_id=msg_id, op=op) from None
+        raise FrameError(f"unreadable {op} body: {type(exc).__name__}: {exc}", msg_id=msg_id, op=op,
+                         reason="body") from None
     if len(used) != len(buffers):
-        raise FrameError(f"{len(buffers) - len(used)} buffer frame(s) not referenced by the body", msg_id=msg_id, op=op)
+        raise FrameError(f"{len(buffers) - len(used)} buffer frame(s) not referenced by the body", msg_id=msg_id, op=op,
+                         reason="body")
     return Envelope(message=message, msg_id=msg_id, reply_to=reply_to, sender=sender)
