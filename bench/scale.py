@@ -112,7 +112,7 @@ class Config:
     rm_islands: tuple[int, ...] = (1, 4)
     rm_slice_sizes: tuple[int, ...] = (1, 8, 64, 1024, 2048, 8192)
     rm_background_slices: int = 512  # "loaded": this many slices of 8 devices held
-    rm_repeats: int = 15
+    rm_repeats: int = 31
 
 
 SMOKE = Config(proxy_devices=(2, 8, 64), proxy_warm_repeats=3, proxy_cold_repeats=2, client_counts=(1, 4),
@@ -316,6 +316,7 @@ async def proxy_scaling(config: Config) -> dict[str, Any]:
 
 
 SHAPES = {"small": (1, 1), "gang": (4, 2)}  # (nodes, executors of 8 devices) per run
+SHAPE_NAMES = {"small": "small (1 node, 1 executor)", "gang": "gang (4 nodes, 2 executors)"}
 SCHEDULER_EXECUTORS = 16
 WEIGHTS = (1.0, 2.0, 4.0, 8.0)
 
@@ -475,7 +476,7 @@ def scheduler_table(sched: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
     rows = []
     for shape, data in sched.items():
         for r in data["rows"]:
-            rows.append([f"{shape} ({data['nodes']} nodes x {data['executors']} executors)", str(r["clients"]),
+            rows.append([SHAPE_NAMES[shape], str(r["clients"]),
                          f"{r['decisions_per_second']:,.0f}", f"{r['us_per_decision']:.1f}",
                          f"{r['enqueues_per_second']:,.0f}", f"{r['computations_per_second']:,.0f}",
                          "yes" if r["met"] else "no"])
@@ -502,11 +503,11 @@ def plot(path: Path, result: dict[str, Any]) -> bool:
         return False
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.4))
     ax = axes[0]
-    for kind, data in result["proxy"].items():
+    for i, (kind, data) in enumerate(result["proxy"].items()):
         xs = [r["devices"] for r in data["rows"]]
-        ax.plot(xs, [r["bytes"] for r in data["rows"]], "o-", label=f"{kind}: bytes")
-        ax.plot(xs, [r["warm_cpu_us"] for r in data["rows"]], "s--", label=f"{kind}: warm CPU us")
-        ax.plot(xs, [r["cold_cpu_us"] for r in data["rows"]], "^:", label=f"{kind}: cold CPU us")
+        ax.plot(xs, [r["bytes"] for r in data["rows"]], "o-", color=f"C{i}", label=f"{kind}: bytes")
+        ax.plot(xs, [r["warm_cpu_us"] for r in data["rows"]], "s--", color=f"C{i}", label=f"{kind}: warm CPU us")
+        ax.plot(xs, [r["cold_cpu_us"] for r in data["rows"]], "^:", color=f"C{i}", label=f"{kind}: cold CPU us")
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_xlabel("devices in the slice")
@@ -516,7 +517,7 @@ def plot(path: Path, result: dict[str, Any]) -> bool:
     ax = axes[1]
     for shape, data in result["scheduler"].items():
         ax.plot([r["clients"] for r in data["rows"]], [r["decisions_per_second"] for r in data["rows"]], "o-",
-                label=f"{shape} ({data['nodes']} nodes x {data['executors']} executors)")
+                label=SHAPE_NAMES[shape])
     ax.axhline(DECISIONS_GOAL_PER_SECOND, color="red", linestyle="--", label="goal")
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
@@ -536,6 +537,7 @@ def plot(path: Path, result: dict[str, Any]) -> bool:
     ax.set_xscale("log", base=2)
     ax.set_xlabel("slice devices")
     ax.set_ylabel("ms (CPU, median)")
+    ax.set_ylim(bottom=0)
     devices = result["placement"][0]["devices"] if result["placement"] else 0
     ax.set_title(f"(c) RM placement at {devices:,} devices", fontsize=10)
     ax.legend(fontsize=7)
