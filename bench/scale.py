@@ -8,8 +8,9 @@ no JAX: each part drives the same pure object the daemon wraps, with a synthetic
     devices; one island; the slice spans ``ceil(N / 8)`` executors). A 3-node chain
     ``w = c(b(a(x)))`` on the slice, ``x`` an existing buffer there (a training step's
     parameters), ``w`` returned. The harness repeats what ``ProxyDaemon._dispatch`` does
-    short of the sockets: ``bind``, ``session.lowerings.lower`` (the real ``LoweringCache``
-    and ``ir.lower``), the messages it would post (``RegisterFunction`` per new function
+    short of the sockets and of its checks for lost hosts and broken slices: ``bind``,
+    ``session.lowerings.lower`` (the real ``LoweringCache`` and ``ir.lower``), the messages
+    it would post (``RegisterFunction`` per new function
     site, ``PutShards``, ``SendShards``, one ``ScheduleRun`` per island with the packed
     parts), each encoded with the wire codec (``encode``), and ``record_run``. *warm*: the
     same program again (a cache hit); *cold*: an empty lowering cache (first run in a
@@ -25,8 +26,8 @@ no JAX: each part drives the same pure object the daemon wraps, with a synthetic
     released and sequenced (``SendEnqueue`` actions: one per executor of the run). CPU is
     ``time.process_time`` inside ``submit``/``part_done`` only. Two run shapes: ``small``
     (1 node on 8 devices of one executor) and ``gang`` (4 nodes on 16 devices over two
-    executors); 16 executors, client ``c`` on executors ``2c, 2c+1`` (mod 16), so clients
-    contend from 9 on.
+    executors); 16 executors, client ``c`` on executor ``c`` (small) or ``2c, 2c+1`` (gang),
+    mod 16, so clients share executors from 17 (small) or 9 (gang) clients on.
 (c) **RM slice placement** at 8,192 devices (1,024 executors x 8): ``ResourceManagerState``
     handling ``AllocateSlice`` of 1 to 8,192 devices, on 1 island of 8,192 or 4 of 2,048,
     idle or loaded (512 slices of 8 devices held: half the devices carry one); each slice
@@ -35,7 +36,7 @@ no JAX: each part drives the same pure object the daemon wraps, with a synthetic
 (d) the Figure-5 comparison at 16 to 1,024 simulated hosts and (e) a pipeline over 4
 islands x 256 hosts wait for the simulator (``pwmesh/sim``, not written yet): not run.
 
-    python bench/scale.py            # ~1-2 minutes on a 2-core machine
+    python bench/scale.py            # ~3 minutes on a 2-core machine
     python bench/scale.py --smoke    # seconds
 
 Writes ``scale.json``, ``scale.md`` and ``scale.png`` into ``--out`` (default: bench/results).
