@@ -21,10 +21,10 @@ no JAX: each part drives the same pure object the daemon wraps, with a synthetic
     run (``IslandOrder.submit``: one ``Enqueue`` per executor) is shown beside it: it is the
     island's work, not the proxy's.
 (b) **Island-scheduler decisions per second** with 1 to 64 clients: ``IslandOrder`` (policy
-    ``fair``, window 2, weights 1/2/4/8 in turn), each client keeping 4 runs queued; the
-    oldest part in flight completes, its client submits another. A decision is one run
-    released and sequenced (``SendEnqueue`` actions: one per executor of the run). CPU is
-    ``time.process_time`` inside ``submit``/``part_done`` only. Two run shapes: ``small``
+    ``fair``, window 2, weights 1/2/4/8 in turn among clients sharing executors), each client
+    keeping 4 runs queued: the oldest part in flight completes; when its run is done, its client
+    submits another. A decision is one run released and sequenced (``SendEnqueue`` actions:
+    one per executor of the run). CPU is ``time.process_time`` inside ``submit``/``part_done`` only. Two run shapes: ``small``
     (1 node on 8 devices of one executor) and ``gang`` (4 nodes on 16 devices over two
     executors); 16 executors, client ``c`` on executor ``c`` (small) or ``2c, 2c+1`` (gang),
     mod 16, so clients share executors from 17 (small) or 9 (gang) clients on.
@@ -107,7 +107,7 @@ class Config:
     proxy_warm_repeats: int = 21
     proxy_cold_repeats: int = 5
     client_counts: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
-    scheduler_decisions: int = 40_000  # runs released per (shape, clients) point, after the backlog
+    scheduler_decisions: int = 40_000  # runs released per (shape, clients) point
     scheduler_rounds: int = 3  # the median round is reported
     rm_executors: int = 1024
     rm_islands: tuple[int, ...] = (1, 4)
@@ -116,7 +116,7 @@ class Config:
     rm_repeats: int = 31
 
 
-SMOKE = Config(proxy_devices=(2, 8, 64), proxy_warm_repeats=3, proxy_cold_repeats=2, client_counts=(1, 4),
+SMOKE = Config(proxy_devices=(2, 8, 64), proxy_warm_repeats=3, proxy_cold_repeats=2, client_counts=(1, 16),
                scheduler_decisions=1000, scheduler_rounds=1, rm_executors=64, rm_slice_sizes=(1, 8, 64),
                rm_background_slices=16, rm_repeats=3)
 
@@ -322,6 +322,11 @@ SCHEDULER_EXECUTORS = 16
 WEIGHTS = (1.0, 2.0, 4.0, 8.0)
 
 
+def weight_of(client: int) -> float:
+    """1, 2, 4, 8 in turn among the clients that share executors (clients 8 apart share some)."""
+    return WEIGHTS[(client // 8) % len(WEIGHTS)]
+
+
 def client_parts(client: int, nodes: int, executors: int) -> list[Any]:
     mine = [f"ex{(executors * client + k) % SCHEDULER_EXECUTORS:02d}" for k in range(executors)]
     comps = [Computation(node=node, fn_id="f" * 32, executor_id=ex, control=f"tcp://{ex}:7000",
@@ -335,13 +340,17 @@ def decisions_round(clients: int, shape: str, decisions: int, backlog: int = 4) 
     nodes, executors = SHAPES[shape]
     order = IslandOrder(island=0, policy="fair", window=2, scheduler="tcp://sched-0:6100")
     parts = {c: client_parts(c, nodes, executors) for c in range(clients)}
-    per_client = decisions // clients + backlog + 2
-    # Built before the clock starts: building them is the proxy's work, not the scheduler's.
-    queued = {c: collections.deque(ScheduleRun(run_id=f"c{c}:{i}", proxy="tcp://proxy:6000", parts=parts[c],
-                                               session=f"c{c}", weight=WEIGHTS[c % len(WEIGHTS)])
-                                   for i in range(per_client)) for c in range(clients)}
+    counts = collections.Counter[int]()
+
+    def new_run(c: int) -> ScheduleRun:
+        # Built outside the clock: building a run is the proxy's work, not the scheduler's.
+        counts[c] += 1
+        return ScheduleRun(run_id=f"c{c}:{counts[c]}", proxy="tcp://proxy:6000", parts=parts[c], session=f"c{c}",
+                           weight=weight_of(c))
+
     client_of = {f"c{c}": c for c in range(clients)}
-    in_flight: collections.deque[tuple[str, str]] = collections.deque()
+    in_flight: collections.deque[tuple[str, str]] = collections.deque()  # (run, executor's control), oldest first
+    parts_left: collections.Counter[str] = collections.Counter()
     released = enqueues = 0
     cpu = 0.0
 
@@ -350,23 +359,31 @@ def decisions_round(clients: int, shape: str, decisions: int, backlog: int = 4) 
         # A released run's Enqueues all come from the one call that released it.
         released += len({a.enqueue.run_id for a in actions})
         enqueues += len(actions)
-        in_flight.extend((a.enqueue.run_id, a.control) for a in actions)
+        for a in actions:
+            in_flight.append((a.enqueue.run_id, a.control))
+            parts_left[a.enqueue.run_id] += 1
 
     for c in range(clients):
         for _ in range(backlog):
+            run = new_run(c)
             start = time.process_time()
-            actions = order.submit(queued[c].popleft())
+            actions = order.submit(run)
             cpu += time.process_time() - start
             took(actions)
     while released < decisions and in_flight:
         run_id, control = in_flight.popleft()
         client = client_of[run_id.split(":", 1)[0]]
         executor_id = control.removeprefix("tcp://").rsplit(":", 1)[0]
+        parts_left[run_id] -= 1
+        # A run done: its client submits the next, so each keeps its backlog.
+        run = new_run(client) if not parts_left[run_id] else None
         start = time.process_time()
         actions = order.part_done(run_id, executor_id, 0.001)
-        if queued[client]:
-            actions += order.submit(queued[client].popleft())
+        if run is not None:
+            actions += order.submit(run)
         cpu += time.process_time() - start
+        if run is not None:
+            del parts_left[run_id]
         took(actions)
     runs = {u.session: u.runs for u in order.usage()}
     assert sum(runs.values()) == released, (runs, released)
@@ -386,10 +403,14 @@ def scheduler_rate(config: Config) -> dict[str, Any]:
             mid = rounds[len(rounds) // 2]
             per_second = mid["decisions"] / mid["cpu_seconds"]
             served = sum(1 for n in mid["runs_per_client"].values() if n > 0)
+            by_weight: dict[float, list[int]] = {}
+            for session, n in mid["runs_per_client"].items():
+                by_weight.setdefault(weight_of(int(session.removeprefix("c"))), []).append(n)
             row = {"clients": clients, "decisions_per_second": per_second,
                    "enqueues_per_second": mid["enqueues"] / mid["cpu_seconds"],
                    "computations_per_second": mid["computations"] / mid["cpu_seconds"],
                    "us_per_decision": 1e6 / per_second, "decisions": mid["decisions"], "clients_served": served,
+                   "mean_runs_by_weight": {w: statistics.mean(ns) for w, ns in sorted(by_weight.items())},
                    "rounds_decisions_per_second": rates,
                    "met": per_second >= DECISIONS_GOAL_PER_SECOND}
             print(f"  {shape:>5} x {clients:>2} clients: {per_second:>9,.0f} decisions/s "

@@ -221,6 +221,11 @@ def test_scale_smoke(tmp_path: Path) -> None:
         for r in rows:
             assert r["decisions"] >= config["scheduler_decisions"] and r["decisions_per_second"] > 0
             assert r["clients_served"] == r["clients"], "every client's runs were released"
+    # 16 gang clients: clients 8 apart share both executors, weights 1 and 2; the fair policy gives
+    # the heavier twice the runs (the harness drives the policy, not just the bookkeeping).
+    (gang16,) = [r for r in data["scheduler"]["gang"]["rows"] if r["clients"] == 16]
+    light, heavy = gang16["mean_runs_by_weight"]["1.0"], gang16["mean_runs_by_weight"]["2.0"]
+    assert heavy / light == pytest.approx(2.0, rel=0.2), gang16["mean_runs_by_weight"]
     sizes = {(r["islands"], r["load"], r["slice_devices"]) for r in data["placement"]}
     assert sizes == {(i, load, n) for i in config["rm_islands"] for load in ("idle", "loaded")
                      for n in config["rm_slice_sizes"]}
