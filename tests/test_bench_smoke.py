@@ -197,3 +197,39 @@ def test_pipeline_smoke(tmp_path: Path) -> None:
     assert kinds.count((0, "F")) == m and kinds.count((3, "B")) == m, "the trace is one whole step"
     check_plot(tmp_path / "pipeline.png")
     check_plot(tmp_path / "pipeline_trace.png")
+
+
+@pytest.mark.timeout(110)
+def test_scale_smoke(tmp_path: Path) -> None:
+    proc = run_smoke("scale.py", tmp_path)
+    data = json.loads((tmp_path / "scale.json").read_text())
+    assert {"benchmark", "config", "machine", "proxy", "scheduler", "placement", "not_run"} <= data.keys()
+    assert data["benchmark"] == "scale" and data["smoke"] is True
+    config = data["config"]
+    for kind in ("pmap", "spmd"):
+        rows = data["proxy"][kind]["rows"]
+        assert [r["devices"] for r in rows] == config["proxy_devices"]
+        for r in rows:
+            # One island: the proxy posts one ScheduleRun per program, however many devices.
+            assert r["messages"] == 1 and r["message_types"] == {"ScheduleRun": 1}, r
+            assert r["bytes"] > 0 and r["warm_cpu_us"] > 0 and r["cold_cpu_us"] > 0
+            assert r["executors"] == max(1, r["devices"] // 8) == r["scheduler_enqueues"]
+        assert data["proxy"][kind]["ratio"]["messages"] == 1.0
+    for shape in ("small", "gang"):
+        rows = data["scheduler"][shape]["rows"]
+        assert [r["clients"] for r in rows] == config["client_counts"]
+        for r in rows:
+            assert r["decisions"] >= config["scheduler_decisions"] and r["decisions_per_second"] > 0
+            assert r["clients_served"] == r["clients"], "every client's runs were released"
+    # 16 gang clients: clients 8 apart share both executors, weights 1 and 2; the fair policy gives
+    # the heavier twice the runs (the harness drives the policy, not just the bookkeeping).
+    (gang16,) = [r for r in data["scheduler"]["gang"]["rows"] if r["clients"] == 16]
+    light, heavy = gang16["mean_runs_by_weight"]["1.0"], gang16["mean_runs_by_weight"]["2.0"]
+    assert heavy / light == pytest.approx(2.0, rel=0.2), gang16["mean_runs_by_weight"]
+    sizes = {(r["islands"], r["load"], r["slice_devices"]) for r in data["placement"]}
+    assert sizes == {(i, load, n) for i in config["rm_islands"] for load in ("idle", "loaded")
+                     for n in config["rm_slice_sizes"]}
+    assert all(r["median_ms"] > 0 for r in data["placement"])
+    assert set(data["not_run"]) == {"d", "e"} and "pwmesh/sim" in proc.stdout
+    assert "| node | devices |" in (tmp_path / "scale.md").read_text()
+    check_plot(tmp_path / "scale.png")

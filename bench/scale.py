@@ -1,0 +1,645 @@
+"""The controller at scale (issue 20, item 3, parts a-c): the real pure cores, driven in one process.
+
+Pathways' claim is that one controller keeps up with thousands of accelerators because its
+work grows with the number of sharded computations, not of shards. No sockets, no daemons,
+no JAX: each part drives the same pure object the daemon wraps, with a synthetic cluster.
+
+(a) **The proxy per program** as a slice grows from 2 to 8,192 devices (executors of 8
+    devices; one island; the slice spans ``ceil(N / 8)`` executors). A 3-node chain
+    ``w = c(b(a(x)))`` on the slice, ``x`` an existing buffer there (a training step's
+    parameters), ``w`` returned. The harness repeats what ``ProxyDaemon._dispatch`` does
+    short of the sockets and of its checks for lost hosts and broken slices: ``bind``,
+    ``session.lowerings.lower`` (the real ``LoweringCache`` and ``ir.lower``), the messages
+    it would post (``RegisterFunction`` per new function
+    site, ``PutShards``, ``SendShards``, one ``ScheduleRun`` per island with the packed
+    parts), each encoded with the wire codec (``encode``), and ``record_run``. *warm*: the
+    same program again (a cache hit); *cold*: an empty lowering cache (first run in a
+    session; functions already registered). CPU is ``time.process_time`` of all of that,
+    median of the repeats. Two kinds of node: ``pmap`` (a function per device, as
+    ``pw.pmap``) and ``spmd`` (one program over the slice, as ``pw.jit``; across executors
+    every computation carries the whole gang). The island scheduler's fan-out of the same
+    run (``IslandOrder.submit``: one ``Enqueue`` per executor) is shown beside it: it is the
+    island's work, not the proxy's.
+(b) **Island-scheduler decisions per second** with 1 to 64 clients: ``IslandOrder`` (policy
+    ``fair``, window 2, weights 1/2/4/8 in turn among clients sharing executors), each client
+    keeping 4 runs queued: the oldest part in flight completes; when its run is done, its client
+    submits another. A decision is one run released and sequenced (``SendEnqueue`` actions:
+    one per executor of the run). CPU is ``time.process_time`` inside ``submit``/``part_done`` only. Two run shapes: ``small``
+    (1 node on 8 devices of one executor) and ``gang`` (4 nodes on 16 devices over two
+    executors); 16 executors, client ``c`` on executor ``c`` (small) or ``2c, 2c+1`` (gang),
+    mod 16, so clients share executors from 17 (small) or 9 (gang) clients on.
+(c) **RM slice placement** at 8,192 devices (1,024 executors x 8): ``ResourceManagerState``
+    handling ``AllocateSlice`` of 1 to 8,192 devices, on 1 island of 8,192 or 4 of 2,048,
+    idle or loaded (512 slices of 8 devices held: half the devices carry one); each slice
+    released after it is timed, so every repeat sees the same state. CPU time, median.
+
+(d) the Figure-5 comparison at 16 to 1,024 simulated hosts and (e) a pipeline over 4
+islands x 256 hosts wait for the simulator (``pwmesh/sim``, not written yet): not run.
+
+    python bench/scale.py            # ~3 minutes on a 2-core machine
+    python bench/scale.py --smoke    # seconds
+
+Writes ``scale.json``, ``scale.md`` and ``scale.png`` into ``--out`` (default: bench/results).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import collections
+import dataclasses
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from pwmesh.ir.cache import LoweringCache
+from pwmesh.ir.lower import slice_locations
+from pwmesh.proxy.intake import bind, host_puts, record_run
+from pwmesh.proxy.session import Buffer, Session
+from pwmesh.rm.state import ResourceManagerState
+from pwmesh.scheduler.order import IslandOrder
+from pwmesh.wire import DEFAULT_LIMITS, Message, encode
+from pwmesh.wire.messages import (
+    AllocateSlice,
+    Computation,
+    DeviceInfo,
+    ExecutorInfo,
+    NodeSpec,
+    ProgramInput,
+    ProgramSpec,
+    RegisterExecutor,
+    RegisterFunction,
+    RegisterScheduler,
+    ReleaseSlices,
+    RunProgram,
+    SchedulerInfo,
+    ScheduleRun,
+    ShardRun,
+    SliceAllocated,
+    SliceInfo,
+    ValueSpec,
+)
+from pwmesh.wire.parts import run_parts
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import DEFAULT_OUT, load_average, machine, pyplot, save_figure, save_results, table  # noqa: E402
+
+DEVICES_PER_EXECUTOR = 8
+# What the proxy does per run, in order: bind + lower (cache lookup or lowering), check every function site
+# against those already registered, build + encode the messages, record the run and its buffers.
+PHASES = ("lower", "sites", "encode", "record")
+PROXY_GOAL = "flat: the same messages, bytes and CPU per program at 8,192 devices as at 2"
+DECISIONS_GOAL_PER_SECOND = 50_000
+PLACEMENT_GOAL_MS = 10.0
+EXPORTED_BYTES = 4096  # a stand-in for a function's jax.export bytes (only in the one-time RegisterFunction)
+NOT_RUN = {
+    "d": "not run: the Figure-5 comparison at 16 to 1,024 simulated hosts waits for the simulator (pwmesh/sim)",
+    "e": "not run: the simulated pipeline over 4 islands x 256 hosts waits for the simulator (pwmesh/sim)",
+}
+
+
+@dataclasses.dataclass
+class Config:
+    proxy_devices: tuple[int, ...] = (2, 8, 32, 128, 512, 1024, 2048, 4096, 8192)
+    proxy_warm_repeats: int = 21
+    proxy_cold_repeats: int = 5
+    client_counts: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
+    scheduler_decisions: int = 40_000  # runs released per (shape, clients) point
+    scheduler_rounds: int = 3  # the median round is reported
+    rm_executors: int = 1024
+    rm_islands: tuple[int, ...] = (1, 4)
+    rm_slice_sizes: tuple[int, ...] = (1, 8, 64, 1024, 2048, 8192)
+    rm_background_slices: int = 512  # "loaded": this many slices of 8 devices held
+    rm_repeats: int = 31
+
+
+SMOKE = Config(proxy_devices=(2, 8, 64), proxy_warm_repeats=3, proxy_cold_repeats=2, client_counts=(1, 16),
+               scheduler_decisions=1000, scheduler_rounds=1, rm_executors=64, rm_slice_sizes=(1, 8, 64),
+               rm_background_slices=16, rm_repeats=3)
+
+
+def median_cpu(fn: Callable[[], Any], repeats: int) -> tuple[float, Any]:
+    """Median CPU seconds of ``repeats`` calls, and the last call's result."""
+    samples, result = [], None
+    for _ in range(repeats):
+        start = time.process_time()
+        result = fn()
+        samples.append(time.process_time() - start)
+    return statistics.median(samples), result
+
+
+# ------------------------------------------------------------------ a synthetic cluster
+
+
+def resource_manager(executors: int, islands: int = 1) -> ResourceManagerState:
+    """An RM that knows ``executors`` hosts of 8 devices, dealt round-robin over ``islands`` islands,
+    each island in one JAX group (so an SPMD node may span its executors)."""
+    rm = ResourceManagerState()
+    for isl in range(islands):
+        rm.handle(RegisterScheduler(info=SchedulerInfo(island=isl, address=f"tcp://sched-{isl}:6100",
+                                                       name=f"sched-{isl}")), 0.0)
+    for e in range(executors):
+        isl = e % islands
+        ip = f"10.{e // 256}.{e % 256}.1"
+        rm.handle(RegisterExecutor(info=ExecutorInfo(
+            executor_id=f"ex{e:05d}", island=isl, host=f"host{e:05d}", control=f"tcp://{ip}:7000",
+            data=f"tcp://{ip}:7001", devices=[DeviceInfo(index=i) for i in range(DEVICES_PER_EXECUTOR)],
+            group=f"island-{isl}")), 0.0)
+    return rm
+
+
+def allocate(rm: ResourceManagerState, owner: str, devices: int, island: int | None = None) -> SliceInfo:
+    reply = rm.handle(AllocateSlice(owner=owner, devices=devices, island=island), 0.0)
+    assert isinstance(reply, SliceAllocated)
+    return reply.slice
+
+
+# ------------------------------------------------------------------ (a) the proxy per program
+
+
+def encoded_bytes(message: Message) -> int:
+    return sum(len(frame) for frame in encode(message, msg_id=1))
+
+
+class ProxyHarness:
+    """One session on one slice, dispatching a 3-node chain as ``ProxyDaemon._dispatch`` does, minus sockets."""
+
+    def __init__(self, devices: int, spmd: bool) -> None:
+        rm = resource_manager(max(1, -(-devices // DEVICES_PER_EXECUTOR)))
+        self.slice = allocate(rm, "s1", devices)
+        self.session = Session(session_id="s1", name="bench-scale", peer=b"client")
+        self.session.slices[self.slice.slice_id] = self.slice
+        fns = [f"{k}" * 32 for k in "abc"]
+        for fn in fns:
+            self.session.functions[fn] = spmd
+        values = [ValueSpec(shape=[4 * devices, 16], dtype="float32", shards=devices) for _ in range(4)]
+        self.program = ProgramSpec(values=values, inputs=[0], outputs=[3], nodes=[
+            NodeSpec(fn_id=fns[k], slice_id=self.slice.slice_id, inputs=[k], outputs=[k + 1]) for k in range(3)])
+        x = Buffer.new("b0.0", values[0], client_ref=True)  # the parameters, already on the slice
+        x.locations = slice_locations(self.slice)
+        x.slice_id = self.slice.slice_id
+        self.session.buffers[0] = x
+        self.registered: set[tuple[str, str, tuple[int, ...]]] = set()  # the proxy's, across sessions
+        self.next_output = 1
+        self.phases: dict[str, list[float]] = {phase: [] for phase in PHASES}
+
+    def dispatch(self) -> tuple[list[Message], ScheduleRun | None]:
+        """One run: every message the proxy would post, encoded (what the wire costs), and its ScheduleRun.
+        Adds the CPU seconds of each phase to ``self.phases``."""
+        session, program = self.session, self.program
+        clock = time.process_time
+        t0 = clock()
+        msg = RunProgram(inputs=[ProgramInput(buffer=0)], outputs=[self.next_output], program_id="chain3")
+        self.next_output += 1
+        binding = bind(session, msg, program)
+        program, lowered = session.lowerings.lower(
+            msg.program_id, program, owner=session.session_id, names=binding.names,
+            host_inputs=set(binding.host_data), bound=binding.bound, slices=session.slices, spmd=session.functions,
+            fresh_name=session.temp_name, packed=True, keep=binding.keep)
+        run_id = session.next_run_id()
+        t1 = clock()
+        out: list[Message] = []
+        for fn_id, sites in lowered.function_sites.items():  # the proxy checks every site on every run
+            for control, devices in sites:
+                if (fn_id, control, devices) not in self.registered:
+                    self.registered.add((fn_id, control, devices))
+                    out.append(RegisterFunction(fn_id=fn_id, exported=bytes(EXPORTED_BYTES),
+                                                spmd=session.functions[fn_id], devices=list(devices)))
+        t2 = clock()
+        out.extend(host_puts(lowered, binding.host_data).values())
+        out.extend(send for sends in lowered.moves.values() for send in sends)
+        parts = lowered.parts if lowered.parts is not None else {
+            scheduler: run_parts(comps) for scheduler, comps in lowered.schedules.items()}
+        schedule = None
+        for mine in parts.values():
+            schedule = ScheduleRun(run_id=run_id, proxy="tcp://proxy:6000", parts=mine, session=session.session_id,
+                                   weight=session.weight, priority=session.priority)
+            out.append(schedule)
+        for message in out:
+            encode(message, msg_id=1)
+        t3 = clock()
+        record_run(session, run_id, program, lowered, binding)
+        t4 = clock()
+        for phase, seconds in zip(PHASES, (t1 - t0, t2 - t1, t3 - t2, t4 - t3), strict=True):
+            self.phases[phase].append(seconds)
+        return out, schedule
+
+    def phase_us(self) -> dict[str, float]:
+        """Median CPU microseconds of each phase since the last call."""
+        out = {phase: 1e6 * statistics.median(seconds) for phase, seconds in self.phases.items()}
+        self.phases = {phase: [] for phase in PHASES}
+        return out
+
+    def forget(self) -> None:
+        """Drop what the runs recorded (not timed): every repeat starts from the same session."""
+        self.session.runs.clear()
+        for cid in [c for c in self.session.buffers if c != 0]:
+            del self.session.buffers[cid]
+
+
+def proxy_point(devices: int, spmd: bool, config: Config) -> dict[str, Any]:
+    harness = ProxyHarness(devices, spmd)
+    first, _ = harness.dispatch()  # registers the functions (once per proxy) and fills the cache
+    harness.forget()
+    harness.phase_us()
+    setup = [m for m in first if isinstance(m, RegisterFunction)]
+
+    def cold() -> list[Message]:
+        harness.session.lowerings = LoweringCache()  # empty, as in a new session
+        return harness.dispatch()[0]
+
+    cold_s, _ = median_cpu(cold, config.proxy_cold_repeats)
+    cold_phases = harness.phase_us()
+    harness.forget()
+    warm_s, (messages, schedule) = median_cpu(harness.dispatch, config.proxy_warm_repeats)
+    warm_phases = harness.phase_us()
+    harness.forget()
+    assert harness.session.lowerings.hits >= config.proxy_warm_repeats, "the warm runs must hit the cache"
+    nbytes = sum(encoded_bytes(m) for m in messages)
+    # The island's side of the same run: one Enqueue per executor.
+    order = IslandOrder(island=0, scheduler="tcp://sched-0:6100")
+    sched_s, actions = median_cpu(lambda: _submit_and_finish(order, schedule), config.proxy_warm_repeats)
+    executors = len({d.executor_id for d in harness.slice.devices})
+    return {
+        "devices": devices, "executors": executors,
+        "messages": len(messages), "message_types": dict(collections.Counter(type(m).__name__ for m in messages)),
+        "bytes": nbytes, "bytes_per_executor": nbytes / executors,
+        "warm_cpu_us": 1e6 * warm_s, "cold_cpu_us": 1e6 * cold_s,
+        "warm_phases_us": warm_phases, "cold_phases_us": cold_phases,
+        "setup_register_function_messages": len(setup),
+        "setup_register_function_bytes": sum(encoded_bytes(m) for m in setup),
+        "scheduler_enqueues": len(actions), "scheduler_enqueue_bytes": sum(encoded_bytes(a.enqueue) for a in actions),
+        "scheduler_cpu_us": 1e6 * sched_s,
+    }
+
+
+def _submit_and_finish(order: IslandOrder, run: ScheduleRun | None) -> list[Any]:
+    assert run is not None
+    actions = order.submit(run)
+    for part in run.parts:
+        order.part_done(run.run_id, part.executor_id, 0.001)
+    return actions
+
+
+async def proxy_scaling(config: Config) -> dict[str, Any]:
+    """Both node kinds over the device counts (async only because a session's buffers hold futures)."""
+    out: dict[str, Any] = {}
+    for kind in ("pmap", "spmd"):
+        rows: list[dict[str, Any]] = []
+        stopped = None
+        for n in config.proxy_devices:
+            if rows and kind == "spmd":
+                # A gang lists every device in every executor's computation: bytes grow as N^2.
+                projected = rows[-1]["bytes"] * (n / rows[-1]["devices"]) ** 2
+                if projected > DEFAULT_LIMITS.max_body_bytes:
+                    stopped = (f"stopped before {n:,} devices: its ScheduleRun would be ~{projected / 2**20:,.0f} MiB "
+                               f"(N^2 from {rows[-1]['bytes'] / 2**20:.1f} MiB at {rows[-1]['devices']:,}), over "
+                               f"the codec's {DEFAULT_LIMITS.max_body_bytes / 2**20:.0f} MiB body limit: the island "
+                               "scheduler would reject it")
+                    print(f"  {kind}: {stopped}", flush=True)
+                    break
+            row = proxy_point(n, kind == "spmd", config)
+            print(f"  {kind} N={n:>5}: {row['messages']} messages, {row['bytes']:>10,} bytes, "
+                  f"warm {row['warm_cpu_us']:>9,.0f} us, cold {row['cold_cpu_us']:>10,.0f} us", flush=True)
+            rows.append(row)
+        lo, hi = rows[0], rows[-1]
+        ratio = {key: hi[key] / lo[key] if lo[key] else None for key in ("messages", "bytes", "warm_cpu_us",
+                                                                         "cold_cpu_us")}
+        out[kind] = {"rows": rows, "stopped": stopped, "ratio_devices": [lo["devices"], hi["devices"]],
+                     "ratio": ratio}
+    return out
+
+
+# ------------------------------------------------------------------ (b) island-scheduler decisions
+
+
+SHAPES = {"small": (1, 1), "gang": (4, 2)}  # (nodes, executors of 8 devices) per run
+SHAPE_NAMES = {"small": "small (1 node, 1 executor)", "gang": "gang (4 nodes, 2 executors)"}
+SCHEDULER_EXECUTORS = 16
+WEIGHTS = (1.0, 2.0, 4.0, 8.0)
+
+
+def weight_of(client: int) -> float:
+    """1, 2, 4, 8 in turn among the clients that share executors (clients 8 apart share some)."""
+    return WEIGHTS[(client // 8) % len(WEIGHTS)]
+
+
+def client_parts(client: int, nodes: int, executors: int) -> list[Any]:
+    mine = [f"ex{(executors * client + k) % SCHEDULER_EXECUTORS:02d}" for k in range(executors)]
+    comps = [Computation(node=node, fn_id="f" * 32, executor_id=ex, control=f"tcp://{ex}:7000",
+                         runs=[ShardRun(device=0, shard=k * DEVICES_PER_EXECUTOR, count=DEVICES_PER_EXECUTOR)],
+                         inputs=[f"@{node}"], outputs=[f"@{node + 1}"])
+             for node in range(nodes) for k, ex in enumerate(mine)]
+    return run_parts(comps)
+
+
+def decisions_round(clients: int, shape: str, decisions: int, backlog: int = 4) -> dict[str, Any]:
+    nodes, executors = SHAPES[shape]
+    order = IslandOrder(island=0, policy="fair", window=2, scheduler="tcp://sched-0:6100")
+    parts = {c: client_parts(c, nodes, executors) for c in range(clients)}
+    counts = collections.Counter[int]()
+
+    def new_run(c: int) -> ScheduleRun:
+        # Built outside the clock: building a run is the proxy's work, not the scheduler's.
+        counts[c] += 1
+        return ScheduleRun(run_id=f"c{c}:{counts[c]}", proxy="tcp://proxy:6000", parts=parts[c], session=f"c{c}",
+                           weight=weight_of(c))
+
+    client_of = {f"c{c}": c for c in range(clients)}
+    in_flight: collections.deque[tuple[str, str]] = collections.deque()  # (run, executor's control), oldest first
+    parts_left: collections.Counter[str] = collections.Counter()
+    released = enqueues = 0
+    cpu = 0.0
+
+    def took(actions: list[Any]) -> None:
+        nonlocal released, enqueues
+        # A released run's Enqueues all come from the one call that released it.
+        released += len({a.enqueue.run_id for a in actions})
+        enqueues += len(actions)
+        for a in actions:
+            in_flight.append((a.enqueue.run_id, a.control))
+            parts_left[a.enqueue.run_id] += 1
+
+    for c in range(clients):
+        for _ in range(backlog):
+            run = new_run(c)
+            start = time.process_time()
+            actions = order.submit(run)
+            cpu += time.process_time() - start
+            took(actions)
+    while released < decisions and in_flight:
+        run_id, control = in_flight.popleft()
+        client = client_of[run_id.split(":", 1)[0]]
+        executor_id = control.removeprefix("tcp://").rsplit(":", 1)[0]
+        parts_left[run_id] -= 1
+        # A run done: its client submits the next, so each keeps its backlog.
+        run = new_run(client) if not parts_left[run_id] else None
+        start = time.process_time()
+        actions = order.part_done(run_id, executor_id, 0.001)
+        if run is not None:
+            actions += order.submit(run)
+        cpu += time.process_time() - start
+        if run is not None:
+            del parts_left[run_id]
+        took(actions)
+    runs = {u.session: u.runs for u in order.usage()}
+    assert sum(runs.values()) == released, (runs, released)
+    return {"decisions": released, "enqueues": enqueues, "computations": released * nodes * executors,
+            "cpu_seconds": cpu, "runs_per_client": runs}
+
+
+def scheduler_rate(config: Config) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for shape in SHAPES:
+        rows = []
+        for clients in config.client_counts:
+            rounds = [decisions_round(clients, shape, config.scheduler_decisions)
+                      for _ in range(config.scheduler_rounds)]
+            rounds.sort(key=lambda r: r["decisions"] / r["cpu_seconds"])
+            rates = [r["decisions"] / r["cpu_seconds"] for r in rounds]
+            mid = rounds[len(rounds) // 2]
+            per_second = mid["decisions"] / mid["cpu_seconds"]
+            served = sum(1 for n in mid["runs_per_client"].values() if n > 0)
+            by_weight: dict[float, list[int]] = {}
+            for session, n in mid["runs_per_client"].items():
+                by_weight.setdefault(weight_of(int(session.removeprefix("c"))), []).append(n)
+            row = {"clients": clients, "decisions_per_second": per_second,
+                   "enqueues_per_second": mid["enqueues"] / mid["cpu_seconds"],
+                   "computations_per_second": mid["computations"] / mid["cpu_seconds"],
+                   "us_per_decision": 1e6 / per_second, "decisions": mid["decisions"], "clients_served": served,
+                   "mean_runs_by_weight": {w: statistics.mean(ns) for w, ns in sorted(by_weight.items())},
+                   "rounds_decisions_per_second": rates,
+                   "met": per_second >= DECISIONS_GOAL_PER_SECOND}
+            print(f"  {shape:>5} x {clients:>2} clients: {per_second:>9,.0f} decisions/s "
+                  f"({row['computations_per_second']:,.0f} computations/s)", flush=True)
+            rows.append(row)
+        out[shape] = {"nodes": SHAPES[shape][0], "executors": SHAPES[shape][1], "rows": rows}
+    return out
+
+
+# ------------------------------------------------------------------ (c) RM slice placement
+
+
+def placement_time(config: Config) -> list[dict[str, Any]]:
+    rows = []
+    devices = config.rm_executors * DEVICES_PER_EXECUTOR
+    for islands in config.rm_islands:
+        rm = resource_manager(config.rm_executors, islands)
+        per_island = devices // islands
+        for load, background in (("idle", 0), ("loaded", config.rm_background_slices)):
+            rm.handle(ReleaseSlices(owner="background"), 0.0)
+            for _ in range(background):
+                allocate(rm, "background", DEVICES_PER_EXECUTOR)
+            held = sum(len(sl.devices) for sl in rm.slices.values())
+            for n in config.rm_slice_sizes:
+                if n > per_island:
+                    continue
+
+                samples = []
+                for _ in range(config.rm_repeats):
+                    start = time.process_time()
+                    sl = allocate(rm, "bench", n)
+                    samples.append(time.process_time() - start)
+                    rm.handle(ReleaseSlices(owner="bench"), 0.0)
+                    assert len(sl.devices) == n
+                ms = 1000 * statistics.median(samples)
+                row = {"devices": devices, "islands": islands, "load": load, "held_device_slots": held,
+                       "slice_devices": n, "median_ms": ms, "max_ms": 1000 * max(samples),
+                       "met": ms < PLACEMENT_GOAL_MS}
+                print(f"  {islands} island(s), {load:>6}: slice of {n:>5} in {ms:6.2f} ms (median)", flush=True)
+                rows.append(row)
+    return rows
+
+
+# ------------------------------------------------------------------ report
+
+
+def proxy_table(proxy: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
+    headers = ["node", "devices", "executors", "proxy msgs", "proxy bytes", "warm CPU us", "cold CPU us",
+               "1st-run RegisterFunction", "island Enqueues", "Enqueue bytes",
+               "island CPU us"]
+    rows = []
+    for kind, data in proxy.items():
+        for r in data["rows"]:
+            rows.append([kind, f"{r['devices']:,}", f"{r['executors']:,}", str(r["messages"]), f"{r['bytes']:,}",
+                         f"{r['warm_cpu_us']:,.0f}", f"{r['cold_cpu_us']:,.0f}",
+                         f"{r['setup_register_function_messages']:,}", f"{r['scheduler_enqueues']:,}",
+                         f"{r['scheduler_enqueue_bytes']:,}", f"{r['scheduler_cpu_us']:,.0f}"])
+    return headers, rows
+
+
+def phases_table(proxy: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
+    headers = ["node", "devices", *(f"warm {p} us" for p in PHASES), *(f"cold {p} us" for p in PHASES)]
+    rows = []
+    for kind, data in proxy.items():
+        for r in data["rows"]:
+            rows.append([kind, f"{r['devices']:,}", *(f"{r['warm_phases_us'][p]:,.0f}" for p in PHASES),
+                         *(f"{r['cold_phases_us'][p]:,.0f}" for p in PHASES)])
+    return headers, rows
+
+
+def ratio_lines(proxy: dict[str, Any]) -> list[str]:
+    lines = []
+    for kind, data in proxy.items():
+        lo, hi = data["ratio_devices"]
+        r = data["ratio"]
+        lines.append(f"{kind}: N={hi:,} over N={lo:,}: messages x{r['messages']:.3g}, bytes x{r['bytes']:,.0f}, "
+                     f"warm CPU x{r['warm_cpu_us']:,.0f}, cold CPU x{r['cold_cpu_us']:,.0f} "
+                     f"(goal: x1){'; ' + data['stopped'] if data['stopped'] else ''}")
+    return lines
+
+
+def scheduler_table(sched: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
+    headers = ["run shape", "clients", "decisions/s", "us/decision", "Enqueues/s", "computations/s",
+               f">= {DECISIONS_GOAL_PER_SECOND:,}/s"]
+    rows = []
+    for shape, data in sched.items():
+        for r in data["rows"]:
+            rows.append([SHAPE_NAMES[shape], str(r["clients"]),
+                         f"{r['decisions_per_second']:,.0f}", f"{r['us_per_decision']:.1f}",
+                         f"{r['enqueues_per_second']:,.0f}", f"{r['computations_per_second']:,.0f}",
+                         "yes" if r["met"] else "no"])
+    return headers, rows
+
+
+def placement_table(rows: list[dict[str, Any]]) -> tuple[list[str], list[list[str]]]:
+    headers = ["devices", "islands", "load", "slice devices", "median ms", "max ms", f"< {PLACEMENT_GOAL_MS:g} ms"]
+    return headers, [[f"{r['devices']:,}", str(r["islands"]), f"{r['load']} ({r['held_device_slots']:,} held)",
+                      f"{r['slice_devices']:,}", f"{r['median_ms']:.2f}", f"{r['max_ms']:.2f}",
+                      "yes" if r["met"] else "no"] for r in rows]
+
+
+def markdown(headers: list[str], rows: list[list[str]], text_columns: int = 1) -> str:
+    align = ["---" if i < text_columns else "---:" for i in range(len(headers))]
+    lines = ["| " + " | ".join(headers) + " |", "| " + " | ".join(align) + " |"]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def plot(path: Path, result: dict[str, Any]) -> bool:
+    plt = pyplot()
+    if plt is None:
+        return False
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.4))
+    ax = axes[0]
+    for i, (kind, data) in enumerate(result["proxy"].items()):
+        xs = [r["devices"] for r in data["rows"]]
+        ax.plot(xs, [r["bytes"] for r in data["rows"]], "o-", color=f"C{i}", label=f"{kind}: bytes")
+        ax.plot(xs, [r["warm_cpu_us"] for r in data["rows"]], "s--", color=f"C{i}", label=f"{kind}: warm CPU us")
+        ax.plot(xs, [r["cold_cpu_us"] for r in data["rows"]], "^:", color=f"C{i}", label=f"{kind}: cold CPU us")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("devices in the slice")
+    ax.set_title("(a) proxy per program (goal: flat)", fontsize=10)
+    ax.legend(fontsize=7)
+    ax.grid(which="both", alpha=0.3)
+    ax = axes[1]
+    for shape, data in result["scheduler"].items():
+        ax.plot([r["clients"] for r in data["rows"]], [r["decisions_per_second"] for r in data["rows"]], "o-",
+                label=SHAPE_NAMES[shape])
+    ax.axhline(DECISIONS_GOAL_PER_SECOND, color="red", linestyle="--", label="goal")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("clients")
+    ax.set_ylabel("runs sequenced per CPU second")
+    ax.set_title("(b) island-scheduler decisions/s", fontsize=10)
+    ax.legend(fontsize=7)
+    ax.grid(which="both", alpha=0.3)
+    ax = axes[2]
+    groups: dict[tuple[int, str], list[dict[str, Any]]] = {}
+    for r in result["placement"]:
+        groups.setdefault((r["islands"], r["load"]), []).append(r)
+    for (islands, load), rows in groups.items():
+        ax.plot([r["slice_devices"] for r in rows], [r["median_ms"] for r in rows], "o-",
+                label=f"{islands} island(s), {load}")
+    ax.axhline(PLACEMENT_GOAL_MS, color="red", linestyle="--", label="goal")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("slice devices")
+    ax.set_ylabel("ms (CPU, median)")
+    ax.set_ylim(bottom=0)
+    devices = result["placement"][0]["devices"] if result["placement"] else 0
+    ax.set_title(f"(c) RM placement at {devices:,} devices", fontsize=10)
+    ax.legend(fontsize=7)
+    ax.grid(which="both", alpha=0.3)
+    fig.suptitle("The controller at scale: the real cores in one process (pure CPU)")
+    return save_figure(fig, path)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="output directory")
+    parser.add_argument("--smoke", action="store_true", help="tiny run (seconds) to check that everything works")
+    parser.add_argument("--proxy-devices", default=None, help="comma-separated slice sizes for (a)")
+    parser.add_argument("--clients", default=None, help="comma-separated client counts for (b)")
+    parser.add_argument("--decisions", type=int, default=None, help="runs released per point in (b)")
+    args = parser.parse_args(argv)
+    config = dataclasses.replace(SMOKE) if args.smoke else Config()
+    try:
+        if args.proxy_devices:
+            config.proxy_devices = tuple(int(n) for n in args.proxy_devices.split(","))
+        if args.clients:
+            config.client_counts = tuple(int(n) for n in args.clients.split(","))
+    except ValueError as exc:
+        parser.error(f"expected comma-separated integers: {exc}")
+    if args.decisions is not None:
+        config.scheduler_decisions = args.decisions
+    if any(n < 1 for n in (*config.proxy_devices, *config.client_counts, config.scheduler_decisions)):
+        parser.error("device counts, client counts and --decisions must be at least 1")
+
+    started = time.monotonic()
+    load_at_start = load_average()
+    print("(a) the proxy per program: a 3-node chain on a slice of N devices", flush=True)
+    proxy = asyncio.run(proxy_scaling(config))
+    print("(b) island-scheduler decisions (fair policy, window 2)", flush=True)
+    sched = scheduler_rate(config)
+    print(f"(c) RM slice placement at {config.rm_executors * DEVICES_PER_EXECUTOR:,} devices", flush=True)
+    placement = placement_time(config)
+    result = {
+        "benchmark": "scale",
+        "smoke": args.smoke,
+        "config": dataclasses.asdict(config),
+        "machine": {**machine(load_at_start), "backend": "none: pure cores in one process, no JAX, no sockets"},
+        "proxy": proxy,
+        "proxy_goal": PROXY_GOAL,
+        "scheduler": sched,
+        "scheduler_goal_decisions_per_second": DECISIONS_GOAL_PER_SECOND,
+        "placement": placement,
+        "placement_goal_ms": PLACEMENT_GOAL_MS,
+        "not_run": NOT_RUN,
+        "wall_seconds": time.monotonic() - started,
+    }
+    sections = [
+        ("(a) the proxy per program (3-node chain, x an existing buffer; CPU: bind + lower + encode + record)",
+         proxy_table(proxy), 1),
+        ("(a) where the proxy's CPU goes, median us per phase (lower: bind + cache lookup or lowering; sites: "
+         "every function site checked against those registered; encode: build + encode the messages; record: "
+         "the run and its buffers)", phases_table(proxy), 1),
+        ("(b) island-scheduler decisions per CPU second (fair, window 2)", scheduler_table(sched), 1),
+        ("(c) RM slice placement (CPU of ResourceManagerState.handle(AllocateSlice))", placement_table(placement), 0),
+    ]
+    for title, (headers, rows), _ in sections:
+        print(f"\n{title}:")
+        print(table(headers, rows))
+        if title.startswith("(a) the proxy"):
+            print("\n".join(ratio_lines(proxy)))
+    print()
+    for part, line in NOT_RUN.items():
+        print(f"({part}) {line}")
+    md = []
+    for title, (headers, rows), text_columns in sections:
+        md += [f"{title}:", markdown(headers, rows, text_columns)]
+        if title.startswith("(a) the proxy"):
+            md.append("\n".join(f"- {line}" for line in ratio_lines(proxy)))
+    md.append("\n".join(f"- ({part}) {line}" for part, line in NOT_RUN.items()))
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "scale.md").write_text("\n\n".join(md) + "\n")
+    print(f"\nwrote {args.out / 'scale.md'}")
+    save_results(args.out, "scale", result, lambda path: plot(path, result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
