@@ -89,3 +89,24 @@ def test_every_unit_passes_its_metrics_port_and_the_daemon_accepts_the_command_l
     for port, expected in (("", None), ("9101", 9101)):
         ctx = command.make_context(unit, exec_start(unit, {**env, "PWMESH_METRICS_PORT": port}))
         assert ctx.params["metrics_port"] == expected
+
+
+def test_with_keys_the_keys_are_installed_private_and_the_unit_runs_as_their_owner(tmp_path: Path) -> None:
+    from pwmesh.service.keys import init  # noqa: PLC0415 - only this test makes keys
+
+    keys = init(tmp_path / "made")
+    root = tmp_path / "root"
+    done = install("executor", "--island", "0", "--keys", str(keys), "--prefix", str(root))
+    assert done.returncode == 0, done.stderr
+    installed = root / "etc/pwmesh/keys"
+    assert (installed / "cluster.key_secret").read_bytes() == (keys / "cluster.key_secret").read_bytes()
+    assert (installed / "cluster.key_secret").stat().st_mode & 0o077 == 0
+    assert installed.stat().st_mode & 0o777 == 0o700
+    drop_in = (root / "etc/systemd/system/pwmesh-executor@.service.d/keys.conf").read_text()
+    assert "DynamicUser=no" in drop_in and "User=pwmesh" in drop_in
+    assert "chown -R pwmesh:pwmesh /etc/pwmesh/keys" in done.stdout
+    assert "PWMESH_KEYS=/etc/pwmesh/keys" in (root / "etc/pwmesh/pwmesh.env").read_text()
+    again = install("proxy", "--keys", str(keys), "--prefix", str(root))
+    assert again.returncode == 0 and "kept" in again.stdout, "installed keys are never overwritten"
+    bad = install("proxy", "--keys", str(tmp_path), "--prefix", str(root))
+    assert bad.returncode == 2 and "not a cluster's keys directory" in bad.stderr
