@@ -338,13 +338,14 @@ class _Lowering:
                      ragged: bool = False) -> list[Computation]:
         """One computation per executor holding shards of ``node``, in program order on its scheduler."""
         by_executor: dict[str, list[tuple[int, int]]] = {}
+        control: dict[str, str] = {}  # one pass: looking each executor up in ``devs`` made this O(N^2)
         for j, dev in enumerate(devs):
             by_executor.setdefault(dev.executor_id, []).append((dev.device, j))
+            control.setdefault(dev.executor_id, dev.control)
         made = []
         for executor_id, pairs in by_executor.items():
-            dev = next(d for d in devs if d.executor_id == executor_id)
             comp = Computation(node=index, fn_id=node.fn_id if kind == "call" else "", executor_id=executor_id,
-                               control=dev.control, runs=runs_of(pairs), inputs=inputs, outputs=outputs,
+                               control=control[executor_id], runs=runs_of(pairs), inputs=inputs, outputs=outputs,
                                spmd=spmd, kind=kind, ragged=ragged)
             self.comps[(index, executor_id)] = comp
             self.out.schedules.setdefault(scheduler, []).append(comp)
