@@ -31,10 +31,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
-import json
 import os
-import selectors
-import signal
 import statistics
 import subprocess
 import sys
@@ -101,34 +98,22 @@ def serve() -> None:
 
 
 def start_server(timeout_seconds: float = 60.0) -> tuple[subprocess.Popen[bytes], dict[str, Any]]:
-    from pwmesh.service.lifecycle import READY_PREFIX
+    from pwmesh.service.lifecycle import wait_ready
 
     env = {**os.environ, "PWMESH_PARENT_PID": str(os.getpid())}
     proc = subprocess.Popen([sys.executable, __file__, "--serve"], stdout=subprocess.PIPE, stdin=subprocess.DEVNULL,
                             env=env)
-    assert proc.stdout is not None
-    deadline = time.monotonic() + timeout_seconds
-    with selectors.DefaultSelector() as sel:
-        sel.register(proc.stdout, selectors.EVENT_READ)
-        while time.monotonic() < deadline:
-            if sel.select(timeout=deadline - time.monotonic()):
-                line = proc.stdout.readline().decode()
-                if line.startswith(READY_PREFIX):
-                    return proc, json.loads(line[len(READY_PREFIX):])
-                if not line:
-                    break
-    stop(proc)
-    raise RuntimeError("the bench server did not become ready")
+    try:
+        return proc, wait_ready(proc, timeout_seconds, "the bench server")
+    except BaseException:
+        stop(proc)
+        raise
 
 
 def stop(proc: subprocess.Popen[bytes]) -> None:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+    from pwmesh.service.lifecycle import stop_process
+
+    stop_process(proc, timeout_seconds=10.0)
 
 
 def cpu_seconds(pid: int) -> float:

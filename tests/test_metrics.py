@@ -3,14 +3,10 @@
 from __future__ import annotations
 
 import asyncio
-import json
 import os
-import selectors
-import signal
 import socket
 import subprocess
 import sys
-import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -29,7 +25,7 @@ from pwmesh.cli.daemons import rm_main
 from pwmesh.errors import InvalidArgument
 from pwmesh.rm.daemon import ResourceManager, ResourceManagerConfig
 from pwmesh.rm.state import ResourceManagerState
-from pwmesh.service.lifecycle import READY_PREFIX
+from pwmesh.service.lifecycle import stop_process, wait_ready
 from pwmesh.service.metrics import MetricsServer, counter, listen_host
 from pwmesh.service.tasks import TaskGroup
 from pwmesh.wire.messages import ExecutorInfo, Heartbeat, RegisterExecutor, UnregisterExecutor
@@ -157,30 +153,15 @@ def start_rm(*args: str) -> tuple[subprocess.Popen[bytes], dict]:
     env.pop("PWMESH_METRICS_PORT", None)
     proc = subprocess.Popen([sys.executable, "-m", "pwmesh.cli.daemons", "rm", "--log-level", "WARNING", *args],
                             env=env, stdout=subprocess.PIPE, stdin=subprocess.DEVNULL)
-    assert proc.stdout is not None
-    deadline = time.monotonic() + 60
-    with selectors.DefaultSelector() as sel:
-        sel.register(proc.stdout, selectors.EVENT_READ)
-        while sel.select(timeout=max(0.0, deadline - time.monotonic())):
-            line = proc.stdout.readline().decode()
-            if line.startswith(READY_PREFIX):
-                return proc, json.loads(line[len(READY_PREFIX):])
-            if not line:
-                break
-    stop(proc)
-    raise RuntimeError("the resource manager did not start")
+    try:
+        return proc, wait_ready(proc, 60.0, "the resource manager")
+    except BaseException:
+        stop_process(proc)
+        raise
 
 
 def stop(proc: subprocess.Popen[bytes]) -> None:
-    proc.send_signal(signal.SIGTERM)
-    try:
-        assert proc.wait(timeout=15) == 0
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        if proc.stdout is not None:
-            proc.stdout.close()
+    assert stop_process(proc) == 0, "a clean stop"
 
 
 def zmq_port(address: str) -> int:

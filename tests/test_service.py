@@ -3,10 +3,8 @@
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import select
-import selectors
 import signal
 import subprocess
 import sys
@@ -24,7 +22,7 @@ import zmq
 import pwmesh as pw
 from helpers import eventually, ping_status, slow_then_after
 from pwmesh.client.connection import ClientConnection
-from pwmesh.service.lifecycle import READY_PREFIX, Service, Status
+from pwmesh.service.lifecycle import Service, Status, stop_process, wait_ready
 from pwmesh.service.rpc import Connection
 from pwmesh.service.tasks import TaskGroup
 from pwmesh.service.transport import Context
@@ -160,30 +158,15 @@ def start_echo(high_water_mark: int = 100_000) -> tuple[subprocess.Popen[bytes],
     env = {**os.environ, "PWMESH_PARENT_PID": str(os.getpid())}
     proc = subprocess.Popen([sys.executable, str(ECHO_DAEMON), str(high_water_mark)], cwd=ROOT, env=env,
                             stdout=subprocess.PIPE, stdin=subprocess.DEVNULL)
-    assert proc.stdout is not None
-    deadline = time.monotonic() + 60
-    with selectors.DefaultSelector() as sel:
-        sel.register(proc.stdout, selectors.EVENT_READ)
-        while sel.select(timeout=max(0.0, deadline - time.monotonic())):
-            line = proc.stdout.readline().decode()
-            if line.startswith(READY_PREFIX):
-                return proc, json.loads(line[len(READY_PREFIX):])["address"]
-            if not line:
-                break
-    stop_echo(proc)
-    raise RuntimeError("the echo daemon did not start")
+    try:
+        return proc, wait_ready(proc, 60.0, "the echo daemon")["address"]
+    except BaseException:
+        stop_process(proc)
+        raise
 
 
 def stop_echo(proc: subprocess.Popen[bytes]) -> None:
-    proc.send_signal(signal.SIGTERM)
-    try:
-        assert proc.wait(timeout=15) == 0
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        if proc.stdout is not None:
-            proc.stdout.close()
+    assert stop_process(proc) == 0, "a clean stop"
 
 
 @pytest.fixture

@@ -15,20 +15,16 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import os
-import selectors
 import shutil
 import signal
 import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from pwmesh.errors import PwTimeoutError
-from pwmesh.service.lifecycle import READY_PREFIX
+from pwmesh.service.lifecycle import stop_process, wait_ready
 
 ISLANDS = 2
 RM_PORT, PROXY_PORT, SCHEDULER_PORT, EXECUTOR_PORT, DATA_PORT = 7100, 7200, 7300, 7400, 7401
@@ -132,27 +128,7 @@ class NetnsCluster:
                                       "--keys", self.keys, "--log-level", "INFO"],
                                      stdout=subprocess.PIPE, stderr=log, stdin=subprocess.DEVNULL, env=env)
         self.children.append((name, popen))
-        return self._ready(name, popen)
-
-    def _ready(self, name: str, popen: subprocess.Popen[bytes]) -> dict[str, object]:
-        assert popen.stdout is not None
-        deadline = time.monotonic() + self.startup_timeout_seconds
-        buffered = b""
-        with selectors.DefaultSelector() as sel:
-            sel.register(popen.stdout, selectors.EVENT_READ)
-            while True:
-                remaining = deadline - time.monotonic()
-                if remaining <= 0 or not sel.select(timeout=remaining):
-                    raise PwTimeoutError(f"{name} was not ready within {self.startup_timeout_seconds} s; "
-                                         f"logs in {self.log_dir}")
-                chunk = os.read(popen.stdout.fileno(), 65536)
-                if not chunk:
-                    raise RuntimeError(f"{name} exited while starting (code {popen.wait()}); logs in {self.log_dir}")
-                *lines, buffered = (buffered + chunk).split(b"\n")
-                for line in lines:
-                    text = line.decode(errors="replace")
-                    if text.startswith(READY_PREFIX):
-                        return json.loads(text[len(READY_PREFIX):])  # type: ignore[no-any-return]
+        return wait_ready(popen, self.startup_timeout_seconds, f"{name} (logs in {self.log_dir})")
 
     def up(self) -> NetnsCluster:
         try:
@@ -209,15 +185,9 @@ class NetnsCluster:
         """Stop every daemon (SIGTERM, then SIGKILL), then remove the namespaces (and with them the links)."""
         for _, popen in reversed(self.children):
             if popen.poll() is None:
-                popen.send_signal(signal.SIGTERM)
+                popen.send_signal(signal.SIGTERM)  # all at once: each drains while the others do
         for _, popen in reversed(self.children):
-            try:
-                popen.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                popen.kill()
-                popen.wait()
-            if popen.stdout is not None:
-                popen.stdout.close()
+            stop_process(popen)
         self.children.clear()
         for ns in reversed(self.made):
             subprocess.run(["ip", "netns", "del", ns], capture_output=True, check=False)

@@ -17,11 +17,15 @@ import gc
 import json
 import logging
 import os
+import selectors
 import signal
+import subprocess
 import sys
+import time
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
+from pwmesh.errors import PwTimeoutError
 from pwmesh.service.keys import Security
 from pwmesh.service.tasks import TaskGroup
 from pwmesh.service.transport import Context
@@ -149,6 +153,43 @@ class Service:
 
     async def __aexit__(self, *exc_info: object) -> None:
         await self.close()
+
+
+def wait_ready(proc: subprocess.Popen[bytes], timeout_seconds: float, what: str = "the daemon") -> dict[str, Any]:
+    """The info of ``proc``'s ready line (a daemon started with ``stdout=PIPE``): ``PwTimeoutError`` if none
+    comes within ``timeout_seconds``, ``RuntimeError`` if it exits first."""
+    assert proc.stdout is not None
+    deadline = time.monotonic() + timeout_seconds
+    buffered = b""
+    with selectors.DefaultSelector() as sel:
+        sel.register(proc.stdout, selectors.EVENT_READ)
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0 or not sel.select(timeout=remaining):
+                raise PwTimeoutError(f"{what} was not ready within {timeout_seconds} seconds")
+            chunk = os.read(proc.stdout.fileno(), 65536)  # not readline: a buffered line would hide from select
+            if not chunk:
+                raise RuntimeError(f"{what} exited while starting (code {proc.wait()})")
+            *lines, buffered = (buffered + chunk).split(b"\n")
+            for line in lines:
+                text = line.decode(errors="replace")
+                if text.startswith(READY_PREFIX):
+                    return json.loads(text[len(READY_PREFIX):])  # type: ignore[no-any-return]
+
+
+def stop_process(proc: subprocess.Popen[bytes], timeout_seconds: float = 15.0) -> int:
+    """Stop a daemon we started: SIGTERM (it drains), SIGKILL if it is still there after ``timeout_seconds``;
+    returns its exit status."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+    try:
+        code = proc.wait(timeout=timeout_seconds)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        code = proc.wait()
+    if proc.stdout is not None:
+        proc.stdout.close()
+    return code
 
 
 def die_with_parent() -> None:
