@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import heapq
 import itertools
 import secrets
 from typing import NamedTuple
@@ -152,25 +153,30 @@ class IslandOrder:
     def _fits(self, pending: _Pending) -> bool:
         return all(self.busy[key] < self.window for key in pending.footprint)
 
-    def _candidates(self) -> list[_Client]:
-        waiting = [c for c in self._clients.values() if c.queue]
+    def _key(self, client: _Client, index: int) -> tuple[float, ...]:
+        """Policy order (``index``, the client's place in the table, breaks ties as a stable sort would)."""
         if self.policy == "fifo":
-            return sorted(waiting, key=lambda c: c.queue[0].arrival)
-        return sorted(waiting, key=lambda c: (-c.priority, c.vtime, c.queue[0].arrival))
+            return (client.queue[0].arrival, index)
+        return (-client.priority, client.vtime, client.queue[0].arrival, index)
 
     def _release(self) -> list[SendEnqueue]:
-        """Release head runs in policy order while any fits (work-conserving)."""
+        """Release head runs in policy order while any fits (work-conserving).
+
+        One heap per call, not a sort per release: while releasing, device slots only fill, so a head
+        that does not fit now will not fit later in this call, and a released client's key changes
+        only by its next head's arrival (its virtual time moves when its parts complete)."""
         actions: list[SendEnqueue] = []
-        released = True
-        while released:
-            released = False
-            for client in self._candidates():
-                if self._fits(client.queue[0]):
-                    actions.extend(self._sequence(client, client.queue.popleft()))
-                    released = True
-                    break
+        heap = [(self._key(c, i), i, c) for i, c in enumerate(self._clients.values()) if c.queue]
+        heapq.heapify(heap)
+        while heap:
+            _, index, client = heapq.heappop(heap)
+            if not self._fits(client.queue[0]):
                 if self.policy == "fifo":
                     break  # FIFO never lets a later run overtake the head
+                continue
+            actions.extend(self._sequence(client, client.queue.popleft()))
+            if client.queue:
+                heapq.heappush(heap, (self._key(client, index), index, client))
         return actions
 
     def _sequence(self, client: _Client, pending: _Pending) -> list[SendEnqueue]:
