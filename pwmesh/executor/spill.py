@@ -46,7 +46,7 @@ def spill_directory(name: str) -> Path:
 
 
 def _array_entry(array: np.ndarray, data: Any) -> list[Any]:
-    array = np.ascontiguousarray(array)
+    array = np.asarray(array, order="C")  # not ascontiguousarray: it makes a 0-d array 1-d
     offset = data.tell()
     data.write(array.tobytes())
     return [str(array.dtype), list(array.shape), offset, array.nbytes]
