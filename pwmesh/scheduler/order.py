@@ -71,6 +71,13 @@ class _Client:
     device_seconds: float = 0.0
     runs: int = 0
     in_flight: int = 0
+    order: int = 0  # when it joined the table: ties in policy order go to the older client (a stable sort's)
+    version: int = 0  # bumped when its place in the policy order changes: older heap entries are stale
+
+
+# A client waiting in the fair order: (policy key, order, version, tiebreak, client, the device whose
+# freed slot woke it, if one did).
+_Entry = tuple[tuple[float, ...], int, int, int, _Client, "DeviceKey | None"]
 
 
 @dataclasses.dataclass
@@ -99,6 +106,13 @@ class IslandOrder:
         self._clients: dict[str, _Client] = {}
         self._in_flight: dict[str, _InFlight] = {}
         self._arrivals = itertools.count()
+        self._joined = itertools.count()  # clients' ``order``
+        self._ties = itertools.count()
+        # The fair order, kept between events: waiting clients not known to be blocked (empty after each
+        # release pass), and per device at its window the clients whose head it blocks, in policy order.
+        # A completion wakes only the best of those its freed slot may let through, not every waiting client.
+        self._ready: list[_Entry] = []
+        self._blocked: dict[DeviceKey, list[_Entry]] = {}
 
     # ---------------------------------------------------------------- events
 
@@ -106,7 +120,9 @@ class IslandOrder:
         """Queue a run for its client, then release whatever now fits."""
         client = self._clients.get(run.session)
         if client is None:
-            client = self._clients[run.session] = _Client(run.session, run.weight, run.priority)
+            client = self._clients[run.session] = _Client(run.session, run.weight, run.priority,
+                                                          order=next(self._joined))
+        before = self._key(client) if client.queue else None
         client.weight, client.priority = run.weight, run.priority
         if not client.queue and not client.in_flight:
             # Re-entering after idling: start level with the others, with no saved-up credit.
@@ -119,6 +135,8 @@ class IslandOrder:
         footprint = frozenset((part.executor_id, r.first + k) for part in run.parts for r in part.devices
                               for k in range(r.count))
         client.queue.append(_Pending(run, next(self._arrivals), footprint))
+        if self.policy == "fair" and self._key(client) != before:  # a new head, or a new priority or vtime
+            self._place(client)
         return self._release()
 
     def part_done(self, run_id: str, executor_id: str, device_seconds: float) -> list[SendEnqueue]:
@@ -126,13 +144,19 @@ class IslandOrder:
         flight = self._in_flight.get(run_id)
         if flight is None or executor_id not in flight.parts:
             return []
-        for key in flight.parts.pop(executor_id):
+        freed = flight.parts.pop(executor_id)
+        for key in freed:
             self.busy[key] -= 1
             if self.busy[key] <= 0:
                 del self.busy[key]
         client = flight.client
         client.device_seconds += device_seconds
         client.vtime += device_seconds / client.weight
+        if self.policy == "fair":
+            for key in freed:
+                self._wake(key)
+            if client.queue and device_seconds:
+                self._place(client)  # its virtual time moved
         if not flight.parts:
             del self._in_flight[run_id]
             client.in_flight -= 1
@@ -150,33 +174,74 @@ class IslandOrder:
 
     # --------------------------------------------------------------- policy
 
-    def _fits(self, pending: _Pending) -> bool:
-        return all(self.busy[key] < self.window for key in pending.footprint)
-
-    def _key(self, client: _Client, index: int) -> tuple[float, ...]:
-        """Policy order (``index``, the client's place in the table, breaks ties as a stable sort would)."""
+    def _key(self, client: _Client) -> tuple[float, ...]:
         if self.policy == "fifo":
-            return (client.queue[0].arrival, index)
-        return (-client.priority, client.vtime, client.queue[0].arrival, index)
+            return (client.queue[0].arrival,)
+        return (-client.priority, client.vtime, client.queue[0].arrival)
+
+    def _blocker(self, pending: _Pending) -> DeviceKey | None:
+        """A device of ``pending``'s footprint with no free slot (None: it fits)."""
+        busy, window = self.busy, self.window
+        return next((key for key in pending.footprint if busy[key] >= window), None)
+
+    def _entry(self, client: _Client, woken_by: DeviceKey | None = None) -> _Entry:
+        return (self._key(client), client.order, client.version, next(self._ties), client, woken_by)
+
+    def _place(self, client: _Client) -> None:
+        """``client``'s key changed, or its head: it waits in the order anew (older entries go stale)."""
+        client.version += 1
+        heapq.heappush(self._ready, self._entry(client))
+
+    def _wake(self, key: DeviceKey) -> None:
+        """A slot of ``key`` may be free: let the best client its window blocks be considered again."""
+        blocked = self._blocked.get(key)
+        if self.busy[key] >= self.window:
+            return
+        while blocked:
+            entry = heapq.heappop(blocked)
+            client = entry[4]
+            if entry[2] == client.version and client.queue:
+                heapq.heappush(self._ready, (*entry[:5], key))
+                break
+        if not blocked:
+            self._blocked.pop(key, None)
 
     def _release(self) -> list[SendEnqueue]:
-        """Release head runs in policy order while any fits (work-conserving).
-
-        One heap per call, not a sort per release: while releasing, device slots only fill, so a head
-        that does not fit now will not fit later in this call, and a released client's key changes
-        only by its next head's arrival (its virtual time moves when its parts complete)."""
+        """Release head runs in policy order while any fits (work-conserving)."""
+        if self.policy == "fifo":
+            return self._release_fifo()
+        # Fair: pop waiting clients in key order; a head that does not fit waits on a device that blocks
+        # it (slots only fill during a pass, so it would not fit later in it either) until a slot there
+        # frees. The first head that fits is the one a sort of every waiting client would release.
         actions: list[SendEnqueue] = []
-        heap = [(self._key(c, i), i, c) for i, c in enumerate(self._clients.values()) if c.queue]
+        ready = self._ready
+        while ready:
+            entry = heapq.heappop(ready)
+            _, _, version, _, client, woken_by = entry
+            if version == client.version and client.queue:
+                blocker = self._blocker(client.queue[0])
+                if blocker is not None:
+                    heapq.heappush(self._blocked.setdefault(blocker, []), (*entry[:5], None))
+                else:
+                    actions.extend(self._sequence(client, client.queue.popleft()))
+                    if client.queue:
+                        self._place(client)
+            if woken_by is not None:
+                self._wake(woken_by)  # its slot may still be free: the next best there may use it
+        return actions
+
+    def _release_fifo(self) -> list[SendEnqueue]:
+        """Oldest head first, and nothing overtakes a head that does not fit."""
+        actions: list[SendEnqueue] = []
+        heap = [(self._key(c), c.order, c) for c in self._clients.values() if c.queue]
         heapq.heapify(heap)
         while heap:
-            _, index, client = heapq.heappop(heap)
-            if not self._fits(client.queue[0]):
-                if self.policy == "fifo":
-                    break  # FIFO never lets a later run overtake the head
-                continue
+            _, order, client = heapq.heappop(heap)
+            if self._blocker(client.queue[0]) is not None:
+                break
             actions.extend(self._sequence(client, client.queue.popleft()))
             if client.queue:
-                heapq.heappush(heap, (self._key(client, index), index, client))
+                heapq.heappush(heap, (self._key(client), order, client))
         return actions
 
     def _sequence(self, client: _Client, pending: _Pending) -> list[SendEnqueue]:
