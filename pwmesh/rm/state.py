@@ -60,6 +60,7 @@ class ResourceManagerState:
     def __post_init__(self) -> None:
         self.liveness = Liveness(self.heartbeat_timeout_seconds)
         self.notifications: list[Message] = []
+        self._physicals: dict[str, tuple[ExecutorInfo, dict[int, PhysicalDevice]]] = {}
         self.known: set[tuple[str, str]] = set()  # (role, name) of every registrant
         # Ever, for the metrics: daemons found silent by role ((role,) keys), executors lost and left.
         self.heartbeat_misses: dict[tuple[str], int] = {("executor",): 0, ("scheduler",): 0}
@@ -207,11 +208,20 @@ class ResourceManagerState:
         return [dataclasses.replace(e, devices=[d for d in e.devices if of_kind(d, kind)]) for e in usable]
 
     def _physical(self, ref: DeviceRef) -> PhysicalDevice:
+        """Where ``ref`` lives, made once per registration of its executor (a whole-island slice asks
+        for 8,192 of them: building each anew was most of its placement time). Shared by the slices
+        that hold it; nothing changes one in place, a remap puts another in the slice."""
         ex = self.executors[ref[0]]
-        info = next((d for d in ex.devices if d.index == ref[1]), None)
-        return PhysicalDevice(executor_id=ex.executor_id, island=ex.island, host=ex.host, device=ref[1],
-                              control=ex.control, data=ex.data, group=ex.group,
-                              platform=info.platform if info else "cpu")
+        known = self._physicals.get(ref[0])
+        if known is None or known[0] is not ex:  # registered again: control, group may differ
+            known = self._physicals[ref[0]] = (ex, {})
+        physical = known[1].get(ref[1])
+        if physical is None:
+            info = next((d for d in ex.devices if d.index == ref[1]), None)
+            physical = known[1][ref[1]] = PhysicalDevice(
+                executor_id=ex.executor_id, island=ex.island, host=ex.host, device=ref[1], control=ex.control,
+                data=ex.data, group=ex.group, platform=info.platform if info else "cpu")
+        return physical
 
     def load(self) -> dict[DeviceRef, int]:
         counts: dict[DeviceRef, int] = {}
