@@ -278,3 +278,12 @@ def test_a_shared_memory_segment_others_can_read_is_refused(tmp_path: Path) -> N
     finally:
         os.close(fd)
         os.unlink(f"/dev/shm/{name}")
+
+
+def test_the_data_plane_off_loopback_without_keys_is_refused_too() -> None:
+    daemon = subprocess.run([sys.executable, "-m", "pwmesh.cli.daemons", "executor", "--island", "0", "--rm",
+                             "tcp://127.0.0.1:1", "--data-listen", "tcp://0.0.0.0:0"],
+                            capture_output=True, text=True, timeout=120, check=False)
+    assert daemon.returncode == 1 and "Traceback" not in daemon.stderr
+    assert daemon.stderr.strip().splitlines()[-1].startswith(
+        "Error: pwmesh-executor: refusing to bind the data plane at tcp://0.0.0.0:0 without keys")

@@ -38,7 +38,6 @@ from pwmesh.service.keys import Security
 from pwmesh.service.lifecycle import Service, Status
 from pwmesh.service.metrics import Metric, counter, gauge, listen_host, merged, wire_metrics
 from pwmesh.service.rpc import Connections, Server, wait_for_peer
-from pwmesh.service.transport import is_loopback
 from pwmesh.wire import Envelope
 from pwmesh.wire.messages import (
     AwaitIdle,
@@ -193,13 +192,8 @@ class Executor(Service):
         }
         self.control = Server(self.ctx, self.config.listen, control, tasks=self.tasks, name=self.name)
         bind_host, _, port = self.config.data_listen.removeprefix("tcp://").rpartition(":")
+        self.ctx.guard_bind(self.config.data_listen, "the data plane at ")
         keys = self.ctx.keys
-        if keys is None and not is_loopback(self.config.data_listen):
-            if not self.ctx.allow_insecure:
-                raise InvalidArgument(f"refusing to bind the data plane at {self.config.data_listen} without keys "
-                                      "(give --keys DIR, or --insecure on a network you trust)")
-            log.warning("INSECURE: the data plane at %s accepts any peer and sends plaintext (--insecure)",
-                        self.config.data_listen)
         self.plane = DataPlane(asyncio.get_running_loop(), self._receive, bind_host=bind_host, port=int(port or 0),
                                shared_memory=self.config.shared_memory,
                                key=plane_key(keys.secret) if keys is not None else None,

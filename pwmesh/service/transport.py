@@ -84,14 +84,21 @@ class Context:
             sock.setsockopt(zmq.IDENTITY, identity)
         return sock
 
+    def guard_bind(self, address: str, what: str = "") -> None:
+        """Refuse to listen at ``address`` off loopback without keys, unless ``allow_insecure`` (then say
+        so loudly). ``what`` names the listener for the message ("the data plane at "); every listener a
+        daemon opens, ZeroMQ's or its own, passes here."""
+        if self.keys is not None or is_loopback(address):
+            return
+        if not self.allow_insecure:
+            raise InvalidArgument(f"refusing to bind {what}{address} without keys: anyone who reaches it could "
+                                  "run code on the cluster. Give --keys DIR (`pwmesh keys init DIR`), or "
+                                  "--insecure on a network you trust")
+        log.warning("INSECURE: binding %s%s without keys (--insecure): every peer that reaches it is trusted "
+                    "and traffic is plaintext", what, address)
+
     def router(self, bind: str) -> RouterSocket:
-        if self.keys is None and not is_loopback(bind):
-            if not self.allow_insecure:
-                raise InvalidArgument(f"refusing to bind {bind} without keys: anyone who reaches it could run "
-                                      "code on the cluster. Give --keys DIR (`pwmesh keys init DIR`), or "
-                                      "--insecure on a network you trust")
-            log.warning("INSECURE: binding %s without keys (--insecure): every peer that reaches it is "
-                        "trusted and traffic is plaintext", bind)
+        self.guard_bind(bind)
         sock = self._socket(zmq.ROUTER)
         if self.keys is not None:
             if self._auth is None:
