@@ -4,10 +4,12 @@ What the executors do with a ``Lowered``, step by step: host puts and bound buff
 land, the holders' moves are sent, computations run in program order with plain
 functions, and every emit is ``cut`` into tuples that go through a ``Progress`` on
 the destination's executor and are ``assemble``d there. The outputs come back
-gathered, so a lowering can be checked against the program's meaning: a transfer
-that is missing shows up as a computation reading a shard that never arrived, one
-sent twice as a shard that arrives twice, and a short one as a destination left
-waiting. Each raises ``PlayError``.
+gathered, so a lowering can be checked against the program's meaning. A transfer
+that is missing shows up as a computation reading a shard that never arrived, and a
+short one as a destination left waiting (``PlayError``); one sent twice as progress
+for a destination already complete (the destination's ``ProgressError``), or, where
+the shard was already there by a put or a computation, as a shard arriving twice
+(``PlayError``).
 """
 
 from __future__ import annotations
