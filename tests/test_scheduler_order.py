@@ -13,7 +13,7 @@ from pwmesh.errors import InvalidArgument
 from pwmesh.scheduler.order import IslandOrder, SendEnqueue
 from pwmesh.sim.island import saturate
 from pwmesh.sim.island import schedule_run as run
-from pwmesh.wire.messages import Enqueue
+from pwmesh.wire.messages import Enqueue, ScheduleRun
 from pwmesh.wire.parts import enqueued
 
 
@@ -138,6 +138,21 @@ def test_fair_shares_follow_weights_over_a_long_run() -> None:
 def test_fifo_ignores_weights() -> None:
     shares = saturate(IslandOrder(island=0, policy="fifo", window=2), {"w1": (1.0, 0), "w8": (8.0, 0)}, steps=1000)
     assert shares["w1"] == pytest.approx(0.5, abs=0.02)
+
+
+def test_fair_shares_follow_weights_for_gangs_over_two_executors_too() -> None:
+    def gang(run_id: str, session: str, weight: float, priority: int) -> ScheduleRun:
+        return run(run_id, [(0, "a"), (1, "b")], session, weight, priority)
+
+    shares = saturate(IslandOrder(island=0, window=2), {"w1": (1.0, 0), "w3": (3.0, 0)}, steps=2000, make_run=gang)
+    assert shares["w1"] == pytest.approx(0.25, rel=0.05), shares
+
+
+def test_saturate_refuses_a_loop_with_nothing_to_run() -> None:
+    with pytest.raises(InvalidArgument, match="saturate"):
+        saturate(IslandOrder(island=0), {}, steps=10)
+    with pytest.raises(InvalidArgument, match="saturate"):
+        saturate(IslandOrder(island=0), {"c": (1.0, 0)}, steps=10, backlog=0)
 
 
 def test_priority_preempts_at_run_boundaries() -> None:
