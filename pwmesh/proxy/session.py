@@ -7,7 +7,6 @@ dropped it and no in-flight run still reads it.
 
 from __future__ import annotations
 
-import asyncio
 import collections
 import dataclasses
 import itertools
@@ -19,20 +18,19 @@ from pwmesh.ir.lower import ShardLocation, shard_key
 from pwmesh.wire.messages import Computation, ProgramSpec, SliceInfo, ValueSpec
 
 
-def _retrieve(fut: asyncio.Future[None]) -> None:
-    if not fut.cancelled():
-        fut.exception()
-
-
 @dataclasses.dataclass(eq=False)
 class Buffer:
-    """One logical, sharded buffer and where its shards are."""
+    """One logical, sharded buffer and where its shards are.
+
+    Whether it is complete is state (``done``, and ``error`` if it failed), not a future: the proxy's
+    core (``proxy/state.py``) reports the change as a ``Resolve`` action to whoever waits."""
 
     name: str
     spec: ValueSpec
     locations: list[ShardLocation]
     holders: set[str]
-    ready: asyncio.Future[None]
+    done: bool = False
+    error: PwmeshError | None = None  # why it failed (set with ``done``)
     client_ref: bool = True
     pins: int = 0
     lost: PwmeshError | None = None  # set when a host holding a shard is gone
@@ -44,20 +42,17 @@ class Buffer:
 
     @classmethod
     def new(cls, name: str, spec: ValueSpec, client_ref: bool) -> Buffer:
-        fut = asyncio.get_running_loop().create_future()
-        fut.add_done_callback(_retrieve)
-        return cls(name=name, spec=spec, locations=[], holders=set(), ready=fut, client_ref=client_ref)
+        return cls(name=name, spec=spec, locations=[], holders=set(), client_ref=client_ref)
 
     def keys(self, owner: str) -> list[str]:
         return [shard_key(owner, self.name, i) for i in range(self.spec.shards)]
 
-    def resolve(self, error: PwmeshError | None) -> None:
-        if self.ready.done():
-            return
-        if error is None:
-            self.ready.set_result(None)
-        else:
-            self.ready.set_exception(error)
+    def resolve(self, error: PwmeshError | None) -> bool:
+        """Complete it (the first outcome stays); whether this changed anything."""
+        if self.done:
+            return False
+        self.done, self.error = True, error
+        return True
 
     @property
     def freeable(self) -> bool:

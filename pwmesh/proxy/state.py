@@ -30,3 +30,735 @@ Actions:
     ``PeerBack(control)``        it is back (restarted): send what waited for it.
     ``FencePeer(control, fence)`` it restarts: post ``fence`` and hold later posts until ``PeerBack``.
 """
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import itertools
+import logging
+import secrets
+from collections.abc import Iterator
+from typing import ClassVar
+
+from pwmesh.errors import (
+    DeviceLost,
+    InvalidArgument,
+    NotFound,
+    ProtocolError,
+    PwmeshError,
+    ResourceExhausted,
+)
+from pwmesh.ir.cache import MAX_PROGRAM_ID_CHARS
+from pwmesh.ir.keys import function_id
+from pwmesh.ir.lower import location, move_shard, slice_locations, value_layout
+from pwmesh.proxy.intake import bind, host_puts, record_run
+from pwmesh.proxy.session import Buffer, Run, Session
+from pwmesh.service.heartbeat import Liveness
+from pwmesh.wire import Message
+from pwmesh.wire.messages import (
+    AllocateSlice,
+    AwaitBuffers,
+    BuffersState,
+    CancelRun,
+    CloseSession,
+    Computation,
+    CreateSlice,
+    DeleteShards,
+    Error,
+    ErrorInfo,
+    ExecutorJoined,
+    ExecutorLost,
+    ExecutorRestarting,
+    Fence,
+    Fetch,
+    ForgetOwner,
+    Heartbeat,
+    NodeDone,
+    Ok,
+    OpenSession,
+    PleaseRegister,
+    ProgramSpec,
+    PutBuffer,
+    PutShards,
+    QueryBuffers,
+    RegisterFunction,
+    RegisterProgram,
+    RegisterProgramFunction,
+    ReleaseBuffers,
+    ReleaseSlices,
+    RunPart,
+    RunProgram,
+    SchedulerJoined,
+    SchedulerLost,
+    ScheduleRun,
+    SendShards,
+    SessionOpened,
+    ShardRun,
+    SliceCreated,
+    SliceInfo,
+    SliceRemapped,
+    ValueSpec,
+    WatchCluster,
+)
+from pwmesh.wire.parts import run_parts
+
+log = logging.getLogger(__name__)
+
+UNKNOWN_VALUE = ValueSpec(shape=[], dtype="float32", shards=1)  # a failed output of a program never seen
+
+# ------------------------------------------------------------------ events
+
+
+@dataclasses.dataclass(frozen=True)
+class Inbound:
+    """A message ``peer`` sent on the proxy's own socket (a client, or an executor's ``NodeDone``)."""
+
+    peer: bytes
+    message: Message
+
+
+@dataclasses.dataclass(frozen=True)
+class Notice:
+    """An unsolicited message on the proxy's connection to the resource manager."""
+
+    message: Message
+
+
+@dataclasses.dataclass(frozen=True)
+class SliceGranted:
+    """The RM allocated the slice a ``CreateSlice`` from ``peer`` asked for."""
+
+    peer: bytes
+    slice: SliceInfo
+
+
+@dataclasses.dataclass(frozen=True)
+class FetchEnded:
+    """A fetch that ``Fetching`` started is over, whatever its outcome: unpin the buffer."""
+
+    session_id: str
+    buffer: Buffer
+
+
+@dataclasses.dataclass(frozen=True)
+class Tick:
+    """Time passed: end the sessions whose client stopped sending heartbeats."""
+
+
+Event = Inbound | Notice | SliceGranted | FetchEnded | Tick
+
+# ------------------------------------------------------------------ actions
+
+
+@dataclasses.dataclass(frozen=True)
+class Send:
+    """Post ``message`` to the daemon at ``to``; ``dispatch``: program traffic (``StatusReply``)."""
+
+    to: str
+    message: Message
+    dispatch: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class Reply:
+    """The answer to the request being handled: a message, or the error it failed with."""
+
+    message: Message | None = None
+    error: PwmeshError | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Ask:
+    """Send a request to ``to``; its answer comes back as an event (``SliceGranted``)."""
+
+    to: str
+    message: Message
+    peer: bytes = b""  # the client it is for
+
+
+@dataclasses.dataclass(frozen=True)
+class Wait:
+    """Answer once every buffer is done: ``Ok``, or the first failure (``settled``)."""
+
+    buffers: list[Buffer]
+
+
+@dataclasses.dataclass(frozen=True)
+class Fetching:
+    """Fetch ``buffer``'s values (``sources``), early if it is not done yet; then ``FetchEnded``."""
+
+    session_id: str
+    buffer: Buffer
+
+
+@dataclasses.dataclass(frozen=True)
+class Resolve:
+    """``buffer`` just became done: ready, or failed with ``buffer.error``."""
+
+    buffer: Buffer
+
+
+@dataclasses.dataclass(frozen=True)
+class PeerLost:
+    """The executor at ``control`` is gone: fail what waits on it, send it nothing more."""
+
+    control: str
+    error: DeviceLost
+
+
+@dataclasses.dataclass(frozen=True)
+class PeerBack:
+    """The executor at ``control`` is back (restarted): send what waited for it."""
+
+    control: str
+
+
+@dataclasses.dataclass(frozen=True)
+class FencePeer:
+    """The executor at ``control`` restarts: post ``fence``, hold what follows until ``PeerBack``."""
+
+    control: str
+    fence: Fence
+
+
+Action = Send | Reply | Ask | Wait | Fetching | Resolve | PeerLost | PeerBack | FencePeer
+
+
+def settled(buffers: list[Buffer]) -> PwmeshError | None:
+    """What a wait on ``buffers`` (all done) answers: the first failure in their order, or None."""
+    for buf in buffers:
+        if buf.error is not None:
+            return buf.error
+        if buf.lost is not None:
+            return buf.lost
+    return None
+
+
+def sources(session_id: str, buf: Buffer) -> list[tuple[str, str]]:
+    """Where to fetch ``buf`` from: (executor control address, shard key), one per distinct block
+    (``Layout.distinct()`` order; replicas are not fetched twice)."""
+    keys = buf.keys(session_id)
+    return [(buf.locations[i].control, keys[i]) for i in value_layout(buf.spec).distinct()]
+
+
+# ------------------------------------------------------------------ the core
+
+
+class ProxyState:
+    """Everything the proxy knows and decides; see the module docstring for events and actions."""
+
+    def __init__(self, *, rm: str, address: str, name: str = "proxy", session_timeout_seconds: float = 30.0,
+                 client_heartbeat_interval_seconds: float = 5.0) -> None:
+        self.rm = rm
+        self.address = address  # where executors send NodeDone (carried in every ScheduleRun)
+        self.name = name
+        self.session_timeout_seconds = session_timeout_seconds
+        self.client_heartbeat_interval_seconds = client_heartbeat_interval_seconds
+        self.sessions: dict[bytes, Session] = {}
+        self.sessions_opened = 0  # ever
+        self.sessions_expired = 0  # ended because their client stopped sending heartbeats
+        self.runs: dict[str, tuple[Session, Run]] = {}
+        self.exported: dict[str, RegisterProgramFunction] = {}  # by function id: what executors are sent
+        self.registered: set[tuple[str, str, tuple[int, ...]]] = set()
+        self.liveness = Liveness(session_timeout_seconds)
+        self.lost: dict[str, DeviceLost] = {}  # executor id -> why it is gone
+        self.lost_controls: set[str] = set()  # their control addresses: nothing is sent there
+        self.moved_buffers = 0  # buffers moved off draining hosts, ever
+        self.lost_schedulers: dict[str, DeviceLost] = {}  # address -> why: runs there cannot be ordered
+        self.programs = 0
+        self.dispatch_messages = 0  # Send actions of program traffic, ever (the shell adds their bytes)
+        self._session_ids = itertools.count(1)
+        self._out: list[Action] = []
+        self._dispatching = False
+        self._handlers = {op: getattr(self, method) for op, method in self.HANDLERS.items()}
+
+    # The messages ``Inbound`` takes, and their handlers (the shell serves these ops with ``handle``).
+    HANDLERS: ClassVar[dict[type[Message], str]] = {
+        OpenSession: "_open_session", CloseSession: "_close_session", Heartbeat: "_heartbeat",
+        CreateSlice: "_create_slice", RegisterProgramFunction: "_register_function",
+        RegisterProgram: "_register_program", RunProgram: "_run_program", PutBuffer: "_put_buffer",
+        ReleaseBuffers: "_release_buffers", AwaitBuffers: "_await_buffers", QueryBuffers: "_query_buffers",
+        Fetch: "_fetch", NodeDone: "_node_done",
+    }
+
+    def handle(self, event: Event, now: float) -> list[Action]:
+        """Apply ``event``; return what must happen because of it, in order."""
+        self._out = out = []
+        try:
+            if isinstance(event, Inbound):
+                handler = self._handlers.get(type(event.message))
+                if handler is None:
+                    raise ProtocolError(f"the proxy does not serve {event.message.op!r}")
+                reply = handler(event.peer, event.message, now)
+                if reply is not None:
+                    out.append(reply)
+            elif isinstance(event, Notice):
+                self._notified(event.message)
+            elif isinstance(event, SliceGranted):
+                out.append(self._slice_granted(event.peer, event.slice))
+            elif isinstance(event, FetchEnded):
+                event.buffer.pins -= 1
+                event.buffer.readers -= 1
+                self._maybe_free(event.session_id, event.buffer)
+            elif isinstance(event, Tick):
+                self._expire_sessions(now)
+            else:
+                raise TypeError(f"not a proxy event: {event!r}")
+        except PwmeshError as exc:
+            out.append(Reply(error=exc))
+        finally:
+            self._out = []
+            self._dispatching = False
+        return out
+
+    def _send(self, to: str, message: Message) -> None:
+        if to in self.lost_controls:  # gone: what it would hold died with it
+            return
+        self._out.append(Send(to, message, self._dispatching))
+        if self._dispatching:
+            self.dispatch_messages += 1
+
+    def _resolve(self, buf: Buffer, error: PwmeshError | None) -> None:
+        if buf.resolve(error):
+            self._out.append(Resolve(buf))
+
+    @contextlib.contextmanager
+    def _dispatch_traffic(self) -> Iterator[None]:
+        """What is sent in the block is program traffic (``StatusReply.dispatch_messages``)."""
+        self._dispatching = True
+        try:
+            yield
+        finally:
+            self._dispatching = False
+
+    def watch(self, role: str = "proxy") -> WatchCluster:
+        """Subscription to the RM, carrying every slice our sessions hold (rebuilds a restarted RM)."""
+        slices = [sl for session in self.sessions.values() for sl in session.slices.values()]
+        return WatchCluster(role=role, name=self.name, slices=slices)
+
+    # ----------------------------------------------------------------- sessions
+
+    def session(self, peer: bytes) -> Session:
+        session = self.sessions.get(peer)
+        if session is None:
+            raise NotFound("this connection has no session (open one first, or it timed out)")
+        return session
+
+    def _open_session(self, peer: bytes, msg: OpenSession, now: float) -> Reply:
+        if msg.weight <= 0:
+            raise InvalidArgument(f"a session's weight must be positive, got {msg.weight}")
+        old = self.sessions.get(peer)
+        if old is not None:
+            self._end_session(old, "reopened")
+        sid = f"s{next(self._session_ids)}-{secrets.token_hex(3)}"
+        self.sessions_opened += 1
+        self.sessions[peer] = Session(session_id=sid, name=msg.name, peer=peer, weight=msg.weight,
+                                      priority=msg.priority)
+        self.liveness.beat(sid, now)
+        log.info("session %s (%s) opened", sid, msg.name)
+        # Four beats per timeout, so one late beat never ends a live session.
+        interval = min(self.client_heartbeat_interval_seconds, self.session_timeout_seconds / 4)
+        return Reply(SessionOpened(session_id=sid, heartbeat_interval_seconds=interval,
+                                   session_timeout_seconds=self.session_timeout_seconds))
+
+    def _close_session(self, peer: bytes, msg: CloseSession, now: float) -> Reply:
+        self._end_session(self.session(peer), "closed by client")
+        return Reply(Ok())
+
+    def _heartbeat(self, peer: bytes, msg: Heartbeat, now: float) -> Reply:
+        self.liveness.beat(self.session(peer).session_id, now)
+        return Reply(Ok())
+
+    def _expire_sessions(self, now: float) -> None:
+        lost = set(self.liveness.expired(now))
+        for session in [s for s in self.sessions.values() if s.session_id in lost]:
+            self.sessions_expired += 1
+            self._end_session(session, f"no heartbeat for {self.session_timeout_seconds} seconds")
+
+    def _end_session(self, session: Session, why: str) -> None:
+        """Free everything the session owned; runs in flight are cancelled and free their part."""
+        log.info("session %s ended: %s", session.session_id, why)
+        self.sessions.pop(session.peer, None)
+        self.liveness.forget(session.session_id)
+        ended = PwmeshError(f"session {session.session_id} ended: {why}")
+        for run in list(session.runs.values()):
+            self._abort_run(session, run, ended)
+        for buf in list(session.buffers.values()):
+            buf.client_ref = False
+            self._maybe_free(session.session_id, buf)
+        session.buffers.clear()
+        session.ended = True
+        session.hosts |= {d.control for sl in session.slices.values() for d in sl.devices}
+        if session.slices:
+            self._send(self.rm, ReleaseSlices(owner=session.session_id))
+            session.slices.clear()
+        self._forget_if_done(session)
+
+    def _forget_if_done(self, session: Session) -> None:
+        """Once an ended session's last run is over, executors may drop its tombstones."""
+        if session.ended and not session.runs:
+            for control in session.hosts:
+                self._send(control, ForgetOwner(prefix=f"{session.session_id}/"))
+            session.hosts.clear()
+
+    # ------------------------------------------------------------------- slices
+
+    def _create_slice(self, peer: bytes, msg: CreateSlice, now: float) -> Ask:
+        session = self.session(peer)
+        return Ask(self.rm, AllocateSlice(owner=session.session_id, devices=msg.devices, island=msg.island,
+                                          kind=msg.kind), peer)
+
+    def _slice_granted(self, peer: bytes, sl: SliceInfo) -> Reply:
+        session = self.sessions.get(peer)
+        if session is None or session.session_id != sl.owner:  # it ended while the RM allocated
+            self._send(self.rm, ReleaseSlices(owner=sl.owner, slice_ids=[sl.slice_id]))
+            raise NotFound("this connection's session ended before its slice was allocated")
+        session.slices[sl.slice_id] = sl
+        return Reply(SliceCreated(slice=sl))
+
+    def _register_function(self, peer: bytes, msg: RegisterProgramFunction, now: float) -> Reply:
+        session = self.session(peer)
+        if msg.slice_id not in session.slices:
+            raise NotFound(f"slice {msg.slice_id} is not one of this session's slices")
+        if msg.fn_id != function_id(msg.exported, msg.spmd, msg.mesh, msg.axes, msg.donate):
+            raise InvalidArgument("a function's id must be the hash of its exported bytes and calling convention "
+                                  "(see pwmesh.ir.keys.function_id)")
+        self.exported.setdefault(msg.fn_id, msg)
+        session.functions[msg.fn_id] = msg.spmd
+        return Reply(Ok())
+
+    # ----------------------------------------------------------------- programs
+
+    def _register_program(self, peer: bytes, msg: RegisterProgram, now: float) -> None:
+        session = self.session(peer)
+        if not msg.program_id or len(msg.program_id) > MAX_PROGRAM_ID_CHARS:
+            raise InvalidArgument(f"a program id has 1 to {MAX_PROGRAM_ID_CHARS} characters")
+        # Checked when it first runs (lowering validates it), where an error reaches its buffers.
+        session.programs.setdefault(msg.program_id, msg.program)
+        return None  # posted, like a RunProgram after it
+
+    def _run_program(self, peer: bytes, msg: RunProgram, now: float) -> None:
+        session = self.session(peer)
+        program = msg.program if msg.program is not None else session.programs.get(msg.program_id)
+        try:
+            if program is None:
+                raise NotFound(f"program {msg.program_id[:16]!r} was never registered in this session"
+                               if msg.program_id else "RunProgram names no program")
+            with self._dispatch_traffic():
+                self._dispatch(session, msg, program)
+            self.programs += 1
+        except PwmeshError as exc:
+            for i, cid in enumerate(msg.outputs):
+                v = program.outputs[i] if program is not None and i < len(program.outputs) else -1
+                spec = program.values[v] if program is not None and 0 <= v < len(program.values) else UNKNOWN_VALUE
+                session.fail_buffer(cid, spec, exc)
+            raise
+        return None  # posted: the client learns of success from its buffers, of failure from an Error
+
+    def _dispatch(self, session: Session, msg: RunProgram, program: ProgramSpec) -> None:
+        binding = bind(session, msg, program)
+        program, lowered = session.lowerings.lower(
+            msg.program_id, program, owner=session.session_id, names=binding.names,
+            host_inputs=set(binding.host_data), bound=binding.bound, slices=session.slices, spmd=session.functions,
+            fresh_name=session.temp_name, packed=not msg.sequential, keep=binding.keep)
+        for node in program.nodes:
+            broken = session.slices[node.slice_id].broken
+            if broken:
+                raise ResourceExhausted(f"slice {node.slice_id} cannot run: {broken}")
+        for scheduler in lowered.schedules:
+            if scheduler in self.lost_schedulers:
+                raise self.lost_schedulers[scheduler]
+        executors = set().union(*lowered.node_executors.values()) if lowered.node_executors else set()
+        for executor_id in executors:
+            if executor_id in self.lost:
+                raise DeviceLost(f"{self.lost[executor_id].message}; the program's slices still map there "
+                                 "(remapping onto surviving devices is not supported yet)")
+
+        # Nothing can fail past this point: send everything in order, then record the run (its
+        # completions come in later events; recording a 128-node run costs ~1 ms the island
+        # need not wait for).
+        run_id = session.next_run_id()
+        for fn_id, sites in lowered.function_sites.items():
+            for control, devices in sites:
+                if (fn_id, control, devices) not in self.registered:
+                    self.registered.add((fn_id, control, devices))
+                    fn = self.exported[fn_id]
+                    self._send(control, RegisterFunction(fn_id=fn_id, exported=fn.exported, spmd=fn.spmd,
+                                                         devices=list(devices), mesh=fn.mesh, axes=fn.axes,
+                                                         donate=fn.donate))
+        for control, batch in host_puts(lowered, binding.host_data).items():
+            self._send(control, batch)
+        for control, sends in lowered.moves.items():
+            for send in sends:
+                self._send(control, send)
+        if not msg.sequential:  # sequential: each node goes once its predecessors are done (below)
+            # A cached lowering's parts are packed once; this run's names go with them.
+            parts = lowered.parts if lowered.parts is not None else {
+                scheduler: run_parts(comps) for scheduler, comps in lowered.schedules.items()}
+            for scheduler, mine in parts.items():
+                self._schedule(session, run_id, scheduler, mine)
+        run = record_run(session, run_id, program, lowered, binding)
+        self.runs[run_id] = (session, run)
+        if msg.sequential:
+            produced_by = {v: i for i, node in enumerate(program.nodes) for v in node.outputs}
+            for i, node in enumerate(program.nodes):
+                run.waits_for[i] = {produced_by[v] for v in node.inputs if v in produced_by}
+                run.held[i] = []
+            for scheduler, comps in lowered.schedules.items():
+                for comp in comps:
+                    run.held[comp.node].append((scheduler, comp))
+            self._release_nodes(session, run)
+        if not run.pending:
+            self._finish_run(session, run)
+
+    def _schedule(self, session: Session, run_id: str, scheduler: str, parts: list[RunPart]) -> None:
+        self._send(scheduler, ScheduleRun(run_id=run_id, proxy=self.address, parts=parts,
+                                          session=session.session_id, weight=session.weight,
+                                          priority=session.priority))
+
+    def _release_nodes(self, session: Session, run: Run) -> None:
+        """Sequential dispatch: send every held node whose predecessors have all completed."""
+        for node in [n for n, waits in run.waits_for.items() if not waits and n in run.held]:
+            by_scheduler: dict[str, list[Computation]] = {}
+            for scheduler, comp in run.held.pop(node):
+                by_scheduler.setdefault(scheduler, []).append(comp)
+            for scheduler, comps in by_scheduler.items():
+                # Its own scheduler run id: the island's window counts each node separately.
+                self._schedule(session, f"{run.run_id}#{node}", scheduler, run_parts(comps))
+
+    def _node_done(self, peer: bytes, msg: NodeDone, now: float) -> None:
+        if peer in self.sessions:
+            raise ProtocolError("completions come from executors, not from client sessions")
+        found = self.runs.get(msg.run_id.split("#", 1)[0])
+        if found is None:
+            log.warning("completion for unknown run %s from %s", msg.run_id, msg.executor_id)
+            return None
+        session, run = found
+        with self._dispatch_traffic():
+            self._node_finished(session, run, msg)
+        return None
+
+    def _node_finished(self, session: Session, run: Run, msg: NodeDone) -> None:
+        node_error = msg.error.exception() if msg.error is not None else None
+        finished = False
+        for node in msg.nodes:
+            waiting = run.pending.get(node)
+            if waiting is None or msg.executor_id not in waiting:
+                log.warning("unexpected completion of node %s of %s from %s", node, msg.run_id, msg.executor_id)
+                continue
+            waiting.discard(msg.executor_id)
+            if node_error is not None:
+                for buf in run.outputs_of.get(node, []):
+                    self._resolve(buf, node_error)
+            if not waiting:
+                del run.pending[node]
+                for buf in run.outputs_of.get(node, []):
+                    self._resolve(buf, None)
+                if run.held:
+                    for waits in run.waits_for.values():
+                        waits.discard(node)
+                finished = True
+        if finished:
+            if run.held:
+                self._release_nodes(session, run)
+            if not run.pending:
+                self._finish_run(session, run)
+
+    # ------------------------------------------------------- the RM's notices
+
+    def _notified(self, msg: Message) -> None:
+        if isinstance(msg, ExecutorLost):
+            self._executor_lost(msg)
+        elif isinstance(msg, SliceRemapped):
+            self._slice_remapped(msg)
+        elif isinstance(msg, SchedulerLost):
+            err = DeviceLost(f"the scheduler of island {msg.island} is gone ({msg.reason})")
+            log.warning("%s", err.message)
+            self.lost_schedulers[msg.address] = err
+            for session, run in list(self.runs.values()):
+                if msg.address in run.schedulers:
+                    self._abort_run(session, run, err)
+        elif isinstance(msg, SchedulerJoined):
+            self.lost_schedulers.pop(msg.address, None)
+        elif isinstance(msg, ExecutorJoined):
+            self.lost.pop(msg.executor_id, None)  # what it held stays lost: it was declared gone
+            self.lost_controls.discard(msg.control)
+            self._out.append(PeerBack(msg.control))  # and sends what waited for it to restart
+        elif isinstance(msg, ExecutorRestarting):
+            self._out.append(FencePeer(msg.control, Fence(epoch=msg.epoch)))
+        elif isinstance(msg, Error):
+            log.warning("a daemon refused a message we sent without waiting: %s: %s", msg.code, msg.message)
+        elif isinstance(msg, PleaseRegister):  # the resource manager restarted
+            log.warning("the resource manager asked us to register again; handing it our slices")
+            self._send(self.rm, self.watch())
+
+    def _slice_remapped(self, note: SliceRemapped) -> None:
+        """Adopt a slice's new devices, and move its live buffers off hosts still up (draining)."""
+        session = next((s for s in self.sessions.values() if s.session_id == note.slice.owner), None)
+        if session is None or note.slice.slice_id not in session.slices:
+            return
+        session.slices[note.slice.slice_id] = note.slice
+        for buf in session.buffers.values():
+            if buf.slice_id != note.slice.slice_id or buf.lost is not None:
+                continue
+            prefix = f"{session.session_id}/{buf.name}"
+            moved: set[str] = set()
+            for move in note.moves:
+                here = buf.locations[move.index]
+                if here.executor_id != move.old.executor_id or move.old.executor_id in self.lost:
+                    continue  # already elsewhere, or the data died with its host
+                new = move.new
+                self._send(here.control, SendShards(
+                    prefix=prefix, runs=[ShardRun(device=here.device, shard=move.index)],
+                    emits=[move_shard(buf.spec, prefix, move.index, new)]))
+                buf.locations[move.index] = location(new)
+                buf.holders.add(new.control)
+                moved.add(here.control)
+            if moved:
+                self.moved_buffers += 1
+            if moved and buf.done and buf.error is None and buf.pins == 0:
+                # The copies on the draining host go now (every shard it held of this buffer moved).
+                still = {loc.control for loc in buf.locations}
+                for control in moved - still:
+                    self._send(control, DeleteShards(buffers=[prefix]))
+                    buf.holders.discard(control)
+
+    def _executor_lost(self, lost: ExecutorLost) -> None:
+        err = DeviceLost(f"executor {lost.executor_id} on host {lost.host} is gone ({lost.reason})")
+        log.warning("%s", err.message)
+        self.lost[lost.executor_id] = err
+        self.lost_controls.add(lost.control)
+        self._out.append(PeerLost(lost.control, err))  # fails the fetches that were waiting on it
+        for session in list(self.sessions.values()):
+            for buf in session.buffers.values():
+                if any(loc.executor_id == lost.executor_id for loc in buf.locations):
+                    buf.lost = err
+                    self._resolve(buf, err)
+        for session, run in list(self.runs.values()):  # ended sessions' runs too
+            if self._needs(run, lost) or any(b.lost is not None for b in run.pinned):
+                self._abort_run(session, run, err)
+        # In the same event as the failures above: a client that retries on hearing
+        # of them finds its slices already on live hosts.
+        for remap in lost.remapped:
+            self._slice_remapped(remap)
+
+    @staticmethod
+    def _needs(run: Run, lost: ExecutorLost) -> bool:
+        """Whether ``run`` can no longer finish without ``lost``. A drained executor flushed
+        everything it sent, so only its unfinished work matters; after a crash, data it
+        sent may never have arrived, so any run it took part in is failed."""
+        if not lost.graceful:
+            return lost.control in run.executors
+        return any(lost.executor_id in waiting for waiting in run.pending.values())
+
+    def _abort_run(self, session: Session, run: Run, err: PwmeshError) -> None:
+        """Fail everything ``run`` has not produced, and free the survivors' queues of it."""
+        for bufs in run.outputs_of.values():
+            for buf in bufs:
+                self._resolve(buf, err)
+        info = ErrorInfo.of(err)
+        for control in run.executors:
+            self._send(control, CancelRun(run_id=run.run_id, error=info))
+        run.pending.clear()
+        self._finish_run(session, run)
+
+    def _finish_run(self, session: Session, run: Run) -> None:
+        self.runs.pop(run.run_id, None)
+        session.runs.pop(run.run_id, None)
+        session.hosts |= run.executors
+        for buf in (*run.pinned, *run.outputs):
+            buf.pins -= 1
+        for buf in run.pinned:
+            buf.readers -= 1
+        for buf in run.read_inside:
+            buf.read_by_its_run = False
+        self._maybe_free(session.session_id, *run.pinned, *run.outputs, *run.temporaries)
+        self._forget_if_done(session)
+
+    # ------------------------------------------------------------------ buffers
+
+    def _maybe_free(self, session_id: str, *bufs: Buffer) -> None:
+        """Delete the freeable ``bufs`` wherever they are held: one message per executor."""
+        by_holder: dict[str, list[str]] = {}
+        for buf in bufs:
+            if not buf.freeable:
+                continue
+            for control in buf.holders - self.lost_controls:
+                by_holder.setdefault(control, []).append(f"{session_id}/{buf.name}")
+            buf.holders = set()
+        for control, prefixes in by_holder.items():
+            self._send(control, DeleteShards(buffers=prefixes))
+
+    def _put_buffer(self, peer: bytes, msg: PutBuffer, now: float) -> Reply:
+        session = self.session(peer)
+        try:
+            return self._put(session, msg)
+        except PwmeshError as exc:
+            session.fail_buffer(msg.buffer, ValueSpec(shape=list(msg.array.shape), dtype=msg.array.dtype.name,
+                                                      shards=1), exc)
+            raise
+
+    def _put(self, session: Session, msg: PutBuffer) -> Reply:
+        sl = session.slices.get(msg.slice_id)
+        if sl is None:
+            raise NotFound(f"slice {msg.slice_id} is not one of this session's slices")
+        if msg.buffer in session.buffers:
+            raise InvalidArgument(f"buffer {msg.buffer} already exists")
+        n = len(sl.devices)
+        spec = ValueSpec(shape=list(msg.array.shape), dtype=msg.array.dtype.name, shards=n, sharding=msg.sharding)
+        layout = value_layout(spec)
+        if msg.sharding is None and n > 1 and (msg.array.ndim == 0 or msg.array.shape[0] % n):
+            raise InvalidArgument(f"an array of shape {msg.array.shape} cannot be split evenly over {n} devices")
+        layout.check(f"putting an array of shape {msg.array.shape} on slice {msg.slice_id}")
+        if layout.devices != n:
+            raise InvalidArgument(f"a layout over {layout.devices} devices for slice {msg.slice_id} of {n}")
+        buf = Buffer.new(session.buffer_name(msg.buffer), spec, client_ref=True)
+        buf.locations = slice_locations(sl)
+        buf.slice_id = sl.slice_id
+        puts: dict[str, PutShards] = {}
+        for i, (loc, part) in enumerate(zip(buf.locations, layout.split(msg.array), strict=True)):
+            batch = puts.setdefault(loc.control, PutShards(keys=[], devices=[], arrays=[]))
+            batch.keys.append(buf.keys(session.session_id)[i])
+            batch.devices.append(loc.device)
+            batch.arrays.append(part)
+            buf.holders.add(loc.control)
+        for control, batch in puts.items():
+            self._send(control, batch)
+        buf.resolve(None)  # new: nobody waits on it yet
+        session.buffers[msg.buffer] = buf
+        return Reply(Ok())
+
+    def _release_buffers(self, peer: bytes, msg: ReleaseBuffers, now: float) -> None:
+        session = self.sessions.get(peer)
+        if session is None:
+            return None
+        for cid in msg.buffers:
+            buf = session.buffers.pop(cid, None)
+            if buf is not None:
+                buf.client_ref = False
+                self._maybe_free(session.session_id, buf)
+        return None
+
+    def buffer(self, session: Session, cid: int) -> Buffer:
+        buf = session.buffers.get(cid)
+        if buf is None:
+            if cid in session.donated:
+                raise InvalidArgument(f"buffer {cid} was donated to {session.donated[cid]} and can no longer be used")
+            raise NotFound(f"buffer {cid} does not exist (deleted, or never made)")
+        return buf
+
+    def _await_buffers(self, peer: bytes, msg: AwaitBuffers, now: float) -> Wait:
+        session = self.session(peer)
+        return Wait([self.buffer(session, cid) for cid in msg.buffers])
+
+    def _query_buffers(self, peer: bytes, msg: QueryBuffers, now: float) -> Reply:
+        session = self.session(peer)
+        return Reply(BuffersState(ready=[self.buffer(session, cid).done for cid in msg.buffers]))
+
+    def _fetch(self, peer: bytes, msg: Fetch, now: float) -> Fetching:
+        session = self.session(peer)
+        buf = self.buffer(session, msg.buffer)
+        buf.pins += 1  # a release while we fetch must not delete the shards under us
+        buf.readers += 1  # nor a run it is donated to consume them
+        return Fetching(session.session_id, buf)

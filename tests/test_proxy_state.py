@@ -1,0 +1,334 @@
+"""The proxy's pure core, with no sockets: ``ProxyState.handle(event, now) -> actions``.
+
+The other cores are real too: the resource manager's (``ResourceManagerState``) allocates the
+slices and produces the losses and remaps, and the island scheduler's (``IslandOrder``) turns a
+``ScheduleRun`` into the executors' ``Enqueue``s. Only the executors are played by the test: it
+answers an ``Enqueue`` with the ``NodeDone`` an executor would post.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+
+from pwmesh.errors import DeviceLost, InvalidArgument, NotFound, PwmeshError
+from pwmesh.ir.keys import function_id
+from pwmesh.proxy.state import (
+    Ask,
+    FetchEnded,
+    Fetching,
+    Inbound,
+    Notice,
+    PeerLost,
+    ProxyState,
+    Reply,
+    Resolve,
+    Send,
+    SliceGranted,
+    Tick,
+    Wait,
+    settled,
+    sources,
+)
+from pwmesh.rm.state import ResourceManagerState
+from pwmesh.scheduler.order import IslandOrder
+from pwmesh.wire import Message
+from pwmesh.wire.messages import (
+    AwaitBuffers,
+    BuffersState,
+    CancelRun,
+    CloseSession,
+    CreateSlice,
+    DeleteShards,
+    DeviceInfo,
+    DrainExecutor,
+    ExecutorInfo,
+    ExecutorLost,
+    Fetch,
+    ForgetOwner,
+    Heartbeat,
+    NodeDone,
+    NodeSpec,
+    Ok,
+    OpenSession,
+    ProgramInput,
+    ProgramSpec,
+    PutBuffer,
+    PutShards,
+    QueryBuffers,
+    RegisterExecutor,
+    RegisterFunction,
+    RegisterProgram,
+    RegisterProgramFunction,
+    RegisterScheduler,
+    ReleaseBuffers,
+    ReleaseSlices,
+    RunProgram,
+    SchedulerInfo,
+    ScheduleRun,
+    SendShards,
+    SessionOpened,
+    SliceCreated,
+    ValueSpec,
+)
+
+pytestmark = pytest.mark.timeout(30)
+
+SCHEDULER = "tcp://sched-0:6100"
+CLIENT = b"client-1"
+
+
+class World:
+    """An RM core with three executors of two devices on one island, its scheduler's core, and a proxy core."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+        self.rm = ResourceManagerState(heartbeat_timeout_seconds=10.0)
+        self.rm.handle(RegisterScheduler(info=SchedulerInfo(island=0, address=SCHEDULER, name="sched-0")), 0.0)
+        self.controls: dict[str, str] = {}
+        for e in range(3):
+            info = ExecutorInfo(executor_id=f"ex{e}", island=0, host=f"host{e}", control=f"tcp://ex{e}:7000",
+                                data=f"tcp://ex{e}:7001", devices=[DeviceInfo(index=i) for i in range(2)])
+            self.rm.handle(RegisterExecutor(info=info), 0.0)
+            self.controls[info.control] = info.executor_id
+        self.rm.take_notifications()
+        self.order = IslandOrder(island=0)
+        self.proxy = ProxyState(rm="tcp://rm:5000", address="tcp://proxy:5555", session_timeout_seconds=30.0)
+
+    def handle(self, event: Any) -> list[Any]:
+        return self.proxy.handle(event, self.now)
+
+    def ask(self, peer: bytes, message: Message) -> Any:
+        """A client request: its answer (raises the error it failed with)."""
+        actions = self.handle(Inbound(peer, message))
+        asks = [a for a in actions if isinstance(a, Ask)]
+        for ask in asks:  # the shell's part: the RM answers, and the answer goes back in
+            actions = self.handle(SliceGranted(ask.peer, self.rm.handle(ask.message, self.now).slice))
+        replies = [a for a in actions if isinstance(a, Reply | Wait | Fetching)]
+        assert len(replies) <= 1, actions
+        if replies and isinstance(replies[0], Reply):
+            if replies[0].error is not None:
+                raise replies[0].error
+            return replies[0].message
+        return replies[0] if replies else None
+
+    def notices(self) -> list[Any]:
+        """Feed the RM's notifications to the proxy; every action they cause."""
+        out: list[Any] = []
+        for note in self.rm.take_notifications():
+            out += self.handle(Notice(note))
+        return out
+
+    def open(self, peer: bytes = CLIENT, devices: int = 4) -> tuple[str, int]:
+        opened = self.ask(peer, OpenSession(name="test"))
+        assert isinstance(opened, SessionOpened)
+        created = self.ask(peer, CreateSlice(devices=devices))
+        assert isinstance(created, SliceCreated)
+        return opened.session_id, created.slice.slice_id
+
+    def function(self, peer: bytes, slice_id: int, name: bytes) -> str:
+        fn_id = function_id(name, False)
+        assert self.ask(peer, RegisterProgramFunction(fn_id=fn_id, exported=name, slice_id=slice_id, spmd=False)) == Ok()
+        return fn_id
+
+    def executors(self, actions: list[Any], run_id: str | None = None) -> list[NodeDone]:
+        """What the executors would report for the ScheduleRuns among ``actions``: every node's NodeDone."""
+        done = []
+        released = []
+        for action in actions:
+            if isinstance(action, Send) and isinstance(action.message, ScheduleRun):
+                assert action.to == SCHEDULER
+                released += self.order.submit(action.message)
+        while released:  # each part reports to the scheduler too, which may release more
+            send = released.pop(0)
+            enq, executor_id = send.enqueue, self.controls[send.control]
+            done.append(NodeDone(run_id=enq.run_id, nodes=enq.nodes, executor_id=executor_id))
+            released += self.order.part_done(enq.run_id, executor_id, 0.0)
+        return done
+
+
+def sent(actions: list[Any], kind: type[Message]) -> list[Send]:
+    return [a for a in actions if isinstance(a, Send) and isinstance(a.message, kind)]
+
+
+def chain(fns: list[str], slice_id: int, rows: int = 8) -> ProgramSpec:
+    """``x -> fns[0] -> fns[1] -> ...``, every value split over the slice's 4 devices."""
+    values = [ValueSpec(shape=[rows, 2], dtype="float32", shards=4) for _ in range(len(fns) + 1)]
+    nodes = [NodeSpec(fn_id=fn, slice_id=slice_id, inputs=[k], outputs=[k + 1]) for k, fn in enumerate(fns)]
+    return ProgramSpec(values=values, inputs=[0], outputs=[len(fns)], nodes=nodes)
+
+
+@pytest.fixture
+def world() -> World:
+    return World()
+
+
+def test_a_session_lives_while_it_beats_and_its_end_frees_everything(world: World) -> None:
+    sid, slice_id = world.open()
+    assert world.ask(CLIENT, PutBuffer(buffer=7, slice_id=slice_id, array=np.ones((8, 2), np.float32))) == Ok()
+    world.now = 20.0
+    assert world.ask(CLIENT, Heartbeat(role="client", name="test")) == Ok()
+    world.now = 45.0  # 25 s since the beat: inside the 30 s timeout
+    assert world.handle(Tick()) == []
+    world.now = 51.0
+    actions = world.handle(Tick())
+    assert world.proxy.sessions_expired == 1 and not world.proxy.sessions
+    # Its slice goes back to the RM, its buffer is deleted where it lives, and then executors forget the owner.
+    assert [a.message for a in sent(actions, ReleaseSlices)] == [ReleaseSlices(owner=sid)]
+    deleted = {a.to for a in sent(actions, DeleteShards)}
+    assert deleted and all(a.message.buffers[0].startswith(f"{sid}/") for a in sent(actions, DeleteShards))
+    assert {a.to for a in sent(actions, ForgetOwner)} >= deleted
+    with pytest.raises(NotFound, match="no session"):
+        world.ask(CLIENT, QueryBuffers(buffers=[7]))
+
+
+def test_a_program_runs_completes_and_its_buffers_are_freed_by_reference(world: World) -> None:
+    sid, slice_id = world.open()
+    fns = [world.function(CLIENT, slice_id, name) for name in (b"f", b"g")]
+    program = chain(fns, slice_id)
+    assert world.ask(CLIENT, PutBuffer(buffer=1, slice_id=slice_id, array=np.ones((8, 2), np.float32))) == Ok()
+    assert world.handle(Inbound(CLIENT, RegisterProgram(program_id="p", program=program))) == []
+
+    actions = world.handle(Inbound(CLIENT, RunProgram(inputs=[ProgramInput(buffer=1)], outputs=[2], program_id="p")))
+    # Each function once per executor site, then one ScheduleRun for the island; all program traffic.
+    assert len(sent(actions, RegisterFunction)) == 2 * 4  # two functions, on each of the slice's four devices
+    assert len(sent(actions, ScheduleRun)) == 1 and all(a.dispatch for a in actions if isinstance(a, Send))
+    assert world.ask(CLIENT, QueryBuffers(buffers=[1, 2])) == BuffersState(ready=[True, False])
+    wait = world.ask(CLIENT, AwaitBuffers(buffers=[2]))
+    assert isinstance(wait, Wait) and not wait.buffers[0].done
+
+    reports = world.executors(actions)  # each executor reports both nodes at once (the chain ran together)
+    assert len({d.executor_id for d in reports}) == 2
+    for done in reports[:-1]:  # the output waits for its every executor
+        assert not any(isinstance(a, Resolve) for a in world.handle(Inbound(b"ex", done)))
+    last = world.handle(Inbound(b"ex", reports[-1]))
+    resolved = [a.buffer for a in last if isinstance(a, Resolve)]
+    assert wait.buffers[0] in resolved and settled(wait.buffers) is None
+    assert not world.proxy.runs  # finished: the intermediate value is deleted, the output kept
+    assert sent(last, DeleteShards)
+    assert world.ask(CLIENT, QueryBuffers(buffers=[2])) == BuffersState(ready=[True])
+
+    fetching = world.ask(CLIENT, Fetch(buffer=2))
+    assert isinstance(fetching, Fetching)
+    assert [key for _, key in sources(sid, fetching.buffer)] == fetching.buffer.keys(sid)
+    assert world.handle(Inbound(CLIENT, ReleaseBuffers(buffers=[2]))) == []  # pinned by the fetch: kept
+    freed = world.handle(FetchEnded(fetching.session_id, fetching.buffer))
+    assert {p for a in sent(freed, DeleteShards) for p in a.message.buffers} == {f"{sid}/{fetching.buffer.name}"}
+
+    again = world.handle(Inbound(CLIENT, RunProgram(inputs=[ProgramInput(buffer=1)], outputs=[3], program_id="p")))
+    assert not sent(again, RegisterFunction)  # registered once per site, for every later run
+    with pytest.raises(NotFound, match="buffer 2 does not exist"):
+        world.ask(CLIENT, QueryBuffers(buffers=[2]))
+
+
+def test_a_refused_run_fails_its_outputs_with_the_cause(world: World) -> None:
+    _, slice_id = world.open()
+    fn = world.function(CLIENT, slice_id, b"f")
+    program = chain([fn], slice_id)
+    actions = world.handle(Inbound(CLIENT, RunProgram(inputs=[ProgramInput(buffer=99)], outputs=[5], program=program)))
+    (reply,) = actions
+    assert isinstance(reply, Reply) and isinstance(reply.error, NotFound)
+    wait = world.ask(CLIENT, AwaitBuffers(buffers=[5]))
+    assert wait.buffers[0].done and settled(wait.buffers) is reply.error
+    with pytest.raises(InvalidArgument, match="positive"):
+        world.ask(b"other", OpenSession(name="x", weight=0))
+
+
+def test_losing_an_executor_mid_run_fails_the_run_and_what_lived_there(world: World) -> None:
+    _, slice_id = world.open()
+    fn = world.function(CLIENT, slice_id, b"f")
+    assert world.ask(CLIENT, PutBuffer(buffer=1, slice_id=slice_id, array=np.ones((8, 2), np.float32))) == Ok()
+    actions = world.handle(Inbound(CLIENT, RunProgram(inputs=[ProgramInput(buffer=1)], outputs=[2],
+                                                      program=chain([fn], slice_id))))
+    wait = world.ask(CLIENT, AwaitBuffers(buffers=[2]))
+    reports = world.executors(actions)
+    victim = reports[0].executor_id
+    survivor = next(e for e in world.controls.values() if e != victim and e in {d.executor_id for d in reports})
+    world.handle(Inbound(b"ex", reports[1] if reports[1].executor_id == survivor else reports[0]))
+    # The RM's core finds the victim silent (the others beat), and says so with the slice's new map.
+    world.now = 5.0
+    world.rm.handle(Heartbeat(role="scheduler", name="sched-0"), world.now)
+    for e in world.controls.values():
+        if e != victim:
+            world.rm.handle(Heartbeat(role="executor", name=e), world.now)
+    world.now = 12.0
+    assert world.rm.expire(world.now) == [victim]
+    out = world.notices()
+    (lost,) = [a for a in out if isinstance(a, PeerLost)]
+    assert world.controls[lost.control] == victim and isinstance(lost.error, DeviceLost)
+    assert wait.buffers[0].done and isinstance(settled(wait.buffers), DeviceLost)
+    assert any(isinstance(a, Resolve) and a.buffer is wait.buffers[0] for a in out)
+    # The survivors drop the run; nothing is sent to the dead host, ever again.
+    cancels = sent(out, CancelRun)
+    assert cancels and all(world.controls[a.to] != victim for a in cancels)
+    assert all(world.controls.get(a.to) != victim for a in out if isinstance(a, Send))
+    assert not world.proxy.runs
+    with pytest.raises(DeviceLost, match=victim):
+        world.ask(CLIENT, RunProgram(inputs=[ProgramInput(buffer=1)], outputs=[3], program=chain([fn], slice_id)))
+    # The slice itself was remapped onto live devices: a new buffer lands on them only.
+    assert world.ask(CLIENT, PutBuffer(buffer=4, slice_id=slice_id, array=np.ones((8, 2), np.float32))) == Ok()
+
+
+def test_a_vanished_client_is_ended_and_its_runs_cancelled(world: World) -> None:
+    _, slice_id = world.open()
+    fn = world.function(CLIENT, slice_id, b"f")
+    actions = world.handle(Inbound(CLIENT, RunProgram(inputs=[ProgramInput(array=np.ones((8, 2), np.float32))],
+                                                      outputs=[2], program=chain([fn], slice_id))))
+    executors = {a.to for a in sent(actions, PutShards)}
+    world.now = 31.0
+    out = world.handle(Tick())
+    assert {a.to for a in sent(out, CancelRun)} == executors
+    assert sent(out, ReleaseSlices) and not world.proxy.runs and not world.proxy.sessions
+    # A completion that was on its way when the session ended is ignored.
+    for done in world.executors(actions):
+        assert world.handle(Inbound(b"ex", done)) == []
+
+
+def test_a_drain_remaps_the_slice_and_moves_its_live_buffers(world: World) -> None:
+    sid, slice_id = world.open(devices=2)
+    assert world.ask(CLIENT, PutBuffer(buffer=1, slice_id=slice_id, array=np.ones((4, 2), np.float32))) == Ok()
+    (held,) = world.proxy.sessions[CLIENT].buffers.values()
+    old = held.locations[0]
+    started = world.rm.handle(DrainExecutor(executor=old.executor_id), world.now)
+    assert started.remapped == 1
+    out = world.notices()
+    moves = sent(out, SendShards)
+    assert moves and all(a.to == old.control and a.message.prefix == f"{sid}/{held.name}" for a in moves)
+    assert all(loc.executor_id != old.executor_id for loc in held.locations)
+    # The copies on the draining host go once every shard it held has moved.
+    assert [a.to for a in sent(out, DeleteShards)] == [old.control]
+    assert world.proxy.moved_buffers == 1
+
+
+def test_sequential_dispatch_sends_each_node_once_its_inputs_are_done(world: World) -> None:
+    _, slice_id = world.open()
+    fns = [world.function(CLIENT, slice_id, name) for name in (b"f", b"g", b"h")]
+    actions = world.handle(Inbound(CLIENT, RunProgram(inputs=[ProgramInput(array=np.ones((8, 2), np.float32))],
+                                                      outputs=[9], program=chain(fns, slice_id), sequential=True)))
+    for node in range(3):
+        scheduled = sent(actions, ScheduleRun)
+        assert len(scheduled) == 1 and scheduled[0].message.run_id.endswith(f"#{node}")
+        reports = world.executors(actions)
+        assert {n for d in reports for n in d.nodes} == {node}
+        actions = []
+        for done in reports:
+            actions += world.handle(Inbound(b"ex", done))
+    assert not sent(actions, ScheduleRun) and not world.proxy.runs
+    assert world.ask(CLIENT, QueryBuffers(buffers=[9])) == BuffersState(ready=[True])
+
+
+def test_completions_from_a_client_connection_are_refused(world: World) -> None:
+    world.open()
+    with pytest.raises(PwmeshError, match="executors"):
+        world.ask(CLIENT, NodeDone(run_id="r", nodes=[0], executor_id="ex0"))
+    assert world.ask(CLIENT, CloseSession()) == Ok()
+    assert not world.proxy.sessions
+
+
+def test_an_executor_lost_notice_for_an_unknown_run_changes_nothing_else(world: World) -> None:
+    world.open()
+    out = world.handle(Notice(ExecutorLost(executor_id="ex2", host="host2", control="tcp://ex2:7000", reason="test")))
+    assert [type(a) for a in out] == [PeerLost]
+    assert world.proxy.lost_controls == {"tcp://ex2:7000"}
