@@ -24,10 +24,11 @@ from pwmesh.rm.state import ResourceManagerState
 from pwmesh.scheduler.order import IslandOrder
 from pwmesh.sim.client import Script, SimClient
 from pwmesh.sim.clock import Clock
-from pwmesh.sim.controller import SimProxy, SimResourceManager, SimScheduler
+from pwmesh.sim.controller import SimResourceManager, SimScheduler
 from pwmesh.sim.cost import CostModel
 from pwmesh.sim.executor import SimExecutor
 from pwmesh.sim.network import LinkSpec, Network
+from pwmesh.sim.proxy import SimProxy
 from pwmesh.wire.messages import DeviceInfo, ExecutorInfo, RegisterExecutor, RegisterScheduler, SchedulerInfo
 
 RM = "sim://rm"
