@@ -4,9 +4,13 @@ No sockets, no sleeps, no JAX: every test runs in virtual time."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
+from click.testing import CliRunner
 
+from pwmesh.cli.main import main
 from pwmesh.scheduler.order import IslandOrder
 from pwmesh.sim.client import Call, Mark, Script, SimClient
 from pwmesh.sim.clock import Clock
@@ -217,3 +221,13 @@ def test_4_islands_of_256_hosts_run_a_small_workload_in_seconds() -> None:
                  Workload(name="chained", steps=2, k=4, devices=64))
     assert report["cluster"]["devices"] == 8192
     assert report["steps"] == 2 and report["real_seconds"] < 20
+
+
+def test_the_sim_command_prints_the_controller_figures(tmp_path: Path) -> None:
+    out = tmp_path / "sim.json"
+    result = CliRunner().invoke(main, ["sim", "--islands", "1", "--hosts-per-island", "2", "--devices-per-host", "2",
+                                       "--workload", "chained", "--steps", "2", "--devices", "2", "--k", "3",
+                                       "--json", str(out)])
+    assert result.exit_code == 0, result.output
+    assert "proxy:" in result.output and "schedulers:" in result.output
+    assert out.exists() and '"steps": 2' in out.read_text()
