@@ -56,6 +56,7 @@ class SimClient(Node):
         self.errors: list[Error] = []  # refusals of posts (nobody waited for them)
         self.failure: PwmeshError | None = None  # what ended the script early
         self.done = False
+        self.finished_at: float | None = None  # virtual time its script ended
         self._script = script(self)
         self._waiting: int | None = None
         self._heartbeat_seconds: float | None = None
@@ -84,10 +85,14 @@ class SimClient(Node):
                     raise TypeError(f"a client script yielded {op!r}")
                 op = self._script.send(None)
         except StopIteration:
-            self.done = True
+            self._end(None)
         except PwmeshError as exc:
-            self.failure = exc
-            self.done = True
+            self._end(exc)
+
+    def _end(self, failure: PwmeshError | None) -> None:
+        self.failure = failure
+        self.done = True
+        self.finished_at = self.clock.now
 
     def handle(self, env: Envelope) -> None:
         msg = env.message

@@ -133,7 +133,9 @@ class SimCluster:
         return {
             "cluster": {"islands": self.config.islands, "hosts": len(self.executors),
                         "devices": len(self.executors) * self.config.devices_per_host},
-            "virtual_seconds": self.clock.now,
+            # When the last script ended (the clock may run on to a housekeeping tick).
+            "virtual_seconds": max((c.finished_at for c in self.clients if c.finished_at is not None),
+                                   default=self.clock.now),
             "events": self.clock.events_run,
             "real_seconds": getattr(self, "real_seconds", 0.0),
             "real_cpu_seconds": getattr(self, "real_cpu_seconds", 0.0),
