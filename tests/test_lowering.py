@@ -1,10 +1,9 @@
 """Program validation and lowering on hand-built programs and slices (pure: no sockets, no JAX).
 
 Besides the structure of what lowering makes, ``simulate`` plays a lowered program
-through: puts and moves land, computations run in program order with numpy
-functions, every emit is ``cut`` into tuples that go through a ``Progress`` on the
-destination's executor and are ``assemble``d, exactly as the executors do. A
-missing transfer shows up as a computation whose input is not there.
+through with numpy functions (``pwmesh.sim.play``: puts and moves land, computations
+run in program order, every emit goes through the destinations' ``Progress``, exactly
+as the executors do), so a missing or doubled transfer fails the test.
 """
 
 from __future__ import annotations
@@ -17,9 +16,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from pwmesh.dataflow.exchange import Ragged, assemble, cut
 from pwmesh.dataflow.layout import Layout
-from pwmesh.dataflow.progress import Progress
 from pwmesh.errors import InvalidArgument
 from pwmesh.ir.lower import (
     HostPut,
@@ -31,8 +28,8 @@ from pwmesh.ir.lower import (
     sites_of,
     slice_locations,
     validate,
-    value_layout,
 )
+from pwmesh.sim.play import play
 from pwmesh.wire.codec import encode
 from pwmesh.wire.messages import (
     Computation,
@@ -154,69 +151,12 @@ FUNCTIONS: dict[str, Callable[[np.ndarray], np.ndarray]] = {
 }
 
 
-def executor_of(control_address: str) -> str:
-    return control_address.removeprefix("tcp://").removesuffix(":1")
-
-
 def simulate(program: ProgramSpec, lowered: Lowered, host: dict[int, np.ndarray],
              bound: dict[int, np.ndarray] | None = None,
              bound_at: dict[int, list[ShardLocation]] | None = None) -> dict[int, np.ndarray]:
-    """Run ``lowered`` with row-wise numpy functions; returns the program's outputs, gathered."""
-    store: dict[str, dict[str, Any]] = collections.defaultdict(dict)  # executor -> key -> value
-    progress: dict[str, Progress] = collections.defaultdict(Progress)
-
-    def deliver(tuples: list[Any]) -> None:
-        for dest, t in tuples:
-            k = f"{t.prefix}/{t.shard}"
-            done = None
-            if t.seq >= 0:
-                done = progress[dest.executor_id].tuple(k, t.src, t.seq, t.sources, t)
-            if t.count >= 0:
-                done = progress[dest.executor_id].marker(k, t.src, t.count, t.sources) or done
-            if done is not None:
-                assert k not in store[dest.executor_id], f"{k} arrived twice on {dest.executor_id}"
-                store[dest.executor_id][k] = assemble(done.payloads, t)
-
-    for v, where in (bound_at or {}).items():
-        parts = value_layout(program.values[v]).split((bound or {})[v])
-        for i, (w, part) in enumerate(zip(where, parts, strict=True)):
-            store[w.executor_id][key(v, i)] = part
-    for put in lowered.puts:
-        store[put.location.executor_id][put.key] = put.layout.split(host[put.value])[put.shard]
-    for address, sends in lowered.moves.items():
-        ex = executor_of(address)
-        for send in sends:
-            local = {s: store[ex][f"{send.prefix}/{s}"] for r in send.runs for s in range(r.shard, r.shard + r.count)}
-            for emit in send.emits:
-                deliver(cut(emit, local))
-    for c in sorted(computations(lowered), key=lambda c: c.node):  # program order
-        ex = c.executor_id
-        shards = [s for _, s in c.shards()]
-        ins = [{s: store[ex][f"{p}/{s}"] for s in shards} for p in c.inputs]
-        if c.kind == "call":
-            fn = FUNCTIONS[c.fn_id]
-            (arg,) = ins
-            out = {s: Ragged(fn(x.array), x.index) if isinstance(x, Ragged) else fn(x) for s, x in arg.items()}
-            outs = [out for _ in c.outputs]
-        elif c.kind == "identity":
-            outs = ins
-        else:
-            assert c.kind == "route" and c.outputs == []
-            outs = []
-        for p, out in zip(c.outputs, outs, strict=True):
-            for s, x in out.items():
-                store[ex][f"{p}/{s}"] = x
-        slots = ins + outs
-        for emit in c.emits:
-            deliver(cut(emit, slots[emit.slot], slots[emit.selector] if emit.selector >= 0 else None))
-    assert all(len(p) == 0 for p in progress.values()), "destinations left waiting"
-    gathered = {}
-    for v in program.outputs:
-        layout = value_layout(program.values[v])
-        where = lowered.produced[v]
-        blocks = [store[where[i].executor_id][key(v, i)] for i in layout.distinct()]
-        gathered[v] = layout.assemble(blocks, np.dtype(program.values[v].dtype))
-    return gathered
+    """``lowered`` played with this file's functions and names (see ``pwmesh.sim.play``)."""
+    return play(program, lowered, FUNCTIONS, owner=OWNER, names=[f"v{i}" for i in range(len(program.values))],
+                host=host, bound=bound, bound_at=bound_at)
 
 
 # --------------------------------------------------------------- validate()

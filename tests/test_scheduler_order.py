@@ -1,5 +1,6 @@
 """The island scheduler (IslandOrder), driven directly with messages: its single order,
-its window, and its sharing policies — no sockets, no clocks (durations are given)."""
+its window, and its sharing policies — no sockets, no clocks (durations are given). The
+policies' long-run shares come from the simulator's closed loop (``pwmesh.sim.island``)."""
 
 from __future__ import annotations
 
@@ -10,19 +11,10 @@ import pytest
 
 from pwmesh.errors import InvalidArgument
 from pwmesh.scheduler.order import IslandOrder, SendEnqueue
-from pwmesh.wire.messages import Computation, Enqueue, ScheduleRun, ShardRun
-from pwmesh.wire.parts import enqueued, run_parts
-
-
-def computation(node: int, executor: str, devices: tuple[int, ...] = (0,)) -> Computation:
-    return Computation(node=node, fn_id=f"fn{node}", executor_id=executor, control=f"tcp://{executor}:1",
-                       runs=[ShardRun(device=d, shard=i) for i, d in enumerate(devices)], inputs=[], outputs=[])
-
-
-def run(run_id: str, placements: list[tuple[int, str]], session: str = "s", weight: float = 1.0,
-        priority: int = 0) -> ScheduleRun:
-    return ScheduleRun(run_id=run_id, proxy="tcp://proxy", parts=run_parts(computation(n, ex) for n, ex in placements),
-                       session=session, weight=weight, priority=priority)
+from pwmesh.sim.island import saturate
+from pwmesh.sim.island import schedule_run as run
+from pwmesh.wire.messages import Enqueue, ScheduleRun
+from pwmesh.wire.parts import enqueued
 
 
 def enqueues(actions: list[SendEnqueue]) -> dict[str, Enqueue]:
@@ -135,42 +127,32 @@ def test_bad_settings_are_refused() -> None:
 # ---------------------------------------------------------------- policies
 
 
-def simulate(order: IslandOrder, clients: dict[str, tuple[float, int]], steps: int, cost: float = 1.0,
-             backlog: int = 4) -> dict[str, float]:
-    """Saturate one device with every client's runs; complete the oldest in flight each step."""
-    counters = collections.Counter[str]()
-    in_flight: collections.deque[tuple[str, str]] = collections.deque()
-
-    def submit(session: str) -> None:
-        weight, priority = clients[session]
-        counters[session] += 1
-        actions = order.submit(run(f"{session}-{counters[session]}", [(0, "a")], session, weight, priority))
-        in_flight.extend((a.enqueue.run_id, "a") for a in actions)
-
-    for session in clients:
-        for _ in range(backlog):
-            submit(session)
-    used = collections.Counter[str]()
-    for _ in range(steps):
-        run_id, ex = in_flight.popleft()
-        session = run_id.rsplit("-", 1)[0]
-        used[session] += cost
-        submit(session)  # every client always has work waiting
-        in_flight.extend((a.enqueue.run_id, "a") for a in order.part_done(run_id, ex, cost))
-    return {s: used[s] / sum(used.values()) for s in clients}
-
-
 def test_fair_shares_follow_weights_over_a_long_run() -> None:
     weights = {"w1": 1.0, "w2": 2.0, "w4": 4.0, "w8": 8.0}
-    shares = simulate(IslandOrder(island=0, window=2), {s: (w, 0) for s, w in weights.items()}, steps=3000)
+    shares = saturate(IslandOrder(island=0, window=2), {s: (w, 0) for s, w in weights.items()}, steps=3000)
     for session, weight in weights.items():
         expected = weight / sum(weights.values())
         assert shares[session] == pytest.approx(expected, rel=0.05), (session, shares)
 
 
 def test_fifo_ignores_weights() -> None:
-    shares = simulate(IslandOrder(island=0, policy="fifo", window=2), {"w1": (1.0, 0), "w8": (8.0, 0)}, steps=1000)
+    shares = saturate(IslandOrder(island=0, policy="fifo", window=2), {"w1": (1.0, 0), "w8": (8.0, 0)}, steps=1000)
     assert shares["w1"] == pytest.approx(0.5, abs=0.02)
+
+
+def test_fair_shares_follow_weights_for_gangs_over_two_executors_too() -> None:
+    def gang(run_id: str, session: str, weight: float, priority: int) -> ScheduleRun:
+        return run(run_id, [(0, "a"), (1, "b")], session, weight, priority)
+
+    shares = saturate(IslandOrder(island=0, window=2), {"w1": (1.0, 0), "w3": (3.0, 0)}, steps=2000, make_run=gang)
+    assert shares["w1"] == pytest.approx(0.25, rel=0.05), shares
+
+
+def test_saturate_refuses_a_loop_with_nothing_to_run() -> None:
+    with pytest.raises(InvalidArgument, match="saturate"):
+        saturate(IslandOrder(island=0), {}, steps=10)
+    with pytest.raises(InvalidArgument, match="saturate"):
+        saturate(IslandOrder(island=0), {"c": (1.0, 0)}, steps=10, backlog=0)
 
 
 def test_priority_preempts_at_run_boundaries() -> None:
