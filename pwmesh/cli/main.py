@@ -174,6 +174,40 @@ def demo(address: str | None, connect_timeout: float) -> None:
     commands.demo(address, connect_timeout_seconds=connect_timeout)
 
 
+@main.command()
+@click.option("--islands", type=click.IntRange(min=1), default=4, show_default=True)
+@click.option("--hosts-per-island", type=click.IntRange(min=1), default=256, show_default=True)
+@click.option("--devices-per-host", type=click.IntRange(min=1), default=8, show_default=True)
+@click.option("--workload", type=click.Choice(("opbyop", "chained", "fused", "pipeline", "clients")),
+              default="chained", show_default=True,
+              help="Figure 5's chain as separate programs, one program or one fused computation; a pipeline "
+                   "over the islands; or many clients with weights sharing devices.")
+@click.option("--steps", type=click.IntRange(min=1), default=10, show_default=True)
+@click.option("--devices", type=click.IntRange(min=1), default=8, show_default=True, help="Devices per slice.")
+@click.option("--k", "k", type=click.IntRange(min=1), default=16, show_default=True,
+              help="Computations in the chain (opbyop, chained, fused).")
+@click.option("--latency-us", type=click.FloatRange(min=0), default=20.0, show_default=True)
+@click.option("--bandwidth-gbps", type=click.FloatRange(min=0.001), default=100.0, show_default=True)
+@click.option("--jitter", type=click.FloatRange(min=0), default=0.0, show_default=True,
+              help="Extra random delay per message, as a fraction of the latency.")
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--json", "json_path", type=click.Path(dir_okay=False, writable=True), default=None,
+              help="Also write every figure to this JSON file.")
+def sim(islands: int, hosts_per_island: int, devices_per_host: int, workload: str, steps: int, devices: int,
+        k: int, latency_us: float, bandwidth_gbps: float, jitter: float, seed: int, json_path: str | None) -> None:
+    """Run a workload on a simulated cluster: the real RM, scheduler and proxy cores, fake devices, virtual time.
+
+    Prints the controller's figures: simulated time per step, the proxy's messages and bytes, the
+    schedulers' decisions, and the real CPU time the controller's cores spent.
+    """
+    from pwmesh.cli import simulate  # noqa: PLC0415 - see the module docstring
+
+    text, _ = simulate.simulate(simulate.SimCommand(
+        islands, hosts_per_island, devices_per_host, workload, steps, devices, k, latency_us, bandwidth_gbps,
+        jitter, seed, json_path))
+    click.echo(text)
+
+
 @main.group()
 def keys() -> None:
     """Make and issue the cluster's CURVE keys (ZeroMQ certificates)."""

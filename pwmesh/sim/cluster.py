@@ -1,0 +1,196 @@
+"""A whole simulated cluster in one process: the real RM, island-scheduler and proxy cores,
+simulated executors and clients, one in-memory network, one virtual clock.
+
+    cluster = SimCluster(SimConfig(islands=4, hosts_per_island=256, devices_per_host=8))
+    cluster.add_client("c0", script)          # see sim.client and sim.workloads
+    report = cluster.run()                    # runs until nothing is left to do
+    print(format_report(report))
+
+Hosts register with the RM core directly before the clock starts (bootstrap is not
+what is measured); everything after that travels as real messages.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+from pwmesh.errors import InvalidArgument
+from pwmesh.proxy.state import ProxyState
+from pwmesh.rm.state import ResourceManagerState
+from pwmesh.scheduler.order import IslandOrder
+from pwmesh.sim.client import Script, SimClient
+from pwmesh.sim.clock import Clock
+from pwmesh.sim.controller import SimResourceManager, SimScheduler
+from pwmesh.sim.cost import CostModel
+from pwmesh.sim.executor import SimExecutor
+from pwmesh.sim.network import LinkSpec, Network
+from pwmesh.sim.proxy import SimProxy
+from pwmesh.wire.messages import DeviceInfo, ExecutorInfo, RegisterExecutor, RegisterScheduler, SchedulerInfo
+
+RM = "sim://rm"
+PROXY = "sim://proxy"
+
+
+@dataclasses.dataclass(frozen=True)
+class SimConfig:
+    islands: int = 1
+    hosts_per_island: int = 2
+    devices_per_host: int = 8
+    link: LinkSpec = LinkSpec()  # every link, control and data alike
+    seed: int = 0  # the network's jitter
+    cost: CostModel = CostModel()
+    policy: str = "fair"  # the island schedulers'
+    window: int = 2
+    # Virtual time each controller daemon takes per message (see sim.node); with ``charge_cpu`` the real
+    # CPU time of its core is added (then runs are no longer deterministic).
+    proxy_service_seconds: float = 0.0
+    scheduler_service_seconds: float = 0.0
+    rm_service_seconds: float = 0.0
+    charge_cpu: bool = False
+    collectives: bool = True  # each island's executors in one JAX group: an SPMD slice may span hosts
+    keep_spans: bool = False  # executors record (start, end, run, node, devices) of every computation
+    session_timeout_seconds: float = 30.0  # the proxy's (clients heartbeat at a quarter of it)
+
+    def __post_init__(self) -> None:
+        if min(self.islands, self.hosts_per_island, self.devices_per_host) < 1:
+            raise InvalidArgument("a simulated cluster needs at least 1 island, host per island and device per host")
+
+
+def executor_address(island: int, host: int) -> tuple[str, str, str]:
+    """(executor id, control address, data-plane address) of host ``host`` of island ``island``."""
+    name = f"i{island}h{host:04d}"
+    return name, f"sim://{name}/control", f"sim://{name}/data"
+
+
+class SimCluster:
+    def __init__(self, config: SimConfig | None = None) -> None:
+        self.config = config = config or SimConfig()
+        self.clock = Clock()
+        self.network = Network(self.clock, config.link, seed=config.seed)
+        node = {"charge_cpu": config.charge_cpu}
+        self.rm = SimResourceManager(RM, self.clock, self.network, ResourceManagerState(),
+                                     service_seconds=config.rm_service_seconds, **node)
+        self.schedulers: list[SimScheduler] = []
+        for island in range(config.islands):
+            address = f"sim://scheduler-{island}"
+            order = IslandOrder(island, policy=config.policy, window=config.window, scheduler=address)
+            self.schedulers.append(SimScheduler(address, self.clock, self.network, order,
+                                                service_seconds=config.scheduler_service_seconds, **node))
+            self.rm.core(self.rm.state.handle, RegisterScheduler(info=SchedulerInfo(
+                island=island, address=address, name=f"scheduler-{island}")), 0.0)
+        self.executors: list[SimExecutor] = []
+        by_data: dict[str, SimExecutor] = {}
+        for island in range(config.islands):
+            for host in range(config.hosts_per_island):
+                name, control, data = executor_address(island, host)
+                ex = SimExecutor(executor_id=name, island=island, host=name, control=control, data=data,
+                                 devices=config.devices_per_host, clock=self.clock, network=self.network,
+                                 cost=config.cost, peers=by_data, keep_spans=config.keep_spans)
+                by_data[data] = ex
+                self.executors.append(ex)
+                self.rm.core(self.rm.state.handle, RegisterExecutor(info=ExecutorInfo(
+                    executor_id=name, island=island, host=name, control=control, data=data,
+                    devices=[DeviceInfo(index=i, kind="sim", platform="cpu") for i in range(config.devices_per_host)],
+                    group=f"island-{island}" if config.collectives else "")), 0.0)
+        self.rm.core(self.rm.state.take_notifications)  # nobody watches yet
+        self.proxy = SimProxy(PROXY, self.clock, self.network, ProxyState(
+            rm=RM, address=PROXY, session_timeout_seconds=config.session_timeout_seconds), RM,
+                              service_seconds=config.proxy_service_seconds, **node)
+        self.proxy.start()
+        self.clients: list[SimClient] = []
+
+    def add_client(self, name: str, script: Callable[[SimClient], Script], *, start_at: float = 0.0) -> SimClient:
+        client = SimClient(name, f"sim://client-{name}", PROXY, self.clock, self.network, script)
+        self.clients.append(client)
+        client.start(start_at)
+        return client
+
+    def run(self, until: float | None = None, max_events: int | None = None) -> dict[str, Any]:
+        """Run until every client's script ended (or ``until`` virtual seconds); returns ``report()``."""
+        started, cpu = time.perf_counter(), time.process_time()
+        self.proxy.tick_every(self.config.session_timeout_seconds / 4,
+                              lambda: not all(c.done for c in self.clients))
+        self.clock.run(until=until, max_events=max_events)
+        self.real_seconds = time.perf_counter() - started
+        self.real_cpu_seconds = time.process_time() - cpu
+        return self.report()
+
+    # ------------------------------------------------------------ figures
+
+    def report(self) -> dict[str, Any]:
+        """The controller's figures: simulated step times, traffic, decisions, and its cores' real CPU."""
+        sent, received = self.network.sent, self.network.received
+        steps = []
+        for c in self.clients:
+            begins, ends = c.marked("step"), c.marked("step_end")
+            steps += [e - b for b, e in zip(begins, ends, strict=False)]
+        executed = sum(ex.queues.executed for ex in self.executors)
+        proxy_in, proxy_out = received[PROXY], sent[PROXY]
+        return {
+            "cluster": {"islands": self.config.islands, "hosts": len(self.executors),
+                        "devices": len(self.executors) * self.config.devices_per_host},
+            # When the last script ended (the clock may run on to a housekeeping tick).
+            "virtual_seconds": max((c.finished_at for c in self.clients if c.finished_at is not None),
+                                   default=self.clock.now),
+            "events": self.clock.events_run,
+            "real_seconds": getattr(self, "real_seconds", 0.0),
+            "real_cpu_seconds": getattr(self, "real_cpu_seconds", 0.0),
+            "steps": len(steps),
+            "step_seconds_mean": statistics.fmean(steps) if steps else None,
+            "step_seconds_median": statistics.median(steps) if steps else None,
+            "clients": {c.name: {"steps": len(c.marked("step_end")), "runs": len(c.marked("run_done")),
+                                 "failure": str(c.failure) if c.failure else None, "errors": len(c.errors)}
+                        for c in self.clients},
+            "computations": executed,
+            "device_busy_seconds": sum(sum(ex.queues.busy_seconds) for ex in self.executors),
+            "data_plane_bytes": sum(ex.data_bytes_out for ex in self.executors),
+            "proxy": {
+                "messages_in": proxy_in.messages, "bytes_in": proxy_in.bytes,
+                "messages_out": proxy_out.messages, "bytes_out": proxy_out.bytes,
+                "dispatch_messages": proxy_out.tagged_messages["dispatch"],
+                "dispatch_bytes": proxy_out.tagged_bytes["dispatch"],
+                "messages_out_by_op": dict(proxy_out.by_op),
+                "core_cpu_seconds": self.proxy.cpu_seconds, "core_calls": self.proxy.core_calls,
+            },
+            "schedulers": {
+                "decisions": sum(s.decisions for s in self.schedulers),
+                "enqueues": sum(s.enqueues for s in self.schedulers),
+                "core_cpu_seconds": sum(s.cpu_seconds for s in self.schedulers),
+                "core_calls": sum(s.core_calls for s in self.schedulers),
+                "usage": {u.session: {"weight": u.weight, "runs": u.runs, "device_seconds": u.device_seconds}
+                          for s in self.schedulers for u in s.order.usage()},
+            },
+            "rm": {"core_cpu_seconds": self.rm.cpu_seconds, "core_calls": self.rm.core_calls,
+                   "messages_in": received[RM].messages},
+        }
+
+
+def format_report(report: dict[str, Any]) -> str:
+    """The figures as a few lines for a terminal."""
+    c, p, s, r = report["cluster"], report["proxy"], report["schedulers"], report["rm"]
+
+    def ms(x: float | None) -> str:
+        return "-" if x is None else f"{1e3 * x:.3f} ms"
+
+    lines = [
+        f"cluster: {c['islands']} island(s), {c['hosts']:,} hosts, {c['devices']:,} devices",
+        f"simulated: {report['virtual_seconds'] * 1e3:.3f} ms, {report['steps']} steps, "
+        f"step {ms(report['step_seconds_mean'])} mean, {ms(report['step_seconds_median'])} median; "
+        f"{report['computations']:,} computations, {report['device_busy_seconds'] * 1e3:.3f} device-ms, "
+        f"{report['data_plane_bytes']:,} data-plane bytes",
+        f"proxy: {p['messages_in']:,} messages in ({p['bytes_in']:,} B), {p['messages_out']:,} out "
+        f"({p['bytes_out']:,} B), of which dispatch {p['dispatch_messages']:,} ({p['dispatch_bytes']:,} B); "
+        f"core CPU {p['core_cpu_seconds'] * 1e3:.1f} ms over {p['core_calls']:,} calls",
+        f"schedulers: {s['decisions']:,} decisions, {s['enqueues']:,} Enqueues; "
+        f"core CPU {s['core_cpu_seconds'] * 1e3:.1f} ms over {s['core_calls']:,} calls",
+        f"rm: core CPU {r['core_cpu_seconds'] * 1e3:.1f} ms over {r['core_calls']:,} calls",
+        f"real: {report['real_seconds']:.2f} s ({report['events']:,} events)",
+    ]
+    for name, client in report["clients"].items():
+        if client["failure"] or client["errors"]:
+            lines.append(f"client {name}: failed: {client['failure']}; {client['errors']} refused posts")
+    return "\n".join(lines)

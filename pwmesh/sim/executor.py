@@ -1,0 +1,356 @@
+"""A simulated host executor: fake devices with the real device-queue core, in virtual time.
+
+It does what ``pwmesh/executor`` does with each message, without JAX or arrays:
+``Enqueue``s are admitted in the island's order (``executor_seq`` per scheduler), their
+computations unpacked with the real ``wire.parts.enqueued`` and put on the real
+``executor.queues.DeviceQueues`` (one FIFO per device, a computation starts at the
+head of all its devices' queues). A started computation waits for its inputs and its
+function, then takes the host's overhead and its devices' time from the cost model
+(``sim.cost``); its outputs are stored as shapes (no data), its ``Emit``s move bytes
+over the network's data plane to the executors that hold the destination shards
+(per destination, the sources it will hear from are counted, as progress tracking
+does), and completions go back as ``NodeDone`` (to the proxy, batched per run per
+instant) and ``RunPartDone`` (to the scheduler). ``PutShards``, ``SendShards``,
+``FetchShards`` (answered with zeros of the stored shape: real bytes on the wire),
+``DeleteShards``, ``ForgetOwner`` and ``CancelRun`` behave as the real executor's.
+"""
+
+from __future__ import annotations
+
+import collections
+import math
+from collections.abc import Callable
+
+import numpy as np
+
+from pwmesh.dataflow.exchange import destinations, emit_layouts
+from pwmesh.dataflow.layout import plan
+from pwmesh.errors import NotFound, PwmeshError
+from pwmesh.executor.queues import DeviceQueues, PartDone, Start
+from pwmesh.executor.work import Work
+from pwmesh.sim.clock import Clock
+from pwmesh.sim.cost import CostModel, FunctionCost
+from pwmesh.sim.network import Network
+from pwmesh.sim.node import Node
+from pwmesh.wire import Envelope
+from pwmesh.wire.messages import (
+    CancelRun,
+    Computation,
+    DeleteShards,
+    Emit,
+    Enqueue,
+    ErrorInfo,
+    FetchShards,
+    ForgetOwner,
+    NodeDone,
+    Ok,
+    PutShards,
+    RegisterFunction,
+    RunPartDone,
+    SendShards,
+    ShardValues,
+)
+from pwmesh.wire.parts import PartTemplates, enqueued
+
+Meta = tuple[tuple[int, ...], str]  # a stored shard: its shape and dtype (the simulator keeps no data)
+
+
+class SimExecutor(Node):
+    def __init__(self, *, executor_id: str, island: int, host: str, control: str, data: str, devices: int,
+                 clock: Clock, network: Network, cost: CostModel, peers: dict[str, SimExecutor],
+                 keep_spans: bool = False) -> None:
+        super().__init__(control, clock, network)
+        self.executor_id = executor_id
+        self.island = island
+        self.host = host
+        self.data = data
+        self.devices = devices
+        self.cost = cost
+        self.peers = peers  # every executor, by data-plane address (the data plane's routes)
+        self.queues = DeviceQueues(devices)
+        self.templates = PartTemplates()
+        self.functions: dict[str, FunctionCost] = {}
+        self.stored: dict[str, Meta] = {}
+        self.failed: dict[str, PwmeshError] = {}
+        self.tombstones: set[str] = set()  # deleted buffers ("owner/buffer"): late data for them is dropped
+        self.cancelled: dict[str, PwmeshError] = {}
+        self.spans: list[tuple[float, float, str, int, tuple[int, ...]]] = []  # (start, end, run, node, devices)
+        self.keep_spans = keep_spans
+        self.host_free = 0.0  # the host dispatches one computation at a time
+        self._waiters: dict[str, list[Callable[[], None]]] = collections.defaultdict(list)
+        self._fn_waiters: dict[str, list[Callable[[], None]]] = collections.defaultdict(list)
+        self._inbox: dict[str, int] = {}  # destination key -> pieces still expected
+        self._held: dict[str, dict[int, Enqueue]] = {}
+        self._expected: dict[str, int] = {}
+        self._completed: dict[tuple[str, str], list[int]] = {}
+        self._parts_done: list[tuple[str, RunPartDone]] = []
+        self.data_bytes_out = 0
+
+    # ------------------------------------------------------------ messages
+
+    def handle(self, env: Envelope) -> None:
+        msg = env.message
+        if isinstance(msg, Enqueue):
+            self._arrive_enqueue(msg)
+        elif isinstance(msg, RegisterFunction):
+            fn = FunctionCost.from_artifact(msg.exported)
+            self.functions[msg.fn_id] = fn
+            for wake in self._fn_waiters.pop(msg.fn_id, []):
+                wake()
+        elif isinstance(msg, PutShards):
+            for key, array in zip(msg.keys, msg.arrays, strict=True):
+                self._store(key, (tuple(array.shape), array.dtype.name))
+        elif isinstance(msg, SendShards):
+            shards = [r.shard + k for r in msg.runs for k in range(r.count)]
+            keys = [f"{msg.prefix}/{s}" for s in shards]
+            self._when_ready(keys, lambda: [self._emit(e, shards, {s: self.stored.get(f"{msg.prefix}/{s}")
+                                                                    for s in shards}) for e in msg.emits])
+        elif isinstance(msg, FetchShards):
+            self._when_ready(msg.keys, lambda: self.post(env.sender, ShardValues(arrays=[
+                np.zeros(*self.stored[k]) if k in self.stored else np.zeros((0,), np.float32) for k in msg.keys]),
+                reply_to=env.msg_id))
+        elif isinstance(msg, DeleteShards):
+            for prefix in msg.buffers:
+                self.tombstones.add(prefix)
+                for key in [k for k in self.stored if k.rsplit("/", 1)[0] == prefix]:
+                    del self.stored[key]
+        elif isinstance(msg, ForgetOwner):
+            self.tombstones = {t for t in self.tombstones if not t.startswith(msg.prefix)}
+        elif isinstance(msg, CancelRun):
+            self._cancel(msg.run_id, msg.error.exception())
+        else:
+            self.post(env.sender, Ok(), reply_to=env.msg_id)  # what a fake host need not do (stats, traces)
+
+    def _arrive_enqueue(self, msg: Enqueue) -> None:
+        """Admit Enqueues in the island's order, holding any that overtook an earlier one."""
+        if msg.executor_seq < 0:
+            self._admit(msg)
+            return
+        source = f"{msg.scheduler}|{msg.epoch}"
+        held = self._held.setdefault(source, {})
+        held[msg.executor_seq] = msg
+        expected = self._expected.get(source, 0)
+        while expected in held:
+            self._admit(held.pop(expected))
+            expected += 1
+        self._expected[source] = expected
+
+    def _admit(self, msg: Enqueue) -> None:
+        comps: list[Computation] = enqueued(msg, self.templates)
+        self.queues.admitting(msg.run_id)
+        starts: list[Start] = []
+        for comp in comps:
+            shards = comp.shards()
+            work = Work(run_id=msg.run_id, proxy=msg.proxy, scheduler=msg.scheduler, comp=comp,
+                        devices=[d for d, _ in shards], shards=[s for _, s in shards])
+            work.queued = True
+            self.queues.add(work)
+            starts += self.queues.queue(work)
+        self._act(starts)
+        self._act(self.queues.admitted(msg.run_id, msg.scheduler))
+
+    # ------------------------------------------------------------ computations
+
+    def _act(self, actions: list[Start] | list[PartDone]) -> None:
+        for action in actions:
+            if isinstance(action, Start):
+                self._start(action.work)
+            else:
+                self._part_done(action)
+
+    def _start(self, work: Work) -> None:
+        """Every local device reached it: wait for its function and inputs, then run it."""
+        comp = work.comp
+        base = work.run_id.split("#", 1)[0]
+        if base in self.cancelled:
+            self._fail(work, self.cancelled[base])
+            return
+        if comp.kind == "call" and comp.fn_id not in self.functions:
+            self._fn_waiters[comp.fn_id].append(lambda: self._start(work))
+            return
+        keys = [f"{p}/{s}" for p in comp.inputs for s in work.shards]
+        self._when_ready(keys, lambda: self._begin(work))
+
+    def _begin(self, work: Work) -> None:
+        if work.finished or work.cancelled is not None:
+            return
+        bad = next((self.failed[k] for p in work.comp.inputs for s in work.shards
+                    if (k := f"{p}/{s}") in self.failed), None)
+        if bad is not None:
+            self._fail(work, bad)
+            return
+        comp = work.comp
+        fn = self.functions.get(comp.fn_id) if comp.kind == "call" else None
+        seconds = self.cost.shard_seconds(fn) if fn is not None else 0.0
+        start = max(self.clock.now, self.host_free) + self.cost.host_overhead_seconds
+        self.host_free = start
+        work.device_seconds = seconds * len(work.devices)
+        self.clock.at(start + seconds, lambda: self._finish(work, fn, start))
+
+    def _finish(self, work: Work, fn: FunctionCost | None, start: float) -> None:
+        if work.finished:
+            return
+        comp = work.comp
+        if self.keep_spans:
+            self.spans.append((start, self.clock.now, work.run_id, comp.node, tuple(work.devices)))
+        starts = self.queues.release(work)
+        if work.cancelled is None:
+            for i, prefix in enumerate(comp.outputs):
+                for s in work.shards:
+                    self._store(f"{prefix}/{s}", self._output_meta(fn, comp, i, s))
+            for emit in comp.emits:
+                slot = emit.slot
+                names = [*comp.inputs, *comp.outputs]
+                prefix = names[slot] if 0 <= slot < len(names) else ""
+                self._emit(emit, work.shards, {s: self.stored.get(f"{prefix}/{s}") for s in work.shards})
+            self._completed_node(work)
+        self._act(starts)
+        self._act(self.queues.complete(work))
+
+    def _output_meta(self, fn: FunctionCost | None, comp: Computation, i: int, shard: int) -> Meta:
+        if fn is not None and i < len(fn.out_shapes):
+            return fn.out_shapes[i], fn.dtype
+        if i < len(comp.inputs):  # identity: its inputs, stored as its outputs
+            found = self.stored.get(f"{comp.inputs[i]}/{shard}")
+            if found is not None:
+                return found
+        return (), "float32"
+
+    def _fail(self, work: Work, error: PwmeshError) -> None:
+        """A computation that cannot run: its outputs fail, its destinations hear so, its node reports it."""
+        work.cancelled = work.cancelled or error
+        work.error = error
+        for prefix in work.comp.outputs:
+            for s in work.shards:
+                self._store_failed(f"{prefix}/{s}", error)
+        for emit in work.comp.emits:
+            for target in emit.targets:
+                for j, dest in destinations(target).items():
+                    peer = self.peers.get(dest.data)
+                    if peer is not None:
+                        key = f"{target.prefix}/{j}"
+                        self.network.transfer(self.data, dest.data, 64, lambda p=peer, k=key: p._store_failed(k, error))
+        self.post(work.proxy, NodeDone(run_id=work.run_id, nodes=[work.comp.node], executor_id=self.executor_id,
+                                       error=ErrorInfo.of(error)))
+        if not work.finished:
+            starts = self.queues.release(work)
+            self._act(starts)
+            self._act(self.queues.complete(work))
+
+    def _cancel(self, run_id: str, error: PwmeshError) -> None:
+        self.cancelled[run_id] = error
+        for work in self.queues.of_run(run_id):
+            if not work.finished and work.cancelled is None:
+                work.cancelled = error
+                if work.device_seconds == 0.0:  # not running yet: it fails now, freeing its devices
+                    self._fail(work, error)
+
+    # ------------------------------------------------------------ completions
+
+    def _completed_node(self, work: Work) -> None:
+        if not self._completed and not self._parts_done:
+            self.clock.after(0.0, self._report)  # what completes in one instant leaves together
+        self._completed.setdefault((work.proxy, work.run_id), []).append(work.comp.node)
+
+    def _part_done(self, done: PartDone) -> None:
+        if not done.scheduler:
+            return
+        msg = RunPartDone(run_id=done.run_id, executor_id=self.executor_id, device_seconds=done.device_seconds)
+        if self._completed:
+            self._parts_done.append((done.scheduler, msg))
+        else:
+            self.post(done.scheduler, msg)
+
+    def _report(self) -> None:
+        completed, self._completed = self._completed, {}
+        parts, self._parts_done = self._parts_done, []
+        for (proxy, run_id), nodes in completed.items():
+            self.post(proxy, NodeDone(run_id=run_id, nodes=nodes, executor_id=self.executor_id))
+        for scheduler, msg in parts:
+            self.post(scheduler, msg)
+
+    # ------------------------------------------------------------ the store and the data plane
+
+    def _when_ready(self, keys: list[str], then: Callable[[], None]) -> None:
+        """Run ``then`` once every key is stored or failed (a posted receive)."""
+        missing = [k for k in keys if k not in self.stored and k not in self.failed]
+        if not missing:
+            then()
+            return
+        left = [len(missing)]
+
+        def one() -> None:
+            left[0] -= 1
+            if left[0] == 0:
+                then()
+
+        for key in missing:
+            self._waiters[key].append(one)
+
+    def _store(self, key: str, meta: Meta) -> None:
+        if key.rsplit("/", 1)[0] in self.tombstones:
+            return
+        self.stored[key] = meta
+        for wake in self._waiters.pop(key, []):
+            wake()
+
+    def _store_failed(self, key: str, error: PwmeshError) -> None:
+        if key in self.stored or key in self.failed:
+            return
+        self.failed[key] = error
+        self._inbox.pop(key, None)
+        for wake in self._waiters.pop(key, []):
+            wake()
+
+    def _piece(self, key: str, sources: int, meta: Meta) -> None:
+        """One producer's piece (or marker) for a destination shard; the last one stores it."""
+        if key in self.stored or key in self.failed or key.rsplit("/", 1)[0] in self.tombstones:
+            return
+        left = self._inbox.get(key, sources) - 1
+        if left > 0:
+            self._inbox[key] = left
+            return
+        self._inbox.pop(key, None)
+        self._store(key, meta)
+
+    def _emit(self, emit: Emit, shards: list[int], local: dict[int, Meta | None]) -> None:
+        """Send a value's local shards as ``emit`` says: per destination executor, one transfer of the bytes."""
+        batches: dict[str, list[tuple[str, int, Meta]]] = {}
+        nbytes: collections.Counter[str] = collections.Counter()
+        for target in emit.targets:
+            dests = destinations(target)
+            meta: Meta = (tuple(target.shape), target.dtype)
+            itemsize = np.dtype(target.dtype).itemsize if target.dtype else 4
+            if emit.mode == "block":
+                moves = plan(*emit_layouts(emit, target))
+                for src in shards:
+                    for piece in moves.sends.get(src, ()):
+                        dest = dests.get(piece.dest)
+                        if dest is None:
+                            continue
+                        size = math.prod(h - lo for lo, h in zip(piece.lo, piece.hi, strict=True)) * itemsize
+                        batches.setdefault(dest.data, []).append(
+                            (f"{target.prefix}/{piece.dest}", len(moves.sources[piece.dest]), meta))
+                        nbytes[dest.data] += size
+            else:  # route / scatter: every producer reports to every destination shard; rows split evenly
+                for src in shards:
+                    have = local.get(src)
+                    value = math.prod(have[0]) * np.dtype(have[1]).itemsize if have else 0
+                    for j, dest in dests.items():
+                        batches.setdefault(dest.data, []).append((f"{target.prefix}/{j}", emit.src_shards, meta))
+                        nbytes[dest.data] += value // max(1, len(dests) * len(emit.targets))
+        for data, pieces in batches.items():
+            peer = self.peers.get(data)
+            if peer is None:
+                raise NotFound(f"{self.executor_id}: no executor has data-plane address {data!r}")
+            if peer is self:
+                for key, sources, meta in pieces:
+                    self._piece(key, sources, meta)
+                continue
+            self.data_bytes_out += nbytes[data]
+
+            def arrived(peer: SimExecutor = peer, pieces: list[tuple[str, int, Meta]] = pieces) -> None:
+                for key, sources, meta in pieces:
+                    peer._piece(key, sources, meta)
+
+            self.network.transfer(self.data, data, nbytes[data], arrived)
