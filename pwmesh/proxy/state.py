@@ -717,9 +717,10 @@ class ProxyState:
         buf.locations = slice_locations(sl)
         buf.slice_id = sl.slice_id
         puts: dict[str, PutShards] = {}
-        for i, (loc, part) in enumerate(zip(buf.locations, layout.split(msg.array), strict=True)):
+        keys = buf.keys(session.session_id)  # once: per shard it made a put of n shards cost n^2
+        for key, loc, part in zip(keys, buf.locations, layout.split(msg.array), strict=True):
             batch = puts.setdefault(loc.control, PutShards(keys=[], devices=[], arrays=[]))
-            batch.keys.append(buf.keys(session.session_id)[i])
+            batch.keys.append(key)
             batch.devices.append(loc.device)
             batch.arrays.append(part)
             buf.holders.add(loc.control)

@@ -13,7 +13,6 @@ import dataclasses
 from typing import Any
 
 from pwmesh.errors import PwmeshError
-from pwmesh.ir.lower import value_layout
 from pwmesh.proxy.state import (
     Ask,
     FencePeer,
@@ -30,6 +29,8 @@ from pwmesh.proxy.state import (
     SliceGranted,
     Tick,
     Wait,
+    settled,
+    sources,
 )
 from pwmesh.sim.clock import Clock
 from pwmesh.sim.controller import error_message
@@ -59,13 +60,13 @@ class _Request:
 class _Waiting:
     request: _Request
     buffers: list[Any]
-    then: Any
     left: int
 
 
 @dataclasses.dataclass
 class _Fetch:
     request: _Request
+    session_id: str
     buffer: Any
     shards: dict[str, list[Any]]  # key -> its array, once here
     order: list[str]  # every key, in the order the reply lists them
@@ -86,6 +87,7 @@ class SimProxy(Node):
         self._fetches: dict[int, tuple[_Fetch, list[str], str]] = {}  # FetchShards id -> (fetch, keys, executor)
         self._lost: set[str] = set()
         self._fenced: dict[str, list[tuple[Message, str]]] = {}
+        self._abandoned: set[int] = set()  # FetchShards whose answers nobody waits for any more
         self._ticking = False
 
     def start(self) -> None:
@@ -119,6 +121,9 @@ class SimProxy(Node):
             return
         if env.reply_to is not None and env.reply_to in self._fetches:
             self._fetched(self._fetches.pop(env.reply_to), msg)
+            return
+        if env.reply_to is not None and env.reply_to in self._abandoned:
+            self._abandoned.discard(env.reply_to)
             return
         if sender == self.rm:
             if isinstance(msg, Error):
@@ -190,7 +195,7 @@ class SimProxy(Node):
         if request is None:
             return
         pending = [b for b in action.buffers if not b.done]
-        waiting = _Waiting(request, list(action.buffers), action.then, len(pending))
+        waiting = _Waiting(request, list(action.buffers), len(pending))
         if not pending:
             self._waited(waiting)
             return
@@ -202,32 +207,37 @@ class SimProxy(Node):
             waiting.left -= 1
             if waiting.left == 0:
                 self._waited(waiting)
+        failed = settled([buffer])
+        if failed is not None:  # an early fetch of it ends with its failure (its shards never come)
+            for msg_id, (fetch, _, _) in list(self._fetches.items()):
+                if fetch.buffer is buffer:
+                    self._abandon(msg_id, failed)
 
     def _waited(self, waiting: _Waiting) -> None:
-        failed = next((b.error for b in waiting.buffers if b.error is not None), None)
-        if failed is not None:
-            self.post(waiting.request.peer, error_message(failed), reply_to=waiting.request.msg_id)
-        elif waiting.then is None:
-            self.post(waiting.request.peer, Ok(), reply_to=waiting.request.msg_id)
-        else:
-            self._do([waiting.then], waiting.request)
+        failed = settled(waiting.buffers)
+        reply = error_message(failed) if failed is not None else Ok()
+        self.post(waiting.request.peer, reply, reply_to=waiting.request.msg_id)
 
     def _fetch(self, request: _Request | None, action: Fetching) -> None:
+        """Ask the executors at once, as the daemon does: they answer when the shards exist."""
         if request is None:
             return
-        # The reply lists one shard per distinct block, in ``Layout.distinct()`` order.
-        rank = {shard: i for i, shard in enumerate(value_layout(action.buffer.spec).distinct())}
-        keys = sorted((k for ks in action.by_control.values() for k in ks),
-                      key=lambda k: rank.get(int(k.rsplit("/", 1)[1]), len(rank)))
-        fetch = _Fetch(request, action.buffer, {}, keys, len(action.by_control))
-        if not action.by_control:
+        failed = settled([action.buffer]) if action.buffer.done else None
+        wanted = sources(action.session_id, action.buffer)
+        by_control: dict[str, list[str]] = {}
+        for control, key in wanted:
+            by_control.setdefault(control, []).append(key)
+        fetch = _Fetch(request, action.session_id, action.buffer, {}, [key for _, key in wanted], len(by_control))
+        lost = next((c for c in by_control if c in self._lost), None)
+        if failed is not None or lost is not None:
+            self.post(request.peer, error_message(failed) if failed is not None else
+                      Error(code="device_lost", message=f"{lost} is gone"), reply_to=request.msg_id)
+            self._run(FetchEnded(action.session_id, action.buffer), None)
+            return
+        if not by_control:
             self._fetch_done(fetch)
-        for control, mine in action.by_control.items():
-            if control in self._lost:
-                self.post(request.peer, Error(code="device_lost", message=f"{control} is gone"),
-                          reply_to=request.msg_id)
-                return
-            self._fetches[self.post(control, FetchShards(keys=list(mine)))] = (fetch, list(mine), control)
+        for control, mine in by_control.items():
+            self._fetches[self.post(control, FetchShards(keys=mine))] = (fetch, mine, control)
 
     def _fetched(self, found: tuple[_Fetch, list[str], str], msg: Message) -> None:
         fetch, keys, _ = found
@@ -246,14 +256,23 @@ class SimProxy(Node):
         else:
             self.post(request.peer, Error(code="unavailable", message="a shard could not be fetched"),
                       reply_to=request.msg_id)
-        self._run(FetchEnded(request.peer.encode(), fetch.buffer), None)
+        self._run(FetchEnded(fetch.session_id, fetch.buffer), None)
+
+    def _abandon(self, msg_id: int, error: Any) -> None:
+        """Answer a fetch under way with ``error``; its executors' late answers are dropped."""
+        fetch, _, _ = self._fetches.pop(msg_id)
+        for other, (f, _, _) in list(self._fetches.items()):
+            if f is fetch:
+                del self._fetches[other]
+                self._abandoned.add(other)
+        self._abandoned.add(msg_id)
+        self.post(fetch.request.peer, error_message(error), reply_to=fetch.request.msg_id)
+        self._run(FetchEnded(fetch.session_id, fetch.buffer), None)
 
     def _peer_lost(self, control: str, error: Any) -> None:
         """The executor at ``control`` is gone: fetches waiting on it fail (the core fails the rest)."""
         self._lost.add(control)
         self._fenced.pop(control, None)
-        for msg_id, (fetch, _, where) in list(self._fetches.items()):
-            if where == control:
-                del self._fetches[msg_id]
-                self.post(fetch.request.peer, error_message(error), reply_to=fetch.request.msg_id)
-                self._run(FetchEnded(fetch.request.peer.encode(), fetch.buffer), None)
+        for msg_id, (_, _, where) in list(self._fetches.items()):
+            if where == control and msg_id in self._fetches:
+                self._abandon(msg_id, error)
