@@ -33,13 +33,16 @@ no JAX: each part drives the same pure object the daemon wraps, with a synthetic
     idle or loaded (512 slices of 8 devices held: half the devices carry one); each slice
     released after it is timed, so every repeat sees the same state. CPU time, median.
 
-(d) the Figure-5 comparison at 16 to 1,024 simulated hosts and (e) a pipeline over 4
-islands x 256 hosts wait for the simulator (``pwmesh/sim``, not written yet): not run.
+(d) **Figure 5 at 16 to 1,024 simulated hosts** and (e) **a pipeline over 4 islands x 256
+    hosts**: on the simulator (``pwmesh.sim``: the same cores, simulated executors, virtual
+    time; each controller charged the real CPU its core took), with the executors' costs
+    ``bench/sim_check.py`` measured on this machine. See ``bench/_scale_sim.py``.
 
-    python bench/scale.py            # ~3 minutes on a 2-core machine
+    python bench/scale.py            # ~10 minutes on a 2-core machine
     python bench/scale.py --smoke    # seconds
 
-Writes ``scale.json``, ``scale.md`` and ``scale.png`` into ``--out`` (default: bench/results).
+Writes ``scale.json``, ``scale.md``, ``scale.png`` (a-c) and ``scale_sim.png`` (d, e) into
+``--out`` (default: bench/results).
 """
 
 from __future__ import annotations
@@ -85,6 +88,7 @@ from pwmesh.wire.messages import (
 from pwmesh.wire.parts import run_parts
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _scale_sim  # noqa: E402
 from _common import DEFAULT_OUT, load_average, machine, pyplot, save_figure, save_results, table  # noqa: E402
 
 DEVICES_PER_EXECUTOR = 8
@@ -95,10 +99,6 @@ PROXY_GOAL = "flat: the same messages, bytes and CPU per program at 8,192 device
 DECISIONS_GOAL_PER_SECOND = 50_000
 PLACEMENT_GOAL_MS = 10.0
 EXPORTED_BYTES = 4096  # a stand-in for a function's jax.export bytes (only in the one-time RegisterFunction)
-NOT_RUN = {
-    "d": "not run: the Figure-5 comparison at 16 to 1,024 simulated hosts waits for the simulator (pwmesh/sim)",
-    "e": "not run: the simulated pipeline over 4 islands x 256 hosts waits for the simulator (pwmesh/sim)",
-}
 
 
 @dataclasses.dataclass
@@ -114,11 +114,19 @@ class Config:
     rm_slice_sizes: tuple[int, ...] = (1, 8, 64, 1024, 2048, 8192)
     rm_background_slices: int = 512  # "loaded": this many slices of 8 devices held
     rm_repeats: int = 31
+    sim_hosts: tuple[int, ...] = (16, 32, 64, 128, 256, 512, 1024)  # (d)
+    sim_k: int = 16  # (d): computations in the chain
+    sim_steps: int = 3  # (d), (e): the first is a warm-up
+    pipeline_islands: int = 4  # (e)
+    pipeline_hosts_per_island: int = 256
+    pipeline_microbatches: int = 8
+    pipeline_stage_seconds: float = 2e-3  # one stage's device time per microbatch
 
 
 SMOKE = Config(proxy_devices=(2, 8, 64), proxy_warm_repeats=3, proxy_cold_repeats=2, client_counts=(1, 16),
                scheduler_decisions=1000, scheduler_rounds=1, rm_executors=64, rm_slice_sizes=(1, 8, 64),
-               rm_background_slices=16, rm_repeats=3)
+               rm_background_slices=16, rm_repeats=3, sim_hosts=(16, 32), sim_k=4, pipeline_hosts_per_island=4,
+               pipeline_microbatches=4)
 
 
 def median_cpu(fn: Callable[[], Any], repeats: int) -> tuple[float, Any]:
@@ -568,6 +576,17 @@ def plot(path: Path, result: dict[str, Any]) -> bool:
     return save_figure(fig, path)
 
 
+def plot_sim(path: Path, result: dict[str, Any]) -> bool:
+    plt = pyplot()
+    if plt is None:
+        return False
+    fig, axes = plt.subplots(1, 2, figsize=(14, 4.6))
+    _scale_sim.plot_figure5(axes[0], result["figure5"])
+    _scale_sim.plot_pipeline(axes[1], result["pipeline"])
+    fig.suptitle("The controller at scale, simulated: the real cores, executors' costs measured on this machine")
+    return save_figure(fig, path)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="output directory")
@@ -575,6 +594,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--proxy-devices", default=None, help="comma-separated slice sizes for (a)")
     parser.add_argument("--clients", default=None, help="comma-separated client counts for (b)")
     parser.add_argument("--decisions", type=int, default=None, help="runs released per point in (b)")
+    parser.add_argument("--hosts", default=None, help="comma-separated simulated host counts for (d)")
+    parser.add_argument("--costs", type=Path, default=None,
+                        help="sim_check.json whose calibration sets the simulated executors' costs "
+                             "(default: bench/results/sim_check.json if it exists, else the simulator's defaults)")
     args = parser.parse_args(argv)
     config = dataclasses.replace(SMOKE) if args.smoke else Config()
     try:
@@ -582,12 +605,19 @@ def main(argv: list[str] | None = None) -> int:
             config.proxy_devices = tuple(int(n) for n in args.proxy_devices.split(","))
         if args.clients:
             config.client_counts = tuple(int(n) for n in args.clients.split(","))
+        if args.hosts:
+            config.sim_hosts = tuple(int(n) for n in args.hosts.split(","))
     except ValueError as exc:
         parser.error(f"expected comma-separated integers: {exc}")
     if args.decisions is not None:
         config.scheduler_decisions = args.decisions
-    if any(n < 1 for n in (*config.proxy_devices, *config.client_counts, config.scheduler_decisions)):
-        parser.error("device counts, client counts and --decisions must be at least 1")
+    if any(n < 1 for n in (*config.proxy_devices, *config.client_counts, *config.sim_hosts,
+                           config.scheduler_decisions)):
+        parser.error("device, client and host counts and --decisions must be at least 1")
+    try:
+        costs = _scale_sim.load_costs(args.costs)
+    except (OSError, ValueError) as exc:
+        parser.error(str(exc))
 
     started = time.monotonic()
     load_at_start = load_average()
@@ -597,6 +627,13 @@ def main(argv: list[str] | None = None) -> int:
     sched = scheduler_rate(config)
     print(f"(c) RM slice placement at {config.rm_executors * DEVICES_PER_EXECUTOR:,} devices", flush=True)
     placement = placement_time(config)
+    print(f"(d) Figure 5 on the simulator, {config.sim_hosts[0]:,} to {config.sim_hosts[-1]:,} hosts; costs from "
+          f"{costs.source}", flush=True)
+    figure5 = _scale_sim.figure5(config.sim_hosts, DEVICES_PER_EXECUTOR, config.sim_k, config.sim_steps, costs)
+    print(f"(e) a pipeline over {config.pipeline_islands} islands x {config.pipeline_hosts_per_island:,} hosts "
+          "on the simulator", flush=True)
+    pipe = _scale_sim.pipeline(config.pipeline_islands, config.pipeline_hosts_per_island, DEVICES_PER_EXECUTOR,
+                               config.pipeline_microbatches, config.sim_steps, config.pipeline_stage_seconds, costs)
     result = {
         "benchmark": "scale",
         "smoke": args.smoke,
@@ -608,7 +645,11 @@ def main(argv: list[str] | None = None) -> int:
         "scheduler_goal_decisions_per_second": DECISIONS_GOAL_PER_SECOND,
         "placement": placement,
         "placement_goal_ms": PLACEMENT_GOAL_MS,
-        "not_run": NOT_RUN,
+        "sim_costs": {"source": costs.source, "cost_model": dataclasses.asdict(costs.cost),
+                      "link": dataclasses.asdict(costs.link), "op_seconds": costs.op_seconds,
+                      "jax_op_seconds": costs.jax_op_seconds},
+        "figure5": figure5,
+        "pipeline": pipe,
         "wall_seconds": time.monotonic() - started,
     }
     sections = [
@@ -619,25 +660,34 @@ def main(argv: list[str] | None = None) -> int:
          "the run and its buffers)", phases_table(proxy), 1),
         ("(b) island-scheduler decisions per CPU second (fair, window 2)", scheduler_table(sched), 1),
         ("(c) RM slice placement (CPU of ResourceManagerState.handle(AllocateSlice))", placement_table(placement), 0),
+        (f"(d) Figure 5 on the simulator: a chain of {config.sim_k} tiny computations over every device "
+         "(warm steps; per computation: the proxy's messages in and out, its core's and the island scheduler's CPU)",
+         _scale_sim.figure5_table(figure5), 0),
+        ("(e) a pipeline on the simulator (GPipe forward, one stage per island, warm steps)",
+         _scale_sim.pipeline_table(pipe), 0),
     ]
     for title, (headers, rows), _ in sections:
         print(f"\n{title}:")
         print(table(headers, rows))
         if title.startswith("(a) the proxy"):
             print("\n".join(ratio_lines(proxy)))
-    print()
-    for part, line in NOT_RUN.items():
-        print(f"({part}) {line}")
+        if title.startswith("(d)"):
+            print("\n".join(_scale_sim.figure5_lines(figure5)))
+    print(f"\n(d, e) the simulated executors' costs: {costs.source}")
     md = []
     for title, (headers, rows), text_columns in sections:
         md += [f"{title}:", markdown(headers, rows, text_columns)]
         if title.startswith("(a) the proxy"):
             md.append("\n".join(f"- {line}" for line in ratio_lines(proxy)))
-    md.append("\n".join(f"- ({part}) {line}" for part, line in NOT_RUN.items()))
+        if title.startswith("(d)"):
+            md.append("\n".join(f"- {line}" for line in _scale_sim.figure5_lines(figure5)))
+    md.append(f"(d, e) the simulated executors' costs: {costs.source}")
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "scale.md").write_text("\n\n".join(md) + "\n")
     print(f"\nwrote {args.out / 'scale.md'}")
     save_results(args.out, "scale", result, lambda path: plot(path, result))
+    if plot_sim(args.out / "scale_sim.png", result):
+        print(f"wrote {args.out / 'scale_sim.png'}")
     return 0
 
 

@@ -203,7 +203,8 @@ def test_pipeline_smoke(tmp_path: Path) -> None:
 def test_scale_smoke(tmp_path: Path) -> None:
     proc = run_smoke("scale.py", tmp_path)
     data = json.loads((tmp_path / "scale.json").read_text())
-    assert {"benchmark", "config", "machine", "proxy", "scheduler", "placement", "not_run"} <= data.keys()
+    assert {"benchmark", "config", "machine", "proxy", "scheduler", "placement", "figure5", "pipeline",
+            "sim_costs"} <= data.keys()
     assert data["benchmark"] == "scale" and data["smoke"] is True
     config = data["config"]
     for kind in ("pmap", "spmd"):
@@ -230,6 +231,22 @@ def test_scale_smoke(tmp_path: Path) -> None:
     assert sizes == {(i, load, n) for i in config["rm_islands"] for load in ("idle", "loaded")
                      for n in config["rm_slice_sizes"]}
     assert all(r["median_ms"] > 0 for r in data["placement"])
-    assert set(data["not_run"]) == {"d", "e"} and "pwmesh/sim" in proc.stdout
+    # (d): every mode at every simulated size, each a real rate; fused does the same work in fewer
+    # computations, so the controller handles fewer messages per computation than OpByOp.
+    rows = data["figure5"]["rows"]
+    assert {(r["hosts"], r["mode"]) for r in rows} == {(h, m) for h in config["sim_hosts"]
+                                                       for m in ("opbyop", "chained", "fused")}
+    for h in config["sim_hosts"]:
+        by_mode = {r["mode"]: r for r in rows if r["hosts"] == h}
+        assert all(r["computations_per_second"] > 0 and 0 <= r["proxy_busy"] <= 1 for r in by_mode.values())
+        assert by_mode["fused"]["proxy_messages"] < by_mode["opbyop"]["proxy_messages"]
+    # (e): every microbatch went through every island's stage, no faster than the pipeline's ideal.
+    pipe = data["pipeline"]
+    assert pipe["islands"] == config["pipeline_islands"] and pipe["steps"] == config["sim_steps"]
+    assert pipe["computations"] == (config["sim_steps"] * config["pipeline_microbatches"] * config["pipeline_islands"]
+                                    * config["pipeline_hosts_per_island"])
+    assert 0 < pipe["efficiency"] <= 1.0 and {s["island"] for s in pipe["timeline"]} == set(range(pipe["islands"]))
+    assert "simulated executors' costs" in proc.stdout
     assert "| node | devices |" in (tmp_path / "scale.md").read_text()
     check_plot(tmp_path / "scale.png")
+    check_plot(tmp_path / "scale_sim.png")

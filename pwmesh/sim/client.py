@@ -48,9 +48,11 @@ Script = Generator[Op, Any, None]
 
 class SimClient(Node):
     def __init__(self, name: str, address: str, proxy: str, clock: Clock, network: Network,
-                 script: Callable[[SimClient], Script]) -> None:
+                 script: Callable[[SimClient], Script],
+                 on_mark: Callable[[str, float], None] | None = None) -> None:
         super().__init__(address, clock, network)
         self.name = name
+        self.on_mark = on_mark  # told of every Mark (the cluster snapshots its counters at the first step)
         self.proxy = proxy
         self.marks: list[tuple[str, float]] = []
         self.errors: list[Error] = []  # refusals of posts (nobody waited for them)
@@ -81,6 +83,8 @@ class SimClient(Node):
                     self.post(self.proxy, op.message)
                 elif isinstance(op, Mark):
                     self.marks.append((op.label, self.clock.now))
+                    if self.on_mark is not None:
+                        self.on_mark(op.label, self.clock.now)
                 else:
                     raise TypeError(f"a client script yielded {op!r}")
                 op = self._script.send(None)

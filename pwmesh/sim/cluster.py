@@ -102,12 +102,25 @@ class SimCluster:
                               service_seconds=config.proxy_service_seconds, **node)
         self.proxy.start()
         self.clients: list[SimClient] = []
+        # The controller's counters when each step began (the first step of any client, then its second...).
+        self._at_steps: list[dict[str, float]] = []
 
     def add_client(self, name: str, script: Callable[[SimClient], Script], *, start_at: float = 0.0) -> SimClient:
-        client = SimClient(name, f"sim://client-{name}", PROXY, self.clock, self.network, script)
+        client = SimClient(name, f"sim://client-{name}", PROXY, self.clock, self.network, script,
+                           on_mark=self._marked)
         self.clients.append(client)
         client.start(start_at)
         return client
+
+    def _counters(self) -> dict[str, float]:
+        sent, received = self.network.sent[PROXY], self.network.received[PROXY]
+        return {"messages": sent.messages + received.messages, "bytes": sent.bytes + received.bytes,
+                "proxy_cpu_seconds": self.proxy.cpu_seconds,
+                "scheduler_cpu_seconds": sum(s.cpu_seconds for s in self.schedulers)}
+
+    def _marked(self, label: str, now: float) -> None:
+        if label == "step" and len(self._at_steps) < 2:
+            self._at_steps.append(self._counters())
 
     def run(self, until: float | None = None, max_events: int | None = None) -> dict[str, Any]:
         """Run until every client's script ended (or ``until`` virtual seconds); returns ``report()``."""
@@ -129,6 +142,21 @@ class SimCluster:
             begins, ends = c.marked("step"), c.marked("step_end")
             steps += [e - b for b, e in zip(begins, ends, strict=False)]
         executed = sum(ex.queues.executed for ex in self.executors)
+        # The warm steps' window (the second step's start to the last step's end; the first step fills the
+        # lowering cache and sends the functions to the executors): how busy the controller was meanwhile.
+        begins = sorted(t for c in self.clients for t in c.marked("step"))
+        ends = [t for c in self.clients for t in c.marked("step_end")]
+        window = (begins[1 if len(begins) > 1 else 0], max(ends)) if begins and ends else None
+        warm = []
+        for c in self.clients:
+            b, e = c.marked("step"), c.marked("step_end")
+            warm += [t1 - t0 for t0, t1 in list(zip(b, e, strict=False))[1:]]
+
+        def busy(node: Any) -> float | None:
+            if window is None or window[1] <= window[0]:
+                return None
+            return node.busy_between(*window) / (window[1] - window[0])
+
         proxy_in, proxy_out = received[PROXY], sent[PROXY]
         return {
             "cluster": {"islands": self.config.islands, "hosts": len(self.executors),
@@ -142,6 +170,7 @@ class SimCluster:
             "steps": len(steps),
             "step_seconds_mean": statistics.fmean(steps) if steps else None,
             "step_seconds_median": statistics.median(steps) if steps else None,
+            "warm_step_seconds_median": statistics.median(warm) if warm else None,  # every step but the first
             "clients": {c.name: {"steps": len(c.marked("step_end")), "runs": len(c.marked("run_done")),
                                  "failure": str(c.failure) if c.failure else None, "errors": len(c.errors)}
                         for c in self.clients},
@@ -155,15 +184,25 @@ class SimCluster:
                 "dispatch_bytes": proxy_out.tagged_bytes["dispatch"],
                 "messages_out_by_op": dict(proxy_out.by_op),
                 "core_cpu_seconds": self.proxy.cpu_seconds, "core_calls": self.proxy.core_calls,
+                # Share of the steps' window the proxy spent handling messages (timed runs: ``charge_cpu`` or
+                # a service time; None otherwise): near 1, the one controller is what limits the run.
+                "busy_in_steps": busy(self.proxy),
             },
             "schedulers": {
                 "decisions": sum(s.decisions for s in self.schedulers),
                 "enqueues": sum(s.enqueues for s in self.schedulers),
                 "core_cpu_seconds": sum(s.cpu_seconds for s in self.schedulers),
                 "core_calls": sum(s.core_calls for s in self.schedulers),
+                "busy_in_steps": max((b for s in self.schedulers if (b := busy(s)) is not None), default=None),
                 "usage": {u.session: {"weight": u.weight, "runs": u.runs, "device_seconds": u.device_seconds}
                           for s in self.schedulers for u in s.order.usage()},
             },
+            # The proxy's traffic and the cores' CPU from the second step's start to the end (the warm steps:
+            # setup and the first step's lowering and function registrations excluded); the first step's own.
+            "in_steps": None if len(self._at_steps) < 2 else {
+                k: v - self._at_steps[1][k] for k, v in self._counters().items()},
+            "first_step": None if len(self._at_steps) < 2 else {
+                k: v - self._at_steps[0][k] for k, v in self._at_steps[1].items()},
             "rm": {"core_cpu_seconds": self.rm.cpu_seconds, "core_calls": self.rm.core_calls,
                    "messages_in": received[RM].messages},
         }

@@ -35,6 +35,7 @@ class Node:
         self.core_calls = 0
         self.handled = 0
         self.busy_seconds = 0.0  # virtual time spent handling (service + charged CPU)
+        self.busy_log: list[tuple[float, float]] = []  # (start, virtual seconds) of every timed handling
         self._backlog: collections.deque[Envelope] = collections.deque()
         self._busy_until = 0.0
         self._draining = False
@@ -67,6 +68,12 @@ class Node:
         else:
             self.network.send(self.address, dst, message, reply_to=reply_to, msg_id=msg_id, tag=tag)
         return msg_id
+
+    def busy_between(self, start: float, end: float) -> float:
+        """Virtual seconds spent handling messages between ``start`` and ``end`` (a busy daemon: close to
+        ``end - start``)."""
+        return sum(max(0.0, min(t + cost, end) - max(t, start)) for t, cost in self.busy_log
+                   if t < end and t + cost > start)
 
     # ------------------------------------------------------------- the loop
 
@@ -101,6 +108,7 @@ class Node:
             outbox, self._outbox = self._outbox, None
         cost = self.service_seconds + (self._charged if self.charge_cpu else 0.0)
         self.busy_seconds += cost
+        self.busy_log.append((self.clock.now, cost))
         self._busy_until = self.clock.now + cost
 
         def flush() -> None:

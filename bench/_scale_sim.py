@@ -1,0 +1,236 @@
+"""Parts (d) and (e) of bench/scale.py: the controller at 16 to 1,024 hosts, on the simulator.
+
+``pwmesh.sim`` runs the real RM, island-scheduler and proxy cores with simulated executors,
+an in-memory network (every message through the real codec) and virtual time. Here every
+controller daemon is charged the real CPU its core took for each message (``charge_cpu``):
+a core that cannot keep up makes messages queue and the simulated run slow down, so where a
+single controller saturates shows in the simulated rates. The executors' costs (their host
+work per computation, a device's time per tiny op, the network's latency) are the ones
+``bench/sim_check.py`` measured on this machine's real cluster (``sim_check.json``'s
+``calibration``); without that file the simulator's defaults are used, and the results say so.
+
+(d) Figure 5 of the paper: a chain of ``k`` tiny computations on a slice spanning every
+    device of 16 to 1,024 hosts (8 devices each), run OpByOp (``k`` programs), Chained (one
+    program of ``k`` nodes) and Fused (one node doing all ``k``). Computations per second
+    (``k`` per step, median step), beside multi-controller JAX, whose every host dispatches
+    its own devices: its rate is this machine's per-op rate at any size.
+(e) A GPipe forward pass over 4 islands x 256 hosts: 4 stages, stage ``s`` on all 2,048
+    devices of island ``s``, ``m`` microbatches, one program per step; its step time against
+    the pipeline's ideal ``(m + stages - 1)`` stage times, and what the controller did.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+from pwmesh.sim.cluster import SimCluster, SimConfig
+from pwmesh.sim.cost import CostModel
+from pwmesh.sim.network import LinkSpec
+from pwmesh.sim.workloads import Workload, install
+
+MODES = ("opbyop", "chained", "fused")
+SATURATED = 0.9  # the proxy is saturated when it is busy this fraction of the simulated time
+DEFAULT_CALIBRATION = Path(__file__).resolve().parent / "results" / "sim_check.json"
+
+
+@dataclasses.dataclass(frozen=True)
+class Costs:
+    """The simulated hardware, and where its numbers came from."""
+
+    cost: CostModel
+    link: LinkSpec
+    op_seconds: float  # one tiny op on one device (the chains' computations)
+    jax_op_seconds: float | None  # plain JAX's time per op on this machine (the multi-controller baseline)
+    source: str
+
+
+def load_costs(path: Path | None) -> Costs:
+    """The calibration ``bench/sim_check.py`` wrote (fields named as CostModel's and LinkSpec's), or defaults."""
+    found = path if path is not None else DEFAULT_CALIBRATION
+    calibration: dict[str, Any] = {}
+    if found.exists():
+        calibration = json.loads(found.read_text()).get("calibration", {})
+    elif path is not None:
+        raise FileNotFoundError(f"no calibration at {path} (run bench/sim_check.py first)")
+
+    def pick(cls: type, values: dict[str, Any]) -> dict[str, Any]:
+        names = {f.name for f in dataclasses.fields(cls)}
+        return {k: float(v) for k, v in values.items() if k in names and v is not None}
+
+    cost = CostModel(**pick(CostModel, calibration))
+    link = LinkSpec(**pick(LinkSpec, calibration))
+    op = calibration.get("op_seconds") or calibration.get("device_op_seconds") or 10e-6
+    jax_op = calibration.get("jax_op_seconds")
+    source = f"{found} (measured by bench/sim_check.py)" if calibration else \
+        "the simulator's defaults (no bench/results/sim_check.json: run bench/sim_check.py to measure this machine)"
+    return Costs(cost=cost, link=link, op_seconds=float(op), jax_op_seconds=None if jax_op is None else float(jax_op),
+                 source=source)
+
+
+def _run(config: SimConfig, workload: Workload) -> tuple[dict[str, Any], SimCluster]:
+    started = time.monotonic()
+    cluster = SimCluster(config)
+    install(cluster, workload)
+    report = cluster.run()
+    report["wall_seconds"] = time.monotonic() - started
+    failed = {name: c for name, c in report["clients"].items() if c["failure"] or c["errors"]}
+    if failed:
+        raise RuntimeError(f"the simulated {workload.name} run failed: {failed}")
+    return report, cluster
+
+
+def _controller(report: dict[str, Any], per: float) -> dict[str, Any]:
+    """The controller's figures over the steps (setup excluded), ``per`` unit (a computation, a step)."""
+    steps = report["in_steps"]
+    return {
+        "proxy_messages": steps["messages"] / per,
+        "proxy_bytes": steps["bytes"] / per,
+        "proxy_cpu_us": 1e6 * steps["proxy_cpu_seconds"] / per,
+        "scheduler_cpu_us": 1e6 * steps["scheduler_cpu_seconds"] / per,
+        "proxy_busy": report["proxy"]["busy_in_steps"] or 0.0,
+        "scheduler_busy": report["schedulers"]["busy_in_steps"] or 0.0,
+    }
+
+
+def figure5(hosts: tuple[int, ...], devices_per_host: int, k: int, steps: int, costs: Costs) -> dict[str, Any]:
+    """(d): computations per second by mode and host count, and the controller's share of the time.
+    The first of ``steps`` is a warm-up (lowering, functions sent to the executors): not counted."""
+    if steps < 2:
+        raise ValueError("figure5 needs at least 2 steps: the first is a warm-up")
+    rows = []
+    for n in hosts:
+        for mode in MODES:
+            config = SimConfig(islands=1, hosts_per_island=n, devices_per_host=devices_per_host, link=costs.link,
+                               cost=costs.cost, charge_cpu=True)
+            report, _ = _run(config, Workload(name=mode, steps=steps, k=k, devices=n * devices_per_host,
+                                           compute_seconds=costs.op_seconds))
+            step = report["warm_step_seconds_median"]
+            rows.append({"hosts": n, "devices": n * devices_per_host, "mode": mode, "step_seconds": step,
+                         "computations_per_second": k / step, "virtual_seconds": report["virtual_seconds"],
+                         "sim_wall_seconds": report["wall_seconds"], **_controller(report, k * (steps - 1))})
+            print(f"  {n:5d} hosts {mode:8s} {k / step:12,.0f} computations/s  proxy busy "
+                  f"{rows[-1]['proxy_busy']:.0%}  ({report['wall_seconds']:.1f} s)", flush=True)
+    saturation = {}
+    for mode in MODES:
+        mine = [r for r in rows if r["mode"] == mode]
+        first = next((r["hosts"] for r in mine if r["proxy_busy"] >= SATURATED), None)
+        saturation[mode] = {"hosts": first, "peak_computations_per_second": max(r["computations_per_second"]
+                                                                                for r in mine)}
+    jax_rate = None if costs.jax_op_seconds is None else 1.0 / costs.jax_op_seconds
+    return {"rows": rows, "k": k, "steps": steps, "devices_per_host": devices_per_host,
+            "saturated_when_proxy_busy": SATURATED, "saturation": saturation,
+            "jax_multi_controller_computations_per_second": jax_rate}
+
+
+def pipeline(islands: int, hosts_per_island: int, devices_per_host: int, microbatches: int, steps: int,
+             stage_seconds: float, costs: Costs) -> dict[str, Any]:
+    """(e): a GPipe forward pass, one stage per island over all its devices (the first step: a warm-up)."""
+    if steps < 2:
+        raise ValueError("pipeline needs at least 2 steps: the first is a warm-up")
+    devices = hosts_per_island * devices_per_host
+    config = SimConfig(islands=islands, hosts_per_island=hosts_per_island, devices_per_host=devices_per_host,
+                       link=costs.link, cost=costs.cost, charge_cpu=True, keep_spans=True)
+    report, cluster = _run(config, Workload(name="pipeline", steps=steps, devices=devices, stages=islands,
+                                   microbatches=microbatches, compute_seconds=stage_seconds))
+    steps_seen = report["clients"]["c0"]["steps"]
+    step = report["warm_step_seconds_median"]
+    # Each stage's computation: its device time plus the executor's host work and a kernel launch.
+    stage = stage_seconds + costs.cost.launch_seconds + costs.cost.host_overhead_seconds
+    ideal = (microbatches + islands - 1) * stage
+    return {"islands": islands, "hosts_per_island": hosts_per_island, "devices_per_stage": devices,
+            "hosts": islands * hosts_per_island, "devices": islands * devices, "microbatches": microbatches,
+            "steps": steps_seen, "stage_seconds": stage_seconds, "step_seconds": step,
+            "ideal_step_seconds": ideal, "efficiency": ideal / step, "computations": report["computations"],
+            "data_plane_bytes_per_step": report["data_plane_bytes"] / steps,
+            "sim_wall_seconds": report["wall_seconds"], "timeline": _timeline(cluster, hosts_per_island),
+            **_controller(report, steps - 1)}
+
+
+def _timeline(cluster: SimCluster, hosts_per_island: int) -> list[dict[str, Any]]:
+    """The last step on each island's first host: (island, start, end, microbatch) of each computation,
+    in ms from that step's start."""
+    (client,) = cluster.clients
+    start, end = client.marked("step")[-1], client.marked("step_end")[-1]
+    out = []
+    for island in range(cluster.config.islands):
+        ex = cluster.executors[island * hosts_per_island]
+        seen = set()
+        for t0, t1, run, node, _ in ex.spans:
+            if t0 >= start and t1 <= end and (run, node) not in seen:
+                seen.add((run, node))
+                out.append({"island": island, "start_ms": 1e3 * (t0 - start), "end_ms": 1e3 * (t1 - start),
+                            "node": node})
+    return out
+
+
+# ------------------------------------------------------------------ tables and plots
+
+
+def figure5_table(d: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
+    headers = ["hosts", "devices", "mode", "computations/s", "proxy busy", "proxy msgs/comp",
+               "proxy CPU us/comp", "sched CPU us/comp"]
+    rows = [[f"{r['hosts']:,}", f"{r['devices']:,}", r["mode"], f"{r['computations_per_second']:,.0f}",
+             f"{r['proxy_busy']:.0%}", f"{r['proxy_messages']:,.0f}", f"{r['proxy_cpu_us']:,.0f}",
+             f"{r['scheduler_cpu_us']:,.0f}"] for r in d["rows"]]
+    return headers, rows
+
+
+def figure5_lines(d: dict[str, Any]) -> list[str]:
+    lines = []
+    for mode, s in d["saturation"].items():
+        where = f"from {s['hosts']:,} hosts on" if s["hosts"] is not None else "at no size measured"
+        lines.append(f"{mode}: the proxy is busy >= {d['saturated_when_proxy_busy']:.0%} of the time {where}; "
+                     f"peak {s['peak_computations_per_second']:,.0f} computations/s")
+    if d["jax_multi_controller_computations_per_second"]:
+        lines.append(f"multi-controller JAX (this machine's per-op rate, at any size): "
+                     f"{d['jax_multi_controller_computations_per_second']:,.0f} computations/s")
+    return lines
+
+
+def pipeline_table(e: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
+    headers = ["islands x hosts", "devices", "microbatches", "step ms", "ideal ms", "efficiency",
+               "proxy msgs/step", "proxy CPU ms/step", "data plane MB/step"]
+    return headers, [[f"{e['islands']} x {e['hosts_per_island']:,}", f"{e['devices']:,}", str(e["microbatches"]),
+                      f"{1e3 * e['step_seconds']:.2f}", f"{1e3 * e['ideal_step_seconds']:.2f}",
+                      f"{e['efficiency']:.0%}", f"{e['proxy_messages']:,.0f}", f"{e['proxy_cpu_us'] / 1e3:.2f}",
+                      f"{e['data_plane_bytes_per_step'] / 1e6:,.1f}"]]
+
+
+def plot_figure5(ax: Any, d: dict[str, Any]) -> None:
+    for i, mode in enumerate(MODES):
+        mine = [r for r in d["rows"] if r["mode"] == mode]
+        ax.plot([r["hosts"] for r in mine], [r["computations_per_second"] for r in mine], "o-", color=f"C{i}",
+                label=mode)
+        sat = d["saturation"][mode]["hosts"]
+        if sat is not None:
+            ax.axvline(sat, color=f"C{i}", linestyle=":", alpha=0.6)
+    if d["jax_multi_controller_computations_per_second"]:
+        ax.axhline(d["jax_multi_controller_computations_per_second"], color="gray", linestyle="--",
+                   label="JAX multi-controller")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("hosts (8 devices each); dotted: proxy busy >= 90%")
+    ax.set_ylabel("computations / s (simulated)")
+    ax.set_title(f"(d) Figure 5, chain of {d['k']} tiny computations", fontsize=10)
+    ax.legend(fontsize=7)
+    ax.grid(which="both", alpha=0.3)
+
+
+def plot_pipeline(ax: Any, e: dict[str, Any]) -> None:
+    """Which island computes when during one step: the pipeline's fill, steady state and drain."""
+    for span in e["timeline"]:
+        ax.barh(span["island"], span["end_ms"] - span["start_ms"], left=span["start_ms"], height=0.6,
+                color=f"C{span['node'] // e['islands'] % 10}", edgecolor="black", linewidth=0.3)
+    ax.axvline(1e3 * e["ideal_step_seconds"], color="red", linestyle="--", label="ideal step")
+    ax.axvline(1e3 * e["step_seconds"], color="black", linestyle=":", label="simulated step")
+    ax.set_yticks(range(e["islands"]))
+    ax.set_yticklabels([f"island {i}" for i in range(e["islands"])])
+    ax.invert_yaxis()
+    ax.set_xlabel("ms into a step (one host per island; colour: microbatch)")
+    ax.set_title(f"(e) pipeline: {e['islands']} islands x {e['hosts_per_island']:,} hosts, "
+                 f"{e['microbatches']} microbatches, {e['efficiency']:.0%} of ideal", fontsize=10)
+    ax.legend(fontsize=7, loc="lower right")
