@@ -11,12 +11,15 @@ The programs are ``dispatch.py``'s ``add`` sequences (the paper's Figure 5): ``-
    trip (a ``Ping`` to the proxy through ``ClientConnection``), and plain JAX in this
    process (one tiny pmapped add, and a ``fori_loop`` iteration from the slope of two
    loop lengths).
-2. **Calibration** from a subset only: the links' one-way latency is half the ping
-   round trip; a computation's device launch (``CostModel.launch_seconds``) is plain
-   JAX's one call, its device time (the workload's ``compute_seconds``) one loop
-   iteration; the executor's ``host_overhead_seconds`` is the slope of the real
-   Chained time over the shortest and longest length less the simulator's own slope
-   there. Those two Chained rows are fits; every other row is a prediction.
+2. **Calibration** from a subset only: a computation's device launch
+   (``CostModel.launch_seconds``) is plain JAX's pmapped add issued back to back, its
+   device time (the workload's ``compute_seconds``) one loop iteration; the client's
+   time per message (``SimConfig.client_send_seconds``) is OpByOp's calls issued, not
+   waited for, per call. Fitted: the links' one-way latency to the shortest Fused row
+   (one program's fixed cost; it starts from half the ping), then the executor's
+   ``host_overhead_seconds`` to the slope of the real Chained time over the shortest and
+   longest length less the simulator's own slope there. Those three rows are fits;
+   every other row is a prediction.
 3. **Simulated**: ``pwmesh.sim`` at the same shape (1 island, 2 hosts x 2 devices, a
    2-device slice), ``charge_cpu`` on (the real proxy, scheduler and RM cores' CPU
    counts as their daemons' time), the same workloads; the median step.
@@ -25,7 +28,7 @@ Reported per row: real, simulated, real/sim; and the worst ratio either way (max
 r and 1/r). ``calibration_from(path)`` reads the calibrated numbers back (for
 ``bench/scale.py``).
 
-    python bench/sim_check.py              # ~2-3 minutes on a 2-core machine
+    python bench/sim_check.py              # ~1 minute on a 2-core machine
     python bench/sim_check.py --smoke      # seconds
 
 Writes ``sim_check.json``, ``sim_check.md`` and ``sim_check.png`` into ``--out``
@@ -67,12 +70,12 @@ HOSTS = 2  # executors in the island, DEVICES each
 @dataclasses.dataclass
 class Config:
     lengths: tuple[int, ...] = (8, 32, 128)
-    rounds: int = 7
+    rounds: int = 15
     warmup: int = 2  # sequences per (mode, length) before measuring
     pings: int = 200
     jax_calls: int = 300
     loop_lengths: tuple[int, int] = (1, 4096)  # plain JAX fori_loop lengths: the slope is one iteration
-    sim_steps: int = 11
+    sim_steps: int = 15
 
 
 SMOKE = Config(lengths=(2, 8), rounds=1, warmup=1, pings=20, jax_calls=20, loop_lengths=(1, 256), sim_steps=3)
@@ -94,6 +97,14 @@ def measure_jax(config: Config) -> dict[str, float]:
     for _ in range(5):
         one(x).block_until_ready()
     call = statistics.median(timed(lambda: one(x).block_until_ready()) for _ in range(config.jax_calls))
+
+    def loop() -> None:  # plain JAX's OpByOp: calls issued back to back, waited for at the end
+        v = x
+        for _ in range(config.jax_calls):
+            v = one(v)
+        v.block_until_ready()
+
+    pipelined = statistics.median(timed(loop) for _ in range(5)) / config.jax_calls
     short, long = config.loop_lengths
     loops = {n: make_op("add", n) for n in (short, long)}
     medians = {}
@@ -102,7 +113,7 @@ def measure_jax(config: Config) -> dict[str, float]:
         medians[n] = statistics.median(timed(lambda op=op: op(x).block_until_ready())
                                        for _ in range(max(5, config.jax_calls // 10)))
     iteration = max(0.0, (medians[long] - medians[short]) / (long - short))
-    return {"call_seconds": call, "loop_iteration_seconds": iteration,
+    return {"call_seconds": call, "pipelined_call_seconds": pipelined, "loop_iteration_seconds": iteration,
             **{f"loop_{n}_seconds": t for n, t in medians.items()}}
 
 
@@ -138,6 +149,16 @@ def measure_real(config: Config) -> tuple[dict[tuple[str, int], dict[str, Any]],
             shift = r % len(pairs)  # rotate who goes first, so a neighbour's burst hits all alike
             for pair in pairs[shift:] + pairs[:shift]:
                 samples[pair].append(timed(sequences[pair]))
+        # The client's own time per call: OpByOp's calls issued (not waited for), over the calls.
+        n = max(config.lengths)
+        issue = []
+        for _ in range(max(3, config.rounds)):
+            start = time.perf_counter()
+            v = x
+            for _ in range(n):
+                v = one(v)
+            issue.append((time.perf_counter() - start) / n)
+            check(v, float(n))
         ping = ClientConnection(cluster.address, name="bench-sim-check-ping", open_session=False)
         try:
             rtts = []
@@ -151,6 +172,7 @@ def measure_real(config: Config) -> tuple[dict[tuple[str, int], dict[str, Any]],
     out = {pair: {"seconds": statistics.median(got), "best_seconds": min(got), "rounds": got}
            for pair, got in samples.items()}
     return out, {"placement": placement, "ping_rtt_seconds": statistics.median(rtts),
+                 "client_call_seconds": statistics.median(issue), "client_call_length": n,
                  "ping_rtt_best_seconds": min(rtts)}
 
 
@@ -162,6 +184,7 @@ def simulate(mode: str, length: int, calibration: dict[str, float], steps: int) 
     sim_config = SimConfig(
         islands=1, hosts_per_island=HOSTS, devices_per_host=DEVICES,
         link=LinkSpec(latency_seconds=calibration["latency_seconds"]),
+        client_send_seconds=calibration["client_send_seconds"],
         cost=CostModel(launch_seconds=calibration["launch_seconds"],
                        host_overhead_seconds=calibration["host_overhead_seconds"]),
         proxy_service_seconds=calibration["proxy_service_seconds"],
@@ -181,22 +204,39 @@ def simulate(mode: str, length: int, calibration: dict[str, float], steps: int) 
 
 def calibrate(real: dict[tuple[str, int], dict[str, Any]], cluster: dict[str, Any], plain: dict[str, float],
               config: Config) -> tuple[dict[str, float], list[tuple[str, int]]]:
-    """The simulator's numbers from a subset of the measurements; returns them and the rows they fit."""
+    """The simulator's numbers from a subset of the measurements; returns them and the rows they fit.
+
+    Measured directly: the device, the client's time per call. Fitted, in this order (the second
+    leaves the first alone): the links' latency to the shortest Fused row (one program's fixed cost),
+    then the executor's time per computation to the Chained slope."""
+    short, long = min(config.lengths), max(config.lengths)
     calibration = {
-        "latency_seconds": cluster["ping_rtt_seconds"] / 2,  # LinkSpec: one way
-        "launch_seconds": plain["call_seconds"],  # CostModel: per computation per device
+        "latency_seconds": cluster["ping_rtt_seconds"] / 2,  # LinkSpec: one way; fitted below
+        "launch_seconds": plain["pipelined_call_seconds"],  # CostModel: per computation per device
         "compute_seconds": plain["loop_iteration_seconds"],  # Workload: one add's device time
-        "host_overhead_seconds": 0.0,  # CostModel: fitted below
+        "client_send_seconds": cluster["client_call_seconds"],  # SimConfig: per message a client sends
         "proxy_service_seconds": 0.0,  # SimConfig: the cores' real CPU is charged instead (charge_cpu)
         "scheduler_service_seconds": 0.0,
         "rm_service_seconds": 0.0,
+        "host_overhead_seconds": 0.0,  # CostModel: fitted below
     }
-    short, long = min(config.lengths), max(config.lengths)
+
+    def sim(mode: str, n: int, **changes: float) -> float:
+        return simulate(mode, n, {**calibration, **changes}, config.sim_steps)["seconds"]
+
+    # A message's way on this machine costs more than half a ping: a Ping is the one message the proxy's shell
+    # answers without its core, and a sequence's hops wait for a core among 5 processes. The one-way latency
+    # is fitted to the shortest Fused row (one program's fixed cost), starting from half the ping; a
+    # sequence's time is linear in the latency (its hops on the critical path).
+    measured = calibration["latency_seconds"]
+    base = sim("fused", short)
+    hops = (sim("fused", short, latency_seconds=2 * measured) - base) / measured
+    if hops > 0:
+        calibration["latency_seconds"] = max(0.0, measured + (real["fused", short]["seconds"] - base) / hops)
     real_slope = (real["chained", long]["seconds"] - real["chained", short]["seconds"]) / (long - short)
-    sim_slope = (simulate("chained", long, calibration, config.sim_steps)["seconds"]
-                 - simulate("chained", short, calibration, config.sim_steps)["seconds"]) / (long - short)
+    sim_slope = (sim("chained", long) - sim("chained", short)) / (long - short)
     calibration["host_overhead_seconds"] = max(0.0, real_slope - sim_slope)
-    return calibration, [("chained", short), ("chained", long)]
+    return calibration, [("fused", short), ("chained", short), ("chained", long)]
 
 
 def calibration_from(path: Path = DEFAULT_OUT / "sim_check.json") -> dict[str, float]:
@@ -256,13 +296,14 @@ def plot(path: Path, rows: list[dict[str, Any]]) -> bool:
 
 
 SOURCES = {
-    "latency_seconds": "half the median Ping round trip to the proxy",
-    "launch_seconds": "plain JAX: one tiny pmapped add, to its value",
+    "latency_seconds": "fit: shortest Fused row (from half the median Ping round trip)",
+    "launch_seconds": "plain JAX: tiny pmapped adds issued back to back, per call",
     "compute_seconds": "plain JAX: one fori_loop iteration (slope over two loop lengths)",
-    "host_overhead_seconds": "real Chained slope (shortest, longest) less the simulator's",
+    "client_send_seconds": "real OpByOp calls issued, not waited for: seconds per call",
     "proxy_service_seconds": "0: the core's real CPU is charged (charge_cpu)",
     "scheduler_service_seconds": "0: the core's real CPU is charged (charge_cpu)",
     "rm_service_seconds": "0: the core's real CPU is charged (charge_cpu)",
+    "host_overhead_seconds": "fit: real Chained slope (shortest, longest) less the simulator's",
 }
 
 
@@ -307,8 +348,10 @@ def main(argv: list[str] | None = None) -> int:
     summary = (f"worst ratio {worst['ratio']:.2f} ({MODE_NAMES[worst['mode']]} x {worst['length']}); "
                f"simulated and real agree within {ratio_spread(worst['ratio']):.2f}x on every row, "
                f"{ratio_spread(worst_predicted['ratio']):.2f}x on the predictions")
-    measured = (f"measured: ping round trip {1e6 * cluster['ping_rtt_seconds']:.1f} us; plain JAX call "
-                f"{1e6 * plain['call_seconds']:.1f} us, fori_loop iteration {1e9 * plain['loop_iteration_seconds']:.1f} ns")
+    measured = (f"measured: ping round trip {1e6 * cluster['ping_rtt_seconds']:.1f} us; client per pw.pmap call "
+                f"{1e6 * cluster['client_call_seconds']:.1f} us; plain JAX call {1e6 * plain['call_seconds']:.1f} us "
+                f"alone, {1e6 * plain['pipelined_call_seconds']:.1f} us back to back; fori_loop iteration "
+                f"{1e9 * plain['loop_iteration_seconds']:.1f} ns")
     print()
     print("seconds per sequence, real (median of rounds) vs simulated (median step):")
     print(table(*rows_table(rows)))
