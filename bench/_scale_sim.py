@@ -43,6 +43,7 @@ class Costs:
 
     cost: CostModel
     link: LinkSpec
+    daemons: dict[str, float]  # SimConfig's fields among them (the client's send time, service times)
     op_seconds: float  # one tiny op on one device (the chains' computations)
     jax_op_seconds: float | None  # plain JAX's time per op on this machine (the multi-controller baseline)
     source: str
@@ -63,11 +64,13 @@ def load_costs(path: Path | None) -> Costs:
 
     cost = CostModel(**pick(CostModel, calibration))
     link = LinkSpec(**pick(LinkSpec, calibration))
-    op = calibration.get("op_seconds") or calibration.get("device_op_seconds") or 10e-6
-    jax_op = calibration.get("jax_op_seconds")
+    daemons = {k: v for k, v in pick(SimConfig, calibration).items() if k.endswith("_seconds")}
+    op = calibration.get("compute_seconds", 10e-6)  # one tiny op's device time (sim_check: a fori_loop step)
+    # Plain JAX's pmapped add issued back to back, per call: what each host of a multi-controller JAX does.
+    jax_op = calibration.get("launch_seconds")
     source = f"{found} (measured by bench/sim_check.py)" if calibration else \
         "the simulator's defaults (no bench/results/sim_check.json: run bench/sim_check.py to measure this machine)"
-    return Costs(cost=cost, link=link, op_seconds=float(op), jax_op_seconds=None if jax_op is None else float(jax_op),
+    return Costs(cost=cost, link=link, daemons=daemons, op_seconds=float(op), jax_op_seconds=None if jax_op is None else float(jax_op),
                  source=source)
 
 
@@ -105,7 +108,7 @@ def figure5(hosts: tuple[int, ...], devices_per_host: int, k: int, steps: int, c
     for n in hosts:
         for mode in MODES:
             config = SimConfig(islands=1, hosts_per_island=n, devices_per_host=devices_per_host, link=costs.link,
-                               cost=costs.cost, charge_cpu=True)
+                               cost=costs.cost, charge_cpu=True, **costs.daemons)
             report, _ = _run(config, Workload(name=mode, steps=steps, k=k, devices=n * devices_per_host,
                                            compute_seconds=costs.op_seconds))
             step = report["warm_step_seconds_median"]
@@ -133,7 +136,7 @@ def pipeline(islands: int, hosts_per_island: int, devices_per_host: int, microba
         raise ValueError("pipeline needs at least 2 steps: the first is a warm-up")
     devices = hosts_per_island * devices_per_host
     config = SimConfig(islands=islands, hosts_per_island=hosts_per_island, devices_per_host=devices_per_host,
-                       link=costs.link, cost=costs.cost, charge_cpu=True, keep_spans=True)
+                       link=costs.link, cost=costs.cost, charge_cpu=True, keep_spans=True, **costs.daemons)
     report, cluster = _run(config, Workload(name="pipeline", steps=steps, devices=devices, stages=islands,
                                    microbatches=microbatches, compute_seconds=stage_seconds))
     steps_seen = report["clients"]["c0"]["steps"]

@@ -646,7 +646,7 @@ def main(argv: list[str] | None = None) -> int:
         "placement": placement,
         "placement_goal_ms": PLACEMENT_GOAL_MS,
         "sim_costs": {"source": costs.source, "cost_model": dataclasses.asdict(costs.cost),
-                      "link": dataclasses.asdict(costs.link), "op_seconds": costs.op_seconds,
+                      "link": dataclasses.asdict(costs.link), "daemons": costs.daemons, "op_seconds": costs.op_seconds,
                       "jax_op_seconds": costs.jax_op_seconds},
         "figure5": figure5,
         "pipeline": pipe,

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import math
 import os
 import subprocess
 import sys
@@ -250,3 +251,32 @@ def test_scale_smoke(tmp_path: Path) -> None:
     assert "| node | devices |" in (tmp_path / "scale.md").read_text()
     check_plot(tmp_path / "scale.png")
     check_plot(tmp_path / "scale_sim.png")
+
+
+@pytest.mark.timeout(90)
+def test_sim_check_smoke(tmp_path: Path) -> None:
+    run_smoke("sim_check.py", tmp_path, timeout_seconds=80)
+    data = json.loads((tmp_path / "sim_check.json").read_text())
+    assert {"benchmark", "config", "machine", "measured", "calibration", "rows", "worst_ratio"} <= data.keys()
+    assert data["benchmark"] == "sim_check" and data["smoke"] is True
+    calibration = data["calibration"]
+    assert {"latency_seconds", "launch_seconds", "host_overhead_seconds", "client_send_seconds",
+            "proxy_service_seconds", "compute_seconds"} <= calibration.keys()
+    assert all(math.isfinite(v) and v >= 0 for v in calibration.values()), calibration
+    lengths = data["config"]["lengths"]
+    rows = data["rows"]
+    assert {(r["mode"], r["length"]) for r in rows} == {(m, n) for m in ("opbyop", "chained", "fused") for n in lengths}
+    for r in rows:
+        assert r["real_seconds"] > 0 and r["sim_seconds"] > 0, r
+        assert math.isfinite(r["ratio"]) and r["ratio"] > 0, r
+    fitted = {(r["mode"], r["length"]) for r in rows if r["calibration"]}
+    assert fitted == {(c["mode"], c["length"]) for c in data["calibration_rows"]} and len(fitted) < len(rows)
+    assert data["worst_ratio"] in [r["ratio"] for r in rows]
+    # What bench/scale.py would read back (in a subprocess: importing sim_check sets XLA_FLAGS for its process).
+    read = subprocess.run([sys.executable, "-c", "import json, sys; sys.path.insert(0, sys.argv[1]); "
+                           "from sim_check import calibration_from; print(json.dumps(calibration_from(sys.argv[2])))",
+                           str(BENCH), str(tmp_path / "sim_check.json")], capture_output=True, text=True, timeout=60)
+    assert read.returncode == 0, read.stderr
+    assert json.loads(read.stdout) == calibration
+    assert "| mode | length |" in (tmp_path / "sim_check.md").read_text()
+    check_plot(tmp_path / "sim_check.png")

@@ -4,6 +4,7 @@ No sockets, no sleeps, no JAX: every test runs in virtual time."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import numpy as np
@@ -172,6 +173,17 @@ def test_fused_beats_chained_beats_opbyop_on_tiny_computations() -> None:
     step = {name: run(config, Workload(name=name, steps=3, k=16, devices=2, compute_seconds=5e-6))[
         "step_seconds_mean"] for name in ("opbyop", "chained", "fused")}
     assert step["fused"] < step["chained"] <= step["opbyop"], step
+
+
+def test_a_clients_send_time_spaces_its_messages_out() -> None:
+    """OpByOp's k posts leave one send time apart: a slow client stretches a step by at least k of them."""
+    k, send = 8, 1e-3  # far above anything else in the step
+    config = SimConfig(islands=1, hosts_per_island=1, devices_per_host=2, cost=COST)
+    workload = Workload(name="opbyop", steps=3, k=k, devices=2, compute_seconds=5e-6)
+    fast = run(config, workload)["step_seconds_median"]
+    slow = run(dataclasses.replace(config, client_send_seconds=send), workload)["step_seconds_median"]
+    assert slow >= fast + k * send, (fast, slow)
+    assert slow < fast + (k + 3) * send, (fast, slow)  # k runs, the wait, the previous step's release
 
 
 def test_a_pipeline_over_two_islands_moves_data_between_them() -> None:

@@ -4,7 +4,9 @@ A script is a generator that yields what the client does next — ``Call`` (a re
 the generator resumes with the reply; an ``Error`` reply is thrown into it as the
 exception it stands for), ``Post`` (no reply waited for, as ``RunProgram``),
 ``Sleep`` and ``Mark`` (a labelled instant, for the figures) — so a workload reads
-like the client program it stands for. Once its session is open the client sends
+like the client program it stands for. ``send_seconds`` is the client library's own time
+per message it sends (binding a call, encoding, the socket): messages leave one after
+another, each that much after the one before, and a ``Mark`` waits for them. Once its session is open the client sends
 ``Heartbeat``s at the interval the proxy asked for, until its script ends.
 """
 
@@ -48,9 +50,11 @@ Script = Generator[Op, Any, None]
 
 class SimClient(Node):
     def __init__(self, name: str, address: str, proxy: str, clock: Clock, network: Network,
-                 script: Callable[[SimClient], Script],
+                 script: Callable[[SimClient], Script], *, send_seconds: float = 0.0,
                  on_mark: Callable[[str, float], None] | None = None) -> None:
         super().__init__(address, clock, network)
+        self.send_seconds = send_seconds
+        self._send_free = 0.0  # the client is busy sending until then
         self.name = name
         self.on_mark = on_mark  # told of every Mark (the cluster snapshots its counters at the first step)
         self.proxy = proxy
@@ -74,17 +78,18 @@ class SimClient(Node):
             op = self._script.throw(error) if error is not None else self._script.send(value)
             while True:
                 if isinstance(op, Call):
-                    self._waiting = self.post(self.proxy, op.message)
+                    self._waiting = self._send(op.message)
                     return
                 if isinstance(op, Sleep):
                     self.clock.after(op.seconds, lambda: self._step(None))
                     return
                 if isinstance(op, Post):
-                    self.post(self.proxy, op.message)
+                    self._send(op.message)
                 elif isinstance(op, Mark):
-                    self.marks.append((op.label, self.clock.now))
+                    at = max(self.clock.now, self._send_free)
+                    self.marks.append((op.label, at))
                     if self.on_mark is not None:
-                        self.on_mark(op.label, self.clock.now)
+                        self.on_mark(op.label, at)
                 else:
                     raise TypeError(f"a client script yielded {op!r}")
                 op = self._script.send(None)
@@ -93,10 +98,19 @@ class SimClient(Node):
         except PwmeshError as exc:
             self._end(exc)
 
+    def _send(self, message: Message) -> int:
+        """Post ``message`` to the proxy once the client has spent ``send_seconds`` on it; its message id."""
+        if self.send_seconds <= 0:
+            return self.post(self.proxy, message)
+        self._send_free = max(self.clock.now, self._send_free) + self.send_seconds
+        msg_id = self.network.new_id()
+        self.clock.at(self._send_free, lambda: self.network.send(self.address, self.proxy, message, msg_id=msg_id))
+        return msg_id
+
     def _end(self, failure: PwmeshError | None) -> None:
         self.failure = failure
         self.done = True
-        self.finished_at = self.clock.now
+        self.finished_at = max(self.clock.now, self._send_free)
 
     def handle(self, env: Envelope) -> None:
         msg = env.message

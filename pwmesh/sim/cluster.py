@@ -51,6 +51,7 @@ class SimConfig:
     scheduler_service_seconds: float = 0.0
     rm_service_seconds: float = 0.0
     charge_cpu: bool = False
+    client_send_seconds: float = 0.0  # each client's own time per message it sends (see sim.client)
     collectives: bool = True  # each island's executors in one JAX group: an SPMD slice may span hosts
     keep_spans: bool = False  # executors record (start, end, run, node, devices) of every computation
     session_timeout_seconds: float = 30.0  # the proxy's (clients heartbeat at a quarter of it)
@@ -107,7 +108,7 @@ class SimCluster:
 
     def add_client(self, name: str, script: Callable[[SimClient], Script], *, start_at: float = 0.0) -> SimClient:
         client = SimClient(name, f"sim://client-{name}", PROXY, self.clock, self.network, script,
-                           on_mark=self._marked)
+                           send_seconds=self.config.client_send_seconds, on_mark=self._marked)
         self.clients.append(client)
         client.start(start_at)
         return client
