@@ -302,6 +302,15 @@ def test_one_computation_per_node_and_executor_whatever_the_shards() -> None:
     assert lowered.node_executors == {0: {"a", "b"}, 1: {"a", "b"}}
 
 
+def test_only_nodes_making_program_outputs_report_at_once() -> None:
+    """A node none of whose outputs is the program's is quiet: its executors report it with their part's end."""
+    sl = make_slice(1, [("a", 0), ("b", 0)])
+    comps = run(chain(2, 1, 1), [sl]).schedules["tcp://sched0"]
+    assert {(c.node, c.quiet) for c in comps} == {(0, True), (1, False)}
+    both = ProgramSpec(values=chain(2).values, nodes=chain(2, 1, 1).nodes, inputs=[0], outputs=[1, 2])
+    assert not any(c.quiet for c in run(both, [sl]).schedules["tcp://sched0"])
+
+
 def test_runs_follow_contiguous_devices_and_shards() -> None:
     assert runs_of([(0, 0), (1, 1), (2, 2)]) == [sr(0, 0, 3)]
     assert runs_of([(1, 0), (0, 1)]) == [sr(1, 0), sr(0, 1)]

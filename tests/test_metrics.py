@@ -12,6 +12,7 @@ import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
+import jax.numpy as jnp
 import msgpack
 import numpy as np
 import pytest
@@ -170,6 +171,31 @@ def zmq_port(address: str) -> int:
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 @pytest.mark.timeout(60)
+@pytest.mark.timeout(120)
+def test_a_chain_reports_its_inner_nodes_with_its_end_not_one_by_one(metered: pw.LocalCluster) -> None:
+    """Only the program's outputs matter outside its run: an executor running a chain of 12 nodes
+    whose last alone is an output sends the proxy one completion for the run, however the nodes'
+    ends fall across its loop's turns (each node here takes a few milliseconds)."""
+    proxy = metered.metrics_addresses()["proxy"]
+    with pw.Client(metered.address, name="quiet") as client:
+        devs = client.make_virtual_device_set()
+        one = devs.add_slice(devices=1)
+        step = pw.pmap(lambda x: jnp.tanh(x @ x.T) @ x, devices=one)
+
+        @pw.program
+        def chain(v):
+            for _ in range(12):
+                v = step(v)
+            return v
+
+        x = np.full((1, 256, 256), 0.01, np.float32)
+        chain(x).block_until_ready()  # the first run: compiles, registers; its completion is in
+        before = value(scrape(proxy), "pwmesh_messages_received_total", op="exec.node_done")
+        chain(x).block_until_ready()  # returns once the proxy has the run's completion
+        after = value(scrape(proxy), "pwmesh_messages_received_total", op="exec.node_done")
+    assert after - before == 1
+
+
 def test_without_the_flag_a_daemon_serves_no_metrics() -> None:
     proc, info = start_rm()
     try:

@@ -167,6 +167,7 @@ class Executor(Service):
         self._cancelled: collections.OrderedDict[str, PwmeshError] = collections.OrderedDict()
         self._completed: dict[tuple[str, str], list[int]] = {}  # (proxy, run) -> nodes done, not yet reported
         self._parts_done: list[tuple[str, RunPartDone]] = []  # (scheduler, message) sent with those
+        self._quiet: dict[str, tuple[str, list[int]]] = {}  # run -> (proxy, quiet nodes done): sent at its part's end
         self._registered: dict[str, RegisterFunction] = {}  # kept across a restart into a new forming
         self._fences: collections.Counter[int] = collections.Counter()  # forming -> watchers fenced
         self._fenced = asyncio.Event()
@@ -299,6 +300,12 @@ class Executor(Service):
                                                 error=ErrorInfo.of(exc)))
 
     def _part_done(self, run_id: str, scheduler: str, device_seconds: float) -> None:
+        quiet = self._quiet.pop(run_id, None)
+        if quiet is not None:  # the part's quiet completions leave with its end, before its RunPartDone
+            proxy, nodes = quiet
+            if not self._completed:
+                after_wakeups(self._report_completed)
+            self._completed.setdefault((proxy, run_id), []).extend(nodes)
         if not scheduler:
             return
         done = RunPartDone(run_id=run_id, executor_id=self.name, device_seconds=device_seconds)
@@ -522,6 +529,9 @@ class Executor(Service):
         if work.error is not None:
             self.peers.post(work.proxy, NodeDone(run_id=work.run_id, nodes=[work.comp.node], executor_id=self.name,
                                                  error=ErrorInfo.of(work.error)))
+            return
+        if work.comp.quiet:  # nobody outside the run waits for it: it goes with the part's end
+            self._quiet.setdefault(work.run_id, (work.proxy, []))[1].append(work.comp.node)
             return
         if not self._completed:
             after_wakeups(self._report_completed)

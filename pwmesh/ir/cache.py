@@ -144,4 +144,5 @@ def _instantiate(template: _Template, owner: str, names: list[str], fresh_name: 
         function_sites=src.function_sites,
         derived=derived,
         parts=parts,
+        template=template,
     )

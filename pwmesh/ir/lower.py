@@ -143,6 +143,9 @@ class Lowered:
     # A cached lowering's packed parts per scheduler, with this run's names (see ir.cache): send these;
     # the schedules' computations then name placeholders, not this run's buffers.
     parts: dict[str, list[RunPart]] | None = None
+    # The cached lowering this run was made from (``ir.cache``; None: lowered for this run alone). Its
+    # identity lasts as long as the cache keeps it: the proxy remembers per template what it already did.
+    template: object | None = dataclasses.field(default=None, compare=False)
 
 
 def validate(program: ProgramSpec) -> None:
@@ -273,6 +276,7 @@ class _Lowering:
                  bound: dict[int, list[ShardLocation]], slices: dict[int, SliceInfo], spmd: dict[str, bool],
                  fresh_name: Callable[[], str] | None, keep: frozenset[int]) -> None:
         self.program = program
+        self.program_outputs = frozenset(program.outputs)
         self.keep = keep
         self.owner = owner
         self.names = names
@@ -343,10 +347,11 @@ class _Lowering:
             by_executor.setdefault(dev.executor_id, []).append((dev.device, j))
             control.setdefault(dev.executor_id, dev.control)
         made = []
+        quiet = not any(v in self.program_outputs for v in node.outputs)
         for executor_id, pairs in by_executor.items():
             comp = Computation(node=index, fn_id=node.fn_id if kind == "call" else "", executor_id=executor_id,
                                control=control[executor_id], runs=runs_of(pairs), inputs=inputs, outputs=outputs,
-                               spmd=spmd, kind=kind, ragged=ragged)
+                               spmd=spmd, kind=kind, ragged=ragged, quiet=quiet)
             self.comps[(index, executor_id)] = comp
             self.out.schedules.setdefault(scheduler, []).append(comp)
             made.append(comp)

@@ -38,6 +38,7 @@ import dataclasses
 import itertools
 import logging
 import secrets
+import weakref
 from collections.abc import Iterator
 from typing import ClassVar
 
@@ -260,7 +261,11 @@ class ProxyState:
         self.sessions_expired = 0  # ended because their client stopped sending heartbeats
         self.runs: dict[str, tuple[Session, Run]] = {}
         self.exported: dict[str, RegisterProgramFunction] = {}  # by function id: what executors are sent
-        self.registered: set[tuple[str, str, tuple[int, ...]]] = set()
+        self.registered: set[tuple[str, str, tuple[int, ...]]] = set()  # (fn, control, devices) sent; never shrinks
+        # Cached lowerings whose every function site is in ``registered``: their later runs skip the check,
+        # one set lookup per function per device (~25 ms a run at 2,048 devices and 16 functions). Valid
+        # while ``registered`` only grows: whatever prunes it must clear this too.
+        self.sites_registered: weakref.WeakSet[object] = weakref.WeakSet()
         self.liveness = Liveness(session_timeout_seconds)
         self.lost: dict[str, DeviceLost] = {}  # executor id -> why it is gone
         self.lost_controls: set[str] = set()  # their control addresses: nothing is sent there
@@ -479,14 +484,17 @@ class ProxyState:
         # completions come in later events; recording a 128-node run costs ~1 ms the island
         # need not wait for).
         run_id = session.next_run_id()
-        for fn_id, sites in lowered.function_sites.items():
-            for control, devices in sites:
-                if (fn_id, control, devices) not in self.registered:
-                    self.registered.add((fn_id, control, devices))
-                    fn = self.exported[fn_id]
-                    self._send(control, RegisterFunction(fn_id=fn_id, exported=fn.exported, spmd=fn.spmd,
-                                                         devices=list(devices), mesh=fn.mesh, axes=fn.axes,
-                                                         donate=fn.donate))
+        if lowered.template is None or lowered.template not in self.sites_registered:
+            for fn_id, sites in lowered.function_sites.items():
+                for control, devices in sites:
+                    if (fn_id, control, devices) not in self.registered:
+                        self.registered.add((fn_id, control, devices))
+                        fn = self.exported[fn_id]
+                        self._send(control, RegisterFunction(fn_id=fn_id, exported=fn.exported, spmd=fn.spmd,
+                                                             devices=list(devices), mesh=fn.mesh, axes=fn.axes,
+                                                             donate=fn.donate))
+            if lowered.template is not None:
+                self.sites_registered.add(lowered.template)
         for control, batch in host_puts(lowered, binding.host_data).items():
             self._send(control, batch)
         for control, sends in lowered.moves.items():

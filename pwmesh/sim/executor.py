@@ -84,6 +84,7 @@ class SimExecutor(Node):
         self._expected: dict[str, int] = {}
         self._completed: dict[tuple[str, str], list[int]] = {}
         self._parts_done: list[tuple[str, RunPartDone]] = []
+        self._quiet: dict[str, tuple[str, list[int]]] = {}  # run -> (proxy, quiet nodes done): sent at its part's end
         self.data_bytes_out = 0
 
     # ------------------------------------------------------------ messages
@@ -248,11 +249,19 @@ class SimExecutor(Node):
     # ------------------------------------------------------------ completions
 
     def _completed_node(self, work: Work) -> None:
+        if work.comp.quiet:  # nobody outside the run waits for it: it goes with the part's end (as the real one)
+            self._quiet.setdefault(work.run_id, (work.proxy, []))[1].append(work.comp.node)
+            return
         if not self._completed and not self._parts_done:
             self.clock.after(0.0, self._report)  # what completes in one instant leaves together
         self._completed.setdefault((work.proxy, work.run_id), []).append(work.comp.node)
 
     def _part_done(self, done: PartDone) -> None:
+        quiet = self._quiet.pop(done.run_id, None)
+        if quiet is not None:
+            if not self._completed and not self._parts_done:
+                self.clock.after(0.0, self._report)
+            self._completed.setdefault((quiet[0], done.run_id), []).extend(quiet[1])
         if not done.scheduler:
             return
         msg = RunPartDone(run_id=done.run_id, executor_id=self.executor_id, device_seconds=done.device_seconds)

@@ -48,7 +48,7 @@ def renamed(comp: Computation, name: Callable[[str], str]) -> Computation:
     return Computation(node=comp.node, fn_id=comp.fn_id, executor_id=comp.executor_id, control=comp.control,
                        runs=comp.runs, inputs=[name(p) for p in comp.inputs], outputs=[name(p) for p in comp.outputs],
                        emits=emits, spmd=comp.spmd, kind=comp.kind, ragged=comp.ragged, seq=comp.seq, gang=comp.gang,
-                       donate=comp.donate)
+                       donate=comp.donate, quiet=comp.quiet)
 
 
 def renamed_emit(emit: Emit, name: Callable[[str], str]) -> Emit:

@@ -207,6 +207,10 @@ class Computation(Record):
     # An SPMD computation spanning executors: all its devices, in shard order (its mesh's devices).
     # Each executor runs its own shards of it; their collectives join through the JAX group.
     gang: list[GangDevice] = dataclasses.field(default_factory=list)
+    # None of its outputs is one of the program's: nobody outside its run waits for it, so the executor
+    # reports its completion with the end of its part of the run, not at once (a chain of k nodes: one
+    # NodeDone per executor, not k).
+    quiet: bool = False
 
     def shards(self) -> list[tuple[int, int]]:
         """(device, shard) of every local shard, in order."""
