@@ -71,6 +71,7 @@ class SimExecutor(Node):
         self.templates = PartTemplates()
         self.functions: dict[str, FunctionCost] = {}
         self.stored: dict[str, Meta] = {}
+        self._by_prefix: collections.defaultdict[str, set[str]] = collections.defaultdict(set)  # buffer -> its keys here
         self.failed: dict[str, PwmeshError] = {}
         self.tombstones: set[str] = set()  # deleted buffers ("owner/buffer"): late data for them is dropped
         self.cancelled: dict[str, PwmeshError] = {}
@@ -113,8 +114,9 @@ class SimExecutor(Node):
         elif isinstance(msg, DeleteShards):
             for prefix in msg.buffers:
                 self.tombstones.add(prefix)
-                for key in [k for k in self.stored if k.rsplit("/", 1)[0] == prefix]:
-                    del self.stored[key]
+                for key in self._by_prefix.pop(prefix, ()):
+                    self.stored.pop(key, None)
+                    self.failed.pop(key, None)
         elif isinstance(msg, ForgetOwner):
             self.tombstones = {t for t in self.tombstones if not t.startswith(msg.prefix)}
         elif isinstance(msg, CancelRun):
@@ -300,6 +302,7 @@ class SimExecutor(Node):
         if key.rsplit("/", 1)[0] in self.tombstones:
             return
         self.stored[key] = meta
+        self._by_prefix[key.rsplit("/", 1)[0]].add(key)
         for wake in self._waiters.pop(key, []):
             wake()
 
@@ -307,6 +310,7 @@ class SimExecutor(Node):
         if key in self.stored or key in self.failed:
             return
         self.failed[key] = error
+        self._by_prefix[key.rsplit("/", 1)[0]].add(key)
         self._inbox.pop(key, None)
         for wake in self._waiters.pop(key, []):
             wake()
