@@ -7,19 +7,17 @@ no JAX: each part drives the same pure object the daemon wraps, with a synthetic
 (a) **The proxy per program** as a slice grows from 2 to 8,192 devices (executors of 8
     devices; one island; the slice spans ``ceil(N / 8)`` executors). A 3-node chain
     ``w = c(b(a(x)))`` on the slice, ``x`` an existing buffer there (a training step's
-    parameters), ``w`` returned. The harness repeats what ``ProxyDaemon._dispatch`` does
-    short of the sockets and of its checks for lost hosts and broken slices: ``bind``,
-    ``session.lowerings.lower`` (the real ``LoweringCache`` and ``ir.lower``), the messages
-    it would post (``RegisterFunction`` per new function
-    site, ``PutShards``, ``SendShards``, one ``ScheduleRun`` per island with the packed
-    parts), each encoded with the wire codec (``encode``), and ``record_run``. *warm*: the
-    same program again (a cache hit); *cold*: an empty lowering cache (first run in a
-    session; functions already registered). CPU is ``time.process_time`` of all of that,
-    median of the repeats. Two kinds of node: ``pmap`` (a function per device, as
-    ``pw.pmap``) and ``spmd`` (one program over the slice, as ``pw.jit``; across executors
-    every computation carries the whole gang). The island scheduler's fan-out of the same
-    run (``IslandOrder.submit``: one ``Enqueue`` per executor) is shown beside it: it is the
-    island's work, not the proxy's.
+    parameters), ``w`` returned. The harness drives the proxy's own core
+    (``proxy/state.py::ProxyState``, what the daemon runs short of its sockets): the
+    ``RunProgram``, every message it sends encoded with the wire codec; then the run's
+    completions as its executors report them (one ``NodeDone`` each: the chain's inner
+    nodes are quiet) and what the proxy sends because of them (the temporaries' frees).
+    *warm*: the same program again (a cache hit); *cold*: an empty lowering cache (first
+    run in a session; functions already registered). CPU is ``time.process_time``, median
+    of the repeats. Two kinds of node: ``pmap`` (a function per device, as ``pw.pmap``)
+    and ``spmd`` (one program over the slice, as ``pw.jit``; across executors every
+    computation carries the whole gang). The island scheduler's fan-out of the same run
+    (``IslandOrder.submit``: one ``Enqueue`` per executor) is shown beside it.
 (b) **Island-scheduler decisions per second** with 1 to 64 clients: ``IslandOrder`` (policy
     ``fair``, window 2, weights 1/2/4/8 in turn among clients sharing executors), each client
     keeping 4 runs queued: the oldest part in flight completes; when its run is done, its client
@@ -48,7 +46,6 @@ Writes ``scale.json``, ``scale.md``, ``scale.png`` (a-c) and ``scale_sim.png`` (
 from __future__ import annotations
 
 import argparse
-import asyncio
 import collections
 import dataclasses
 import statistics
@@ -58,30 +55,39 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from pwmesh.ir.cache import LoweringCache
-from pwmesh.ir.lower import slice_locations
-from pwmesh.proxy.intake import bind, host_puts, record_run
-from pwmesh.proxy.session import Buffer, Session
+from pwmesh.ir.keys import function_id
+from pwmesh.proxy.state import Ask, Inbound, ProxyState, Reply, Send, SliceGranted
 from pwmesh.rm.state import ResourceManagerState
 from pwmesh.scheduler.order import IslandOrder
 from pwmesh.wire import DEFAULT_LIMITS, Message, encode
 from pwmesh.wire.messages import (
     AllocateSlice,
     Computation,
+    CreateSlice,
     DeviceInfo,
     ExecutorInfo,
+    NodeDone,
     NodeSpec,
+    OpenSession,
     ProgramInput,
     ProgramSpec,
+    PutBuffer,
     RegisterExecutor,
     RegisterFunction,
+    RegisterProgram,
+    RegisterProgramFunction,
     RegisterScheduler,
+    ReleaseBuffers,
     ReleaseSlices,
     RunProgram,
     SchedulerInfo,
     ScheduleRun,
     ShardRun,
     SliceAllocated,
+    SliceCreated,
     SliceInfo,
     ValueSpec,
 )
@@ -92,9 +98,6 @@ import _scale_sim  # noqa: E402
 from _common import DEFAULT_OUT, load_average, machine, pyplot, save_figure, save_results, table  # noqa: E402
 
 DEVICES_PER_EXECUTOR = 8
-# What the proxy does per run, in order: bind + lower (cache lookup or lowering), check every function site
-# against those already registered, build + encode the messages, record the run and its buffers.
-PHASES = ("lower", "sites", "encode", "record")
 PROXY_GOAL = "flat: the same messages, bytes and CPU per program at 8,192 devices as at 2"
 DECISIONS_GOAL_PER_SECOND = 50_000
 PLACEMENT_GOAL_MS = 10.0
@@ -172,101 +175,104 @@ def encoded_bytes(message: Message) -> int:
     return sum(len(frame) for frame in encode(message, msg_id=1))
 
 
+CLIENT = b"bench-client"
+
+
 class ProxyHarness:
-    """One session on one slice, dispatching a 3-node chain as ``ProxyDaemon._dispatch`` does, minus sockets."""
+    """One session of the proxy's pure core (``ProxyState``) on one slice, running a 3-node chain:
+    exactly what the daemon runs, minus its sockets (the messages are encoded, as it would)."""
 
     def __init__(self, devices: int, spmd: bool) -> None:
-        rm = resource_manager(max(1, -(-devices // DEVICES_PER_EXECUTOR)))
-        self.slice = allocate(rm, "s1", devices)
-        self.session = Session(session_id="s1", name="bench-scale", peer=b"client")
-        self.session.slices[self.slice.slice_id] = self.slice
-        fns = [f"{k}" * 32 for k in "abc"]
-        for fn in fns:
-            self.session.functions[fn] = spmd
+        self.rm = resource_manager(max(1, -(-devices // DEVICES_PER_EXECUTOR)))
+        self.proxy = ProxyState(rm="tcp://rm:5000", address="tcp://proxy:6000")
+        self.ask(OpenSession(name="bench-scale"))
+        created = self.ask(CreateSlice(devices=devices))
+        assert isinstance(created, SliceCreated)
+        self.slice = created.slice
+        fns = []
+        for k in "abc":
+            exported = k.encode() * EXPORTED_BYTES  # a stand-in for a function's jax.export bytes
+            fn_id = function_id(exported, spmd)
+            self.ask(RegisterProgramFunction(fn_id=fn_id, exported=exported, slice_id=self.slice.slice_id, spmd=spmd))
+            fns.append(fn_id)
         values = [ValueSpec(shape=[4 * devices, 16], dtype="float32", shards=devices) for _ in range(4)]
-        self.program = ProgramSpec(values=values, inputs=[0], outputs=[3], nodes=[
+        program = ProgramSpec(values=values, inputs=[0], outputs=[3], nodes=[
             NodeSpec(fn_id=fns[k], slice_id=self.slice.slice_id, inputs=[k], outputs=[k + 1]) for k in range(3)])
-        x = Buffer.new("b0.0", values[0], client_ref=True)  # the parameters, already on the slice
-        x.locations = slice_locations(self.slice)
-        x.slice_id = self.slice.slice_id
-        self.session.buffers[0] = x
-        self.registered: set[tuple[str, str, tuple[int, ...]]] = set()  # the proxy's, across sessions
+        self.handle(Inbound(CLIENT, RegisterProgram(program_id="chain3", program=program)))
+        # The parameters, already on the slice.
+        self.ask(PutBuffer(buffer=0, slice_id=self.slice.slice_id, array=np.zeros((4 * devices, 16), np.float32)))
+        self.session = self.proxy.sessions[CLIENT]
         self.next_output = 1
-        self.phases: dict[str, list[float]] = {phase: [] for phase in PHASES}
+        self.order = IslandOrder(island=0, scheduler="tcp://sched-0:6100")
 
-    def dispatch(self) -> tuple[list[Message], ScheduleRun | None]:
-        """One run: every message the proxy would post, encoded (what the wire costs), and its ScheduleRun.
-        Adds the CPU seconds of each phase to ``self.phases``."""
-        session, program = self.session, self.program
-        clock = time.process_time
-        t0 = clock()
+    def handle(self, event: Any) -> list[Any]:
+        return self.proxy.handle(event, 0.0)
+
+    def ask(self, message: Message) -> Message | None:
+        actions = self.handle(Inbound(CLIENT, message))
+        for ask in [a for a in actions if isinstance(a, Ask)]:  # the daemon's part: the RM answers
+            actions = self.handle(SliceGranted(ask.peer, self.rm.handle(ask.message, 0.0).slice))
+        replies = [a for a in actions if isinstance(a, Reply)]
+        if replies and replies[0].error is not None:
+            raise replies[0].error
+        return replies[0].message if replies else None
+
+    def dispatch(self) -> tuple[list[Message], int]:
+        """One run handed to the core and its messages encoded: (what it sends, their bytes)."""
         msg = RunProgram(inputs=[ProgramInput(buffer=0)], outputs=[self.next_output], program_id="chain3")
         self.next_output += 1
-        binding = bind(session, msg, program)
-        program, lowered = session.lowerings.lower(
-            msg.program_id, program, owner=session.session_id, names=binding.names,
-            host_inputs=set(binding.host_data), bound=binding.bound, slices=session.slices, spmd=session.functions,
-            fresh_name=session.temp_name, packed=True, keep=binding.keep)
-        run_id = session.next_run_id()
-        t1 = clock()
-        out: list[Message] = []
-        for fn_id, sites in lowered.function_sites.items():  # the proxy checks every site on every run
-            for control, devices in sites:
-                if (fn_id, control, devices) not in self.registered:
-                    self.registered.add((fn_id, control, devices))
-                    out.append(RegisterFunction(fn_id=fn_id, exported=bytes(EXPORTED_BYTES),
-                                                spmd=session.functions[fn_id], devices=list(devices)))
-        t2 = clock()
-        out.extend(host_puts(lowered, binding.host_data).values())
-        out.extend(send for sends in lowered.moves.values() for send in sends)
-        parts = lowered.parts if lowered.parts is not None else {
-            scheduler: run_parts(comps) for scheduler, comps in lowered.schedules.items()}
-        schedule = None
-        for mine in parts.values():
-            schedule = ScheduleRun(run_id=run_id, proxy="tcp://proxy:6000", parts=mine, session=session.session_id,
-                                   weight=session.weight, priority=session.priority)
-            out.append(schedule)
-        for message in out:
-            encode(message, msg_id=1)
-        t3 = clock()
-        record_run(session, run_id, program, lowered, binding)
-        t4 = clock()
-        for phase, seconds in zip(PHASES, (t1 - t0, t2 - t1, t3 - t2, t4 - t3), strict=True):
-            self.phases[phase].append(seconds)
-        return out, schedule
+        out = [a.message for a in self.handle(Inbound(CLIENT, msg)) if isinstance(a, Send)]
+        return out, sum(encoded_bytes(m) for m in out)
 
-    def phase_us(self) -> dict[str, float]:
-        """Median CPU microseconds of each phase since the last call."""
-        out = {phase: 1e6 * statistics.median(seconds) for phase, seconds in self.phases.items()}
-        self.phases = {phase: [] for phase in PHASES}
-        return out
+    def complete(self, schedule: ScheduleRun) -> tuple[list[Message], list[Message]]:
+        """The run's completions, as its executors report them (one NodeDone each: its inner nodes are
+        quiet), handed to the core; (the NodeDones, what the core sends because of them)."""
+        done = [NodeDone(run_id=schedule.run_id, nodes=part.nodes, executor_id=part.executor_id)
+                for part in schedule.parts]
+        out = []
+        for d in done:
+            out += [a.message for a in self.handle(Inbound(b"executor", d)) if isinstance(a, Send)]
+        return done, out
 
-    def forget(self) -> None:
-        """Drop what the runs recorded (not timed): every repeat starts from the same session."""
-        self.session.runs.clear()
-        for cid in [c for c in self.session.buffers if c != 0]:
-            del self.session.buffers[cid]
+    def release(self) -> None:
+        """The client drops the run's output (not timed): every repeat starts from the same session."""
+        self.handle(Inbound(CLIENT, ReleaseBuffers(buffers=[self.next_output - 1])))
 
 
 def proxy_point(devices: int, spmd: bool, config: Config) -> dict[str, Any]:
     harness = ProxyHarness(devices, spmd)
     first, _ = harness.dispatch()  # registers the functions (once per proxy) and fills the cache
-    harness.forget()
-    harness.phase_us()
     setup = [m for m in first if isinstance(m, RegisterFunction)]
+    (schedule,) = [m for m in first if isinstance(m, ScheduleRun)]
+    harness.complete(schedule)
+    harness.release()
 
-    def cold() -> list[Message]:
+    def cold() -> tuple[list[Message], int]:
         harness.session.lowerings = LoweringCache()  # empty, as in a new session
-        return harness.dispatch()[0]
+        return harness.dispatch()
 
-    cold_s, _ = median_cpu(cold, config.proxy_cold_repeats)
-    cold_phases = harness.phase_us()
-    harness.forget()
-    warm_s, (messages, schedule) = median_cpu(harness.dispatch, config.proxy_warm_repeats)
-    warm_phases = harness.phase_us()
-    harness.forget()
+    def repeat(fn: Callable[[], tuple[list[Message], int]], repeats: int) -> tuple[float, float, list[Message]]:
+        """Median CPU of dispatching (and encoding), and of taking the completions; the last run's messages."""
+        dispatch_s, done_s = [], []
+        for _ in range(repeats):
+            start = time.process_time()
+            sent, _ = fn()
+            dispatch_s.append(time.process_time() - start)
+            (run,) = [m for m in sent if isinstance(m, ScheduleRun)]
+            start = time.process_time()
+            harness.complete(run)
+            done_s.append(time.process_time() - start)
+            harness.release()
+        return statistics.median(dispatch_s), statistics.median(done_s), sent
+
+    cold_s, _, _ = repeat(cold, config.proxy_cold_repeats)
+    warm_s, done_s, messages = repeat(harness.dispatch, config.proxy_warm_repeats)
     assert harness.session.lowerings.hits >= config.proxy_warm_repeats, "the warm runs must hit the cache"
+    (schedule,) = [m for m in messages if isinstance(m, ScheduleRun)]
     nbytes = sum(encoded_bytes(m) for m in messages)
+    # The run's completions: what the executors send the proxy, and what it sends because of them.
+    done, frees = harness.complete(harness.dispatch()[0][-1])  # (a last run, untimed: its messages counted)
+    assert not harness.proxy.runs, "every run finished"
     # The island's side of the same run: one Enqueue per executor.
     order = IslandOrder(island=0, scheduler="tcp://sched-0:6100")
     sched_s, actions = median_cpu(lambda: _submit_and_finish(order, schedule), config.proxy_warm_repeats)
@@ -276,7 +282,8 @@ def proxy_point(devices: int, spmd: bool, config: Config) -> dict[str, Any]:
         "messages": len(messages), "message_types": dict(collections.Counter(type(m).__name__ for m in messages)),
         "bytes": nbytes, "bytes_per_executor": nbytes / executors,
         "warm_cpu_us": 1e6 * warm_s, "cold_cpu_us": 1e6 * cold_s,
-        "warm_phases_us": warm_phases, "cold_phases_us": cold_phases,
+        "completion_messages_in": len(done), "completion_bytes_in": sum(encoded_bytes(m) for m in done),
+        "completion_messages_out": len(frees), "completion_cpu_us": 1e6 * done_s,
         "setup_register_function_messages": len(setup),
         "setup_register_function_bytes": sum(encoded_bytes(m) for m in setup),
         "scheduler_enqueues": len(actions), "scheduler_enqueue_bytes": sum(encoded_bytes(a.enqueue) for a in actions),
@@ -292,8 +299,8 @@ def _submit_and_finish(order: IslandOrder, run: ScheduleRun | None) -> list[Any]
     return actions
 
 
-async def proxy_scaling(config: Config) -> dict[str, Any]:
-    """Both node kinds over the device counts (async only because a session's buffers hold futures)."""
+def proxy_scaling(config: Config) -> dict[str, Any]:
+    """Both node kinds over the device counts."""
     out: dict[str, Any] = {}
     for kind in ("pmap", "spmd"):
         rows: list[dict[str, Any]] = []
@@ -311,11 +318,12 @@ async def proxy_scaling(config: Config) -> dict[str, Any]:
                     break
             row = proxy_point(n, kind == "spmd", config)
             print(f"  {kind} N={n:>5}: {row['messages']} messages, {row['bytes']:>10,} bytes, "
-                  f"warm {row['warm_cpu_us']:>9,.0f} us, cold {row['cold_cpu_us']:>10,.0f} us", flush=True)
+                  f"warm {row['warm_cpu_us']:>9,.0f} us, cold {row['cold_cpu_us']:>10,.0f} us; completions "
+                  f"{row['completion_messages_in']:,} in, {row['completion_cpu_us']:,.0f} us", flush=True)
             rows.append(row)
         lo, hi = rows[0], rows[-1]
-        ratio = {key: hi[key] / lo[key] if lo[key] else None for key in ("messages", "bytes", "warm_cpu_us",
-                                                                         "cold_cpu_us")}
+        ratio = {key: hi[key] / lo[key] if lo[key] else None for key in (
+            "messages", "bytes", "warm_cpu_us", "cold_cpu_us", "completion_messages_in", "completion_cpu_us")}
         out[kind] = {"rows": rows, "stopped": stopped, "ratio_devices": [lo["devices"], hi["devices"]],
                      "ratio": ratio}
     return out
@@ -467,25 +475,16 @@ def placement_time(config: Config) -> list[dict[str, Any]]:
 
 def proxy_table(proxy: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
     headers = ["node", "devices", "executors", "proxy msgs", "proxy bytes", "warm CPU us", "cold CPU us",
-               "1st-run RegisterFunction", "island Enqueues", "Enqueue bytes",
-               "island CPU us"]
+               "NodeDone in", "frees out", "completion CPU us", "1st-run RegisterFunction", "island Enqueues",
+               "Enqueue bytes", "island CPU us"]
     rows = []
     for kind, data in proxy.items():
         for r in data["rows"]:
             rows.append([kind, f"{r['devices']:,}", f"{r['executors']:,}", str(r["messages"]), f"{r['bytes']:,}",
-                         f"{r['warm_cpu_us']:,.0f}", f"{r['cold_cpu_us']:,.0f}",
+                         f"{r['warm_cpu_us']:,.0f}", f"{r['cold_cpu_us']:,.0f}", f"{r['completion_messages_in']:,}",
+                         f"{r['completion_messages_out']:,}", f"{r['completion_cpu_us']:,.0f}",
                          f"{r['setup_register_function_messages']:,}", f"{r['scheduler_enqueues']:,}",
                          f"{r['scheduler_enqueue_bytes']:,}", f"{r['scheduler_cpu_us']:,.0f}"])
-    return headers, rows
-
-
-def phases_table(proxy: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
-    headers = ["node", "devices", *(f"warm {p} us" for p in PHASES), *(f"cold {p} us" for p in PHASES)]
-    rows = []
-    for kind, data in proxy.items():
-        for r in data["rows"]:
-            rows.append([kind, f"{r['devices']:,}", *(f"{r['warm_phases_us'][p]:,.0f}" for p in PHASES),
-                         *(f"{r['cold_phases_us'][p]:,.0f}" for p in PHASES)])
     return headers, rows
 
 
@@ -495,7 +494,8 @@ def ratio_lines(proxy: dict[str, Any]) -> list[str]:
         lo, hi = data["ratio_devices"]
         r = data["ratio"]
         lines.append(f"{kind}: N={hi:,} over N={lo:,}: messages x{r['messages']:.3g}, bytes x{r['bytes']:,.0f}, "
-                     f"warm CPU x{r['warm_cpu_us']:,.0f}, cold CPU x{r['cold_cpu_us']:,.0f} "
+                     f"warm CPU x{r['warm_cpu_us']:,.0f}, cold CPU x{r['cold_cpu_us']:,.0f}; completions: "
+                     f"messages x{r['completion_messages_in']:,.0f}, CPU x{r['completion_cpu_us']:,.0f} "
                      f"(goal: x1){'; ' + data['stopped'] if data['stopped'] else ''}")
     return lines
 
@@ -622,7 +622,7 @@ def main(argv: list[str] | None = None) -> int:
     started = time.monotonic()
     load_at_start = load_average()
     print("(a) the proxy per program: a 3-node chain on a slice of N devices", flush=True)
-    proxy = asyncio.run(proxy_scaling(config))
+    proxy = proxy_scaling(config)
     print("(b) island-scheduler decisions (fair policy, window 2)", flush=True)
     sched = scheduler_rate(config)
     print(f"(c) RM slice placement at {config.rm_executors * DEVICES_PER_EXECUTOR:,} devices", flush=True)
@@ -655,9 +655,6 @@ def main(argv: list[str] | None = None) -> int:
     sections = [
         ("(a) the proxy per program (3-node chain, x an existing buffer; CPU: bind + lower + encode + record)",
          proxy_table(proxy), 1),
-        ("(a) where the proxy's CPU goes, median us per phase (lower: bind + cache lookup or lowering; sites: "
-         "every function site checked against those registered; encode: build + encode the messages; record: "
-         "the run and its buffers)", phases_table(proxy), 1),
         ("(b) island-scheduler decisions per CPU second (fair, window 2)", scheduler_table(sched), 1),
         ("(c) RM slice placement (CPU of ResourceManagerState.handle(AllocateSlice))", placement_table(placement), 0),
         (f"(d) Figure 5 on the simulator: a chain of {config.sim_k} tiny computations over every device "

@@ -216,6 +216,9 @@ def test_scale_smoke(tmp_path: Path) -> None:
             assert r["messages"] == 1 and r["message_types"] == {"ScheduleRun": 1}, r
             assert r["bytes"] > 0 and r["warm_cpu_us"] > 0 and r["cold_cpu_us"] > 0
             assert r["executors"] == max(1, r["devices"] // 8) == r["scheduler_enqueues"]
+            # The proxy's own core ran the chain to its end: one completion per executor (the chain's
+            # inner nodes are quiet), and frees for its temporaries.
+            assert r["completion_messages_in"] == r["executors"] and r["completion_messages_out"] >= 1
         assert data["proxy"][kind]["ratio"]["messages"] == 1.0
     for shape in ("small", "gang"):
         rows = data["scheduler"][shape]["rows"]
