@@ -15,8 +15,10 @@ work per computation, a device's time per tiny op, the network's latency) are th
     (``k`` per step, median step), beside multi-controller JAX, whose every host dispatches
     its own devices: its rate is this machine's per-op rate at any size.
 (e) A GPipe forward pass over 4 islands x 256 hosts: 4 stages, stage ``s`` on all 2,048
-    devices of island ``s``, ``m`` microbatches, one program per step; its step time against
-    the pipeline's ideal ``(m + stages - 1)`` stage times, and what the controller did.
+    devices of island ``s``, ``m`` microbatches, one program per step; dispatched one step at
+    a time (the ideal: ``(m + stages - 1)`` stage times a step) and with the next step
+    dispatched while one runs, as a training loop does (the ideal: ``m`` stage times a step,
+    steps overlapping); its step time against the ideal, and what the controller did.
 """
 
 from __future__ import annotations
@@ -134,7 +136,7 @@ def figure5(hosts: tuple[int, ...], devices_per_host: int, k: int, steps: int, c
 
 
 def pipeline(islands: int, hosts_per_island: int, devices_per_host: int, microbatches: int, steps: int,
-             stage_seconds: float, costs: Costs) -> dict[str, Any]:
+             stage_seconds: float, costs: Costs, in_flight: int = 1) -> dict[str, Any]:
     """(e): a GPipe forward pass, one stage per island over all its devices (the first step: a warm-up)."""
     if steps < 2:
         raise ValueError("pipeline needs at least 2 steps: the first is a warm-up")
@@ -142,14 +144,17 @@ def pipeline(islands: int, hosts_per_island: int, devices_per_host: int, microba
     config = SimConfig(islands=islands, hosts_per_island=hosts_per_island, devices_per_host=devices_per_host,
                        link=costs.link, cost=costs.cost, charge_cpu=True, keep_spans=True, **costs.daemons)
     report, cluster = _run(config, Workload(name="pipeline", steps=steps, devices=devices, stages=islands,
-                                   microbatches=microbatches, compute_seconds=stage_seconds))
+                                   microbatches=microbatches, compute_seconds=stage_seconds, in_flight=in_flight))
     steps_seen = report["clients"]["c0"]["steps"]
     step = report["warm_step_seconds_median"]
     # Each stage's computation: its device time plus the executor's host work and a kernel launch.
     stage = stage_seconds + costs.cost.launch_seconds + costs.cost.host_overhead_seconds
-    ideal = (microbatches + islands - 1) * stage
+    # One step alone: the fill and drain too, (m + stages - 1) stage times. Steps in flight overlap (a
+    # forward pass does not wait for the last one's drain): then each island's m stage times a step.
+    ideal = (microbatches + (islands - 1 if in_flight == 1 else 0)) * stage
     return {"islands": islands, "hosts_per_island": hosts_per_island, "devices_per_stage": devices,
             "hosts": islands * hosts_per_island, "devices": islands * devices, "microbatches": microbatches,
+            "in_flight": in_flight,
             "steps": steps_seen, "stage_seconds": stage_seconds, "step_seconds": step,
             "ideal_step_seconds": ideal, "efficiency": ideal / step, "computations": report["computations"],
             "data_plane_bytes_per_step": report["data_plane_bytes"] / steps,
@@ -158,19 +163,23 @@ def pipeline(islands: int, hosts_per_island: int, devices_per_host: int, microba
 
 
 def _timeline(cluster: SimCluster, hosts_per_island: int) -> list[dict[str, Any]]:
-    """The last step on each island's first host: (island, start, end, microbatch) of each computation,
-    in ms from that step's start."""
+    """The last step's run on each island's first host: (island, start, end, node) of each computation, in
+    ms from that step's start (its dispatch: the ``step`` mark when steps go one at a time, else the run's
+    first computation)."""
     (client,) = cluster.clients
-    start, end = client.marked("step")[-1], client.marked("step_end")[-1]
+    first = cluster.executors[0]
+    last_run = max(first.spans, key=lambda span: span[0])[2]
+    spans = [(island, span) for island in range(cluster.config.islands)
+             for span in cluster.executors[island * hosts_per_island].spans if span[2] == last_run]
+    start = client.marked("step")[-1]
+    if any(span[0] < start for _, span in spans):  # dispatched before the step began (steps in flight)
+        start = min(span[0] for _, span in spans)
+    seen = set()
     out = []
-    for island in range(cluster.config.islands):
-        ex = cluster.executors[island * hosts_per_island]
-        seen = set()
-        for t0, t1, run, node, _ in ex.spans:
-            if t0 >= start and t1 <= end and (run, node) not in seen:
-                seen.add((run, node))
-                out.append({"island": island, "start_ms": 1e3 * (t0 - start), "end_ms": 1e3 * (t1 - start),
-                            "node": node})
+    for island, (t0, t1, _, node, _) in spans:
+        if (island, node) not in seen:
+            seen.add((island, node))
+            out.append({"island": island, "start_ms": 1e3 * (t0 - start), "end_ms": 1e3 * (t1 - start), "node": node})
     return out
 
 
@@ -199,13 +208,14 @@ def figure5_lines(d: dict[str, Any]) -> list[str]:
     return lines
 
 
-def pipeline_table(e: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
-    headers = ["islands x hosts", "devices", "microbatches", "step ms", "ideal ms", "efficiency",
-               "proxy msgs/step", "proxy CPU ms/step", "data plane MB/step"]
+def pipeline_table(runs: list[dict[str, Any]]) -> tuple[list[str], list[list[str]]]:
+    headers = ["islands x hosts", "devices", "microbatches", "steps in flight", "step ms", "ideal ms", "efficiency",
+               "proxy busy", "sched busy", "proxy msgs/step", "proxy CPU ms/step", "data plane MB/step"]
     return headers, [[f"{e['islands']} x {e['hosts_per_island']:,}", f"{e['devices']:,}", str(e["microbatches"]),
-                      f"{1e3 * e['step_seconds']:.2f}", f"{1e3 * e['ideal_step_seconds']:.2f}",
-                      f"{e['efficiency']:.0%}", f"{e['proxy_messages']:,.0f}", f"{e['proxy_cpu_us'] / 1e3:.2f}",
-                      f"{e['data_plane_bytes_per_step'] / 1e6:,.1f}"]]
+                      str(e["in_flight"]), f"{1e3 * e['step_seconds']:.2f}", f"{1e3 * e['ideal_step_seconds']:.2f}",
+                      f"{e['efficiency']:.0%}", f"{e['proxy_busy']:.0%}", f"{e['scheduler_busy']:.0%}",
+                      f"{e['proxy_messages']:,.0f}", f"{e['proxy_cpu_us'] / 1e3:.2f}",
+                      f"{e['data_plane_bytes_per_step'] / 1e6:,.1f}"] for e in runs]
 
 
 def plot_figure5(ax: Any, d: dict[str, Any]) -> None:
@@ -240,5 +250,7 @@ def plot_pipeline(ax: Any, e: dict[str, Any]) -> None:
     ax.invert_yaxis()
     ax.set_xlabel("ms into a step (one host per island; colour: microbatch)")
     ax.set_title(f"(e) pipeline: {e['islands']} islands x {e['hosts_per_island']:,} hosts, "
-                 f"{e['microbatches']} microbatches, {e['efficiency']:.0%} of ideal", fontsize=10)
+                 f"{e['microbatches']} microbatches, "
+                 f"{'one step at a time' if e['in_flight'] == 1 else str(e['in_flight']) + ' steps in flight'}: "
+                 f"{e['efficiency']:.0%} of ideal", fontsize=10)
     ax.legend(fontsize=7, loc="lower right")

@@ -246,9 +246,10 @@ def test_scale_smoke(tmp_path: Path) -> None:
         assert by_mode["fused"]["proxy_messages"] < by_mode["opbyop"]["proxy_messages"]
     # (e): every microbatch went through every island's stage, no faster than the pipeline's ideal.
     pipe = data["pipeline"]
-    assert pipe["islands"] == config["pipeline_islands"] and pipe["steps"] == config["sim_steps"]
-    assert pipe["computations"] == (config["sim_steps"] * config["pipeline_microbatches"] * config["pipeline_islands"]
-                                    * config["pipeline_hosts_per_island"])
+    assert pipe["islands"] == config["pipeline_islands"] and pipe["steps"] == config["pipeline_steps"]
+    assert pipe["computations"] == (config["pipeline_steps"] * config["pipeline_microbatches"]
+                                    * config["pipeline_islands"] * config["pipeline_hosts_per_island"])
+    assert (pipe["in_flight"], data["pipeline_synchronous"]["in_flight"]) == (2, 1)
     assert 0 < pipe["efficiency"] <= 1.0 and {s["island"] for s in pipe["timeline"]} == set(range(pipe["islands"]))
     assert "simulated executors' costs" in proc.stdout
     assert "| node | devices |" in (tmp_path / "scale.md").read_text()

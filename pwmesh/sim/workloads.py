@@ -61,6 +61,7 @@ class Workload:
     exported_bytes: int = 4096  # a function artifact's size on the wire
     stages: int = 4  # pipeline
     microbatches: int = 4
+    in_flight: int = 1  # pipeline: steps dispatched ahead of the one awaited
     clients: int = 4  # clients
     weights: tuple[float, ...] = (1.0, 2.0, 4.0, 8.0)
     backlog: int = 4
@@ -70,7 +71,7 @@ class Workload:
         if self.name not in WORKLOADS:
             raise InvalidArgument(f"unknown workload {self.name!r}; choose one of {', '.join(WORKLOADS)}")
         if min(self.steps, self.k, self.devices, self.rows, self.cols, self.stages, self.microbatches,
-               self.clients, self.backlog) < 1 or not self.weights or min(self.weights) <= 0:
+               self.clients, self.backlog, self.in_flight) < 1 or not self.weights or min(self.weights) <= 0:
             raise InvalidArgument(f"every count must be at least 1 and weights positive: {self}")
 
 
@@ -176,12 +177,25 @@ def pipeline(w: Workload, islands: int, name: str = "c0") -> Callable[[SimClient
         for b in range(m):
             yield _put(b, slices[0], w)
         next_id = m
-        for _ in range(w.steps):
-            yield Mark("step")
+        running: list[list[int]] = []
+
+        def submit() -> Post:
+            nonlocal next_id
             outs = list(range(next_id, next_id + m))
             next_id += m
-            yield Post(RunProgram(inputs=[ProgramInput(buffer=b) for b in range(m)], outputs=outs,
-                                  program_id="pipeline"))
+            running.append(outs)
+            return Post(RunProgram(inputs=[ProgramInput(buffer=b) for b in range(m)], outputs=outs,
+                                   program_id="pipeline"))
+
+        submitted = 0
+        for _ in range(w.steps):
+            # With ``in_flight`` > 1 the next steps are dispatched while this one runs (as a training loop's
+            # asynchronous dispatch does): a step is then the time between two steps' ends.
+            yield Mark("step")
+            while submitted < w.steps and len(running) < w.in_flight:
+                yield submit()
+                submitted += 1
+            outs = running.pop(0)
             yield Call(AwaitBuffers(buffers=outs))
             yield Mark("step_end")
             yield Post(ReleaseBuffers(buffers=outs))
