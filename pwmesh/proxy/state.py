@@ -33,13 +33,11 @@ Actions:
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import itertools
 import logging
 import secrets
 import weakref
-from collections.abc import Iterator
 from typing import ClassVar
 
 from pwmesh.errors import (
@@ -328,15 +326,6 @@ class ProxyState:
         if buf.resolve(error):
             self._out.append(Resolve(buf))
 
-    @contextlib.contextmanager
-    def _dispatch_traffic(self) -> Iterator[None]:
-        """What is sent in the block is program traffic (``StatusReply.dispatch_messages``)."""
-        self._dispatching = True
-        try:
-            yield
-        finally:
-            self._dispatching = False
-
     def watch(self, role: str = "proxy") -> WatchCluster:
         """Subscription to the RM, carrying every slice our sessions hold (rebuilds a restarted RM)."""
         slices = [sl for session in self.sessions.values() for sl in session.slices.values()]
@@ -450,8 +439,8 @@ class ProxyState:
             if program is None:
                 raise NotFound(f"program {msg.program_id[:16]!r} was never registered in this session"
                                if msg.program_id else "RunProgram names no program")
-            with self._dispatch_traffic():
-                self._dispatch(session, msg, program)
+            self._dispatching = True  # what it sends is program traffic (until ``handle`` returns)
+            self._dispatch(session, msg, program)
             self.programs += 1
         except PwmeshError as exc:
             for i, cid in enumerate(msg.outputs):
@@ -543,8 +532,8 @@ class ProxyState:
             log.warning("completion for unknown run %s from %s", msg.run_id, msg.executor_id)
             return None
         session, run = found
-        with self._dispatch_traffic():
-            self._node_finished(session, run, msg)
+        self._dispatching = True  # (a context manager here cost ~2 us a completion)
+        self._node_finished(session, run, msg)
         return None
 
     def _node_finished(self, session: Session, run: Run, msg: NodeDone) -> None:
