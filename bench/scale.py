@@ -119,7 +119,7 @@ class Config:
     rm_repeats: int = 31
     sim_hosts: tuple[int, ...] = (16, 32, 64, 128, 256, 512, 1024)  # (d)
     sim_k: int = 16  # (d): computations in the chain
-    sim_steps: int = 3  # (d): the first is a warm-up
+    sim_steps: int = 4  # (d): the first is a warm-up
     pipeline_steps: int = 5  # (e): the first is a warm-up
     pipeline_islands: int = 4  # (e)
     pipeline_hosts_per_island: int = 256
