@@ -245,10 +245,11 @@ def plot_pipeline(ax: Any, e: dict[str, Any]) -> None:
                 color=f"C{span['node'] // e['islands'] % 10}", edgecolor="black", linewidth=0.3)
     ax.axvline(1e3 * e["ideal_step_seconds"], color="red", linestyle="--", label="ideal step")
     ax.axvline(1e3 * e["step_seconds"], color="black", linestyle=":", label="simulated step")
+    ax.set_xlim(left=0)  # the step begins at 0: the gap before the first bar is its dispatch
     ax.set_yticks(range(e["islands"]))
     ax.set_yticklabels([f"island {i}" for i in range(e["islands"])])
     ax.invert_yaxis()
-    ax.set_xlabel("ms into a step (one host per island; colour: microbatch)")
+    ax.set_xlabel("ms into a step (one host per island; colour: microbatch; before the first bar: dispatch)")
     ax.set_title(f"(e) pipeline: {e['islands']} islands x {e['hosts_per_island']:,} hosts, "
                  f"{e['microbatches']} microbatches, "
                  f"{'one step at a time' if e['in_flight'] == 1 else str(e['in_flight']) + ' steps in flight'}: "

@@ -656,7 +656,8 @@ def main(argv: list[str] | None = None) -> int:
         "wall_seconds": time.monotonic() - started,
     }
     sections = [
-        ("(a) the proxy per program (3-node chain, x an existing buffer; CPU: bind + lower + encode + record)",
+        ("(a) the proxy per program (3-node chain, x an existing buffer; the proxy's core: dispatch CPU with the "
+         "messages encoded, then the run's completions and the frees they cause)",
          proxy_table(proxy), 1),
         ("(b) island-scheduler decisions per CPU second (fair, window 2)", scheduler_table(sched), 1),
         ("(c) RM slice placement (CPU of ResourceManagerState.handle(AllocateSlice))", placement_table(placement), 0),
