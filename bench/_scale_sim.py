@@ -39,6 +39,16 @@ SATURATED = 0.9  # a controller daemon (the proxy, an island scheduler) is satur
 DEFAULT_CALIBRATION = Path(__file__).resolve().parent / "results" / "sim_check.json"
 
 
+def calibration_from(path: Path = DEFAULT_CALIBRATION) -> dict[str, float]:
+    """The calibrated numbers a ``sim_check`` run wrote (seconds; CostModel, LinkSpec, SimConfig and
+    Workload field names), for the benchmarks that simulate this machine. Here, not in sim_check.py:
+    importing that one sets up JAX for its own measurements."""
+    data = json.loads(Path(path).read_text())
+    if data.get("benchmark") != "sim_check":
+        raise ValueError(f"{path} is not a sim_check result")
+    return dict(data["calibration"])
+
+
 @dataclasses.dataclass(frozen=True)
 class Costs:
     """The simulated hardware, and where its numbers came from."""
@@ -56,7 +66,7 @@ def load_costs(path: Path | None) -> Costs:
     found = path if path is not None else DEFAULT_CALIBRATION
     calibration: dict[str, Any] = {}
     if found.exists():
-        calibration = json.loads(found.read_text()).get("calibration", {})
+        calibration = calibration_from(found)
     elif path is not None:
         raise FileNotFoundError(f"no calibration at {path} (run bench/sim_check.py first)")
 

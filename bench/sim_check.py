@@ -40,7 +40,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
-import json
 import math
 import statistics
 import sys
@@ -54,6 +53,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 from _common import DEFAULT_OUT, load_average, machine, pyplot, save_figure, save_results, table  # noqa: E402
+from _scale_sim import calibration_from  # noqa: E402, F401  (the reader of this script's results)
 from dispatch import DEVICES, MODE_NAMES, MODES, check, make_op, per_device, step  # noqa: E402
 
 import pwmesh as pw  # noqa: E402
@@ -237,15 +237,6 @@ def calibrate(real: dict[tuple[str, int], dict[str, Any]], cluster: dict[str, An
     sim_slope = (sim("chained", long) - sim("chained", short)) / (long - short)
     calibration["host_overhead_seconds"] = max(0.0, real_slope - sim_slope)
     return calibration, [("fused", short), ("chained", short), ("chained", long)]
-
-
-def calibration_from(path: Path = DEFAULT_OUT / "sim_check.json") -> dict[str, float]:
-    """The calibrated numbers a ``sim_check`` run wrote (seconds; CostModel, LinkSpec, SimConfig and
-    Workload field names), for other benchmarks that simulate this machine."""
-    data = json.loads(Path(path).read_text())
-    if data.get("benchmark") != "sim_check":
-        raise ValueError(f"{path} is not a sim_check result")
-    return dict(data["calibration"])
 
 
 # ------------------------------------------------------------------ report
