@@ -302,10 +302,7 @@ class Executor(Service):
     def _part_done(self, run_id: str, scheduler: str, device_seconds: float) -> None:
         quiet = self._quiet.pop(run_id, None)
         if quiet is not None:  # the part's quiet completions leave with its end, before its RunPartDone
-            proxy, nodes = quiet
-            if not self._completed:
-                after_wakeups(self._report_completed)
-            self._completed.setdefault((proxy, run_id), []).extend(nodes)
+            self._report_later(quiet[0], run_id, quiet[1])
         if not scheduler:
             return
         done = RunPartDone(run_id=run_id, executor_id=self.name, device_seconds=device_seconds)
@@ -533,9 +530,13 @@ class Executor(Service):
         if work.comp.quiet:  # nobody outside the run waits for it: it goes with the part's end
             self._quiet.setdefault(work.run_id, (work.proxy, []))[1].append(work.comp.node)
             return
+        self._report_later(work.proxy, work.run_id, [work.comp.node])
+
+    def _report_later(self, proxy: str, run_id: str, nodes: list[int]) -> None:
+        """Add ``nodes`` to the completions that leave together after the loop's wake-ups."""
         if not self._completed:
             after_wakeups(self._report_completed)
-        self._completed.setdefault((work.proxy, work.run_id), []).append(work.comp.node)
+        self._completed.setdefault((proxy, run_id), []).extend(nodes)
 
     def _report_completed(self) -> None:
         completed, self._completed = self._completed, {}

@@ -165,40 +165,28 @@ class Proxy(Service):
         answer: Any = None
         error: PwmeshError | None = None
         for action in actions:
-            kind = type(action)
-            if kind is Send:
-                assert isinstance(action, Send)
+            if isinstance(action, Send):
+                before = self.peers.sent_bytes
+                self.peers.post(action.to, action.message)
                 if action.dispatch:
-                    before = self.peers.sent_bytes
-                    self.peers.post(action.to, action.message)
                     self.dispatch_bytes += self.peers.sent_bytes - before
-                else:
-                    self.peers.post(action.to, action.message)
-            elif kind is Resolve:
-                assert isinstance(action, Resolve)
+            elif isinstance(action, Resolve):
                 for fut in self.waiting.pop(action.buffer, ()):
                     if not fut.done():
                         fut.set_result(None)
-            elif kind is Reply:
-                assert isinstance(action, Reply)
+            elif isinstance(action, Reply):
                 answer, error = action.message, action.error
-            elif kind is Wait:
-                assert isinstance(action, Wait)
+            elif isinstance(action, Wait):
                 answer = self._await_buffers(action.buffers)
-            elif kind is Fetching:
-                assert isinstance(action, Fetching)
+            elif isinstance(action, Fetching):
                 answer = self._fetch(action)
-            elif kind is Ask:
-                assert isinstance(action, Ask)
+            elif isinstance(action, Ask):
                 answer = self._ask(action)
-            elif kind is PeerLost:
-                assert isinstance(action, PeerLost)
+            elif isinstance(action, PeerLost):
                 self.peers.mark_lost(action.control, action.error)  # fails the fetches waiting on it
-            elif kind is PeerBack:
-                assert isinstance(action, PeerBack)
+            elif isinstance(action, PeerBack):
                 self.peers.mark_alive(action.control)
-            elif kind is FencePeer:
-                assert isinstance(action, FencePeer)
+            elif isinstance(action, FencePeer):
                 self.peers.fence(action.control, action.fence)
             else:
                 raise TypeError(f"not a proxy action: {action!r}")

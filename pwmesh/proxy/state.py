@@ -681,7 +681,7 @@ class ProxyState:
         for buf in bufs:
             if not buf.freeable:
                 continue
-            for control in buf.holders - self.lost_controls:
+            for control in buf.holders:  # (``_send`` drops what is for a lost executor)
                 by_holder.setdefault(control, []).append(f"{session_id}/{buf.name}")
             buf.holders = set()
         for control, prefixes in by_holder.items():

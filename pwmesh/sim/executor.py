@@ -254,16 +254,17 @@ class SimExecutor(Node):
         if work.comp.quiet:  # nobody outside the run waits for it: it goes with the part's end (as the real one)
             self._quiet.setdefault(work.run_id, (work.proxy, []))[1].append(work.comp.node)
             return
+        self._report_later(work.proxy, work.run_id, [work.comp.node])
+
+    def _report_later(self, proxy: str, run_id: str, nodes: list[int]) -> None:
         if not self._completed and not self._parts_done:
             self.clock.after(0.0, self._report)  # what completes in one instant leaves together
-        self._completed.setdefault((work.proxy, work.run_id), []).append(work.comp.node)
+        self._completed.setdefault((proxy, run_id), []).extend(nodes)
 
     def _part_done(self, done: PartDone) -> None:
         quiet = self._quiet.pop(done.run_id, None)
-        if quiet is not None:
-            if not self._completed and not self._parts_done:
-                self.clock.after(0.0, self._report)
-            self._completed.setdefault((quiet[0], done.run_id), []).extend(quiet[1])
+        if quiet is not None:  # the part's quiet completions leave with its end, before its RunPartDone
+            self._report_later(quiet[0], done.run_id, quiet[1])
         if not done.scheduler:
             return
         msg = RunPartDone(run_id=done.run_id, executor_id=self.executor_id, device_seconds=done.device_seconds)
