@@ -53,8 +53,11 @@ def test_multitenancy_smoke(tmp_path: Path) -> None:
     assert [c["weight"] for c in shares["clients"]] == [1.0, 2.0, 4.0, 8.0]
     for c in shares["clients"]:
         assert {"target_share", "share", "error", "relative_error", "device_seconds", "runs"} <= c.keys()
-        # A client with no run in the window starved or stalled: say which, and what the others got.
-        assert c["runs"] > 0 and c["device_seconds"] > 0, (c["name"], shares["clients"], proc.stdout[-2000:])
+        # A client whose work used no device in the window, or that completed nothing at all, starved or
+        # stalled: say which, and what the others got. (Its count of runs *released* in a one-second window
+        # may be 0 on a loaded machine even though its earlier runs ran in it: weight 1 of 15 is a small share.)
+        assert c["device_seconds"] > 0 and c["completed_total"] > 0, (c["name"], shares["clients"],
+                                                                        proc.stdout[-2000:])
     assert abs(sum(c["share"] for c in shares["clients"]) - 1.0) < 1e-6
     assert [r["clients"] for r in data["throughput"]] == data["config"]["client_counts"]
     for r in data["throughput"]:
