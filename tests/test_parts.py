@@ -5,8 +5,9 @@ from __future__ import annotations
 import msgpack
 import pytest
 
-from pwmesh.errors import ProtocolError
+from pwmesh.errors import InvalidArgument, ProtocolError
 from pwmesh.wire import decode, encode
+from pwmesh.wire.codec import pack_records
 from pwmesh.wire.messages import Computation, DeviceRange, Enqueue, RunPart, ShardRun
 from pwmesh.wire.parts import PartTemplates, device_ranges, enqueued, referenced_parts, renamed, run_parts
 
@@ -98,3 +99,14 @@ def test_a_reference_without_its_name_is_refused(ref: str, names: list[str], mat
     part.names = names
     with pytest.raises(ProtocolError, match=match):
         enqueued(through_the_wire(part), PartTemplates())
+
+
+@pytest.mark.parametrize("device, count", [(0, 2**62), (0, 0), (0, -1), (-1, 1), (1 << 16, 1)])
+def test_a_shard_run_no_executor_could_hold_is_refused_before_it_is_expanded(device: int, count: int) -> None:
+    """Found by fuzzing: an executor expanded a ShardRun of count 2^62 into a list until memory ran out."""
+    (part,) = run_parts([comp(0, "a", (0, 1))])
+    part.computations = pack_records([comp(0, "a", (device, count))])  # as a peer could send it
+    with pytest.raises(InvalidArgument, match=r"shard run .* is out of range"):
+        enqueued(through_the_wire(part))
+    (fine,) = run_parts([comp(0, "a", (0, 1 << 16))])
+    assert len(enqueued(through_the_wire(fine))[0].shards()) == 1 << 16

@@ -4,10 +4,12 @@ shrinks below them, heal when capacity returns, and survive an RM restart."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 from test_placement import executor, started
 
-from pwmesh.errors import NotFound
+from pwmesh.errors import InvalidArgument, NotFound
 from pwmesh.rm.state import ResourceManagerState
 from pwmesh.wire.messages import (
     AllocateSlice,
@@ -107,6 +109,20 @@ def test_drain_moves_slices_off_and_keeps_new_ones_away() -> None:
     assert {m.old.executor_id for m in note.moves} == {"i0h0"} and hosts_of(note.slice) == ["i0h1", "i0h1"]
     assert state.executors["i0h0"].draining and state.executors["i0h0"].alive
     assert hosts_of(allocate(state, "bob", 2)) == ["i0h1", "i0h1"]  # shares, never the draining host
+
+
+@pytest.mark.parametrize("field", ["slice_id", "map_version"])
+def test_a_restore_the_rm_could_not_count_past_is_refused_and_changes_nothing(field: str) -> None:
+    """Found by fuzzing: restoring a slice at 2^64 - 1 made the RM hold 2^64, which no reply could encode."""
+    old = started(islands=1, hosts=2, devices=2)
+    sl = allocate(old, "alice", 2)
+    state = started(islands=1, hosts=2, devices=2)
+    version = state.map_version
+    huge = dataclasses.replace(sl, **{field: 2**64 - 1})
+    with pytest.raises(InvalidArgument, match="ids and versions must be below 2"):
+        state.handle(WatchCluster(role="proxy", name="proxy", slices=[sl, huge]), now=0.0)
+    assert state.slices == {} and state.map_version == version, "nothing of the refused restore was taken"
+    assert allocate(state, "bob", 2).map_version < 2**62, "it allocates on, with ids it can encode"
 
 
 def test_drain_names_must_be_known_and_alive() -> None:

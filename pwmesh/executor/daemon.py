@@ -76,6 +76,7 @@ from pwmesh.wire.messages import (
     Watchers,
 )
 from pwmesh.wire.parts import PartTemplates, enqueued
+from pwmesh.wire.records import check_runs
 
 log = logging.getLogger(__name__)
 
@@ -339,6 +340,7 @@ class Executor(Service):
     def _send_shards(self, peer: bytes, env: Envelope) -> Ok:
         msg = env.message
         assert isinstance(msg, SendShards)
+        check_runs(msg.runs, f"SendShards of {msg.prefix!r}")
         shards = [r.shard + k for r in msg.runs for k in range(r.count)]
         # Counted and looked up now, not when the task first runs: ``AwaitIdle`` right
         # behind must see it, and a delete right behind must not turn the lookup into

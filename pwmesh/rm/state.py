@@ -47,6 +47,8 @@ from pwmesh.wire.messages import (
     WatchCluster,
 )
 
+MAX_RESTORED_ID = 1 << 62  # a restored slice's id and map version: the RM adds 1 to each, and it must stay encodable
+
 
 @dataclasses.dataclass
 class ResourceManagerState:
@@ -296,6 +298,11 @@ class ResourceManagerState:
 
     def _restore(self, slices: list[SliceInfo]) -> None:
         """Take back slices a proxy still holds (after a restart of this resource manager)."""
+        for sl in slices:  # all checked before any is taken: a refused restore changes nothing
+            if not (0 <= sl.slice_id < MAX_RESTORED_ID and 0 <= sl.map_version < MAX_RESTORED_ID):
+                # It adds 1 to both: at 2^64 - 1 no message holding them could be encoded again.
+                raise InvalidArgument(f"cannot restore slice {sl.slice_id} at map version {sl.map_version}: "
+                                      f"ids and versions must be below 2^62")
         for sl in slices:
             self.slices.setdefault(sl.slice_id, sl)
         if slices:

@@ -30,9 +30,9 @@ from typing import NamedTuple
 
 from pwmesh.errors import InvalidArgument
 from pwmesh.wire.messages import ClientUsage, Enqueue, ScheduleRun
+from pwmesh.wire.records import MAX_DEVICES
 
 POLICIES = ("fifo", "fair")
-MAX_DEVICES = 1 << 16  # per executor: a device range beyond this is a bad message, not a big host
 DeviceKey = tuple[str, int]  # (executor_id, device)
 
 

@@ -19,6 +19,7 @@ from collections.abc import Callable, Iterable
 from pwmesh.errors import ProtocolError
 from pwmesh.wire.codec import pack_records, unpack_records
 from pwmesh.wire.messages import Computation, DeviceRange, Emit, Enqueue, RunPart, Target
+from pwmesh.wire.records import check_runs
 
 
 def run_parts(comps: Iterable[Computation]) -> list[RunPart]:
@@ -122,6 +123,8 @@ def enqueued(msg: Enqueue, templates: PartTemplates | None = None) -> list[Compu
     if [c.node for c in comps] != msg.nodes or (msg.seqs and len(msg.seqs) != len(comps)):
         raise ProtocolError(f"Enqueue of run {msg.run_id}: its computations are nodes {[c.node for c in comps]}, "
                             f"it names {msg.nodes} with {len(msg.seqs)} places")
+    for comp in comps:
+        check_runs(comp.runs, f"Enqueue of run {msg.run_id}, computation {comp.node}")
     for comp, seq in zip(comps, msg.seqs, strict=False):
         comp.seq = seq
     return comps

@@ -8,7 +8,7 @@ import dataclasses
 
 import numpy as np
 
-from pwmesh.errors import PwmeshError, error_class
+from pwmesh.errors import InvalidArgument, PwmeshError, error_class
 from pwmesh.wire.schema import Record, record
 
 
@@ -124,6 +124,17 @@ class GangDevice(Record):
 
     executor_id: str
     device: int
+
+
+MAX_DEVICES = 1 << 16  # per executor: a device range or shard run beyond this is a bad message, not a big host
+
+
+def check_runs(runs: list[ShardRun], what: str) -> None:
+    """Refuse shard runs no executor could hold (a count of 2^62 would be expanded until memory runs out)."""
+    for r in runs:
+        if not (0 <= r.device < MAX_DEVICES and 0 <= r.shard < 1 << 62 and 1 <= r.count <= MAX_DEVICES):
+            raise InvalidArgument(f"{what}: shard run (device {r.device}, shard {r.shard}, count {r.count}) is out "
+                                  f"of range (at most {MAX_DEVICES} devices an executor)")
 
 
 @record
