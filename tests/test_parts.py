@@ -108,5 +108,11 @@ def test_a_shard_run_no_executor_could_hold_is_refused_before_it_is_expanded(dev
     part.computations = pack_records([comp(0, "a", (device, count))])  # as a peer could send it
     with pytest.raises(InvalidArgument, match=r"shard run .* is out of range"):
         enqueued(through_the_wire(part))
+    # A cached lowering's part (its buffers by number) is checked as it is unpacked, once.
+    part.computations, part.names = pack_records([renamed(comp(0, "a", (device, count)), lambda _: "@0")]), ["b"]
+    templates = PartTemplates()
+    with pytest.raises(InvalidArgument, match=r"shard run .* is out of range"):
+        enqueued(through_the_wire(part), templates)
+    assert len(templates) == 0, "a refused part is not kept"
     (fine,) = run_parts([comp(0, "a", (0, 1 << 16))])
     assert len(enqueued(through_the_wire(fine))[0].shards()) == 1 << 16

@@ -77,6 +77,13 @@ def referenced_parts(comps: Iterable[Computation]) -> list[tuple[RunPart, list[s
     return parts
 
 
+def checked(comps: list[Computation], msg: Enqueue) -> list[Computation]:
+    """Unpacked computations whose shard runs an executor could hold (checked once per template, not per run)."""
+    for comp in comps:
+        check_runs(comp.runs, f"Enqueue of run {msg.run_id}, computation {comp.node}")
+    return comps
+
+
 class PartTemplates:
     """An executor's parts of cached lowerings, unpacked once each (by their bytes; the newest ``capacity``)."""
 
@@ -92,6 +99,7 @@ class PartTemplates:
         template = self._parts.get(msg.computations)
         if template is None:
             template = unpack_records(msg.computations, Computation, "Enqueue.computations")
+            checked(template, msg)
             self._parts[msg.computations] = template
             while len(self._parts) > self.capacity:
                 self._parts.popitem(last=False)
@@ -115,7 +123,7 @@ def enqueued(msg: Enqueue, templates: PartTemplates | None = None) -> list[Compu
     if msg.names:
         comps = (templates if templates is not None else PartTemplates(0)).computations(msg)
     else:
-        comps = unpack_records(msg.computations, Computation, "Enqueue.computations")
+        comps = checked(unpack_records(msg.computations, Computation, "Enqueue.computations"), msg)
         for c in comps:  # a reference with no names would wait forever for a buffer nobody makes
             if any(p[:1] == "@" for p in (*c.inputs, *c.outputs, *(t.prefix for e in c.emits for t in e.targets))):
                 raise ProtocolError(f"Enqueue of run {msg.run_id}: computation {c.node} refers to buffers "
@@ -123,8 +131,6 @@ def enqueued(msg: Enqueue, templates: PartTemplates | None = None) -> list[Compu
     if [c.node for c in comps] != msg.nodes or (msg.seqs and len(msg.seqs) != len(comps)):
         raise ProtocolError(f"Enqueue of run {msg.run_id}: its computations are nodes {[c.node for c in comps]}, "
                             f"it names {msg.nodes} with {len(msg.seqs)} places")
-    for comp in comps:
-        check_runs(comp.runs, f"Enqueue of run {msg.run_id}, computation {comp.node}")
     for comp, seq in zip(comps, msg.seqs, strict=False):
         comp.seq = seq
     return comps
