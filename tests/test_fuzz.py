@@ -304,6 +304,38 @@ async def test_what_a_peer_can_make_fail_again_and_again_is_answered_every_time_
 
 @pytest.mark.asyncio
 @pytest.mark.timeout(30)
+async def test_a_message_callback_that_fails_again_and_again_is_logged_rarely(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """Found by fuzzing 10^6 frames per socket: each notice the scheduler's callback failed on was an
+    ERROR with its traceback (1,847 of them, 3.4 MB). The socket serves on and logs a line per 10 s."""
+    ctx, tasks = Context(), TaskGroup()
+    peers: list[bytes] = []
+
+    def ping(peer: bytes, env: Envelope) -> Pong:
+        peers.append(peer)
+        return Pong(role="test", name="test")
+
+    def buggy(env: Envelope) -> None:
+        raise KeyError("a callback's bug")
+
+    server = Server(ctx, "tcp://127.0.0.1:0", {Ping: ping}, tasks=tasks, name="srv")
+    server.start()
+    conn = Connection(ctx, server.address, tasks=tasks, name="client", on_message=buggy)
+    try:
+        with caplog.at_level(logging.INFO, logger="pwmesh"):
+            assert isinstance(await conn.request(Ping(), timeout_seconds=5.0), Pong)
+            for _ in range(100):
+                server.post(peers[0], Pong(role="test", name="notice"))  # unsolicited: the callback's
+            assert isinstance(await conn.request(Ping(), timeout_seconds=5.0), Pong), "it serves on"
+        lines = [r.getMessage() for r in caplog.records]
+        assert sum("message callback failed" in line for line in lines) == 1, lines
+    finally:
+        await tasks.stop()
+        ctx.close()
+
+
+@pytest.mark.asyncio
+@pytest.mark.timeout(30)
 async def test_a_send_refused_for_a_peer_that_left_does_not_stall_the_socket() -> None:
     """Found by fuzzing (the proxy, an executor): a reply to a peer that had left (ROUTER_MANDATORY:
     EHOSTUNREACH), sent from outside the socket's reader callback, processed the socket's pending

@@ -47,6 +47,7 @@ from pwmesh.service.heartbeat import every
 from pwmesh.service.keys import Security
 from pwmesh.service.lifecycle import Service
 from pwmesh.service.metrics import Metric, counter, gauge, listen_host, merged, wire_metrics
+from pwmesh.service.ratelimit import RejectedLog
 from pwmesh.service.rpc import Connections, Server, wait_for_peer
 from pwmesh.wire import Envelope, Message
 from pwmesh.wire.messages import (
@@ -103,6 +104,7 @@ class Proxy(Service):
     def __init__(self, config: ProxyConfig) -> None:
         super().__init__(config.name, config.security, metrics_port=config.metrics_port, metrics_host=listen_host(config.listen))
         self.config = config
+        self._notice_log = RejectedLog(self.name, logger=log)  # notices a peer made unappliable: rate-limited
         self.waiting: dict[Buffer, list[asyncio.Future[None]]] = {}  # buffers not done -> requests waiting
         self.dispatch_bytes = 0  # bytes of the core's program traffic (``Send.dispatch``)
 
@@ -199,7 +201,7 @@ class Proxy(Service):
         try:
             self._perform(self.state.handle(Notice(env.message), time.monotonic()))
         except PwmeshError as exc:
-            log.warning("notice %s not applied: %s", env.message.op, exc)
+            self._notice_log.warning(env.message.op, "notice %s not applied: %s", env.message.op, exc)
 
     async def _tick(self) -> None:
         self._perform(self.state.handle(Tick(), time.monotonic()))

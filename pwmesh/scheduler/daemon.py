@@ -21,6 +21,7 @@ from pwmesh.service.heartbeat import every
 from pwmesh.service.keys import Security
 from pwmesh.service.lifecycle import Service
 from pwmesh.service.metrics import Metric, counter, gauge, listen_host, merged, wire_metrics
+from pwmesh.service.ratelimit import RejectedLog
 from pwmesh.service.rpc import Connections, Server, wait_for_peer
 from pwmesh.wire import Envelope
 from pwmesh.wire.messages import (
@@ -70,6 +71,7 @@ class Scheduler(Service):
                          metrics_port=config.metrics_port,
                          metrics_host=listen_host(config.listen))
         self.config = config
+        self._notice_log = RejectedLog(self.name, logger=log)  # notices a peer made unappliable: rate-limited
 
     async def setup(self) -> None:
         handlers = {
@@ -117,7 +119,10 @@ class Scheduler(Service):
                 self._controls[joined.executor_id] = joined.control
                 self._group(Joined(joined.executor_id, joined.group_epoch))
         elif isinstance(env.message, ExecutorRestarting):
-            self.peers.fence(env.message.control, Fence(epoch=env.message.epoch))
+            try:
+                self.peers.fence(env.message.control, Fence(epoch=env.message.epoch))
+            except PwmeshError as exc:  # an address nothing can connect to: nothing to fence
+                self._notice_log.warning(env.message.op, "notice %s not applied: %s", env.message.op, exc)
         elif isinstance(env.message, ExecutorLost):
             lost = env.message
             self.peers.mark_lost(lost.control, DeviceLost(f"executor {lost.executor_id} is gone ({lost.reason})"))

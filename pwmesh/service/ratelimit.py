@@ -43,6 +43,12 @@ class RejectedLog:
             self.log.warning("%s: rejected frame from %r: %s%s", self.name, peer, reason, more,
                              extra={"peer": peer, "reason": reason})
 
+    def warning(self, key: Any, message: str, *args: Any) -> None:
+        """``log.warning(message, *args)``, at most once per ``key`` per interval (it ends with the count left out)."""
+        more = self.allow(key, "like it")
+        if more is not None:
+            self.log.warning(message + "%s", *args, more)
+
     def allow(self, key: Any, alike: str = "from it") -> str | None:
         """Whether a line about ``key`` may be written now: ``None`` if not (it is counted), else the
         suffix that line ends with, telling what was left out since (``""`` if nothing)."""

@@ -31,6 +31,7 @@ from zmq.auth.thread import ThreadAuthenticator
 
 from pwmesh.errors import InvalidArgument
 from pwmesh.service.keys import Keys, start_authenticator
+from pwmesh.service.ratelimit import RejectedLog
 
 log = logging.getLogger(__name__)
 
@@ -162,6 +163,7 @@ class _Pump:
         self._busy = False  # inside _on_events
         self._retry: asyncio.TimerHandle | None = None  # looks at the backlog again
         self._closed = False
+        self._failures = RejectedLog(address, logger=log)  # the callback's failures, a line per kind per 10 s
         # Sends the backlog could not make later (e.g. the peer is gone): told, never raised.
         self.on_send_error: Callable[[bytes, zmq.ZMQError, int], None] | None = None
 
@@ -253,8 +255,10 @@ class _Pump:
             if frames is not None:
                 try:
                     callback(frames)
-                except Exception:  # the callback's own bug: log it, keep serving everyone else
-                    log.exception("%s: message callback failed", self.address)
+                except Exception as exc:  # the callback's own bug: log it (rate-limited), keep serving everyone else
+                    more = self._failures.allow(type(exc).__name__, "like it")
+                    if more is not None:
+                        log.exception("%s: message callback failed%s", self.address, more)
                 if self._on_frames is not callback or self._closed:
                     return -1
             events = getsockopt(_EVENTS)
