@@ -37,6 +37,7 @@ from pwmesh.service.heartbeat import every
 from pwmesh.service.keys import Security
 from pwmesh.service.lifecycle import Service, Status
 from pwmesh.service.metrics import Metric, counter, gauge, listen_host, merged, wire_metrics
+from pwmesh.service.ratelimit import RejectedLog
 from pwmesh.service.rpc import Connections, Server, wait_for_peer
 from pwmesh.wire import Envelope
 from pwmesh.wire.messages import (
@@ -158,6 +159,7 @@ class Executor(Service):
     async def setup(self) -> None:
         self.functions = FunctionCache()
         self.progress = Progress()
+        self._dropped_log = RejectedLog(self.name, logger=log)  # tuples a peer made up: a line per producer per 10 s
         self.part_templates = PartTemplates()  # cached lowerings' parts, unpacked once each
         self.runner = Runner(self.devices, self.store, self.functions, emit=self._emit, done=self._node_done,
                              part_done=self._part_done,
@@ -504,7 +506,7 @@ class Executor(Service):
                 if t.count >= 0:
                     done = self.progress.marker(key, t.src, t.count, t.sources) or done
             except ProgressError as exc:
-                log.warning("dropped a tuple: %s", exc)
+                self._dropped_log.warning(t.src, "dropped a tuple: %s", exc)
                 continue
             if isinstance(done, Arrived):
                 self._store_value(key, t.device, assemble(done.payloads, t))

@@ -54,6 +54,7 @@ from pwmesh.ir.lower import location, move_shard, slice_locations, value_layout
 from pwmesh.proxy.intake import bind, host_puts, record_run
 from pwmesh.proxy.session import Buffer, Run, Session
 from pwmesh.service.heartbeat import Liveness
+from pwmesh.service.ratelimit import RejectedLog
 from pwmesh.wire import Message
 from pwmesh.wire.messages import (
     AllocateSlice,
@@ -273,6 +274,9 @@ class ProxyState:
         self.dispatch_messages = 0  # Send actions of program traffic, ever (the shell adds their bytes)
         self._session_ids = itertools.count(1)
         self._out: list[Action] = []
+        # What a peer can make us say again and again (completions and losses it makes up): a line per
+        # executor per 10 s, at most 100 lines per 10 s in all, with counts of the rest.
+        self._peer_log = RejectedLog(name, logger=log)
         self._dispatching = False
         self._handlers = {op: getattr(self, method) for op, method in self.HANDLERS.items()}
 
@@ -529,7 +533,7 @@ class ProxyState:
             raise ProtocolError("completions come from executors, not from client sessions")
         found = self.runs.get(msg.run_id.split("#", 1)[0])
         if found is None:
-            log.warning("completion for unknown run %s from %s", msg.run_id, msg.executor_id)
+            self._peer_log.warning(msg.executor_id, "completion for unknown run %s from %s", msg.run_id, msg.executor_id)
             return None
         session, run = found
         self._dispatching = True  # (a context manager here cost ~2 us a completion)
@@ -542,7 +546,8 @@ class ProxyState:
         for node in msg.nodes:
             waiting = run.pending.get(node)
             if waiting is None or msg.executor_id not in waiting:
-                log.warning("unexpected completion of node %s of %s from %s", node, msg.run_id, msg.executor_id)
+                self._peer_log.warning(msg.executor_id, "unexpected completion of node %s of %s from %s", node,
+                                       msg.run_id, msg.executor_id)
                 continue
             waiting.discard(msg.executor_id)
             if node_error is not None:
@@ -623,7 +628,7 @@ class ProxyState:
 
     def _executor_lost(self, lost: ExecutorLost) -> None:
         err = DeviceLost(f"executor {lost.executor_id} on host {lost.host} is gone ({lost.reason})")
-        log.warning("%s", err.message)
+        self._peer_log.warning(lost.executor_id, "%s", err.message)
         self.lost[lost.executor_id] = err
         self.lost_controls.add(lost.control)
         self._out.append(PeerLost(lost.control, err))  # fails the fetches that were waiting on it
