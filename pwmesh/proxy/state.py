@@ -275,7 +275,7 @@ class ProxyState:
         self._session_ids = itertools.count(1)
         self._out: list[Action] = []
         # What a peer can make us say again and again (completions and losses it makes up): a line per
-        # executor per 10 s, at most 100 lines per 10 s in all, with counts of the rest.
+        # (kind, executor) per 10 s, at most 100 lines per 10 s in all, with counts of the rest.
         self._peer_log = RejectedLog(name, logger=log)
         self._dispatching = False
         self._handlers = {op: getattr(self, method) for op, method in self.HANDLERS.items()}
@@ -533,7 +533,7 @@ class ProxyState:
             raise ProtocolError("completions come from executors, not from client sessions")
         found = self.runs.get(msg.run_id.split("#", 1)[0])
         if found is None:
-            self._peer_log.warning(msg.executor_id, "completion for unknown run %s from %s", msg.run_id, msg.executor_id)
+            self._peer_log.warning(("unknown run", msg.executor_id), "completion for unknown run %s from %s", msg.run_id, msg.executor_id)
             return None
         session, run = found
         self._dispatching = True  # (a context manager here cost ~2 us a completion)
@@ -546,7 +546,7 @@ class ProxyState:
         for node in msg.nodes:
             waiting = run.pending.get(node)
             if waiting is None or msg.executor_id not in waiting:
-                self._peer_log.warning(msg.executor_id, "unexpected completion of node %s of %s from %s", node,
+                self._peer_log.warning(("unexpected", msg.executor_id), "unexpected completion of node %s of %s from %s", node,
                                        msg.run_id, msg.executor_id)
                 continue
             waiting.discard(msg.executor_id)
@@ -628,7 +628,7 @@ class ProxyState:
 
     def _executor_lost(self, lost: ExecutorLost) -> None:
         err = DeviceLost(f"executor {lost.executor_id} on host {lost.host} is gone ({lost.reason})")
-        self._peer_log.warning(lost.executor_id, "%s", err.message)
+        self._peer_log.warning(("lost", lost.executor_id), "%s", err.message)
         self.lost[lost.executor_id] = err
         self.lost_controls.add(lost.control)
         self._out.append(PeerLost(lost.control, err))  # fails the fetches that were waiting on it
