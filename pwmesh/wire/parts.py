@@ -98,8 +98,7 @@ class PartTemplates:
         """``msg``'s computations with the run's names in place of their references."""
         template = self._parts.get(msg.computations)
         if template is None:
-            template = unpack_records(msg.computations, Computation, "Enqueue.computations")
-            checked(template, msg)
+            template = checked(unpack_records(msg.computations, Computation, "Enqueue.computations"), msg)
             self._parts[msg.computations] = template
             while len(self._parts) > self.capacity:
                 self._parts.popitem(last=False)
