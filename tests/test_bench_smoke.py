@@ -288,3 +288,11 @@ def test_sim_check_smoke(tmp_path: Path) -> None:
     assert json.loads(read.stdout) == calibration
     assert "| mode | length |" in (tmp_path / "sim_check.md").read_text()
     check_plot(tmp_path / "sim_check.png")
+
+
+def test_liveness_smoke(tmp_path: Path) -> None:
+    run_smoke("liveness.py", tmp_path)
+    data = json.loads((tmp_path / "liveness.json").read_text())
+    assert data["benchmark"] == "liveness" and data["smoke"] is True
+    assert [p["host_stayed_up"] for p in data["phases"]] == [True, True, True]
+    assert data["baseline"]["seconds"] > 0

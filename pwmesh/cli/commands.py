@@ -158,10 +158,13 @@ def format_status(reply: StatusReply) -> str:
             memory = f"{format_bytes(st.bytes)} / {format_bytes(st.memory_limit) if st.memory_limit else '-'}"
             if st.waiting_for_memory:
                 memory += f", {st.waiting_for_memory} waiting"
-        state_word = "LOST" if not e.alive else ("draining" if e.draining else "up")
+        # Busy is not dead: a host running a long computation still beats, and says what it runs.
+        state_word = "LOST" if not e.alive else ("draining" if e.draining else "busy" if st and st.running else "up")
         host_rows.append([e.island, e.executor_id, e.host, state_word, kinds, devices,
                           st.objects if st else "?", memory, st.executed if st else "?",
                           " ".join(map(str, st.queued)) if st else "?"])
+    running = [f"{e.executor_id}: {line}" for e in state.executors
+               for line in (stats[e.executor_id].running if e.executor_id in stats else [])]
     session_rows = [[s.session_id, s.name, s.buffers, s.programs, s.weight, s.priority, s.registered,
                      f"{s.reused}/{s.reused + s.lowered}"] for s in reply.sessions]
     return "\n\n".join([
@@ -169,6 +172,7 @@ def format_status(reply: StatusReply) -> str:
         table(["island", "hosts", "devices", "scheduler"], island_rows),
         table(["island", "executor", "host", "state", "device kind", "devices[slices]", "objects", "memory", "executed",
                 "queued"], host_rows),
+        *(["running now:\n" + "\n".join(f"  {line}" for line in running)] if running else []),
         table(["session", "name", "buffers", "running", "weight", "priority", "programs", "lowerings reused"],
               session_rows)
         if session_rows else "no sessions",

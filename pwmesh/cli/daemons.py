@@ -247,6 +247,13 @@ def executor_main(island: int, rm: str, devices: int, listen: str, data_listen: 
     run(executor)
     if executor.restart is not None:  # into its island's JAX group's next forming
         restart(executor.restart)
+    if executor.abandoned:
+        # Computations it gave up on may still run on device threads, inside XLA: the interpreter's exit
+        # would wait for them (it joins its thread pools), for as long as they run. What they make has
+        # nowhere to go, and everything else is closed: leave now.
+        logging.shutdown()
+        sys.stdout.flush()
+        os._exit(0)
 
 
 # The options a restart sets (each takes one value): an earlier restart's are dropped, not piled up.

@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import concurrent.futures
 import dataclasses
 import logging
 import os
 import random
 import socket
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -26,14 +28,14 @@ from pwmesh.dataflow.exchange import Destination, Ragged, assemble, cut, cut_err
 from pwmesh.dataflow.plane import DataPlane
 from pwmesh.dataflow.progress import Arrived, Progress, ProgressError
 from pwmesh.dataflow.secure import plane_key
-from pwmesh.errors import InvalidArgument, PwmeshError
+from pwmesh.errors import InvalidArgument, PwmeshError, Unavailable
 from pwmesh.executor import spill
 from pwmesh.executor.functions import FunctionCache
 from pwmesh.executor.group import GroupConfig, group_devices, join
 from pwmesh.executor.runner import Runner, as_error
 from pwmesh.executor.store import ObjectStore
 from pwmesh.executor.work import Work
-from pwmesh.service.heartbeat import every
+from pwmesh.service.heartbeat import LoopLag, every
 from pwmesh.service.keys import Security
 from pwmesh.service.lifecycle import Service, Status
 from pwmesh.service.metrics import Metric, counter, gauge, listen_host, merged, wire_metrics
@@ -81,6 +83,17 @@ from pwmesh.wire.records import check_runs
 
 log = logging.getLogger(__name__)
 
+# Host copies at least this big (a put, an arrival, a fetch) are made on a thread, not the event loop:
+# a 256 MiB device_put holds its caller ~240 ms here, during which nothing else is served.
+HOST_COPY_INLINE_BYTES = 1 << 20
+
+
+def on_device(array: np.ndarray, device: jax.Device) -> jax.Array:
+    """``array`` copied onto ``device``, the copy finished (called on a host-copy thread)."""
+    value = jax.device_put(array, device)
+    value.block_until_ready()
+    return value
+
 
 def after_wakeups(callback: Callable[[], None]) -> None:
     """Call ``callback`` once the callbacks the loop holds at the end of this turn have run: the
@@ -125,6 +138,9 @@ class ExecutorConfig:
     test_seed: int = 0
     data_plane_plaintext: bool = False  # with keys: streams authenticated, not encrypted (a trusted fabric)
     security: Security = dataclasses.field(default_factory=Security)  # --keys, --insecure
+    # Stopping: how long computations under way may take to finish before they are given up
+    # (failed, naming the stop) so the executor leaves within its grace.
+    stop_wait_seconds: float = 5.0
 
 
 class Executor(Service):
@@ -158,6 +174,14 @@ class Executor(Service):
 
     async def setup(self) -> None:
         self.functions = FunctionCache()
+        # Host copies (large puts, arrivals and fetches) and function loads: off the loop, and not behind
+        # a device's own thread, which a long computation may hold for minutes.
+        self._copies = concurrent.futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="pwmesh-copy")
+        self._copying = 0  # host copies of arrivals under way (``AwaitIdle`` waits for them)
+        self._copied = asyncio.Event()
+        self._copied.set()
+        self.loop_lag = LoopLag()
+        self.abandoned = 0  # computations given up as it stopped (still running on device threads, maybe)
         self.progress = Progress()
         self._dropped_log = RejectedLog(self.name, logger=log)  # tuples a peer made up: a line per producer per 10 s
         self.part_templates = PartTemplates()  # cached lowerings' parts, unpacked once each
@@ -211,6 +235,7 @@ class Executor(Service):
                             timeout_seconds=self.config.rm_timeout_seconds)
         self.tasks.spawn(every(self.config.heartbeat_interval_seconds, self._heartbeat), name="heartbeat")
         self.tasks.spawn(every(self.config.watchdog_seconds, self._watchdog), name="watchdog")
+        self.tasks.spawn(self.loop_lag.run(), name="loop-lag")
 
     def info(self) -> ExecutorInfo:
         return ExecutorInfo(
@@ -232,11 +257,12 @@ class Executor(Service):
 
     # ------------------------------------------------------------ control plane
 
-    def _register_function(self, peer: bytes, env: Envelope) -> Ok:
+    async def _register_function(self, peer: bytes, env: Envelope) -> Ok:
         msg = env.message
         assert isinstance(msg, RegisterFunction)
-        fn = self.functions.register(msg.fn_id, msg.exported, msg.spmd, msg.mesh, msg.axes, msg.donate)
-        self._registered.setdefault(msg.fn_id, msg)
+        self._registered.setdefault(msg.fn_id, msg)  # computations wait for it from now on
+        fn = await self.functions.load(msg.fn_id, msg.exported, msg.spmd, msg.mesh, msg.axes, msg.donate,
+                                       executor=self._copies)
         # Compile for the devices it will run on now, in the background (not an SPMD function over a mesh
         # that spans executors: the devices here are only part of it; it compiles as it first runs).
         devices = [self.devices[i] for i in msg.devices if 0 <= i < len(self.devices)]
@@ -318,11 +344,13 @@ class Executor(Service):
         for wait in self.runner.gang_waits(older_than_seconds=self.config.watchdog_seconds):
             log.warning("watchdog: %s", wait)
 
-    def _put(self, peer: bytes, env: Envelope) -> Ok:
+    def _put(self, peer: bytes, env: Envelope) -> Ok | Any:
         msg = env.message
         assert isinstance(msg, PutShards)
         if not (len(msg.keys) == len(msg.arrays) == len(msg.devices)):
             raise InvalidArgument("put_shards needs as many keys, devices and arrays")
+        if sum(getattr(a, "nbytes", 0) for a in msg.arrays) >= HOST_COPY_INLINE_BYTES:
+            return self._put_off_loop(msg)
         first: Exception | None = None
         for key, device, array in zip(msg.keys, msg.devices, msg.arrays, strict=True):
             try:
@@ -333,6 +361,28 @@ class Executor(Service):
         if first is not None:
             raise first
         return Ok()
+
+    async def _put_off_loop(self, msg: PutShards) -> Ok:
+        """A large put: each array copied onto its device on a host-copy thread (computations that read a
+        key wait for it meanwhile, as for any value not here yet)."""
+        first: Exception | None = None
+        for key, device, array in zip(msg.keys, msg.devices, msg.arrays, strict=True):
+            try:
+                await self._store_array_off_loop(key, device, array)
+            except Exception as exc:
+                self.store.fail(key, as_error(exc, f"storing {key}"))
+                first = first or exc
+        if first is not None:
+            raise first
+        return Ok()
+
+    async def _store_array_off_loop(self, key: str, device: int, array: np.ndarray) -> None:
+        if not 0 <= device < len(self.devices):
+            raise InvalidArgument(f"device {device} does not exist on {self.name}")
+        if self.store.deleted(key):
+            return
+        value = await asyncio.get_running_loop().run_in_executor(self._copies, on_device, array, self.devices[device])
+        self.store.put(key, value, array.nbytes)
 
     def _store_array(self, key: str, device: int, array: np.ndarray) -> None:
         if not 0 <= device < len(self.devices):
@@ -373,6 +423,7 @@ class Executor(Service):
         await self.runner.wait_idle()
         await self._sent.wait()
         await self.plane.idle.wait()
+        await self._copied.wait()
         await self.peers.barrier(timeout_seconds=30.0)
         return Ok()
 
@@ -381,7 +432,13 @@ class Executor(Service):
         assert isinstance(msg, FetchShards)
         # ``get``, not ``lookup``: a shard moved here (a drained host) may still be on its way.
         futures = [self.store.get(k) for k in msg.keys]
-        return ShardValues(arrays=[np.asarray(await f) for f in futures])
+        return ShardValues(arrays=[await self._on_host(await f) for f in futures])
+
+    async def _on_host(self, value: Any) -> Any:
+        """``value`` as a host array: a large device array copied on a host-copy thread."""
+        if isinstance(value, jax.Array) and value.nbytes >= HOST_COPY_INLINE_BYTES:
+            return await asyncio.get_running_loop().run_in_executor(self._copies, np.asarray, value)
+        return np.asarray(value)
 
     def _cancel_run(self, peer: bytes, env: Envelope) -> None:
         msg = env.message
@@ -422,7 +479,10 @@ class Executor(Service):
                              executed=self.runner.executed,
                              memory_limit=self.runner.memory.limit_bytes,
                              waiting_for_memory=self.runner.memory.waiting,
-                             gang_waits=self.runner.gang_waits())
+                             gang_waits=self.runner.gang_waits(),
+                             running=self.runner.running(time.time()),
+                             loop_lag_max_seconds=self.loop_lag.max_seconds,
+                             loop_stalls=[[wall, seconds] for wall, seconds in self.loop_lag.recent])
 
     def collect(self) -> list[Metric]:
         core, memory = self.runner.core, self.runner.memory
@@ -453,6 +513,14 @@ class Executor(Service):
                   memory.limit_bytes),
             gauge("pwmesh_executor_waiting_for_memory", "Computations waiting for memory to be freed.", memory.waiting),
             gauge("pwmesh_executor_functions", "Functions registered here.", len(self.functions)),
+            gauge("pwmesh_executor_running_computations", "Computations running on device threads or handed to "
+                  "the devices now.", len(self.runner.running(time.time()))),
+            gauge("pwmesh_executor_longest_running_seconds", "How long the oldest computation running now has run "
+                  "(busy, not dead: heartbeats go on).", self.runner.longest_running_seconds),
+            gauge("pwmesh_loop_lag_max_seconds", "The longest the event loop was kept from serving (heartbeats, "
+                  "status, signals), since start.", self.loop_lag.max_seconds),
+            counter("pwmesh_loop_stalls", f"Times the event loop was held {self.loop_lag.stall_seconds * 1e3:g} ms "
+                    "or more.", self.loop_lag.stalls),
         ]
 
     # --------------------------------------------------------------- data plane
@@ -514,11 +582,25 @@ class Executor(Service):
     def _store_value(self, key: str, device: int, value: np.ndarray | Ragged) -> None:
         if isinstance(value, Ragged):  # routed rows stay on the host until their expert pads them
             self.store.put(key, value, value.nbytes)
+        elif value.nbytes >= HOST_COPY_INLINE_BYTES:
+            self._copying += 1
+            self._copied.clear()
+            self.tasks.spawn(self._store_arrival(key, device, value), name=f"store-{key}")
         else:
             try:
                 self._store_array(key, device, value)
             except Exception as exc:
                 self.store.fail(key, as_error(exc, f"storing {key}"))
+
+    async def _store_arrival(self, key: str, device: int, value: np.ndarray) -> None:
+        try:
+            await self._store_array_off_loop(key, device, value)
+        except Exception as exc:
+            self.store.fail(key, as_error(exc, f"storing {key}"))
+        finally:
+            self._copying -= 1
+            if self._copying == 0:
+                self._copied.set()
 
     def _node_done(self, work: Work) -> None:
         """Report a completed computation: failures at once, successes batched per run until the
@@ -581,6 +663,7 @@ class Executor(Service):
         """Wait until queued work has finished and what we sent has left (``going``: why, for the log)."""
         await self.runner.wait_idle()
         await self._sent.wait()
+        await self._copied.wait()
         try:
             await asyncio.wait_for(self.plane.idle.wait(), timeout=5.0)
         except TimeoutError:
@@ -666,7 +749,10 @@ class Executor(Service):
         """Let every queued computation finish (and its results leave) before closing."""
         if self.restart is not None:  # idle already; not leaving the cluster, only restarting
             return
-        await self._drained("leaving")
+        try:
+            await asyncio.wait_for(self._drained("leaving"), timeout=self.config.stop_wait_seconds)
+        except TimeoutError:
+            self._abandon()
         await self.peers.barrier(timeout_seconds=5.0)
         # Leave on purpose, so clients learn at once that this host's objects are gone.
         try:
@@ -675,8 +761,21 @@ class Executor(Service):
         except PwmeshError as exc:
             log.warning("could not unregister from the resource manager: %s", exc)
 
+    def _abandon(self) -> None:
+        """Fail what is still under way, naming the stop: the callers learn why now, not at a timeout."""
+        why = f" ({self.stop_reason})" if self.stop_reason else ""
+        running = self.runner.running(time.time())
+        self.abandoned = self.runner.abandon(Unavailable(
+            f"executor {self.name} stopped{why} before this computation finished; its outputs are lost"))
+        if self.abandoned:
+            log.warning("stopping%s: gave up %d computations not finished after %g s%s", why, self.abandoned,
+                        self.config.stop_wait_seconds, "".join(f"; {line}" for line in running))
+        after_wakeups(self._report_completed)  # their failures leave before the barrier
+
     async def close(self) -> None:
         await super().close()
+        if hasattr(self, "_copies"):
+            self._copies.shutdown(wait=False, cancel_futures=True)
         if self.restart is not None:  # sockets closed: nothing more can arrive
             self._spill()
         if hasattr(self, "runner"):

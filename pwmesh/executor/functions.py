@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import functools
 import math
+import re
 import threading
 import warnings
 from typing import Any
@@ -15,6 +17,24 @@ from jax import export
 from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec, SingleDeviceSharding
 
 from pwmesh.errors import InvalidArgument
+
+# What makes a computation's run time unbounded by its shapes, in its optimized HLO: a loop whose trip
+# count XLA could not work out (a static ``fori_loop`` or ``scan`` has one: ``known_trip_count``), a host
+# callback, a receive or an infeed. XLA:CPU runs a computation over small buffers synchronously inside the
+# call that hands it over (a scalar while loop of 3e7 steps held its caller for all its 66 ms), so a
+# function with any of these never runs on, or is handed over from, an executor's event loop.
+_WHILE = re.compile(r"\bwhile\(")
+_WAITS = ("callback", " infeed(", " outfeed(", " recv(", " send(", " recv-done(")
+
+
+def bounded(hlo: str) -> bool:
+    """Whether a compiled module (``hlo``: its optimized HLO text) runs for a time its shapes bound."""
+    for line in hlo.splitlines():
+        if _WHILE.search(line) and "known_trip_count" not in line:
+            return False
+        if any(op in line for op in _WAITS):
+            return False
+    return True
 
 
 @functools.cache
@@ -51,6 +71,9 @@ class CompiledFunction:
         # moment does not send a quick function off the fast path.
         self.seconds = float("inf")
         self.runs = 0
+        # Whether nothing in it loops or waits on data (``bounded``): None until it is known, found on a
+        # device thread as it is first compiled (reading the compiled module costs ms for a large one).
+        self.bounded: bool | None = None
 
     def ran(self, seconds: float) -> None:
         """Record how long one shard's run took (timed where it was waited for: the loop or a device thread)."""
@@ -140,9 +163,23 @@ class CompiledFunction:
             warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
             exe = jax.jit(self.exported.call, out_shardings=out_shardings,
                           donate_argnums=donate).lower(*specs).compile()
+        if self.bounded is None:  # known before the executable is: nothing runs inline while it is not
+            try:
+                self.bounded = bounded(exe.as_text())
+            except Exception:  # no text to read: never inline
+                self.bounded = False
         with self._lock:
             self._executables.setdefault(key, exe)
             return self._executables[key]
+
+
+def load(fn_id: str, serialized: bytes, spmd: bool, mesh: list[int] | None = None, axes: list[str] | None = None,
+         donate: list[int] | None = None) -> CompiledFunction:
+    """A registered function, deserialized (``InvalidArgument`` if it cannot be read here)."""
+    try:
+        return CompiledFunction(fn_id, export.deserialize(bytearray(serialized)), spmd, mesh, axes, donate)
+    except Exception as exc:  # e.g. exported by a JAX this executor cannot read
+        raise InvalidArgument(f"function {fn_id[:12]} cannot be loaded here: {type(exc).__name__}: {exc}") from None
 
 
 class FunctionCache:
@@ -150,6 +187,7 @@ class FunctionCache:
 
     def __init__(self) -> None:
         self._functions: dict[str, asyncio.Future[CompiledFunction]] = {}
+        self._loading: set[str] = set()  # being deserialized off the loop (``load``)
 
     def _entry(self, fn_id: str) -> asyncio.Future[CompiledFunction]:
         fut = self._functions.get(fn_id)
@@ -158,20 +196,43 @@ class FunctionCache:
             self._functions[fn_id] = fut
         return fut
 
+    def _settle(self, fut: asyncio.Future[CompiledFunction], found: CompiledFunction | InvalidArgument) -> None:
+        if fut.done():
+            return
+        if isinstance(found, InvalidArgument):
+            fut.set_exception(found)  # computations waiting for it fail with the reason, not hang
+            fut.exception()
+        else:
+            fut.set_result(found)
+
     def register(self, fn_id: str, serialized: bytes, spmd: bool, mesh: list[int] | None = None,
                  axes: list[str] | None = None, donate: list[int] | None = None) -> CompiledFunction:
+        """Deserialize and register ``fn_id`` on this thread (``load`` keeps the event loop free)."""
         fut = self._entry(fn_id)
-        if fut.done():
-            return fut.result()
-        try:
-            fn = CompiledFunction(fn_id, export.deserialize(bytearray(serialized)), spmd, mesh, axes, donate)
-        except Exception as exc:  # e.g. exported by a JAX this executor cannot read
-            err = InvalidArgument(f"function {fn_id[:12]} cannot be loaded here: {type(exc).__name__}: {exc}")
-            fut.set_exception(err)  # computations waiting for it fail with the reason, not hang
-            fut.exception()
-            raise err from None
-        fut.set_result(fn)
-        return fn
+        if not fut.done():
+            try:
+                self._settle(fut, load(fn_id, serialized, spmd, mesh, axes, donate))
+            except InvalidArgument as exc:
+                self._settle(fut, exc)
+        return fut.result()
+
+    async def load(self, fn_id: str, serialized: bytes, spmd: bool, mesh: list[int] | None = None,
+                   axes: list[str] | None = None, donate: list[int] | None = None, *,
+                   executor: concurrent.futures.Executor | None = None) -> CompiledFunction:
+        """``register`` with the deserializing on ``executor``'s threads: a large model's module takes
+        long enough to read that the loop would miss its heartbeats."""
+        fut = self._entry(fn_id)
+        if not fut.done() and fn_id not in self._loading:
+            self._loading.add(fn_id)
+            try:
+                found: CompiledFunction | InvalidArgument = await asyncio.get_running_loop().run_in_executor(
+                    executor, load, fn_id, serialized, spmd, mesh, axes, donate)
+            except InvalidArgument as exc:
+                found = exc
+            finally:
+                self._loading.discard(fn_id)
+            self._settle(fut, found)
+        return await asyncio.shield(fut)
 
     def get(self, fn_id: str) -> asyncio.Future[CompiledFunction]:
         """The function's future: resolved at registration (which may come after the work)."""

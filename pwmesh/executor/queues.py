@@ -113,6 +113,10 @@ class DeviceQueues:
         """The queued, incomplete work of ``run_id``, and of the nodes it dispatched one by one (``run_id#node``)."""
         return [w for rid, ws in self._runs.items() if rid == run_id or rid.startswith(f"{run_id}#") for w in ws]
 
+    def incomplete(self) -> list[Work]:
+        """Every queued computation not completed yet, in the order they were queued per run."""
+        return [w for works in self._runs.values() for w in works]
+
     def queued(self) -> list[int]:
         """Per device: computations waiting behind the one at the head of its queue (or for it to start)."""
         return [len(fifo) - (1 if fifo and fifo[0] in self._started else 0) for fifo in self.fifos]

@@ -18,13 +18,17 @@ a computation whose local devices have all arrived starts the moment its inputs
 resolve.
 
 How a computation runs once it starts: a quick one whose function is compiled
-runs right on the event loop (no thread hop); a slower one is *streamed* —
+and *bounded* (nothing in it loops or waits on data: ``functions.bounded``) runs
+right on the event loop (no thread hop); a slower bounded one is *streamed* —
 handed to XLA without waiting, as to an accelerator's stream, so the loop goes on
 to the next one (reading outputs still being computed) while the devices compute, at most
 RUN_AHEAD ahead per device; a device thread sees each computed and it lands
 (stored, emitted, reported) then. The rest (a first run, which compiles; routed
-rows; a gang, whose hand-over to XLA may wait for its peers) runs on its devices'
-threads, once what is streamed ahead of it has landed.
+rows; a gang, whose hand-over to XLA may wait for its peers; anything not bounded,
+which XLA may run to its end inside the call that hands it over) runs on its
+devices' threads, once what is streamed ahead of it has landed. So the loop,
+which serves heartbeats, status, cancels and signals, is never held by a
+computation for longer than an inline one's bound, whatever it measured before.
 
 Memory back-pressure: a computation's output bytes are known statically. One
 whose outputs could never fit the executor's memory limit fails at once
@@ -81,8 +85,12 @@ def runs_inline(fn: CompiledFunction, seconds: float) -> bool:
     """Whether a computation expected to take ``seconds`` (all its shards) is quick enough to run
     right on the loop (held at most INLINE_SECONDS), rather than hop to device threads and back.
 
-    Timed on threads, a function looks slower than it is (they contend for the interpreter),
-    so one that might be quick enough goes inline every 16th run, to be timed there."""
+    Only a bounded function (``CompiledFunction.bounded``) ever does: one that loops may take any
+    time on its next inputs, whatever it took before. Timed on threads, a function looks slower than
+    it is (they contend for the interpreter), so one that might be quick enough goes inline every
+    16th run, to be timed there."""
+    if fn.bounded is not True:
+        return False
     return seconds < INLINE_SECONDS or (seconds < 2 * INLINE_SECONDS and fn.runs % 16 == 0)
 
 
@@ -124,6 +132,7 @@ class Runner:
         ]
         self.spans: collections.deque[Span] = collections.deque(maxlen=trace_spans)  # newest; for ``pwmesh trace``
         self._collectives: dict[Work, float] = {}  # gang computations running, since when (the watchdog)
+        self._running: dict[Work, float] = {}  # on device threads or handed to devices: since when (wall clock)
         # (fn_id, spmd, devices, donated inputs) -> what the fast path runs, once compiled (functions never change)
         self._ready: dict[tuple[str, bool, tuple[int, ...], tuple[int, ...]],
                           tuple[CompiledFunction, list[jax.Device], list[Any]]] = {}
@@ -208,7 +217,8 @@ class Runner:
     async def _start(self, work: Work) -> None:
         """Run ``work``: every local device has reached it. Its devices are held until this returns."""
         try:
-            await self._run(work)
+            if not work.finished:  # not given up already (``abandon``)
+                await self._run(work)
         except Exception:  # a bug in one computation must not take its devices down with it
             log.exception("computation %s failed outside its own error handling", work.label)
         finally:
@@ -224,6 +234,32 @@ class Runner:
             # Only this work stops waiting: the keys it waits for may serve other runs.
             if not work.cancel.done():
                 work.cancel.set_exception(error)
+
+    def abandon(self, error: PwmeshError) -> int:
+        """Give up on every computation not completed (the executor is stopping and will not wait
+        for them): each fails now with ``error``, reported as any failure is, so nobody waits for
+        its outputs; one still running on a device thread keeps running there, unheard of. Returns
+        how many were given up."""
+        works = self.core.incomplete()
+        now = time.time()
+        for work in works:
+            work.cancelled = error
+            self.memory.cancel(work, error)
+            if work.queued and not work.cancel.done():
+                work.cancel.set_exception(error)
+            started = self._running.pop(work, 0.0)
+            self._finish(work, started or now, started, [], None, error, 0)
+        return len(works)
+
+    def running(self, now: float) -> list[str]:
+        """What runs on device threads or was handed to its devices, oldest first: one line each, with its
+        devices and for how long (a long computation is busy, not dead: ``pwmesh status`` shows it)."""
+        return [f"devices [{','.join(map(str, work.devices))}] running {work.label} ({work.comp.fn_id[:12]}) "
+                f"for {now - since:.1f} s" for work, since in sorted(self._running.items(), key=lambda i: i[1])]
+
+    @property
+    def longest_running_seconds(self) -> float:
+        return time.time() - min(self._running.values()) if self._running else 0.0
 
     def trace(self, since: float = 0.0, limit: int = 0) -> list[Span]:
         """The newest ``limit`` (0: all) recorded spans that ended at or after ``since``."""
@@ -280,7 +316,10 @@ class Runner:
                 self._check_fits(work, fn)
                 # A gang runs on its device thread: handing it to XLA may wait there for its peers, and
                 # the loop must go on serving the other devices (their queues are their own order).
+                # Nor one that is not bounded: XLA may run it to its end in the call that hands it over.
                 streamed = None if comp.ragged or comp.gang else self._runnable(comp, tuple(work.devices))
+                if streamed is not None and streamed[0].bounded is not True:
+                    streamed = None
                 if streamed is not None and runs_inline(fn, fn.seconds * len(streamed[1])):
                     streamed = None  # quick: it runs right on the loop (_call), on computed inputs only
             per_shard = await self._inputs(work, streamed is not None)
@@ -382,6 +421,7 @@ class Runner:
         work.landed = asyncio.get_running_loop().create_future()
         for device in work.devices:
             self._streaming[device].append(work)
+        self._running.setdefault(work, times[1])
         device = work.devices[-1]
         landings = self._landings[device]
         if landings is None:
@@ -401,6 +441,7 @@ class Runner:
         work, fn, comp = streamed.work, streamed.fn, streamed.work.comp
         for device in work.devices:
             self._streaming[device].remove(work)
+        self._running.pop(work, None)
         for shard in work.shards:
             for prefix in comp.outputs:
                 self._pending.pop(f"{prefix}/{shard}", None)
@@ -487,6 +528,9 @@ class Runner:
                 outs: list[list[Any]] | None, err: PwmeshError | None, reserved: int,
                 nbytes: list[int] | None = None, end: float = 0.0) -> None:
         """Store (or fail) its outputs, give back its reservation, send its emits, report it done."""
+        if work.finished:  # given up already (``abandon``): what it made now has nobody to go to
+            self.memory.release(reserved)
+            return
         comp = work.comp
         end = end or time.time()
         self.spans.append(Span(arrived, start or end, end, work.run_id, comp.node, comp.seq, comp.fn_id,
@@ -522,11 +566,19 @@ class Runner:
         found = self._runnable(comp, tuple(work.devices))
         devices = found[1] if found is not None else self._mesh(comp, tuple(work.devices))
         # A quick computation runs right here, on the loop: the hop to a device thread and back
-        # (~0.1-0.5 ms on a busy host) would dominate it. Never a gang: it waits for its peers.
-        inline = found is not None and not comp.gang and runs_inline(fn, fn.seconds * len(devices))
-        if inline and not comp.ragged:
-            assert found is not None
+        # (~0.1-0.5 ms on a busy host) would dominate it. Never a gang: it waits for its peers;
+        # nor routed rows: they are padded and cut on the host.
+        if found is not None and not comp.gang and not comp.ragged and runs_inline(fn, fn.seconds * len(devices)):
             return self._call_inline(work, fn, devices, found[2], per_shard)
+        self._running[work] = time.time()
+        try:
+            return await self._call_on_threads(work, fn, devices, per_shard)
+        finally:
+            self._running.pop(work, None)
+
+    async def _call_on_threads(self, work: Work, fn: CompiledFunction, devices: list[jax.Device],
+                               per_shard: list[list[Any]]) -> list[list[Any]]:
+        comp = work.comp
         loop = asyncio.get_running_loop()
         donate = tuple(comp.donate)
         if comp.spmd:
@@ -545,12 +597,9 @@ class Runner:
             return outs
         call = call_ragged if comp.ragged else functools.partial(call_single, donate=donate)
         try:
-            if inline:
-                results = [call(fn, d, args) for d, args in zip(devices, per_shard, strict=True)]
-            else:
-                results = await asyncio.gather(*(
-                    loop.run_in_executor(self.pools[d], call, fn, self.devices[d], args)
-                    for d, args in zip(work.devices, per_shard, strict=True)))
+            results = await asyncio.gather(*(
+                loop.run_in_executor(self.pools[d], call, fn, self.devices[d], args)
+                for d, args in zip(work.devices, per_shard, strict=True)))
         finally:
             self._consume(work, per_shard)
         fn.ran(max(r[1] for r in results))

@@ -70,6 +70,7 @@ class Service:
         self._start_task: asyncio.Task[None] | None = None
         self._closed: asyncio.Event | None = None
         self._close_task: asyncio.Task[None] | None = None
+        self.stop_reason = ""  # why it is stopping, for what it tells those it gives up on ("SIGTERM")
 
     async def setup(self) -> None:
         """Bind sockets and spawn the background tasks; runs once inside ``start()``."""
@@ -219,6 +220,7 @@ def run(service: Service) -> None:
             nonlocal signals
             signals += 1
             if signals == 1:
+                service.stop_reason = f"{signal.Signals(signum).name} received"
                 log.info("%s: %s received, draining (send again to force)", service.name, signal.Signals(signum).name)
                 loop.create_task(service.close(), name="close-on-signal")  # noqa: RUF006 - awaited via wait_closed
             else:

@@ -408,6 +408,9 @@ class ExecutorStats(Message, op="exec.stats"):
     memory_limit: int = 0  # bytes; 0: no limit
     waiting_for_memory: int = 0  # computations held back until memory is freed
     gang_waits: list[str] = dataclasses.field(default_factory=list)  # collectives that wait for peers
+    running: list[str] = dataclasses.field(default_factory=list)  # on device threads now, and for how long
+    loop_lag_max_seconds: float = 0.0  # the longest its event loop was held, since it started
+    loop_stalls: list[list[float]] = dataclasses.field(default_factory=list)  # recent [wall clock, seconds] held
 
 
 @record
