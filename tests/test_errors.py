@@ -157,3 +157,49 @@ def test_a_failed_put_keeps_its_cause(client: pw.Client) -> None:
     bad = pw.Array(client.session, buffer_id, (3,), np.dtype(np.float32), pw.SliceSharding(sl, P("x")))
     with pytest.raises(pw.InvalidArgument, match="cannot be split evenly over 2 devices"):
         np.asarray(bad)
+
+
+def _same_cause(expected: pw.PwmeshError, got: pw.PwmeshError, what: str = "") -> None:
+    assert type(got) is type(expected), what
+    assert got.message == expected.message, what
+    assert getattr(got, "remote_traceback", "") == getattr(expected, "remote_traceback", ""), what
+
+
+def test_a_failed_value_fails_whatever_reads_it_with_its_cause(client: pw.Client) -> None:
+    """Issue #27 item 7: every path that reads a value whose computation failed (a new program that
+    binds it, a reshard, a donation, a fetch) fails with that computation's error: its type, message
+    and remote traceback, never a message about the value's missing shards."""
+    devs = client.make_virtual_device_set()
+    s0, s1 = devs.add_slice(devices=2, island=0), devs.add_slice(devices=2, island=1)
+    x = pw.pmap(_out_of_memory, devices=s0)(np.array([1.0, 2.0]))
+    with pytest.raises(pw.RemoteError) as info:
+        np.asarray(x)  # fetch
+    cause = info.value
+    assert "RESOURCE_EXHAUSTED" in cause.message and cause.remote_traceback
+    paths = {
+        "a program that binds it": lambda: pw.pmap(lambda v: v * 2.0, devices=s0)(x),
+        "one on another island": lambda: pw.pmap(lambda v: v * 2.0, devices=s1)(x),
+        "a reshard": lambda: pw.reshard(x, devices=s1),
+        "a donation": lambda: pw.jit(lambda v: v + 1.0, devices=s0, donate_argnums=0)(x),
+    }
+    for what, path in paths.items():
+        with pytest.raises(pw.PwmeshError) as info:
+            np.asarray(path())
+        _same_cause(cause, info.value, what)
+
+
+def test_a_value_refused_at_dispatch_keeps_the_refusal_as_its_cause(client: pw.Client) -> None:
+    """The default cluster has no JAX groups: an SPMD computation with collectives over a slice that
+    spans executors is refused as it is dispatched; what reads its value later says why, as it did."""
+    sl = client.make_virtual_device_set().add_slice(devices=4, island=0)
+    assert len({d.executor for d in sl.devices}) == 2
+    centred = pw.jit(lambda v: v - v.sum(), devices=sl, in_specs=P("x"), out_specs=P("x"))
+    y = centred(np.arange(4.0, dtype=np.float32))
+    with pytest.raises(pw.InvalidArgument, match="JAX group") as info:
+        np.asarray(y)
+    cause = info.value
+    for use in (lambda: pw.jit(lambda v: v * 2.0, devices=sl, in_specs=P("x"), out_specs=P("x"))(y),
+                lambda: pw.reshard(y, devices=client.make_virtual_device_set().add_slice(devices=1, island=1))):
+        with pytest.raises(pw.InvalidArgument) as info:
+            np.asarray(use())
+        _same_cause(cause, info.value)

@@ -64,6 +64,8 @@ def bind(session: Session, msg: RunProgram, program: ProgramSpec) -> Binding:
                                       f"the program expects {value_layout(spec)}")
             if buf.lost is not None:
                 raise buf.lost
+            if buf.error is not None:  # its computation failed: whatever reads it fails with the same cause
+                raise buf.error
             names[v], bound[v] = buf.name, buf.locations
             pinned.append(buf)
             if v in donated_values:
