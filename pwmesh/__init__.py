@@ -16,11 +16,13 @@ from pwmesh.errors import (
     DeviceLost,
     InvalidArgument,
     NotFound,
+    PermissionDenied,
     ProtocolError,
     PwmeshError,
     PwTimeoutError,
     RemoteError,
     ResourceExhausted,
+    Unavailable,
 )
 
 # The API is imported on first use (PEP 562): ``import pwmesh`` stays cheap for the CLI and the
@@ -81,6 +83,7 @@ __all__ = [
     "LocalClusterSpec",
     "MappedFunction",
     "NotFound",
+    "PermissionDenied",
     "Program",
     "ProtocolError",
     "PwTimeoutError",
@@ -90,6 +93,7 @@ __all__ = [
     "Router",
     "Slice",
     "SliceSharding",
+    "Unavailable",
     "VirtualDevice",
     "VirtualDeviceSet",
     "connect",

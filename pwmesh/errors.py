@@ -81,6 +81,13 @@ class Unavailable(PwmeshError):
     code = "unavailable"
 
 
+class PermissionDenied(PwmeshError):
+    """The sender's key may not do this: an operation of another role (a daemon's, an admin's), or on
+    something another tenant owns. Nothing was changed."""
+
+    code = "permission_denied"
+
+
 _BY_CODE: dict[str, type[PwmeshError]] = {
     cls.code: cls
     for cls in (
@@ -94,6 +101,7 @@ _BY_CODE: dict[str, type[PwmeshError]] = {
         InvalidArgument,
         NotFound,
         Unavailable,
+        PermissionDenied,
     )
 }
 

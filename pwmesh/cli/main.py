@@ -241,6 +241,28 @@ def keys_add_client(name: str, directory: str) -> None:
                "running daemons accept it from now on)")
 
 
+@keys.command(name="add-admin")
+@click.argument("name")
+@_cluster_keys
+def keys_add_admin(name: str, directory: str) -> None:
+    """Issue admin NAME a key pair: a client that may also drain hosts and see every tenant's sessions."""
+    from pwmesh.service import keys as cluster_keys  # noqa: PLC0415
+
+    given = cluster_keys.add_client(directory, name, admin=True)
+    click.echo(f"{given}\n(give the admin this directory: pw.connect(address, keys=...) or {KEYS_ENV})")
+
+
+@keys.command(name="remove")
+@click.argument("name")
+@_cluster_keys
+def keys_remove(name: str, directory: str) -> None:
+    """Revoke client or admin NAME: within a second every daemon refuses what it sends."""
+    from pwmesh.service import keys as cluster_keys  # noqa: PLC0415
+
+    for path in cluster_keys.remove(directory, name):
+        click.echo(f"removed {path}")
+
+
 @keys.command(name="list")
 @_cluster_keys
 def keys_list(directory: str) -> None:

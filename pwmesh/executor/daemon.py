@@ -40,7 +40,7 @@ from pwmesh.service.keys import Security
 from pwmesh.service.lifecycle import Service, Status
 from pwmesh.service.metrics import Metric, counter, gauge, listen_host, merged, wire_metrics
 from pwmesh.service.ratelimit import RejectedLog
-from pwmesh.service.rpc import Connections, Server, wait_for_peer
+from pwmesh.service.rpc import Access, Connections, Server, wait_for_peer
 from pwmesh.wire import Envelope
 from pwmesh.wire.messages import (
     AwaitIdle,
@@ -218,7 +218,10 @@ class Executor(Service):
             GetTrace: self._trace,
             Ping: self.ping,
         }
-        self.control = Server(self.ctx, self.config.listen, control, tasks=self.tasks, name=self.name)
+        # Only daemons put, fetch, delete, enqueue or register here: a client's values reach an executor
+        # through the proxy, which checks that they are the client's own. An admin may read its state.
+        self.control = Server(self.ctx, self.config.listen, control, tasks=self.tasks, name=self.name,
+                              access=Access.of(admin=[GetExecutorStats, GetTrace]))
         bind_host, _, port = self.config.data_listen.removeprefix("tcp://").rpartition(":")
         self.ctx.guard_bind(self.config.data_listen, "the data plane at ")
         keys = self.ctx.keys

@@ -44,11 +44,11 @@ from pwmesh.proxy.state import (
     sources,
 )
 from pwmesh.service.heartbeat import every
-from pwmesh.service.keys import Security
+from pwmesh.service.keys import ADMIN, DAEMON, Security
 from pwmesh.service.lifecycle import Service
 from pwmesh.service.metrics import Metric, counter, gauge, listen_host, merged, wire_metrics
 from pwmesh.service.ratelimit import RejectedLog
-from pwmesh.service.rpc import Connections, Server, wait_for_peer
+from pwmesh.service.rpc import Access, Connections, Server, wait_for_peer
 from pwmesh.wire import Envelope, Message
 from pwmesh.wire.messages import (
     AwaitIdle,
@@ -67,6 +67,7 @@ from pwmesh.wire.messages import (
     GetTrace,
     Heartbeat,
     HostDrained,
+    NodeDone,
     Ok,
     Ping,
     SessionInfo,
@@ -77,6 +78,11 @@ from pwmesh.wire.messages import (
 )
 
 log = logging.getLogger(__name__)
+
+
+def sees_all(env: Envelope) -> bool:
+    """Whether the sender may see every tenant's sessions and runs (an admin, or a daemon), not only its own."""
+    return env.role in (ADMIN, DAEMON)
 
 EARLY_FETCH_TIMEOUT_SECONDS = 7 * 24 * 3600.0  # a fetch sent before its value exists waits as long as it computes
 
@@ -116,7 +122,10 @@ class Proxy(Service):
             DrainHost: self._drain_host,
             Ping: self.ping,
         }
-        self.server = Server(self.ctx, self.config.listen, handlers, tasks=self.tasks, name=self.name)
+        # Clients open sessions and act on their own; completions come from daemons only; an admin drains.
+        access = Access.of(client=[*(op for op in ProxyState.HANDLERS if op is not NodeDone), GetStatus,
+                                   GetClusterTrace], admin=[DrainHost])
+        self.server = Server(self.ctx, self.config.listen, handlers, tasks=self.tasks, name=self.name, access=access)
         self.state = ProxyState(rm=self.config.rm, address=self.server.address, name=self.name,
                                 session_timeout_seconds=self.config.session_timeout_seconds,
                                 client_heartbeat_interval_seconds=self.config.client_heartbeat_interval_seconds)
@@ -160,7 +169,7 @@ class Proxy(Service):
 
     def _serve(self, peer: bytes, env: Envelope) -> Message | Awaitable[Message] | None:
         """Every request and post the core handles: its answer, or what will answer it."""
-        return self._perform(self.state.handle(Inbound(peer, env.message), time.monotonic()))
+        return self._perform(self.state.handle(Inbound(peer, env.message, env.user), time.monotonic()))
 
     def _perform(self, actions: list[Action]) -> Any:
         """Do what the core said, in order; return the answer (or a coroutine making it), or raise its error."""
@@ -323,7 +332,7 @@ class Proxy(Service):
             SessionInfo(session_id=s.session_id, name=s.name, buffers=len(s.buffers), programs=len(s.runs),
                         weight=s.weight, priority=s.priority, registered=len(s.programs),
                         lowered=s.lowerings.misses, reused=s.lowerings.hits)
-            for s in self.state.sessions.values()
+            for s in self.state.sessions.values() if sees_all(env) or s.owner == env.user
         ]
         return StatusReply(cluster=reply.state, sessions=sessions, executor_stats=[s for s in found if s],
                            programs=self.state.programs, dispatch_messages=self.state.dispatch_messages,
@@ -349,6 +358,11 @@ class Proxy(Service):
             return got if isinstance(got, TraceEvents) else None
 
         found = await asyncio.gather(*(events(e.control) for e in live))
+        if not sees_all(env):  # a client sees its own sessions' runs (run ids begin with their session's)
+            mine = tuple(f"{s.session_id}:" for s in self.state.sessions.values() if s.owner == env.user)
+            for trace in found:
+                if trace is not None:
+                    trace.events = [e for e in trace.events if e.run_id.startswith(mine)]
         return ClusterTrace(executors=[t for t in found if t], limit=limit,
                             missing=[e.executor_id for e, t in zip(live, found, strict=True) if t is None])
 

@@ -87,6 +87,7 @@ class Session:
     session_id: str
     name: str
     peer: bytes
+    owner: str = ""  # the name of the key that opened it: only that key acts on it (or sees it in status)
     weight: float = 1.0
     priority: int = 0
     slices: dict[int, SliceInfo] = dataclasses.field(default_factory=dict)

@@ -44,6 +44,7 @@ from pwmesh.errors import (
     DeviceLost,
     InvalidArgument,
     NotFound,
+    PermissionDenied,
     ProtocolError,
     PwmeshError,
     ResourceExhausted,
@@ -116,6 +117,7 @@ class Inbound:
 
     peer: bytes
     message: Message
+    user: str = ""  # the sender's key's name (``Envelope.user``): a session answers only to its owner
 
 
 @dataclasses.dataclass(frozen=True)
@@ -278,6 +280,7 @@ class ProxyState:
         # (kind, executor) per 10 s, at most 100 lines per 10 s in all, with counts of the rest.
         self._peer_log = RejectedLog(name, logger=log)
         self._dispatching = False
+        self._user = ""  # who sent the Inbound being handled (``Inbound.user``)
         self._handlers = {op: getattr(self, method) for op, method in self.HANDLERS.items()}
 
     # The messages ``Inbound`` takes, and their handlers (the shell serves these ops with ``handle``).
@@ -294,6 +297,7 @@ class ProxyState:
         self._out = out = []
         try:
             if isinstance(event, Inbound):
+                self._user = event.user
                 handler = self._handlers.get(type(event.message))
                 if handler is None:
                     raise ProtocolError(f"the proxy does not serve {event.message.op!r}")
@@ -339,7 +343,9 @@ class ProxyState:
 
     def session(self, peer: bytes) -> Session:
         session = self.sessions.get(peer)
-        if session is None:
+        # Another key's connection under the same routing id (ZeroMQ lets a client choose its own) is
+        # no way into a session: it has none, as far as it can tell.
+        if session is None or session.owner != self._user:
             raise NotFound("this connection has no session (open one first, or it timed out)")
         return session
 
@@ -347,12 +353,14 @@ class ProxyState:
         if msg.weight <= 0:
             raise InvalidArgument(f"a session's weight must be positive, got {msg.weight}")
         old = self.sessions.get(peer)
+        if old is not None and old.owner != self._user:
+            raise PermissionDenied("this connection's routing id belongs to another key's session")
         if old is not None:
             self._end_session(old, "reopened")
         sid = f"s{next(self._session_ids)}-{secrets.token_hex(3)}"
         self.sessions_opened += 1
-        self.sessions[peer] = Session(session_id=sid, name=msg.name, peer=peer, weight=msg.weight,
-                                      priority=msg.priority)
+        self.sessions[peer] = Session(session_id=sid, name=msg.name, peer=peer, owner=self._user,
+                                      weight=msg.weight, priority=msg.priority)
         self.liveness.beat(sid, now)
         log.info("session %s (%s) opened", sid, msg.name)
         # Four beats per timeout, so one late beat never ends a live session.
@@ -734,7 +742,7 @@ class ProxyState:
 
     def _release_buffers(self, peer: bytes, msg: ReleaseBuffers, now: float) -> None:
         session = self.sessions.get(peer)
-        if session is None:
+        if session is None or session.owner != self._user:
             return None
         for cid in msg.buffers:
             buf = session.buffers.pop(cid, None)

@@ -12,7 +12,7 @@ from pwmesh.service.heartbeat import every
 from pwmesh.service.keys import Security
 from pwmesh.service.lifecycle import Service
 from pwmesh.service.metrics import Metric, counter, gauge, listen_host, wire_metrics
-from pwmesh.service.rpc import Server
+from pwmesh.service.rpc import Access, Server
 from pwmesh.wire import Envelope, Message
 from pwmesh.wire.messages import (
     AllocateSlice,
@@ -63,8 +63,9 @@ class ResourceManager(Service):
         handlers[WatchCluster] = self._watch
         handlers[LeavingForGroup] = self._leaving
         handlers[Ping] = self.ping
+        # Everything here is the daemons' (register, watch, allocate...); an admin may read the map.
         self.server = Server(self.ctx, self.config.listen, handlers, tasks=self.tasks, name=self.name,
-                             on_unreachable=self.watchers.discard)
+                             on_unreachable=self.watchers.discard, access=Access.of(admin=[GetClusterState]))
         self.server.start()
         self.tasks.spawn(every(self.config.heartbeat_timeout_seconds / 4, self._expire), name="rm.expire")
 

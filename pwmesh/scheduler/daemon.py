@@ -22,7 +22,7 @@ from pwmesh.service.keys import Security
 from pwmesh.service.lifecycle import Service
 from pwmesh.service.metrics import Metric, counter, gauge, listen_host, merged, wire_metrics
 from pwmesh.service.ratelimit import RejectedLog
-from pwmesh.service.rpc import Connections, Server, wait_for_peer
+from pwmesh.service.rpc import Access, Connections, Server, wait_for_peer
 from pwmesh.wire import Envelope
 from pwmesh.wire.messages import (
     ClusterStateReply,
@@ -80,7 +80,8 @@ class Scheduler(Service):
             GetSchedulerStats: self._stats,
             Ping: self.ping,
         }
-        self.server = Server(self.ctx, self.config.listen, handlers, tasks=self.tasks, name=self.name)
+        self.server = Server(self.ctx, self.config.listen, handlers, tasks=self.tasks, name=self.name,
+                             access=Access.of(admin=[GetSchedulerStats]))
         self.order = IslandOrder(self.config.island, policy=self.config.policy, window=self.config.window,
                                  scheduler=self.server.address)
         self.server.start()

@@ -108,42 +108,69 @@ def _check_private(path: Path) -> None:
         raise InvalidArgument(f"{path} is readable by others (mode {stat.filemode(mode)}): chmod 600 it")
 
 
-class _AuthorizedKeys:
-    """ZAP credentials: is this public key in ``authorized/``? (Re-read at most once a second, at a
-    handshake: a key added or removed counts from then on; connections already made stay.)"""
+# Roles, by where a key sits in ``authorized/``: ``cluster.key`` is the daemons'; ``admins/NAME.key``
+# an admin's (drain hosts, see every session); any other ``NAME.key`` a client's (its own sessions only).
+DAEMON, ADMIN, CLIENT = "daemon", "admin", "client"
+
+
+@dataclasses.dataclass(frozen=True)
+class Identity:
+    """Who sent a message: the name and role of the key its connection authenticated with (ZAP's
+    User-Id), as ``authorized/`` says now."""
+
+    name: str
+    role: str
+
+
+# A cluster without keys serves one user on loopback: every peer is trusted as a daemon is.
+LOCAL = Identity("local", DAEMON)
+
+
+class AuthorizedKeys:
+    """ZAP credentials and identities: is this public key in ``authorized/``, and whose is it? Re-read
+    at most once a second: a key added counts from its next handshake, a key removed (``pwmesh keys
+    remove``) from its next message on (its connections stay open, but everything it sends is refused)."""
 
     def __init__(self, directory: Path) -> None:
         self.directory = directory
         self._lock = threading.Lock()
-        self._keys: set[bytes] = set()
+        self._keys: dict[bytes, Identity] = {}
         self._read_at = float("-inf")
         self._reload(time.monotonic())
 
     def _reload(self, now: float) -> None:
-        keys = set()
-        for path in self.directory.glob("*.key"):
+        keys = {}
+        for path in [*self.directory.glob("*.key"), *(self.directory / "admins").glob("*.key")]:
             try:
                 public, _ = zmq.auth.load_certificate(path)
             except (OSError, ValueError):
                 continue  # a half-written or foreign file: not a key
-            keys.add(public)
+            role = DAEMON if path.stem == CLUSTER and path.parent == self.directory else (
+                ADMIN if path.parent.name == "admins" else CLIENT)
+            keys[public] = Identity(path.stem, role)
         self._keys, self._read_at = keys, now
 
-    def callback(self, domain: str, key: bytes) -> bool:  # pyzmq's credentials-provider protocol (z85 key)
+    def identify(self, key: bytes) -> Identity | None:
+        """Whose ``key`` (z85) is, or None if it is not (or no longer) authorized."""
         with self._lock:
             now = time.monotonic()
             if now - self._read_at >= RELOAD_INTERVAL_SECONDS:
                 self._reload(now)
-            return key in self._keys
+            return self._keys.get(key)
+
+    def callback(self, domain: str, key: bytes) -> bool:  # pyzmq's credentials-provider protocol (z85 key)
+        return self.identify(key) is not None
 
 
-def start_authenticator(ctx: zmq.Context[zmq.Socket[bytes]], keys: Keys) -> ThreadAuthenticator:
-    """Serve ZeroMQ's authentication requests for ``ctx``'s CURVE servers (pyzmq's ZAP handler thread)."""
+def start_authenticator(ctx: zmq.Context[zmq.Socket[bytes]], keys: Keys) -> tuple[ThreadAuthenticator, AuthorizedKeys]:
+    """Serve ZeroMQ's authentication requests for ``ctx``'s CURVE servers (pyzmq's ZAP handler thread);
+    also returns who the authorized keys are."""
     assert keys.authorized is not None
     auth = ThreadAuthenticator(ctx)
     auth.start()
-    auth.configure_curve_callback(domain="*", credentials_provider=_AuthorizedKeys(keys.authorized))
-    return auth
+    authorized = AuthorizedKeys(keys.authorized)
+    auth.configure_curve_callback(domain="*", credentials_provider=authorized)
+    return auth, authorized
 
 
 # ------------------------------------------------------------------ pwmesh keys
@@ -173,30 +200,61 @@ def init(directory: str | os.PathLike[str]) -> Path:
     return where
 
 
-def add_client(directory: str | os.PathLike[str], name: str) -> Path:
-    """Issue client ``name`` a key pair (and authorize it); returns the directory to give that client."""
+def _cluster_keys(directory: str | os.PathLike[str]) -> Keys:
     keys = Keys.load(directory)
     if keys.authorized is None:
         raise InvalidArgument(f"{keys.directory} is a client's keys directory, not the cluster's")
+    return keys
+
+
+def _authorized_files(keys: Keys, name: str) -> list[Path]:
+    assert keys.authorized is not None
+    return [p for p in (keys.authorized / f"{name}.key", keys.authorized / "admins" / f"{name}.key") if p.exists()]
+
+
+def add_client(directory: str | os.PathLike[str], name: str, *, admin: bool = False) -> Path:
+    """Issue client ``name`` a key pair (and authorize it, as an admin with ``admin``); returns the
+    directory to give that client."""
+    keys = _cluster_keys(directory)
+    assert keys.authorized is not None
     if not name or not name.replace("-", "").replace("_", "").replace(".", "").isalnum() or name == CLUSTER:
         raise InvalidArgument(f"a client name is letters, digits, '-', '_' and '.', not {CLUSTER!r}: {name!r}")
     given = keys.directory / "clients" / name
-    if given.exists():
+    if given.exists() or _authorized_files(keys, name):
         raise InvalidArgument(f"client {name!r} already has keys ({given})")
     _private_dir(given)
     public, _ = _make_pair(given, name)
     shutil.copy(keys.directory / f"{CLUSTER}.key", given / f"{CLUSTER}.key")
-    shutil.copy(public, keys.authorized / public.name)
+    where = keys.authorized / "admins" if admin else keys.authorized
+    if admin:
+        _private_dir(where)
+    shutil.copy(public, where / public.name)
     return given
+
+
+def remove(directory: str | os.PathLike[str], name: str) -> list[Path]:
+    """Revoke client (or admin) ``name``: its key leaves ``authorized/``, so within a second every daemon
+    refuses what it sends and no new connection of it gets through. Returns the files removed."""
+    keys = _cluster_keys(directory)
+    if name == CLUSTER:
+        raise InvalidArgument(f"{CLUSTER!r} is the daemons' key: make a new cluster's keys instead")
+    found = _authorized_files(keys, name)
+    if not found:
+        raise InvalidArgument(f"no authorized key named {name!r} in {keys.authorized}")
+    for path in found:
+        path.unlink()
+    return found
 
 
 def listing(directory: str | os.PathLike[str]) -> list[tuple[str, str, str]]:
     """(name, role, public key) of every key a cluster's keys directory authorizes."""
-    keys = Keys.load(directory)
-    if keys.authorized is None:
-        raise InvalidArgument(f"{keys.directory} is a client's keys directory, not the cluster's")
+    keys = _cluster_keys(directory)
+    assert keys.authorized is not None
     rows = []
-    for path in sorted(keys.authorized.glob("*.key")):
+    for path in sorted([*keys.authorized.glob("*.key"), *(keys.authorized / "admins").glob("*.key")],
+                       key=lambda p: p.stem):
         public, _ = zmq.auth.load_certificate(path)
-        rows.append((path.stem, "daemons" if path.stem == CLUSTER else "client", public.decode()))
+        role = "daemons" if path.stem == CLUSTER and path.parent == keys.authorized else (
+            ADMIN if path.parent.name == "admins" else CLIENT)
+        rows.append((path.stem, role, public.decode()))
     return rows

@@ -13,16 +13,18 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import dataclasses
 import inspect
 import itertools
 import logging
 import traceback
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
 
 import zmq
 
 from pwmesh.errors import ConnectionFailed, PwmeshError, PwTimeoutError, error_class
+from pwmesh.service.keys import ADMIN, DAEMON, Identity
 from pwmesh.service.ratelimit import RejectedLog
 from pwmesh.service.tasks import TaskGroup
 from pwmesh.service.transport import Context, DealerSocket, RouterSocket
@@ -36,6 +38,28 @@ Reply = Message | None
 Handler = Callable[[bytes, Envelope], Reply | Awaitable[Reply]]
 
 _ids = itertools.count(1)
+
+
+@dataclasses.dataclass(frozen=True)
+class Access:
+    """Which ops each role may send to one daemon's socket (the sender's role: its key's, see
+    ``service.keys``). Daemons may send anything; a client what ``client`` lists; an admin that and
+    what ``admin`` lists. Everything else is the daemons' own traffic. Without keys every peer is a
+    daemon (one user on loopback)."""
+
+    client: frozenset[str] = frozenset({Ping.op})
+    admin: frozenset[str] = frozenset()
+
+    @classmethod
+    def of(cls, client: Iterable[type[Message]] = (), admin: Iterable[type[Message]] = ()) -> Access:
+        return cls(frozenset({Ping.op, *(m.op for m in client)}), frozenset(m.op for m in admin))
+
+    def allows(self, identity: Identity | None, op: str) -> bool:
+        if identity is None:  # a key removed from ``authorized/`` since it connected
+            return False
+        if identity.role == DAEMON or op in self.client:
+            return True
+        return identity.role == ADMIN and op in self.admin
 
 
 def event_fields(message: Message) -> dict[str, Any]:
@@ -81,7 +105,9 @@ class Server:
 
     def __init__(self, ctx: Context, bind: str, handlers: dict[type[Message], Handler], *,
                  tasks: TaskGroup, name: str, limits: Limits = DEFAULT_LIMITS,
-                 on_unreachable: Callable[[bytes], None] | None = None) -> None:
+                 on_unreachable: Callable[[bytes], None] | None = None, access: Access | None = None) -> None:
+        self._ctx = ctx
+        self._access = access or Access()
         self._sock: RouterSocket = ctx.router(bind)
         self._sock.on_send_error = self._send_failed
         self._handlers = {cls.op: h for cls, h in handlers.items()}
@@ -162,6 +188,17 @@ class Server:
             self.post(peer, Error(code="protocol", message=f"{self._name} does not serve op {env.message.op!r}"),
                       reply_to=env.msg_id)
             return
+        identity = self._ctx.identify(payload[0])
+        if not self._access.allows(identity, env.message.op):
+            self.rejected["permission"] += 1
+            who = f"{identity.name} ({identity.role} key)" if identity is not None else "a key no longer authorized"
+            self._rejected_log.rejected(peer, f"{env.message.op} from {who} refused")
+            self.post(peer, Error(code="permission_denied", message=f"{self._name} refuses {env.message.op} from "
+                                                                      f"{who}: not an operation of that role"),
+                      reply_to=env.msg_id)
+            return
+        assert identity is not None
+        env.user, env.role = identity.name, identity.role
         try:
             result = handler(peer, env)
         except Exception as exc:  # a handler bug must not kill the socket

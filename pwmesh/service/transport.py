@@ -30,7 +30,7 @@ import zmq
 from zmq.auth.thread import ThreadAuthenticator
 
 from pwmesh.errors import InvalidArgument
-from pwmesh.service.keys import Keys, start_authenticator
+from pwmesh.service.keys import LOCAL, AuthorizedKeys, Identity, Keys, start_authenticator
 from pwmesh.service.ratelimit import RejectedLog
 
 log = logging.getLogger(__name__)
@@ -68,6 +68,7 @@ class Context:
         self.keys = keys
         self.allow_insecure = allow_insecure
         self._auth: ThreadAuthenticator | None = None
+        self._authorized: AuthorizedKeys | None = None  # who the keys that may connect are (with keys)
         self._sockets: list[_Pump] = []
         self.high_water_mark = high_water_mark  # messages queued per peer and direction
         # How long ``close`` lets what is queued leave (0: drop it; a restarting daemon's last replies matter).
@@ -84,6 +85,18 @@ class Context:
         if identity is not None:
             sock.setsockopt(zmq.IDENTITY, identity)
         return sock
+
+    def identify(self, frame: Any) -> Identity | None:
+        """Who sent the message ``frame`` (received on one of this context's bound sockets) belongs to:
+        the key its connection authenticated with, as ``authorized/`` says now (None: not, or no longer,
+        authorized). Without keys, every peer is ``LOCAL``."""
+        if self._authorized is None:
+            return LOCAL if self.keys is None else None
+        try:
+            user = frame.get("User-Id")
+        except (AttributeError, zmq.ZMQError):  # not a received frame, or one with no credentials
+            return None
+        return self._authorized.identify(user.encode() if isinstance(user, str) else user)
 
     def guard_bind(self, address: str, what: str = "") -> None:
         """Refuse to listen at ``address`` off loopback without keys, unless ``allow_insecure`` (then say
@@ -103,7 +116,7 @@ class Context:
         sock = self._socket(zmq.ROUTER)
         if self.keys is not None:
             if self._auth is None:
-                self._auth = start_authenticator(self._ctx, self.keys)
+                self._auth, self._authorized = start_authenticator(self._ctx, self.keys)
             self.keys.serve(sock)
         # An unknown routing id is an error we want to hear about, not a silent drop.
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)

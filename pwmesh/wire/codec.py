@@ -59,7 +59,11 @@ class Envelope:
     message: Message
     msg_id: int
     reply_to: int | None
-    sender: str
+    sender: str  # the name the sender gives itself (a header field: for logs, never for decisions)
+    # Who sent it, set by the receiving daemon from the connection's key (not on the wire): the key's
+    # name and role ("daemon", "admin", "client"; "local" and "daemon" on a cluster without keys).
+    user: str = ""
+    role: str = ""
 
 
 def _dtype_name(dtype: np.dtype) -> str:
