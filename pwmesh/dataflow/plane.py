@@ -36,6 +36,7 @@ import socket
 import struct
 import sys
 import threading
+import time
 import uuid
 from collections.abc import Callable
 from typing import Any
@@ -55,6 +56,10 @@ BIG_FRAME_BYTES = 64 << 10  # frames at least this big go through pooled buffers
 _LEN = struct.Struct("!I")
 _ACK = struct.Struct("!Q")
 MAX_PREAMBLE_BYTES = 1 << 20
+# A batch whose stream broke before it was acknowledged is sent again on a new stream, after these waits;
+# once they are spent it is lost, loudly (``DataPlane.lost``), never counted delivered.
+RETRY_DELAYS_SECONDS = (0.05, 0.25, 1.0)
+_WAKE: list[Any] = []  # put on a stream's queue: batches wait to be sent again
 MAX_HELLO_BYTES = 4096
 HANDSHAKE_TIMEOUT_SECONDS = 30.0  # a peer that connects and never says hello holds a thread no longer
 
@@ -73,7 +78,8 @@ def _unpack(data: bytes, what: str) -> Any:
 def _map_segment(name: str) -> tuple[mmap.mmap, np.ndarray]:
     """A sender's shared-memory segment, read-only; ``StreamError`` if there is no such segment."""
     try:
-        fd = os.open(f"/dev/shm/{name}", os.O_RDONLY)
+        # Never through a link: a name the peer chose must not open some other file of ours.
+        fd = os.open(f"/dev/shm/{name}", os.O_RDONLY | os.O_NOFOLLOW)
     except OSError as exc:
         raise StreamError(f"shared-memory segment {name!r}: {exc.strerror}") from None
     try:
@@ -188,6 +194,18 @@ class _Segment:
             pass
 
 
+class _Pending:
+    """A batch on its way: its encoded frames (kept until acknowledged, to send again), the slots it
+    holds, and how many streams it was lost with."""
+
+    __slots__ = ("frames", "slots", "attempts")
+
+    def __init__(self, frames: list[Any]) -> None:
+        self.frames = frames
+        self.slots: list[_Segment] = []
+        self.attempts = 0
+
+
 class _Stream:
     """One destination: a connected socket, a queue of encoded batches, a writer and an ack reader."""
 
@@ -196,12 +214,15 @@ class _Stream:
         self.address = address
         self.queue: queue.SimpleQueue[list[Any] | None] = queue.SimpleQueue()
         self.lock = threading.Condition()
-        self.unacked: collections.deque[list[_Segment]] = collections.deque()  # per message: its slots
+        self.unacked: collections.deque[_Pending] = collections.deque()  # sent, in order, not acknowledged
+        self.retry: collections.deque[_Pending] = collections.deque()  # lost with a stream: to send again first
+        self.not_before = 0.0  # monotonic: no new stream before then (the retry's wait)
         self.free: list[_Segment] = []
         self.segments: list[_Segment] = []
         self.sock: socket.socket | None = None
         self.shared = False
         self.seal: Seal | None = None  # this stream's sealing (the cluster has keys, and not plaintext)
+        self.ack_seal: Seal | None = None  # how its acknowledgements are sealed (the cluster has keys)
         self.closed = False
         self.sent_bytes = [0, 0]  # by path (INLINE: the TCP stream, SHARED: shared memory); its writer's alone
         self.writer = threading.Thread(target=self._write_loop, name=f"pwmesh-data-to-{address}", daemon=True)
@@ -209,9 +230,8 @@ class _Stream:
 
     def _connect(self) -> socket.socket:
         host, port = self.address.removeprefix("tcp://").rsplit(":", 1)
-        sock = socket.create_connection((host, int(port)), timeout=30.0)
+        sock = socket.create_connection((host, int(port)), timeout=HANDSHAKE_TIMEOUT_SECONDS)
         try:
-            sock.settimeout(None)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             key = self.plane.key
             nonce = new_nonce() if key is not None else b""
@@ -219,7 +239,7 @@ class _Stream:
                                "nonce": nonce, "plaintext": self.plane.plaintext})
             reply = _recv_hello(sock)
             machine = _machine_of(reply)
-            seal = None
+            seal = ack_seal = None
             if key is not None:
                 theirs = reply.get("nonce")
                 if not (isinstance(theirs, bytes) and proves(key, b"server", nonce, theirs, reply.get("proof"))):
@@ -227,10 +247,12 @@ class _Stream:
                 _send_hello(sock, {"proof": proof(key, b"client", nonce, theirs)})
                 if reply.get("encrypted") is not False:
                     seal = Seal(key, nonce, theirs)
+                ack_seal = Seal(key, nonce, theirs, purpose=b"acks")  # sealed even in plaintext: they free slots
+            sock.settimeout(None)  # a stream may rightly be idle for as long as we have nothing to send
         except BaseException:  # whoever answered there is no data plane: do not keep its socket
             sock.close()
             raise
-        self.seal = seal
+        self.seal, self.ack_seal = seal, ack_seal
         self.shared = bool(self.plane.machine) and machine == self.plane.machine
         threading.Thread(target=self._ack_loop, args=(sock,), name=f"pwmesh-acks-{self.address}", daemon=True).start()
         return sock
@@ -259,20 +281,27 @@ class _Stream:
 
     def _write_loop(self) -> None:
         while True:
-            frames = self.queue.get()
-            if frames is None:
-                return
-            slots: list[_Segment] = []
             with self.lock:
-                self.unacked.append(slots)  # settled by its acknowledgement, or by ``_reset``
+                pending = self.retry.popleft() if self.retry else None
+            if pending is None:
+                frames = self.queue.get()
+                if frames is None:
+                    return
+                if frames is _WAKE:
+                    continue
+                pending = _Pending(frames)
+            pending.slots = []
+            with self.lock:
+                self.unacked.append(pending)  # settled by its acknowledgement, or sent again by ``_reset``
             try:
                 if self.sock is None:
+                    wait = self.not_before - time.monotonic()
+                    if wait > 0:
+                        time.sleep(wait)  # this writer's own back-off before the next stream (a thread of its own)
                     self.sock = self._connect()
-                self._write(self.sock, frames, slots)
+                self._write(self.sock, pending.frames, pending.slots)
             except (OSError, StreamError) as exc:
-                log.warning("data plane: lost the stream to %s (%s); a batch was dropped", self.address, exc,
-                            extra={"peer": self.address, "reason": str(exc)})
-                self._reset()
+                self._reset(exc)
 
     def _write(self, sock: socket.socket, frames: list[Any], slots: list[_Segment]) -> None:
         preamble: list[list[Any]] = []
@@ -305,34 +334,64 @@ class _Stream:
             self.sent_bytes[kind] += nbytes
 
     def _ack_loop(self, sock: socket.socket) -> None:
+        """Acknowledgements, in order: each frees a batch's slots. Sealed under the stream's own keys
+        and counter, so a forged, replayed or reordered one closes the stream (and what it would have
+        settled is sent again) instead of counting a batch delivered that was not."""
+        ack_seal = self.ack_seal
+        size = _ACK.size + (TAG_BYTES if ack_seal is not None else 0)
         try:
             while True:
-                (count,) = _ACK.unpack(recv_bytes(sock, _ACK.size))
+                data = recv_bytes(sock, size)
+                (count,) = _ACK.unpack(ack_seal.open(data) if ack_seal is not None else data)
                 with self.lock:
+                    if count > len(self.unacked):
+                        raise StreamError(f"{count} acknowledged, {len(self.unacked)} sent")
                     for _ in range(count):
-                        self.free.extend(self.unacked.popleft())
+                        self.free.extend(self.unacked.popleft().slots)
                     self.lock.notify_all()
                 self.plane._settled(count)
-        except (OSError, ConnectionError, IndexError):
-            self._reset()
+        except (OSError, ConnectionError, StreamError, SealError) as exc:
+            self._reset(exc, sock)
 
-    def _reset(self) -> None:
-        """The peer is gone: what was in flight will not be acknowledged."""
+    def _reset(self, reason: BaseException | None = None, sock: socket.socket | None = None) -> None:
+        """The stream is gone (``sock``: the one that ended, if it is not the current one there is nothing
+        to do): what it had not acknowledged goes again on a new stream, up to len(RETRY_DELAYS_SECONDS)
+        times a batch; what is left after that is lost, and said so."""
         with self.lock:
-            lost = len(self.unacked)
+            if sock is not None and sock is not self.sock:
+                return  # an earlier stream's reader, ending after its writer moved on
+            failed = list(self.unacked)
             self.unacked.clear()
             self.free = list(self.segments)
-            sock, self.sock = self.sock, None
+            current, self.sock = self.sock, None
+            again = []
+            for pending in failed:
+                pending.attempts += 1
+                if not self.closed and pending.attempts <= len(RETRY_DELAYS_SECONDS):
+                    again.append(pending)
+            self.retry.extendleft(reversed(again))  # ahead of anything newer, in their order
+            if again:
+                self.not_before = time.monotonic() + RETRY_DELAYS_SECONDS[max(p.attempts for p in again) - 1]
             self.lock.notify_all()
-        if sock is not None:
-            sock.close()
+        if current is not None:
+            current.close()
+        lost = len(failed) - len(again)
+        if again:
+            self.plane.retried += len(again)
+            log.warning("data plane: lost the stream to %s (%s); sending %d batch(es) again", self.address, reason,
+                        len(again), extra={"peer": self.address, "reason": str(reason)})
+            self.queue.put(_WAKE)
         if lost:
-            self.plane._settled(lost)
+            log.error("data plane: %d batch(es) to %s were lost (%s), %s", lost, self.address, reason,
+                      "the stream was closed" if self.closed else
+                      f"after {len(RETRY_DELAYS_SECONDS)} more tries", extra={"peer": self.address,
+                                                                           "reason": str(reason)})
+            self.plane._settled(lost, lost=lost)
 
     def close(self) -> None:
         self.closed = True
         self.queue.put(None)
-        self._reset()
+        self._reset(ConnectionError("the data plane closed"))
         for seg in self.segments:
             seg.unlink()
 
@@ -360,6 +419,8 @@ class DataPlane:
         self.pool = BufferPool()
         self._streams: dict[str, _Stream] = {}
         self._in_flight = 0
+        self.lost = 0  # batches given up on (their streams broke, and every retry did too): never delivered
+        self.retried = 0  # batches sent again on a new stream
         self._count_lock = threading.Lock()
         self.idle = asyncio.Event()  # set while nothing sent is unacknowledged (built on the owner's loop)
         self.idle.set()
@@ -394,9 +455,11 @@ class DataPlane:
         self.idle.clear()
         stream.queue.put(codec.encode(batch, msg_id=0))
 
-    def _settled(self, count: int) -> None:
+    def _settled(self, count: int, *, lost: int = 0) -> None:
+        """``count`` batches are no longer in flight: acknowledged, or (``lost`` of them) given up on."""
         with self._count_lock:
             self._in_flight -= count
+            self.lost += lost
             idle = self._in_flight <= 0
         if idle and not self._closing:
             self.loop.call_soon_threadsafe(self._mark_idle)
@@ -463,10 +526,11 @@ class DataPlane:
         with self._readers_lock:
             self._reading[sock] = counted
         try:
-            shared, seal = self._handshake(sock)
+            shared, seal, ack_seal = self._handshake(sock)
             while True:
                 frames = self._read_message(sock, segments, shared, seal, counted)
-                sock.sendall(_ACK.pack(1))  # held here now: the sender may reuse its slots
+                ack = _ACK.pack(1)
+                sock.sendall(ack if ack_seal is None else ack_seal.seal(ack))  # held here: its slots may be reused
                 try:
                     env = codec.decode(frames, self.limits)
                 except codec.FrameError as exc:
@@ -488,13 +552,14 @@ class DataPlane:
             for mapped, _ in segments.values():
                 mapped.close()
 
-    def _handshake(self, sock: socket.socket) -> tuple[bool, Seal | None]:
+    def _handshake(self, sock: socket.socket) -> tuple[bool, Seal | None, Seal | None]:
         """Read the peer's hello and answer it (with keys: each end proves it holds them); whether the
-        stream's big frames come through shared memory, and how its payload is sealed."""
+        stream's big frames come through shared memory, how its payload is sealed, and how our
+        acknowledgements are."""
         sock.settimeout(HANDSHAKE_TIMEOUT_SECONDS)
         hello = _recv_hello(sock)
         machine = _machine_of(hello)
-        key, seal = self.key, None
+        key, seal, ack_seal = self.key, None, None
         if key is None:
             _send_hello(sock, {"machine": self.machine if self._shares(machine) else ""})
         else:
@@ -507,8 +572,9 @@ class DataPlane:
             if not proves(key, b"client", theirs, mine, _recv_hello(sock).get("proof")):
                 raise StreamError("a peer that does not hold the cluster's keys")
             seal = Seal(key, theirs, mine) if encrypted else None
+            ack_seal = Seal(key, theirs, mine, purpose=b"acks")
         sock.settimeout(None)  # a stream may rightly be idle for as long as its sender has nothing to send
-        return self._shares(machine), seal
+        return self._shares(machine), seal, ack_seal
 
     def _shares(self, machine: str) -> bool:
         return bool(self.shared_memory and self.machine and machine == self.machine)

@@ -53,8 +53,10 @@ class SealError(ValueError):
 class Seal:
     """One direction of one stream: seals (or opens) its pieces in order."""
 
-    def __init__(self, key: bytes, client_nonce: bytes, server_nonce: bytes) -> None:
-        stream_key = hmac.new(key, _CONTEXT + b"stream" + client_nonce + server_nonce, hashlib.sha256).digest()
+    def __init__(self, key: bytes, client_nonce: bytes, server_nonce: bytes, purpose: bytes = b"stream") -> None:
+        """``purpose``: ``b"stream"`` for the sender's batches, ``b"acks"`` for the receiver's
+        acknowledgements (a key of their own: each direction counts its own nonces)."""
+        stream_key = hmac.new(key, _CONTEXT + purpose + client_nonce + server_nonce, hashlib.sha256).digest()
         self._aead = AESGCM(stream_key)
         self._counter = 0
 

@@ -28,13 +28,14 @@ from pwmesh.dataflow.exchange import Destination, Ragged, assemble, cut, cut_err
 from pwmesh.dataflow.plane import DataPlane
 from pwmesh.dataflow.progress import Arrived, Progress, ProgressError
 from pwmesh.dataflow.secure import plane_key
-from pwmesh.errors import InvalidArgument, PwmeshError, Unavailable
+from pwmesh.errors import DeviceLost, InvalidArgument, PwmeshError, Unavailable
 from pwmesh.executor import spill
 from pwmesh.executor.functions import FunctionCache
 from pwmesh.executor.group import GroupConfig, group_devices, join
 from pwmesh.executor.runner import Runner, as_error
 from pwmesh.executor.store import ObjectStore
 from pwmesh.executor.work import Work
+from pwmesh.ir.keys import function_id
 from pwmesh.service.heartbeat import LoopLag, every
 from pwmesh.service.keys import Security
 from pwmesh.service.lifecycle import Service, Status
@@ -180,6 +181,7 @@ class Executor(Service):
         self._copying = 0  # host copies of arrivals under way (``AwaitIdle`` waits for them)
         self._copied = asyncio.Event()
         self._copied.set()
+        self._lost_reported = 0  # data-plane batches lost that an AwaitIdle has reported
         self.loop_lag = LoopLag()
         self.abandoned = 0  # computations given up as it stopped (still running on device threads, maybe)
         self.progress = Progress()
@@ -263,6 +265,9 @@ class Executor(Service):
     async def _register_function(self, peer: bytes, env: Envelope) -> Ok:
         msg = env.message
         assert isinstance(msg, RegisterFunction)
+        if msg.fn_id != function_id(msg.exported, msg.spmd, msg.mesh, msg.axes, msg.donate):
+            raise InvalidArgument(f"function {msg.fn_id[:12]}: its id is not the hash of its bytes and calling "
+                                  "convention (an id names exactly one function)")
         self._registered.setdefault(msg.fn_id, msg)  # computations wait for it from now on
         fn = await self.functions.load(msg.fn_id, msg.exported, msg.spmd, msg.mesh, msg.axes, msg.donate,
                                        executor=self._copies)
@@ -428,6 +433,10 @@ class Executor(Service):
         await self.plane.idle.wait()
         await self._copied.wait()
         await self.peers.barrier(timeout_seconds=30.0)
+        lost, self._lost_reported = self.plane.lost - self._lost_reported, self.plane.lost
+        if lost:  # idle, but not because everything arrived: whoever waits for this must not take it so
+            raise DeviceLost(f"{lost} data batch(es) {self.name} sent were lost (their streams broke, and so did "
+                             "every retry): what they carried never arrived")
         return Ok()
 
     async def _fetch(self, peer: bytes, env: Envelope) -> ShardValues:

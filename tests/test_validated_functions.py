@@ -1,0 +1,77 @@
+"""Validated functions (issue #26 item 3): an executor loads only what it can trust to compile.
+
+A ``jax.export`` artifact is data from a client. JAX checks its custom calls when it exports,
+not when it deserializes: an artifact edited to call a host callback crashed an executor, and
+every tenant's buffers on it were lost. Executors now recompute a function's id from its bytes
+and refuse a module that calls anything ``jax.export`` does not guarantee stable, before it is
+compiled. The crafted artifact here is made as an attacker would: a real export whose module
+text is edited and serialized again (with JAX's own private helpers, as a test may).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import export
+from jax._src.export import _export
+from jax._src.interpreters import mlir
+from jax._src.lib.mlir import ir
+
+import pwmesh as pw
+from pwmesh.cli.commands import fetch_status
+from pwmesh.client.connection import ClientConnection
+from pwmesh.executor.functions import ALLOWED_CUSTOM_CALLS, custom_calls, load
+from pwmesh.ir.keys import function_id
+from pwmesh.wire.messages import RegisterFunction
+
+
+def qr_export() -> export.Exported:
+    return export.export(jax.jit(lambda a: jnp.linalg.qr(a)[0]))(jax.ShapeDtypeStruct((4, 4), jnp.float32))
+
+
+def crafted() -> bytes:
+    """A real export (QR: a LAPACK custom call) edited to call the host-callback target instead."""
+    honest = qr_export()
+    (target,) = [t for t in custom_calls(honest) if t.endswith("geqrf_ffi")]
+    edited = honest.mlir_module().replace(f"@{target}", "@xla_ffi_python_cpu_callback")
+    with mlir.make_ir_context():
+        module = _export._module_to_bytecode(ir.Module.parse(edited))
+    return bytes(dataclasses.replace(honest, mlir_module_serialized=module).serialize())
+
+
+def test_an_honest_export_loads_and_a_crafted_one_is_refused() -> None:
+    honest = bytes(qr_export().serialize())
+    fn = load(function_id(honest, False), honest, spmd=False)
+    assert custom_calls(fn.exported) <= ALLOWED_CUSTOM_CALLS and custom_calls(fn.exported)
+    bad = crafted()
+    assert "xla_ffi_python_cpu_callback" in custom_calls(export.deserialize(bytearray(bad)))
+    with pytest.raises(pw.InvalidArgument, match="xla_ffi_python_cpu_callback"):
+        load(function_id(bad, False), bad, spmd=False)
+    assert not any("callback" in t for t in ALLOWED_CUSTOM_CALLS)
+
+
+def test_an_executor_refuses_the_crafted_artifact_and_a_forged_id(cluster: pw.LocalCluster) -> None:
+    executor = fetch_status(cluster.address).cluster.executors[0]
+    bad = crafted()
+    honest = bytes(qr_export().serialize())
+    conn = ClientConnection(executor.control, name="crafter", open_session=False)
+    try:
+        with pytest.raises(pw.InvalidArgument, match="xla_ffi_python_cpu_callback"):
+            conn.request(RegisterFunction(fn_id=function_id(bad, False), exported=bad, spmd=False, devices=[0]),
+                         timeout_seconds=30.0)
+        # An honest function's bytes under another function's id: "the first registration wins" no more.
+        with pytest.raises(pw.InvalidArgument, match="not the hash of its bytes"):
+            conn.request(RegisterFunction(fn_id="0" * 32, exported=honest, spmd=False, devices=[0]),
+                         timeout_seconds=30.0)
+    finally:
+        conn.close()
+    # The executor is alive and serves everyone as before.
+    with pw.Client(cluster.address, name="after") as client:
+        sl = client.make_virtual_device_set().add_slice(devices=2)
+        q = pw.pmap(lambda a: jnp.linalg.qr(a)[0], devices=sl)(np.stack([np.eye(4, dtype=np.float32)] * 2))
+        np.testing.assert_allclose(np.abs(np.asarray(q)), np.stack([np.eye(4)] * 2), atol=1e-6)
+    assert all(e.alive for e in fetch_status(cluster.address).cluster.executors)
