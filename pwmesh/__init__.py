@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 from pwmesh.errors import (
     ConnectionFailed,
+    DeadlineExceeded,
     DeviceLost,
     InvalidArgument,
     NotFound,
@@ -75,6 +76,7 @@ __all__ = [
     "Array",
     "Client",
     "ConnectionFailed",
+    "DeadlineExceeded",
     "DeviceLost",
     "HostFunction",
     "InvalidArgument",

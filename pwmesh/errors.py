@@ -81,6 +81,12 @@ class Unavailable(PwmeshError):
     code = "unavailable"
 
 
+class DeadlineExceeded(PwmeshError):
+    """A run went on past its tenant's ``max_run_seconds``: what it had not produced fails with this."""
+
+    code = "deadline_exceeded"
+
+
 class PermissionDenied(PwmeshError):
     """The sender's key may not do this: an operation of another role (a daemon's, an admin's), or on
     something another tenant owns. Nothing was changed."""
@@ -102,6 +108,7 @@ _BY_CODE: dict[str, type[PwmeshError]] = {
         NotFound,
         Unavailable,
         PermissionDenied,
+        DeadlineExceeded,
     )
 }
 

@@ -15,15 +15,18 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 from click.testing import CliRunner
+from test_liveness import LANES, long_steps, spin
 
 import pwmesh as pw
 from helpers import eventually
 from pwmesh.cli.main import main
 from pwmesh.client.connection import ClientConnection
+from pwmesh.proxy import tenants
 from pwmesh.service import keys as cluster_keys
 from pwmesh.wire.messages import (
     CancelRun,
@@ -218,3 +221,126 @@ def test_keys_add_admin_remove_and_list(tmp_path: Path) -> None:
     assert [line.split()[0] for line in listed.output.splitlines()] == ["cluster", "root"]
     refused = runner.invoke(main, ["keys", "remove", "cluster", "--keys", directory])
     assert refused.exit_code == 1 and "daemons' key" in refused.output
+
+
+# ------------------------------------------------------------- the tenants' policy (item 4 in part)
+
+
+@pytest.fixture
+def policy(key_dirs: dict[str, Path], keyed: pw.LocalCluster) -> Iterator[Path]:
+    """The proxy's policy file (tenants.json in the keys directory), removed again after the test."""
+    where = key_dirs["cluster"] / tenants.FILE_NAME
+    yield where
+    where.unlink(missing_ok=True)
+
+    def lifted() -> bool:  # the proxy has read the file's removal: nobody is limited any more
+        try:
+            with pw.Client(keyed.address, name="probe", keys=str(key_dirs["bob"]), connect_timeout_seconds=5.0), \
+                    pw.Client(keyed.address, name="probe", keys=str(key_dirs["bob"]), connect_timeout_seconds=5.0):
+                return True
+        except pw.ResourceExhausted:
+            return False
+
+    eventually(lifted, 10)
+
+
+def opened(address: str, keys: Path, **kwargs: Any) -> pw.Client:
+    """A client of ``keys`` once the policy now in the file applies to it (the proxy reads it within a second)."""
+    return pw.Client(address, keys=str(keys), **kwargs)
+
+
+def test_shares_come_from_the_policy_not_the_client(keyed: pw.LocalCluster, key_dirs: dict[str, Path],
+                                                     policy: Path) -> None:
+    tenants.save(policy, tenants.TenantPolicy({"alice": tenants.TenantLimits(weight=3.0, priority=1)}))
+
+    def session_of(keys: Path, name: str) -> Any:
+        (info,) = [s for s in status(keyed.address, key_dirs["root"]).sessions if s.name == name]
+        return info
+
+    def applied() -> bool:
+        with opened(keyed.address, key_dirs["alice"], name="alice-probe", weight=100.0, priority=9):
+            info = session_of(key_dirs["alice"], "alice-probe")
+            return (info.weight, info.priority) == (3.0, 1)
+
+    eventually(applied, 10)
+    with opened(keyed.address, key_dirs["bob"], name="bob-greedy", weight=50.0, priority=5):
+        info = session_of(key_dirs["bob"], "bob-greedy")
+        assert (info.weight, info.priority) == (1.0, 0), "a tenant without an entry gets the defaults, not its ask"
+
+
+def test_limits_refuse_what_is_over_them(keyed: pw.LocalCluster, key_dirs: dict[str, Path], policy: Path) -> None:
+    tenants.save(policy, tenants.TenantPolicy({"bob": tenants.TenantLimits(max_sessions=1, max_nodes=2,
+                                                                           max_bytes=1 << 20)}))
+    bob = opened(keyed.address, key_dirs["bob"], name="bob")
+    try:
+        def limited() -> bool:
+            try:
+                pw.Client(keyed.address, keys=str(key_dirs["bob"]), name="bob-2").close()
+            except pw.ResourceExhausted as exc:
+                assert "max_sessions 1" in str(exc)
+                return True
+            return False
+
+        eventually(limited, 10)
+        sl = bob.make_virtual_device_set().add_slice(devices=1)
+        with pytest.raises(pw.ResourceExhausted, match="max_bytes"):
+            np.asarray(bob.put(np.zeros((1, 1 << 19), np.float32), sl))  # 2 MiB
+        inc = pw.pmap(lambda x: x + 1.0, devices=sl)
+
+        @pw.program
+        def three(x: Any) -> Any:
+            return inc(inc(inc(x)))
+
+        with pytest.raises(pw.ResourceExhausted, match="max_nodes 2"):
+            np.asarray(three(np.zeros((1, 4), np.float32)))
+        np.testing.assert_array_equal(np.asarray(inc(np.zeros((1, 4), np.float32))), np.ones((1, 4)))
+        # Alice is not bob: none of his limits are hers.
+        with opened(keyed.address, key_dirs["alice"], name="alice-1"), \
+                opened(keyed.address, key_dirs["alice"], name="alice-2") as alice:
+            big = alice.put(np.zeros((1, 1 << 19), np.float32), alice.make_virtual_device_set().add_slice(devices=1))
+            assert np.asarray(big).shape == (1, 1 << 19)
+    finally:
+        bob.close()
+
+
+def test_a_run_past_its_deadline_fails_and_other_tenants_go_on(keyed: pw.LocalCluster, key_dirs: dict[str, Path],
+                                                                policy: Path) -> None:
+    tenants.save(policy, tenants.TenantPolicy({"bob": tenants.TenantLimits(max_run_seconds=1.0)}))
+    with opened(keyed.address, key_dirs["bob"], name="bob") as bob, \
+            opened(keyed.address, key_dirs["alice"], name="alice") as alice:
+        bob_slice = bob.make_virtual_device_set().add_slice(devices=1)
+        alice_slice = alice.make_virtual_device_set().add_slice(devices=1)
+        spin_on = pw.pmap(spin, devices=bob_slice)
+        x = np.ones((1, LANES), np.float32)
+
+        def deadline_applies() -> bool:  # a run of a few seconds fails at its deadline once the policy is read
+            steps, _ = spin_on(x, np.full(1, long_steps(4.0), np.int32))
+            try:
+                np.asarray(steps)
+            except pw.DeadlineExceeded as exc:
+                assert "max_run_seconds" in str(exc)
+                return True
+            return False
+
+        eventually(deadline_applies, 30)
+        start = time.monotonic()
+        steps, _ = spin_on(x, np.full(1, long_steps(30.0), np.int32))
+        inc = pw.pmap(lambda v: v + 1.0, devices=alice_slice)
+        np.testing.assert_array_equal(np.asarray(inc(np.zeros((1, 2), np.float32))), [[1.0, 1.0]])
+        with pytest.raises(pw.DeadlineExceeded):
+            np.asarray(steps)
+        assert time.monotonic() - start < 10.0, "failed at its deadline, not when the computation ended"
+
+
+def test_tenants_set_and_list(tmp_path: Path) -> None:
+    runner = CliRunner()
+    path = str(tmp_path / "tenants.json")
+    done = runner.invoke(main, ["tenants", "set", "alice", "--weight", "3", "--max-sessions", "2", "--file", path])
+    assert done.exit_code == 0, done.output
+    assert runner.invoke(main, ["tenants", "set", "alice", "--priority", "1", "--file", path]).exit_code == 0
+    assert runner.invoke(main, ["tenants", "set", "*", "--max-run-seconds", "600", "--file", path]).exit_code == 0
+    listed = runner.invoke(main, ["tenants", "list", "--file", path]).output.splitlines()
+    assert listed == ["*                max_run_seconds=600", "alice            weight=3 priority=1 max_sessions=2"]
+    assert tenants.load(path).of("bob").max_run_seconds == 600.0, "'*' is everyone not named"
+    bad = runner.invoke(main, ["tenants", "set", "bob", "--weight", "0", "--file", path])
+    assert bad.exit_code == 1 and "weight must be positive" in bad.output

@@ -286,19 +286,21 @@ def restart(options: list[str]) -> NoReturn:
 @_listen
 @click.option("--name", default="proxy")
 @click.option("--session-timeout-seconds", type=float, default=30.0, show_default=True)
+@click.option("--tenants", "tenants_file", default="", help="The tenants' limits and shares (JSON, see `pwmesh "
+              "tenants set`), re-read when it changes; default: tenants.json in the keys directory.")
 @_security
 @_metrics_port
 @_log_level
 @_log_format
-def proxy_main(rm: str, listen: str, name: str, session_timeout_seconds: float, keys: str, insecure: bool,
-               metrics_port: int | None,
+def proxy_main(rm: str, listen: str, name: str, session_timeout_seconds: float, tenants_file: str, keys: str,
+               insecure: bool, metrics_port: int | None,
                log_level: str, log_format: str) -> None:
     """Run a client proxy."""
     from pwmesh.proxy.daemon import Proxy, ProxyConfig  # noqa: PLC0415
 
     setup_logging("proxy", name, log_level, log_format)
     run(Proxy(ProxyConfig(rm=rm, listen=listen, name=name, session_timeout_seconds=session_timeout_seconds,
-                          security=Security(keys, insecure), metrics_port=metrics_port)))
+                          tenants_file=tenants_file, security=Security(keys, insecure), metrics_port=metrics_port)))
 
 
 @click.command(name="pwmesh-jax-coordinator")

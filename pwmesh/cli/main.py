@@ -273,5 +273,57 @@ def keys_list(directory: str) -> None:
         click.echo(f"{name:<24} {role:<8} {public}")
 
 
+@main.group()
+def tenants() -> None:
+    """Tenants' shares and limits, which the proxy applies (re-read when the file changes)."""
+
+
+def _tenants_file(command: Callable[..., None]) -> Callable[..., None]:
+    return click.option("--file", "path", default=None, type=click.Path(dir_okay=False),
+                        help=f"The policy file (default: tenants.json in ${KEYS_ENV}, the cluster's keys).")(command)
+
+
+def _policy_path(path: str | None) -> str:
+    if path:
+        return path
+    keys_dir = os.environ.get(KEYS_ENV)
+    if not keys_dir:
+        raise click.UsageError(f"give --file, or set {KEYS_ENV} to the cluster's keys directory")
+    return os.path.join(keys_dir, "tenants.json")
+
+
+@tenants.command(name="set")
+@click.argument("name")
+@click.option("--weight", type=float, help="Its share of the devices against other tenants' (default 1).")
+@click.option("--priority", type=int, help="Higher runs first, whatever the shares (default 0).")
+@click.option("--max-sessions", type=int, help="Sessions open at once (0: no limit).")
+@click.option("--max-nodes", type=int, help="Computations in one program.")
+@click.option("--max-bytes", type=int, help="Bytes its buffers hold, all sessions together.")
+@click.option("--max-run-seconds", type=float, help="A run still going after this fails (pw.DeadlineExceeded).")
+@_tenants_file
+def tenants_set(name: str, path: str | None, **given: float | int | None) -> None:
+    """Set tenant NAME's shares and limits (the name of its key; '*' for every tenant not named)."""
+    from pwmesh.proxy import tenants as policy  # noqa: PLC0415
+
+    where = _policy_path(path)
+    current = policy.load(where)
+    fields = {**current.of(name).as_json(), **{k: v for k, v in given.items() if v is not None}} \
+        if name in current.tenants else {k: v for k, v in given.items() if v is not None}
+    updated = policy.TenantPolicy({**current.tenants, name: policy.TenantLimits.parse(name, fields)})
+    policy.save(where, updated)
+    click.echo(f"{name}: {updated.tenants[name].as_json() or 'no limits'} ({where}; the proxy applies it within a "
+               "second)")
+
+
+@tenants.command(name="list")
+@_tenants_file
+def tenants_list(path: str | None) -> None:
+    """Show every tenant's shares and limits."""
+    from pwmesh.proxy import tenants as policy  # noqa: PLC0415
+
+    for name, limits in policy.load(_policy_path(path)).as_json().items():
+        click.echo(f"{name:<16} " + " ".join(f"{k}={v:g}" for k, v in limits.items()))
+
+
 if __name__ == "__main__":
     main()

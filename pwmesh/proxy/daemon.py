@@ -22,6 +22,7 @@ from collections.abc import Awaitable
 from typing import Any
 
 from pwmesh.errors import PwmeshError, Unavailable
+from pwmesh.proxy import tenants
 from pwmesh.proxy.session import Buffer
 from pwmesh.proxy.state import (
     Action,
@@ -98,6 +99,8 @@ class ProxyConfig:
     client_heartbeat_interval_seconds: float = 5.0
     rm_heartbeat_interval_seconds: float = 2.0
     drain_timeout_seconds: float = 300.0
+    # The tenants' policy (``pwmesh.proxy.tenants``): "" for the keys directory's tenants.json (none without keys).
+    tenants_file: str = ""
     trace_timeout_seconds: float = 10.0  # per executor, for GetClusterTrace
     trace_events_per_reply: int = 200_000  # over all executors: ~32 MiB, half the message size limit
     security: Security = dataclasses.field(default_factory=Security)  # --keys, --insecure
@@ -133,7 +136,11 @@ class Proxy(Service):
         self.peers = Connections(self.ctx, tasks=self.tasks, name=self.name, on_message=self._notified)
         await wait_for_peer(self.peers.get(self.config.rm), self.state.watch(self.role),
                             timeout_seconds=self.config.rm_timeout_seconds)
-        self.tasks.spawn(every(self.config.session_timeout_seconds / 4, self._tick), name="expire")
+        keys = self.ctx.keys
+        where = self.config.tenants_file or (str(keys.directory / tenants.FILE_NAME) if keys is not None else "")
+        self.tenants = tenants.PolicyFile(where) if where else None
+        # Every second at least: runs past their tenant's deadline fail within a second of it.
+        self.tasks.spawn(every(min(1.0, self.config.session_timeout_seconds / 4), self._tick), name="expire")
         self.tasks.spawn(every(self.config.rm_heartbeat_interval_seconds, self._heartbeat_rm), name="heartbeat")
 
     async def _heartbeat_rm(self) -> None:
@@ -213,6 +220,12 @@ class Proxy(Service):
             self._notice_log.warning(env.message.op, "notice %s not applied: %s", env.message.op, exc)
 
     async def _tick(self) -> None:
+        if self.tenants is not None:
+            error = self.tenants.error
+            self.state.policy = self.tenants.current()
+            if self.tenants.error and self.tenants.error != error:
+                log.error("the tenants policy %s was not applied (the last good one stays): %s", self.tenants.path,
+                          self.tenants.error)
         self._perform(self.state.handle(Tick(), time.monotonic()))
 
     async def _until_done(self, buf: Buffer) -> None:

@@ -77,6 +77,7 @@ class Run:
     schedulers: set[str] = dataclasses.field(default_factory=set)  # islands' schedulers it went through
     outputs: list[Buffer] = dataclasses.field(default_factory=list)  # pinned until it finishes
     read_inside: list[Buffer] = dataclasses.field(default_factory=list)  # its outputs its own nodes read too
+    deadline: float = float("inf")  # monotonic: failed with DeadlineExceeded if still going then
     # Sequential dispatch: nodes not sent yet, and the nodes each still waits for.
     held: dict[int, list[tuple[str, Computation]]] = dataclasses.field(default_factory=dict)
     waits_for: dict[int, set[int]] = dataclasses.field(default_factory=dict)

@@ -36,11 +36,16 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
+import math
 import secrets
 import weakref
+from collections.abc import Callable
 from typing import ClassVar
 
+import numpy as np
+
 from pwmesh.errors import (
+    DeadlineExceeded,
     DeviceLost,
     InvalidArgument,
     NotFound,
@@ -54,7 +59,9 @@ from pwmesh.ir.keys import function_id
 from pwmesh.ir.lower import location, move_shard, slice_locations, value_layout
 from pwmesh.proxy.intake import bind, host_puts, record_run
 from pwmesh.proxy.session import Buffer, Run, Session
+from pwmesh.proxy.tenants import TenantLimits, TenantPolicy
 from pwmesh.service.heartbeat import Liveness
+from pwmesh.service.keys import LOCAL
 from pwmesh.service.ratelimit import RejectedLog
 from pwmesh.wire import Message
 from pwmesh.wire.messages import (
@@ -105,6 +112,15 @@ from pwmesh.wire.messages import (
 from pwmesh.wire.parts import run_parts
 
 log = logging.getLogger(__name__)
+
+
+def nbytes(spec: ValueSpec) -> int:
+    """A logical buffer's bytes (its global shape and dtype; 4 a value for a dtype NumPy does not know)."""
+    try:
+        itemsize = np.dtype(spec.dtype).itemsize
+    except TypeError:
+        itemsize = 4
+    return math.prod(spec.shape) * itemsize
 
 UNKNOWN_VALUE = ValueSpec(shape=[], dtype="float32", shards=1)  # a failed output of a program never seen
 
@@ -268,6 +284,7 @@ class ProxyState:
         # while ``registered`` only grows: whatever prunes it must clear this too.
         self.sites_registered: weakref.WeakSet[object] = weakref.WeakSet()
         self.liveness = Liveness(session_timeout_seconds)
+        self.policy = TenantPolicy()  # tenants' limits and shares (the shell keeps it as the admin set it)
         self.lost: dict[str, DeviceLost] = {}  # executor id -> why it is gone
         self.lost_controls: set[str] = set()  # their control addresses: nothing is sent there
         self.moved_buffers = 0  # buffers moved off draining hosts, ever
@@ -314,6 +331,7 @@ class ProxyState:
                 self._maybe_free(event.session_id, event.buffer)
             elif isinstance(event, Tick):
                 self._expire_sessions(now)
+                self._expire_runs(now)
             else:
                 raise TypeError(f"not a proxy event: {event!r}")
         except PwmeshError as exc:
@@ -357,10 +375,19 @@ class ProxyState:
             raise PermissionDenied("this connection's routing id belongs to another key's session")
         if old is not None:
             self._end_session(old, "reopened")
+        limits = self.policy.of(self._user)
+        held = sum(1 for s in self.sessions.values() if s.owner == self._user)
+        if limits.max_sessions and held >= limits.max_sessions:
+            raise ResourceExhausted(f"tenant {self._user!r} holds {held} sessions, its limit "
+                                    f"(max_sessions {limits.max_sessions})")
+        # Shares are the server's to give: a client's own count only where it is the cluster's one user.
+        own = self._user in ("", LOCAL.name)
+        weight = limits.weight if limits.weight is not None else (msg.weight if own else 1.0)
+        priority = limits.priority if limits.priority is not None else (msg.priority if own else 0)
         sid = f"s{next(self._session_ids)}-{secrets.token_hex(3)}"
         self.sessions_opened += 1
         self.sessions[peer] = Session(session_id=sid, name=msg.name, peer=peer, owner=self._user,
-                                      weight=msg.weight, priority=msg.priority)
+                                      weight=weight, priority=priority)
         self.liveness.beat(sid, now)
         log.info("session %s (%s) opened", sid, msg.name)
         # Four beats per timeout, so one late beat never ends a live session.
@@ -375,6 +402,14 @@ class ProxyState:
     def _heartbeat(self, peer: bytes, msg: Heartbeat, now: float) -> Reply:
         self.liveness.beat(self.session(peer).session_id, now)
         return Reply(Ok())
+
+    def _expire_runs(self, now: float) -> None:
+        """Fail the runs still going past their tenant's ``max_run_seconds``."""
+        for session, run in [sr for sr in self.runs.values() if now > sr[1].deadline]:
+            limit = self.policy.of(session.owner).max_run_seconds
+            self._abort_run(session, run, DeadlineExceeded(
+                f"run {run.run_id} was still going after its tenant's limit of {limit:g} s (max_run_seconds); "
+                "what it had not made fails with this"))
 
     def _expire_sessions(self, now: float) -> None:
         lost = set(self.liveness.expired(now))
@@ -452,7 +487,7 @@ class ProxyState:
                 raise NotFound(f"program {msg.program_id[:16]!r} was never registered in this session"
                                if msg.program_id else "RunProgram names no program")
             self._dispatching = True  # what it sends is program traffic (until ``handle`` returns)
-            self._dispatch(session, msg, program)
+            self._dispatch(session, msg, program, now)
             self.programs += 1
         except PwmeshError as exc:
             for i, cid in enumerate(msg.outputs):
@@ -462,7 +497,25 @@ class ProxyState:
             raise
         return None  # posted: the client learns of success from its buffers, of failure from an Error
 
-    def _dispatch(self, session: Session, msg: RunProgram, program: ProgramSpec) -> None:
+    def _held_bytes(self, owner: str) -> int:
+        """Bytes the buffers of ``owner``'s sessions hold (each logical buffer once)."""
+        return sum(nbytes(buf.spec) for s in self.sessions.values() if s.owner == owner for buf in s.buffers.values())
+
+    def _check_bytes(self, owner: str, limits: TenantLimits, more: Callable[[], int]) -> None:
+        """``ResourceExhausted`` if ``owner`` would hold more than its ``max_bytes`` with ``more()`` bytes more."""
+        if not limits.max_bytes:
+            return
+        total = self._held_bytes(owner) + more()
+        if total > limits.max_bytes:
+            raise ResourceExhausted(f"tenant {owner!r} would hold {total} bytes, over its limit "
+                                    f"(max_bytes {limits.max_bytes})")
+
+    def _dispatch(self, session: Session, msg: RunProgram, program: ProgramSpec, now: float) -> None:
+        limits = self.policy.of(session.owner)
+        if limits.max_nodes and len(program.nodes) > limits.max_nodes:
+            raise ResourceExhausted(f"the program has {len(program.nodes)} computations, over tenant "
+                                    f"{session.owner!r}'s limit (max_nodes {limits.max_nodes})")
+        self._check_bytes(session.owner, limits, lambda: sum(nbytes(program.values[v]) for v in program.outputs))
         binding = bind(session, msg, program)
         program, lowered = session.lowerings.lower(
             msg.program_id, program, owner=session.session_id, names=binding.names,
@@ -508,6 +561,8 @@ class ProxyState:
             for scheduler, mine in parts.items():
                 self._schedule(session, run_id, scheduler, mine)
         run = record_run(session, run_id, program, lowered, binding)
+        if limits.max_run_seconds:
+            run.deadline = now + limits.max_run_seconds
         self.runs[run_id] = (session, run)
         if msg.sequential:
             produced_by = {v: i for i, node in enumerate(program.nodes) for v in node.outputs}
@@ -710,6 +765,7 @@ class ProxyState:
             raise
 
     def _put(self, session: Session, msg: PutBuffer) -> Reply:
+        self._check_bytes(session.owner, self.policy.of(session.owner), lambda: int(msg.array.nbytes))
         sl = session.slices.get(msg.slice_id)
         if sl is None:
             raise NotFound(f"slice {msg.slice_id} is not one of this session's slices")

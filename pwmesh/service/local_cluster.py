@@ -58,6 +58,7 @@ class LocalClusterSpec:
     platform: str = "cpu"  # the executors' devices: cpu (the default, on any machine), cuda, rocm or tpu
     keys: str = ""  # the cluster's keys directory (``pwmesh keys init``): every socket speaks CURVE
     metrics: bool = False  # every daemon serves Prometheus metrics on a free loopback port (``metrics_addresses``)
+    tenants: str = ""  # the proxy's tenants policy file (``pwmesh tenants set``); "": the keys directory's
 
 
 @dataclasses.dataclass
@@ -163,7 +164,8 @@ class LocalCluster:
                 for host in range(spec.hosts_per_island):
                     rest.append(self._spawn_executor(island, f"island{island}-host{host}", spec.devices_per_host))
             proxy = self._spawn("proxy", "proxy", ["--rm", self.rm_address, "--session-timeout-seconds",
-                                                   str(spec.session_timeout_seconds)])
+                                                   str(spec.session_timeout_seconds),
+                                                   *(("--tenants", spec.tenants) if spec.tenants else ())])
             self._wait_ready([*rest, proxy], deadline, group_size=spec.hosts_per_island if spec.collectives else 0)
         except BaseException:
             self._keep_logs = True  # what went wrong is in them
