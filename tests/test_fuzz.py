@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
+import itertools
 import json
 import logging
 import os
@@ -23,7 +24,7 @@ import zmq
 
 import pwmesh as pw
 from pwmesh.dataflow import plane as plane_module
-from pwmesh.dataflow.plane import INLINE, SHARED, DataPlane, machine_id, recv_bytes
+from pwmesh.dataflow.plane import INLINE, RETRY_DELAYS_SECONDS, SHARED, DataPlane, machine_id, recv_bytes
 from pwmesh.errors import InvalidArgument, PwmeshError
 from pwmesh.service.rpc import Connection, Connections, RejectedLog, Server
 from pwmesh.service.tasks import TaskGroup
@@ -210,17 +211,21 @@ async def test_inbound_streams_are_capped() -> None:
 
 @pytest.mark.asyncio
 @pytest.mark.timeout(30)
-async def test_a_data_plane_address_where_something_else_answers_drops_the_batch_not_the_writer(
+async def test_a_data_plane_address_where_something_else_answers_loses_the_batch_not_the_writer(
         caplog: pytest.LogCaptureFixture) -> None:
     """Addresses come from peers: the sender's side of the handshake is checked like the receiver's.
     Before, a reply that was not a map killed the stream's writer thread, and every batch queued for that
-    address waited forever (the plane never became idle again)."""
+    address waited forever (the plane never became idle again). Now each batch is tried on new streams
+    as long as the retries last, then lost, loudly and counted, and the writer goes on to the next."""
     listener = socket.create_server(("127.0.0.1", 0))
     host, port = listener.getsockname()[:2]
 
     def impostor() -> None:
-        for reply in (msgpack.packb([1, 2]), msgpack.packb({"machine": 3})):
-            conn, _ = listener.accept()
+        for reply in itertools.cycle((msgpack.packb([1, 2]), msgpack.packb({"machine": 3}))):
+            try:
+                conn, _ = listener.accept()
+            except OSError:  # shut down: the test is over
+                return
             with conn:
                 conn.recv(4096)
                 conn.sendall(_LEN.pack(len(reply)) + reply)
@@ -229,14 +234,18 @@ async def test_a_data_plane_address_where_something_else_answers_drops_the_batch
     serving = asyncio.create_task(asyncio.to_thread(impostor))
     try:
         with caplog.at_level(logging.WARNING, logger="pwmesh.dataflow.plane"):
-            for _ in range(2):
+            for sent in (1, 2):
                 plane.send(f"tcp://{host}:{port}", TupleBatch(tuples=[]))
-                await asyncio.wait_for(plane.idle.wait(), 10.0)  # dropped, and counted as settled
-        assert len(caplog.records) == 2, [r.getMessage() for r in caplog.records]
-        assert "malformed handshake" in caplog.records[0].getMessage()
+                await asyncio.wait_for(plane.idle.wait(), 10.0)  # given up on, and counted lost
+                assert plane.lost == sent
+        messages = [r.getMessage() for r in caplog.records]
+        assert "malformed handshake" in messages[0]
+        assert sum("were lost" in m for m in messages) == 2, messages
+        assert plane.retried == 2 * len(RETRY_DELAYS_SECONDS)
     finally:
-        await serving
+        listener.shutdown(socket.SHUT_RDWR)
         listener.close()
+        await serving
         plane.close()
 
 

@@ -24,6 +24,7 @@ from test_liveness import LANES, long_steps, spin
 
 import pwmesh as pw
 from helpers import eventually
+from pwmesh.cli.commands import fetch_status
 from pwmesh.cli.main import main
 from pwmesh.client.connection import ClientConnection
 from pwmesh.proxy import tenants
@@ -80,13 +81,7 @@ def raw(address: str, keys: Path) -> ClientConnection:
 
 
 def status(address: str, keys: Path) -> StatusReply:
-    conn = raw(address, keys)
-    try:
-        reply = conn.request(GetStatus(), timeout_seconds=30.0)
-    finally:
-        conn.close()
-    assert isinstance(reply, StatusReply)
-    return reply
+    return fetch_status(address, keys=str(keys))
 
 
 def test_a_client_key_cannot_act_as_a_daemon(keyed: pw.LocalCluster, key_dirs: dict[str, Path]) -> None:

@@ -37,7 +37,7 @@ class UpConfig:
     devices_per_host: int
     log_dir: str | None = None
     log_level: str = "WARNING"
-    collectives: bool = False
+    collectives: bool = True
     log_format: str = "text"
     keys: str = ""  # the cluster's keys directory: every socket speaks CURVE
     metrics: bool = True
@@ -101,9 +101,11 @@ def submit(address: str | None, job: str, args: list[str], cluster: LocalCluster
     return 0
 
 
-def fetch_status(address: str, connect_timeout_seconds: float = 10.0) -> StatusReply:
+def fetch_status(address: str, connect_timeout_seconds: float = 10.0, *, keys: str | None = None) -> StatusReply:
+    """The cluster's status as the proxy shows it to ``keys``'s owner (else ``$PWMESH_KEYS``'s): a client's
+    own sessions, or every tenant's to an admin."""
     conn = ClientConnection(address, name="status", open_session=False, probe=True,
-                            connect_timeout_seconds=connect_timeout_seconds)
+                            connect_timeout_seconds=connect_timeout_seconds, keys=keys)
     try:
         reply = conn.request(GetStatus(), timeout_seconds=30.0)
     finally:
