@@ -296,3 +296,10 @@ def test_liveness_smoke(tmp_path: Path) -> None:
     assert data["benchmark"] == "liveness" and data["smoke"] is True
     assert [p["host_stayed_up"] for p in data["phases"]] == [True, True, True]
     assert data["baseline"]["seconds"] > 0
+
+
+def test_startup_smoke(tmp_path: Path) -> None:
+    run_smoke("startup.py", tmp_path)
+    data = json.loads((tmp_path / "startup.json").read_text())
+    assert data["benchmark"] == "startup" and data["smoke"] is True
+    assert data["summary"]["groups"]["first_spmd_step_seconds"] > data["summary"]["groups"]["ready_seconds"] > 0

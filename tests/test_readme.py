@@ -36,6 +36,22 @@ def test_the_training_example_trains(wide_cluster: pw.LocalCluster, monkeypatch:
         pw.disconnect()
 
 
+@pytest.mark.timeout(300)
+def test_the_training_example_trains_on_a_plain_connect(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue #27 item 6: on the default embedded cluster (2 islands x 2 hosts x 2 devices), the snippet's
+    2x2 mesh spans two executors, which form their island's JAX group by default."""
+    monkeypatch.delenv("PWMESH_ADDRESS", raising=False)  # its pw.connect() starts the embedded cluster
+    rng = np.random.default_rng(0)
+    scope = {"batches": [rng.standard_normal((8, 64)).astype(np.float32) for _ in range(5)]}
+    try:
+        exec(compile(block_under("## Training a model"), str(README), "exec"), scope)  # noqa: S102
+        assert np.isfinite(np.asarray(scope["loss"]))
+        executors = {d.executor for d in scope["params"]["w1"].sharding.slice.devices}
+        assert len(executors) == 2, f"the mesh spans two hosts: {executors}"
+    finally:
+        pw.disconnect()
+
+
 @pytest.mark.timeout(120)
 def test_the_resharding_example_reshards(wide_cluster: pw.LocalCluster) -> None:
     code = block_under("**Resharding.**").strip().splitlines()

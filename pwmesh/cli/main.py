@@ -75,8 +75,9 @@ def _shape(command: Callable[..., None]) -> Callable[..., None]:
         click.option("--islands", type=click.IntRange(min=1), default=2, show_default=True),
         click.option("--hosts-per-island", type=click.IntRange(min=1), default=2, show_default=True),
         click.option("--devices-per-host", type=click.IntRange(min=1), default=2, show_default=True),
-        click.option("--collectives/--no-collectives", default=False, show_default=True,
-                     help="Each island's executors form one JAX group, so SPMD slices (collectives) may span hosts."),
+        click.option("--collectives/--no-collectives", default=True, show_default=True,
+                     help="Each island's executors form one JAX group, so SPMD slices (collectives) may span hosts "
+                          "(--no-collectives: no group; the cluster starts sooner, SPMD slices must fit one host)."),
     )):
         command = option(command)
     return command
@@ -111,8 +112,8 @@ def up(islands: int, hosts_per_island: int, devices_per_host: int, collectives: 
 def submit(address: str | None, connect_timeout: float, islands: int, hosts_per_island: int,
            devices_per_host: int, collectives: bool, job: str, args: tuple[str, ...]) -> None:
     """Run the Python file JOB connected to a cluster: the one at --address, else an embedded one of the
-    shape the other options give (a job's SPMD slices span hosts only with --collectives; else they must fit
-    one host: e.g. --devices-per-host 4)."""
+    shape the other options give (its islands form JAX groups, so a job's SPMD slices may span hosts, unless
+    --no-collectives)."""
     from pwmesh.cli import commands  # noqa: PLC0415
 
     cluster = LocalClusterSpec(islands=islands, hosts_per_island=hosts_per_island, devices_per_host=devices_per_host,

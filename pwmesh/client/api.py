@@ -38,7 +38,9 @@ class Client:
         address = address or os.environ.get("PWMESH_ADDRESS") or None
         self.cluster: LocalCluster | None = None
         if address is None:
-            self.cluster = LocalCluster(cluster)
+            # Embedded: each island's executors form a JAX group, so SPMD slices may span hosts as they
+            # do under `pwmesh up` (a spec given says for itself).
+            self.cluster = LocalCluster(cluster or LocalClusterSpec(collectives=True))
             address = self.cluster.start_visibly()
             keys = keys or self.cluster.spec.keys or None
         self.address = address

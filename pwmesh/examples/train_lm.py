@@ -7,8 +7,8 @@ parameters and optimizer state are donated, so they stay on the devices from ste
 to step: one call per step, dispatched ahead while the devices compute. Losses are
 fetched only to report them.
 
-    pwmesh submit --devices-per-host 4 pwmesh/examples/train_lm.py --steps 300
-    pwmesh submit --collectives pwmesh/examples/train_lm.py --steps 300   # the mesh over 2 hosts
+    pwmesh submit pwmesh/examples/train_lm.py --steps 300   # the mesh over 2 hosts (their JAX group)
+    pwmesh submit --no-collectives --devices-per-host 4 pwmesh/examples/train_lm.py --steps 300   # one host
     python -m pwmesh.examples.train_lm --reference --steps 300   # plain jax.jit, same shardings
 
 ``--checkpoint DIR`` resumes from the newest checkpoint there and saves one at the
