@@ -13,8 +13,9 @@ from typing import Any
 import numpy as np
 import pytest
 
-from pwmesh.errors import DeviceLost, InvalidArgument, NotFound, PwmeshError
+from pwmesh.errors import DeviceLost, InvalidArgument, NotFound, ProtocolError, PwmeshError, ResourceExhausted
 from pwmesh.ir.keys import function_id
+from pwmesh.proxy import state as state_module
 from pwmesh.proxy.state import (
     Ask,
     FetchEnded,
@@ -34,7 +35,7 @@ from pwmesh.proxy.state import (
 )
 from pwmesh.rm.state import ResourceManagerState
 from pwmesh.scheduler.order import IslandOrder
-from pwmesh.wire import Message
+from pwmesh.wire import Message, encode
 from pwmesh.wire.messages import (
     AwaitBuffers,
     BuffersState,
@@ -332,3 +333,26 @@ def test_an_executor_lost_notice_for_an_unknown_run_changes_nothing_else(world: 
     out = world.handle(Notice(ExecutorLost(executor_id="ex2", host="host2", control="tcp://ex2:7000", reason="test")))
     assert [type(a) for a in out] == [PeerLost]
     assert world.proxy.lost_controls == {"tcp://ex2:7000"}
+
+
+def test_a_program_too_big_for_one_message_is_refused_whole(world: World, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A 330,000-node program once packed into a ScheduleRun over the 64 MiB message limit, which the
+    scheduler dropped unread: the run hung. The proxy now refuses it before it sends anything, and its
+    outputs fail with the reason. (The limit is made small here: the real one needs ~10^5 nodes.)"""
+    monkeypatch.setattr(state_module, "MAX_PART_BYTES", 64)
+    _, slice_id = world.open()
+    fns = [world.function(CLIENT, slice_id, name) for name in (b"f", b"g")]
+    assert world.ask(CLIENT, PutBuffer(buffer=1, slice_id=slice_id, array=np.ones((8, 2), np.float32))) == Ok()
+    actions = world.handle(Inbound(CLIENT, RunProgram(inputs=[ProgramInput(buffer=1)], outputs=[2],
+                                                      program=chain(fns, slice_id))))
+    (reply,) = actions
+    assert isinstance(reply, Reply) and isinstance(reply.error, ResourceExhausted)
+    assert "one message may carry" in reply.error.message
+    assert sent(actions, ScheduleRun) == [] and sent(actions, RegisterFunction) == [], "nothing half-sent"
+    wait = world.ask(CLIENT, AwaitBuffers(buffers=[2]))
+    assert wait.buffers[0].done and settled(wait.buffers) is reply.error
+
+
+def test_a_message_over_the_limit_is_never_encoded() -> None:
+    with pytest.raises(ProtocolError, match="was not sent"):
+        encode(RegisterFunction(fn_id="f", exported=b"x" * (65 << 20), spmd=False, devices=[0]), msg_id=1)

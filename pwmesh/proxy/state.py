@@ -63,7 +63,7 @@ from pwmesh.proxy.tenants import TenantLimits, TenantPolicy
 from pwmesh.service.heartbeat import Liveness
 from pwmesh.service.keys import LOCAL
 from pwmesh.service.ratelimit import RejectedLog
-from pwmesh.wire import Message
+from pwmesh.wire import DEFAULT_LIMITS, Message
 from pwmesh.wire.messages import (
     AllocateSlice,
     AwaitBuffers,
@@ -122,6 +122,9 @@ def nbytes(spec: ValueSpec) -> int:
         itemsize = 4
     return math.prod(spec.shape) * itemsize
 
+# What one run's computations for one island may pack into: the message limit, less room for the
+# rest of the ScheduleRun (its names and header).
+MAX_PART_BYTES = DEFAULT_LIMITS.max_body_bytes - (1 << 20)
 UNKNOWN_VALUE = ValueSpec(shape=[], dtype="float32", shards=1)  # a failed output of a program never seen
 
 # ------------------------------------------------------------------ events
@@ -534,6 +537,18 @@ class ProxyState:
                 raise DeviceLost(f"{self.lost[executor_id].message}; the program's slices still map there "
                                  "(remapping onto surviving devices is not supported yet)")
 
+        parts = None
+        if not msg.sequential:  # sequential: each node goes once its predecessors are done (below)
+            # A cached lowering's parts are packed once; this run's names go with them.
+            parts = lowered.parts if lowered.parts is not None else {
+                scheduler: run_parts(comps) for scheduler, comps in lowered.schedules.items()}
+            for mine in parts.values():
+                packed = sum(len(p.computations) for p in mine)
+                if packed > MAX_PART_BYTES:  # refused here, whole: a message over the limit is never sent
+                    raise ResourceExhausted(
+                        f"the program's computations for one island pack into {packed} bytes, over the "
+                        f"{MAX_PART_BYTES} bytes one message may carry: split it into smaller programs")
+
         # Nothing can fail past this point: send everything in order, then record the run (its
         # completions come in later events; recording a 128-node run costs ~1 ms the island
         # need not wait for).
@@ -554,10 +569,7 @@ class ProxyState:
         for control, sends in lowered.moves.items():
             for send in sends:
                 self._send(control, send)
-        if not msg.sequential:  # sequential: each node goes once its predecessors are done (below)
-            # A cached lowering's parts are packed once; this run's names go with them.
-            parts = lowered.parts if lowered.parts is not None else {
-                scheduler: run_parts(comps) for scheduler, comps in lowered.schedules.items()}
+        if parts is not None:
             for scheduler, mine in parts.items():
                 self._schedule(session, run_id, scheduler, mine)
         run = record_run(session, run_id, program, lowered, binding)

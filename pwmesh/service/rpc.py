@@ -23,7 +23,7 @@ from typing import Any
 
 import zmq
 
-from pwmesh.errors import ConnectionFailed, PwmeshError, PwTimeoutError, error_class
+from pwmesh.errors import ConnectionFailed, ProtocolError, PwmeshError, PwTimeoutError, error_class
 from pwmesh.service.keys import ADMIN, DAEMON, Identity
 from pwmesh.service.ratelimit import RejectedLog
 from pwmesh.service.tasks import TaskGroup
@@ -145,7 +145,7 @@ class Server:
         exception."""
         try:
             frames = encode(message, msg_id=next_id(), reply_to=reply_to, sender=self._name)
-        except (TypeError, ValueError, OverflowError) as exc:
+        except (TypeError, ValueError, OverflowError, ProtocolError) as exc:
             more = self._failure_log.allow(("encode", message.op, type(exc).__name__), alike="like it")
             if more is not None:
                 log.error("%s: cannot encode %s for peer %r: %s: %s%s", self._name, message.op, peer,

@@ -32,6 +32,7 @@ from zmq.auth.thread import ThreadAuthenticator
 from pwmesh.errors import InvalidArgument
 from pwmesh.service.keys import LOCAL, AuthorizedKeys, Identity, Keys, start_authenticator
 from pwmesh.service.ratelimit import RejectedLog
+from pwmesh.wire.codec import DEFAULT_LIMITS
 
 log = logging.getLogger(__name__)
 
@@ -82,6 +83,8 @@ class Context:
         sock.setsockopt(zmq.RCVHWM, self.high_water_mark)
         # With copy=False, pyzmq still copies each frame below this: big frames alone go zero-copy.
         sock.copy_threshold = ZERO_COPY_THRESHOLD_BYTES
+        # No frame bigger than any message may hold is even read in (ZeroMQ drops its sender instead).
+        sock.setsockopt(zmq.MAXMSGSIZE, DEFAULT_LIMITS.max_buffer_bytes)
         if identity is not None:
             sock.setsockopt(zmq.IDENTITY, identity)
         return sock

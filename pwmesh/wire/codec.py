@@ -110,6 +110,14 @@ def encode(message: Message, *, msg_id: int, reply_to: int | None = None, sender
 
     header = msgpack.packb([PROTOCOL_VERSION, message.op, msg_id, reply_to, sender])
     body = msgpack.packb(message.to_wire(), default=default)
+    # What the receiver would reject unread is refused here, where the sender can say so: never sent
+    # to be dropped (a run waiting on it would wait for ever).
+    limits = DEFAULT_LIMITS
+    if len(body) > limits.max_body_bytes or len(buffers) > limits.max_buffers or any(
+            memoryview(b).nbytes > limits.max_buffer_bytes for b in buffers):
+        raise ProtocolError(f"{message.op} would be {len(body)} bytes and {len(buffers)} buffers, over what a "
+                            f"message may carry ({limits.max_body_bytes} bytes, {limits.max_buffers} buffers of "
+                            f"{limits.max_buffer_bytes} bytes each): it was not sent")
     return [header, body, *buffers]
 
 
