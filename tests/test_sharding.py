@@ -23,7 +23,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import pwmesh as pw
-from helpers import slow
+from helpers import eventually, slow
 from pwmesh.client.sharding import propagation_mesh
 
 FETCH_TIMEOUT_SECONDS = 60.0
@@ -293,7 +293,9 @@ def test_an_output_nobody_reads_is_computed_and_freed(wide: Wide) -> None:
 
     baseline = wide.stored_bytes()
     np.testing.assert_array_equal(pw.get(first_only(np.arange(8, dtype=np.float32))), np.arange(8) * 2)
-    assert wide.stored_bytes() == baseline, "the unread scalar was freed with the run"
+    # The fetch may return before the run's completion reaches the proxy (an early fetch: the value
+    # comes as soon as it exists); the scalar is freed as the run ends. Found by a fresh-clone CI run.
+    eventually(lambda: wide.stored_bytes() == baseline, 10)
 
 
 def test_memory_stays_flat_over_a_thousand_donated_steps(wide: Wide) -> None:
