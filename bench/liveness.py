@@ -35,7 +35,7 @@ import pwmesh as pw  # noqa: E402
 from pwmesh.cli.commands import fetch_status  # noqa: E402
 from pwmesh.service.heartbeat import LoopLag  # noqa: E402
 
-LANES = 8
+LANES = 8  # values each step works on (more: slower steps, for calls of minutes within int32 steps)
 
 
 def spin(x: jax.Array, n: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -45,9 +45,9 @@ def spin(x: jax.Array, n: jax.Array) -> tuple[jax.Array, jax.Array]:
     return jax.lax.while_loop(lambda c: c[0] < n, body, (jnp.zeros((), jnp.int32), x))
 
 
-def steps_for(seconds: float) -> int:
+def steps_for(seconds: float, lanes: int) -> int:
     fn = jax.jit(spin)
-    x = jnp.ones(LANES, jnp.float32)
+    x = jnp.ones(lanes, jnp.float32)  # calibrated on the same shape the cluster runs
     jax.block_until_ready(fn(x, jnp.int32(10)))
     n = 200_000
     while True:
@@ -59,14 +59,14 @@ def steps_for(seconds: float) -> int:
         n *= 4
 
 
-def baseline(n: int) -> dict[str, Any]:
+def baseline(n: int, lanes: int) -> dict[str, Any]:
     """The loop-lag probe in this process while plain JAX runs the long call on a thread."""
     async def main() -> dict[str, Any]:
         lag = LoopLag()
         probe = asyncio.get_running_loop().create_task(lag.run())
         fn = jax.jit(spin)
         start = time.perf_counter()
-        await asyncio.to_thread(lambda: jax.block_until_ready(fn(jnp.ones(LANES, jnp.float32), jnp.int32(n))))
+        await asyncio.to_thread(lambda: jax.block_until_ready(fn(jnp.ones(lanes, jnp.float32), jnp.int32(n))))
         seconds = time.perf_counter() - start
         probe.cancel()
         return {"seconds": round(seconds, 2), "max_lag_ms": round(lag.max_seconds * 1e3, 1), "stalls": lag.stalls}
@@ -87,19 +87,20 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--long-seconds", type=float, default=18.0)
     parser.add_argument("--put-mib", type=int, default=512)
+    parser.add_argument("--lanes", type=int, default=LANES, help="values per step (64: calls of minutes)")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="output directory")
     parser.add_argument("--smoke", action="store_true", help="a short run that checks everything works")
     args = parser.parse_args(argv)
     if args.smoke:
         args.long_seconds, args.put_mib = 1.0, 16
     load_at_start = load_average()
-    n = steps_for(args.long_seconds)
+    n = steps_for(args.long_seconds, args.lanes)
     phases = []
     spec = pw.LocalClusterSpec(islands=1, hosts_per_island=1, devices_per_host=1)
     with pw.LocalCluster(spec) as cluster, pw.Client(cluster.address, name="bench-liveness") as client:
         sl = client.make_virtual_device_set().add_slice(devices=1)
         fn = pw.pmap(spin, devices=sl)
-        x = np.ones((1, LANES), np.float32)
+        x = np.ones((1, args.lanes), np.float32)
         start = time.time()
         for _ in range(30):
             np.asarray(fn(x, np.ones(1, np.int32))[0])
@@ -120,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
         np.asarray(pw.jit(lambda a: a[0, 0], devices=sl)(value))
         phases.append(phase(f"a {args.put_mib} MiB put", cluster.address, start, time.time(), True))
         lag_max = fetch_status(cluster.address).executor_stats[0].loop_lag_max_seconds
-    base = baseline(n)
+    base = baseline(n, args.lanes)
     print(table(["phase", "seconds", "stalls >= 50 ms", "longest stall ms", "host stayed up"],
                 [[p["phase"], p["seconds"], p["stalls_50ms"], p["max_stall_ms"], p["host_stayed_up"]]
                  for p in phases]))
