@@ -210,6 +210,17 @@ def _children() -> frozenset[tuple[int, str]]:
             pids.update(int(p) for p in Path(f"/proc/self/task/{tid}/children").read_text().split())
         except (FileNotFoundError, ProcessLookupError):  # a thread that ended meanwhile
             pass
+    # The kernel's own words: a task's ``children`` list is reliable only while the tasks are stopped.
+    # A fresh-clone CI run saw it miss a leaked child, so every process whose parent we are counts too.
+    me = str(os.getpid())
+    for entry in os.listdir("/proc"):
+        if entry.isdigit() and int(entry) not in pids:
+            try:
+                stat = Path(f"/proc/{entry}/stat").read_text()
+            except (FileNotFoundError, ProcessLookupError, PermissionError):
+                continue
+            if stat[stat.rindex(")") + 2:].split(" ", 2)[1] == me:
+                pids.add(int(entry))
     found = []
     for pid in pids:
         try:
