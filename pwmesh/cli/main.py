@@ -290,7 +290,9 @@ def _policy_path(path: str | None) -> str:
     keys_dir = os.environ.get(KEYS_ENV)
     if not keys_dir:
         raise click.UsageError(f"give --file, or set {KEYS_ENV} to the cluster's keys directory")
-    return os.path.join(keys_dir, "tenants.json")
+    from pwmesh.proxy.tenants import FILE_NAME  # noqa: PLC0415
+
+    return os.path.join(keys_dir, FILE_NAME)
 
 
 @tenants.command(name="set")
@@ -308,8 +310,9 @@ def tenants_set(name: str, path: str | None, **given: float | int | None) -> Non
 
     where = _policy_path(path)
     current = policy.load(where)
-    fields = {**current.of(name).as_json(), **{k: v for k, v in given.items() if v is not None}} \
-        if name in current.tenants else {k: v for k, v in given.items() if v is not None}
+    # What it had (its own entry, not '*'), with what is given now on top.
+    had = current.tenants[name].as_json() if name in current.tenants else {}
+    fields = {**had, **{k: v for k, v in given.items() if v is not None}}
     updated = policy.TenantPolicy({**current.tenants, name: policy.TenantLimits.parse(name, fields)})
     policy.save(where, updated)
     click.echo(f"{name}: {updated.tenants[name].as_json() or 'no limits'} ({where}; the proxy applies it within a "

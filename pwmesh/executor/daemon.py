@@ -384,18 +384,20 @@ class Executor(Service):
             raise first
         return Ok()
 
+    def _device(self, index: int) -> jax.Device:
+        if not 0 <= index < len(self.devices):
+            raise InvalidArgument(f"device {index} does not exist on {self.name}")
+        return self.devices[index]
+
     async def _store_array_off_loop(self, key: str, device: int, array: np.ndarray) -> None:
-        if not 0 <= device < len(self.devices):
-            raise InvalidArgument(f"device {device} does not exist on {self.name}")
+        on = self._device(device)
         if self.store.deleted(key):
             return
-        value = await asyncio.get_running_loop().run_in_executor(self._copies, on_device, array, self.devices[device])
+        value = await asyncio.get_running_loop().run_in_executor(self._copies, on_device, array, on)
         self.store.put(key, value, array.nbytes)
 
     def _store_array(self, key: str, device: int, array: np.ndarray) -> None:
-        if not 0 <= device < len(self.devices):
-            raise InvalidArgument(f"device {device} does not exist on {self.name}")
-        self.store.put(key, jax.device_put(array, self.devices[device]), array.nbytes)
+        self.store.put(key, jax.device_put(array, self._device(device)), array.nbytes)
 
     def _send_shards(self, peer: bytes, env: Envelope) -> Ok:
         msg = env.message
@@ -526,7 +528,7 @@ class Executor(Service):
             gauge("pwmesh_executor_waiting_for_memory", "Computations waiting for memory to be freed.", memory.waiting),
             gauge("pwmesh_executor_functions", "Functions registered here.", len(self.functions)),
             gauge("pwmesh_executor_running_computations", "Computations running on device threads or handed to "
-                  "the devices now.", len(self.runner.running(time.time()))),
+                  "the devices now.", self.runner.running_count),
             gauge("pwmesh_executor_longest_running_seconds", "How long the oldest computation running now has run "
                   "(busy, not dead: heartbeats go on).", self.runner.longest_running_seconds),
             gauge("pwmesh_loop_lag_max_seconds", "The longest the event loop was kept from serving (heartbeats, "

@@ -258,6 +258,10 @@ class Runner:
                 f"for {now - since:.1f} s" for work, since in sorted(self._running.items(), key=lambda i: i[1])]
 
     @property
+    def running_count(self) -> int:
+        return len(self._running)
+
+    @property
     def longest_running_seconds(self) -> float:
         return time.time() - min(self._running.values()) if self._running else 0.0
 

@@ -80,12 +80,12 @@ from pwmesh.wire.messages import (
 
 log = logging.getLogger(__name__)
 
+EARLY_FETCH_TIMEOUT_SECONDS = 7 * 24 * 3600.0  # a fetch sent before its value exists waits as long as it computes
+
 
 def sees_all(env: Envelope) -> bool:
     """Whether the sender may see every tenant's sessions and runs (an admin, or a daemon), not only its own."""
     return env.role in (ADMIN, DAEMON)
-
-EARLY_FETCH_TIMEOUT_SECONDS = 7 * 24 * 3600.0  # a fetch sent before its value exists waits as long as it computes
 
 
 @dataclasses.dataclass

@@ -36,13 +36,10 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
-import math
 import secrets
 import weakref
 from collections.abc import Callable
 from typing import ClassVar
-
-import numpy as np
 
 from pwmesh.errors import (
     DeadlineExceeded,
@@ -56,7 +53,7 @@ from pwmesh.errors import (
 )
 from pwmesh.ir.cache import MAX_PROGRAM_ID_CHARS
 from pwmesh.ir.keys import function_id
-from pwmesh.ir.lower import location, move_shard, slice_locations, value_layout
+from pwmesh.ir.lower import location, move_shard, nbytes, slice_locations, value_layout
 from pwmesh.proxy.intake import bind, host_puts, record_run
 from pwmesh.proxy.session import Buffer, Run, Session
 from pwmesh.proxy.tenants import TenantLimits, TenantPolicy
@@ -112,15 +109,6 @@ from pwmesh.wire.messages import (
 from pwmesh.wire.parts import run_parts
 
 log = logging.getLogger(__name__)
-
-
-def nbytes(spec: ValueSpec) -> int:
-    """A logical buffer's bytes (its global shape and dtype; 4 a value for a dtype NumPy does not know)."""
-    try:
-        itemsize = np.dtype(spec.dtype).itemsize
-    except TypeError:
-        itemsize = 4
-    return math.prod(spec.shape) * itemsize
 
 # What one run's computations for one island may pack into: the message limit, less room for the
 # rest of the ScheduleRun (its names and header).
@@ -286,6 +274,8 @@ class ProxyState:
         # one set lookup per function per device (~25 ms a run at 2,048 devices and 16 functions). Valid
         # while ``registered`` only grows: whatever prunes it must clear this too.
         self.sites_registered: weakref.WeakSet[object] = weakref.WeakSet()
+        # Cached lowerings whose packed parts were found to fit one message (they never change).
+        self.parts_sized: weakref.WeakSet[object] = weakref.WeakSet()
         self.liveness = Liveness(session_timeout_seconds)
         self.policy = TenantPolicy()  # tenants' limits and shares (the shell keeps it as the admin set it)
         self.lost: dict[str, DeviceLost] = {}  # executor id -> why it is gone
@@ -362,11 +352,15 @@ class ProxyState:
 
     # ----------------------------------------------------------------- sessions
 
-    def session(self, peer: bytes) -> Session:
+    def _own(self, peer: bytes) -> Session | None:
+        """The session of ``peer`` if the key sending now opened it. Another key's connection under the
+        same routing id (ZeroMQ lets a client choose its own) is no way into it: it has none."""
         session = self.sessions.get(peer)
-        # Another key's connection under the same routing id (ZeroMQ lets a client choose its own) is
-        # no way into a session: it has none, as far as it can tell.
-        if session is None or session.owner != self._user:
+        return session if session is not None and session.owner == self._user else None
+
+    def session(self, peer: bytes) -> Session:
+        session = self._own(peer)
+        if session is None:
             raise NotFound("this connection has no session (open one first, or it timed out)")
         return session
 
@@ -502,7 +496,8 @@ class ProxyState:
 
     def _held_bytes(self, owner: str) -> int:
         """Bytes the buffers of ``owner``'s sessions hold (each logical buffer once)."""
-        return sum(nbytes(buf.spec) for s in self.sessions.values() if s.owner == owner for buf in s.buffers.values())
+        return sum(nbytes(buf.spec.shape, buf.spec.dtype)
+                   for s in self.sessions.values() if s.owner == owner for buf in s.buffers.values())
 
     def _check_bytes(self, owner: str, limits: TenantLimits, more: Callable[[], int]) -> None:
         """``ResourceExhausted`` if ``owner`` would hold more than its ``max_bytes`` with ``more()`` bytes more."""
@@ -518,7 +513,8 @@ class ProxyState:
         if limits.max_nodes and len(program.nodes) > limits.max_nodes:
             raise ResourceExhausted(f"the program has {len(program.nodes)} computations, over tenant "
                                     f"{session.owner!r}'s limit (max_nodes {limits.max_nodes})")
-        self._check_bytes(session.owner, limits, lambda: sum(nbytes(program.values[v]) for v in program.outputs))
+        self._check_bytes(session.owner, limits,
+                          lambda: sum(nbytes(program.values[v].shape, program.values[v].dtype) for v in program.outputs))
         binding = bind(session, msg, program)
         program, lowered = session.lowerings.lower(
             msg.program_id, program, owner=session.session_id, names=binding.names,
@@ -542,12 +538,15 @@ class ProxyState:
             # A cached lowering's parts are packed once; this run's names go with them.
             parts = lowered.parts if lowered.parts is not None else {
                 scheduler: run_parts(comps) for scheduler, comps in lowered.schedules.items()}
-            for mine in parts.values():
-                packed = sum(len(p.computations) for p in mine)
-                if packed > MAX_PART_BYTES:  # refused here, whole: a message over the limit is never sent
-                    raise ResourceExhausted(
-                        f"the program's computations for one island pack into {packed} bytes, over the "
-                        f"{MAX_PART_BYTES} bytes one message may carry: split it into smaller programs")
+            if lowered.parts is None or lowered.template not in self.parts_sized:  # a cached one: once
+                for mine in parts.values():
+                    packed = sum(len(p.computations) for p in mine)
+                    if packed > MAX_PART_BYTES:  # refused here, whole: a message over the limit is never sent
+                        raise ResourceExhausted(
+                            f"the program's computations for one island pack into {packed} bytes, over the "
+                            f"{MAX_PART_BYTES} bytes one message may carry: split it into smaller programs")
+                if lowered.parts is not None and lowered.template is not None:
+                    self.parts_sized.add(lowered.template)
 
         # Nothing can fail past this point: send everything in order, then record the run (its
         # completions come in later events; recording a 128-node run costs ~1 ms the island
@@ -809,8 +808,8 @@ class ProxyState:
         return Reply(Ok())
 
     def _release_buffers(self, peer: bytes, msg: ReleaseBuffers, now: float) -> None:
-        session = self.sessions.get(peer)
-        if session is None or session.owner != self._user:
+        session = self._own(peer)
+        if session is None:
             return None
         for cid in msg.buffers:
             buf = session.buffers.pop(cid, None)

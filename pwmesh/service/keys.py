@@ -126,6 +126,16 @@ class Identity:
 LOCAL = Identity("local", DAEMON)
 
 
+def authorized_keys(authorized: Path) -> list[tuple[Path, Identity]]:
+    """Every key file in ``authorized`` (and its ``admins/``), by name, with whose it is."""
+    found = []
+    for path in sorted([*authorized.glob("*.key"), *(authorized / "admins").glob("*.key")], key=lambda p: p.stem):
+        role = DAEMON if path.stem == CLUSTER and path.parent == authorized else (
+            ADMIN if path.parent.name == "admins" else CLIENT)
+        found.append((path, Identity(path.stem, role)))
+    return found
+
+
 class AuthorizedKeys:
     """ZAP credentials and identities: is this public key in ``authorized/``, and whose is it? Re-read
     at most once a second: a key added counts from its next handshake, a key removed (``pwmesh keys
@@ -140,14 +150,12 @@ class AuthorizedKeys:
 
     def _reload(self, now: float) -> None:
         keys = {}
-        for path in [*self.directory.glob("*.key"), *(self.directory / "admins").glob("*.key")]:
+        for path, identity in authorized_keys(self.directory):
             try:
                 public, _ = zmq.auth.load_certificate(path)
             except (OSError, ValueError):
                 continue  # a half-written or foreign file: not a key
-            role = DAEMON if path.stem == CLUSTER and path.parent == self.directory else (
-                ADMIN if path.parent.name == "admins" else CLIENT)
-            keys[public] = Identity(path.stem, role)
+            keys[public] = identity
         self._keys, self._read_at = keys, now
 
     def identify(self, key: bytes) -> Identity | None:
@@ -251,10 +259,7 @@ def listing(directory: str | os.PathLike[str]) -> list[tuple[str, str, str]]:
     keys = _cluster_keys(directory)
     assert keys.authorized is not None
     rows = []
-    for path in sorted([*keys.authorized.glob("*.key"), *(keys.authorized / "admins").glob("*.key")],
-                       key=lambda p: p.stem):
+    for path, identity in authorized_keys(keys.authorized):
         public, _ = zmq.auth.load_certificate(path)
-        role = "daemons" if path.stem == CLUSTER and path.parent == keys.authorized else (
-            ADMIN if path.parent.name == "admins" else CLIENT)
-        rows.append((path.stem, role, public.decode()))
+        rows.append((identity.name, "daemons" if identity.role == DAEMON else identity.role, public.decode()))
     return rows
