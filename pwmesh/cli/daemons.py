@@ -284,7 +284,7 @@ def restart(options: list[str]) -> NoReturn:
 @click.command(name="pwmesh-proxy", cls=_Daemon)
 @_rm
 @_listen
-@click.option("--name", default="proxy")
+@click.option("--name", default="", help="The proxy's name (default: its host's own key's, else proxy).")
 @click.option("--session-timeout-seconds", type=float, default=30.0, show_default=True)
 @click.option("--tenants", "tenants_file", default="", help="The tenants' limits and shares (JSON, see `pwmesh "
               "tenants set`), re-read when it changes; default: tenants.json in the keys directory.")
@@ -298,6 +298,7 @@ def proxy_main(rm: str, listen: str, name: str, session_timeout_seconds: float, 
     """Run a client proxy."""
     from pwmesh.proxy.daemon import Proxy, ProxyConfig  # noqa: PLC0415
 
+    name = Security(keys, insecure).named(name, "proxy")
     setup_logging("proxy", name, log_level, log_format)
     run(Proxy(ProxyConfig(rm=rm, listen=listen, name=name, session_timeout_seconds=session_timeout_seconds,
                           tenants_file=tenants_file, security=Security(keys, insecure), metrics_port=metrics_port)))

@@ -253,11 +253,24 @@ def keys_add_admin(name: str, directory: str) -> None:
     click.echo(f"{given}\n(give the admin this directory: pw.connect(address, keys=...) or {KEYS_ENV})")
 
 
+@keys.command(name="add-daemon")
+@click.argument("name")
+@_cluster_keys
+def keys_add_daemon(name: str, directory: str) -> None:
+    """Issue daemon host NAME a key pair of its own: its daemons may act only as NAME, and removing the
+    key shuts the host out."""
+    from pwmesh.service import keys as cluster_keys  # noqa: PLC0415
+
+    given = cluster_keys.add_daemon(directory, name)
+    click.echo(f"{given}\n(give host {name} this directory as --keys, with a copy of {directory}/authorized "
+               f"as its authorized/ unless it reads the cluster's directory itself; its daemons are named {name})")
+
+
 @keys.command(name="remove")
 @click.argument("name")
 @_cluster_keys
 def keys_remove(name: str, directory: str) -> None:
-    """Revoke client or admin NAME: within a second every daemon refuses what it sends."""
+    """Revoke client, admin or daemon host NAME: within a second every daemon refuses what it sends."""
     from pwmesh.service import keys as cluster_keys  # noqa: PLC0415
 
     for path in cluster_keys.remove(directory, name):
@@ -271,7 +284,7 @@ def keys_list(directory: str) -> None:
     from pwmesh.service import keys as cluster_keys  # noqa: PLC0415
 
     for name, role, public in cluster_keys.listing(directory):
-        click.echo(f"{name:<24} {role:<8} {public}")
+        click.echo(f"{name:<24} {role:<11} {public}")
 
 
 @main.group()

@@ -149,7 +149,7 @@ class Executor(Service):
 
     def __init__(self, config: ExecutorConfig) -> None:
         host = config.host or socket.gethostname()
-        super().__init__(config.name or f"{host}-{os.getpid()}", config.security, metrics_port=config.metrics_port,
+        super().__init__(config.security.named(config.name, f"{host}-{os.getpid()}"), config.security, metrics_port=config.metrics_port,
                          metrics_host=listen_host(config.listen))
         self.config = config
         self.host = host

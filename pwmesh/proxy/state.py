@@ -58,7 +58,7 @@ from pwmesh.proxy.intake import bind, host_puts, record_run
 from pwmesh.proxy.session import Buffer, Run, Session
 from pwmesh.proxy.tenants import TenantLimits, TenantPolicy
 from pwmesh.service.heartbeat import Liveness
-from pwmesh.service.keys import LOCAL
+from pwmesh.service.keys import LOCAL, speaks_for
 from pwmesh.service.ratelimit import RejectedLog
 from pwmesh.wire import DEFAULT_LIMITS, Message
 from pwmesh.wire.messages import (
@@ -605,6 +605,8 @@ class ProxyState:
     def _node_done(self, peer: bytes, msg: NodeDone, now: float) -> None:
         if peer in self.sessions:
             raise ProtocolError("completions come from executors, not from client sessions")
+        if not speaks_for(self._user, msg.executor_id):  # a daemon host's key reports its own parts only
+            raise PermissionDenied(f"the daemon key {self._user!r} cannot report {msg.executor_id}'s completions")
         found = self.runs.get(msg.run_id.split("#", 1)[0])
         if found is None:
             self._peer_log.warning(("unknown run", msg.executor_id), "completion for unknown run %s from %s", msg.run_id, msg.executor_id)

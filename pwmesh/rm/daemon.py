@@ -7,9 +7,10 @@ import logging
 import time
 from typing import Any
 
+from pwmesh.errors import PermissionDenied
 from pwmesh.rm.state import ResourceManagerState
 from pwmesh.service.heartbeat import every
-from pwmesh.service.keys import Security
+from pwmesh.service.keys import Security, speaks_for
 from pwmesh.service.lifecycle import Service
 from pwmesh.service.metrics import Metric, counter, gauge, listen_host, wire_metrics
 from pwmesh.service.rpc import Access, Server
@@ -70,9 +71,40 @@ class ResourceManager(Service):
         self.tasks.spawn(every(self.config.heartbeat_timeout_seconds / 4, self._expire), name="rm.expire")
 
     def _handle(self, peer: bytes, env: Envelope) -> Message | None:
+        self._check_claim(env)
         reply = self.state.handle(env.message, time.monotonic())
         self._notify()
         return reply
+
+    def _check_claim(self, env: Envelope) -> None:
+        """A daemon host's own key acts only as itself (``keys.speaks_for``): it registers, beats for,
+        watches as and unregisters only the daemon it names; slices are allocated, released and hosts
+        drained only by a proxy's key. The cluster's own key, and a keyless cluster's peers, may do all."""
+        msg = env.message
+        match msg:
+            case RegisterExecutor(info=info):
+                claims = [info.executor_id]
+            case RegisterScheduler(info=info):
+                claims = [info.name]
+                held = self.state.schedulers.get(info.island)
+                if held is not None and not speaks_for(env.user, held.name):  # a lost one is forgotten
+                    raise PermissionDenied(f"island {info.island} has a live scheduler ({held.name!r}): "
+                                           f"the key {env.user!r} cannot take it over")
+            case UnregisterExecutor(executor_id=name) | LeavingForGroup(executor_id=name):
+                claims = [name]
+            case Heartbeat(role=role, name=name) | WatchCluster(role=role, name=name):
+                claims = [name]
+            case AllocateSlice() | ReleaseSlices() | DrainExecutor():
+                proxies = [name for role, name in self.state.known if role == "proxy"]
+                if speaks_for(env.user, "") or any(speaks_for(env.user, p) for p in proxies):
+                    return
+                raise PermissionDenied(f"{msg.op} is a proxy's: the key {env.user!r} is no proxy's")
+            case _:
+                return
+        for name in claims:
+            if not speaks_for(env.user, name):
+                raise PermissionDenied(f"the daemon key {env.user!r} may act only as {env.user!r} "
+                                       f"(or {env.user}:...), not as {name!r} ({msg.op})")
 
     def _watch(self, peer: bytes, env: Envelope) -> Message | None:
         self.watchers.add(peer)

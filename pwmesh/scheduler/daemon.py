@@ -14,11 +14,11 @@ import sys
 import time
 from typing import Any
 
-from pwmesh.errors import DeviceLost, PwmeshError
+from pwmesh.errors import DeviceLost, PermissionDenied, PwmeshError
 from pwmesh.scheduler.group import AskAgain, Form, Formed, IslandGroup, Joined, Left, Tick
 from pwmesh.scheduler.order import IslandOrder, SendEnqueue
 from pwmesh.service.heartbeat import every
-from pwmesh.service.keys import Security
+from pwmesh.service.keys import Security, speaks_for
 from pwmesh.service.lifecycle import Service
 from pwmesh.service.metrics import Metric, counter, gauge, listen_host, merged, wire_metrics
 from pwmesh.service.ratelimit import RejectedLog
@@ -67,7 +67,7 @@ class Scheduler(Service):
     role = "scheduler"
 
     def __init__(self, config: SchedulerConfig) -> None:
-        super().__init__(config.name or f"scheduler-{config.island}", config.security,
+        super().__init__(config.security.named(config.name, f"scheduler-{config.island}"), config.security,
                          metrics_port=config.metrics_port,
                          metrics_host=listen_host(config.listen))
         self.config = config
@@ -225,6 +225,8 @@ class Scheduler(Service):
     def _part_done(self, peer: bytes, env: Envelope) -> None:
         msg = env.message
         assert isinstance(msg, RunPartDone)
+        if not speaks_for(env.user, msg.executor_id):
+            raise PermissionDenied(f"the daemon key {env.user!r} cannot report {msg.executor_id}'s parts done")
         self._post(self.order.part_done(msg.run_id, msg.executor_id, msg.device_seconds))
 
     def _stats(self, peer: bytes, env: Envelope) -> SchedulerStats:

@@ -2,12 +2,22 @@
 
 A keys directory, as ``pwmesh keys init DIR`` makes it::
 
-    DIR/cluster.key, cluster.key_secret   the daemons' key pair (every daemon serves and connects with it)
+    DIR/cluster.key, cluster.key_secret   the cluster's pair: every daemon serves with it; daemons run
+                                          from DIR itself also connect with it (full trust, one host)
     DIR/authorized/*.key                  public keys allowed in: the cluster's, and each client's
+    DIR/authorized/admins/NAME.key        admins' (``pwmesh keys add-admin NAME``)
+    DIR/authorized/daemons/NAME.key       daemon hosts' own (``pwmesh keys add-daemon NAME``)
     DIR/clients/NAME/                     what a client NAME is given: its pair and cluster.key
+    DIR/daemons/NAME/                     what daemon host NAME is given: the cluster's pair to serve
+                                          with and its own pair to connect with
 
-Daemons take ``--keys DIR`` (or ``$PWMESH_KEYS``); a client takes the directory it was given
-(``pw.connect(..., keys=DIR/clients/NAME)``), or ``DIR`` itself on a host of the cluster. A peer whose
+Daemons take ``--keys DIR`` (or ``$PWMESH_KEYS``), or on a host of their own ``--keys DIR/daemons/NAME``;
+a client takes the directory it was given (``pw.connect(..., keys=DIR/clients/NAME)``). A daemon with a
+key of its own is known by it: it may act only as daemon NAME (an executor or scheduler named NAME or
+``NAME:...``), as Kubernetes' node authorizer binds a kubelet's credential to its own Node, and removing
+its key (``pwmesh keys remove NAME``) shuts that host out of the cluster. A daemon host's directory has
+no ``authorized/`` of its own: it reads ``DIR/authorized`` when it sits inside DIR (a shared mount), else
+its own copy (``DIR/daemons/NAME/authorized``, kept in step with the cluster's). A peer whose
 key is not in ``authorized/`` fails the CURVE handshake: ZeroMQ drops it before any message reaches
 pwmesh, so it gets no reply, creates no state and logs nothing above DEBUG. Keys added to or removed
 from ``authorized/`` count from the next handshake on (no restart).
@@ -30,10 +40,13 @@ from zmq.auth.thread import ThreadAuthenticator
 from pwmesh.errors import InvalidArgument
 
 CLUSTER = "cluster"
+DAEMONS = "daemons"  # daemon hosts' own keys: ``authorized/daemons/``, and what each host is given
 ENV = "PWMESH_KEYS"
 # Handshakes re-read ``authorized/`` at most this often (junk cannot make us read a directory per
-# connection attempt).
+# connection attempt), and as soon as ``MISS_RELOAD_SECONDS`` after the last read when a key is unknown:
+# ZeroMQ does not retry a handshake refused once, so a key made just before its daemon starts must count.
 RELOAD_INTERVAL_SECONDS = 1.0
+MISS_RELOAD_SECONDS = 0.1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,6 +59,14 @@ class Keys:
     secret: bytes
     directory: Path
     authorized: Path | None = None  # None: a client's keys (it serves nothing)
+    # A daemon host's own pair (``pwmesh keys add-daemon NAME``), which it connects with; serving is the
+    # cluster's pair all the same. None: it connects with ``public``/``secret``.
+    own: tuple[str, bytes, bytes] | None = None  # (NAME, public, secret)
+
+    @property
+    def daemon_name(self) -> str:
+        """The name a daemon host's own key binds it to ("": no key of its own, no binding)."""
+        return self.own[0] if self.own is not None else ""
 
     @classmethod
     def load(cls, directory: str | os.PathLike[str]) -> Keys:
@@ -59,15 +80,27 @@ class Keys:
         secrets = sorted(where.glob("*.key_secret"))
         if not secrets:
             raise InvalidArgument(f"{where} holds no secret key (*.key_secret): a client needs its own pair")
+        own = None
+        if len(secrets) == 2 and CLUSTER in (s.stem for s in secrets):  # a daemon host's: see the docstring
+            (mine,) = [s for s in secrets if s.stem != CLUSTER]
+            _check_private(mine)
+            own_public, own_secret = zmq.auth.load_certificate(mine)
+            assert own_secret is not None
+            own = (mine.stem, own_public, own_secret)
+            secrets = [s for s in secrets if s.stem == CLUSTER]
         if len(secrets) > 1:
             raise InvalidArgument(f"{where} holds several secret keys ({', '.join(s.name for s in secrets)}): "
                                   "give a directory with exactly one")
         _check_private(secrets[0])
         public, secret = zmq.auth.load_certificate(secrets[0])
         assert secret is not None  # a .key_secret file always has it
-        authorized = where / "authorized" if secrets[0].stem == CLUSTER else None
+        authorized = None
+        if secrets[0].stem == CLUSTER:
+            authorized = where / "authorized"
+            if own is not None and not authorized.is_dir() and where.parent.name == DAEMONS:
+                authorized = where.parent.parent / "authorized"  # a host's directory inside the cluster's
         return cls(server_public=server_public, public=public, secret=secret, directory=where,
-                   authorized=authorized)
+                   authorized=authorized, own=own)
 
     @classmethod
     def from_option(cls, directory: str | os.PathLike[str] | None) -> Keys | None:
@@ -85,9 +118,11 @@ class Keys:
         sock.curve_server = True
 
     def connect(self, sock: zmq.Socket[bytes]) -> None:
-        """Make ``sock`` (before it connects) a CURVE client of the cluster."""
-        sock.curve_secretkey = self.secret
-        sock.curve_publickey = self.public
+        """Make ``sock`` (before it connects) a CURVE client of the cluster (with a daemon host's own
+        pair where it has one: that is who its peers see)."""
+        _, public, secret = self.own if self.own is not None else ("", self.public, self.secret)
+        sock.curve_secretkey = secret
+        sock.curve_publickey = public
         sock.curve_serverkey = self.server_public
 
 
@@ -100,6 +135,14 @@ class Security:
 
     def load(self) -> Keys | None:
         return Keys.load(self.keys) if self.keys else None
+
+    def named(self, given: str, fallback: str) -> str:
+        """A daemon's name: ``given``, else its host's own key's name (that key may act only as it),
+        else ``fallback``."""
+        if given:
+            return given
+        keys = self.load()
+        return (keys.daemon_name if keys is not None else "") or fallback
 
 
 def _check_private(path: Path) -> None:
@@ -124,14 +167,30 @@ class Identity:
 
 # A cluster without keys serves one user on loopback: every peer is trusted as a daemon is.
 LOCAL = Identity("local", DAEMON)
+# Daemon identities bound to no name: the cluster's own key, and every peer of a keyless cluster.
+_UNBOUND = frozenset({CLUSTER, LOCAL.name, ""})
+
+
+def speaks_for(user: str, daemon: str) -> bool:
+    """May the daemon key named ``user`` act as daemon ``daemon`` (an executor id, a scheduler's name)?
+    The cluster's own key may act as any; a daemon host's own key (``add-daemon NAME``) only as NAME or
+    ``NAME:...``. Completions, registrations, heartbeats and leaving all name who sends them: each is
+    checked against the key it came with, never taken on its word."""
+    return user in _UNBOUND or daemon == user or daemon.startswith(user + ":")
 
 
 def authorized_keys(authorized: Path) -> list[tuple[Path, Identity]]:
-    """Every key file in ``authorized`` (and its ``admins/``), by name, with whose it is."""
+    """Every key file in ``authorized`` (and its ``admins/`` and ``daemons/``), by name, with whose it is."""
     found = []
-    for path in sorted([*authorized.glob("*.key"), *(authorized / "admins").glob("*.key")], key=lambda p: p.stem):
-        role = DAEMON if path.stem == CLUSTER and path.parent == authorized else (
-            ADMIN if path.parent.name == "admins" else CLIENT)
+    for path in sorted([*authorized.glob("*.key"), *(authorized / "admins").glob("*.key"),
+                        *(authorized / DAEMONS).glob("*.key")], key=lambda p: p.stem):
+        if path.parent.name == DAEMONS:
+            if path.stem in _UNBOUND:
+                continue  # never a daemon host's name: it would be bound to nothing
+            role = DAEMON
+        else:
+            role = DAEMON if path.stem == CLUSTER and path.parent == authorized else (
+                ADMIN if path.parent.name == "admins" else CLIENT)
         found.append((path, Identity(path.stem, role)))
     return found
 
@@ -162,7 +221,8 @@ class AuthorizedKeys:
         """Whose ``key`` (z85) is, or None if it is not (or no longer) authorized."""
         with self._lock:
             now = time.monotonic()
-            if now - self._read_at >= RELOAD_INTERVAL_SECONDS:
+            if now - self._read_at >= RELOAD_INTERVAL_SECONDS or (
+                    key not in self._keys and now - self._read_at >= MISS_RELOAD_SECONDS):
                 self._reload(now)
             return self._keys.get(key)
 
@@ -217,7 +277,17 @@ def _cluster_keys(directory: str | os.PathLike[str]) -> Keys:
 
 def _authorized_files(keys: Keys, name: str) -> list[Path]:
     assert keys.authorized is not None
-    return [p for p in (keys.authorized / f"{name}.key", keys.authorized / "admins" / f"{name}.key") if p.exists()]
+    return [p for p in (keys.authorized / f"{name}.key", keys.authorized / "admins" / f"{name}.key",
+                        keys.authorized / DAEMONS / f"{name}.key") if p.exists()]
+
+
+def _check_name(keys: Keys, name: str, what: str) -> None:
+    if not name or not name.replace("-", "").replace("_", "").replace(".", "").isalnum() or name in _UNBOUND:
+        raise InvalidArgument(f"a {what} name is letters, digits, '-', '_' and '.', not {CLUSTER!r} or "
+                              f"{LOCAL.name!r}: {name!r}")
+    if _authorized_files(keys, name) or (keys.directory / "clients" / name).exists() or (
+            keys.directory / DAEMONS / name).exists():
+        raise InvalidArgument(f"{name!r} already has keys (`pwmesh keys list`)")
 
 
 def add_client(directory: str | os.PathLike[str], name: str, *, admin: bool = False) -> Path:
@@ -225,11 +295,8 @@ def add_client(directory: str | os.PathLike[str], name: str, *, admin: bool = Fa
     directory to give that client."""
     keys = _cluster_keys(directory)
     assert keys.authorized is not None
-    if not name or not name.replace("-", "").replace("_", "").replace(".", "").isalnum() or name == CLUSTER:
-        raise InvalidArgument(f"a client name is letters, digits, '-', '_' and '.', not {CLUSTER!r}: {name!r}")
+    _check_name(keys, name, "client")
     given = keys.directory / "clients" / name
-    if given.exists() or _authorized_files(keys, name):
-        raise InvalidArgument(f"client {name!r} already has keys ({given})")
     _private_dir(given)
     public, _ = _make_pair(given, name)
     shutil.copy(keys.directory / f"{CLUSTER}.key", given / f"{CLUSTER}.key")
@@ -240,9 +307,28 @@ def add_client(directory: str | os.PathLike[str], name: str, *, admin: bool = Fa
     return given
 
 
+def add_daemon(directory: str | os.PathLike[str], name: str) -> Path:
+    """Issue daemon host ``name`` a key pair of its own and authorize it; returns the directory to give
+    that host (``--keys``): the cluster's pair, to serve with, and its own, to connect with. Its daemons
+    may act only as ``name`` (see ``speaks_for``); ``remove`` shuts the host out."""
+    keys = _cluster_keys(directory)
+    assert keys.authorized is not None
+    _check_name(keys, name, "daemon")
+    _private_dir(keys.directory / DAEMONS)
+    given = keys.directory / DAEMONS / name
+    _private_dir(given)
+    public, _ = _make_pair(given, name)
+    for part in (f"{CLUSTER}.key", f"{CLUSTER}.key_secret"):
+        shutil.copy(keys.directory / part, given / part)
+    (given / f"{CLUSTER}.key_secret").chmod(0o600)
+    _private_dir(keys.authorized / DAEMONS)
+    shutil.copy(public, keys.authorized / DAEMONS / public.name)
+    return given
+
+
 def remove(directory: str | os.PathLike[str], name: str) -> list[Path]:
-    """Revoke client (or admin) ``name``: its key leaves ``authorized/``, so within a second every daemon
-    refuses what it sends and no new connection of it gets through. Returns the files removed."""
+    """Revoke client, admin or daemon host ``name``: its key leaves ``authorized/``, so within a second every
+    daemon refuses what it sends and no new connection of it gets through. Returns the files removed."""
     keys = _cluster_keys(directory)
     if name == CLUSTER:
         raise InvalidArgument(f"{CLUSTER!r} is the daemons' key: make a new cluster's keys instead")
@@ -261,5 +347,6 @@ def listing(directory: str | os.PathLike[str]) -> list[tuple[str, str, str]]:
     rows = []
     for path, identity in authorized_keys(keys.authorized):
         public, _ = zmq.auth.load_certificate(path)
-        rows.append((identity.name, "daemons" if identity.role == DAEMON else identity.role, public.decode()))
+        role = "daemons" if identity.name == CLUSTER else ("daemon host" if identity.role == DAEMON else identity.role)
+        rows.append((identity.name, role, public.decode()))
     return rows

@@ -27,6 +27,7 @@ from typing import Any
 
 from pwmesh.errors import PwTimeoutError
 from pwmesh.service.lifecycle import READY_PREFIX
+from pwmesh.service.keys import DAEMONS, add_daemon
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +58,9 @@ class LocalClusterSpec:
     collectives: bool = False
     platform: str = "cpu"  # the executors' devices: cpu (the default, on any machine), cuda, rocm or tpu
     keys: str = ""  # the cluster's keys directory (``pwmesh keys init``): every socket speaks CURVE
+    # With ``keys``: each daemon runs with a key of its own (``pwmesh keys add-daemon NAME``, made where
+    # missing), as on a cluster of many hosts; else every daemon uses the cluster's own key.
+    daemon_keys: bool = False
     metrics: bool = False  # every daemon serves Prometheus metrics on a free loopback port (``metrics_addresses``)
     tenants: str = ""  # the proxy's tenants policy file (``pwmesh tenants set``); "": the keys directory's
 
@@ -89,13 +93,17 @@ class LocalCluster:
         if self.spec.metrics and "--metrics-port" not in args:
             args = [*args, "--metrics-port", "0"]
         log_path = self.log_dir / f"{name}.log"
+        keys = self.spec.keys
+        if keys and self.spec.daemon_keys:
+            own = Path(keys) / DAEMONS / name
+            keys = str(own if own.is_dir() else add_daemon(keys, name))
         child_env = {**os.environ, "PWMESH_PARENT_PID": str(os.getpid()), "JAX_PLATFORMS": self.spec.platform,
                      **(env or {})}
         child_env.pop("XLA_FLAGS", None)  # each executor sets its own device count
         with open(log_path, "ab") as log_file:
             popen = subprocess.Popen(
                 [sys.executable, "-m", "pwmesh.cli.daemons", role, *args, "--log-level", self.spec.log_level,
-                 "--log-format", self.spec.log_format, *(("--keys", self.spec.keys) if self.spec.keys else ())],
+                 "--log-format", self.spec.log_format, *(("--keys", keys) if keys else ())],
                 stdout=subprocess.PIPE, stderr=log_file, stdin=subprocess.DEVNULL, env=child_env,
             )
         child = Child(role, name, popen, log_path, args)
