@@ -21,6 +21,8 @@ from pwmesh.proxy.state import (
     FetchEnded,
     Fetching,
     Inbound,
+    LowerOffLoop,
+    Lowered,
     Notice,
     PeerLost,
     ProxyState,
@@ -356,3 +358,48 @@ def test_a_program_too_big_for_one_message_is_refused_whole(world: World, monkey
 def test_a_message_over_the_limit_is_never_encoded() -> None:
     with pytest.raises(ProtocolError, match="was not sent"):
         encode(RegisterFunction(fn_id="f", exported=b"x" * (65 << 20), spmd=False, devices=[0]), msg_id=1)
+
+
+def test_a_big_program_is_lowered_off_the_loop_and_then_runs(world: World) -> None:
+    """Past ``lower_off_loop_nodes`` a program not lowered yet comes back as a job for the shell's thread:
+    nothing is sent and nothing recorded until its template is in, then the same request runs as any
+    other, and its next run finds the template (no job)."""
+    world.proxy.lower_off_loop_nodes = 2
+    _, slice_id = world.open()
+    fns = [world.function(CLIENT, slice_id, name) for name in (b"f", b"g")]
+    assert world.ask(CLIENT, PutBuffer(buffer=1, slice_id=slice_id, array=np.ones((8, 2), np.float32))) == Ok()
+    run = Inbound(CLIENT, RunProgram(inputs=[ProgramInput(buffer=1)], outputs=[2], program=chain(fns, slice_id),
+                                     program_id="p"))
+    (deferred,) = world.handle(run)
+    assert isinstance(deferred, LowerOffLoop)
+    assert world.proxy.programs == 0 and world.proxy.runs == {} and 2 not in world.proxy.sessions[CLIENT].buffers
+    other = world.ask(b"client-2", OpenSession(name="other"))  # the loop serves others meanwhile
+    assert isinstance(other, SessionOpened)
+    deferred.job.run()  # the shell's thread
+    assert world.handle(Lowered(CLIENT, deferred.session_id, deferred.job)) == []
+    actions = world.handle(run)
+    assert len(sent(actions, ScheduleRun)) == 1 and world.proxy.programs == 1
+    for done in world.executors(actions):
+        world.handle(Inbound(b"", done))
+    assert world.ask(CLIENT, AwaitBuffers(buffers=[2])).buffers[0].done
+    again = world.handle(Inbound(CLIENT, RunProgram(inputs=[ProgramInput(buffer=2)], outputs=[3],
+                                                    program=chain(fns, slice_id), program_id="p")))
+    assert not any(isinstance(a, LowerOffLoop) for a in again) and len(sent(again, ScheduleRun)) == 1
+
+
+def test_a_program_that_fails_to_lower_off_the_loop_fails_its_outputs(world: World) -> None:
+    world.proxy.lower_off_loop_nodes = 1
+    _, slice_id = world.open()
+    fn = world.function(CLIENT, slice_id, b"f")
+    assert world.ask(CLIENT, PutBuffer(buffer=1, slice_id=slice_id, array=np.ones((8, 2), np.float32))) == Ok()
+    bad = chain([fn], slice_id)
+    bad.nodes[0].slice_id = slice_id + 100  # no such slice: lowering fails
+    run = Inbound(CLIENT, RunProgram(inputs=[ProgramInput(buffer=1)], outputs=[2], program=bad, program_id="q"))
+    (deferred,) = world.handle(run)
+    deferred.job.run()
+    assert deferred.job.error is not None
+    world.handle(Lowered(CLIENT, deferred.session_id, deferred.job))
+    (reply,) = world.handle(run)
+    assert isinstance(reply, Reply) and reply.error is deferred.job.error
+    assert world.ask(CLIENT, AwaitBuffers(buffers=[2])).buffers[0].done
+    assert sent([], ScheduleRun) == [] and world.proxy.runs == {}

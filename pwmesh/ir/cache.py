@@ -19,10 +19,11 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import itertools
 from collections.abc import Callable
 
-from pwmesh.errors import InvalidArgument
+from pwmesh.errors import InvalidArgument, PwmeshError
 from pwmesh.ir.lower import HostPut, Lowered, ShardLocation, lower
 from pwmesh.wire.messages import ProgramSpec, RunPart, SendShards, SliceInfo
 from pwmesh.wire.parts import referenced_parts, renamed, renamed_emit
@@ -49,6 +50,7 @@ class LoweringCache:
         self.hits = 0
         self.misses = 0
         self._templates: collections.OrderedDict[tuple[object, ...], _Template] = collections.OrderedDict()
+        self._failed: dict[tuple[object, ...], PwmeshError] = {}  # jobs that failed, until their run raises it
 
     def __len__(self) -> int:
         return len(self._templates)
@@ -69,32 +71,93 @@ class LoweringCache:
             # Two inputs bound to one buffer share their transfers: placeholders would not.
             return program, lower(program, owner=owner, names=names, host_inputs=host_inputs, bound=bound,
                                   slices=slices, spmd=spmd, fresh_name=fresh_name, keep=keep)
-        key = (program_id, tuple((v, tuple(where)) for v, where in sorted(bound.items())),
-               tuple(sorted(host_inputs)), keep)
+        key = _key(program_id, bound, host_inputs, keep)
+        failed = self._failed.pop(key, None)
+        if failed is not None:  # lowered off the loop (``job``), and that failed: this run fails the same way
+            raise failed
         template = self._templates.get(key)
         if template is not None and all(slices.get(sid) is sl for sid, sl in template.slices.items()):
             _check_same_shape(program_id, template.program, program)
             self._templates.move_to_end(key)
             self.hits += 1
             return template.program, _instantiate(template, owner, names, fresh_name, packed)
-        placeholders = [f"@{v}" for v in range(len(program.values))]
-        derived = (f"@d{k}" for k in itertools.count())
-        lowered = lower(program, owner=owner, names=placeholders, host_inputs=host_inputs, bound=bound,
-                        slices=slices, spmd=spmd, fresh_name=lambda: next(derived), keep=keep)
-        used = {node.slice_id for node in program.nodes}
-        bare = placeholders + lowered.derived
-        prefixed = [f"{owner}/{p}" for p in bare]
-        index = {p: i for i, p in enumerate(prefixed)}
-        parts = {scheduler: [(part, [index[name] for name in names]) for part, names in referenced_parts(comps)]
-                 for scheduler, comps in lowered.schedules.items()}
-        holders = [(bare.index(b), controls) for b, controls in lowered.holders.items()]
-        template = _Template(program, {sid: slices[sid] for sid in used}, lowered, prefixed, holders, parts)
         self.misses += 1
+        template = _build(program, owner=owner, host_inputs=host_inputs, bound=bound, slices=slices, spmd=spmd,
+                          keep=keep)
+        self._store(key, template)
+        return program, _instantiate(template, owner, names, fresh_name, packed)
+
+    def job(self, program_id: str, program: ProgramSpec, *, owner: str, names: list[str], host_inputs: set[int],
+            bound: dict[int, list[ShardLocation]], slices: dict[int, SliceInfo], spmd: dict[str, bool],
+            keep: frozenset[int] = frozenset()) -> LoweringJob | None:
+        """The work ``lower`` would do for this run before it could instantiate, as a job to run on another
+        thread (then ``finish``), so a huge program does not hold the caller's loop; None if ``lower``
+        would find a template, or never makes one. ``slices`` and ``spmd`` are the job's own copies."""
+        bound_names = [names[v] for v in bound]
+        if not program_id or len(program_id) > MAX_PROGRAM_ID_CHARS or len(set(bound_names)) != len(bound_names):
+            return None
+        key = _key(program_id, bound, host_inputs, keep)
+        template = self._templates.get(key)
+        if key in self._failed or (template is not None and all(
+                slices.get(sid) is sl for sid, sl in template.slices.items())):
+            return None
+        return LoweringJob(key, functools.partial(_build, program, owner=owner, host_inputs=host_inputs,
+                                                  bound=bound, slices=slices, spmd=spmd, keep=keep))
+
+    def finish(self, job: LoweringJob) -> None:
+        """Keep what ``job`` made: its template, or its failure for the next ``lower`` of its run to raise."""
+        if job.error is not None:
+            self._failed[job.key] = job.error
+        elif job.template is not None:
+            self.misses += 1
+            self._store(job.key, job.template)
+
+    def _store(self, key: tuple[object, ...], template: _Template) -> None:
         self._templates[key] = template
         self._templates.move_to_end(key)
         while len(self._templates) > self.capacity:
             self._templates.popitem(last=False)
-        return program, _instantiate(template, owner, names, fresh_name, packed)
+
+
+@dataclasses.dataclass(eq=False)
+class LoweringJob:
+    """A template to build away from the event loop: ``run`` it on a thread, then ``LoweringCache.finish``."""
+
+    key: tuple[object, ...]
+    build: Callable[[], _Template]
+    template: _Template | None = None
+    error: PwmeshError | None = None
+
+    def run(self) -> None:
+        """Build the template (pure: it reads only what the job was given). A lowering error is kept."""
+        try:
+            self.template = self.build()
+        except PwmeshError as exc:
+            self.error = exc
+
+
+def _key(program_id: str, bound: dict[int, list[ShardLocation]], host_inputs: set[int],
+         keep: frozenset[int]) -> tuple[object, ...]:
+    return (program_id, tuple((v, tuple(where)) for v, where in sorted(bound.items())), tuple(sorted(host_inputs)),
+            keep)
+
+
+def _build(program: ProgramSpec, *, owner: str, host_inputs: set[int], bound: dict[int, list[ShardLocation]],
+           slices: dict[int, SliceInfo], spmd: dict[str, bool], keep: frozenset[int]) -> _Template:
+    """Lower ``program`` with placeholder names, and pack its parts once: a template for every run of it."""
+    placeholders = [f"@{v}" for v in range(len(program.values))]
+    derived = (f"@d{k}" for k in itertools.count())
+    lowered = lower(program, owner=owner, names=placeholders, host_inputs=host_inputs, bound=bound,
+                    slices=slices, spmd=spmd, fresh_name=lambda: next(derived), keep=keep)
+    used = {node.slice_id for node in program.nodes}
+    bare = placeholders + lowered.derived
+    prefixed = [f"{owner}/{p}" for p in bare]
+    index = {p: i for i, p in enumerate(prefixed)}
+    parts = {scheduler: [(part, [index[name] for name in names]) for part, names in referenced_parts(comps)]
+             for scheduler, comps in lowered.schedules.items()}
+    at = {b: i for i, b in enumerate(bare)}
+    holders = [(at[b], controls) for b, controls in lowered.holders.items()]
+    return _Template(program, {sid: slices[sid] for sid in used}, lowered, prefixed, holders, parts)
 
 
 def _check_same_shape(program_id: str, cached: ProgramSpec, sent: ProgramSpec) -> None:

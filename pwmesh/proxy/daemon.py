@@ -14,8 +14,10 @@ dispatch is asynchronous; completion arrives as ``NodeDone`` from the executors.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import dataclasses
+import inspect
 import logging
 import time
 from collections.abc import Awaitable
@@ -31,6 +33,8 @@ from pwmesh.proxy.state import (
     FetchEnded,
     Fetching,
     Inbound,
+    LowerOffLoop,
+    Lowered,
     Notice,
     PeerBack,
     PeerLost,
@@ -101,6 +105,9 @@ class ProxyConfig:
     drain_timeout_seconds: float = 300.0
     # The tenants' policy (``pwmesh.proxy.tenants``): "" for the keys directory's tenants.json (none without keys).
     tenants_file: str = ""
+    # A program of this many computations or more, not lowered before, is lowered on a thread while the
+    # loop serves everyone else (~0.2 s of lowering here); its session's later requests wait their turn.
+    lower_off_loop_nodes: int = 2_000
     trace_timeout_seconds: float = 10.0  # per executor, for GetClusterTrace
     trace_events_per_reply: int = 200_000  # over all executors: ~32 MiB, half the message size limit
     security: Security = dataclasses.field(default_factory=Security)  # --keys, --insecure
@@ -116,6 +123,11 @@ class Proxy(Service):
         self._notice_log = RejectedLog(self.name, logger=log)  # notices a peer made unappliable: rate-limited
         self.waiting: dict[Buffer, list[asyncio.Future[None]]] = {}  # buffers not done -> requests waiting
         self.dispatch_bytes = 0  # bytes of the core's program traffic (``Send.dispatch``)
+        # Clients with a program being lowered off the loop (``LowerOffLoop``), and what each sent since, in
+        # order: handled once it is (a client's requests keep their order; other clients' never wait).
+        self._behind: dict[bytes, collections.deque[tuple[Envelope, asyncio.Future[Any]]]] = {}
+        self._lowering: set[bytes] = set()
+        self.lowered_off_loop = 0  # programs lowered on a thread, ever
 
     async def setup(self) -> None:
         handlers: dict[type[Message], Any] = {
@@ -131,7 +143,8 @@ class Proxy(Service):
         self.server = Server(self.ctx, self.config.listen, handlers, tasks=self.tasks, name=self.name, access=access)
         self.state = ProxyState(rm=self.config.rm, address=self.server.address, name=self.name,
                                 session_timeout_seconds=self.config.session_timeout_seconds,
-                                client_heartbeat_interval_seconds=self.config.client_heartbeat_interval_seconds)
+                                client_heartbeat_interval_seconds=self.config.client_heartbeat_interval_seconds,
+                                lower_off_loop_nodes=self.config.lower_off_loop_nodes)
         self.server.start()
         self.peers = Connections(self.ctx, tasks=self.tasks, name=self.name, on_message=self._notified)
         await wait_for_peer(self.peers.get(self.config.rm), self.state.watch(self.role),
@@ -166,6 +179,9 @@ class Proxy(Service):
             counter("pwmesh_proxy_dispatch_messages", "Messages sent to dispatch and finish programs.",
                     state.dispatch_messages),
             counter("pwmesh_proxy_dispatch_bytes", "Bytes of those messages.", self.dispatch_bytes),
+            gauge("pwmesh_proxy_lowering_off_loop", "Programs being lowered on a thread now (too big for the loop).",
+                  len(self._lowering)),
+            counter("pwmesh_proxy_lowered_off_loop", "Programs lowered on a thread.", self.lowered_off_loop),
             gauge("pwmesh_proxy_executors_lost", "Executors this proxy knows are gone.", len(state.lost)),
         ]
 
@@ -176,10 +192,63 @@ class Proxy(Service):
 
     def _serve(self, peer: bytes, env: Envelope) -> Message | Awaitable[Message] | None:
         """Every request and post the core handles: its answer, or what will answer it."""
-        return self._perform(self.state.handle(Inbound(peer, env.message, env.user), time.monotonic()))
+        behind = self._behind.get(peer)
+        if behind is not None and not isinstance(env.message, Heartbeat):  # after its program being lowered
+            turn: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+            behind.append((env, turn))
+            return turn
+        return self._handle(peer, env)
 
-    def _perform(self, actions: list[Action]) -> Any:
-        """Do what the core said, in order; return the answer (or a coroutine making it), or raise its error."""
+    def _handle(self, peer: bytes, env: Envelope) -> Any:
+        inbound = Inbound(peer, env.message, env.user)
+        return self._perform(self.state.handle(inbound, time.monotonic()), inbound)
+
+    async def _lower_off_loop(self, lower: LowerOffLoop, inbound: Inbound) -> Any:
+        """Lower on a thread, then handle ``inbound`` again (it finds the template), then what its client
+        sent meanwhile. The thread shares the GIL, so the loop still runs every few milliseconds."""
+        peer = inbound.peer
+        await asyncio.to_thread(lower.job.run)
+        self.lowered_off_loop += 1
+        self._perform(self.state.handle(Lowered(peer, lower.session_id, lower.job), time.monotonic()))
+        self._lowering.discard(peer)
+        try:
+            answer = self._perform(self.state.handle(inbound, time.monotonic()), inbound)
+        finally:
+            self._take_turns(peer)
+        return await answer if inspect.isawaitable(answer) else answer
+
+    def _take_turns(self, peer: bytes) -> None:
+        """Handle what ``peer`` sent while its program was lowered, in order, until another needs lowering."""
+        behind = self._behind.get(peer)
+        while behind and peer not in self._lowering:
+            env, turn = behind.popleft()
+            try:
+                answer = self._handle(peer, env)
+            except Exception as exc:  # noqa: BLE001 - the request's own error: its turn fails with it
+                if not turn.done():
+                    turn.set_exception(exc)
+                continue
+            if inspect.isawaitable(answer):
+                self.tasks.spawn(self._settle(turn, answer), name=f"{self.name}.turn")
+            elif not turn.done():
+                turn.set_result(answer)
+        if not behind and peer not in self._lowering:
+            self._behind.pop(peer, None)
+
+    @staticmethod
+    async def _settle(turn: asyncio.Future[Any], answer: Awaitable[Any]) -> None:
+        try:
+            result = await answer
+        except Exception as exc:  # noqa: BLE001 - handed to whoever waits on the turn
+            if not turn.done():
+                turn.set_exception(exc)
+            return
+        if not turn.done():
+            turn.set_result(result)
+
+    def _perform(self, actions: list[Action], inbound: Inbound | None = None) -> Any:
+        """Do what the core said, in order; return the answer (or a coroutine making it), or raise its error.
+        ``inbound``: the request the actions answer (a ``LowerOffLoop`` handles it again)."""
         answer: Any = None
         error: PwmeshError | None = None
         for action in actions:
@@ -206,6 +275,11 @@ class Proxy(Service):
                 self.peers.mark_alive(action.control)
             elif isinstance(action, FencePeer):
                 self.peers.fence(action.control, action.fence)
+            elif isinstance(action, LowerOffLoop):
+                assert inbound is not None  # only a request is lowered
+                self._lowering.add(inbound.peer)
+                self._behind.setdefault(inbound.peer, collections.deque())
+                answer = self._lower_off_loop(action, inbound)
             else:
                 raise TypeError(f"not a proxy action: {action!r}")
         if error is not None:

@@ -51,7 +51,7 @@ from pwmesh.errors import (
     PwmeshError,
     ResourceExhausted,
 )
-from pwmesh.ir.cache import MAX_PROGRAM_ID_CHARS
+from pwmesh.ir.cache import MAX_PROGRAM_ID_CHARS, LoweringJob
 from pwmesh.ir.keys import function_id
 from pwmesh.ir.lower import location, move_shard, nbytes, slice_locations, value_layout
 from pwmesh.proxy.intake import bind, host_puts, record_run
@@ -151,11 +151,20 @@ class FetchEnded:
 
 
 @dataclasses.dataclass(frozen=True)
+class Lowered:
+    """A ``LowerOffLoop`` job for ``peer``'s session ran (on a thread): keep what it made."""
+
+    peer: bytes
+    session_id: str
+    job: LoweringJob
+
+
+@dataclasses.dataclass(frozen=True)
 class Tick:
     """Time passed: end the sessions whose client stopped sending heartbeats."""
 
 
-Event = Inbound | Notice | SliceGranted | FetchEnded | Tick
+Event = Inbound | Notice | SliceGranted | FetchEnded | Lowered | Tick
 
 # ------------------------------------------------------------------ actions
 
@@ -231,7 +240,17 @@ class FencePeer:
     fence: Fence
 
 
-Action = Send | Reply | Ask | Wait | Fetching | Resolve | PeerLost | PeerBack | FencePeer
+@dataclasses.dataclass(frozen=True)
+class LowerOffLoop:
+    """The request being handled is a program too big to lower here: run ``job`` on a thread, apply
+    ``Lowered``, then handle the request again (it finds the template) and, after it, whatever its
+    session sent meanwhile, in order."""
+
+    session_id: str
+    job: LoweringJob
+
+
+Action = Send | Reply | Ask | Wait | Fetching | Resolve | PeerLost | PeerBack | FencePeer | LowerOffLoop
 
 
 def settled(buffers: list[Buffer]) -> PwmeshError | None:
@@ -258,8 +277,11 @@ class ProxyState:
     """Everything the proxy knows and decides; see the module docstring for events and actions."""
 
     def __init__(self, *, rm: str, address: str, name: str = "proxy", session_timeout_seconds: float = 30.0,
-                 client_heartbeat_interval_seconds: float = 5.0) -> None:
+                 client_heartbeat_interval_seconds: float = 5.0, lower_off_loop_nodes: int = 0) -> None:
+        """``lower_off_loop_nodes``: a program with that many computations or more, not lowered yet, is
+        lowered by the shell on a thread (``LowerOffLoop``); 0: everything is lowered here."""
         self.rm = rm
+        self.lower_off_loop_nodes = lower_off_loop_nodes
         self.address = address  # where executors send NodeDone (carried in every ScheduleRun)
         self.name = name
         self.session_timeout_seconds = session_timeout_seconds
@@ -322,6 +344,10 @@ class ProxyState:
                 event.buffer.pins -= 1
                 event.buffer.readers -= 1
                 self._maybe_free(event.session_id, event.buffer)
+            elif isinstance(event, Lowered):
+                session = self.sessions.get(event.peer)
+                if session is not None and session.session_id == event.session_id:  # else it ended meanwhile
+                    session.lowerings.finish(event.job)
             elif isinstance(event, Tick):
                 self._expire_sessions(now)
                 self._expire_runs(now)
@@ -484,8 +510,8 @@ class ProxyState:
                 raise NotFound(f"program {msg.program_id[:16]!r} was never registered in this session"
                                if msg.program_id else "RunProgram names no program")
             self._dispatching = True  # what it sends is program traffic (until ``handle`` returns)
-            self._dispatch(session, msg, program, now)
-            self.programs += 1
+            if self._dispatch(session, msg, program, now):
+                self.programs += 1
         except PwmeshError as exc:
             for i, cid in enumerate(msg.outputs):
                 v = program.outputs[i] if program is not None and i < len(program.outputs) else -1
@@ -508,7 +534,8 @@ class ProxyState:
             raise ResourceExhausted(f"tenant {owner!r} would hold {total} bytes, over its limit "
                                     f"(max_bytes {limits.max_bytes})")
 
-    def _dispatch(self, session: Session, msg: RunProgram, program: ProgramSpec, now: float) -> None:
+    def _dispatch(self, session: Session, msg: RunProgram, program: ProgramSpec, now: float) -> bool:
+        """Lower and send one run; False if it is to be lowered off the loop first (``LowerOffLoop``)."""
         limits = self.policy.of(session.owner)
         if limits.max_nodes and len(program.nodes) > limits.max_nodes:
             raise ResourceExhausted(f"the program has {len(program.nodes)} computations, over tenant "
@@ -516,6 +543,13 @@ class ProxyState:
         self._check_bytes(session.owner, limits,
                           lambda: sum(nbytes(program.values[v].shape, program.values[v].dtype) for v in program.outputs))
         binding = bind(session, msg, program)
+        if self.lower_off_loop_nodes and len(program.nodes) >= self.lower_off_loop_nodes:
+            job = session.lowerings.job(msg.program_id, program, owner=session.session_id, names=binding.names,
+                                        host_inputs=set(binding.host_data), bound=binding.bound,
+                                        slices=dict(session.slices), spmd=dict(session.functions), keep=binding.keep)
+            if job is not None:
+                self._out.append(LowerOffLoop(session.session_id, job))
+                return False
         program, lowered = session.lowerings.lower(
             msg.program_id, program, owner=session.session_id, names=binding.names,
             host_inputs=set(binding.host_data), bound=binding.bound, slices=session.slices, spmd=session.functions,
@@ -586,6 +620,7 @@ class ProxyState:
             self._release_nodes(session, run)
         if not run.pending:
             self._finish_run(session, run)
+        return True
 
     def _schedule(self, session: Session, run_id: str, scheduler: str, parts: list[RunPart]) -> None:
         self._send(scheduler, ScheduleRun(run_id=run_id, proxy=self.address, parts=parts,
