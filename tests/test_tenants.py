@@ -265,7 +265,7 @@ def test_shares_come_from_the_policy_not_the_client(keyed: pw.LocalCluster, key_
 
 def test_limits_refuse_what_is_over_them(keyed: pw.LocalCluster, key_dirs: dict[str, Path], policy: Path) -> None:
     tenants.save(policy, tenants.TenantPolicy({"bob": tenants.TenantLimits(max_sessions=1, max_nodes=2,
-                                                                           max_bytes=1 << 20)}))
+                                                                           max_bytes=1 << 20, max_programs=2)}))
     bob = opened(keyed.address, key_dirs["bob"], name="bob")
     try:
         def limited() -> bool:
@@ -289,6 +289,11 @@ def test_limits_refuse_what_is_over_them(keyed: pw.LocalCluster, key_dirs: dict[
         with pytest.raises(pw.ResourceExhausted, match="max_nodes 2"):
             np.asarray(three(np.zeros((1, 4), np.float32)))
         np.testing.assert_array_equal(np.asarray(inc(np.zeros((1, 4), np.float32))), np.ones((1, 4)))
+        # ``three`` and ``inc`` are the two programs he may hold: a third is refused, and its runs say why.
+        dec = pw.pmap(lambda x: x - 1.0, devices=sl)
+        with pytest.raises(pw.ResourceExhausted, match="max_programs 2"):
+            np.asarray(dec(np.zeros((1, 4), np.float32)))
+        np.testing.assert_array_equal(np.asarray(inc(np.ones((1, 4), np.float32))), np.full((1, 4), 2.0))
         # Alice is not bob: none of his limits are hers.
         with opened(keyed.address, key_dirs["alice"], name="alice-1"), \
                 opened(keyed.address, key_dirs["alice"], name="alice-2") as alice:

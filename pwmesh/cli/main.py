@@ -314,6 +314,7 @@ def _policy_path(path: str | None) -> str:
 @click.option("--priority", type=int, help="Higher runs first, whatever the shares (default 0).")
 @click.option("--max-sessions", type=int, help="Sessions open at once (0: no limit).")
 @click.option("--max-nodes", type=int, help="Computations in one program.")
+@click.option("--max-programs", type=int, help="Programs registered and held, all sessions together.")
 @click.option("--max-bytes", type=int, help="Bytes its buffers hold, all sessions together.")
 @click.option("--max-run-seconds", type=float, help="A run still going after this fails (pw.DeadlineExceeded).")
 @_tenants_file

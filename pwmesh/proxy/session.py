@@ -101,6 +101,8 @@ class Session:
     ended: bool = False
     hosts: set[str] = dataclasses.field(default_factory=set)  # executors that may hold its keys
     programs: dict[str, ProgramSpec] = dataclasses.field(default_factory=dict)  # registered, by id
+    # Registrations over the tenant's ``max_programs``: what their runs fail with (the last 64).
+    refused_programs: dict[str, PwmeshError] = dataclasses.field(default_factory=dict)
     lowerings: LoweringCache = dataclasses.field(default_factory=LoweringCache)  # its programs, lowered
     _run_ids: itertools.count = dataclasses.field(default_factory=itertools.count)
     _temp_ids: itertools.count = dataclasses.field(default_factory=itertools.count)

@@ -499,6 +499,17 @@ class ProxyState:
         if not msg.program_id or len(msg.program_id) > MAX_PROGRAM_ID_CHARS:
             raise InvalidArgument(f"a program id has 1 to {MAX_PROGRAM_ID_CHARS} characters")
         # Checked when it first runs (lowering validates it), where an error reaches its buffers.
+        if msg.program_id not in session.programs:
+            limits = self.policy.of(session.owner)
+            held = sum(len(s.programs) for s in self.sessions.values() if s.owner == session.owner)
+            if limits.max_programs and held >= limits.max_programs:  # its runs fail with this, not NotFound
+                session.refused_programs[msg.program_id] = ResourceExhausted(
+                    f"tenant {session.owner!r} holds {held} programs, its limit (max_programs "
+                    f"{limits.max_programs}): close sessions it no longer needs")
+                while len(session.refused_programs) > 64:
+                    del session.refused_programs[next(iter(session.refused_programs))]
+                return None
+        session.refused_programs.pop(msg.program_id, None)
         session.programs.setdefault(msg.program_id, msg.program)
         return None  # posted, like a RunProgram after it
 
@@ -507,6 +518,8 @@ class ProxyState:
         program = msg.program if msg.program is not None else session.programs.get(msg.program_id)
         try:
             if program is None:
+                if msg.program_id in session.refused_programs:
+                    raise session.refused_programs[msg.program_id]
                 raise NotFound(f"program {msg.program_id[:16]!r} was never registered in this session"
                                if msg.program_id else "RunProgram names no program")
             self._dispatching = True  # what it sends is program traffic (until ``handle`` returns)

@@ -4,7 +4,7 @@ A policy is a JSON file (``pwmesh tenants set NAME ...`` writes it; by default
 ``tenants.json`` in the cluster's keys directory), keyed by the name of a client's key
 (``"*"``: everyone not named; ``"local"``: the one user of a cluster without keys)::
 
-    {"alice": {"weight": 3, "priority": 1, "max_sessions": 4, "max_nodes": 10000,
+    {"alice": {"weight": 3, "priority": 1, "max_sessions": 4, "max_nodes": 10000, "max_programs": 100,
                "max_bytes": 8589934592, "max_run_seconds": 600}}
 
 Left out or 0, a limit is off. The proxy re-reads the file when it changes (at most once
@@ -34,6 +34,7 @@ class TenantLimits:
     priority: int | None = None
     max_sessions: int = 0  # sessions open at once
     max_nodes: int = 0  # computations in one program
+    max_programs: int = 0  # programs registered and held (``@pw.program``'s), all sessions together
     max_bytes: int = 0  # bytes its buffers hold on executors, all sessions together
     max_run_seconds: float = 0.0  # a run still going after this fails with pw.DeadlineExceeded
 
