@@ -4,6 +4,7 @@ session's slices move onto surviving devices so the same program runs again."""
 from __future__ import annotations
 
 import signal
+import threading
 import time
 from collections.abc import Iterator
 
@@ -69,3 +70,38 @@ def test_scheduler_killed_then_restarted(fragile: pw.LocalCluster) -> None:
         fragile.restart("scheduler-0")  # same address, a new instance: it registers again
         eventually(lambda: not refused(), 15)
         np.testing.assert_array_equal(np.asarray(inc(np.ones(1))), [2.0])
+
+
+def test_a_restarted_proxy_fails_the_calls_waiting_on_the_old_one() -> None:
+    """Issue #28, item 2 in part. The proxy is killed while a call waits on it and restarted on the
+    same address: it answers the client's heartbeats, but has no session for it. Before, the client
+    took any answer as the proxy being alive, and the call waited for ever; now the call fails with
+    ``ConnectionFailed`` naming the lost session within a heartbeat or two, and so does every later one.
+    (Reattaching the session to the new proxy is the rest of that issue.)"""
+    spec = pw.LocalClusterSpec(islands=1, hosts_per_island=2, devices_per_host=1, session_timeout_seconds=4.0)
+    with pw.LocalCluster(spec) as cluster, pw.Client(cluster.address) as client:
+        f, _, _, x, y = slow_then_after(client, cluster.address)
+        conn = client.session.conn
+        outcome: dict[str, BaseException | None] = {}
+
+        def fetch() -> None:
+            try:
+                np.asarray(y)
+                outcome["error"] = None
+            except BaseException as exc:  # noqa: BLE001 - examined below
+                outcome["error"] = exc
+
+        waiting = threading.Thread(target=fetch)
+        waiting.start()
+        eventually(lambda: len(conn._pending) > 0, 10)  # its Fetch is out (the client's own table)
+        cluster.child("proxy").popen.send_signal(signal.SIGKILL)
+        cluster.restart("proxy")
+        waiting.join(timeout=30)
+        assert not waiting.is_alive(), "the call waiting on the killed proxy still hangs"
+        error = outcome["error"]
+        assert isinstance(error, pw.ConnectionFailed) and "no longer has session" in str(error), error
+        with pytest.raises(pw.ConnectionFailed, match="no longer has session"):
+            np.asarray(f(np.ones(1))[0])
+        with pw.Client(cluster.address) as again:  # a new session on the new proxy works
+            sl = again.make_virtual_device_set().add_slice(devices=1)
+            np.testing.assert_array_equal(np.asarray(pw.pmap(lambda v: v + 1.0, devices=sl)(np.zeros(1))), [1.0])

@@ -10,7 +10,8 @@ matched by message id. Only what cannot be sent at once (the socket at its
 high-water mark, or a send re-entered from ``__del__`` in the middle of another
 socket call) goes through a backlog that the I/O thread flushes in order.
 Heartbeats keep the session alive; a proxy that stops answering fails every
-waiting call with ``ConnectionFailed`` instead of hanging it.
+waiting call with ``ConnectionFailed`` instead of hanging it, and so does one that answers
+without the session (it restarted, or the session expired): nothing waited for would come.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from typing import Any
 
 import zmq
 
-from pwmesh.errors import ConnectionFailed, PwmeshError, PwTimeoutError
+from pwmesh.errors import ConnectionFailed, NotFound, PwmeshError, PwTimeoutError
 from pwmesh.service.keys import Keys
 from pwmesh.service.rpc import next_id, raise_error
 from pwmesh.service.transport import ZERO_COPY_THRESHOLD_BYTES
@@ -87,6 +88,7 @@ class ClientConnection:
         self._closing = threading.Event()
         self._close_started = False
         self._lost: PwmeshError | None = None
+        self._beats: set[int] = set()  # heartbeats sent and not answered (the I/O thread's own)
         self._thread = threading.Thread(target=self._io_loop, name="pwmesh-client-io", daemon=True)
         self._thread.start()
         # The first request proves something answers there: a session's opening, or a probe's ping.
@@ -200,8 +202,12 @@ class ClientConnection:
                     # A session beats (and stays alive); a sessionless connection (CLI) pings.
                     # Either way the reply proves the proxy still answers.
                     probe = Heartbeat(role="client", name=self.session_id) if self.session_id else Ping()
+                    beat_id = next_id()
+                    if len(self._beats) > 64:  # unanswered ones: the proxy is away (the timeout below says so)
+                        self._beats.clear()
+                    self._beats.add(beat_id)
                     with self._lock:  # ``_service`` sends it and then looks at the socket, as every send must
-                        self._backlog.append([b"", *encode(probe, msg_id=next_id(), sender=self.session_id)])
+                        self._backlog.append([b"", *encode(probe, msg_id=beat_id, sender=self.session_id)])
                 if self._service():
                     last_reply = time.monotonic()
                 if beat:
@@ -284,6 +290,18 @@ class ClientConnection:
             log.warning("dropped a frame from the proxy: %s", exc.message)
             return
         if env.reply_to is None:
+            return
+        if env.reply_to in self._beats:
+            self._beats.discard(env.reply_to)
+            if isinstance(env.message, Error) and env.message.code == NotFound.code and self.session_id:
+                # The proxy answers but has no such session: it restarted (its state went with it), or
+                # the session expired. Nothing this session waits for will ever come: say so now.
+                lost = ConnectionFailed(
+                    f"the proxy at {self.address} no longer has session {self.session_id} (it restarted, or the "
+                    "session expired): its arrays, slices and programs are gone there; connect again")
+                with self._lock:
+                    self._lost = lost
+                self._fail_all(lost)
             return
         with self._lock:
             fut = self._pending.pop(env.reply_to, None)
