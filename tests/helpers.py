@@ -174,7 +174,7 @@ class Resources:
             where = "".join(traceback.format_list(frames[-4:])) or f"    running {getattr(thread, '_target', None)!r}\n"
             parts.append(f"thread {thread.name!r} ({'daemon' if thread.daemon else 'not daemon'}), at:\n"
                          + where.rstrip("\n"))
-        parts += [f"child process {pid}: {cmdline}" for pid, cmdline in sorted(self.children)]
+        parts += [f"child process {pid}: {_cmdlines.get(pid, '?')}" for pid, _ in sorted(self.children)]
         parts += [f"file descriptor {fd} -> {target}" for fd, target in sorted(self.fds)]
         parts += [f"ZeroMQ {label}" for label in sorted(self.contexts)]
         return "\n".join(f"  - {part}" for part in parts)
@@ -225,12 +225,22 @@ def _children() -> frozenset[tuple[int, str]]:
     for pid in pids:
         try:
             stat = Path(f"/proc/{pid}/stat").read_text()
-            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
         except (FileNotFoundError, ProcessLookupError):  # reaped meanwhile
             continue
-        if stat[stat.rindex(")") + 2] not in "ZX":  # exited, not yet reaped by its Popen: released
-            found.append((pid, cmdline.replace(b"\0", b" ").decode(errors="replace").strip()))
+        fields = stat[stat.rindex(")") + 2:].split()
+        if fields[0] not in "ZX":  # exited, not yet reaped by its Popen: released
+            # Known by pid and start time, not command line: an executor that restarts itself (exec)
+            # is the same child under new arguments.
+            found.append((pid, fields[19]))
+            try:
+                cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")
+                _cmdlines[pid] = cmdline.decode(errors="replace").strip()
+            except (FileNotFoundError, ProcessLookupError):
+                pass
     return frozenset(found)
+
+
+_cmdlines: dict[int, str] = {}  # each child's command line as last seen (what a leak report names)
 
 
 _reported = Resources()  # leaks already reported once: a later check does not report them again

@@ -110,6 +110,11 @@ def platform_of(device: jax.Device) -> str:
     return "rocm" if "rocm" in device.client.platform_version.lower() else "cuda"
 
 
+# The fence epoch of a restart to take devices back (``Executor._reclaim``): never a forming's (those are > 0).
+RECLAIM_EPOCH = -1
+RECLAIM_GRACE_SECONDS = 60.0  # not lost while it restarts (JAX's import takes seconds)
+
+
 @dataclasses.dataclass
 class ExecutorConfig:
     island: int
@@ -142,6 +147,9 @@ class ExecutorConfig:
     # Stopping: how long computations under way may take to finish before they are given up
     # (failed, naming the stop) so the executor leaves within its grace.
     stop_wait_seconds: float = 5.0
+    # A computation of a cancelled run (past its tenant's deadline, say) still holding devices this long
+    # after the cancel restarts the executor, to give the devices back to everyone else (0: never).
+    reclaim_after_seconds: float = 10.0
 
 
 class Executor(Service):
@@ -200,6 +208,8 @@ class Executor(Service):
         self._registered: dict[str, RegisterFunction] = {}  # kept across a restart into a new forming
         self._fences: collections.Counter[int] = collections.Counter()  # forming -> watchers fenced
         self._fenced = asyncio.Event()
+        self._reclaiming: set[str] = set()  # cancelled runs whose computations still held devices
+        self._requeue: list[tuple[str, str, str, Computation]] = []  # to queue again after a restart (``_reclaim``)
         if self.config.group is not None:
             self.runner.group_devices = group_devices(self.name, self.devices, self.config.group_members)
         if self.config.resume_from:
@@ -241,6 +251,7 @@ class Executor(Service):
         self.tasks.spawn(every(self.config.heartbeat_interval_seconds, self._heartbeat), name="heartbeat")
         self.tasks.spawn(every(self.config.watchdog_seconds, self._watchdog), name="watchdog")
         self.tasks.spawn(self.loop_lag.run(), name="loop-lag")
+        self._queue_again()
 
     def info(self) -> ExecutorInfo:
         return ExecutorInfo(
@@ -462,6 +473,74 @@ class Executor(Service):
         while len(self._cancelled) > 10_000:  # runs are cancelled rarely; remember the recent ones
             self._cancelled.popitem(last=False)
         self.runner.cancel_run(msg.run_id, err)
+        if (self.config.reclaim_after_seconds > 0 and msg.run_id not in self._reclaiming
+                and self.runner.running_of(msg.run_id)):
+            self._reclaiming.add(msg.run_id)
+            self.tasks.spawn(self._reclaim(msg.run_id, err), name=f"reclaim-{msg.run_id}")
+
+    async def _reclaim(self, run_id: str, why: PwmeshError) -> None:
+        """``run_id`` was cancelled while a computation of it ran on devices here. If it still holds them
+        ``reclaim_after_seconds`` later (a loop that never ends), XLA cannot be made to let go: restart
+        this process to take them back. The runaway fails; every other computation not completed here
+        is queued again after the restart, in the same order, and the buffers are kept (``spill``)."""
+        await asyncio.sleep(self.config.reclaim_after_seconds)  # the grace period: a deadline, not an event
+        held = self.runner.running_of(run_id)
+        if not held or self.status is not Status.RUNNING or self.restart is not None or self._joining is not None:
+            self._reclaiming.discard(run_id)
+            return
+        devices = sorted({d for work in held for d in work.devices})
+        log.error("run %s was cancelled %g s ago (%s) and still holds devices %s here: restarting to take them "
+                  "back", run_id, self.config.reclaim_after_seconds, why.message, devices)
+        # As for a restart into a forming: not lost while away, and every watcher holds what it sends
+        # here until we are back (the fence tells us it does).
+        try:
+            reply = await self.peers.request(self.config.rm, LeavingForGroup(
+                executor_id=self.name, epoch=RECLAIM_EPOCH, grace_seconds=RECLAIM_GRACE_SECONDS),
+                timeout_seconds=5.0)
+            watchers = reply.count if isinstance(reply, Watchers) else 0
+            await asyncio.wait_for(self._wait_fences(RECLAIM_EPOCH, watchers), timeout=5.0)
+        except (PwmeshError, TimeoutError) as exc:
+            log.warning("restarting without every watcher's fence (%s): messages sent here meanwhile may be lost",
+                        exc)
+        incomplete = self.runner.core.incomplete()
+        given_up = [w for w in incomplete if w.cancelled is not None or w in held]
+        self.runner.abandon(Unavailable(
+            f"executor {self.name} restarted to take devices {devices} back from run {run_id}, still running "
+            f"{self.config.reclaim_after_seconds:g} s after it was cancelled ({why.message})"), only=given_up)
+        kept = set(given_up)
+        self._requeue = [(w.run_id, w.proxy, w.scheduler, w.comp) for w in incomplete if w not in kept]
+        for quiet_run, (proxy, nodes) in self._quiet.items():  # completed here: they go now, not at the part's end
+            self._report_later(proxy, quiet_run, nodes)
+        self._quiet.clear()
+        self._report_completed()
+        await self.peers.barrier(timeout_seconds=5.0)  # the failures and completions delivered
+        self.runner.silence()  # what is queued again is reported by the next process
+        self.restart = [
+            "--listen", self.control.address, "--data-listen", self.plane.address,
+            *(["--metrics-port", str(self.metrics.port)] if self.metrics is not None else []),
+            "--name", self.name,
+            # Out of its JAX group, if in one (its forming cannot take a new process): the island's
+            # scheduler forms the next with it, as for a member that failed to join.
+            *(["--jax-coordinator", "", "--group-epoch", "0", "--group-members", ""]
+              if self.config.group is not None else []),
+        ]
+        log.info("restarting with %d computations to queue again", len(self._requeue))
+        self.ctx.linger_on_close_ms = 2000
+        asyncio.get_running_loop().create_task(self.close(), name="close-to-reclaim")  # noqa: RUF006 - run() awaits it
+
+    def _queue_again(self) -> None:
+        """Queue what the process before this one had not completed (``_reclaim``), in its order."""
+        requeue, self._requeue = self._requeue, []
+        i = 0
+        while i < len(requeue):
+            run_id, proxy, scheduler, _ = requeue[i]
+            comps = []
+            while i < len(requeue) and requeue[i][:3] == (run_id, proxy, scheduler):
+                comps.append(requeue[i][3])
+                i += 1
+            for comp, exc in self.runner.enqueue_all(run_id, proxy, comps, scheduler):
+                self.peers.post(proxy, NodeDone(run_id=run_id, nodes=[comp.node], executor_id=self.name,
+                                                error=ErrorInfo.of(exc)))
 
     def _forget_owner(self, peer: bytes, env: Envelope) -> None:
         msg = env.message
@@ -732,7 +811,7 @@ class Executor(Service):
         directory = spill.spill_directory(self.name)
         spill.save(spill.Saved(values=values, failures=self.store.failures(), tombstones=self.store.tombstones(),
                                functions=list(self._registered.values()),
-                               expected_seq=dict(self._expected_seq)), directory)
+                               expected_seq=dict(self._expected_seq), requeue=self._requeue), directory)
         assert self.restart is not None
         self.restart += ["--resume-from", str(directory)]
         log.info("moved %d buffers (%d bytes) to host memory for the restart", len(values),
@@ -753,6 +832,7 @@ class Executor(Service):
             self.functions.register(fn.fn_id, fn.exported, fn.spmd, fn.mesh, fn.axes, fn.donate)
             self._registered[fn.fn_id] = fn
         self._expected_seq.update(saved.expected_seq)
+        self._requeue = saved.requeue  # queued once this process serves (``_queue_again``)
         spill.remove(directory)
         log.info("took back %d buffers and %d functions after restarting into forming %d", len(saved.values),
                  len(saved.functions), self.config.group_epoch)

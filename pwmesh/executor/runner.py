@@ -235,12 +235,12 @@ class Runner:
             if not work.cancel.done():
                 work.cancel.set_exception(error)
 
-    def abandon(self, error: PwmeshError) -> int:
+    def abandon(self, error: PwmeshError, only: list[Work] | None = None) -> int:
         """Give up on every computation not completed (the executor is stopping and will not wait
-        for them): each fails now with ``error``, reported as any failure is, so nobody waits for
-        its outputs; one still running on a device thread keeps running there, unheard of. Returns
-        how many were given up."""
-        works = self.core.incomplete()
+        for them), or on ``only`` those: each fails now with ``error``, reported as any failure is, so
+        nobody waits for its outputs; one still running on a device thread keeps running there, unheard
+        of. Returns how many were given up."""
+        works = self.core.incomplete() if only is None else only
         now = time.time()
         for work in works:
             work.cancelled = error
@@ -250,6 +250,18 @@ class Runner:
             started = self._running.pop(work, 0.0)
             self._finish(work, started or now, started, [], None, error, 0)
         return len(works)
+
+    def running_of(self, run_id: str) -> list[Work]:
+        """``run_id``'s computations running on device threads or handed to devices now (and those of the
+        nodes it dispatched one by one)."""
+        return [w for w in self._running if w.run_id == run_id or w.run_id.startswith(f"{run_id}#")]
+
+    def silence(self) -> None:
+        """Report nothing from now on (the executor is restarting: what it had not completed goes on in the
+        next process, which reports it then)."""
+        self._emit = lambda work, emit, outs, shards, err: None
+        self._done = lambda work: None
+        self._part_done = lambda run_id, scheduler, seconds: None
 
     def running(self, now: float) -> list[str]:
         """What runs on device threads or was handed to its devices, oldest first: one line each, with its

@@ -6,7 +6,10 @@ What must survive is written to a private directory in host memory (``/dev/shm``
 where there is one): every buffer's bytes (moved off the devices and back onto the
 same device index), failures and tombstones (so late tuples and deletes behave as
 before), the registered functions, and the island order's place per scheduler.
-In-flight work does not survive: the executor restarts only once it is idle.
+In-flight work does not survive a restart into a forming: the executor restarts only once it is
+idle. A restart to take devices back from a runaway computation (``Executor._reclaim``) cannot wait for
+that: the computations it had not completed, but for the runaway's, are saved (``requeue``) and queued
+again, in the same order, once it is back.
 
 Format: ``state.msgpack`` (the index) and ``data.bin`` (the bytes, at offsets the
 index gives). Nothing is pickled; a dtype travels by name (bfloat16 included).
@@ -27,7 +30,7 @@ import numpy as np
 
 from pwmesh.dataflow.exchange import Ragged
 from pwmesh.errors import PwmeshError
-from pwmesh.wire.messages import ErrorInfo, RegisterFunction
+from pwmesh.wire.messages import Computation, ErrorInfo, RegisterFunction
 
 
 @dataclasses.dataclass
@@ -37,6 +40,8 @@ class Saved:
     tombstones: list[str]
     functions: list[RegisterFunction]
     expected_seq: dict[str, int]  # per scheduler source: the next Enqueue to admit
+    # Computations to queue again, in order: (run id, proxy, scheduler, computation)
+    requeue: list[tuple[str, str, str, Computation]] = dataclasses.field(default_factory=list)
 
 
 def spill_directory(name: str) -> Path:
@@ -72,6 +77,7 @@ def save(saved: Saved, directory: Path) -> None:
         "tombstones": saved.tombstones,
         "functions": [f.to_wire() for f in saved.functions],
         "expected_seq": saved.expected_seq,
+        "requeue": [[run_id, proxy, scheduler, comp.to_wire()] for run_id, proxy, scheduler, comp in saved.requeue],
     }
     (directory / "state.msgpack").write_bytes(msgpack.packb(index, use_bin_type=True))
 
@@ -91,6 +97,8 @@ def load(directory: Path) -> Saved:
         tombstones=list(index["tombstones"]),
         functions=[RegisterFunction.from_wire(f) for f in index["functions"]],
         expected_seq=dict(index["expected_seq"]),
+        requeue=[(run_id, proxy, scheduler, Computation.from_wire(comp))
+                 for run_id, proxy, scheduler, comp in index.get("requeue", [])],
     )
 
 

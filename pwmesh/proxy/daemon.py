@@ -145,13 +145,18 @@ class Proxy(Service):
                                 session_timeout_seconds=self.config.session_timeout_seconds,
                                 client_heartbeat_interval_seconds=self.config.client_heartbeat_interval_seconds,
                                 lower_off_loop_nodes=self.config.lower_off_loop_nodes)
+        # The policy applies from the first request on (read at each tick after this).
+        keys = self.ctx.keys
+        where = self.config.tenants_file or (str(keys.directory / tenants.FILE_NAME) if keys is not None else "")
+        self.tenants = tenants.PolicyFile(where) if where else None
+        if self.tenants is not None:
+            self.state.policy = self.tenants.current()
+            if self.tenants.error:
+                log.error("the tenants policy %s was not applied: %s", self.tenants.path, self.tenants.error)
         self.server.start()
         self.peers = Connections(self.ctx, tasks=self.tasks, name=self.name, on_message=self._notified)
         await wait_for_peer(self.peers.get(self.config.rm), self.state.watch(self.role),
                             timeout_seconds=self.config.rm_timeout_seconds)
-        keys = self.ctx.keys
-        where = self.config.tenants_file or (str(keys.directory / tenants.FILE_NAME) if keys is not None else "")
-        self.tenants = tenants.PolicyFile(where) if where else None
         # Every second at least: runs past their tenant's deadline fail within a second of it.
         self.tasks.spawn(every(min(1.0, self.config.session_timeout_seconds / 4), self._tick), name="expire")
         self.tasks.spawn(every(self.config.rm_heartbeat_interval_seconds, self._heartbeat_rm), name="heartbeat")
