@@ -19,7 +19,9 @@ from typing import Any
 
 import numpy as np
 import pytest
+import zmq
 from click.testing import CliRunner
+from zmq.utils.monitor import recv_monitor_message
 from test_liveness import LANES, long_steps, spin
 
 import pwmesh as pw
@@ -29,6 +31,7 @@ from pwmesh.cli.main import main
 from pwmesh.client.connection import ClientConnection
 from pwmesh.proxy import tenants
 from pwmesh.service import keys as cluster_keys
+from pwmesh.wire import decode, encode
 from pwmesh.wire.messages import (
     CancelRun,
     DeleteShards,
@@ -198,6 +201,40 @@ def test_a_removed_key_is_refused_within_a_second(keyed: pw.LocalCluster, key_di
         conn.close()
     with pytest.raises(pw.ConnectionFailed):  # and no new connection gets through
         pw.Client(keyed.address, keys=str(carol), connect_timeout_seconds=2.0)
+
+
+def test_a_removed_key_s_open_connections_are_closed(keyed: pw.LocalCluster, key_dirs: dict[str, Path]) -> None:
+    """Not only refused: the daemon shuts the connection a removed key's messages came in on, within a
+    second or so, and ZeroMQ's reconnection then fails the handshake. Seen from a raw socket's monitor."""
+    dave = cluster_keys.add_client(key_dirs["cluster"], "dave")
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
+    try:
+        sock.setsockopt(zmq.LINGER, 0)
+        cluster_keys.Keys.load(dave).connect(sock)
+        sock.connect(keyed.address)
+
+        def answered() -> bool:  # a key added counts from the daemons' next read of authorized/
+            sock.send_multipart([b"", *encode(Ping(), msg_id=1)])
+            return sock.poll(1000) != 0 and isinstance(decode(sock.recv_multipart()[1:]).message, Pong)
+
+        eventually(answered, 10)
+        cluster_keys.remove(key_dirs["cluster"], "dave")
+        removed = time.monotonic()
+        events = []
+        while zmq.EVENT_DISCONNECTED not in events:
+            assert monitor.poll(10_000), f"no disconnect 10 s after the key's removal (events: {events})"
+            events.append(recv_monitor_message(monitor)["event"])
+        assert time.monotonic() - removed < 5.0
+        while zmq.EVENT_HANDSHAKE_FAILED_AUTH not in events:  # it reconnects, and is refused
+            assert monitor.poll(10_000), f"no refused handshake after the disconnect (events: {events})"
+            events.append(recv_monitor_message(monitor)["event"])
+    finally:
+        sock.disable_monitor()
+        monitor.close(linger=0)
+        sock.close(linger=0)
+        ctx.term()
 
 
 def test_keys_add_admin_remove_and_list(tmp_path: Path) -> None:

@@ -198,7 +198,7 @@ def authorized_keys(authorized: Path) -> list[tuple[Path, Identity]]:
 class AuthorizedKeys:
     """ZAP credentials and identities: is this public key in ``authorized/``, and whose is it? Re-read
     at most once a second: a key added counts from its next handshake, a key removed (``pwmesh keys
-    remove``) from its next message on (its connections stay open, but everything it sends is refused)."""
+    remove``) from its next message on (and ``Context.close_revoked`` closes its connections)."""
 
     def __init__(self, directory: Path) -> None:
         self.directory = directory

@@ -38,6 +38,7 @@ Reply = Message | None
 Handler = Callable[[bytes, Envelope], Reply | Awaitable[Reply]]
 
 _ids = itertools.count(1)
+REVOKED_CHECK_SECONDS = 0.5  # how often connections of removed keys are looked for (keys re-read once a second)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -130,6 +131,14 @@ class Server:
 
     def start(self) -> None:
         self._tasks.spawn(_receive_until_cancelled(self._sock, self._received), name=f"{self._name}.recv")
+        if self._ctx.keys is not None:
+            self._tasks.spawn(self._close_revoked(), name=f"{self._name}.revoked")
+
+    async def _close_revoked(self) -> None:
+        """A removed key's connections are closed within a second (``Context.close_revoked``)."""
+        while True:
+            await asyncio.sleep(REVOKED_CHECK_SECONDS)
+            self._ctx.close_revoked()
 
     @property
     def backlog(self) -> int:

@@ -23,6 +23,8 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
+import os
+import socket
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -70,6 +72,9 @@ class Context:
         self.allow_insecure = allow_insecure
         self._auth: ThreadAuthenticator | None = None
         self._authorized: AuthorizedKeys | None = None  # who the keys that may connect are (with keys)
+        # Connections messages came in on (with keys): file descriptor -> (the key's User-Id, the peer's
+        # address), so a key removed from ``authorized/`` has its connections closed (``close_revoked``).
+        self._connections: dict[int, tuple[Any, Any]] = {}
         self._sockets: list[_Pump] = []
         self.high_water_mark = high_water_mark  # messages queued per peer and direction
         # How long ``close`` lets what is queued leave (0: drop it; a restarting daemon's last replies matter).
@@ -97,9 +102,36 @@ class Context:
             return LOCAL if self.keys is None else None
         try:
             user = frame.get("User-Id")
+            fd = frame.get(zmq.SRCFD)
         except (AttributeError, zmq.ZMQError):  # not a received frame, or one with no credentials
             return None
+        known = self._connections.get(fd)
+        if known is None or known[0] != user:  # a new connection on this descriptor: whose, and to where
+            self._connections[fd] = (user, _peer_of(fd))
         return self._authorized.identify(user.encode() if isinstance(user, str) else user)
+
+    def close_revoked(self) -> int:
+        """Close every connection a message came in on whose key is no longer authorized (``pwmesh keys
+        remove``): ZeroMQ has no call for it, so the socket under it is shut down, which ZeroMQ sees as
+        the peer leaving; reconnecting, it fails the handshake. A descriptor reused since for another
+        connection (another peer address) is left alone. Returns how many were closed."""
+        if self._authorized is None:
+            return 0
+        closed = 0
+        for fd, (user, peer) in list(self._connections.items()):
+            if self._authorized.identify(user.encode() if isinstance(user, str) else user) is not None:
+                continue
+            del self._connections[fd]
+            if peer is not None and _peer_of(fd) == peer:
+                try:
+                    with socket.socket(fileno=os.dup(fd)) as sock:
+                        sock.shutdown(socket.SHUT_RDWR)
+                    closed += 1
+                except OSError:
+                    pass
+        if closed:
+            log.info("closed %d connection(s) of keys no longer authorized", closed)
+        return closed
 
     def guard_bind(self, address: str, what: str = "") -> None:
         """Refuse to listen at ``address`` off loopback without keys, unless ``allow_insecure`` (then say
@@ -465,3 +497,12 @@ class DealerSocket(_Pump):
 
     async def send(self, payload: Sequence[Any]) -> None:
         self.send_nowait(payload)
+
+
+def _peer_of(fd: int) -> Any:
+    """The address of the peer at the other end of socket ``fd`` (None: not a connected socket now)."""
+    try:
+        with socket.socket(fileno=os.dup(fd)) as sock:
+            return sock.getpeername()
+    except OSError:
+        return None
