@@ -78,7 +78,8 @@ def test_a_restarted_proxy_fails_the_calls_waiting_on_the_old_one() -> None:
     took any answer as the proxy being alive, and the call waited for ever; now the call fails with
     ``ConnectionFailed`` naming the lost session within a heartbeat or two, and so does every later one.
     (Reattaching the session to the new proxy is the rest of that issue.)"""
-    spec = pw.LocalClusterSpec(islands=1, hosts_per_island=2, devices_per_host=1, session_timeout_seconds=4.0)
+    # 8 s: a heartbeat every 2 s, and the restart (1-2 s here, more on a busy machine) well within it.
+    spec = pw.LocalClusterSpec(islands=1, hosts_per_island=2, devices_per_host=1, session_timeout_seconds=8.0)
     with pw.LocalCluster(spec) as cluster, pw.Client(cluster.address) as client:
         f, _, _, x, y = slow_then_after(client, cluster.address)
         conn = client.session.conn
@@ -105,3 +106,30 @@ def test_a_restarted_proxy_fails_the_calls_waiting_on_the_old_one() -> None:
         with pw.Client(cluster.address) as again:  # a new session on the new proxy works
             sl = again.make_virtual_device_set().add_slice(devices=1)
             np.testing.assert_array_equal(np.asarray(pw.pmap(lambda v: v + 1.0, devices=sl)(np.zeros(1))), [1.0])
+
+
+@pytest.mark.parametrize("declared_lost", [False, True], ids=["restarted-at-once", "restarted-after-lost"])
+def test_an_executor_restarted_under_its_name_is_used_again(fragile: pw.LocalCluster, declared_lost: bool) -> None:
+    """Issue #28, item 2 in part. An executor killed and started again under its name, before or after
+    the RM finds it silent: its island's scheduler once kept numbering its Enqueues where the old process
+    stopped, the proxy thought it still had the old process's functions, and a slice broken by its loss
+    stayed broken: programs on it hung. Now the new process is a new executor to every peer: what the
+    old one held fails with ``DeviceLost``, and the same program runs again at once."""
+    with pw.Client(fragile.address) as client:
+        sl = client.make_virtual_device_set().add_slice(devices=2)  # both hosts: its loss breaks the slice
+        inc = pw.pmap(lambda x: x + 1.0, devices=sl)
+        kept = client.put(np.zeros((2, 2), np.float32), sl)
+        np.testing.assert_array_equal(np.asarray(inc(kept)), np.ones((2, 2)))
+        host = fragile.child("island0-host0")
+        host.popen.send_signal(signal.SIGKILL)
+        host.popen.wait()
+        if declared_lost:
+            eventually(lambda: not any(e.alive for e in fetch_status(fragile.address).cluster.executors
+                                       if e.executor_id == "island0-host0"), 30)
+        fragile.restart("island0-host0")
+        with pytest.raises(pw.DeviceLost, match="island0-host0"):
+            np.asarray(inc(kept))  # half of it lived in the old process
+        np.testing.assert_array_equal(np.asarray(inc(np.zeros((2, 2), np.float32))), np.ones((2, 2)))
+        (state,) = [s for s in fetch_status(fragile.address).cluster.slices if s.slice_id == sl.slice_id]
+        assert not state.broken and sorted(d.executor_id for d in state.devices) == ["island0-host0",
+                                                                                     "island0-host1"]

@@ -209,6 +209,9 @@ class Executor(Service):
         self._fences: collections.Counter[int] = collections.Counter()  # forming -> watchers fenced
         self._fenced = asyncio.Event()
         self._reclaiming: set[str] = set()  # cancelled runs whose computations still held devices
+        # A new process, not one restarted with its state (``spill``): peers start over with it.
+        self._fresh = not self.config.resume_from
+        self._incarnation = os.urandom(8).hex()
         self._requeue: list[tuple[str, str, str, Computation]] = []  # to queue again after a restart (``_reclaim``)
         if self.config.group is not None:
             self.runner.group_devices = group_devices(self.name, self.devices, self.config.group_members)
@@ -248,6 +251,7 @@ class Executor(Service):
         self._sent.set()
         await wait_for_peer(self.peers.get(self.config.rm), RegisterExecutor(info=self.info()),
                             timeout_seconds=self.config.rm_timeout_seconds)
+        self._fresh = False  # registered: later registrations (the RM restarted) are of the same process
         self.tasks.spawn(every(self.config.heartbeat_interval_seconds, self._heartbeat), name="heartbeat")
         self.tasks.spawn(every(self.config.watchdog_seconds, self._watchdog), name="watchdog")
         self.tasks.spawn(self.loop_lag.run(), name="loop-lag")
@@ -261,6 +265,7 @@ class Executor(Service):
                      for i, d in enumerate(self.devices)],
             group=f"island-{self.config.island}" if self.config.collectives else "",
             group_epoch=self.config.group_epoch if self.config.group is not None else 0,
+            fresh=self._fresh, incarnation=self._incarnation,
         )
 
     def _notified(self, env: Envelope) -> None:

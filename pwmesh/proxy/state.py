@@ -291,7 +291,7 @@ class ProxyState:
         self.sessions_expired = 0  # ended because their client stopped sending heartbeats
         self.runs: dict[str, tuple[Session, Run]] = {}
         self.exported: dict[str, RegisterProgramFunction] = {}  # by function id: what executors are sent
-        self.registered: set[tuple[str, str, tuple[int, ...]]] = set()  # (fn, control, devices) sent; never shrinks
+        self.registered: set[tuple[str, str, tuple[int, ...]]] = set()  # (fn, control, devices) sent; pruned for a new process there
         # Cached lowerings whose every function site is in ``registered``: their later runs skip the check,
         # one set lookup per function per device (~25 ms a run at 2,048 devices and 16 functions). Valid
         # while ``registered`` only grows: whatever prunes it must clear this too.
@@ -710,6 +710,9 @@ class ProxyState:
         elif isinstance(msg, ExecutorJoined):
             self.lost.pop(msg.executor_id, None)  # what it held stays lost: it was declared gone
             self.lost_controls.discard(msg.control)
+            if msg.fresh:  # a new process: it has none of the functions sent to the old one
+                self.registered = {r for r in self.registered if r[1] != msg.control}
+                self.sites_registered = weakref.WeakSet()
             self._out.append(PeerBack(msg.control))  # and sends what waited for it to restart
         elif isinstance(msg, ExecutorRestarting):
             self._out.append(FencePeer(msg.control, Fence(epoch=msg.epoch)))

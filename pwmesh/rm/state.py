@@ -116,9 +116,15 @@ class ResourceManagerState:
     def _register_executor(self, info: ExecutorInfo, now: float) -> Ok:
         # New, back from the dead (paused, partitioned, restarted), or restarted into its JAX group's
         # next forming: watchers deliver to it again, and its island's scheduler tracks the group.
+        old = self.executors.get(info.executor_id)
+        new_process = info.fresh and (old is None or not old.fresh or old.incarnation != info.incarnation)
+        if new_process and old is not None and old.alive:
+            # Killed and started again before it was found silent: the old process and everything it
+            # held or was running are gone, exactly as if it had been declared lost.
+            self._lose(info.executor_id, "it restarted: a new process registered under its name")
         self.notifications.append(ExecutorJoined(executor_id=info.executor_id, control=info.control,
                                                  island=info.island, group=info.group,
-                                                 group_epoch=info.group_epoch))
+                                                 group_epoch=info.group_epoch, fresh=new_process))
         info.alive = True
         info.draining = False
         self.executors[info.executor_id] = info
@@ -265,6 +271,8 @@ class ResourceManagerState:
                 continue
             stale = [i for i, d in enumerate(sl.devices) if self._needs_move(d)]
             if not stale:
+                if sl.broken:  # its executors came back (restarted, resumed, reconnected): heal in place
+                    self._heal(sl, reason)
                 continue
             taken = {(d.executor_id, d.device) for d in sl.devices}
             candidates = [
@@ -288,6 +296,20 @@ class ResourceManagerState:
             sl.broken = ""
             sl.map_version = self.map_version
             self.notifications.append(SliceRemapped(slice=sl, moves=moves, reason=reason))
+
+    def _heal(self, sl: SliceInfo, reason: str) -> None:
+        """``sl`` was broken, and every executor it names is live again: it runs again, on where each
+        device lives now (a restarted executor may listen at a new address)."""
+        self.map_version += 1
+        moves = []
+        for i, d in enumerate(sl.devices):
+            now = self._physical((d.executor_id, d.device))
+            if now != d:
+                moves.append(DeviceMove(index=i, old=d, new=now))
+                sl.devices[i] = now
+        sl.broken = ""
+        sl.map_version = self.map_version
+        self.notifications.append(SliceRemapped(slice=sl, moves=moves, reason=reason))
 
     def _release(self, owner: str, ids: list[int] | None) -> None:
         doomed = [sid for sid, sl in self.slices.items() if sl.owner == owner and (ids is None or sid in ids)]

@@ -116,6 +116,8 @@ class Scheduler(Service):
         elif isinstance(env.message, ExecutorJoined):
             joined = env.message
             self.peers.mark_alive(joined.control)
+            if joined.fresh:  # a new process: it expects the island's order from its first Enqueue on
+                self.order.restart_executor(joined.executor_id)
             if self.group is not None and joined.island == self.config.island and joined.group:
                 self._controls[joined.executor_id] = joined.control
                 self._group(Joined(joined.executor_id, joined.group_epoch))

@@ -278,6 +278,11 @@ class IslandOrder:
                 actions.extend(self.part_done(run_id, executor_id, 0.0))
         return actions
 
+    def restart_executor(self, executor_id: str) -> None:
+        """A new process runs under ``executor_id``: its Enqueues count from 0 again (the old process's
+        parts were forgotten when it was declared lost)."""
+        self._executor_seq.pop(executor_id, None)
+
     @property
     def in_flight(self) -> int:
         """Runs sequenced whose parts are not all done."""

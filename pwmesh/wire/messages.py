@@ -152,6 +152,7 @@ class ExecutorJoined(Message, op="rm.executor_joined"):
     island: int = -1
     group: str = ""
     group_epoch: int = 0
+    fresh: bool = False  # a new process under this name: what peers keep per executor starts over
 
 
 @record

@@ -51,6 +51,11 @@ class ExecutorInfo(Record):
     # it; "" for none): SPMD computations may span the executors of one group, collectives joined by JAX.
     group: str = ""
     group_epoch: int = 0  # which forming of that group it is in now (0: not in one yet)
+    # A process registering for its first time without saved state: nothing an earlier process under
+    # this name held or was sent survives it (what peers keep per executor starts over). ``incarnation``
+    # tells its retries from a new process.
+    fresh: bool = False
+    incarnation: str = ""
 
 
 @record
