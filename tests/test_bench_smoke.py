@@ -62,6 +62,13 @@ def test_multitenancy_smoke(tmp_path: Path) -> None:
     assert [r["clients"] for r in data["throughput"]] == data["config"]["client_counts"]
     for r in data["throughput"]:
         assert r["computations_per_second"] > 0
+    # The same shares with keys, a tenants policy and quotas on (issue #26), and what the checks cost.
+    quotas = data["shares_quotas"]
+    assert [c["weight"] for c in quotas["clients"]] == [1.0, 2.0, 4.0, 8.0]
+    assert abs(sum(c["share"] for c in quotas["clients"]) - 1.0) < 1e-6
+    assert [c["weight"] for c in data["shares_compared"]] == [1.0, 2.0, 4.0, 8.0]
+    for side in ("keyed", "keyless"):
+        assert 0 < data["auth_cost"][side]["checks"]["us"] < data["auth_cost"][side]["round_trip"]["us"]
     check_plot(tmp_path / "multitenancy.png")
 
 
