@@ -75,6 +75,20 @@ def test_outputs_wait_until_a_buffer_is_freed(small: pw.LocalCluster) -> None:
         assert after.waiting_for_memory == 0 and after.bytes < LIMIT
 
 
+def test_a_put_that_does_not_fit_is_refused_and_others_go_on(small: pw.LocalCluster) -> None:
+    """Issue #28, item 4: a put once only counted, so a 100 MB put into a 64 MiB executor succeeded and the
+    next computation there (another tenant's) waited for memory with no error. Now it is refused."""
+    with pw.Client(small.address) as client, pw.Client(small.address) as other:
+        sl = client.make_virtual_device_set().add_slice(devices=1)
+        big = client.put(np.zeros((1, (LIMIT + MiB) // 4), np.float32), sl)  # 5 MiB into 4
+        with pytest.raises(pw.ResourceExhausted, match="does not fit on executor island0-host0"):
+            np.asarray(big)
+        assert fetch_status(small.address).executor_stats[0].bytes < LIMIT
+        theirs = other.make_virtual_device_set().add_slice(devices=1)
+        np.testing.assert_array_equal(np.asarray(pw.pmap(filled(OUT), devices=theirs)(np.ones(1, np.float32))),
+                                      np.full((1, OUT // 4), 2.0, np.float32))
+
+
 def test_memory_limit_option_takes_suffixes() -> None:
     size = _ByteSize()
     assert [size.convert(v, None, None) for v in ("0", "1024", "64M", "64MiB", "2g", "1.5K")] == [

@@ -28,12 +28,12 @@ from pwmesh.dataflow.exchange import Destination, Ragged, assemble, cut, cut_err
 from pwmesh.dataflow.plane import DataPlane
 from pwmesh.dataflow.progress import Arrived, Progress, ProgressError
 from pwmesh.dataflow.secure import plane_key
-from pwmesh.errors import DeviceLost, InvalidArgument, PwmeshError, Unavailable
+from pwmesh.errors import DeviceLost, InvalidArgument, PwmeshError, ResourceExhausted, Unavailable
 from pwmesh.executor import spill
 from pwmesh.executor.functions import FunctionCache
 from pwmesh.executor.group import GroupConfig, group_devices, join
 from pwmesh.executor.runner import Runner, as_error
-from pwmesh.executor.store import ObjectStore
+from pwmesh.executor.store import ObjectStore, format_bytes
 from pwmesh.executor.work import Work
 from pwmesh.ir.keys import function_id
 from pwmesh.service.heartbeat import LoopLag, every
@@ -373,7 +373,19 @@ class Executor(Service):
         assert isinstance(msg, PutShards)
         if not (len(msg.keys) == len(msg.arrays) == len(msg.devices)):
             raise InvalidArgument("put_shards needs as many keys, devices and arrays")
-        if sum(getattr(a, "nbytes", 0) for a in msg.arrays) >= HOST_COPY_INLINE_BYTES:
+        nbytes = sum(getattr(a, "nbytes", 0) for a in msg.arrays)
+        if not self.store.memory.fits(nbytes):
+            # A put does not wait: refused whole, each key failed with why (so nothing waits for it), and
+            # what it would have crowded out (another tenant's next computation) runs.
+            memory = self.store.memory
+            exc = ResourceExhausted(
+                f"a put of {format_bytes(nbytes)} does not fit on executor {self.name}: it holds "
+                f"{format_bytes(memory.in_use)} of its {format_bytes(memory.limit_bytes)} memory limit; free "
+                "buffers (del, .delete()) or use more devices")
+            for key in msg.keys:
+                self.store.fail(key, exc)
+            raise exc
+        if nbytes >= HOST_COPY_INLINE_BYTES:
             return self._put_off_loop(msg)
         first: Exception | None = None
         for key, device, array in zip(msg.keys, msg.devices, msg.arrays, strict=True):

@@ -50,8 +50,9 @@ class MemoryBudget:
     outputs' bytes (known statically) when it starts; if they do not fit, it waits,
     and its device queue with it (non-preemptive FIFO: head of line), until a
     deletion or the end of a reservation frees enough: those wake waiters directly,
-    nothing polls. Stored objects are never refused: whoever sent them has already
-    allocated them (another executor, the client); they only count.
+    nothing polls. A client's put that does not fit now is refused (``Executor._put``);
+    data arriving from other executors is never refused (its sender's run needs it):
+    it only counts.
 
     Waiters (at most one per device queue) are granted in arrival order, first
     fit: a big request that does not fit yet does not hold back a smaller one on
