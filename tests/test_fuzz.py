@@ -21,9 +21,9 @@ from types import ModuleType
 import msgpack
 import pytest
 import zmq
-from helpers import eventually
 
 import pwmesh as pw
+from helpers import eventually
 from pwmesh.dataflow import plane as plane_module
 from pwmesh.dataflow.plane import INLINE, RETRY_DELAYS_SECONDS, SHARED, DataPlane, machine_id, recv_bytes
 from pwmesh.errors import InvalidArgument, PwmeshError

@@ -21,8 +21,8 @@ import numpy as np
 import pytest
 import zmq
 from click.testing import CliRunner
-from zmq.utils.monitor import recv_monitor_message
 from test_liveness import LANES, long_steps, spin
+from zmq.utils.monitor import recv_monitor_message
 
 import pwmesh as pw
 from helpers import eventually

@@ -92,7 +92,7 @@ class ResourceManager(Service):
                                            f"the key {env.user!r} cannot take it over")
             case UnregisterExecutor(executor_id=name) | LeavingForGroup(executor_id=name):
                 claims = [name]
-            case Heartbeat(role=role, name=name) | WatchCluster(role=role, name=name):
+            case Heartbeat(name=name) | WatchCluster(name=name):
                 claims = [name]
             case AllocateSlice() | ReleaseSlices() | DrainExecutor():
                 proxies = [name for role, name in self.state.known if role == "proxy"]

@@ -26,8 +26,8 @@ from pathlib import Path
 from typing import Any
 
 from pwmesh.errors import PwTimeoutError
-from pwmesh.service.lifecycle import READY_PREFIX
 from pwmesh.service.keys import DAEMONS, add_daemon
+from pwmesh.service.lifecycle import READY_PREFIX
 
 log = logging.getLogger(__name__)
 
