@@ -24,6 +24,7 @@ from jax._src.lib.mlir import ir
 import pwmesh as pw
 from pwmesh.cli.commands import fetch_status
 from pwmesh.client.connection import ClientConnection
+from pwmesh.executor import sandbox
 from pwmesh.executor.functions import ALLOWED_CUSTOM_CALLS, custom_calls, load
 from pwmesh.ir.keys import function_id
 from pwmesh.wire.messages import RegisterFunction
@@ -75,3 +76,30 @@ def test_an_executor_refuses_the_crafted_artifact_and_a_forged_id(cluster: pw.Lo
         q = pw.pmap(lambda a: jnp.linalg.qr(a)[0], devices=sl)(np.stack([np.eye(4, dtype=np.float32)] * 2))
         np.testing.assert_allclose(np.abs(np.asarray(q)), np.stack([np.eye(4)] * 2), atol=1e-6)
     assert all(e.alive for e in fetch_status(cluster.address).cluster.executors)
+
+
+def test_the_sandbox_reads_a_function_first_and_survives_its_crash(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--sandbox-functions`` (the default with keys): a child process reads each new function before the
+    executor does. It refuses the crafted artifact as the executor would; one that crashes it (made to
+    abort here: a parser that segfaults cannot be had on demand) is refused naming the signal, and the
+    next function is read by a new child."""
+    honest = bytes(qr_export().serialize())
+    honest_id = function_id(honest, False)
+    bad = crafted()
+    doomed = bytes(export.export(jax.jit(jnp.sin))(jax.ShapeDtypeStruct((3,), jnp.float32)).serialize())
+    doomed_id = function_id(doomed, False)
+    monkeypatch.setenv(sandbox.TEST_CRASH_ENV, doomed_id)
+    box = sandbox.Sandbox()
+    try:
+        box.check(honest_id, honest)
+        with pytest.raises(pw.InvalidArgument, match="xla_ffi_python_cpu_callback"):
+            box.check(function_id(bad, False), bad)
+        with pytest.raises(pw.InvalidArgument, match=r"crashed the process that reads functions.*signal 6"):
+            box.check(doomed_id, doomed)
+        box.check(honest_id, honest)  # a new child
+        assert (box.checked, box.crashes) == (3, 1)
+        with pytest.raises(pw.InvalidArgument, match="crashed"):  # load goes through it
+            load(doomed_id, doomed, spmd=False, sandbox=box)
+        assert load(honest_id, honest, spmd=False, sandbox=box).fn_id == honest_id
+    finally:
+        box.close()

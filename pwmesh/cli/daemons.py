@@ -176,6 +176,9 @@ class _ByteSize(click.ParamType):
                    "0: no limit.")
 @click.option("--watchdog-seconds", type=float, default=10.0, show_default=True,
               help="Log gang computations that wait in their collectives for longer than this.")
+@click.option("--sandbox-functions/--no-sandbox-functions", default=None,
+              help="Read each new function in a child process first, so a crafted one crashes that and not "
+                   "the executor (default: on with --keys, where tenants share it).")
 @click.option("--reclaim-after-seconds", type=float, default=10.0, show_default=True,
               help="Restart to take devices back from a computation still running this long after its run "
                    "was cancelled (a deadline, say); the rest of the work goes on after it. 0: never.")
@@ -210,7 +213,8 @@ class _ByteSize(click.ParamType):
 @_log_level
 @_log_format
 def executor_main(island: int, rm: str, devices: int, listen: str, data_listen: str, name: str, host: str,
-                  watchdog_seconds: float, reclaim_after_seconds: float, collectives: bool, jax_coordinator: str, jax_processes: int,
+                  watchdog_seconds: float, sandbox_functions: bool | None, reclaim_after_seconds: float,
+                  collectives: bool, jax_coordinator: str, jax_processes: int,
                   jax_process_id: int, group_epoch: int, group_members: str, resume_from: str,
                   data_plane_plaintext: bool, shared_memory: bool, platform: str | None, test_enqueue_jitter_seconds: float,
                   test_order_by_arrival: bool,
@@ -231,7 +235,7 @@ def executor_main(island: int, rm: str, devices: int, listen: str, data_listen: 
     config = ExecutorConfig(island=island, rm=rm, devices=devices, listen=listen, data_listen=data_listen,
                             name=name, host=host, heartbeat_interval_seconds=heartbeat_interval_seconds,
                             memory_limit_bytes=memory_limit_bytes, watchdog_seconds=watchdog_seconds,
-                            reclaim_after_seconds=reclaim_after_seconds,
+                            reclaim_after_seconds=reclaim_after_seconds, sandbox_functions=sandbox_functions,
                             collectives=collectives,
                             group=GroupConfig(jax_coordinator, jax_processes, jax_process_id)
                             if collectives and jax_coordinator else None,

@@ -33,6 +33,7 @@ from pwmesh.executor import spill
 from pwmesh.executor.functions import FunctionCache
 from pwmesh.executor.group import GroupConfig, group_devices, join
 from pwmesh.executor.runner import Runner, as_error
+from pwmesh.executor.sandbox import Sandbox
 from pwmesh.executor.store import ObjectStore, format_bytes
 from pwmesh.executor.work import Work
 from pwmesh.ir.keys import function_id
@@ -150,6 +151,8 @@ class ExecutorConfig:
     # A computation of a cancelled run (past its tenant's deadline, say) still holding devices this long
     # after the cancel restarts the executor, to give the devices back to everyone else (0: never).
     reclaim_after_seconds: float = 10.0
+    # Read each new function in a child process first (``executor.sandbox``); None: with keys (tenants).
+    sandbox_functions: bool | None = None
 
 
 class Executor(Service):
@@ -182,7 +185,9 @@ class Executor(Service):
         self._joining: JoinGroup | None = None
 
     async def setup(self) -> None:
-        self.functions = FunctionCache()
+        config = self.config
+        sandboxed = config.sandbox_functions if config.sandbox_functions is not None else bool(config.security.keys)
+        self.functions = FunctionCache(Sandbox() if sandboxed else None)
         # Host copies (large puts, arrivals and fetches) and function loads: off the loop, and not behind
         # a device's own thread, which a long computation may hold for minutes.
         self._copies = concurrent.futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="pwmesh-copy")
@@ -891,6 +896,8 @@ class Executor(Service):
             self._spill()
         if hasattr(self, "runner"):
             await self.runner.aclose()
+        if hasattr(self, "functions") and self.functions.sandbox is not None:
+            self.functions.sandbox.close()
         if hasattr(self, "plane"):
             self.plane.close()
 

@@ -18,6 +18,7 @@ from jax._src.export import _export  # the custom calls JAX guarantees stable (n
 from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec, SingleDeviceSharding
 
 from pwmesh.errors import InvalidArgument
+from pwmesh.executor.sandbox import Sandbox
 
 # What makes a computation's run time unbounded by its shapes, in its optimized HLO: a loop whose trip
 # count XLA could not work out (a static ``fori_loop`` or ``scan`` has one: ``known_trip_count``), a host
@@ -188,10 +189,9 @@ def custom_calls(exported: export.Exported) -> set[str]:
     return {a or b for a, b in _CUSTOM_CALL.findall(exported.mlir_module())}
 
 
-def load(fn_id: str, serialized: bytes, spmd: bool, mesh: list[int] | None = None, axes: list[str] | None = None,
-         donate: list[int] | None = None) -> CompiledFunction:
-    """A registered function, deserialized and checked (``InvalidArgument`` if it cannot be read here, or
-    calls what executors do not run)."""
+def read(fn_id: str, serialized: bytes) -> export.Exported:
+    """A registered function's artifact, deserialized and checked (``InvalidArgument`` if it cannot be
+    read here, or calls what executors do not run)."""
     try:
         exported = export.deserialize(bytearray(serialized))
     except Exception as exc:  # e.g. exported by a JAX this executor cannot read
@@ -200,13 +200,22 @@ def load(fn_id: str, serialized: bytes, spmd: bool, mesh: list[int] | None = Non
     if refused:
         raise InvalidArgument(f"function {fn_id[:12]} makes custom calls executors do not run: {', '.join(refused)} "
                               "(only those jax.export guarantees stable; never a host callback)")
-    return CompiledFunction(fn_id, exported, spmd, mesh, axes, donate)
+    return exported
+
+
+def load(fn_id: str, serialized: bytes, spmd: bool, mesh: list[int] | None = None, axes: list[str] | None = None,
+         donate: list[int] | None = None, sandbox: Sandbox | None = None) -> CompiledFunction:
+    """A registered function, read (``read``) here once ``sandbox``, if any, has read it without dying."""
+    if sandbox is not None:
+        sandbox.check(fn_id, serialized)
+    return CompiledFunction(fn_id, read(fn_id, serialized), spmd, mesh, axes, donate)
 
 
 class FunctionCache:
     """Functions by id; ``get`` waits for a registration that has not arrived yet."""
 
-    def __init__(self) -> None:
+    def __init__(self, sandbox: Sandbox | None = None) -> None:
+        self.sandbox = sandbox  # reads each new function first, in a child process (``pwmesh.executor.sandbox``)
         self._functions: dict[str, asyncio.Future[CompiledFunction]] = {}
         self._loading: set[str] = set()  # being deserialized off the loop (``load``)
 
@@ -232,7 +241,7 @@ class FunctionCache:
         fut = self._entry(fn_id)
         if not fut.done():
             try:
-                self._settle(fut, load(fn_id, serialized, spmd, mesh, axes, donate))
+                self._settle(fut, load(fn_id, serialized, spmd, mesh, axes, donate, self.sandbox))
             except InvalidArgument as exc:
                 self._settle(fut, exc)
         return fut.result()
@@ -247,7 +256,7 @@ class FunctionCache:
             self._loading.add(fn_id)
             try:
                 found: CompiledFunction | InvalidArgument = await asyncio.get_running_loop().run_in_executor(
-                    executor, load, fn_id, serialized, spmd, mesh, axes, donate)
+                    executor, load, fn_id, serialized, spmd, mesh, axes, donate, self.sandbox)
             except InvalidArgument as exc:
                 found = exc
             finally:
