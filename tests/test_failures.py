@@ -72,6 +72,26 @@ def test_scheduler_killed_then_restarted(fragile: pw.LocalCluster) -> None:
         np.testing.assert_array_equal(np.asarray(inc(np.ones(1))), [2.0])
 
 
+def test_a_scheduler_restarted_at_once_fails_what_it_was_ordering(fragile: pw.LocalCluster) -> None:
+    """Issue #28, item 3 in part. Killed and started again within the heartbeat timeout (systemd's
+    ``RestartSec=2``), the island's scheduler was never found lost: a run the old instance held in its
+    window hung for ever. Now the new instance's registration ends the old one's (a new epoch): every
+    run it was ordering fails with ``DeviceLost`` naming the restart, and the next runs go through."""
+    with pw.Client(fragile.address) as client:
+        f, _, _, _, _ = slow_then_after(client, fragile.address)
+        # Three more behind the slow one in the island's order: the last cannot be done before seconds of
+        # work, far longer than the restart (what ran before the old instance died may complete).
+        queued = [f(np.ones(1))[1] for _ in range(3)][-1]
+        scheduler = fragile.child("scheduler-0")
+        scheduler.popen.send_signal(signal.SIGKILL)
+        scheduler.popen.wait()
+        fragile.restart("scheduler-0")
+        with pytest.raises(pw.DeviceLost, match="scheduler of island 0 is gone .*restarted"):
+            np.asarray(queued)
+        x2, y2 = f(np.ones(1))
+        np.testing.assert_allclose(np.asarray(y2), np.asarray(x2) + 1.0)
+
+
 def test_a_restarted_proxy_fails_the_calls_waiting_on_the_old_one() -> None:
     """Issue #28, item 2 in part. The proxy is killed while a call waits on it and restarted on the
     same address: it answers the client's heartbeats, but has no session for it. Before, the client

@@ -136,6 +136,12 @@ class ResourceManagerState:
         return Ok()
 
     def _register_scheduler(self, info: SchedulerInfo, now: float) -> None:
+        held = self.schedulers.get(info.island)
+        if held is not None and held.epoch and info.epoch and held.epoch != info.epoch:
+            # Killed and started again before it was found silent: the runs the old instance was
+            # ordering are lost with it (their proxies fail them), exactly as if it had been lost.
+            self._lose_scheduler(held.name, f"it restarted: a new instance registered for island {info.island}; "
+                                            "the runs it was ordering fail (run them again)")
         self.schedulers[info.island] = info
         self.known.add(("scheduler", info.name))
         self.liveness.beat(f"scheduler:{info.name}", now)

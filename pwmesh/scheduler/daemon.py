@@ -107,7 +107,7 @@ class Scheduler(Service):
 
     def _registration(self) -> RegisterScheduler:
         return RegisterScheduler(info=SchedulerInfo(island=self.config.island, address=self.server.address,
-                                                    name=self.name))
+                                                    name=self.name, epoch=self.order.epoch))
 
     def _notified(self, env: Envelope) -> None:
         if isinstance(env.message, PleaseRegister):  # the resource manager restarted

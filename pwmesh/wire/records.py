@@ -63,6 +63,7 @@ class SchedulerInfo(Record):
     island: int
     address: str
     name: str = ""
+    epoch: str = ""  # its instance (a new process, a new epoch): what the old one was ordering is lost with it
 
 
 @record
