@@ -358,3 +358,35 @@ def test_the_data_plane_off_loopback_without_keys_is_refused_too() -> None:
     assert daemon.returncode == 1 and "Traceback" not in daemon.stderr
     assert daemon.stderr.strip().splitlines()[-1].startswith(
         "Error: pwmesh-executor: refusing to bind the data plane at tcp://0.0.0.0:0 without keys")
+
+
+@pytest.mark.asyncio
+@pytest.mark.timeout(120)
+async def test_a_private_local_cluster_lets_in_no_one_else() -> None:
+    """``pw.connect()``'s embedded cluster (``LocalClusterSpec(private=True)``), without keys: its daemons
+    listen on Unix sockets in a directory only this user may enter (as Jupyter keys its kernels, another
+    local user cannot connect), and its executors' data plane proves a generated secret, so a stream that
+    lacks it (anyone's on this machine) delivers nothing. Its own programs run as ever."""
+    spec = pw.LocalClusterSpec(islands=1, hosts_per_island=2, devices_per_host=1, private=True)
+    with pw.LocalCluster(spec) as cluster:
+        where = Path(cluster.address.removeprefix("ipc://")).parent
+        assert cluster.address.startswith("ipc://") and os.stat(where).st_mode & 0o777 == 0o700
+        assert all(c.info["address"].startswith(f"ipc://{where}/") for c in cluster.children)
+
+        def moved() -> np.ndarray:  # one host's value read on the other: through the data plane
+            with pw.Client(cluster.address) as client:
+                devs = client.make_virtual_device_set()
+                on0, on1 = devs.add_slice(devices=1), devs.add_slice(devices=1)
+                x = pw.pmap(lambda v: v * 2.0, devices=on0)(np.ones((1, 4), np.float32))
+                return np.asarray(pw.pmap(lambda v: v + 1.0, devices=on1)(x))
+
+        np.testing.assert_array_equal(await asyncio.to_thread(moved), np.full((1, 4), 3.0))
+        data = fetch_status(cluster.address).cluster.executors[0].data
+        stranger = DataPlane(asyncio.get_running_loop(), lambda b: None, shared_memory=False)
+        try:
+            stranger.send(data, batch(1_000))
+            await asyncio.wait_for(stranger.idle.wait(), 20.0)
+            assert stranger.lost == 1, "a stream without the cluster's secret is refused"
+        finally:
+            stranger.close()
+    assert not where.exists(), "its sockets' directory goes with it"

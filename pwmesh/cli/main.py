@@ -117,7 +117,7 @@ def submit(address: str | None, connect_timeout: float, islands: int, hosts_per_
     from pwmesh.cli import commands  # noqa: PLC0415
 
     cluster = LocalClusterSpec(islands=islands, hosts_per_island=hosts_per_island, devices_per_host=devices_per_host,
-                               collectives=collectives)
+                               collectives=collectives, private=True)
     sys.exit(commands.submit(address, job, list(args), cluster, connect_timeout_seconds=connect_timeout))
 
 

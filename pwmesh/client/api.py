@@ -39,8 +39,8 @@ class Client:
         self.cluster: LocalCluster | None = None
         if address is None:
             # Embedded: each island's executors form a JAX group, so SPMD slices may span hosts as they
-            # do under `pwmesh up` (a spec given says for itself).
-            self.cluster = LocalCluster(cluster or LocalClusterSpec(collectives=True))
+            # do under `pwmesh up`; private, so no other local user can reach it (a spec given says for itself).
+            self.cluster = LocalCluster(cluster or LocalClusterSpec(collectives=True, private=True))
             address = self.cluster.start_visibly()
             keys = keys or self.cluster.spec.keys or None
         self.address = address

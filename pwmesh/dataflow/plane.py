@@ -631,6 +631,10 @@ class DataPlane:
 
     def close(self) -> None:
         self._closing = True
+        try:  # wakes the accept thread (closing alone leaves it blocked in accept for ever)
+            self._listener.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
         self._listener.close()
         for stream in self._streams.values():
             stream.close()

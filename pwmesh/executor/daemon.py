@@ -27,7 +27,7 @@ import numpy as np
 from pwmesh.dataflow.exchange import Destination, Ragged, assemble, cut, cut_error
 from pwmesh.dataflow.plane import DataPlane
 from pwmesh.dataflow.progress import Arrived, Progress, ProgressError
-from pwmesh.dataflow.secure import plane_key
+from pwmesh.dataflow.secure import PLANE_SECRET_ENV, plane_key
 from pwmesh.errors import DeviceLost, InvalidArgument, PwmeshError, ResourceExhausted, Unavailable
 from pwmesh.executor import spill
 from pwmesh.executor.functions import FunctionCache
@@ -245,10 +245,14 @@ class Executor(Service):
         bind_host, _, port = self.config.data_listen.removeprefix("tcp://").rpartition(":")
         self.ctx.guard_bind(self.config.data_listen, "the data plane at ")
         keys = self.ctx.keys
+        # Without keys, a private local cluster's generated secret (``LocalClusterSpec.private``): streams
+        # prove it, so another local user cannot feed this executor data; payloads stay in plaintext.
+        secret = os.environ.get(PLANE_SECRET_ENV, "")
         self.plane = DataPlane(asyncio.get_running_loop(), self._receive, bind_host=bind_host, port=int(port or 0),
                                shared_memory=self.config.shared_memory,
-                               key=plane_key(keys.secret) if keys is not None else None,
-                               plaintext=self.config.data_plane_plaintext)
+                               key=plane_key(keys.secret) if keys is not None else (
+                                   plane_key(bytes.fromhex(secret)) if secret else None),
+                               plaintext=self.config.data_plane_plaintext or (keys is None and bool(secret)))
         self.control.start()
         self.peers = Connections(self.ctx, tasks=self.tasks, name=self.name, on_message=self._notified)
         self._sending = 0  # transfers waiting for their shard, or under way

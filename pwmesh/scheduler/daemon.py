@@ -176,7 +176,7 @@ class Scheduler(Service):
         assert self.group is not None
         for old in [e for e in self._coordinators if e > self.group.formed_epoch]:
             self.tasks.spawn(self._stop_coordinator(old), name=f"stop-coordinator-{old}")
-        host = self.server.address.removeprefix("tcp://").rsplit(":", 1)[0].strip("[]")
+        host = listen_host(self.server.address)  # a Unix socket (a private local cluster): loopback
         if host in ("*", "0.0.0.0", ""):  # noqa: S104 - a wildcard bind: the group listens where we are reached
             host = socket.gethostname()
         with socket.socket() as probe:

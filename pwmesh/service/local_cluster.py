@@ -13,6 +13,7 @@ import dataclasses
 import json
 import logging
 import os
+import secrets
 import selectors
 import shutil
 import signal
@@ -26,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from pwmesh.errors import PwTimeoutError
+from pwmesh.dataflow.secure import PLANE_SECRET_ENV
 from pwmesh.service.keys import DAEMONS, add_daemon
 from pwmesh.service.lifecycle import READY_PREFIX
 
@@ -61,6 +63,10 @@ class LocalClusterSpec:
     # With ``keys``: each daemon runs with a key of its own (``pwmesh keys add-daemon NAME``, made where
     # missing), as on a cluster of many hosts; else every daemon uses the cluster's own key.
     daemon_keys: bool = False
+    # Without keys: serve on Unix sockets in a directory only this user can enter, and give the executors'
+    # data plane a generated secret, so another local user cannot reach the cluster (as Jupyter keys
+    # its kernels). ``pw.connect()``'s embedded cluster is private.
+    private: bool = False
     metrics: bool = False  # every daemon serves Prometheus metrics on a free loopback port (``metrics_addresses``)
     tenants: str = ""  # the proxy's tenants policy file (``pwmesh tenants set``); "": the keys directory's
 
@@ -86,19 +92,27 @@ class LocalCluster:
         self._progress: Callable[[str], None] | None = None
         # A temporary log directory of our own is removed on a clean stop; kept when something failed.
         self._keep_logs = False
+        self._private_dir: Path | None = None  # the Unix sockets of a private cluster (mode 0700)
+        self._plane_secret = ""
 
     # -------------------------------------------------------------- processes
 
     def _spawn(self, role: str, name: str, args: list[str], env: dict[str, str] | None = None) -> Child:
         if self.spec.metrics and "--metrics-port" not in args:
             args = [*args, "--metrics-port", "0"]
+        private = self.spec.private and not self.spec.keys
+        if private and "--listen" not in args:
+            if self._private_dir is None:
+                self._private_dir = Path(tempfile.mkdtemp(prefix="pwmesh-"))  # 0700: no one else may connect
+                self._plane_secret = secrets.token_hex(32)
+            args = [*args, "--listen", f"ipc://{self._private_dir / name}.sock"]
         log_path = self.log_dir / f"{name}.log"
         keys = self.spec.keys
         if keys and self.spec.daemon_keys:
             own = Path(keys) / DAEMONS / name
             keys = str(own if own.is_dir() else add_daemon(keys, name))
         child_env = {**os.environ, "PWMESH_PARENT_PID": str(os.getpid()), "JAX_PLATFORMS": self.spec.platform,
-                     **(env or {})}
+                     **({PLANE_SECRET_ENV: self._plane_secret} if private else {}), **(env or {})}
         child_env.pop("XLA_FLAGS", None)  # each executor sets its own device count
         with open(log_path, "ab") as log_file:
             popen = subprocess.Popen(
@@ -280,6 +294,9 @@ class LocalCluster:
                 self._keep_logs = True
         self.children.clear()
         self.address = ""
+        if self._private_dir is not None:
+            shutil.rmtree(self._private_dir, ignore_errors=True)
+            self._private_dir = None
         if self._own_log_dir and self.log_dir.exists():
             if self._keep_logs:
                 log.warning("local cluster: a daemon failed or was killed; its logs are in %s", self.log_dir)

@@ -60,6 +60,8 @@ def gauge(name: str, doc: str, value: float | None = None, *, labels: Mapping[st
 def listen_host(listen: str) -> str:
     """The host a daemon's ``--listen`` address binds (``tcp://10.0.0.1:7100`` -> ``10.0.0.1``): its metrics
     are served there too, on no more interfaces than its control socket."""
+    if listen.startswith(("ipc://", "inproc://")):  # a Unix socket: metrics on loopback
+        return "127.0.0.1"
     host = listen.removeprefix("tcp://").rpartition(":")[0].strip("[]")
     return "0.0.0.0" if host in ("*", "") else host
 
