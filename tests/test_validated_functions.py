@@ -25,7 +25,8 @@ import pwmesh as pw
 from pwmesh.cli.commands import fetch_status
 from pwmesh.client.connection import ClientConnection
 from pwmesh.executor import sandbox
-from pwmesh.executor.functions import ALLOWED_CUSTOM_CALLS, custom_calls, load
+from pwmesh.executor.artifacts import ALLOWED_CUSTOM_CALLS, custom_calls
+from pwmesh.executor.functions import load
 from pwmesh.ir.keys import function_id
 from pwmesh.wire.messages import RegisterFunction
 

@@ -23,9 +23,6 @@ from typing import Any
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
-# A private local cluster's data-plane secret (hex), which it gives its executors in their environment
-# (``LocalClusterSpec.private``): the key, without CURVE keys, that streams prove.
-PLANE_SECRET_ENV = "PWMESH_PLANE_SECRET"
 NONCE_BYTES = 16  # each end's handshake nonce
 TAG_BYTES = 16  # what sealing adds to a piece
 _CONTEXT = b"pwmesh data plane v1\x00"

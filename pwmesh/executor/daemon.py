@@ -27,7 +27,7 @@ import numpy as np
 from pwmesh.dataflow.exchange import Destination, Ragged, assemble, cut, cut_error
 from pwmesh.dataflow.plane import DataPlane
 from pwmesh.dataflow.progress import Arrived, Progress, ProgressError
-from pwmesh.dataflow.secure import PLANE_SECRET_ENV, plane_key
+from pwmesh.dataflow.secure import plane_key
 from pwmesh.errors import DeviceLost, InvalidArgument, PwmeshError, ResourceExhausted, Unavailable
 from pwmesh.executor import spill
 from pwmesh.executor.functions import FunctionCache
@@ -38,7 +38,7 @@ from pwmesh.executor.store import ObjectStore, format_bytes
 from pwmesh.executor.work import Work
 from pwmesh.ir.keys import function_id
 from pwmesh.service.heartbeat import LoopLag, every
-from pwmesh.service.keys import Security
+from pwmesh.service.keys import PLANE_SECRET_ENV, Security
 from pwmesh.service.lifecycle import Service, Status
 from pwmesh.service.metrics import Metric, counter, gauge, listen_host, merged, wire_metrics
 from pwmesh.service.ratelimit import RejectedLog

@@ -14,10 +14,10 @@ from typing import Any
 import jax
 import numpy as np
 from jax import export
-from jax._src.export import _export  # the custom calls JAX guarantees stable (no public name)
 from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec, SingleDeviceSharding
 
 from pwmesh.errors import InvalidArgument
+from pwmesh.executor.artifacts import read
 from pwmesh.executor.sandbox import Sandbox
 
 # What makes a computation's run time unbounded by its shapes, in its optimized HLO: a loop whose trip
@@ -173,34 +173,6 @@ class CompiledFunction:
         with self._lock:
             self._executables.setdefault(key, exe)
             return self._executables[key]
-
-
-# The custom calls a registered function may make: those ``jax.export`` guarantees stable (LAPACK,
-# cuSOLVER and the like, sharding markers), and never a host callback. JAX checks this when it exports,
-# not when it deserializes: an artifact edited to call ``xla_ffi_python_cpu_callback`` crashed an
-# executor, losing every tenant's buffers on it.
-ALLOWED_CUSTOM_CALLS = frozenset(
-    t for t in getattr(_export, "_CUSTOM_CALL_TARGETS_GUARANTEED_STABLE", ()) if "callback" not in t)
-_CUSTOM_CALL = re.compile(r'custom_call\s*@([\w.$-]+)|call_target_name\s*=\s*"([^"]*)"')
-
-
-def custom_calls(exported: export.Exported) -> set[str]:
-    """Every custom-call target ``exported``'s module names."""
-    return {a or b for a, b in _CUSTOM_CALL.findall(exported.mlir_module())}
-
-
-def read(fn_id: str, serialized: bytes) -> export.Exported:
-    """A registered function's artifact, deserialized and checked (``InvalidArgument`` if it cannot be
-    read here, or calls what executors do not run)."""
-    try:
-        exported = export.deserialize(bytearray(serialized))
-    except Exception as exc:  # e.g. exported by a JAX this executor cannot read
-        raise InvalidArgument(f"function {fn_id[:12]} cannot be loaded here: {type(exc).__name__}: {exc}") from None
-    refused = sorted(custom_calls(exported) - ALLOWED_CUSTOM_CALLS)
-    if refused:
-        raise InvalidArgument(f"function {fn_id[:12]} makes custom calls executors do not run: {', '.join(refused)} "
-                              "(only those jax.export guarantees stable; never a host callback)")
-    return exported
 
 
 def load(fn_id: str, serialized: bytes, spmd: bool, mesh: list[int] | None = None, axes: list[str] | None = None,

@@ -4,7 +4,7 @@ A function reaches an executor as a ``jax.export`` artifact, which is a tenant's
 (``export.deserialize``, then the MLIR module for the custom-call check) runs jaxlib's flatbuffer and
 MLIR bytecode parsers over them, inside the process that holds every tenant's buffers. With a sandbox
 (``pwmesh-executor --sandbox-functions``, the default on a cluster with keys) a child process reads each
-new function first, with the same checks (``functions.load``); only an artifact it read without dying
+new function first, with the same checks (``artifacts.read``); only an artifact it read without dying
 and without a refusal is read again by the executor. If the child dies (a parser's segfault, an abort)
 the function is refused, naming the signal, and a new child reads the next one.
 
@@ -113,7 +113,7 @@ def _close_pipes(child: subprocess.Popen[bytes]) -> None:
 
 def main() -> None:
     """The child: read each function as the executor would, and say whether it may."""
-    from pwmesh.executor.functions import read  # noqa: PLC0415 - JAX, in the child only
+    from pwmesh.executor.artifacts import read  # noqa: PLC0415 - JAX, in the child only
 
     crash_on = os.environ.get(TEST_CRASH_ENV, "")
     src, out = sys.stdin.buffer, sys.stdout.buffer

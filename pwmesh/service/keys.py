@@ -42,6 +42,9 @@ from pwmesh.errors import InvalidArgument
 CLUSTER = "cluster"
 DAEMONS = "daemons"  # daemon hosts' own keys: ``authorized/daemons/``, and what each host is given
 ENV = "PWMESH_KEYS"
+# A private local cluster's data-plane secret (hex), which it gives its executors in their environment
+# (``LocalClusterSpec.private``): without keys, what their streams prove.
+PLANE_SECRET_ENV = "PWMESH_PLANE_SECRET"
 # Handshakes re-read ``authorized/`` at most this often (junk cannot make us read a directory per
 # connection attempt), and as soon as ``MISS_RELOAD_SECONDS`` after the last read when a key is unknown:
 # ZeroMQ does not retry a handshake refused once, so a key made just before its daemon starts must count.

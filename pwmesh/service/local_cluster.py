@@ -26,9 +26,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from pwmesh.dataflow.secure import PLANE_SECRET_ENV
 from pwmesh.errors import PwTimeoutError
-from pwmesh.service.keys import DAEMONS, add_daemon
+from pwmesh.service.keys import DAEMONS, PLANE_SECRET_ENV, add_daemon
 from pwmesh.service.lifecycle import READY_PREFIX
 
 log = logging.getLogger(__name__)
