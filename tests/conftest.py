@@ -45,6 +45,12 @@ SPEC = pw.LocalClusterSpec(islands=2, hosts_per_island=2, devices_per_host=2, se
 WIDE = pw.LocalClusterSpec(islands=2, hosts_per_island=1, devices_per_host=8)
 
 
+@pytest.fixture(autouse=True)
+def no_keys_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The developer's ``$PWMESH_KEYS`` never reaches a test (one that needs keys says which)."""
+    monkeypatch.delenv("PWMESH_KEYS", raising=False)
+
+
 @pytest.fixture(scope="session")
 def cluster() -> Iterator[pw.LocalCluster]:
     os.environ.pop("PWMESH_ADDRESS", None)

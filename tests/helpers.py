@@ -28,7 +28,8 @@ import zmq
 
 import pwmesh as pw
 from pwmesh.cli.commands import fetch_status
-from pwmesh.wire import decode, encode
+from pwmesh.client.connection import ClientConnection
+from pwmesh.wire import Message, decode, encode
 from pwmesh.wire.messages import Ping, Pong
 
 
@@ -47,6 +48,26 @@ def eventually(condition: Callable[[], bool], timeout_seconds: float) -> None:
         if time.monotonic() > deadline:
             raise TimeoutError(f"condition not met within {timeout_seconds} seconds")
         time.sleep(0.02)
+
+
+def admitted(address: str, keys: Path) -> bool:
+    """Whether a connection with ``keys`` gets through to the daemon at ``address`` now (a key added counts
+    from the daemons' next read of ``authorized/``)."""
+    try:
+        ClientConnection(address, name="probe", open_session=False, probe=True, keys=str(keys),
+                         connect_timeout_seconds=1.5).close()
+    except pw.ConnectionFailed:
+        return False
+    return True
+
+
+def refused(conn: ClientConnection, message: Message) -> bool:
+    """Whether ``conn``'s ``message`` is now refused with ``PermissionDenied`` (its key was removed)."""
+    try:
+        conn.request(message, timeout_seconds=5.0)
+    except pw.PermissionDenied:
+        return True
+    return False
 
 
 def ping_status(address: str) -> str:

@@ -17,7 +17,7 @@ import pytest
 from click.testing import CliRunner
 
 import pwmesh as pw
-from helpers import eventually
+from helpers import admitted, eventually, refused
 from pwmesh.cli.commands import fetch_status
 from pwmesh.cli.main import main
 from pwmesh.client.connection import ClientConnection
@@ -37,11 +37,6 @@ from pwmesh.wire.messages import (
     WatchCluster,
 )
 from pwmesh.wire.records import SchedulerInfo
-
-
-@pytest.fixture(autouse=True)
-def no_keys_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv("PWMESH_KEYS", raising=False)
 
 
 @pytest.fixture(scope="module")
@@ -158,29 +153,12 @@ def test_a_daemon_key_acts_only_as_its_own_host(hosts: pw.LocalCluster, key_dirs
 
 def test_a_removed_daemon_key_is_shut_out(hosts: pw.LocalCluster, key_dirs: dict[str, Path]) -> None:
     spare = cluster_keys.add_daemon(key_dirs["cluster"], "spare")
-
-    def admitted() -> bool:  # a key added counts from the daemons' next read of authorized/ (once a second)
-        try:
-            ClientConnection(hosts.rm_address, name="probe", open_session=False, probe=True, keys=str(spare),
-                             connect_timeout_seconds=1.5).close()
-        except pw.ConnectionFailed:
-            return False
-        return True
-
-    eventually(admitted, 10)
+    eventually(lambda: admitted(hosts.rm_address, spare), 10)
     conn = raw(hosts.rm_address, spare)
     try:
         assert isinstance(conn.request(Ping(), timeout_seconds=10.0), Pong)
         cluster_keys.remove(key_dirs["cluster"], "spare")
-
-        def refused() -> bool:
-            try:
-                conn.request(Ping(), timeout_seconds=5.0)
-            except pw.PermissionDenied:
-                return True
-            return False
-
-        eventually(refused, 10)
+        eventually(lambda: refused(conn, Ping()), 10)
     finally:
         conn.close()
-    assert not admitted()
+    assert not admitted(hosts.rm_address, spare)

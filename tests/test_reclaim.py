@@ -27,11 +27,6 @@ from pwmesh.service import keys as cluster_keys
 pytestmark = pytest.mark.timeout(180)
 
 
-@pytest.fixture(autouse=True)
-def no_keys_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv("PWMESH_KEYS", raising=False)
-
-
 @pytest.fixture(scope="module")
 def key_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     cluster = cluster_keys.init(tmp_path_factory.mktemp("reclaim-keys") / "cluster")

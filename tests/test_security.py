@@ -54,11 +54,6 @@ def keyed(key_dirs: dict[str, Path]) -> Iterator[pw.LocalCluster]:
         yield running
 
 
-@pytest.fixture(autouse=True)
-def no_keys_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv("PWMESH_KEYS", raising=False)
-
-
 def test_keys_init_add_client_and_list(tmp_path: Path) -> None:
     where = tmp_path / "k"
     runner = CliRunner()

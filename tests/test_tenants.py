@@ -25,7 +25,7 @@ from test_liveness import LANES, long_steps, spin
 from zmq.utils.monitor import recv_monitor_message
 
 import pwmesh as pw
-from helpers import eventually
+from helpers import admitted, eventually, refused
 from pwmesh.cli.commands import fetch_status
 from pwmesh.cli.main import main
 from pwmesh.client.connection import ClientConnection
@@ -71,11 +71,6 @@ def keyed(key_dirs: dict[str, Path]) -> Iterator[pw.LocalCluster]:
     spec = pw.LocalClusterSpec(islands=1, hosts_per_island=2, devices_per_host=1, keys=str(key_dirs["cluster"]))
     with pw.LocalCluster(spec) as running:
         yield running
-
-
-@pytest.fixture(autouse=True)
-def no_keys_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv("PWMESH_KEYS", raising=False)
 
 
 def raw(address: str, keys: Path) -> ClientConnection:
@@ -172,30 +167,13 @@ def test_clients_see_their_own_sessions_and_an_admin_sees_all(keyed: pw.LocalClu
 
 def test_a_removed_key_is_refused_within_a_second(keyed: pw.LocalCluster, key_dirs: dict[str, Path]) -> None:
     carol = cluster_keys.add_client(key_dirs["cluster"], "carol")
-
-    def admitted() -> bool:  # a key added counts from the daemons' next read of authorized/ (once a second)
-        try:
-            ClientConnection(keyed.address, name="probe", open_session=False, probe=True, keys=str(carol),
-                             connect_timeout_seconds=1.5).close()
-        except pw.ConnectionFailed:
-            return False
-        return True
-
-    eventually(admitted, 10)
+    eventually(lambda: admitted(keyed.address, carol), 10)
     conn = raw(keyed.address, carol)
     try:
         assert isinstance(conn.request(GetStatus(), timeout_seconds=10.0), StatusReply)
         cluster_keys.remove(key_dirs["cluster"], "carol")
         removed = time.monotonic()
-
-        def refused() -> bool:
-            try:
-                conn.request(GetStatus(), timeout_seconds=5.0)
-            except pw.PermissionDenied:
-                return True
-            return False
-
-        eventually(refused, 10)
+        eventually(lambda: refused(conn, GetStatus()), 10)
         assert time.monotonic() - removed < 2.5  # refreshed at most once a second, plus a round trip
     finally:
         conn.close()
