@@ -134,6 +134,8 @@ class LoweringJob:
             self.template = self.build()
         except PwmeshError as exc:
             self.error = exc
+        except Exception as exc:  # a bug in lowering: this run fails with it, and nothing waits for ever
+            self.error = PwmeshError(f"lowering the program failed: {type(exc).__name__}: {exc}")
 
 
 def _key(program_id: str, bound: dict[int, list[ShardLocation]], host_inputs: set[int],
