@@ -153,3 +153,26 @@ def test_an_executor_restarted_under_its_name_is_used_again(fragile: pw.LocalClu
         (state,) = [s for s in fetch_status(fragile.address).cluster.slices if s.slice_id == sl.slice_id]
         assert not state.broken and sorted(d.executor_id for d in state.devices) == ["island0-host0",
                                                                                      "island0-host1"]
+
+
+def test_a_slice_request_that_timed_out_leaves_no_slice_behind() -> None:
+    """Issue #28, item 5 in part. The RM pauses (SIGSTOP) while a client asks for a slice: the proxy gives
+    up after ``--rm-timeout-seconds`` and the client gets the timeout. Before, the request still reached
+    the RM when it came back, and made a slice that no session held; now the proxy's release follows it on
+    the same connection, and the RM holds only what sessions hold."""
+    spec = pw.LocalClusterSpec(islands=1, hosts_per_island=1, devices_per_host=2, proxy_args=("--rm-timeout-seconds", "2"))
+    with pw.LocalCluster(spec) as cluster, pw.Client(cluster.address) as client:
+        devs = client.make_virtual_device_set()
+        kept = devs.add_slice(devices=1)
+        rm = cluster.child("rm").popen
+        rm.send_signal(signal.SIGSTOP)
+        try:
+            with pytest.raises(pw.PwTimeoutError, match="did not answer"):
+                devs.add_slice(devices=1)
+        finally:
+            rm.send_signal(signal.SIGCONT)
+        # Behind the late request and its release on the proxy's connection to the RM: the RM's answer
+        # comes after both.
+        held = [s.slice_id for s in fetch_status(cluster.address).cluster.slices]
+        assert held == [kept.slice_id]
+        np.testing.assert_array_equal(np.asarray(pw.pmap(lambda v: v + 1.0, devices=kept)(np.zeros(1))), [1.0])

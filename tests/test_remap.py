@@ -9,7 +9,7 @@ import dataclasses
 import pytest
 from test_placement import executor, started
 
-from pwmesh.errors import InvalidArgument, NotFound
+from pwmesh.errors import InvalidArgument, NotFound, Unavailable
 from pwmesh.rm.state import ResourceManagerState
 from pwmesh.wire.messages import (
     AllocateSlice,
@@ -23,12 +23,16 @@ from pwmesh.wire.messages import (
     PleaseRegister,
     RegisterExecutor,
     RegisterScheduler,
+    ReleaseSlices,
+    SchedulerJoined,
+    SchedulerLost,
     SliceAllocated,
     SliceInfo,
     SliceRemapped,
     UnregisterExecutor,
     WatchCluster,
 )
+from pwmesh.wire.records import SchedulerInfo
 
 
 def allocate(state: ResourceManagerState, owner: str, devices: int) -> SliceInfo:
@@ -164,3 +168,51 @@ def test_an_executor_back_from_the_dead_is_announced() -> None:
     joined = [n for n in state.take_notifications() if isinstance(n, ExecutorJoined)]
     assert [(j.executor_id, j.control) for j in joined] == [("i0h0", info.control)]
     assert state.executors["i0h0"].alive
+
+
+def test_a_slice_request_its_caller_gave_up_on_leaves_no_slice() -> None:
+    """Issue #28, item 5 in part: a proxy that timed out waiting for the RM (it was down) releases what its
+    request makes, behind it on the same connection; or, if that release comes first, the request is
+    refused when it arrives. Before, a timed-out ``add_slice`` left a slice no session held."""
+    state = started()
+    made = state.handle(AllocateSlice(owner="s1", devices=2, request="7"), now=0.0)
+    assert isinstance(made, SliceAllocated) and made.slice.slice_id in state.slices
+    assert state.handle(ReleaseSlices(owner="s1", requests=["7"]), now=0.0) == Ok()
+    assert made.slice.slice_id not in state.slices
+    kept = allocate(state, "s1", 1)  # releasing by request touches nothing else of the owner's
+    assert state.handle(ReleaseSlices(owner="s1", requests=["8"]), now=0.0) == Ok()  # not arrived yet
+    with pytest.raises(Unavailable, match="given up"):
+        state.handle(AllocateSlice(owner="s1", devices=2, request="8"), now=0.0)
+    assert list(state.slices) == [kept.slice_id]
+
+
+def test_an_executor_restarted_before_it_was_found_lost_is_lost_then_new() -> None:
+    """A new process under a live executor's name (fresh, another incarnation): the old one is declared
+    lost first, and watchers hear ``ExecutorJoined(fresh=True)``. A retry of the same registration, or a
+    registration after an RM restart (not fresh), is nothing new."""
+    state = started(islands=1, hosts=2)
+    first = dataclasses.replace(executor("i0h0"), fresh=True, incarnation="a")
+    assert state.handle(RegisterExecutor(info=first), now=0.0) == Ok()
+    again = state.take_notifications()
+    assert [type(n) for n in again] == [ExecutorLost, ExecutorJoined]  # it had registered (not fresh) in started()
+    assert state.handle(RegisterExecutor(info=first), now=1.0) == Ok()  # a retry: the same incarnation
+    assert [(type(n), getattr(n, "fresh", None)) for n in state.take_notifications()] == [(ExecutorJoined, False)]
+    newer = dataclasses.replace(first, incarnation="b")
+    assert state.handle(RegisterExecutor(info=newer), now=2.0) == Ok()
+    notes = state.take_notifications()
+    assert [type(n) for n in notes] == [ExecutorLost, ExecutorJoined] and notes[1].fresh
+    assert "restarted" in notes[0].reason
+    not_fresh = dataclasses.replace(newer, fresh=False)
+    assert state.handle(RegisterExecutor(info=not_fresh), now=3.0) == Ok()
+    assert [type(n) for n in state.take_notifications()] == [ExecutorJoined]
+
+
+def test_a_scheduler_of_a_new_epoch_ends_the_live_one() -> None:
+    state = started(islands=1, hosts=1)
+    state.handle(RegisterScheduler(info=SchedulerInfo(island=0, address="tcp://s", name="s", epoch="e1")), now=0.0)
+    state.take_notifications()
+    state.handle(RegisterScheduler(info=SchedulerInfo(island=0, address="tcp://s", name="s", epoch="e1")), now=1.0)
+    assert [type(n) for n in state.take_notifications()] == [SchedulerJoined]  # the same instance again
+    state.handle(RegisterScheduler(info=SchedulerInfo(island=0, address="tcp://s", name="s", epoch="e2")), now=2.0)
+    notes = state.take_notifications()
+    assert [type(n) for n in notes] == [SchedulerLost, SchedulerJoined] and "restarted" in notes[0].reason

@@ -294,13 +294,16 @@ def restart(options: list[str]) -> NoReturn:
 @_listen
 @click.option("--name", default="", help="The proxy's name (default: its host's own key's, else proxy).")
 @click.option("--session-timeout-seconds", type=float, default=30.0, show_default=True)
+@click.option("--rm-timeout-seconds", type=float, default=30.0, show_default=True,
+              help="How long a request to the resource manager (a new slice) may wait for its answer.")
 @click.option("--tenants", "tenants_file", default="", help="The tenants' limits and shares (JSON, see `pwmesh "
               "tenants set`), re-read when it changes; default: tenants.json in the keys directory.")
 @_security
 @_metrics_port
 @_log_level
 @_log_format
-def proxy_main(rm: str, listen: str, name: str, session_timeout_seconds: float, tenants_file: str, keys: str,
+def proxy_main(rm: str, listen: str, name: str, session_timeout_seconds: float, rm_timeout_seconds: float,
+               tenants_file: str, keys: str,
                insecure: bool, metrics_port: int | None,
                log_level: str, log_format: str) -> None:
     """Run a client proxy."""
@@ -309,6 +312,7 @@ def proxy_main(rm: str, listen: str, name: str, session_timeout_seconds: float, 
     name = Security(keys, insecure).named(name, "proxy")
     setup_logging("proxy", name, log_level, log_format)
     run(Proxy(ProxyConfig(rm=rm, listen=listen, name=name, session_timeout_seconds=session_timeout_seconds,
+                          rm_timeout_seconds=rm_timeout_seconds,
                           tenants_file=tenants_file, security=Security(keys, insecure), metrics_port=metrics_port)))
 
 

@@ -23,7 +23,7 @@ import time
 from collections.abc import Awaitable
 from typing import Any
 
-from pwmesh.errors import PwmeshError, Unavailable
+from pwmesh.errors import PwmeshError, PwTimeoutError, Unavailable
 from pwmesh.proxy import tenants
 from pwmesh.proxy.session import Buffer
 from pwmesh.proxy.state import (
@@ -56,6 +56,7 @@ from pwmesh.service.ratelimit import RejectedLog
 from pwmesh.service.rpc import Access, Connections, Server, wait_for_peer
 from pwmesh.wire import Envelope, Message
 from pwmesh.wire.messages import (
+    AllocateSlice,
     AwaitIdle,
     BufferValue,
     ClusterStateReply,
@@ -75,6 +76,7 @@ from pwmesh.wire.messages import (
     NodeDone,
     Ok,
     Ping,
+    ReleaseSlices,
     SessionInfo,
     ShardValues,
     SliceAllocated,
@@ -314,7 +316,15 @@ class Proxy(Service):
             await fut
 
     async def _ask(self, ask: Ask) -> Message:
-        reply = await self.peers.request(ask.to, ask.message, timeout_seconds=self.config.rm_timeout_seconds)
+        msg = ask.message
+        try:
+            reply = await self.peers.request(ask.to, msg, timeout_seconds=self.config.rm_timeout_seconds)
+        except PwTimeoutError:
+            if isinstance(msg, AllocateSlice) and msg.request:
+                # Given up: if the request still arrives (the RM was away), what it makes is released at
+                # once, behind it on the same connection; nothing is left that no session holds.
+                self.peers.post(ask.to, ReleaseSlices(owner=msg.owner, requests=[msg.request]))
+            raise
         assert isinstance(reply, SliceAllocated)
         return self._perform(self.state.handle(SliceGranted(ask.peer, reply.slice), time.monotonic()))
 

@@ -307,6 +307,7 @@ class ProxyState:
         self.programs = 0
         self.dispatch_messages = 0  # Send actions of program traffic, ever (the shell adds their bytes)
         self._session_ids = itertools.count(1)
+        self._requests = itertools.count(1)  # slice requests to the RM (``AllocateSlice.request``)
         self._out: list[Action] = []
         # What a peer can make us say again and again (completions and losses it makes up): a line per
         # (kind, executor) per 10 s, at most 100 lines per 10 s in all, with counts of the rest.
@@ -471,7 +472,7 @@ class ProxyState:
     def _create_slice(self, peer: bytes, msg: CreateSlice, now: float) -> Ask:
         session = self.session(peer)
         return Ask(self.rm, AllocateSlice(owner=session.session_id, devices=msg.devices, island=msg.island,
-                                          kind=msg.kind), peer)
+                                          kind=msg.kind, request=str(next(self._requests))), peer)
 
     def _slice_granted(self, peer: bytes, sl: SliceInfo) -> Reply:
         session = self.sessions.get(peer)

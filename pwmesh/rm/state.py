@@ -10,10 +10,11 @@ state can be rebuilt after a restart from what registrants send again
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import itertools
 
-from pwmesh.errors import InvalidArgument, NotFound, ResourceExhausted
+from pwmesh.errors import InvalidArgument, NotFound, ResourceExhausted, Unavailable
 from pwmesh.rm.placement import DeviceRef, of_kind, place
 from pwmesh.service.heartbeat import Liveness
 from pwmesh.wire.messages import (
@@ -47,6 +48,7 @@ from pwmesh.wire.messages import (
     WatchCluster,
 )
 
+MAX_REQUESTS_KEPT = 10_000  # slice requests remembered (made, or given up), the oldest forgotten first
 MAX_RESTORED_ID = 1 << 62  # a restored slice's id and map version: the RM adds 1 to each, and it must stay encodable
 
 
@@ -69,6 +71,9 @@ class ResourceManagerState:
         self.executors_lost = 0
         self.executors_left = 0
         self._slice_ids = itertools.count(self.first_slice_id)
+        # Slice requests by (owner, request): what each made, and those given up before they arrived.
+        self._by_request: collections.OrderedDict[tuple[str, str], int] = collections.OrderedDict()
+        self._given_up: collections.OrderedDict[tuple[str, str], None] = collections.OrderedDict()
 
     def handle(self, message: Message, now: float) -> Message | None:
         match message:
@@ -100,10 +105,29 @@ class ResourceManagerState:
                 self.notifications.append(ExecutorRestarting(executor_id=executor_id, control=info.control,
                                                              epoch=epoch))
                 return Ok()
-            case AllocateSlice(owner=owner, devices=n, island=island, kind=kind):
-                return SliceAllocated(slice=self._allocate(owner, n, island, kind))
-            case ReleaseSlices(owner=owner, slice_ids=ids):
-                self._release(owner, ids)
+            case AllocateSlice(owner=owner, devices=n, island=island, kind=kind, request=request):
+                if request and (owner, request) in self._given_up:
+                    raise Unavailable(f"slice request {request} was given up by its caller before it arrived")
+                sl = self._allocate(owner, n, island, kind)
+                if request:
+                    self._by_request[(owner, request)] = sl.slice_id
+                    while len(self._by_request) > MAX_REQUESTS_KEPT:
+                        self._by_request.popitem(last=False)
+                return SliceAllocated(slice=sl)
+            case ReleaseSlices(owner=owner, slice_ids=ids, requests=requests):
+                if ids is not None or not requests:
+                    self._release(owner, ids)
+                made = []
+                for request in requests:
+                    sid = self._by_request.pop((owner, request), None)
+                    if sid is None:  # not arrived yet (or failed): refused if it does
+                        self._given_up[(owner, request)] = None
+                        while len(self._given_up) > MAX_REQUESTS_KEPT:
+                            self._given_up.popitem(last=False)
+                    else:
+                        made.append(sid)
+                if made:
+                    self._release(owner, made)
                 return Ok()
             case DrainExecutor(executor=name):
                 return self._drain(name)

@@ -54,6 +54,7 @@ class LocalClusterSpec:
     memory_limit_bytes: int = 0  # per executor (all its devices together); 0: no limit
     policy: str = "fair"  # the island schedulers' sharing policy
     executor_args: tuple[str, ...] = ()  # extra flags for every executor (tests: fault injection)
+    proxy_args: tuple[str, ...] = ()  # extra flags for the proxy
     # Each island's executors form one JAX group, so SPMD computations (collectives) may span them; the
     # island's scheduler re-forms it as executors join, drain or are lost. ``start`` returns once formed.
     collectives: bool = False
@@ -186,7 +187,8 @@ class LocalCluster:
                     rest.append(self._spawn_executor(island, f"island{island}-host{host}", spec.devices_per_host))
             proxy = self._spawn("proxy", "proxy", ["--rm", self.rm_address, "--session-timeout-seconds",
                                                    str(spec.session_timeout_seconds),
-                                                   *(("--tenants", spec.tenants) if spec.tenants else ())])
+                                                   *(("--tenants", spec.tenants) if spec.tenants else ()),
+                                                   *spec.proxy_args])
             self._wait_ready([*rest, proxy], deadline, group_size=spec.hosts_per_island if spec.collectives else 0)
         except BaseException:
             self._keep_logs = True  # what went wrong is in them

@@ -230,6 +230,9 @@ class AllocateSlice(Message, op="rm.allocate_slice"):
     devices: int
     island: int | None = None
     kind: str = ""  # see CreateSlice
+    # Names this request: a caller that gave up waiting releases what it made (``ReleaseSlices.requests``),
+    # so a request that arrives late (the RM was down) leaves no slice nobody holds.
+    request: str = ""
 
 
 @record
@@ -241,6 +244,7 @@ class SliceAllocated(Message, op="rm.slice_allocated"):
 class ReleaseSlices(Message, op="rm.release_slices"):
     owner: str
     slice_ids: list[int] | None = None
+    requests: list[str] = dataclasses.field(default_factory=list)  # what these AllocateSlices made, or will
 
 
 @record
