@@ -176,3 +176,22 @@ def test_a_slice_request_that_timed_out_leaves_no_slice_behind() -> None:
         held = [s.slice_id for s in fetch_status(cluster.address).cluster.slices]
         assert held == [kept.slice_id]
         np.testing.assert_array_equal(np.asarray(pw.pmap(lambda v: v + 1.0, devices=kept)(np.zeros(1))), [1.0])
+
+
+def test_an_rm_outage_is_logged_once_when_it_starts_and_once_when_it_ends() -> None:
+    """Issue #28, item 5 in part: during a 50 s RM outage no daemon logged anything. Heartbeats to the RM
+    are now requests: after two unanswered beats a daemon says so, once, and says how long it lasted
+    when the RM answers again."""
+    spec = pw.LocalClusterSpec(islands=1, hosts_per_island=1, devices_per_host=1)  # a beat every 2.5 s
+    with pw.LocalCluster(spec) as cluster:
+        log = cluster.child("island0-host0").log_path
+        rm = cluster.child("rm").popen
+        rm.send_signal(signal.SIGSTOP)
+        try:
+            eventually(lambda: "has not answered" in log.read_text(), 30)
+        finally:
+            rm.send_signal(signal.SIGCONT)
+        eventually(lambda: "answers again" in log.read_text(), 30)
+        text = log.read_text()
+        assert text.count("has not answered") == 1 and text.count("answers again") == 1
+        assert "resource manager at tcp://" in text

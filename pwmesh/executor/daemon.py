@@ -42,7 +42,7 @@ from pwmesh.service.keys import PLANE_SECRET_ENV, Security
 from pwmesh.service.lifecycle import Service, Status
 from pwmesh.service.metrics import Metric, counter, gauge, listen_host, merged, wire_metrics
 from pwmesh.service.ratelimit import RejectedLog
-from pwmesh.service.rpc import Access, Connections, Server, wait_for_peer
+from pwmesh.service.rpc import Access, Beats, Connections, Server, wait_for_peer
 from pwmesh.wire import Envelope
 from pwmesh.wire.messages import (
     AwaitIdle,
@@ -261,6 +261,8 @@ class Executor(Service):
         await wait_for_peer(self.peers.get(self.config.rm), RegisterExecutor(info=self.info()),
                             timeout_seconds=self.config.rm_timeout_seconds)
         self._fresh = False  # registered: later registrations (the RM restarted) are of the same process
+        self.rm_beats = Beats(self.peers, self.config.rm, "resource manager", self.config.heartbeat_interval_seconds,
+                              self._notified)
         self.tasks.spawn(every(self.config.heartbeat_interval_seconds, self._heartbeat), name="heartbeat")
         self.tasks.spawn(every(self.config.watchdog_seconds, self._watchdog), name="watchdog")
         self.tasks.spawn(self.loop_lag.run(), name="loop-lag")
@@ -283,7 +285,7 @@ class Executor(Service):
             self.peers.post(self.config.rm, RegisterExecutor(info=self.info()))
 
     async def _heartbeat(self) -> None:
-        self.peers.post(self.config.rm, Heartbeat(role=self.role, name=self.name))
+        await self.rm_beats.beat(Heartbeat(role=self.role, name=self.name))
 
     # ------------------------------------------------------------ control plane
 

@@ -53,7 +53,7 @@ from pwmesh.service.keys import ADMIN, DAEMON, Security
 from pwmesh.service.lifecycle import Service
 from pwmesh.service.metrics import Metric, counter, gauge, listen_host, merged, wire_metrics
 from pwmesh.service.ratelimit import RejectedLog
-from pwmesh.service.rpc import Access, Connections, Server, wait_for_peer
+from pwmesh.service.rpc import Access, Beats, Connections, Server, wait_for_peer
 from pwmesh.wire import Envelope, Message
 from pwmesh.wire.messages import (
     AllocateSlice,
@@ -161,10 +161,12 @@ class Proxy(Service):
                             timeout_seconds=self.config.rm_timeout_seconds)
         # Every second at least: runs past their tenant's deadline fail within a second of it.
         self.tasks.spawn(every(min(1.0, self.config.session_timeout_seconds / 4), self._tick), name="expire")
+        self.rm_beats = Beats(self.peers, self.config.rm, "resource manager", self.config.rm_heartbeat_interval_seconds,
+                              self._notified)
         self.tasks.spawn(every(self.config.rm_heartbeat_interval_seconds, self._heartbeat_rm), name="heartbeat")
 
     async def _heartbeat_rm(self) -> None:
-        self.peers.post(self.config.rm, Heartbeat(role=self.role, name=self.name))
+        await self.rm_beats.beat(Heartbeat(role=self.role, name=self.name))
 
     def ready_info(self) -> dict[str, Any]:
         return {**super().ready_info(), "address": self.server.address}

@@ -95,7 +95,7 @@ class ResourceManagerState:
                     return PleaseRegister()  # we restarted, or it registered elsewhere
                 if role in ("executor", "scheduler"):
                     self.liveness.beat(f"{role}:{name}" if role == "scheduler" else name, now)
-                return None
+                return Ok()  # answered: the daemon knows the RM is there (``rpc.Beats``)
             case LeavingForGroup(executor_id=executor_id, epoch=epoch, grace_seconds=grace):
                 info = self.executors.get(executor_id)
                 if info is None:

@@ -22,7 +22,7 @@ from pwmesh.service.keys import Security, speaks_for
 from pwmesh.service.lifecycle import Service
 from pwmesh.service.metrics import Metric, counter, gauge, listen_host, merged, wire_metrics
 from pwmesh.service.ratelimit import RejectedLog
-from pwmesh.service.rpc import Access, Connections, Server, wait_for_peer
+from pwmesh.service.rpc import Access, Beats, Connections, Server, wait_for_peer
 from pwmesh.wire import Envelope
 from pwmesh.wire.messages import (
     ClusterStateReply,
@@ -89,6 +89,8 @@ class Scheduler(Service):
         rm = self.peers.get(self.config.rm)
         await wait_for_peer(rm, self._registration(), timeout_seconds=self.config.rm_timeout_seconds)
         await rm.request(WatchCluster(role=self.role, name=self.name), timeout_seconds=self.config.rm_timeout_seconds)
+        self.rm_beats = Beats(self.peers, self.config.rm, "resource manager", self.config.heartbeat_interval_seconds,
+                              self._notified)
         self.tasks.spawn(every(self.config.heartbeat_interval_seconds, self._heartbeat), name="heartbeat")
         self.group = IslandGroup() if self.config.collectives else None
         self._held: list[list[SendEnqueue]] = []  # the island's work while its group forms, in order
@@ -134,7 +136,7 @@ class Scheduler(Service):
                 self._group(Left(lost.executor_id))
 
     async def _heartbeat(self) -> None:
-        self.peers.post(self.config.rm, Heartbeat(role=self.role, name=self.name))
+        await self.rm_beats.beat(Heartbeat(role=self.role, name=self.name))
 
     def _post(self, actions: list[SendEnqueue]) -> None:
         # Synchronous from sequencing to posting: each executor receives its parts in

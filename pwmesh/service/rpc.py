@@ -17,6 +17,7 @@ import dataclasses
 import inspect
 import itertools
 import logging
+import time
 import traceback
 from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
@@ -30,7 +31,7 @@ from pwmesh.service.tasks import TaskGroup
 from pwmesh.service.transport import Context, DealerSocket, RouterSocket
 from pwmesh.wire import DEFAULT_LIMITS, Envelope, Limits, Message, decode, encode
 from pwmesh.wire.codec import FrameError
-from pwmesh.wire.messages import Error, Ping
+from pwmesh.wire.messages import Error, Ok, Ping
 
 log = logging.getLogger(__name__)
 
@@ -361,6 +362,46 @@ class Connection:
         for fut in self._pending.values():
             if not fut.done():
                 fut.set_exception(exc)
+
+
+class Beats:
+    """Heartbeats to one peer (the resource manager) sent as requests, so whether it answers is known: an
+    outage is one log line once it has lasted two beats, and one with its length when it ends (a 50 s RM
+    outage once went unlogged everywhere). An answer other than ``Ok`` (``PleaseRegister``) goes to
+    ``on_reply`` as a notice would."""
+
+    def __init__(self, peers: Connections, address: str, what: str, interval_seconds: float,
+                 on_reply: Callable[[Envelope], None]) -> None:
+        self.peers = peers
+        self.address = address
+        self.what = what
+        self.interval_seconds = interval_seconds
+        self.on_reply = on_reply
+        self.silent_since: float | None = None
+        self._logged = False
+
+    async def beat(self, message: Message) -> None:
+        try:
+            reply: Message | None = await self.peers.request(self.address, message,
+                                                             timeout_seconds=self.interval_seconds)
+        except (PwTimeoutError, ConnectionFailed) as exc:
+            now = time.monotonic()
+            if self.silent_since is None:
+                self.silent_since = now - self.interval_seconds
+            if not self._logged and now - self.silent_since >= 2 * self.interval_seconds:
+                log.warning("%s: the %s at %s has not answered for %.0f s (%s); what needs it waits",
+                            self.peers._name, self.what, self.address, now - self.silent_since, exc.message)
+                self._logged = True
+            return
+        except PwmeshError:  # a refusal is an answer
+            reply = None
+        if self.silent_since is not None:
+            if self._logged:
+                log.warning("%s: the %s at %s answers again, after %.1f s", self.peers._name, self.what,
+                            self.address, time.monotonic() - self.silent_since)
+            self.silent_since, self._logged = None, False
+        if reply is not None and not isinstance(reply, Ok):
+            self.on_reply(Envelope(message=reply, msg_id=0, reply_to=None, sender=self.what))
 
 
 class Connections:
