@@ -149,7 +149,7 @@ def test_a_restarted_rm_rebuilds_from_registrants() -> None:
     for sched in old.schedulers.values():
         assert fresh.handle(RegisterScheduler(info=sched), now=0.0) == Ok()
     assert fresh.handle(WatchCluster(role="proxy", name="proxy", slices=[sl]), now=0.0) == Ok()
-    assert fresh.handle(Heartbeat(role="proxy", name="proxy"), now=0.0) is None
+    assert fresh.handle(Heartbeat(role="proxy", name="proxy"), now=0.0) == Ok()  # known now: answered
     assert fresh.slices[sl.slice_id].devices == sl.devices
     assert fresh.map_version > sl.map_version
     # New slices get fresh ids and see the restored slice as load.
