@@ -405,3 +405,51 @@ def test_fetch_reads_each_distinct_block_once(wide: Wide, spec: P, blocks: int) 
     arr = pw.put(x, devices=wide.grid, spec=spec)
     assert len(wide.client.session.fetch([arr.buffer_id])[0]) == blocks, "replicas are not fetched twice"
     np.testing.assert_array_equal(np.asarray(arr), x)
+
+
+# ---------------------------------------------- JAX's semantics, case by case (issue #27, in part)
+
+
+def test_static_arguments_of_equal_value_and_another_type_trace_apart(wide: Wide) -> None:
+    """JAX keys a static argument by its type too: 1, 1.0 and True are equal and hash alike, but each
+    traces its own program. pw.jit once returned the first one's dtype for all three."""
+    f = pw.jit(lambda x, n: x + jnp.asarray(n).astype(x.dtype), devices=wide.grid, static_argnums=1)
+    g = pw.jit(lambda x, n: jnp.zeros((), jnp.asarray(n).dtype), devices=wide.grid, static_argnums=1)
+    x = np.zeros(4, np.float32)
+    assert [np.asarray(g(x, n)).dtype for n in (1, 1.0, True)] == [
+        jax.jit(lambda n: jnp.zeros((), jnp.asarray(n).dtype), static_argnums=0)(n).dtype for n in (1, 1.0, True)]
+    np.testing.assert_array_equal(np.asarray(f(x, True)), np.ones(4))
+
+
+def test_static_argnames_given_empty_makes_no_keyword_static(wide: Wide) -> None:
+    """``jax.jit(f, static_argnums=1, static_argnames=())``: both given, neither is inferred from the
+    other, so ``n`` passed by keyword is an ordinary (traced) argument; with ``static_argnames`` left out
+    it is inferred static, and an array there is refused as unhashable (``ValueError``, as in JAX)."""
+    x = np.ones(4, np.float32)
+    explicit = pw.jit(lambda x, n: x * n, devices=wide.grid, static_argnums=1, static_argnames=())
+    np.testing.assert_array_equal(np.asarray(explicit(x, n=np.array(3.0, np.float32))), np.full(4, 3.0))
+    inferred = pw.jit(lambda x, n: x * n, devices=wide.grid, static_argnums=1)
+    with pytest.raises(ValueError, match="not hashable"):
+        inferred(x, n=np.array(3.0, np.float32))
+    assert inferred.static_argnames == ("n",) and explicit.static_argnames == ()
+
+
+def test_an_array_says_whether_it_is_deleted(wide: Wide) -> None:
+    """``jax.Array.is_deleted()``: after ``delete()``, and after being donated."""
+    a = wide.client.put(np.ones(4, np.float32), wide.grid)
+    assert not a.is_deleted()
+    a.delete()
+    assert a.is_deleted()
+    b = wide.client.put(np.ones(4, np.float32), wide.grid)
+    c = pw.jit(lambda v: v + 1.0, devices=wide.grid, donate_argnums=0)(b)
+    assert b.is_deleted() and not c.is_deleted()
+    np.testing.assert_array_equal(np.asarray(c), np.full(4, 2.0))
+
+
+def test_shard_shape_of_a_shape_that_does_not_divide_raises(wide: Wide) -> None:
+    """``NamedSharding.shard_shape`` raises ``ValueError`` for a dimension its axis does not divide;
+    ``SliceSharding.shard_shape`` once returned a truncated shape."""
+    sharding = pw.SliceSharding(wide.grid, P("data"))
+    assert sharding.shard_shape((4, 4)) == (2, 4)
+    with pytest.raises(ValueError, match="not a multiple of 2"):
+        sharding.shard_shape((3, 4))

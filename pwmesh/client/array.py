@@ -109,6 +109,10 @@ class Array:
             self._deleted = True
             self._session.release(self._id)
 
+    def is_deleted(self) -> bool:
+        """Whether its buffer is gone: deleted (``delete``) or donated to a call, as ``jax.Array.is_deleted``."""
+        return self._deleted or bool(self._donated)
+
     def __del__(self) -> None:
         try:
             self.delete()

@@ -46,16 +46,23 @@ def _argnames(value: str | Iterable[str] | None) -> tuple[str, ...]:
     return (value,) if isinstance(value, str) else tuple(value)
 
 
-def _both_ways(fn: Callable[..., Any], nums: tuple[int, ...], names: tuple[str, ...]) -> tuple[tuple[int, ...],
-                                                                                                 tuple[str, ...]]:
-    """Argument numbers and names, each completed from the other through ``fn``'s signature (as ``jax.jit``)."""
+def _both_ways(fn: Callable[..., Any], nums_given: int | Iterable[int] | None,
+               names_given: str | Iterable[str] | None) -> tuple[tuple[int, ...], tuple[str, ...]]:
+    """Argument numbers and names, as ``jax.jit`` infers them: one left out (None) is completed from the
+    other through ``fn``'s signature; both given, each is taken as it is (``static_argnames=()`` says no
+    argument is static by name, whatever the numbers)."""
+    nums, names = _argnums(nums_given), _argnames(names_given)
+    if nums_given is not None and names_given is not None:
+        return nums, names
     try:
         params = list(inspect.signature(fn).parameters.values())
     except (TypeError, ValueError):  # a builtin or a callable without a signature
         return nums, names
     positional = [p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-    nums = tuple(sorted(set(nums) | {positional.index(n) for n in names if n in positional}))
-    names = tuple(dict.fromkeys([*names, *(positional[i] for i in nums if 0 <= i < len(positional))]))
+    if nums_given is None:
+        nums = tuple(sorted({positional.index(n) for n in names if n in positional}))
+    if names_given is None:
+        names = tuple(positional[i] for i in nums if 0 <= i < len(positional))
     return nums, names
 
 
@@ -117,10 +124,8 @@ class JitFunction(_Compiled):
         super().__init__(fn, devices)
         self.in_specs = in_specs
         self.out_specs = out_specs
-        self.static_argnums, self.static_argnames = _both_ways(fn, _argnums(static_argnums),
-                                                               _argnames(static_argnames))
-        self.donate_argnums, self.donate_argnames = _both_ways(fn, _argnums(donate_argnums),
-                                                               _argnames(donate_argnames))
+        self.static_argnums, self.static_argnames = _both_ways(fn, static_argnums, static_argnames)
+        self.donate_argnums, self.donate_argnames = _both_ways(fn, donate_argnums, donate_argnames)
         clash = set(self.static_argnums) & set(self.donate_argnums)
         if clash:
             raise InvalidArgument(f"{self.__name__}: argument(s) {sorted(clash)} are both static and donated")

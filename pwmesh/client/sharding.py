@@ -104,7 +104,9 @@ class SliceSharding:
         return layout
 
     def shard_shape(self, shape: Sequence[int]) -> tuple[int, ...]:
-        return self.layout(shape).shard_shape
+        """Each shard's shape; ``InvalidArgument`` (a ``ValueError``, as ``jax.sharding`` raises) if a
+        dimension does not divide, never a truncated shape."""
+        return self.check(shape, "shard_shape").shard_shape
 
     @property
     def is_fully_replicated(self) -> bool:

@@ -92,9 +92,11 @@ def split_static(fn_name: str, args: Sequence[Any], kwargs: dict[str, Any], stat
     """``(dynamic args, dynamic kwargs, static key)``; static arguments must be hashable (as in ``jax.jit``)."""
     nums = {i if i >= 0 else len(args) + i for i in static_argnums}
     names = set(static_argnames)
-    static = tuple((i, args[i]) for i in sorted(nums) if i < len(args)) + tuple(
-        sorted((k, v) for k, v in kwargs.items() if k in names))
-    for where, value in static:
+    # Keyed with its type too, as ``jax.jit`` keys them: 1, 1.0 and True are equal, and hash alike, but
+    # trace to different programs.
+    static = tuple((i, type(args[i]), args[i]) for i in sorted(nums) if i < len(args)) + tuple(
+        sorted(((k, type(v), v) for k, v in kwargs.items() if k in names), key=lambda e: e[0]))
+    for where, _, value in static:
         try:
             hash(value)
         except TypeError:
@@ -110,7 +112,7 @@ def with_static(args: Sequence[Any], kwargs: dict[str, Any], static: tuple[Any, 
     """The call's arguments again, static ones put back where they were."""
     full = list(args)
     kw = dict(kwargs)
-    for where, value in static:
+    for where, _, value in static:
         if isinstance(where, int):
             full.insert(where, value)
         else:
