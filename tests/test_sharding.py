@@ -453,3 +453,15 @@ def test_shard_shape_of_a_shape_that_does_not_divide_raises(wide: Wide) -> None:
     assert sharding.shard_shape((4, 4)) == (2, 4)
     with pytest.raises(ValueError, match="not a multiple of 2"):
         sharding.shard_shape((3, 4))
+
+
+def test_a_masked_array_is_refused_as_jax_refuses_it(wide: Wide) -> None:
+    """``jax.jit(f)(np.ma.array(...))`` raises ``ValueError``; pw once dropped the mask in silence."""
+    masked = np.ma.array(np.ones(4, np.float32), mask=[0, 1, 0, 0])
+    with pytest.raises(ValueError, match="masked arrays are not supported") as ours:
+        pw.jit(lambda v: v + 1.0, devices=wide.grid)(masked)
+    with pytest.raises(ValueError) as theirs:
+        jax.jit(lambda v: v + 1.0)(masked)
+    assert str(ours.value) == str(theirs.value)
+    with pytest.raises(ValueError, match="masked arrays"):
+        wide.client.put(masked, wide.grid)

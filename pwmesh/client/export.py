@@ -159,7 +159,11 @@ def _flat_outputs(fn: Callable[..., Any]) -> Callable[..., list[Any]]:
 
 
 def canonical(value: Any) -> np.ndarray:
-    """A host value as the array JAX would make of it (float64 -> float32 unless x64 is on)."""
+    """A host value as the array JAX would make of it (float64 -> float32 unless x64 is on). A NumPy masked
+    array is refused, as JAX refuses it (its mask would be dropped in silence)."""
+    if isinstance(value, np.ma.MaskedArray):
+        raise InvalidArgument("numpy masked arrays are not supported as direct inputs to JAX functions. Use "
+                              "arr.filled() to convert the value to a standard numpy array.")
     arr = np.asarray(value)
     dtype = jax.dtypes.canonicalize_dtype(arr.dtype)
     return arr if arr.dtype == dtype else arr.astype(dtype)
