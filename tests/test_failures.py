@@ -14,6 +14,8 @@ import pytest
 import pwmesh as pw
 from helpers import eventually, slow_then_after
 from pwmesh.cli.commands import fetch_status
+from pwmesh.client.connection import ClientConnection
+from pwmesh.wire.messages import DrainHost
 
 HEARTBEAT_TIMEOUT_SECONDS = 2.0
 
@@ -155,7 +157,7 @@ def test_an_executor_restarted_under_its_name_is_used_again(fragile: pw.LocalClu
                                                                                      "island0-host1"]
 
 
-def test_a_slice_request_that_timed_out_leaves_no_slice_behind() -> None:
+def test_a_slice_request_or_drain_that_timed_out_leaves_nothing_behind() -> None:
     """Issue #28, item 5 in part. The RM pauses (SIGSTOP) while a client asks for a slice: the proxy gives
     up after ``--rm-timeout-seconds`` and the client gets the timeout. Before, the request still reached
     the RM when it came back, and made a slice that no session held; now the proxy's release follows it on
@@ -175,6 +177,18 @@ def test_a_slice_request_that_timed_out_leaves_no_slice_behind() -> None:
         # comes after both.
         held = [s.slice_id for s in fetch_status(cluster.address).cluster.slices]
         assert held == [kept.slice_id]
+        # So for a drain: the one the caller gave up on is undone once the RM is back.
+        rm.send_signal(signal.SIGSTOP)
+        try:
+            conn = ClientConnection(cluster.address, name="operator", open_session=False)
+            try:
+                with pytest.raises(pw.PwTimeoutError, match="did not answer"):
+                    conn.request(DrainHost(executor="island0-host0"), timeout_seconds=30.0)
+            finally:
+                conn.close()
+        finally:
+            rm.send_signal(signal.SIGCONT)
+        assert [e.draining for e in fetch_status(cluster.address).cluster.executors] == [False]
         np.testing.assert_array_equal(np.asarray(pw.pmap(lambda v: v + 1.0, devices=kept)(np.zeros(1))), [1.0])
 
 

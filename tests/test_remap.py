@@ -216,3 +216,15 @@ def test_a_scheduler_of_a_new_epoch_ends_the_live_one() -> None:
     state.handle(RegisterScheduler(info=SchedulerInfo(island=0, address="tcp://s", name="s", epoch="e2")), now=2.0)
     notes = state.take_notifications()
     assert [type(n) for n in notes] == [SchedulerLost, SchedulerJoined] and "restarted" in notes[0].reason
+
+
+def test_a_drain_its_caller_gave_up_on_is_undone_or_refused() -> None:
+    state = started(islands=1, hosts=2)
+    assert isinstance(state.handle(DrainExecutor(executor="i0h0", request="1"), now=0.0), DrainStarted)
+    assert state.executors["i0h0"].draining
+    assert state.handle(DrainExecutor(executor="i0h0", request="1", cancel=True), now=0.0) == Ok()
+    assert not state.executors["i0h0"].draining  # takes new slices again
+    assert state.handle(DrainExecutor(executor="i0h1", request="2", cancel=True), now=0.0) == Ok()  # first
+    with pytest.raises(Unavailable, match="given up"):
+        state.handle(DrainExecutor(executor="i0h1", request="2"), now=0.0)
+    assert not state.executors["i0h1"].draining

@@ -18,6 +18,7 @@ import collections
 import contextlib
 import dataclasses
 import inspect
+import itertools
 import logging
 import time
 from collections.abc import Awaitable
@@ -130,6 +131,7 @@ class Proxy(Service):
         self._behind: dict[bytes, collections.deque[tuple[Envelope, asyncio.Future[Any]]]] = {}
         self._lowering: set[bytes] = set()
         self.lowered_off_loop = 0  # programs lowered on a thread, ever
+        self._drains = itertools.count(1)  # drain requests to the RM (``DrainExecutor.request``)
 
     async def setup(self) -> None:
         handlers: dict[type[Message], Any] = {
@@ -412,8 +414,12 @@ class Proxy(Service):
         before = self.state.moved_buffers
         # The RM posts every SliceRemapped before this reply: by the time it arrives,
         # our slices point elsewhere and every buffer's move is on its way.
-        started = await self.peers.request(self.config.rm, DrainExecutor(executor=msg.executor),
-                                           timeout_seconds=self.config.rm_timeout_seconds)
+        request = DrainExecutor(executor=msg.executor, request=str(next(self._drains)))
+        try:
+            started = await self.peers.request(self.config.rm, request, timeout_seconds=self.config.rm_timeout_seconds)
+        except PwTimeoutError:  # given up: if it still arrives, it is undone behind it (the caller hears failure)
+            self.peers.post(self.config.rm, dataclasses.replace(request, cancel=True))
+            raise
         assert isinstance(started, DrainStarted)
         moved = self.state.moved_buffers - before
         await self.peers.request(started.control, AwaitIdle(), timeout_seconds=self.config.drain_timeout_seconds)

@@ -48,7 +48,7 @@ from pwmesh.wire.messages import (
     WatchCluster,
 )
 
-MAX_REQUESTS_KEPT = 10_000  # slice requests remembered (made, or given up), the oldest forgotten first
+MAX_REQUESTS_KEPT = 10_000  # requests remembered (made, or given up), the oldest forgotten first
 MAX_RESTORED_ID = 1 << 62  # a restored slice's id and map version: the RM adds 1 to each, and it must stay encodable
 
 
@@ -71,7 +71,8 @@ class ResourceManagerState:
         self.executors_lost = 0
         self.executors_left = 0
         self._slice_ids = itertools.count(self.first_slice_id)
-        # Slice requests by (owner, request): what each made, and those given up before they arrived.
+        # Requests by (owner or what, request): what each made (a slice id), and those given up before they
+        # arrived (``AllocateSlice.request``, ``DrainExecutor.request``).
         self._by_request: collections.OrderedDict[tuple[str, str], int] = collections.OrderedDict()
         self._given_up: collections.OrderedDict[tuple[str, str], None] = collections.OrderedDict()
 
@@ -110,9 +111,7 @@ class ResourceManagerState:
                     raise Unavailable(f"slice request {request} was given up by its caller before it arrived")
                 sl = self._allocate(owner, n, island, kind)
                 if request:
-                    self._by_request[(owner, request)] = sl.slice_id
-                    while len(self._by_request) > MAX_REQUESTS_KEPT:
-                        self._by_request.popitem(last=False)
+                    self._remember((owner, request), sl.slice_id)
                 return SliceAllocated(slice=sl)
             case ReleaseSlices(owner=owner, slice_ids=ids, requests=requests):
                 if ids is not None or not requests:
@@ -121,16 +120,26 @@ class ResourceManagerState:
                 for request in requests:
                     sid = self._by_request.pop((owner, request), None)
                     if sid is None:  # not arrived yet (or failed): refused if it does
-                        self._given_up[(owner, request)] = None
-                        while len(self._given_up) > MAX_REQUESTS_KEPT:
-                            self._given_up.popitem(last=False)
+                        self._give_up((owner, request))
                     else:
                         made.append(sid)
                 if made:
                     self._release(owner, made)
                 return Ok()
-            case DrainExecutor(executor=name):
-                return self._drain(name)
+            case DrainExecutor(executor=name, request=request, cancel=cancel):
+                key = ("drain " + name, request)
+                if cancel:
+                    if self._by_request.pop(key, None) is not None:
+                        self._undrain(name)
+                    else:
+                        self._give_up(key)
+                    return Ok()
+                if request and key in self._given_up:
+                    raise Unavailable(f"the drain of {name} was given up by its caller before it arrived")
+                started = self._drain(name)
+                if request:
+                    self._remember(key, 1)
+                return started
             case GetClusterState():
                 return ClusterStateReply(state=self.snapshot())
         raise InvalidArgument(f"the resource manager does not handle {message.op}")
@@ -216,6 +225,24 @@ class ResourceManagerState:
         del self.notifications[before:]
         self.notifications.append(ExecutorLost(executor_id=executor_id, host=info.host, control=info.control,
                                                reason=reason, graceful=graceful, remapped=remapped))
+
+    def _remember(self, key: tuple[str, str], made: int) -> None:
+        self._by_request[key] = made
+        while len(self._by_request) > MAX_REQUESTS_KEPT:
+            self._by_request.popitem(last=False)
+
+    def _give_up(self, key: tuple[str, str]) -> None:
+        self._given_up[key] = None
+        while len(self._given_up) > MAX_REQUESTS_KEPT:
+            self._given_up.popitem(last=False)
+
+    def _undrain(self, name: str) -> None:
+        """A drain its caller gave up on: the host takes new slices again (what moved off it stays moved)."""
+        info = self._find(name)
+        if info.draining:
+            info.draining = False
+            self.map_version += 1
+            self._remap(f"the drain of {info.executor_id} was given up", only_broken=True)  # what it broke heals
 
     def _find(self, name: str) -> ExecutorInfo:
         found = [e for e in self.executors.values() if name in (e.executor_id, e.host)]

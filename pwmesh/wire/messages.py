@@ -208,6 +208,10 @@ class DrainExecutor(Message, op="rm.drain_executor"):
     """Move every virtual device off this executor; no new slice lands on it."""
 
     executor: str  # executor id or host label
+    # Names the request; with ``cancel``, its caller gave up waiting: the drain it asked for is undone
+    # (no longer draining) or, not arrived yet, refused when it does.
+    request: str = ""
+    cancel: bool = False
 
 
 @record
