@@ -41,6 +41,10 @@ class _Template:
     # Per scheduler, its parts packed once, each with the placeholders its "@<k>" stand for (as indices)
     parts: dict[str, list[tuple[RunPart, list[int]]]]
 
+    def current(self, slices: dict[int, SliceInfo]) -> bool:
+        """Whether every slice it was lowered against is still the one the session holds (no remap since)."""
+        return all(slices.get(sid) is sl for sid, sl in self.slices.items())
+
 
 class LoweringCache:
     """One session's lowered programs, the least recently used dropped past ``capacity``."""
@@ -66,9 +70,7 @@ class LoweringCache:
         a cached run comes as packed parts (``Lowered.parts``; see ``_instantiate``)."""
         if len(program_id) > MAX_PROGRAM_ID_CHARS:
             raise InvalidArgument(f"a program id has at most {MAX_PROGRAM_ID_CHARS} characters")
-        bound_names = [names[v] for v in bound]
-        if not program_id or len(set(bound_names)) != len(bound_names):
-            # Two inputs bound to one buffer share their transfers: placeholders would not.
+        if not _templated(program_id, names, bound):
             return program, lower(program, owner=owner, names=names, host_inputs=host_inputs, bound=bound,
                                   slices=slices, spmd=spmd, fresh_name=fresh_name, keep=keep)
         key = _key(program_id, bound, host_inputs, keep)
@@ -76,7 +78,7 @@ class LoweringCache:
         if failed is not None:  # lowered off the loop (``job``), and that failed: this run fails the same way
             raise failed
         template = self._templates.get(key)
-        if template is not None and all(slices.get(sid) is sl for sid, sl in template.slices.items()):
+        if template is not None and template.current(slices):
             _check_same_shape(program_id, template.program, program)
             self._templates.move_to_end(key)
             self.hits += 1
@@ -93,13 +95,11 @@ class LoweringCache:
         """The work ``lower`` would do for this run before it could instantiate, as a job to run on another
         thread (then ``finish``), so a huge program does not hold the caller's loop; None if ``lower``
         would find a template, or never makes one. ``slices`` and ``spmd`` are the job's own copies."""
-        bound_names = [names[v] for v in bound]
-        if not program_id or len(program_id) > MAX_PROGRAM_ID_CHARS or len(set(bound_names)) != len(bound_names):
+        if len(program_id) > MAX_PROGRAM_ID_CHARS or not _templated(program_id, names, bound):
             return None
         key = _key(program_id, bound, host_inputs, keep)
         template = self._templates.get(key)
-        if key in self._failed or (template is not None and all(
-                slices.get(sid) is sl for sid, sl in template.slices.items())):
+        if key in self._failed or (template is not None and template.current(slices)):
             return None
         return LoweringJob(key, functools.partial(_build, program, owner=owner, host_inputs=host_inputs,
                                                   bound=bound, slices=slices, spmd=spmd, keep=keep))
@@ -136,6 +136,13 @@ class LoweringJob:
             self.error = exc
         except Exception as exc:  # a bug in lowering: this run fails with it, and nothing waits for ever
             self.error = PwmeshError(f"lowering the program failed: {type(exc).__name__}: {exc}")
+
+
+def _templated(program_id: str, names: list[str], bound: dict[int, list[ShardLocation]]) -> bool:
+    """Whether a run is lowered through a template: it has a program id, and no two of its inputs are bound
+    to one buffer (those share their transfers: placeholders would not)."""
+    bound_names = [names[v] for v in bound]
+    return bool(program_id) and len(set(bound_names)) == len(bound_names)
 
 
 def _key(program_id: str, bound: dict[int, list[ShardLocation]], host_inputs: set[int],

@@ -390,14 +390,14 @@ class Beats:
                 self.silent_since = now - self.interval_seconds
             if not self._logged and now - self.silent_since >= 2 * self.interval_seconds:
                 log.warning("%s: the %s at %s has not answered for %.0f s (%s); what needs it waits",
-                            self.peers._name, self.what, self.address, now - self.silent_since, exc.message)
+                            self.peers.name, self.what, self.address, now - self.silent_since, exc.message)
                 self._logged = True
             return
         except PwmeshError:  # a refusal is an answer
             reply = None
         if self.silent_since is not None:
             if self._logged:
-                log.warning("%s: the %s at %s answers again, after %.1f s", self.peers._name, self.what,
+                log.warning("%s: the %s at %s answers again, after %.1f s", self.peers.name, self.what,
                             self.address, time.monotonic() - self.silent_since)
             self.silent_since, self._logged = None, False
         if reply is not None and not isinstance(reply, Ok):
@@ -419,6 +419,11 @@ class Connections:
         self.sent_bytes = 0
         self.sent: collections.defaultdict[str, int] = collections.defaultdict(int)  # by op, every connection's
         self._silent_log = RejectedLog(name, logger=log)  # peers that did not answer a barrier
+
+    @property
+    def name(self) -> str:
+        """Whose connections these are (the daemon's name, for logs)."""
+        return self._name
 
     def get(self, address: str) -> Connection:
         conn = self._by_address.get(address)
