@@ -15,6 +15,7 @@ from typing import NoReturn
 import click
 
 from pwmesh.errors import PwmeshError
+from pwmesh.service import listeners
 from pwmesh.service.keys import Security
 from pwmesh.service.lifecycle import run
 from pwmesh.service.logs import FORMATS, setup_logging
@@ -286,6 +287,7 @@ def restart(options: list[str]) -> NoReturn:
         i += 1
     for handler in logging.getLogger().handlers:
         handler.flush()
+    listeners.pass_on()  # the new process listens where this one did, without a gap
     os.execv(sys.executable, [sys.executable, "-m", "pwmesh.cli.daemons", "executor", *args, *options])
 
 

@@ -32,6 +32,7 @@ import logging
 import mmap
 import os
 import queue
+import select
 import socket
 import struct
 import sys
@@ -45,6 +46,7 @@ import msgpack
 import numpy as np
 
 from pwmesh.dataflow.secure import TAG_BYTES, Seal, SealError, new_nonce, proof, proves
+from pwmesh.service import listeners
 from pwmesh.service.ratelimit import RejectedLog
 from pwmesh.wire import codec
 from pwmesh.wire.messages import TupleBatch
@@ -424,7 +426,9 @@ class DataPlane:
         self._count_lock = threading.Lock()
         self.idle = asyncio.Event()  # set while nothing sent is unacknowledged (built on the owner's loop)
         self.idle.set()
-        self._listener = socket.create_server((bind_host, port), backlog=128)
+        self._listener = listeners.tcp_listener(f"tcp://{bind_host}:{port}")
+        self._listener.setblocking(False)  # the accept thread waits in select, with ``_wake``
+        self._wake = os.pipe()
         host, port = self._listener.getsockname()[:2]
         self.address = f"tcp://{host}:{port}"
         self.max_streams = max_streams
@@ -437,7 +441,8 @@ class DataPlane:
         self._received_bytes = [0, 0]
         self.rejected: collections.Counter[str] = collections.Counter()  # by reason (under ``_readers_lock``)
         self._closing = False
-        threading.Thread(target=self._accept_loop, name="pwmesh-data-accept", daemon=True).start()
+        self._accepting = threading.Thread(target=self._accept_loop, name="pwmesh-data-accept", daemon=True)
+        self._accepting.start()
 
     # ---------------------------------------------------------------- sending
 
@@ -473,8 +478,13 @@ class DataPlane:
     def _accept_loop(self) -> None:
         while True:
             try:
+                readable, _, _ = select.select([self._listener, self._wake[0]], [], [])
+                if self._wake[0] in readable:
+                    return
                 sock, addr = self._listener.accept()
-            except OSError:
+            except (BlockingIOError, InterruptedError):  # taken back by its peer meanwhile
+                continue
+            except (OSError, ValueError):
                 return
             peer = addr[0] if isinstance(addr, tuple) else addr  # by host: every connection has its own port
             with self._readers_lock:
@@ -629,13 +639,16 @@ class DataPlane:
             counted[kind] += nbytes
         return frames
 
-    def close(self) -> None:
+    def close(self, *, keep_listener: bool = False) -> None:
+        """``keep_listener``: leave the listener open, for the process an exec starts next to take over
+        (``pwmesh.service.listeners``); what connects meanwhile waits in its backlog."""
         self._closing = True
-        try:  # wakes the accept thread (closing alone leaves it blocked in accept for ever)
-            self._listener.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
-        self._listener.close()
+        os.write(self._wake[1], b"x")  # the accept thread returns
+        self._accepting.join(timeout=5.0)
+        for fd in self._wake:
+            os.close(fd)
+        if not keep_listener:
+            listeners.close(self._listener)
         for stream in self._streams.values():
             stream.close()
         with self._readers_lock:

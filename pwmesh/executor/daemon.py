@@ -241,7 +241,7 @@ class Executor(Service):
         # Only daemons put, fetch, delete, enqueue or register here: a client's values reach an executor
         # through the proxy, which checks that they are the client's own. An admin may read its state.
         self.control = Server(self.ctx, self.config.listen, control, tasks=self.tasks, name=self.name,
-                              access=Access.of(admin=[GetExecutorStats, GetTrace]))
+                              access=Access.of(admin=[GetExecutorStats, GetTrace]), passable=True)
         bind_host, _, port = self.config.data_listen.removeprefix("tcp://").rpartition(":")
         self.ctx.guard_bind(self.config.data_listen, "the data plane at ")
         keys = self.ctx.keys
@@ -554,6 +554,7 @@ class Executor(Service):
         ]
         log.info("restarting with %d computations to queue again", len(self._requeue))
         self.ctx.linger_on_close_ms = 2000
+        self.ctx.keep_listeners = True  # for the next process (``listeners``)
         asyncio.get_running_loop().create_task(self.close(), name="close-to-reclaim")  # noqa: RUF006 - run() awaits it
 
     def _queue_again(self) -> None:
@@ -823,7 +824,8 @@ class Executor(Service):
             "--jax-processes", str(len(msg.members) + 1), "--jax-process-id", str(msg.members.index(self.name) + 1),
             "--group-epoch", str(msg.epoch), "--group-members", ",".join(msg.members),
         ]
-        self.ctx.linger_on_close_ms = 2000  # requests still waiting here are answered Unavailable: let that leave
+        self.ctx.linger_on_close_ms = 2000
+        self.ctx.keep_listeners = True  # for the next process (``listeners``)  # requests still waiting here are answered Unavailable: let that leave
         asyncio.get_running_loop().create_task(self.close(), name="close-to-restart")  # noqa: RUF006 - run() awaits it
 
     def _spill(self) -> None:
@@ -905,7 +907,7 @@ class Executor(Service):
         if hasattr(self, "functions") and self.functions.sandbox is not None:
             self.functions.sandbox.close()
         if hasattr(self, "plane"):
-            self.plane.close()
+            self.plane.close(keep_listener=self.restart is not None)
 
     def ready_info(self) -> dict[str, Any]:
         return {**super().ready_info(), "address": self.control.address, "data": self.plane.address,

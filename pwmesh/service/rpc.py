@@ -107,10 +107,12 @@ class Server:
 
     def __init__(self, ctx: Context, bind: str, handlers: dict[type[Message], Handler], *,
                  tasks: TaskGroup, name: str, limits: Limits = DEFAULT_LIMITS,
-                 on_unreachable: Callable[[bytes], None] | None = None, access: Access | None = None) -> None:
+                 on_unreachable: Callable[[bytes], None] | None = None, access: Access | None = None,
+                 passable: bool = False) -> None:
+        """``passable``: its listener can outlive an exec (``Context.router``)."""
         self._ctx = ctx
         self._access = access or Access()
-        self._sock: RouterSocket = ctx.router(bind)
+        self._sock: RouterSocket = ctx.router(bind, passable=passable)
         self._sock.on_send_error = self._send_failed
         self._handlers = {cls.op: h for cls, h in handlers.items()}
         self._tasks = tasks

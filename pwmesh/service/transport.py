@@ -32,6 +32,7 @@ import zmq
 from zmq.auth.thread import ThreadAuthenticator
 
 from pwmesh.errors import InvalidArgument
+from pwmesh.service import listeners
 from pwmesh.service.keys import LOCAL, AuthorizedKeys, Identity, Keys, start_authenticator
 from pwmesh.service.ratelimit import RejectedLog
 from pwmesh.wire.codec import DEFAULT_LIMITS
@@ -79,6 +80,7 @@ class Context:
         self.high_water_mark = high_water_mark  # messages queued per peer and direction
         # How long ``close`` lets what is queued leave (0: drop it; a restarting daemon's last replies matter).
         self.linger_on_close_ms = 0
+        self.keep_listeners = False  # ``close`` leaves passable listeners open (an exec follows)
 
     def _socket(self, kind: int, identity: bytes | None = None) -> zmq.Socket[bytes]:
         sock = self._ctx.socket(kind)
@@ -146,7 +148,10 @@ class Context:
         log.warning("INSECURE: binding %s%s without keys (--insecure): every peer that reaches it is trusted "
                     "and traffic is plaintext", what, address)
 
-    def router(self, bind: str) -> RouterSocket:
+    def router(self, bind: str, *, passable: bool = False) -> RouterSocket:
+        """A socket bound at ``bind``. ``passable`` (TCP only): it listens through a descriptor of our own,
+        which ``close`` leaves open while ``keep_listeners`` for the process an exec starts next to take over
+        (``pwmesh.service.listeners``)."""
         self.guard_bind(bind)
         sock = self._socket(zmq.ROUTER)
         if self.keys is not None:
@@ -155,13 +160,21 @@ class Context:
             self.keys.serve(sock)
         # An unknown routing id is an error we want to hear about, not a silent drop.
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
-        if bind.endswith(":0"):
+        listener = None
+        if passable and bind.startswith("tcp://"):
+            listener = listeners.tcp_listener(bind, backlog=100)
+            listener.setblocking(False)  # as ZeroMQ's own (the descriptor below shares it)
+            sock.setsockopt(zmq.USE_FD, os.dup(listener.fileno()))  # ZeroMQ closes its copy with the socket
+            address = f"{bind.rpartition(':')[0]}:{listener.getsockname()[1]}"
+            sock.bind(address)
+        elif bind.endswith(":0"):
             port = sock.bind_to_random_port(bind[: -len(":0")])
             address = f"{bind[: -len(':0')]}:{port}"
         else:
             sock.bind(bind)
             address = sock.getsockopt_string(zmq.LAST_ENDPOINT)
         router = RouterSocket(sock, address)
+        router.listener = listener
         self._sockets.append(router)
         return router
 
@@ -183,6 +196,8 @@ class Context:
     def close(self) -> None:
         for sock in self._sockets:
             sock.close(linger_ms=self.linger_on_close_ms)
+            if sock.listener is not None and not self.keep_listeners:
+                listeners.close(sock.listener)
         self._sockets.clear()
         if self._auth is not None:
             self._auth.stop()
@@ -200,6 +215,7 @@ class _Pump:
     def __init__(self, sock: zmq.Socket[bytes], address: str) -> None:
         self._sock = sock
         self.address = address
+        self.listener: socket.socket | None = None  # our own descriptor under a passable router's
         self._loop: asyncio.AbstractEventLoop | None = None
         self._fd = 0
         self._on_frames: Callable[[list[Any]], None] | None = None
