@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from click.testing import CliRunner
+from jax.sharding import PartitionSpec as P
 
 import pwmesh as pw
 from helpers import admitted, eventually, refused
@@ -62,15 +63,21 @@ def test_keys_add_daemon_makes_a_host_directory_bound_to_its_name(tmp_path: Path
     added = runner.invoke(main, ["keys", "add-daemon", "host-a", "--keys", str(directory)])
     assert added.exit_code == 0, added.output
     given = directory / "daemons" / "host-a"
-    assert sorted(p.name for p in given.iterdir()) == ["cluster.key", "cluster.key_secret", "host-a.key",
-                                                       "host-a.key_secret"]
+    # An executor or scheduler host holds no cluster secret: it serves and connects with its own key.
+    assert sorted(p.name for p in given.iterdir()) == ["cluster.key", "host-a.key", "host-a.key_secret"]
     keys = cluster_keys.Keys.load(given)
     assert keys.daemon_name == "host-a"
     assert keys.authorized == directory / "authorized"  # inside the cluster's directory: its authorized/
-    assert keys.own is not None and keys.own[1] != keys.public  # it connects with its own key, not the cluster's
+    assert keys.own is not None and keys.own[1] == keys.public != keys.server_public
+    assert cluster_keys.unkeyed(keys.advertise("tcp://127.0.0.1:7")) == ("tcp://127.0.0.1:7", keys.public)
+    # A front host (the resource manager's, a proxy's) also serves with the cluster's pair.
+    front = cluster_keys.Keys.load(cluster_keys.add_daemon(directory, "front-a", front=True))
+    assert front.daemon_name == "front-a" and front.public == front.server_public != front.own[1]
+    assert front.advertise("tcp://127.0.0.1:7") == "tcp://127.0.0.1:7"
+    assert runner.invoke(main, ["keys", "remove", "front-a", "--keys", str(directory)]).exit_code == 0
     listed = runner.invoke(main, ["keys", "list", "--keys", str(directory)])
     assert [line.split()[:3] for line in listed.output.splitlines()] == [
-        ["cluster", "daemons", keys.public.decode()], ["host-a", "daemon", "host"]]
+        ["cluster", "daemons", keys.server_public.decode()], ["host-a", "daemon", "host"]]
     assert cluster_keys.Security(str(given)).named("", "fallback") == "host-a"
     assert cluster_keys.Security(str(given)).named("given", "fallback") == "given"
     for name in ("cluster", "local", "host-a", "bad name"):
@@ -100,6 +107,28 @@ def test_daemons_with_keys_of_their_own_run_programs(hosts: pw.LocalCluster, key
     assert [s.name for s in state.schedulers] == ["scheduler-0"]  # each named by its own key
 
 
+def test_executor_and_scheduler_hosts_serve_with_their_own_keys_and_stream_pairwise(
+        hosts: pw.LocalCluster, key_dirs: dict[str, Path]) -> None:
+    """No executor or scheduler host holds the cluster's secret: each serves with its own key, which its
+    advertised addresses carry; a connection expecting the cluster's key gets nothing there. Data between
+    two such hosts moves on streams keyed by the pair (a reshard that swaps the executors' halves)."""
+    state = fetch_status(hosts.address, keys=str(key_dirs["root"])).cluster
+    controls = [*((e.control, e.executor_id) for e in state.executors), *((s.address, s.name) for s in state.schedulers)]
+    for address, name in [*controls, *((e.data, e.executor_id) for e in state.executors)]:
+        assert cluster_keys.unkeyed(address)[1] == cluster_keys.Keys.load(
+            key_dirs["cluster"] / "daemons" / name).public, address
+        assert not (key_dirs["cluster"] / "daemons" / name / "cluster.key_secret").exists()
+    for address, name in controls:
+        assert admitted(address, key_dirs["root"])
+        assert not admitted(cluster_keys.unkeyed(address)[0], key_dirs["root"]), f"{name}: not the cluster's key"
+    with pw.Client(hosts.address, name="alice", keys=str(key_dirs["alice"])) as alice:
+        sl = alice.make_virtual_device_set().add_slice(devices=2)
+        assert len(sl.executors) == 2
+        x = alice.put(np.arange(8.0, dtype=np.float32).reshape(2, 4), sl)
+        flipped = pw.reshard(pw.pmap(lambda v: v[::-1], devices=sl)(x), devices=sl, spec=P())
+        np.testing.assert_array_equal(np.asarray(flipped), np.arange(8.0, dtype=np.float32).reshape(2, 4)[:, ::-1])
+
+
 def raw(address: str, keys: Path) -> ClientConnection:
     return ClientConnection(address, name="raw", open_session=False, keys=str(keys), connect_timeout_seconds=5.0)
 
@@ -119,6 +148,9 @@ def test_a_daemon_key_acts_only_as_its_own_host(hosts: pw.LocalCluster, key_dirs
                 (RegisterExecutor(info=ExecutorInfo(executor_id=victim.executor_id, island=0, host="rogue",
                                                     control="tcp://127.0.0.1:1", data="tcp://127.0.0.1:2",
                                                     devices=devices)), "may act only as 'rogue'"),
+                (RegisterExecutor(info=ExecutorInfo(executor_id="rogue", island=0, host="rogue",
+                                                    control=victim.control, data=victim.data,
+                                                    devices=devices)), "cannot advertise"),
                 (UnregisterExecutor(executor_id=victim.executor_id, reason="rogue"), "may act only as 'rogue'"),
                 (WatchCluster(role="proxy", name="proxy"), "may act only as 'rogue'"),
                 (RegisterScheduler(info=SchedulerInfo(island=0, address="tcp://127.0.0.1:1", name="rogue")),

@@ -10,6 +10,7 @@ from collections.abc import Iterator
 
 import numpy as np
 import pytest
+from jax.sharding import PartitionSpec as P
 
 import pwmesh as pw
 from helpers import eventually, slow_then_after
@@ -209,3 +210,26 @@ def test_an_rm_outage_is_logged_once_when_it_starts_and_once_when_it_ends() -> N
         text = log.read_text()
         assert text.count("has not answered") == 1 and text.count("answers again") == 1
         assert "resource manager at tcp://" in text
+
+
+@pytest.mark.timeout(90)
+def test_data_lost_on_the_way_fails_its_run_naming_it_instead_of_hanging(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every stream into an executor is refused (a test hook, ``PWMESH_TEST_REFUSE_STREAMS``, in place of
+    a link that keeps breaking): a program whose value crosses from one executor to another fails with
+    ``DeviceLost`` saying the data was lost, once the retries are spent; work that crosses nothing goes on."""
+    monkeypatch.setenv("PWMESH_TEST_REFUSE_STREAMS", "1")
+    spec = pw.LocalClusterSpec(islands=1, hosts_per_island=2, devices_per_host=1)
+    with pw.LocalCluster(spec) as cluster, pw.Client(cluster.address) as client:
+        devs = client.make_virtual_device_set()
+        first, second = devs.add_slice(devices=1), devs.add_slice(devices=1)
+        assert first.executors != second.executors
+        double, inc = pw.pmap(lambda v: v * 2, devices=first), pw.pmap(lambda v: v + 1, devices=second)
+        started = time.monotonic()
+        with pytest.raises(pw.DeviceLost, match="was lost"):
+            np.asarray(pw.program(lambda v: inc(double(v)))(np.ones((1, 4), np.float32)))
+        assert time.monotonic() - started < 30, "failed once the retries were spent, not at some timeout"
+        np.testing.assert_array_equal(np.asarray(double(np.ones((1, 4), np.float32))), np.full((1, 4), 2.0))
+        both = devs.add_slice(devices=2)
+        x = pw.pmap(lambda v: v * 2, devices=both)(np.ones((2, 4), np.float32))
+        with pytest.raises(pw.DeviceLost, match="was lost"):  # an existing value's blocks, moved for a reshard
+            np.asarray(pw.reshard(x, devices=both, spec=P()))

@@ -231,17 +231,23 @@ class Crossing:
 
 
 async def across(sender_key: bytes | None, receiver_key: bytes | None, *, plaintext: bool = False,
-                 flip_at: int = -1, cut_at: int = -1, forge_acks: bool = False) -> Crossing:
-    """Send one batch from one plane to another through a relay: what happened on the way."""
+                 flip_at: int = -1, cut_at: int = -1, forge_acks: bool = False,
+                 pairs: tuple[tuple[bytes, bytes], tuple[bytes, bytes], bytes] | None = None,
+                 daemons: frozenset[bytes] = frozenset()) -> Crossing:
+    """Send one batch from one plane to another through a relay: what happened on the way. ``pairs``:
+    the sender's and the receiver's own CURVE pairs and the key the receiver's address carries
+    (``keys.keyed``); ``daemons``: the keys the receiver takes for daemons'."""
     loop = asyncio.get_running_loop()
     got: list[TupleBatch] = []
     arrived = asyncio.Event()
+    sender_pair, receiver_pair, addressed = pairs if pairs is not None else (None, None, b"")
     receiver = DataPlane(loop, lambda b: (got.append(b), arrived.set()), shared_memory=False, key=receiver_key,
-                         plaintext=plaintext)
-    sender = DataPlane(loop, lambda b: None, shared_memory=False, key=sender_key, plaintext=plaintext)
+                         plaintext=plaintext, pair=receiver_pair, is_daemon=daemons.__contains__)
+    sender = DataPlane(loop, lambda b: None, shared_memory=False, key=sender_key, plaintext=plaintext,
+                       pair=sender_pair)
     relay = Relay(receiver.address, flip_at, cut_at, forge_acks)
     try:
-        sender.send(relay.address, batch(100_000))
+        sender.send(cluster_keys.keyed(relay.address, addressed) if addressed else relay.address, batch(100_000))
         # Settled either way: acknowledged once it arrived, or given up on after every retry failed.
         await asyncio.wait_for(sender.idle.wait(), 20.0)
         if not sender.lost:
@@ -263,6 +269,39 @@ async def test_the_data_plane_with_keys_delivers_and_nothing_crosses_in_cleartex
     np.testing.assert_array_equal(c.got[0].tuples[0].array, batch(100_000).tuples[0].array)
     assert PATTERN.tobytes() not in c.crossed and len(c.crossed) > 100_000, "the array crossed, sealed"
     assert (c.retried, c.lost, c.streams) == (0, 0, 1)
+
+
+HOST_A, HOST_B, CLIENT = (zmq.curve_keypair() for _ in range(3))
+
+
+@pytest.mark.asyncio
+@pytest.mark.timeout(60)
+async def test_streams_between_hosts_with_keys_of_their_own_are_keyed_by_the_pair() -> None:
+    """Neither end holds a secret in common with the other: the stream's key is X25519 of one's secret
+    and the other's public key, the receiver's taken from its address, the sender's from its hello."""
+    c = await across(None, None, pairs=(HOST_A, HOST_B, HOST_B[0]), daemons=frozenset({HOST_A[0]}))
+    np.testing.assert_array_equal(c.got[0].tuples[0].array, batch(100_000).tuples[0].array)
+    assert PATTERN.tobytes() not in c.crossed and len(c.crossed) > 100_000, "the array crossed, sealed"
+    assert (c.retried, c.lost, c.streams) == (0, 0, 1)
+
+
+@pytest.mark.asyncio
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("who", ["a client's key", "an impostor at the address"])
+async def test_a_stream_between_keys_that_do_not_pair_delivers_nothing(who: str,
+                                                                      caplog: pytest.LogCaptureFixture) -> None:
+    """A sender whose key is no daemon's is refused by the receiver; a sender that expects another host's
+    key at the address (an impostor listens there) refuses the receiver: nothing is delivered, and the
+    batch is counted lost, never delivered."""
+    if who == "a client's key":
+        pairs, daemons = (CLIENT, HOST_B, HOST_B[0]), frozenset({HOST_A[0]})
+    else:
+        pairs, daemons = (HOST_A, CLIENT, HOST_B[0]), frozenset({HOST_A[0]})
+    with caplog.at_level(logging.INFO, logger="pwmesh"):
+        c = await across(None, None, pairs=pairs, daemons=daemons)
+    assert c.got == [] and c.lost == 1
+    said = " ".join(r.getMessage() for r in caplog.records)
+    assert ("no daemon's key" if who == "a client's key" else "did not prove") in said
 
 
 @pytest.mark.asyncio

@@ -255,13 +255,16 @@ def keys_add_admin(name: str, directory: str) -> None:
 
 @keys.command(name="add-daemon")
 @click.argument("name")
+@click.option("--front", is_flag=True, help="A host that runs the resource manager or a proxy (reached by the "
+              "cluster's key): it gets the cluster's secret key too. Executor and scheduler hosts serve with "
+              "their own keys and hold no cluster secret.")
 @_cluster_keys
-def keys_add_daemon(name: str, directory: str) -> None:
+def keys_add_daemon(name: str, front: bool, directory: str) -> None:
     """Issue daemon host NAME a key pair of its own: its daemons may act only as NAME, and removing the
     key shuts the host out."""
     from pwmesh.service import keys as cluster_keys  # noqa: PLC0415
 
-    given = cluster_keys.add_daemon(directory, name)
+    given = cluster_keys.add_daemon(directory, name, front=front)
     click.echo(f"{given}\n(give host {name} this directory as --keys, with a copy of {directory}/authorized "
                f"as its authorized/ unless it reads the cluster's directory itself; its daemons are named {name})")
 

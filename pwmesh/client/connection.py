@@ -29,7 +29,7 @@ from typing import Any
 import zmq
 
 from pwmesh.errors import ConnectionFailed, NotFound, PwmeshError, PwTimeoutError
-from pwmesh.service.keys import Keys
+from pwmesh.service.keys import Keys, unkeyed
 from pwmesh.service.rpc import next_id, raise_error
 from pwmesh.service.transport import ZERO_COPY_THRESHOLD_BYTES
 from pwmesh.wire import Message, decode, encode
@@ -67,9 +67,10 @@ class ClientConnection:
             # so the proxy still knows which session this is.
             self._sock.setsockopt(zmq.ROUTING_ID, b"client-" + secrets.token_bytes(12))
             self._sock.copy_threshold = ZERO_COPY_THRESHOLD_BYTES  # copy=False sends copy small frames anyway
+            plain, server = unkeyed(address)  # a daemon's address may carry its own key (``keys.keyed``)
             if curve is not None:
-                curve.connect(self._sock)
-            self._sock.connect(address)
+                curve.connect(self._sock, server)
+            self._sock.connect(plain)
         except BaseException:  # an address ZeroMQ refuses: nothing may outlive the refusal
             self._ctx.destroy(linger=0)
             raise

@@ -45,8 +45,9 @@ from typing import Any
 import msgpack
 import numpy as np
 
-from pwmesh.dataflow.secure import TAG_BYTES, Seal, SealError, new_nonce, proof, proves
+from pwmesh.dataflow.secure import TAG_BYTES, Seal, SealError, new_nonce, pair_key, proof, proves
 from pwmesh.service import listeners
+from pwmesh.service.keys import unkeyed
 from pwmesh.service.ratelimit import RejectedLog
 from pwmesh.wire import codec
 from pwmesh.wire.messages import TupleBatch
@@ -200,12 +201,13 @@ class _Pending:
     """A batch on its way: its encoded frames (kept until acknowledged, to send again), the slots it
     holds, and how many streams it was lost with."""
 
-    __slots__ = ("frames", "slots", "attempts")
+    __slots__ = ("frames", "slots", "attempts", "tag")
 
-    def __init__(self, frames: list[Any]) -> None:
+    def __init__(self, frames: list[Any], tag: Any = None) -> None:
         self.frames = frames
         self.slots: list[_Segment] = []
         self.attempts = 0
+        self.tag = tag  # the sender's, for ``on_lost``
 
 
 class _Stream:
@@ -214,7 +216,7 @@ class _Stream:
     def __init__(self, plane: DataPlane, address: str) -> None:
         self.plane = plane
         self.address = address
-        self.queue: queue.SimpleQueue[list[Any] | None] = queue.SimpleQueue()
+        self.queue: queue.SimpleQueue[Any] = queue.SimpleQueue()  # _Pending, _WAKE or None (the end)
         self.lock = threading.Condition()
         self.unacked: collections.deque[_Pending] = collections.deque()  # sent, in order, not acknowledged
         self.retry: collections.deque[_Pending] = collections.deque()  # lost with a stream: to send again first
@@ -231,14 +233,21 @@ class _Stream:
         self.writer.start()
 
     def _connect(self) -> socket.socket:
-        host, port = self.address.removeprefix("tcp://").rsplit(":", 1)
+        plain, theirs = unkeyed(self.address)
+        host, port = plain.removeprefix("tcp://").rsplit(":", 1)
+        pair, key = self.plane.pair, self.plane.key
+        if pair is not None:
+            theirs = theirs or self.plane.cluster_key
+            if theirs is None:
+                raise StreamError(f"the data plane at {self.address} has no key in its address")
+            key = pair_key(pair[1], theirs, client=pair[0], server=theirs)
         sock = socket.create_connection((host, int(port)), timeout=HANDSHAKE_TIMEOUT_SECONDS)
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            key = self.plane.key
             nonce = new_nonce() if key is not None else b""
             _send_hello(sock, {"machine": self.plane.machine if self.plane.shared_memory else "", "pid": os.getpid(),
-                               "nonce": nonce, "plaintext": self.plane.plaintext})
+                               "nonce": nonce, "plaintext": self.plane.plaintext,
+                               **({"from": pair[0]} if pair is not None else {})})
             reply = _recv_hello(sock)
             machine = _machine_of(reply)
             seal = ack_seal = None
@@ -286,12 +295,12 @@ class _Stream:
             with self.lock:
                 pending = self.retry.popleft() if self.retry else None
             if pending is None:
-                frames = self.queue.get()
-                if frames is None:
+                queued = self.queue.get()
+                if queued is None:
                     return
-                if frames is _WAKE:
+                if queued is _WAKE:
                     continue
-                pending = _Pending(frames)
+                pending = queued
             pending.slots = []
             with self.lock:
                 self.unacked.append(pending)  # settled by its acknowledgement, or sent again by ``_reset``
@@ -378,6 +387,8 @@ class _Stream:
         if current is not None:
             current.close()
         lost = len(failed) - len(again)
+        kept = {id(p) for p in again}
+        lost_tags = [p.tag for p in failed if id(p) not in kept]
         if again:
             self.plane.retried += len(again)
             log.warning("data plane: lost the stream to %s (%s); sending %d batch(es) again", self.address, reason,
@@ -388,7 +399,8 @@ class _Stream:
                       "the stream was closed" if self.closed else
                       f"after {len(RETRY_DELAYS_SECONDS)} more tries", extra={"peer": self.address,
                                                                            "reason": str(reason)})
-            self.plane._settled(lost, lost=lost)
+            self.plane._settled(lost, lost=lost, tags=lost_tags, reason=f"the stream to {self.address} broke "
+                                f"({reason}) and so did every retry")
 
     def close(self) -> None:
         self.closed = True
@@ -407,11 +419,22 @@ class DataPlane:
     def __init__(self, loop: Any, on_batch: Callable[[TupleBatch], None], *, bind_host: str = "127.0.0.1",
                  port: int = 0, shared_memory: bool = True, max_segments: int = 8, max_streams: int = 4096,
                  limits: codec.Limits = codec.DEFAULT_LIMITS, key: bytes | None = None,
-                 plaintext: bool = False) -> None:
-        """``key`` (``secure.plane_key`` of the cluster's keys): streams prove it both ways and are sealed,
-        unless both ends are ``plaintext`` (a fabric you trust). None: anyone who connects is a peer."""
+                 pair: tuple[bytes, bytes] | None = None, is_daemon: Callable[[bytes], bool] | None = None,
+                 cluster_key: bytes | None = None, plaintext: bool = False,
+                 on_lost: Callable[[list[Any], str], None] | None = None) -> None:
+        """``pair`` (public, secret: the host's CURVE keys, z85): each stream is keyed by its two ends
+        (``secure.pair_key``): the destination's public key is in its address (``keys.keyed``; none:
+        ``cluster_key``, the cluster's), the sender's in its hello, which ``is_daemon`` must accept. Else ``key`` (``secure.plane_key``): one
+        secret every end holds. Streams prove their key both ways and are sealed, unless both ends are
+        ``plaintext`` (a fabric you trust). Neither: anyone who connects is a peer. ``on_lost(tags, why)``
+        is called on the loop with the tags of batches given up on (``send``)."""
         self.loop = loop
+        self.on_lost = on_lost
+        self.refusing = ""  # why every inbound stream is refused ("": none is; set by a test's hook)
         self.key = key
+        self.pair = pair
+        self.is_daemon = is_daemon
+        self.cluster_key = cluster_key
         self.plaintext = plaintext
         self.on_batch = on_batch
         self.shared_memory = shared_memory
@@ -450,22 +473,27 @@ class DataPlane:
     def in_flight(self) -> int:
         return self._in_flight
 
-    def send(self, address: str, batch: TupleBatch) -> None:
-        """Queue ``batch`` for the executor whose data plane listens at ``address`` (never blocks)."""
+    def send(self, address: str, batch: TupleBatch, tag: Any = None) -> None:
+        """Queue ``batch`` for the executor whose data plane listens at ``address`` (never blocks). If it
+        is lost, ``on_lost`` is told with ``tag`` (not None)."""
         stream = self._streams.get(address)
         if stream is None:
             stream = self._streams[address] = _Stream(self, address)
         with self._count_lock:
             self._in_flight += 1
         self.idle.clear()
-        stream.queue.put(codec.encode(batch, msg_id=0))
+        stream.queue.put(_Pending(codec.encode(batch, msg_id=0), tag))
 
-    def _settled(self, count: int, *, lost: int = 0) -> None:
-        """``count`` batches are no longer in flight: acknowledged, or (``lost`` of them) given up on."""
+    def _settled(self, count: int, *, lost: int = 0, tags: list[Any] | None = None, reason: str = "") -> None:
+        """``count`` batches are no longer in flight: acknowledged, or (``lost`` of them, sent with ``tags``)
+        given up on."""
         with self._count_lock:
             self._in_flight -= count
             self.lost += lost
             idle = self._in_flight <= 0
+        tagged = [t for t in tags or () if t is not None]
+        if tagged and self.on_lost is not None and not self._closing:
+            self.loop.call_soon_threadsafe(self.on_lost, tagged, reason)
         if idle and not self._closing:
             self.loop.call_soon_threadsafe(self._mark_idle)
 
@@ -567,9 +595,17 @@ class DataPlane:
         stream's big frames come through shared memory, how its payload is sealed, and how our
         acknowledgements are."""
         sock.settimeout(HANDSHAKE_TIMEOUT_SECONDS)
+        if self.refusing:
+            raise StreamError(f"refusing every stream ({self.refusing})")
         hello = _recv_hello(sock)
         machine = _machine_of(hello)
         key, seal, ack_seal = self.key, None, None
+        if self.pair is not None:
+            sender = hello.get("from")
+            if not (isinstance(sender, bytes) and len(sender) == 40 and self.is_daemon is not None
+                    and self.is_daemon(sender)):
+                raise StreamError("a hello from no daemon's key")
+            key = pair_key(self.pair[1], sender, client=sender, server=self.pair[0])
         if key is None:
             _send_hello(sock, {"machine": self.machine if self._shares(machine) else ""})
         else:

@@ -1,7 +1,10 @@
 """The data plane's authentication and encryption, keyed by the cluster's CURVE keys.
 
-Every daemon of a cluster with keys holds the cluster's secret key (``pwmesh.service.keys``); the data
-plane's key is derived from it, so only holders of the cluster's keys can open or accept a stream.
+A stream's key comes from the two ends' CURVE keys (``pwmesh.service.keys``): X25519 of one end's
+secret key and the other's public key (``pair_key``), where the receiver's public key travels in its
+address and the sender's in its hello, checked against the daemon keys in ``authorized/``; so only
+the two hosts can open or accept their streams. (Without keys of their own, a private local cluster's
+executors share one generated secret, ``plane_key``.)
 A stream's handshake is a challenge and response over fresh nonces from both ends (HMAC-SHA256,
 compared in constant time): a replayed hello fails, and each end proves the key before the other
 sends a byte of data. The stream's payload (preambles and inline frames) is then sealed with
@@ -21,7 +24,9 @@ import os
 from typing import Any
 
 from cryptography.exceptions import InvalidTag
+from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey, X25519PublicKey
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+from zmq.utils import z85
 
 NONCE_BYTES = 16  # each end's handshake nonce
 TAG_BYTES = 16  # what sealing adds to a piece
@@ -31,6 +36,16 @@ _CONTEXT = b"pwmesh data plane v1\x00"
 def plane_key(cluster_secret: bytes) -> bytes:
     """The data plane's key, from the cluster's secret CURVE key (never the CURVE key itself)."""
     return hashlib.sha256(_CONTEXT + cluster_secret).digest()
+
+
+def pair_key(secret: bytes, theirs: bytes, client: bytes, server: bytes) -> bytes:
+    """A stream's key between two daemon hosts with keys of their own: X25519 of this end's secret CURVE
+    key and the other end's public one (both z85; CURVE keys are X25519 keys), bound to both ends'
+    public keys. Only the two hosts can derive it: no host holds a secret that opens another pair's
+    streams."""
+    shared = X25519PrivateKey.from_private_bytes(z85.decode(secret)).exchange(
+        X25519PublicKey.from_public_bytes(z85.decode(theirs)))
+    return hashlib.sha256(_CONTEXT + b"pair" + shared + client + server).digest()
 
 
 def new_nonce() -> bytes:

@@ -48,6 +48,7 @@ from pwmesh.wire.messages import (
     AwaitIdle,
     CancelRun,
     Computation,
+    DataLost,
     DataTuple,
     DeleteShards,
     DeviceInfo,
@@ -250,9 +251,13 @@ class Executor(Service):
         secret = os.environ.get(PLANE_SECRET_ENV, "")
         self.plane = DataPlane(asyncio.get_running_loop(), self._receive, bind_host=bind_host, port=int(port or 0),
                                shared_memory=self.config.shared_memory,
-                               key=plane_key(keys.secret) if keys is not None else (
-                                   plane_key(bytes.fromhex(secret)) if secret else None),
+                               pair=(keys.public, keys.secret) if keys is not None else None,
+                               is_daemon=self.ctx.daemon_key, cluster_key=keys.server_public if keys else None,
+                               on_lost=self._lost,
+                               key=plane_key(bytes.fromhex(secret)) if keys is None and secret else None,
                                plaintext=self.config.data_plane_plaintext or (keys is None and bool(secret)))
+        # A test's hook: this executor's data plane refuses every stream, so what is sent to it is lost.
+        self.plane.refusing = "PWMESH_TEST_REFUSE_STREAMS" if os.environ.get("PWMESH_TEST_REFUSE_STREAMS") else ""
         self.control.start()
         self.peers = Connections(self.ctx, tasks=self.tasks, name=self.name, on_message=self._notified)
         self._sending = 0  # transfers waiting for their shard, or under way
@@ -271,7 +276,7 @@ class Executor(Service):
     def info(self) -> ExecutorInfo:
         return ExecutorInfo(
             executor_id=self.name, island=self.config.island, host=self.host,
-            control=self.control.address, data=self.plane.address, pid=os.getpid(),
+            control=self.ctx.advertise(self.control.address), data=self.ctx.advertise(self.plane.address), pid=os.getpid(),
             devices=[DeviceInfo(index=i, kind=d.device_kind, platform=platform_of(d), global_id=d.id)
                      for i, d in enumerate(self.devices)],
             group=f"island-{self.config.island}" if self.config.collectives else "",
@@ -449,19 +454,21 @@ class Executor(Service):
         values = {shard: self.store.get(f"{msg.prefix}/{shard}") for shard in shards}
         self._sending += 1
         self._sent.clear()
-        self.tasks.spawn(self._send_when_ready(msg.emits, values), name=f"send-{msg.prefix}")
+        run = (msg.proxy, msg.run_id) if msg.run_id else None
+        self.tasks.spawn(self._send_when_ready(msg.emits, values, run), name=f"send-{msg.prefix}")
         return Ok()
 
-    async def _send_when_ready(self, emits: list[Emit], futures: dict[int, asyncio.Future[Any]]) -> None:
+    async def _send_when_ready(self, emits: list[Emit], futures: dict[int, asyncio.Future[Any]],
+                               run: tuple[str, str] | None) -> None:
         try:
             try:
                 local = {shard: await fut for shard, fut in futures.items()}
             except PwmeshError as exc:
                 for emit in emits:
-                    self._send_tuples(cut_error(emit, list(futures), ErrorInfo.of(exc)))
+                    self._send_tuples(cut_error(emit, list(futures), ErrorInfo.of(exc)), run)
             else:
                 for emit in emits:
-                    self._emit_values(emit, local, {})
+                    self._emit_values(emit, local, {}, run)
         finally:
             self._sending -= 1
             if self._sending == 0:
@@ -650,22 +657,25 @@ class Executor(Service):
     def _emit(self, work: Work, emit: Emit, local: dict[int, Any], selectors: dict[int, Any],
               err: PwmeshError | None) -> None:
         """A computation's values leave as its emits say (or, if it failed, its failure does)."""
+        run = (work.proxy, work.run_id)
         if err is not None:
-            self._send_tuples(cut_error(emit, work.shards, ErrorInfo.of(err)))
+            self._send_tuples(cut_error(emit, work.shards, ErrorInfo.of(err)), run)
             return
         try:
-            self._emit_values(emit, local, selectors)
+            self._emit_values(emit, local, selectors, run)
         except PwmeshError as exc:  # e.g. an expert id out of range: the destinations fail with it
             if work.error is None:
                 work.error = exc
-            self._send_tuples(cut_error(emit, work.shards, ErrorInfo.of(exc)))
+            self._send_tuples(cut_error(emit, work.shards, ErrorInfo.of(exc)), run)
 
-    def _emit_values(self, emit: Emit, local: dict[int, Any], selectors: dict[int, Any]) -> None:
+    def _emit_values(self, emit: Emit, local: dict[int, Any], selectors: dict[int, Any],
+                     run: tuple[str, str] | None = None) -> None:
         host = {shard: v if isinstance(v, Ragged) else np.asarray(v) for shard, v in local.items()}
-        self._send_tuples(cut(emit, host, {shard: np.asarray(v) for shard, v in selectors.items()}))
+        self._send_tuples(cut(emit, host, {shard: np.asarray(v) for shard, v in selectors.items()}), run)
 
-    def _send_tuples(self, tuples: list[tuple[Destination, DataTuple]]) -> None:
-        """One batch per destination executor; ours are delivered here without a socket."""
+    def _send_tuples(self, tuples: list[tuple[Destination, DataTuple]], run: tuple[str, str] | None = None) -> None:
+        """One batch per destination executor; ours are delivered here without a socket. ``run`` (its
+        proxy, its id): the run whose computation sends them, which fails if they are lost."""
         batches: dict[str, list[DataTuple]] = {}
         for dest, t in tuples:
             batches.setdefault(dest.executor_id if dest.executor_id == self.name else dest.data, []).append(t)
@@ -673,7 +683,14 @@ class Executor(Service):
             if where == self.name:
                 self._deliver(batch)
             else:
-                self.plane.send(where, TupleBatch(tuples=batch))
+                self.plane.send(where, TupleBatch(tuples=batch), run)
+
+    def _lost(self, runs: list[tuple[str, str]], why: str) -> None:
+        """Batches sent for ``runs`` were given up on (``DataPlane.on_lost``): their runs fail, naming it,
+        rather than wait for ever for what never arrives."""
+        for proxy, run_id in dict.fromkeys(runs):
+            self.peers.post(proxy, DataLost(run_id=run_id, executor_id=self.name, error=ErrorInfo.of(DeviceLost(
+                f"data that run {run_id} sent from executor {self.name} was lost: {why}"))))
 
     def _receive(self, batch: TupleBatch) -> None:
         self._deliver(batch.tuples)

@@ -62,6 +62,7 @@ from pwmesh.wire.messages import (
     BufferValue,
     ClusterStateReply,
     ClusterTrace,
+    DataLost,
     DrainExecutor,
     DrainHost,
     DrainStarted,
@@ -142,7 +143,7 @@ class Proxy(Service):
             Ping: self.ping,
         }
         # Clients open sessions and act on their own; completions come from daemons only; an admin drains.
-        access = Access.of(client=[*(op for op in ProxyState.HANDLERS if op is not NodeDone), GetStatus,
+        access = Access.of(client=[*(op for op in ProxyState.HANDLERS if op not in (NodeDone, DataLost)), GetStatus,
                                    GetClusterTrace], admin=[DrainHost])
         self.server = Server(self.ctx, self.config.listen, handlers, tasks=self.tasks, name=self.name, access=access)
         self.state = ProxyState(rm=self.config.rm, address=self.server.address, name=self.name,

@@ -69,6 +69,7 @@ from pwmesh.wire.messages import (
     CloseSession,
     Computation,
     CreateSlice,
+    DataLost,
     DeleteShards,
     Error,
     ErrorInfo,
@@ -322,7 +323,7 @@ class ProxyState:
         CreateSlice: "_create_slice", RegisterProgramFunction: "_register_function",
         RegisterProgram: "_register_program", RunProgram: "_run_program", PutBuffer: "_put_buffer",
         ReleaseBuffers: "_release_buffers", AwaitBuffers: "_await_buffers", QueryBuffers: "_query_buffers",
-        Fetch: "_fetch", NodeDone: "_node_done",
+        Fetch: "_fetch", NodeDone: "_node_done", DataLost: "_data_lost",
     }
 
     def handle(self, event: Event, now: float) -> list[Action]:
@@ -614,8 +615,8 @@ class ProxyState:
         for control, batch in host_puts(lowered, binding.host_data).items():
             self._send(control, batch)
         for control, sends in lowered.moves.items():
-            for send in sends:
-                self._send(control, send)
+            for send in sends:  # (cached with the lowering: this run's copy names the run)
+                self._send(control, dataclasses.replace(send, run_id=run_id, proxy=self.address))
         if parts is not None:
             for scheduler, mine in parts.items():
                 self._schedule(session, run_id, scheduler, mine)
@@ -664,6 +665,15 @@ class ProxyState:
         self._dispatching = True  # (a context manager here cost ~2 us a completion)
         self._node_finished(session, run, msg)
         return None
+
+    def _data_lost(self, peer: bytes, msg: DataLost, now: float) -> None:
+        if peer in self.sessions:
+            raise ProtocolError("data losses are reported by executors, not by client sessions")
+        if not speaks_for(self._user, msg.executor_id):
+            raise PermissionDenied(f"the daemon key {self._user!r} cannot report {msg.executor_id}'s losses")
+        found = self.runs.get(msg.run_id.split("#", 1)[0])
+        if found is not None:  # else it ended already
+            self._abort_run(*found, msg.error.exception())
 
     def _node_finished(self, session: Session, run: Run, msg: NodeDone) -> None:
         node_error = msg.error.exception() if msg.error is not None else None

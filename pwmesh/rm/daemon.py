@@ -7,10 +7,10 @@ import logging
 import time
 from typing import Any
 
-from pwmesh.errors import PermissionDenied
+from pwmesh.errors import InvalidArgument, PermissionDenied
 from pwmesh.rm.state import ResourceManagerState
 from pwmesh.service.heartbeat import every
-from pwmesh.service.keys import Security, speaks_for
+from pwmesh.service.keys import Security, speaks_for, unkeyed
 from pwmesh.service.lifecycle import Service
 from pwmesh.service.metrics import Metric, counter, gauge, listen_host, wire_metrics
 from pwmesh.service.rpc import Access, Server
@@ -84,8 +84,10 @@ class ResourceManager(Service):
         match msg:
             case RegisterExecutor(info=info):
                 claims = [info.executor_id]
+                self._check_keys(env, [info.control, info.data])
             case RegisterScheduler(info=info):
                 claims = [info.name]
+                self._check_keys(env, [info.address])
                 held = self.state.schedulers.get(info.island)
                 if held is not None and not speaks_for(env.user, held.name):  # a lost one is forgotten
                     raise PermissionDenied(f"island {info.island} has a live scheduler ({held.name!r}): "
@@ -105,6 +107,23 @@ class ResourceManager(Service):
             if not speaks_for(env.user, name):
                 raise PermissionDenied(f"the daemon key {env.user!r} may act only as {env.user!r} "
                                        f"(or {env.user}:...), not as {name!r} ({msg.op})")
+
+    def _check_keys(self, env: Envelope, addresses: list[str]) -> None:
+        """The keys a daemon advertises in its addresses (``keys.keyed``) are its own or the cluster's:
+        peers will hold it to them, so a host cannot send them to another's."""
+        if self.ctx.keys is None:
+            return
+        for address in addresses:
+            try:
+                _, key = unkeyed(address)
+            except InvalidArgument as exc:
+                raise PermissionDenied(str(exc)) from None
+            if key is None or key == self.ctx.keys.server_public:
+                continue
+            holder = self.ctx.whose(key)
+            if holder is None or holder.name != env.user:
+                raise PermissionDenied(f"the daemon key {env.user!r} cannot advertise {address!r}: that key is "
+                                       f"{'nobody' if holder is None else repr(holder.name)}'s")
 
     def _watch(self, peer: bytes, env: Envelope) -> Message | None:
         self.watchers.add(peer)

@@ -83,7 +83,7 @@ class Scheduler(Service):
         self.server = Server(self.ctx, self.config.listen, handlers, tasks=self.tasks, name=self.name,
                              access=Access.of(admin=[GetSchedulerStats]))
         self.order = IslandOrder(self.config.island, policy=self.config.policy, window=self.config.window,
-                                 scheduler=self.server.address)
+                                 scheduler=self.ctx.advertise(self.server.address))
         self.server.start()
         self.peers = Connections(self.ctx, tasks=self.tasks, name=self.name, on_message=self._notified)
         rm = self.peers.get(self.config.rm)
@@ -108,7 +108,7 @@ class Scheduler(Service):
             self.tasks.spawn(every(0.25, self._tick), name="group-tick")
 
     def _registration(self) -> RegisterScheduler:
-        return RegisterScheduler(info=SchedulerInfo(island=self.config.island, address=self.server.address,
+        return RegisterScheduler(info=SchedulerInfo(island=self.config.island, address=self.ctx.advertise(self.server.address),
                                                     name=self.name, epoch=self.order.epoch))
 
     def _notified(self, env: Envelope) -> None:

@@ -8,14 +8,20 @@ A keys directory, as ``pwmesh keys init DIR`` makes it::
     DIR/authorized/admins/NAME.key        admins' (``pwmesh keys add-admin NAME``)
     DIR/authorized/daemons/NAME.key       daemon hosts' own (``pwmesh keys add-daemon NAME``)
     DIR/clients/NAME/                     what a client NAME is given: its pair and cluster.key
-    DIR/daemons/NAME/                     what daemon host NAME is given: the cluster's pair to serve
-                                          with and its own pair to connect with
+    DIR/daemons/NAME/                     what daemon host NAME is given: its own pair, which it serves
+                                          and connects with, and cluster.key; a front host's (``--front``:
+                                          one that runs the resource manager or a proxy, which everyone
+                                          reaches by the cluster's key) also the cluster's pair to serve with
 
 Daemons take ``--keys DIR`` (or ``$PWMESH_KEYS``), or on a host of their own ``--keys DIR/daemons/NAME``;
 a client takes the directory it was given (``pw.connect(..., keys=DIR/clients/NAME)``). A daemon with a
 key of its own is known by it: it may act only as daemon NAME (an executor or scheduler named NAME or
 ``NAME:...``), as Kubernetes' node authorizer binds a kubelet's credential to its own Node, and removing
-its key (``pwmesh keys remove NAME``) shuts that host out of the cluster. A daemon host's directory has
+its key (``pwmesh keys remove NAME``) shuts that host out of the cluster. Only front hosts hold the
+cluster's secret: an executor or scheduler host serves with its own key and advertises it in its
+addresses (``keyed``: ``tcp://host:port#<hex key>``, as the resource manager hands them out), so its
+peers know whom they reach, and its data plane keys each stream by the pair of hosts (``dataflow.secure``).
+Taking one host's directory gives its own key, not the cluster's. A daemon host's directory has
 no ``authorized/`` of its own: it reads ``DIR/authorized`` when it sits inside DIR (a shared mount), else
 its own copy (``DIR/daemons/NAME/authorized``, kept in step with the cluster's). A peer whose
 key is not in ``authorized/`` fails the CURVE handshake: ZeroMQ drops it before any message reaches
@@ -36,6 +42,7 @@ from pathlib import Path
 import zmq
 import zmq.auth
 from zmq.auth.thread import ThreadAuthenticator
+from zmq.utils import z85
 
 from pwmesh.errors import InvalidArgument
 
@@ -57,13 +64,13 @@ class Keys:
     """One party's keys: the cluster's public key (what every daemon serves with), its own pair, and,
     for a daemon, where the public keys it lets in are."""
 
-    server_public: bytes
-    public: bytes
+    server_public: bytes  # the cluster's: what an address with no key of its own is served with
+    public: bytes  # the pair it serves with (the cluster's, or a daemon host's own)
     secret: bytes
     directory: Path
     authorized: Path | None = None  # None: a client's keys (it serves nothing)
-    # A daemon host's own pair (``pwmesh keys add-daemon NAME``), which it connects with; serving is the
-    # cluster's pair all the same. None: it connects with ``public``/``secret``.
+    # A daemon host's own pair (``pwmesh keys add-daemon NAME``), which it connects with (and serves
+    # with, unless a front host's). None: it connects with ``public``/``secret``.
     own: tuple[str, bytes, bytes] | None = None  # (NAME, public, secret)
 
     @property
@@ -97,8 +104,11 @@ class Keys:
         _check_private(secrets[0])
         public, secret = zmq.auth.load_certificate(secrets[0])
         assert secret is not None  # a .key_secret file always has it
+        if own is None and secrets[0].stem != CLUSTER and (
+                (where / "authorized").is_dir() or where.parent.name == DAEMONS):
+            own = (secrets[0].stem, public, secret)  # a daemon host's, not a front's: it serves with its own
         authorized = None
-        if secrets[0].stem == CLUSTER:
+        if own is not None or secrets[0].stem == CLUSTER:
             authorized = where / "authorized"
             if own is not None and not authorized.is_dir() and where.parent.name == DAEMONS:
                 authorized = where.parent.parent / "authorized"  # a host's directory inside the cluster's
@@ -120,13 +130,40 @@ class Keys:
         sock.curve_publickey = self.public
         sock.curve_server = True
 
-    def connect(self, sock: zmq.Socket[bytes]) -> None:
-        """Make ``sock`` (before it connects) a CURVE client of the cluster (with a daemon host's own
-        pair where it has one: that is who its peers see)."""
+    def connect(self, sock: zmq.Socket[bytes], server: bytes | None = None) -> None:
+        """Make ``sock`` (before it connects) a CURVE client of the server whose public key (z85) is
+        ``server``, by default the cluster's (with a daemon host's own pair where it has one: that is who
+        its peers see)."""
         _, public, secret = self.own if self.own is not None else ("", self.public, self.secret)
         sock.curve_secretkey = secret
         sock.curve_publickey = public
-        sock.curve_serverkey = self.server_public
+        sock.curve_serverkey = server or self.server_public
+
+    def advertise(self, address: str) -> str:
+        """``address`` as peers are told it: with the key it is served with, unless that is the cluster's."""
+        return address if self.public == self.server_public else keyed(address, self.public)
+
+
+def keyed(address: str, public: bytes) -> str:
+    """``address`` carrying the public key (z85) it is served with: ``tcp://host:port#<64 hex digits>``.
+    The key travels wherever the address does (slices, runs, the cluster's view), so whoever connects
+    knows whom it must reach, with no directory to ask; an address with no key is served with the
+    cluster's."""
+    return f"{address}#{z85.decode(public).hex()}"
+
+
+def unkeyed(address: str) -> tuple[str, bytes | None]:
+    """(the address to connect to, the public key (z85) it is served with, or None: the cluster's)."""
+    plain, _, key = address.partition("#")
+    if not key:
+        return plain, None
+    try:
+        raw = bytes.fromhex(key)
+    except ValueError:
+        raw = b""
+    if len(raw) != 32:
+        raise InvalidArgument(f"{address!r}: the key after '#' is not 64 hex digits")
+    return plain, z85.encode(raw)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -310,10 +347,12 @@ def add_client(directory: str | os.PathLike[str], name: str, *, admin: bool = Fa
     return given
 
 
-def add_daemon(directory: str | os.PathLike[str], name: str) -> Path:
+def add_daemon(directory: str | os.PathLike[str], name: str, *, front: bool = False) -> Path:
     """Issue daemon host ``name`` a key pair of its own and authorize it; returns the directory to give
-    that host (``--keys``): the cluster's pair, to serve with, and its own, to connect with. Its daemons
-    may act only as ``name`` (see ``speaks_for``); ``remove`` shuts the host out."""
+    that host (``--keys``): its own pair, which it serves and connects with, and the cluster's public key.
+    A ``front`` host (the resource manager's, a proxy's: reached by the cluster's key) also gets the
+    cluster's pair to serve with. Its daemons may act only as ``name`` (see ``speaks_for``); ``remove``
+    shuts the host out."""
     keys = _cluster_keys(directory)
     assert keys.authorized is not None
     _check_name(keys, name, "daemon")
@@ -321,9 +360,10 @@ def add_daemon(directory: str | os.PathLike[str], name: str) -> Path:
     given = keys.directory / DAEMONS / name
     _private_dir(given)
     public, _ = _make_pair(given, name)
-    for part in (f"{CLUSTER}.key", f"{CLUSTER}.key_secret"):
+    for part in (f"{CLUSTER}.key", f"{CLUSTER}.key_secret") if front else (f"{CLUSTER}.key",):
         shutil.copy(keys.directory / part, given / part)
-    (given / f"{CLUSTER}.key_secret").chmod(0o600)
+    if front:
+        (given / f"{CLUSTER}.key_secret").chmod(0o600)
     _private_dir(keys.authorized / DAEMONS)
     shutil.copy(public, keys.authorized / DAEMONS / public.name)
     return given

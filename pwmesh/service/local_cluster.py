@@ -61,7 +61,8 @@ class LocalClusterSpec:
     platform: str = "cpu"  # the executors' devices: cpu (the default, on any machine), cuda, rocm or tpu
     keys: str = ""  # the cluster's keys directory (``pwmesh keys init``): every socket speaks CURVE
     # With ``keys``: each daemon runs with a key of its own (``pwmesh keys add-daemon NAME``, made where
-    # missing), as on a cluster of many hosts; else every daemon uses the cluster's own key.
+    # missing; the resource manager's and the proxy's ``--front``), as on a cluster of many hosts; else
+    # every daemon uses the cluster's own key.
     daemon_keys: bool = False
     # Without keys: serve on Unix sockets in a directory only this user can enter, and give the executors'
     # data plane a generated secret, so another local user cannot reach the cluster (as Jupyter keys
@@ -110,7 +111,7 @@ class LocalCluster:
         keys = self.spec.keys
         if keys and self.spec.daemon_keys:
             own = Path(keys) / DAEMONS / name
-            keys = str(own if own.is_dir() else add_daemon(keys, name))
+            keys = str(own if own.is_dir() else add_daemon(keys, name, front=role in ("rm", "proxy")))
         child_env = {**os.environ, "PWMESH_PARENT_PID": str(os.getpid()), "JAX_PLATFORMS": self.spec.platform,
                      **({PLANE_SECRET_ENV: self._plane_secret} if private else {}), **(env or {})}
         child_env.pop("XLA_FLAGS", None)  # each executor sets its own device count

@@ -33,7 +33,7 @@ from zmq.auth.thread import ThreadAuthenticator
 
 from pwmesh.errors import InvalidArgument
 from pwmesh.service import listeners
-from pwmesh.service.keys import LOCAL, AuthorizedKeys, Identity, Keys, start_authenticator
+from pwmesh.service.keys import DAEMON, LOCAL, AuthorizedKeys, Identity, Keys, start_authenticator, unkeyed
 from pwmesh.service.ratelimit import RejectedLog
 from pwmesh.wire.codec import DEFAULT_LIMITS
 
@@ -180,18 +180,36 @@ class Context:
 
     def dealer(self, connect: str, identity: bytes | None = None) -> DealerSocket:
         """A socket connected to ``connect``; ``InvalidArgument`` if that is no address ZeroMQ can connect to
-        (addresses come from peers: a bad one is a refused request, not a leaked socket)."""
+        (addresses come from peers: a bad one is a refused request, not a leaked socket). An address with
+        a key (``keys.keyed``) must be served with that key."""
+        try:
+            plain, server = unkeyed(connect)
+        except InvalidArgument as exc:
+            raise InvalidArgument(f"cannot connect to {connect[:200]!r}: {exc}") from None
         sock = self._socket(zmq.DEALER, identity)
         if self.keys is not None:
-            self.keys.connect(sock)
+            self.keys.connect(sock, server)
         try:
-            sock.connect(connect)
+            sock.connect(plain)
         except zmq.ZMQError as exc:
             sock.close(linger=0)
             raise InvalidArgument(f"cannot connect to {connect[:200]!r}: {exc.strerror}") from None
         dealer = DealerSocket(sock, connect)
         self._sockets.append(dealer)
         return dealer
+
+    def advertise(self, address: str) -> str:
+        """``address``, which this process serves, as peers are to be told it (``Keys.advertise``)."""
+        return address if self.keys is None else self.keys.advertise(address)
+
+    def whose(self, public: bytes) -> Identity | None:
+        """Whose key ``public`` (z85) is, as ``authorized/`` says now (None: nobody's, or no keys)."""
+        return self._authorized.identify(public) if self._authorized is not None else None
+
+    def daemon_key(self, public: bytes) -> bool:
+        """Is ``public`` (z85) a daemon's key now: the cluster's, or a daemon host's in ``authorized/``?"""
+        identity = self.whose(public)
+        return identity is not None and identity.role == DAEMON
 
     def close(self) -> None:
         for sock in self._sockets:

@@ -381,6 +381,8 @@ class SendShards(Message, op="exec.send_shards"):
     prefix: str
     runs: list[ShardRun]
     emits: list[Emit]
+    run_id: str = ""  # the run it is part of ("": a drain's move), which fails if what it sends is lost
+    proxy: str = ""  # where that run's losses are reported (``DataLost``)
 
 
 @record
@@ -506,6 +508,16 @@ class NodeDone(Message, op="exec.node_done"):
     nodes: list[int]
     executor_id: str
     error: ErrorInfo | None = None
+
+
+@record
+class DataLost(Message, op="exec.data_lost"):
+    """Data a computation of ``run_id`` on ``executor_id`` sent never arrived (its stream broke, and so
+    did every retry): what waits for it would wait for ever, so the run fails with ``error``."""
+
+    run_id: str
+    executor_id: str
+    error: ErrorInfo
 
 
 @record
