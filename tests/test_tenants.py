@@ -17,6 +17,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 import zmq
@@ -345,6 +346,33 @@ def test_a_run_past_its_deadline_fails_and_other_tenants_go_on(keyed: pw.LocalCl
         with pytest.raises(pw.DeadlineExceeded):
             np.asarray(steps)
         assert time.monotonic() - start < 10.0, "failed at its deadline, not when the computation ended"
+
+
+def test_bytes_in_flight_through_the_proxy_are_limited_and_given_back(keyed: pw.LocalCluster,
+                                                                       key_dirs: dict[str, Path], policy: Path) -> None:
+    """``max_bytes_in_flight``: a put or fetch that would put the tenant over it is refused naming it; what
+    was in flight counts again once it landed (puts one after another, each awaited, all pass)."""
+    tenants.save(policy, tenants.TenantPolicy({"bob": tenants.TenantLimits(max_bytes_in_flight=1 << 20)}))
+    with opened(keyed.address, key_dirs["bob"], name="bob") as bob:
+        sl = bob.make_virtual_device_set().add_slice(devices=1)
+
+        def limited() -> bool:  # (until the proxy has read the policy, the put passes and its fetch is refused)
+            try:
+                np.asarray(bob.put(np.zeros((1, 1 << 19), np.float32), sl))  # 2 MiB
+            except pw.ResourceExhausted as exc:
+                assert "max_bytes_in_flight 1048576" in str(exc)
+                return "a put of 2097152 bytes" in str(exc)
+            return False
+
+        eventually(limited, 10)
+        for i in range(8):  # 8 x 0.5 MiB, one after another: each is given back when it has landed
+            part = bob.put(np.full((1, 1 << 17), i, np.float32), sl)
+            assert float(np.asarray(part)[0, 0]) == i
+        tiled = pw.pmap(lambda x: jnp.tile(x, 8), devices=sl)(np.ones((1, 1 << 16), np.float32))  # 2 MiB out
+        with pytest.raises(pw.ResourceExhausted, match="a fetch of 2097152 bytes"):
+            np.asarray(tiled)
+        total = pw.pmap(lambda x: x.sum(), devices=sl)(tiled)  # still there, and usable on the devices
+        assert float(np.asarray(total)[0]) == 8 * (1 << 16)
 
 
 def test_tenants_set_and_list(tmp_path: Path) -> None:

@@ -319,6 +319,8 @@ def _policy_path(path: str | None) -> str:
 @click.option("--max-nodes", type=int, help="Computations in one program.")
 @click.option("--max-programs", type=int, help="Programs registered and held, all sessions together.")
 @click.option("--max-bytes", type=int, help="Bytes its buffers hold, all sessions together.")
+@click.option("--max-bytes-in-flight", type=int, help="Bytes of its puts and fetches passing through the proxy "
+              "at once.")
 @click.option("--max-run-seconds", type=float, help="A run still going after this fails (pw.DeadlineExceeded).")
 @_tenants_file
 def tenants_set(name: str, path: str | None, **given: float | int | None) -> None:

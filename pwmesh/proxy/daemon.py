@@ -30,6 +30,8 @@ from pwmesh.proxy.session import Buffer
 from pwmesh.proxy.state import (
     Action,
     Ask,
+    Deliver,
+    Delivered,
     FencePeer,
     FetchEnded,
     Fetching,
@@ -88,6 +90,7 @@ from pwmesh.wire.messages import (
 
 log = logging.getLogger(__name__)
 
+DELIVER_TIMEOUT_SECONDS = 600.0  # a put's bytes count in flight at most this long (an executor never answering)
 EARLY_FETCH_TIMEOUT_SECONDS = 7 * 24 * 3600.0  # a fetch sent before its value exists waits as long as it computes
 
 
@@ -125,6 +128,7 @@ class Proxy(Service):
         super().__init__(config.name, config.security, metrics_port=config.metrics_port, metrics_host=listen_host(config.listen))
         self.config = config
         self._notice_log = RejectedLog(self.name, logger=log)  # notices a peer made unappliable: rate-limited
+        self._deliver_log = RejectedLog(self.name, logger=log)  # puts an executor refused (each logged there too)
         self.waiting: dict[Buffer, list[asyncio.Future[None]]] = {}  # buffers not done -> requests waiting
         self.dispatch_bytes = 0  # bytes of the core's program traffic (``Send.dispatch``)
         # Clients with a program being lowered off the loop (``LowerOffLoop``), and what each sent since, in
@@ -281,6 +285,8 @@ class Proxy(Service):
                 answer = self._fetch(action)
             elif isinstance(action, Ask):
                 answer = self._ask(action)
+            elif isinstance(action, Deliver):
+                self.tasks.spawn(self._deliver(action), name="deliver")
             elif isinstance(action, PeerLost):
                 self.peers.mark_lost(action.control, action.error)  # fails the fetches waiting on it
             elif isinstance(action, PeerBack):
@@ -333,6 +339,17 @@ class Proxy(Service):
         assert isinstance(reply, SliceAllocated)
         return self._perform(self.state.handle(SliceGranted(ask.peer, reply.slice), time.monotonic()))
 
+    async def _deliver(self, deliver: Deliver) -> None:
+        """A client's put, as a request: its bytes count as in flight until the executor answers (or fails,
+        or is lost). Its failure is the executor's to record (the keys fail there), not ours to report."""
+        try:
+            if deliver.to not in self.peers.lost:  # (as a post to it would be, it is dropped)
+                await self.peers.request(deliver.to, deliver.message, timeout_seconds=DELIVER_TIMEOUT_SECONDS)
+        except PwmeshError as exc:
+            self._deliver_log.warning(deliver.to, "a put to %s failed: %s", deliver.to, exc)
+        finally:
+            self._perform(self.state.handle(Delivered(deliver.owner, deliver.nbytes), time.monotonic()))
+
     async def _await_buffers(self, buffers: list[Buffer]) -> Ok:
         for buf in buffers:  # the first failure, in order, as soon as it is known
             await self._until_done(buf)
@@ -352,7 +369,7 @@ class Proxy(Service):
                     raise failed
                 shards = await self._fetch_shards(sid, buf, self.config.fetch_timeout_seconds)
         finally:
-            self._perform(self.state.handle(FetchEnded(sid, buf), time.monotonic()))
+            self._perform(self.state.handle(FetchEnded(sid, buf, fetching.owner, fetching.nbytes), time.monotonic()))
         return BufferValue(shards=shards)
 
     async def _fetch_early(self, session_id: str, buf: Buffer) -> list[Any] | None:

@@ -33,6 +33,7 @@ Actions:
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import itertools
 import logging
@@ -149,6 +150,16 @@ class FetchEnded:
 
     session_id: str
     buffer: Buffer
+    owner: str = ""  # whose bytes in flight it was (``Fetching``)
+    nbytes: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class Delivered:
+    """A ``Deliver`` is over, whatever its outcome: its bytes are no longer in flight."""
+
+    owner: str
+    nbytes: int
 
 
 @dataclasses.dataclass(frozen=True)
@@ -165,7 +176,7 @@ class Tick:
     """Time passed: end the sessions whose client stopped sending heartbeats."""
 
 
-Event = Inbound | Notice | SliceGranted | FetchEnded | Lowered | Tick
+Event = Inbound | Notice | SliceGranted | FetchEnded | Delivered | Lowered | Tick
 
 # ------------------------------------------------------------------ actions
 
@@ -209,6 +220,19 @@ class Fetching:
 
     session_id: str
     buffer: Buffer
+    owner: str = ""  # whose bytes in flight it is, and how many (back with ``FetchEnded``)
+    nbytes: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class Deliver:
+    """Send the request ``message`` (a client's put) to ``to``; then ``Delivered``: ``owner``'s ``nbytes``
+    are in flight until the executor has them."""
+
+    to: str
+    message: Message
+    owner: str
+    nbytes: int
 
 
 @dataclasses.dataclass(frozen=True)
@@ -304,6 +328,8 @@ class ProxyState:
         self.lost: dict[str, DeviceLost] = {}  # executor id -> why it is gone
         self.lost_controls: set[str] = set()  # their control addresses: nothing is sent there
         self.moved_buffers = 0  # buffers moved off draining hosts, ever
+        # Bytes of each tenant's puts and fetches passing through here now (``max_bytes_in_flight``).
+        self.in_flight: collections.Counter[str] = collections.Counter()
         self.lost_schedulers: dict[str, DeviceLost] = {}  # address -> why: runs there cannot be ordered
         self.programs = 0
         self.dispatch_messages = 0  # Send actions of program traffic, ever (the shell adds their bytes)
@@ -345,7 +371,10 @@ class ProxyState:
             elif isinstance(event, FetchEnded):
                 event.buffer.pins -= 1
                 event.buffer.readers -= 1
+                self.in_flight[event.owner] -= event.nbytes
                 self._maybe_free(event.session_id, event.buffer)
+            elif isinstance(event, Delivered):
+                self.in_flight[event.owner] -= event.nbytes
             elif isinstance(event, Lowered):
                 session = self.sessions.get(event.peer)
                 if session is not None and session.session_id == event.session_id:  # else it ended meanwhile
@@ -539,6 +568,15 @@ class ProxyState:
         """Bytes the buffers of ``owner``'s sessions hold (each logical buffer once)."""
         return sum(nbytes(buf.spec.shape, buf.spec.dtype)
                    for s in self.sessions.values() if s.owner == owner for buf in s.buffers.values())
+
+    def _check_in_flight(self, owner: str, nbytes: int, what: str) -> None:
+        """``ResourceExhausted`` if ``nbytes`` more in flight would put ``owner`` over its limit."""
+        limit = self.policy.of(owner).max_bytes_in_flight
+        if limit and self.in_flight[owner] + nbytes > limit:
+            raise ResourceExhausted(
+                f"{what} of {nbytes} bytes would put tenant {owner!r} over its limit of bytes in flight through the "
+                f"proxy (max_bytes_in_flight {limit}; {self.in_flight[owner]} in flight now): wait for earlier "
+                "puts and fetches to complete, or send less at once")
 
     def _check_bytes(self, owner: str, limits: TenantLimits, more: Callable[[], int]) -> None:
         """``ResourceExhausted`` if ``owner`` would hold more than its ``max_bytes`` with ``more()`` bytes more."""
@@ -841,6 +879,7 @@ class ProxyState:
 
     def _put(self, session: Session, msg: PutBuffer) -> Reply:
         self._check_bytes(session.owner, self.policy.of(session.owner), lambda: int(msg.array.nbytes))
+        self._check_in_flight(session.owner, int(msg.array.nbytes), "a put")  # counted per executor below
         sl = session.slices.get(msg.slice_id)
         if sl is None:
             raise NotFound(f"slice {msg.slice_id} is not one of this session's slices")
@@ -866,7 +905,9 @@ class ProxyState:
             batch.arrays.append(part)
             buf.holders.add(loc.control)
         for control, batch in puts.items():
-            self._send(control, batch)
+            size = sum(int(a.nbytes) for a in batch.arrays)
+            self.in_flight[session.owner] += size
+            self._out.append(Deliver(control, batch, session.owner, size))
         buf.resolve(None)  # new: nobody waits on it yet
         session.buffers[msg.buffer] = buf
         return Reply(Ok())
@@ -901,6 +942,9 @@ class ProxyState:
     def _fetch(self, peer: bytes, msg: Fetch, now: float) -> Fetching:
         session = self.session(peer)
         buf = self.buffer(session, msg.buffer)
+        size = 0 if buf.error is not None else nbytes(buf.spec.shape, buf.spec.dtype)  # failed: its cause, not this
+        self._check_in_flight(session.owner, size, "a fetch")
+        self.in_flight[session.owner] += size
         buf.pins += 1  # a release while we fetch must not delete the shards under us
         buf.readers += 1  # nor a run it is donated to consume them
-        return Fetching(session.session_id, buf)
+        return Fetching(session.session_id, buf, session.owner, size)

@@ -5,7 +5,7 @@ A policy is a JSON file (``pwmesh tenants set NAME ...`` writes it; by default
 (``"*"``: everyone not named; ``"local"``: the one user of a cluster without keys)::
 
     {"alice": {"weight": 3, "priority": 1, "max_sessions": 4, "max_nodes": 10000, "max_programs": 100,
-               "max_bytes": 8589934592, "max_run_seconds": 600}}
+               "max_bytes": 8589934592, "max_bytes_in_flight": 1073741824, "max_run_seconds": 600}}
 
 Left out or 0, a limit is off. The proxy re-reads the file when it changes (at most once
 a second) and applies it from then on: a session's weight and priority when it opens,
@@ -36,6 +36,9 @@ class TenantLimits:
     max_nodes: int = 0  # computations in one program
     max_programs: int = 0  # programs registered and held (``@pw.program``'s), all sessions together
     max_bytes: int = 0  # bytes its buffers hold on executors, all sessions together
+    # Bytes of its puts and fetches passing through the proxy at once (arrived and not yet stored on
+    # the executors; fetched and not yet sent on): what one tenant may make the controller hold.
+    max_bytes_in_flight: int = 0
     max_run_seconds: float = 0.0  # a run still going after this fails with pw.DeadlineExceeded
 
     @classmethod
