@@ -35,6 +35,7 @@ from pwmesh.proxy.state import (
     settled,
     sources,
 )
+from pwmesh.proxy.tenants import TenantLimits, TenantPolicy
 from pwmesh.rm.state import ResourceManagerState
 from pwmesh.scheduler.order import IslandOrder
 from pwmesh.wire import Message, encode
@@ -403,3 +404,29 @@ def test_a_program_that_fails_to_lower_off_the_loop_fails_its_outputs(world: Wor
     assert isinstance(reply, Reply) and reply.error is deferred.job.error
     assert world.ask(CLIENT, AwaitBuffers(buffers=[2])).buffers[0].done
     assert sent([], ScheduleRun) == [] and world.proxy.runs == {}
+
+
+def test_a_program_in_parts_is_assembled_in_order_and_checked_against_max_nodes_as_it_comes(world: World) -> None:
+    """``RegisterProgram.parts``: what the client library sends for a big program (``PROGRAM_PART_ITEMS``)."""
+    _, slice_id = world.open()
+    fns = [world.function(CLIENT, slice_id, name) for name in (b"f", b"g", b"h", b"k")]
+    program = chain(fns, slice_id)
+    parts = [ProgramSpec(values=program.values[:2], nodes=program.nodes[:1], inputs=[], outputs=[]),
+             ProgramSpec(values=program.values[2:], nodes=program.nodes[1:], inputs=program.inputs,
+                         outputs=program.outputs)]
+    assert world.handle(Inbound(CLIENT, RegisterProgram(program_id="p", program=parts[0], part=0, parts=2))) == []
+    assert "p" not in world.proxy.sessions[CLIENT].programs, "not before its last part"
+    assert world.handle(Inbound(CLIENT, RegisterProgram(program_id="p", program=parts[1], part=1, parts=2))) == []
+    assert world.proxy.sessions[CLIENT].programs["p"] == program
+    with pytest.raises(InvalidArgument, match="part 1 of 2 came where part 0 was due"):
+        world.ask(CLIENT, RegisterProgram(program_id="q", program=parts[1], part=1, parts=2))
+    world.proxy.policy = TenantPolicy({"*": TenantLimits(max_nodes=2)})
+    big = chain([fns[0]] * 3, slice_id)
+    halves = [ProgramSpec(values=big.values[:2], nodes=big.nodes[:2], inputs=[], outputs=[]),
+              ProgramSpec(values=big.values[2:], nodes=big.nodes[2:], inputs=big.inputs, outputs=big.outputs)]
+    for k, half in enumerate(halves):
+        assert world.handle(Inbound(CLIENT, RegisterProgram(program_id="big", program=half, part=k, parts=2))) == []
+    with pytest.raises(ResourceExhausted, match="more than 2 computations"):
+        world.ask(CLIENT, RunProgram(inputs=[ProgramInput(array=np.ones((8, 2), np.float32))], outputs=[9],
+                                     program_id="big"))
+    assert not world.proxy.sessions[CLIENT].arriving, "nothing held of what was refused"

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import gc
 import itertools
 import logging
 import secrets
@@ -115,6 +116,7 @@ log = logging.getLogger(__name__)
 # What one run's computations for one island may pack into: the message limit, less room for the
 # rest of the ScheduleRun (its names and header).
 MAX_PART_BYTES = DEFAULT_LIMITS.max_body_bytes - (1 << 20)
+MAX_ARRIVING_PROGRAMS = 4  # per session, coming in parts at once (each held until its last part)
 UNKNOWN_VALUE = ValueSpec(shape=[], dtype="float32", shards=1)  # a failed output of a program never seen
 
 # ------------------------------------------------------------------ events
@@ -379,6 +381,8 @@ class ProxyState:
                 session = self.sessions.get(event.peer)
                 if session is not None and session.session_id == event.session_id:  # else it ended meanwhile
                     session.lowerings.finish(event.job)
+                    gc.collect(1)  # a big program's lowering, cached: frozen as its parts were (``_assemble``)
+                    gc.freeze()
             elif isinstance(event, Tick):
                 self._expire_sessions(now)
                 self._expire_runs(now)
@@ -529,6 +533,9 @@ class ProxyState:
         session = self.session(peer)
         if not msg.program_id or len(msg.program_id) > MAX_PROGRAM_ID_CHARS:
             raise InvalidArgument(f"a program id has 1 to {MAX_PROGRAM_ID_CHARS} characters")
+        program = self._assemble(session, msg)
+        if program is None:
+            return None  # more parts to come (or refused: its runs say why)
         # Checked when it first runs (lowering validates it), where an error reaches its buffers.
         if msg.program_id not in session.programs:
             limits = self.policy.of(session.owner)
@@ -541,8 +548,46 @@ class ProxyState:
                     del session.refused_programs[next(iter(session.refused_programs))]
                 return None
         session.refused_programs.pop(msg.program_id, None)
-        session.programs.setdefault(msg.program_id, msg.program)
+        session.programs.setdefault(msg.program_id, program)
         return None  # posted, like a RunProgram after it
+
+    def _assemble(self, session: Session, msg: RegisterProgram) -> ProgramSpec | None:
+        """The whole program once its last part is in (``RegisterProgram.parts``), else None. Parts come in
+        order on one connection; the tenant's ``max_nodes`` is checked as they come, not once they all
+        have (a program over it is refused: its runs fail with why, and what came is dropped)."""
+        if msg.parts == 1 and msg.part == 0:
+            return msg.program
+        pid = msg.program_id
+        if msg.part > 0 and pid in session.refused_programs and pid not in session.arriving:
+            return None  # the rest of a program refused already
+        expected, sofar = session.arriving.pop(pid, (0, None))
+        if not 0 <= msg.part < msg.parts or msg.part != expected:
+            raise InvalidArgument(f"program {pid[:16]!r}: part {msg.part} of {msg.parts} came where part {expected} "
+                                  "was due (parts come in order)")
+        if sofar is None:
+            if len(session.arriving) >= MAX_ARRIVING_PROGRAMS:
+                raise ResourceExhausted(f"{MAX_ARRIVING_PROGRAMS} programs are arriving in parts in this session "
+                                        "already: send one at a time")
+            sofar = ProgramSpec(values=[], nodes=[], inputs=[], outputs=[])
+        sofar.values.extend(msg.program.values)
+        sofar.nodes.extend(msg.program.nodes)
+        # Held until the session ends, and millions of objects for a big program: out of the cyclic
+        # collector's way (every full collection walked them: alice's round trips grew to 1.1 s while
+        # a 10^6-node program arrived, 0.3 s with it frozen). They are still freed when dropped; the
+        # young generations are collected first, so little garbage is frozen with them.
+        gc.collect(1)
+        gc.freeze()
+        limit = self.policy.of(session.owner).max_nodes
+        if limit and len(sofar.nodes) > limit:
+            session.refused_programs[pid] = ResourceExhausted(
+                f"the program has more than {limit} computations (over tenant {session.owner!r}'s max_nodes "
+                f"{limit}, at {len(sofar.nodes)} of its part {msg.part + 1} of {msg.parts})")
+            return None
+        if msg.part < msg.parts - 1:
+            session.arriving[pid] = (msg.part + 1, sofar)
+            return None
+        sofar.inputs, sofar.outputs = msg.program.inputs, msg.program.outputs
+        return sofar
 
     def _run_program(self, peer: bytes, msg: RunProgram, now: float) -> None:
         session = self.session(peer)

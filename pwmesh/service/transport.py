@@ -25,6 +25,7 @@ import collections
 import logging
 import os
 import socket
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -44,6 +45,9 @@ log = logging.getLogger(__name__)
 ZERO_COPY_THRESHOLD_BYTES = 64 << 10
 # Messages handled per reader callback before other callbacks get a turn.
 RECV_BATCH = 256
+# ... or this long: then the loop serves other sockets first (a client's 100 parts of a big program, at
+# ~0.1 s each, once held every reply on the proxy's other connections behind them for 5.5 s).
+RECV_BATCH_SECONDS = 0.01
 # While messages wait in a backlog, the socket is looked at again at least this often.
 BACKLOG_RETRY_SECONDS = 0.05
 
@@ -329,6 +333,7 @@ class _Pump:
                     waiter.set_result(self._recv())
                     events = getsockopt(_EVENTS)
             return events
+        until = time.monotonic() + RECV_BATCH_SECONDS
         for _ in range(RECV_BATCH):
             try:
                 frames = self._recv()
@@ -346,6 +351,8 @@ class _Pump:
             events = getsockopt(_EVENTS)
             if not events & _POLLIN:
                 return events
+            if time.monotonic() > until:
+                break
         self._schedule_check()  # more is waiting: let other callbacks run first
         return -1
 

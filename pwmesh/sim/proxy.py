@@ -15,6 +15,8 @@ from typing import Any
 from pwmesh.errors import PwmeshError
 from pwmesh.proxy.state import (
     Ask,
+    Deliver,
+    Delivered,
     FencePeer,
     FetchEnded,
     Fetching,
@@ -71,6 +73,7 @@ class _Fetch:
     shards: dict[str, list[Any]]  # key -> its array, once here
     order: list[str]  # every key, in the order the reply lists them
     left: int
+    charge: tuple[str, int] = ("", 0)  # whose bytes in flight it is, and how many (``Fetching``)
 
 
 class SimProxy(Node):
@@ -152,6 +155,9 @@ class SimProxy(Node):
         for action in actions:
             if isinstance(action, Send):
                 self._send(action.to, action.message, "dispatch" if action.dispatch else "")
+            elif isinstance(action, Deliver):  # bytes in flight are not simulated: given back at once
+                self._send(action.to, action.message, "")
+                self._run(Delivered(action.owner, action.nbytes), None)
             elif isinstance(action, Reply):
                 self._reply(request, action)
             elif isinstance(action, Ask):
@@ -227,12 +233,13 @@ class SimProxy(Node):
         by_control: dict[str, list[str]] = {}
         for control, key in wanted:
             by_control.setdefault(control, []).append(key)
-        fetch = _Fetch(request, action.session_id, action.buffer, {}, [key for _, key in wanted], len(by_control))
+        fetch = _Fetch(request, action.session_id, action.buffer, {}, [key for _, key in wanted], len(by_control),
+                       (action.owner, action.nbytes))
         lost = next((c for c in by_control if c in self._lost), None)
         if failed is not None or lost is not None:
             self.post(request.peer, error_message(failed) if failed is not None else
                       Error(code="device_lost", message=f"{lost} is gone"), reply_to=request.msg_id)
-            self._run(FetchEnded(action.session_id, action.buffer), None)
+            self._run(FetchEnded(action.session_id, action.buffer, action.owner, action.nbytes), None)
             return
         if not by_control:
             self._fetch_done(fetch)
@@ -256,7 +263,7 @@ class SimProxy(Node):
         else:
             self.post(request.peer, Error(code="unavailable", message="a shard could not be fetched"),
                       reply_to=request.msg_id)
-        self._run(FetchEnded(fetch.session_id, fetch.buffer), None)
+        self._run(FetchEnded(fetch.session_id, fetch.buffer, *fetch.charge), None)
 
     def _abandon(self, msg_id: int, error: Any) -> None:
         """Answer a fetch under way with ``error``; its executors' late answers are dropped."""
@@ -267,7 +274,7 @@ class SimProxy(Node):
                 self._abandoned.add(other)
         self._abandoned.add(msg_id)
         self.post(fetch.request.peer, error_message(error), reply_to=fetch.request.msg_id)
-        self._run(FetchEnded(fetch.session_id, fetch.buffer), None)
+        self._run(FetchEnded(fetch.session_id, fetch.buffer, *fetch.charge), None)
 
     def _peer_lost(self, control: str, error: Any) -> None:
         """The executor at ``control`` is gone: fetches waiting on it fail (the core fails the rest)."""

@@ -588,6 +588,11 @@ class RegisterProgram(Message, op="proxy.register_program"):
 
     program_id: str  # a digest of ``program`` (the client's, made once per trace); the first registration stands
     program: ProgramSpec
+    # A big program comes in ``parts`` messages, in order (``part`` 0, 1, ...): each carries the next of its
+    # values and nodes, the last its inputs and outputs; the proxy decodes each between other clients'
+    # messages, where one 64 MiB message held its loop ~3.5 s.
+    part: int = 0
+    parts: int = 1
 
 
 @record
