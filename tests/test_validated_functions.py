@@ -28,7 +28,8 @@ from pwmesh.executor import sandbox
 from pwmesh.executor.artifacts import ALLOWED_CUSTOM_CALLS, custom_calls
 from pwmesh.executor.functions import load
 from pwmesh.ir.keys import function_id
-from pwmesh.wire.messages import RegisterFunction
+from pwmesh.wire.messages import RegisterFunction, RunProgram
+from pwmesh.wire.records import NodeSpec, ProgramInput, ProgramSpec, ValueSpec
 
 
 def qr_export() -> export.Exported:
@@ -104,3 +105,28 @@ def test_the_sandbox_reads_a_function_first_and_survives_its_crash(monkeypatch: 
         assert load(honest_id, honest, spmd=False, sandbox=box).fn_id == honest_id
     finally:
         box.close()
+
+
+@pytest.mark.timeout(120)
+def test_the_proxy_reads_a_new_function_in_its_sandbox_and_refuses_the_crafted_one() -> None:
+    """``pwmesh-proxy --sandbox-functions`` (the default with keys): the proxy, which imports no JAX, has a
+    child process read each new function's module before registering it, with the executors' checks. The
+    crafted artifact is refused there, before any executor sees it, and the run that calls it fails with
+    that cause; an honest function goes on as before."""
+    spec = pw.LocalClusterSpec(islands=1, hosts_per_island=1, devices_per_host=1, proxy_args=("--sandbox-functions",))
+    with pw.LocalCluster(spec) as cluster, pw.Client(cluster.address, name="crafter") as client:
+        sl = client.make_virtual_device_set().add_slice(devices=1)
+        bad = crafted()
+        fn_id = function_id(bad, False)
+        client.session.register_function(fn_id, exported=bad, slice_id=sl.slice_id, spmd=False, mesh=[], axes=[],
+                                         donate=[])
+        program = ProgramSpec(values=[ValueSpec(shape=[4, 4], dtype="float32", shards=1)] * 2,
+                              nodes=[NodeSpec(fn_id=fn_id, slice_id=sl.slice_id, inputs=[0], outputs=[1])],
+                              inputs=[0], outputs=[1])
+        out = client.session.new_buffer_id()
+        client.session.post(RunProgram(inputs=[ProgramInput(array=np.eye(4, dtype=np.float32))], outputs=[out],
+                                       program=program))
+        with pytest.raises(pw.InvalidArgument, match=r"the proxy refused function .*xla_ffi_python_cpu_callback"):
+            client.session.fetch([out], timeout_seconds=60)
+        q = pw.pmap(lambda a: jnp.linalg.qr(a)[0], devices=sl)(np.eye(4, dtype=np.float32)[None])
+        np.testing.assert_allclose(np.abs(np.asarray(q)), np.eye(4)[None], atol=1e-6)

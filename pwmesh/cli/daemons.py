@@ -300,12 +300,15 @@ def restart(options: list[str]) -> NoReturn:
               help="How long a request to the resource manager (a new slice) may wait for its answer.")
 @click.option("--tenants", "tenants_file", default="", help="The tenants' limits and shares (JSON, see `pwmesh "
               "tenants set`), re-read when it changes; default: tenants.json in the keys directory.")
+@click.option("--sandbox-functions/--no-sandbox-functions", default=None,
+              help="Read each new function's module in a child process before registering it, refusing host "
+                   "callbacks and custom calls JAX does not keep stable (default: on with --keys).")
 @_security
 @_metrics_port
 @_log_level
 @_log_format
 def proxy_main(rm: str, listen: str, name: str, session_timeout_seconds: float, rm_timeout_seconds: float,
-               tenants_file: str, keys: str,
+               tenants_file: str, sandbox_functions: bool | None, keys: str,
                insecure: bool, metrics_port: int | None,
                log_level: str, log_format: str) -> None:
     """Run a client proxy."""
@@ -315,7 +318,8 @@ def proxy_main(rm: str, listen: str, name: str, session_timeout_seconds: float, 
     setup_logging("proxy", name, log_level, log_format)
     run(Proxy(ProxyConfig(rm=rm, listen=listen, name=name, session_timeout_seconds=session_timeout_seconds,
                           rm_timeout_seconds=rm_timeout_seconds,
-                          tenants_file=tenants_file, security=Security(keys, insecure), metrics_port=metrics_port)))
+                          tenants_file=tenants_file, sandbox_functions=sandbox_functions,
+                          security=Security(keys, insecure), metrics_port=metrics_port)))
 
 
 @click.command(name="pwmesh-jax-coordinator")

@@ -17,24 +17,29 @@ import asyncio
 import collections
 import contextlib
 import dataclasses
+import functools
 import inspect
 import itertools
 import logging
 import time
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
-from pwmesh.errors import PwmeshError, PwTimeoutError, Unavailable
+from pwmesh.errors import InvalidArgument, PwmeshError, PwTimeoutError, Unavailable
+from pwmesh.executor.sandbox import Sandbox
 from pwmesh.proxy import tenants
 from pwmesh.proxy.session import Buffer
 from pwmesh.proxy.state import (
     Action,
     Ask,
+    CheckFunction,
     Deliver,
     Delivered,
+    Event,
     FencePeer,
     FetchEnded,
     Fetching,
+    FunctionChecked,
     Inbound,
     Lowered,
     LowerOffLoop,
@@ -119,6 +124,9 @@ class ProxyConfig:
     trace_events_per_reply: int = 200_000  # over all executors: ~32 MiB, half the message size limit
     security: Security = dataclasses.field(default_factory=Security)  # --keys, --insecure
     metrics_port: int | None = None  # Prometheus metrics over HTTP (0: a free port; None: none)
+    # Read each new function's module in a child process before registering it (``pwmesh.executor.sandbox``,
+    # as executors do); None: with keys (tenants).
+    sandbox_functions: bool | None = None
 
 
 class Proxy(Service):
@@ -154,6 +162,9 @@ class Proxy(Service):
                                 session_timeout_seconds=self.config.session_timeout_seconds,
                                 client_heartbeat_interval_seconds=self.config.client_heartbeat_interval_seconds,
                                 lower_off_loop_nodes=self.config.lower_off_loop_nodes)
+        sandboxed = self.config.sandbox_functions
+        self.sandbox = Sandbox() if (sandboxed if sandboxed is not None else self.ctx.keys is not None) else None
+        self.state.check_functions = self.sandbox is not None
         # The policy applies from the first request on (read at each tick after this).
         keys = self.ctx.keys
         where = self.config.tenants_file or (str(keys.directory / tenants.FILE_NAME) if keys is not None else "")
@@ -195,7 +206,7 @@ class Proxy(Service):
             counter("pwmesh_proxy_dispatch_messages", "Messages sent to dispatch and finish programs.",
                     state.dispatch_messages),
             counter("pwmesh_proxy_dispatch_bytes", "Bytes of those messages.", self.dispatch_bytes),
-            gauge("pwmesh_proxy_lowering_off_loop", "Programs being lowered on a thread now (too big for the loop).",
+            gauge("pwmesh_proxy_lowering_off_loop", "Programs being lowered, or new functions read, on a thread now.",
                   len(self._lowering)),
             counter("pwmesh_proxy_lowered_off_loop", "Programs lowered on a thread.", self.lowered_off_loop),
             gauge("pwmesh_proxy_executors_lost", "Executors this proxy knows are gone.", len(state.lost)),
@@ -203,6 +214,11 @@ class Proxy(Service):
 
     async def drain(self) -> None:
         await self.peers.barrier(timeout_seconds=2.0)
+
+    async def close(self) -> None:
+        await super().close()
+        if getattr(self, "sandbox", None) is not None:
+            self.sandbox.close()
 
     # ------------------------------------------------------------ the core's I/O
 
@@ -219,19 +235,37 @@ class Proxy(Service):
         inbound = Inbound(peer, env.message, env.user)
         return self._perform(self.state.handle(inbound, time.monotonic()), inbound)
 
-    async def _lower_off_loop(self, lower: LowerOffLoop, inbound: Inbound) -> Any:
-        """Lower on a thread, then handle ``inbound`` again (it finds the template), then what its client
-        sent meanwhile. The thread shares the GIL, so the loop still runs every few milliseconds."""
+    async def _off_loop(self, inbound: Inbound, work: Callable[[], Event]) -> Any:
+        """Do ``work`` on a thread (the loop goes on serving everyone else; what ``inbound``'s client sends
+        meanwhile waits behind it), hand the core the event it returns, then handle ``inbound`` again and
+        what waited. The thread shares the GIL, so the loop still runs every few milliseconds."""
         peer = inbound.peer
-        await asyncio.to_thread(lower.job.run)
-        self.lowered_off_loop += 1
-        self._perform(self.state.handle(Lowered(peer, lower.session_id, lower.job), time.monotonic()))
-        self._lowering.discard(peer)
+        try:
+            event = await asyncio.to_thread(work)
+            self._perform(self.state.handle(event, time.monotonic()))
+        finally:
+            self._lowering.discard(peer)
         try:
             answer = self._perform(self.state.handle(inbound, time.monotonic()), inbound)
         finally:
             self._take_turns(peer)
         return await answer if inspect.isawaitable(answer) else answer
+
+    def _lower(self, lower: LowerOffLoop, peer: bytes) -> Event:
+        """A big program's lowering (it finds the template when handled again)."""
+        lower.job.run()
+        self.lowered_off_loop += 1
+        return Lowered(peer, lower.session_id, lower.job)
+
+    def _check(self, check: CheckFunction) -> Event:
+        """A new function read in the sandbox: a module the proxy never parses itself (it imports no JAX)."""
+        assert self.sandbox is not None
+        try:
+            self.sandbox.check(check.fn_id, check.exported)
+        except InvalidArgument as exc:
+            return FunctionChecked(check.fn_id, InvalidArgument(f"the proxy refused function {check.fn_id[:12]}: "
+                                                                f"{exc.message}"))
+        return FunctionChecked(check.fn_id, None)
 
     def _take_turns(self, peer: bytes) -> None:
         """Handle what ``peer`` sent while its program was lowered, in order, until another needs lowering."""
@@ -293,11 +327,13 @@ class Proxy(Service):
                 self.peers.mark_alive(action.control)
             elif isinstance(action, FencePeer):
                 self.peers.fence(action.control, action.fence)
-            elif isinstance(action, LowerOffLoop):
-                assert inbound is not None  # only a request is lowered
+            elif isinstance(action, LowerOffLoop | CheckFunction):
+                assert inbound is not None  # only a request's handling goes off the loop
+                # Now, not when the coroutine first runs: what its client sent next must already wait.
                 self._lowering.add(inbound.peer)
                 self._behind.setdefault(inbound.peer, collections.deque())
-                answer = self._lower_off_loop(action, inbound)
+                answer = self._off_loop(inbound, functools.partial(self._lower, action, inbound.peer)
+                                        if isinstance(action, LowerOffLoop) else functools.partial(self._check, action))
             else:
                 raise TypeError(f"not a proxy action: {action!r}")
         if error is not None:

@@ -103,6 +103,8 @@ class Session:
     programs: dict[str, ProgramSpec] = dataclasses.field(default_factory=dict)  # registered, by id
     # Registrations over the tenant's ``max_programs``: what their runs fail with (the last 64).
     refused_programs: dict[str, PwmeshError] = dataclasses.field(default_factory=dict)
+    # Functions the proxy's sandbox refused: what runs that call them fail with.
+    refused_functions: dict[str, PwmeshError] = dataclasses.field(default_factory=dict)
     # Programs coming in parts (``RegisterProgram.parts``): id -> (the next part, what came so far).
     arriving: dict[str, tuple[int, ProgramSpec]] = dataclasses.field(default_factory=dict)
     lowerings: LoweringCache = dataclasses.field(default_factory=LoweringCache)  # its programs, lowered

@@ -116,6 +116,7 @@ log = logging.getLogger(__name__)
 # What one run's computations for one island may pack into: the message limit, less room for the
 # rest of the ScheduleRun (its names and header).
 MAX_PART_BYTES = DEFAULT_LIMITS.max_body_bytes - (1 << 20)
+MAX_REFUSED_FUNCTIONS = 1024  # functions the sandbox refused, remembered (the oldest forgotten first)
 MAX_ARRIVING_PROGRAMS = 4  # per session, coming in parts at once (each held until its last part)
 UNKNOWN_VALUE = ValueSpec(shape=[], dtype="float32", shards=1)  # a failed output of a program never seen
 
@@ -157,6 +158,14 @@ class FetchEnded:
 
 
 @dataclasses.dataclass(frozen=True)
+class FunctionChecked:
+    """A new function's module was read in the sandbox (``CheckFunction``): refused with ``error``, or not."""
+
+    fn_id: str
+    error: PwmeshError | None
+
+
+@dataclasses.dataclass(frozen=True)
 class Delivered:
     """A ``Deliver`` is over, whatever its outcome: its bytes are no longer in flight."""
 
@@ -178,7 +187,7 @@ class Tick:
     """Time passed: end the sessions whose client stopped sending heartbeats."""
 
 
-Event = Inbound | Notice | SliceGranted | FetchEnded | Delivered | Lowered | Tick
+Event = Inbound | Notice | SliceGranted | FetchEnded | Delivered | FunctionChecked | Lowered | Tick
 
 # ------------------------------------------------------------------ actions
 
@@ -224,6 +233,15 @@ class Fetching:
     buffer: Buffer
     owner: str = ""  # whose bytes in flight it is, and how many (back with ``FetchEnded``)
     nbytes: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckFunction:
+    """Read a new function's module in a child process (``pwmesh.executor.sandbox``) before it is
+    registered: then ``FunctionChecked``, and the request that asked is handled again."""
+
+    fn_id: str
+    exported: bytes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -330,6 +348,11 @@ class ProxyState:
         self.lost: dict[str, DeviceLost] = {}  # executor id -> why it is gone
         self.lost_controls: set[str] = set()  # their control addresses: nothing is sent there
         self.moved_buffers = 0  # buffers moved off draining hosts, ever
+        # New functions' modules are read in a child process before they are registered (``CheckFunction``):
+        # set by the shell when it has one. What passed, and what was refused (the last ones), by id.
+        self.check_functions = False
+        self.checked_functions: set[str] = set()
+        self.refused_functions: dict[str, PwmeshError] = {}
         # Bytes of each tenant's puts and fetches passing through here now (``max_bytes_in_flight``).
         self.in_flight: collections.Counter[str] = collections.Counter()
         self.lost_schedulers: dict[str, DeviceLost] = {}  # address -> why: runs there cannot be ordered
@@ -377,6 +400,13 @@ class ProxyState:
                 self._maybe_free(event.session_id, event.buffer)
             elif isinstance(event, Delivered):
                 self.in_flight[event.owner] -= event.nbytes
+            elif isinstance(event, FunctionChecked):
+                if event.error is None:
+                    self.checked_functions.add(event.fn_id)
+                else:
+                    self.refused_functions[event.fn_id] = event.error
+                    while len(self.refused_functions) > MAX_REFUSED_FUNCTIONS:
+                        del self.refused_functions[next(iter(self.refused_functions))]
             elif isinstance(event, Lowered):
                 session = self.sessions.get(event.peer)
                 if session is not None and session.session_id == event.session_id:  # else it ended meanwhile
@@ -523,6 +553,14 @@ class ProxyState:
         if msg.fn_id != function_id(msg.exported, msg.spmd, msg.mesh, msg.axes, msg.donate):
             raise InvalidArgument("a function's id must be the hash of its exported bytes and calling convention "
                                   "(see pwmesh.ir.keys.function_id)")
+        if self.check_functions and msg.fn_id not in self.exported:  # new here: its module is read first
+            refused = self.refused_functions.get(msg.fn_id)
+            if refused is not None:
+                session.refused_functions[msg.fn_id] = refused  # its runs fail with why
+                raise refused
+            if msg.fn_id not in self.checked_functions:
+                self._out.append(CheckFunction(msg.fn_id, msg.exported))
+                return None
         self.exported.setdefault(msg.fn_id, msg)
         session.functions[msg.fn_id] = msg.spmd
         return Reply(Ok())
@@ -602,11 +640,14 @@ class ProxyState:
             if self._dispatch(session, msg, program, now):
                 self.programs += 1
         except PwmeshError as exc:
+            if program is not None and session.refused_functions:  # a function refused: that is the cause
+                exc = next((session.refused_functions[n.fn_id] for n in program.nodes
+                            if n.fn_id in session.refused_functions), exc)
             for i, cid in enumerate(msg.outputs):
                 v = program.outputs[i] if program is not None and i < len(program.outputs) else -1
                 spec = program.values[v] if program is not None and 0 <= v < len(program.values) else UNKNOWN_VALUE
                 session.fail_buffer(cid, spec, exc)
-            raise
+            raise exc  # noqa: B904 - the cause itself (a refused function's), not the lowering's symptom
         return None  # posted: the client learns of success from its buffers, of failure from an Error
 
     def _held_bytes(self, owner: str) -> int:
