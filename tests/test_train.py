@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -18,6 +19,7 @@ import numpy as np
 import pytest
 
 import pwmesh as pw
+from helpers import eventually
 from pwmesh.examples import lm, train_lm
 
 
@@ -72,3 +74,35 @@ def test_a_resumed_run_continues_exactly_where_it_stopped(on_wide: pw.Client, tm
 def test_three_hundred_steps_learn_python(on_wide: pw.Client) -> None:
     losses = train("small", 300).losses
     assert np.mean(losses[-20:]) < 2.8, f"the last 20 losses average {np.mean(losses[-20:]):.3f}"
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_a_stopped_training_saves_a_checkpoint_says_where_and_resumes_from_it(tmp_path: Path,
+                                                                               sig: signal.Signals) -> None:
+    """``train_lm`` stopped by SIGTERM (systemd, a scheduler) or Ctrl-C saves the last step it did, says where
+    and how to resume, and exits 128 + the signal; resumed, it goes on from that step. (``--reference``:
+    the same training loop, in a process of its own.)"""
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "PWMESH_ADDRESS")}
+    where = tmp_path / "ckpt"
+    command = [sys.executable, "-m", "pwmesh.examples.train_lm", "--reference", "--preset", "tiny", "--no-progress",
+               "--checkpoint", str(where)]
+    proc = subprocess.Popen([*command, "--steps", "1000000", "--checkpoint-every", "2"], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        eventually(lambda: (where / "ckpt_2.npz").exists() or proc.poll() is not None, 120)  # two steps done
+        proc.send_signal(sig)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+        proc.wait()
+    assert proc.returncode == 128 + sig, err[-2000:]
+    (said,) = [line for line in out.splitlines() if line.startswith("stopped")]
+    step = int(said.split("after step ")[1].split(":")[0])
+    assert said == (f"stopped ({sig.name}) after step {step}: checkpoint saved in {where}/ckpt_{step}.npz; "
+                    f"resume with --checkpoint {where}")
+    assert step >= 2 and lm.latest_checkpoint(where) == where / f"ckpt_{step}.npz"
+    resumed = subprocess.run([*command, "--steps", str(step + 2)], env=env, capture_output=True, text=True,
+                             timeout=120)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert f"training steps {step + 1}..{step + 2}" in resumed.stdout

@@ -12,7 +12,9 @@ fetched only to report them.
     python -m pwmesh.examples.train_lm --reference --steps 300   # plain jax.jit, same shardings
 
 ``--checkpoint DIR`` resumes from the newest checkpoint there and saves one at the
-end (and every ``--checkpoint-every`` steps). ``--json PATH`` writes the losses and
+end (and every ``--checkpoint-every`` steps). Stopped by Ctrl-C (SIGINT) or SIGTERM, it
+saves one of the last step done (in ``--checkpoint DIR``, else in a new directory) and
+says where, and how to resume. ``--json PATH`` writes the losses and
 the measured speed. With ``--reference`` the identical model trains with plain
 ``jax.jit`` and the same ``NamedSharding``s in this process (on 4 CPU devices:
 the script asks for them itself when JAX has not started yet).
@@ -23,6 +25,9 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import signal
+import sys
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -91,24 +96,29 @@ def train(config: lm.Config, steps: int, trainer: Trainer, optimizer: Any, *, ch
     reported: list[float] = []
     began = shown = time.perf_counter()
     timed_from = None
-    with _progress(progress, steps - start) as bar:
-        for step in range(start, steps):
-            params, opt_state, loss = trainer.step(params, opt_state, next(data))
-            losses.append(loss)
-            if step - start == WARMUP_STEPS - 1:
-                trainer.fetch(loss)  # the warm-up (compiles) is done: time from here
-                timed_from = (time.perf_counter(), len(losses))
-            # Losses are fetched IN_FLIGHT steps behind: the newest steps keep the devices busy meanwhile.
-            last = step == steps - 1
-            if len(losses) - len(reported) >= log_every + IN_FLIGHT or last:
-                upto = len(losses) if last else len(losses) - IN_FLIGHT
-                fresh = [float(v) for v in trainer.fetch(losses[len(reported):upto])]
-                now = time.perf_counter()
-                bar.update(len(reported) + len(fresh), fresh[-1], config.tokens_per_step * len(fresh) / (now - shown))
-                reported += fresh
-                shown = now
-            if checkpoint and checkpoint_every and (step + 1) % checkpoint_every == 0 and step + 1 < steps:
-                lm.save_checkpoint(checkpoint, step + 1, trainer.fetch(params), trainer.fetch(opt_state))
+    done = start  # steps whose new state ``params``/``opt_state`` hold
+    if not progress:
+        print(f"training steps {start + 1}..{steps}", flush=True)
+    try:
+        with _progress(progress, steps - start) as bar:
+            for step in range(start, steps):
+                params, opt_state, loss = trainer.step(params, opt_state, next(data))
+                done = step + 1
+                losses.append(loss)
+                timed_from, reported, shown = _report(trainer, config, step, start, steps, losses, reported, shown,
+                                                      timed_from, bar, log_every)
+                if checkpoint and checkpoint_every and done % checkpoint_every == 0 and done < steps:
+                    lm.save_checkpoint(checkpoint, done, trainer.fetch(params), trainer.fetch(opt_state))
+    except KeyboardInterrupt as stop:  # Ctrl-C, or SIGTERM (``main``): keep what was trained
+        where = checkpoint or tempfile.mkdtemp(prefix="train_lm-")
+        if done > start:
+            saved = lm.save_checkpoint(where, done, trainer.fetch(params), trainer.fetch(opt_state))
+            print(f"stopped ({stop.args[0] if stop.args else 'SIGINT'}) after step {done}: checkpoint saved in {saved}; "
+                  f"resume with --checkpoint {where}", flush=True)
+        else:
+            print(f"stopped ({stop.args[0] if stop.args else 'SIGINT'}) before step {start + 1} was done: nothing "
+                  "new to save", flush=True)
+        raise
     end = time.perf_counter()
     if checkpoint and steps > start:
         lm.save_checkpoint(checkpoint, steps, trainer.fetch(params), trainer.fetch(opt_state))
@@ -117,6 +127,25 @@ def train(config: lm.Config, steps: int, trainer: Trainer, optimizer: Any, *, ch
     else:
         seconds = (end - timed_from[0]) / (len(losses) - timed_from[1])
     return Result(reported, seconds, config.tokens_per_step / seconds, start)
+
+
+def _report(trainer: Trainer, config: lm.Config, step: int, start: int, steps: int, losses: list[Any],
+            reported: list[float], shown: float, timed_from: tuple[float, int] | None, bar: Any,
+            log_every: int) -> tuple[tuple[float, int] | None, list[float], float]:
+    """After step ``step``: start timing once warm, and fetch and show the losses ``IN_FLIGHT`` behind."""
+    if step - start == WARMUP_STEPS - 1:
+        trainer.fetch(losses[-1])  # the warm-up (compiles) is done: time from here
+        timed_from = (time.perf_counter(), len(losses))
+    # Losses are fetched IN_FLIGHT steps behind: the newest steps keep the devices busy meanwhile.
+    last = step == steps - 1
+    if len(losses) - len(reported) >= log_every + IN_FLIGHT or last:
+        upto = len(losses) if last else len(losses) - IN_FLIGHT
+        fresh = [float(v) for v in trainer.fetch(losses[len(reported):upto])]
+        now = time.perf_counter()
+        bar.update(len(reported) + len(fresh), fresh[-1], config.tokens_per_step * len(fresh) / (now - shown))
+        reported += fresh
+        shown = now
+    return timed_from, reported, shown
 
 
 def _initial_state(config: lm.Config, optimizer: Any, checkpoint: str | None) -> tuple[Any, Any, int]:
@@ -172,8 +201,16 @@ def main(argv: list[str] | None = None) -> Result:
     config = dataclasses.replace(lm.PRESETS[args.preset], seed=args.seed)
     optimizer = lm.make_optimizer(config)
     trainer = jax_trainer(config, optimizer) if args.reference else pwmesh_trainer(config, optimizer)
-    result = train(config, args.steps, trainer, optimizer, checkpoint=args.checkpoint,
-                   checkpoint_every=args.checkpoint_every, progress=not args.no_progress)
+
+    def stop(signum: int, frame: Any) -> None:  # SIGTERM stops it as Ctrl-C does: with a checkpoint
+        raise KeyboardInterrupt(signal.Signals(signum).name)
+
+    signal.signal(signal.SIGTERM, stop)
+    try:
+        result = train(config, args.steps, trainer, optimizer, checkpoint=args.checkpoint,
+                       checkpoint_every=args.checkpoint_every, progress=not args.no_progress)
+    except KeyboardInterrupt as stopped:
+        sys.exit(128 + (signal.SIGTERM if stopped.args and stopped.args[0] == "SIGTERM" else signal.SIGINT))
     where = "plain JAX (one process)" if args.reference else "pwmesh"
     if result.losses:
         print(f"{where}: steps {result.first_step}..{args.steps}, loss {result.losses[0]:.4f} -> "
