@@ -285,9 +285,33 @@ class Executor(Service):
         )
 
     def _notified(self, env: Envelope) -> None:
-        if isinstance(env.message, PleaseRegister):  # the resource manager restarted
-            log.warning("the resource manager asked us to register again")
+        if isinstance(env.message, PleaseRegister):  # the resource manager restarted, or declared us lost
+            if env.message.written_off:
+                self._start_over(env.message.written_off)
+            else:
+                log.warning("the resource manager asked us to register again")
             self.peers.post(self.config.rm, RegisterExecutor(info=self.info()))
+            self._fresh = False
+
+    def _start_over(self, why: str) -> None:
+        """Back from a stall (SIGSTOP, a host frozen) after the resource manager declared this executor lost:
+        every proxy wrote off what it held and aborted the runs it took part in (the cancels sent here were
+        dropped as to a lost host). Drop all of it (what it held was leaked before, 36-40 objects a stall),
+        cancel what it was doing so nothing waits for inputs that never come, and register as a new
+        executor, with which every peer starts over."""
+        err = DeviceLost(f"executor {self.name} was declared lost ({why}): what it held and did is written off")
+        runs = list(dict.fromkeys(w.run_id for w in self.runner.core.incomplete()))
+        for run_id in runs:
+            self._cancelled[run_id] = err
+            self.runner.cancel_run(run_id, err)
+        shards = self.store.write_off()
+        self.progress = Progress()
+        self._expected_seq.clear()
+        self._held.clear()
+        self._quiet.clear()
+        self._fresh, self._incarnation = True, os.urandom(8).hex()
+        log.warning("declared lost while away (%s): wrote off %d shards and cancelled %d runs; registering as a "
+                    "new executor", why, shards, len(runs))
 
     async def _heartbeat(self) -> None:
         await self.rm_beats.beat(Heartbeat(role=self.role, name=self.name))

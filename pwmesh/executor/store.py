@@ -291,6 +291,11 @@ class ObjectStore:
             self.memory.freed(freed)  # wakes computations waiting for room
         return removed
 
+    def write_off(self) -> int:
+        """Delete everything here (everyone wrote it off: this executor was declared lost); returns how many
+        shards went. Their tombstones stay: tuples for them still on their way are dropped."""
+        return self.delete(list(self._by_buffer))
+
     def forget_owner(self, prefix: str) -> None:
         """Drop the tombstones of an owner (a closed session): its buffers never come again."""
         self._deleted = {k for k in self._deleted if not k.startswith(prefix)}

@@ -93,6 +93,10 @@ class ResourceManagerState:
                 return Ok()
             case Heartbeat(role=role, name=name):
                 if (role, name) not in self.known:
+                    lost = self.executors.get(name) if role == "executor" else None
+                    if lost is not None and not lost.alive:  # back from a stall, after we declared it lost
+                        return PleaseRegister(written_off="the resource manager declared it lost while it "
+                                                          "did not answer")
                     return PleaseRegister()  # we restarted, or it registered elsewhere
                 if role in ("executor", "scheduler"):
                     self.liveness.beat(f"{role}:{name}" if role == "scheduler" else name, now)

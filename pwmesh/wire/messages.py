@@ -184,7 +184,11 @@ class ExecutorRestarting(Message, op="rm.executor_restarting"):
 
 @record
 class PleaseRegister(Message, op="rm.please_register"):
-    """The resource manager does not know the sender (it restarted): register again."""
+    """The resource manager does not know the sender (it restarted): register again. ``written_off``: it
+    knew the sender and declared it lost (why): everyone wrote off what it held and was doing, so it
+    starts over (``Executor._start_over``) and registers as a new executor."""
+
+    written_off: str = ""
 
 
 @record
