@@ -365,7 +365,9 @@ def test_heartbeats_from_others_do_not_count() -> None:
     # ...and keep nobody alive.
     assert state.expire(now=10.5) == ["i0h0"]
     assert "stranger" not in state.executors
-    assert state.handle(Heartbeat(role="executor", name="i0h0"), now=11.0) == PleaseRegister()
+    # One it declared lost is told so: everyone wrote off what it held (it starts over, as a new executor).
+    back = state.handle(Heartbeat(role="executor", name="i0h0"), now=11.0)
+    assert isinstance(back, PleaseRegister) and "declared it lost" in back.written_off
 
 
 def test_placement_ignores_lost_executors() -> None:
