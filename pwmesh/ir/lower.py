@@ -78,9 +78,10 @@ def cross_host_gang(index: int, devs: list[ShardLocation]) -> list[GangDevice]:
     if len(groups) != 1 or "" in groups:
         hosts = sorted({f"{d.executor_id} ({d.group or 'no group'})" for d in devs})
         raise InvalidArgument(
-            f"node {index} uses collectives over a slice that spans several executors ({', '.join(hosts)}), "
-            "which must all be in one JAX group for that: start the island's scheduler and executors with "
-            "--collectives (pwmesh up --collectives; LocalClusterSpec(collectives=True)), or ask for a slice "
+            f"node {index} is one SPMD program (pw.jit) over a slice that spans several executors "
+            f"({', '.join(hosts)}), which run one program together only in one JAX group, collectives or not: "
+            "start the island's scheduler and executors with --collectives (pwmesh up --collectives; "
+            "LocalClusterSpec(collectives=True)), use pw.pmap for work that is per device, or ask for a slice "
             "that fits one host")
     return [GangDevice(executor_id=d.executor_id, device=d.device) for d in devs]
 
