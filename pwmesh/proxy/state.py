@@ -776,12 +776,17 @@ class ProxyState:
                 # Its own scheduler run id: the island's window counts each node separately.
                 self._schedule(session, f"{run.run_id}#{node}", scheduler, run_parts(comps))
 
-    def _node_done(self, peer: bytes, msg: NodeDone, now: float) -> None:
+    def _reported_run(self, peer: bytes, run_id: str, executor_id: str, what: str) -> tuple[Session, Run] | None:
+        """The run an executor's report (``what``: "completions", "losses") is about, None if it ended;
+        refused from a client session, or from a daemon host's key about another host's parts."""
         if peer in self.sessions:
-            raise ProtocolError("completions come from executors, not from client sessions")
-        if not speaks_for(self._user, msg.executor_id):  # a daemon host's key reports its own parts only
-            raise PermissionDenied(f"the daemon key {self._user!r} cannot report {msg.executor_id}'s completions")
-        found = self.runs.get(msg.run_id.split("#", 1)[0])
+            raise ProtocolError(f"{what} come from executors, not from client sessions")
+        if not speaks_for(self._user, executor_id):  # a daemon host's key reports its own parts only
+            raise PermissionDenied(f"the daemon key {self._user!r} cannot report {executor_id}'s {what}")
+        return self.runs.get(run_id.split("#", 1)[0])
+
+    def _node_done(self, peer: bytes, msg: NodeDone, now: float) -> None:
+        found = self._reported_run(peer, msg.run_id, msg.executor_id, "completions")
         if found is None:
             self._peer_log.warning(("unknown run", msg.executor_id), "completion for unknown run %s from %s", msg.run_id, msg.executor_id)
             return None
@@ -791,11 +796,7 @@ class ProxyState:
         return None
 
     def _data_lost(self, peer: bytes, msg: DataLost, now: float) -> None:
-        if peer in self.sessions:
-            raise ProtocolError("data losses are reported by executors, not by client sessions")
-        if not speaks_for(self._user, msg.executor_id):
-            raise PermissionDenied(f"the daemon key {self._user!r} cannot report {msg.executor_id}'s losses")
-        found = self.runs.get(msg.run_id.split("#", 1)[0])
+        found = self._reported_run(peer, msg.run_id, msg.executor_id, "losses")
         if found is not None:  # else it ended already
             self._abort_run(*found, msg.error.exception())
 
