@@ -74,6 +74,13 @@ class NotFound(PwmeshError, KeyError):
         return PwmeshError.__str__(self)
 
 
+class NoSession(NotFound):
+    """The proxy has no session for this connection: it restarted (a client with a resume token takes its
+    session back, ``pwmesh.proxy.resume``), or the session ended or expired."""
+
+    code = "no_session"
+
+
 class Unavailable(PwmeshError):
     """The daemon stopped (or restarted, e.g. into its island's next JAX group) before it answered: the
     request was not carried out, and may be sent again."""
@@ -106,6 +113,7 @@ _BY_CODE: dict[str, type[PwmeshError]] = {
         ConnectionFailed,
         InvalidArgument,
         NotFound,
+        NoSession,
         Unavailable,
         PermissionDenied,
         DeadlineExceeded,

@@ -123,7 +123,7 @@ def test_a_cluster_started_with_json_logs_writes_nothing_but_json_lines(
             sock.connect(cluster.address)
             sock.send_multipart([b"", *encode(Fetch(buffer=3), msg_id=3)])  # refused: no session (op, reason)
             assert sock.poll(10_000)
-            assert decode(sock.recv_multipart()[1:]).message.code == "not_found"
+            assert decode(sock.recv_multipart()[1:]).message.code == "no_session"
     finally:
         cluster.stop()
     events = {}

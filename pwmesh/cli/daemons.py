@@ -303,12 +303,15 @@ def restart(options: list[str]) -> NoReturn:
 @click.option("--sandbox-functions/--no-sandbox-functions", default=None,
               help="Read each new function's module in a child process before registering it, refusing host "
                    "callbacks and custom calls JAX does not keep stable (default: on with --keys).")
+@click.option("--session-secret-file", default="", help="Where the secret that sessions' resume tokens are made "
+              "with is kept (made if missing), so clients take their sessions back after this proxy restarts "
+              "(default: derived from the proxy's key with --keys; else sessions end with the process).")
 @_security
 @_metrics_port
 @_log_level
 @_log_format
 def proxy_main(rm: str, listen: str, name: str, session_timeout_seconds: float, rm_timeout_seconds: float,
-               tenants_file: str, sandbox_functions: bool | None, keys: str,
+               tenants_file: str, sandbox_functions: bool | None, session_secret_file: str, keys: str,
                insecure: bool, metrics_port: int | None,
                log_level: str, log_format: str) -> None:
     """Run a client proxy."""
@@ -319,6 +322,7 @@ def proxy_main(rm: str, listen: str, name: str, session_timeout_seconds: float, 
     run(Proxy(ProxyConfig(rm=rm, listen=listen, name=name, session_timeout_seconds=session_timeout_seconds,
                           rm_timeout_seconds=rm_timeout_seconds,
                           tenants_file=tenants_file, sandbox_functions=sandbox_functions,
+                          session_secret_file=session_secret_file,
                           security=Security(keys, insecure), metrics_port=metrics_port)))
 
 

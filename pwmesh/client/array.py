@@ -16,6 +16,7 @@ import numpy as np
 from pwmesh.client.session import Session
 from pwmesh.client.sharding import SliceSharding
 from pwmesh.errors import InvalidArgument
+from pwmesh.wire.messages import ValueSpec
 
 REPR_TIMEOUT_SECONDS = 2.0  # how long a repr waits for the proxy to say whether the value is ready
 
@@ -33,6 +34,7 @@ class Array:
         self.shape = tuple(shape)
         self.dtype = np.dtype(dtype)
         self.sharding = sharding
+        session.track(self)
 
     @property
     def buffer_id(self) -> int:
@@ -59,6 +61,10 @@ class Array:
         """How many devices hold a shard of it (replicas included)."""
         return len(self.sharding.slice.devices)
 
+    def spec(self) -> ValueSpec:
+        """What it is on the wire (as the program that made it, or the put, described it)."""
+        return ValueSpec(shape=list(self.shape), dtype=self.dtype.name, shards=self.shards, sharding=self.sharding.wire)
+
     def _check_alive(self) -> None:
         if self._donated:
             raise InvalidArgument(f"pw.Array {self._id} {self.dtype}{list(self.shape)} was donated to "
@@ -71,6 +77,7 @@ class Array:
         self._donated = what
         self._deleted = True
         self._value = None
+        self._session.gone(self)
 
     def block_until_ready(self) -> Array:
         """Wait until the value is computed; raises the remote error if computing it failed."""
@@ -107,6 +114,7 @@ class Array:
         """Free the buffer on the cluster now (also happens when the array is garbage-collected)."""
         if not self._deleted:
             self._deleted = True
+            self._session.gone(self)
             self._session.release(self._id)
 
     def is_deleted(self) -> bool:

@@ -10,33 +10,69 @@ matched by message id. Only what cannot be sent at once (the socket at its
 high-water mark, or a send re-entered from ``__del__`` in the middle of another
 socket call) goes through a backlog that the I/O thread flushes in order.
 Heartbeats keep the session alive; a proxy that stops answering fails every
-waiting call with ``ConnectionFailed`` instead of hanging it, and so does one that answers
-without the session (it restarted, or the session expired): nothing waited for would come.
+waiting call with ``ConnectionFailed`` instead of hanging it.
+
+A proxy that answers without the session restarted (or the session expired). The
+connection then resumes the session (``ResumeSession``, ``pwmesh.proxy.resume``): it
+declares what the layer above still holds (``declare``), and once the proxy has taken the
+session back it sends again the requests the proxy before never answered that only read
+(await, query, fetch, status), and fails the others with ``Unavailable`` naming the
+restart: whether they took effect is unknown. A session the proxy cannot resume fails
+every call with ``ConnectionFailed`` saying why.
 """
 
 from __future__ import annotations
 
 import collections
 import concurrent.futures
+import dataclasses
 import logging
 import os
 import secrets
 import select
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import zmq
 
-from pwmesh.errors import ConnectionFailed, NotFound, PwmeshError, PwTimeoutError
+from pwmesh.errors import ConnectionFailed, NoSession, PwmeshError, PwTimeoutError, Unavailable
 from pwmesh.service.keys import Keys, unkeyed
 from pwmesh.service.rpc import next_id, raise_error
 from pwmesh.service.transport import ZERO_COPY_THRESHOLD_BYTES
 from pwmesh.wire import Message, decode, encode
 from pwmesh.wire.codec import FrameError
-from pwmesh.wire.messages import CloseSession, Error, Heartbeat, OpenSession, Ping, SessionOpened
+from pwmesh.wire.messages import (
+    AwaitBuffers,
+    CloseSession,
+    Error,
+    Fetch,
+    GetStatus,
+    Heartbeat,
+    OpenSession,
+    Ping,
+    QueryBuffers,
+    RegisterProgram,
+    RegisterProgramFunction,
+    ResumedBuffer,
+    ResumeSession,
+    SessionOpened,
+    SessionResumed,
+)
 
 log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class Declared:
+    """What a session still holds, told to a restarted proxy to resume it (``ResumeSession``)."""
+
+    buffers: list[ResumedBuffer]
+    slices: list[int]
+    released: list[ResumedBuffer]
+    functions: list[RegisterProgramFunction]
+    programs: list[RegisterProgram]
 
 _NOBLOCK = int(zmq.NOBLOCK)
 _MORE = int(zmq.NOBLOCK | zmq.SNDMORE)
@@ -44,6 +80,8 @@ _POLLIN = int(zmq.POLLIN)
 _POLLOUT = int(zmq.POLLOUT)
 # While messages wait in the backlog, the I/O thread retries at least this often.
 BACKLOG_RETRY_SECONDS = 0.05
+# Requests that only read: sent again to a proxy that restarted before answering them (the rest fail).
+REPLAYABLE = (AwaitBuffers, QueryBuffers, Fetch, GetStatus, Ping)
 
 
 class ClientConnection:
@@ -57,6 +95,13 @@ class ClientConnection:
         curve = Keys.from_option(keys)
         self.address = address
         self.session_id = ""
+        self.resume_token = ""
+        self._opening = OpenSession(name=name, weight=weight, priority=priority)
+        # Set by the layer above: what it still holds (live arrays, slices), declared to a restarted proxy
+        # to take the session back; and what to do once it has (register functions and programs again).
+        self.declare: Callable[[], Declared] | None = None
+        self.on_resumed: Callable[[SessionResumed], None] | None = None
+        self.resumed = 0  # times the session was taken back from a restarted proxy
         self.heartbeat_interval_seconds = 1.0
         self.liveness_timeout_seconds = max(connect_timeout_seconds, 10.0)
         self._ctx = zmq.Context()
@@ -83,6 +128,10 @@ class ClientConnection:
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
         self._pending: dict[int, concurrent.futures.Future[Message]] = {}
+        self._requests: dict[int, Message] = {}  # the pending requests themselves (sent again after a resume)
+        self._resume_id: int | None = None  # the ResumeSession in flight
+        self._resume_deadline = 0.0
+        self._stale: set[int] = set()  # requests sent before it: the proxy before may never answer them
         # Guards the socket, the backlog and the pending table. Re-entrant: ``post`` runs from
         # ``__del__``, which may fire inside ``submit`` or the I/O thread's socket calls.
         self._lock = threading.RLock()
@@ -95,7 +144,7 @@ class ClientConnection:
         # The first request proves something answers there: a session's opening, or a probe's ping.
         if not open_session and not probe:
             return
-        first: Message = OpenSession(name=name, weight=weight, priority=priority) if open_session else Ping()
+        first: Message = self._opening if open_session else Ping()
         try:
             opened = self.request(first, timeout_seconds=connect_timeout_seconds)
         except PwTimeoutError:
@@ -110,6 +159,7 @@ class ClientConnection:
         if open_session:
             assert isinstance(opened, SessionOpened)
             self.session_id = opened.session_id
+            self.resume_token = opened.resume_token
             self.heartbeat_interval_seconds = opened.heartbeat_interval_seconds
             self.liveness_timeout_seconds = opened.session_timeout_seconds
 
@@ -132,6 +182,7 @@ class ClientConnection:
             if expect_reply:
                 fut = concurrent.futures.Future()
                 self._pending[msg_id] = fut
+                self._requests[msg_id] = message
             if self._in_socket or self._backlog:  # re-entered mid-call, or behind earlier messages
                 self._backlog.append(frames)
                 self._wake()
@@ -215,6 +266,11 @@ class ClientConnection:
                     with self._lock:
                         waiting = bool(self._pending)
                     now = time.monotonic()
+                    if self._resume_id is not None and now > self._resume_deadline:
+                        self._resume_id = None  # a later "no session" tries again
+                        self._fail_stale(ConnectionFailed(
+                            f"the proxy at {self.address} restarted and did not answer the resume of session "
+                            f"{self.session_id} within {self.liveness_timeout_seconds:g} seconds"))
                     if waiting and now - last_reply > self.liveness_timeout_seconds:
                         self._fail_all(ConnectionFailed(
                             f"the proxy at {self.address} stopped answering "
@@ -292,26 +348,104 @@ class ClientConnection:
             return
         if env.reply_to is None:
             return
+        no_session = isinstance(env.message, Error) and env.message.code == NoSession.code and bool(self.session_id)
         if env.reply_to in self._beats:
             self._beats.discard(env.reply_to)
-            if isinstance(env.message, Error) and env.message.code == NotFound.code and self.session_id:
-                # The proxy answers but has no such session: it restarted (its state went with it), or
-                # the session expired. Nothing this session waits for will ever come: say so now.
-                lost = ConnectionFailed(
-                    f"the proxy at {self.address} no longer has session {self.session_id} (it restarted, or the "
-                    "session expired): its arrays, slices and programs are gone there; connect again")
-                with self._lock:
-                    self._lost = lost
-                self._fail_all(lost)
+            if no_session:
+                self._session_gone()
+            return
+        if env.reply_to == self._resume_id:
+            self._resumed(env.message)
+            return
+        if no_session and self.resume_token and self._lost is None:
+            # To the proxy after a restart, before the session was resumed: it is sent again or failed then.
+            self._session_gone()
             return
         with self._lock:
             fut = self._pending.pop(env.reply_to, None)
+            self._requests.pop(env.reply_to, None)
         if fut is not None and not fut.done():
             fut.set_result(env.message)
+
+    # ------------------------------------------------------------ resuming the session (I/O thread)
+
+    def _session_gone(self) -> None:
+        """The proxy answers but has no session for us: resume it, or (no token) fail everything now."""
+        if self._resume_id is not None or self._lost is not None:
+            return
+        if not self.resume_token or self.declare is None:
+            self._lose(ConnectionFailed(
+                f"the proxy at {self.address} no longer has session {self.session_id} (it restarted, or the "
+                "session expired): its arrays, slices and programs are gone there; connect again"))
+            return
+        declared = self.declare()
+        opening = self._opening
+        resume = ResumeSession(session_id=self.session_id, token=self.resume_token, name=opening.name,
+                               weight=opening.weight, priority=opening.priority, buffers=declared.buffers,
+                               slices=declared.slices, released=declared.released, functions=declared.functions,
+                               programs=declared.programs)
+        msg_id = next_id()
+        try:
+            frames = encode(resume, msg_id=msg_id, sender=self.session_id)
+        except (FrameError, ValueError):  # the registrations make it too big: they go again with their next use
+            frames = encode(dataclasses.replace(resume, functions=[], programs=[]), msg_id=msg_id,
+                            sender=self.session_id)
+        log.warning("the proxy at %s no longer has session %s (it restarted?): resuming it with %d arrays",
+                    self.address, self.session_id, len(declared.buffers))
+        with self._lock:
+            self._stale = set(self._pending)
+            self._resume_id = msg_id
+            self._resume_deadline = time.monotonic() + self.liveness_timeout_seconds
+            self._backlog.append([b"", *frames])
+
+    def _resumed(self, reply: Message) -> None:
+        self._resume_id = None
+        if not isinstance(reply, SessionResumed):
+            why = reply.message if isinstance(reply, Error) else f"it answered {reply.op}"
+            self._lose(ConnectionFailed(f"the proxy at {self.address} restarted and could not resume session "
+                                        f"{self.session_id}: {why}; connect again"))
+            return
+        self.resumed += 1
+        self.heartbeat_interval_seconds = reply.heartbeat_interval_seconds
+        self.liveness_timeout_seconds = reply.session_timeout_seconds
+        log.warning("session %s resumed at %s: %d arrays failed (%s)", self.session_id, self.address,
+                    len(reply.failed), reply.why if reply.failed else "none")
+        if self.on_resumed is not None:
+            self.on_resumed(reply)
+        with self._lock:
+            self._stale -= set(reply.held)  # the new proxy held them: it answers them itself
+        self._fail_stale(Unavailable, replay=True)
+
+    def _fail_stale(self, error: PwmeshError | type[Unavailable], *, replay: bool = False) -> None:
+        """The requests the proxy before never answered: sent again if they only read (``replay``), else
+        failed (with ``error``, or an ``Unavailable`` naming the request)."""
+        with self._lock:
+            stale, self._stale = self._stale, set()
+            failed = []
+            for msg_id in sorted(stale):
+                fut, request = self._pending.get(msg_id), self._requests.get(msg_id)
+                if fut is None or request is None:
+                    continue
+                if replay and isinstance(request, REPLAYABLE):
+                    self._backlog.append([b"", *encode(request, msg_id=msg_id, sender=self.session_id)])
+                    continue
+                del self._pending[msg_id], self._requests[msg_id]
+                failed.append((fut, error if isinstance(error, PwmeshError) else error(
+                    f"the proxy at {self.address} restarted before it answered {request.op}: whether it took "
+                    f"effect is unknown (session {self.session_id} was resumed; try again)")))
+        for fut, exc in failed:
+            if not fut.done():
+                fut.set_exception(exc)
+
+    def _lose(self, lost: ConnectionFailed) -> None:
+        with self._lock:
+            self._lost = lost
+        self._fail_all(lost)
 
     def _fail_all(self, exc: PwmeshError) -> None:
         with self._lock:
             pending, self._pending = self._pending, {}
+            self._requests.clear()
         for fut in pending.values():
             if not fut.done():
                 fut.set_exception(exc)

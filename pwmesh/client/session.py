@@ -8,15 +8,18 @@ status. Nothing here knows about arrays, tracing or meshes beyond what travels.
 
 from __future__ import annotations
 
+import collections
 import itertools
 import os
 import threading
 import time
+import weakref
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
-from pwmesh.client.connection import ClientConnection
+from pwmesh.client.connection import ClientConnection, Declared
 from pwmesh.wire.messages import (
     AwaitBuffers,
     BuffersState,
@@ -31,15 +34,19 @@ from pwmesh.wire.messages import (
     RegisterProgram,
     RegisterProgramFunction,
     ReleaseBuffers,
+    ResumedBuffer,
+    SessionResumed,
     Sharding,
     SliceCreated,
     SliceInfo,
     StatusReply,
+    ValueSpec,
 )
 
 # Values and nodes a program's registration carries per message (``register_program``): ~0.8 MB, decoded
 # by the proxy in ~40 ms between other clients' messages (10,000 a part let their round trips reach 0.67 s).
 PROGRAM_PART_ITEMS = 4_000
+MAX_GONE = 4_096  # arrays dropped lately, declared to a restarted proxy (``Session.gone``)
 
 
 class Session:
@@ -54,6 +61,16 @@ class Session:
         self._lock = threading.Lock()
         self._functions: set[str] = set()
         self._programs: set[str] = set()
+        # The registrations sent, as sent (references: their bytes are the caches' own), for a resume.
+        self._registrations: dict[str, list[Message]] = {}
+        # What a restarted proxy is told this session still holds (``ClientConnection.declare``): the arrays
+        # alive here (``pw.Array`` registers itself) and the slices made.
+        self._arrays: weakref.WeakValueDictionary[int, Any] = weakref.WeakValueDictionary()
+        self._slices: list[int] = []
+        # Arrays dropped or donated lately (the last ``MAX_GONE``): what was sent before a resume may name them.
+        self._gone: collections.OrderedDict[int, ValueSpec] = collections.OrderedDict()
+        self.conn.declare = self._declare
+        self.conn.on_resumed = self._resumed
 
     @property
     def session_id(self) -> str:
@@ -66,6 +83,35 @@ class Session:
     def new_buffer_id(self) -> int:
         return next(self._ids)
 
+    def track(self, array: Any) -> None:
+        """``array`` (a ``pw.Array`` of this session) is alive: declared if the session is resumed."""
+        self._arrays[array.buffer_id] = array
+
+    def gone(self, array: Any) -> None:
+        """``array`` was dropped or donated: declared as such (``ResumeSession.released``) for a while."""
+        with self._lock:
+            self._gone[array.buffer_id] = array.spec()
+            while len(self._gone) > MAX_GONE:
+                self._gone.popitem(last=False)
+
+    def _declare(self) -> Declared:
+        arrays = [a for a in list(self._arrays.values()) if not a.is_deleted()]
+        with self._lock:
+            registrations = [m for sent in self._registrations.values() for m in sent]
+            gone = [ResumedBuffer(buffer=b, spec=spec) for b, spec in self._gone.items()]
+        return Declared(buffers=[ResumedBuffer(buffer=a.buffer_id, spec=a.spec()) for a in arrays],
+                        slices=list(self._slices), released=gone,
+                        functions=[m for m in registrations if isinstance(m, RegisterProgramFunction)],
+                        programs=[m for m in registrations if isinstance(m, RegisterProgram)])
+
+    def _resumed(self, reply: SessionResumed) -> None:
+        """The session was taken back from a restarted proxy. Its registrations went with the resume; if they
+        did not fit, each is sent again with its next use (forgetting them here costs that once)."""
+        with self._lock:
+            self._functions.clear()
+            self._programs.clear()
+            self._registrations.clear()
+
     def _first_time(self, seen: set[str], key: str) -> bool:
         with self._lock:
             if key in seen:
@@ -77,8 +123,10 @@ class Session:
                           axes: list[str], donate: list[int]) -> None:
         """Ship a compiled function to the proxy, once per session."""
         if self._first_time(self._functions, fn_id):
-            self.conn.post(RegisterProgramFunction(fn_id=fn_id, exported=exported, slice_id=slice_id, spmd=spmd,
-                                                   mesh=mesh, axes=axes, donate=donate))
+            message = RegisterProgramFunction(fn_id=fn_id, exported=exported, slice_id=slice_id, spmd=spmd, mesh=mesh,
+                                              axes=axes, donate=donate)
+            self._registrations[fn_id] = [message]
+            self.conn.post(message)
 
     def register_program(self, program_id: str, spec: ProgramSpec) -> None:
         """Ship a traced program once per session; its runs then send only its id. A big one goes in
@@ -93,7 +141,9 @@ class Session:
             part = spec if parts == 1 else ProgramSpec(values=spec.values[vs], nodes=spec.nodes[ns],
                                                        inputs=spec.inputs if last else [],
                                                        outputs=spec.outputs if last else [])
-            self.conn.post(RegisterProgram(program_id=program_id, program=part, part=k, parts=parts))
+            message = RegisterProgram(program_id=program_id, program=part, part=k, parts=parts)
+            self._registrations.setdefault(program_id, []).append(message)
+            self.conn.post(message)
 
     def post(self, message: Message) -> None:
         self.conn.post(message)
@@ -101,6 +151,7 @@ class Session:
     def create_slice(self, devices: int, island: int | None, kind: str = "") -> SliceInfo:
         reply = self.conn.request(CreateSlice(devices=devices, island=island, kind=kind))
         assert isinstance(reply, SliceCreated)
+        self._slices.append(reply.slice.slice_id)
         return reply.slice
 
     def put(self, buffer_id: int, slice_id: int, array: np.ndarray, sharding: Sharding) -> None:

@@ -34,7 +34,7 @@ from pwmesh.executor.functions import FunctionCache
 from pwmesh.executor.group import GroupConfig, group_devices, join
 from pwmesh.executor.runner import Runner, as_error
 from pwmesh.executor.sandbox import Sandbox
-from pwmesh.executor.store import ObjectStore, format_bytes
+from pwmesh.executor.store import ObjectStore, buffer_of, format_bytes
 from pwmesh.executor.work import Work
 from pwmesh.ir.keys import function_id
 from pwmesh.service.heartbeat import LoopLag, every
@@ -67,9 +67,11 @@ from pwmesh.wire.messages import (
     LeavingForGroup,
     NodeDone,
     Ok,
+    OwnedShards,
     Ping,
     PleaseRegister,
     PutShards,
+    ReclaimOwner,
     RegisterExecutor,
     RegisterFunction,
     RunPartDone,
@@ -208,6 +210,9 @@ class Executor(Service):
         self._held: dict[str, dict[int, Enqueue]] = {}  # per scheduler: arrived early, by executor_seq
         self._jitter = random.Random(f"{self.config.test_seed}-{self.name}")  # each host its own delays
         self._cancelled: collections.OrderedDict[str, PwmeshError] = collections.OrderedDict()
+        # Sessions a restarted proxy took back (``ReclaimOwner``): session id -> (the marker of its new runs'
+        # ids, what the runs of the proxy before fail with).
+        self._reclaimed: dict[str, tuple[str, PwmeshError]] = {}
         self._completed: dict[tuple[str, str], list[int]] = {}  # (proxy, run) -> nodes done, not yet reported
         self._parts_done: list[tuple[str, RunPartDone]] = []  # (scheduler, message) sent with those
         self._quiet: dict[str, tuple[str, list[int]]] = {}  # run -> (proxy, quiet nodes done): sent at its part's end
@@ -232,6 +237,7 @@ class Executor(Service):
             DeleteShards: self._delete,
             CancelRun: self._cancel_run,
             ForgetOwner: self._forget_owner,
+            ReclaimOwner: self._reclaim_owner,
             AwaitIdle: self._await_idle,
             JoinGroup: self._join_group,
             Fence: self._fence,
@@ -375,6 +381,8 @@ class Executor(Service):
 
     def _admit(self, msg: Enqueue) -> None:
         failed: PwmeshError | None = self._cancelled.get(msg.run_id.split("#", 1)[0])
+        if failed is None and self._reclaimed:
+            failed = self._old_run(msg.run_id)
         comps: list[Computation] = []
         if failed is None:
             try:
@@ -606,6 +614,41 @@ class Executor(Service):
         msg = env.message
         assert isinstance(msg, ForgetOwner)
         self.store.forget_owner(msg.prefix)
+        self._reclaimed.pop(msg.prefix.rstrip("/"), None)
+
+    def _old_run(self, run_id: str) -> PwmeshError | None:
+        """What a run of a session a restarted proxy took back fails with, if the proxy before sent it."""
+        owner, _, rest = run_id.partition(":")
+        reclaimed = self._reclaimed.get(owner)
+        if reclaimed is None or (reclaimed[0] and rest.startswith(reclaimed[0])):
+            return None
+        return reclaimed[1]
+
+    def _reclaim_owner(self, peer: bytes, env: Envelope) -> OwnedShards:
+        """A restarted proxy takes a session's objects back (``ReclaimOwner``): the runs its process before
+        sent here are cancelled (and any still to come), and only what is held now or named anew is kept."""
+        msg = env.message
+        assert isinstance(msg, ReclaimOwner)
+        owner = msg.prefix.rstrip("/")
+        if not owner or "/" in owner:
+            raise InvalidArgument(f"not an owner's prefix: {msg.prefix!r}")
+        err = Unavailable(msg.why)
+        self._reclaimed[owner] = (msg.marker, err)
+        runs = {w.run_id.split("#", 1)[0] for w in self.runner.core.incomplete()}
+        for run_id in [r for r in runs if self._old_run(r) is not None]:
+            self._cancelled[run_id] = err
+            self.runner.cancel_run(run_id, err)
+        held = self.store.fence(owner, msg.marker)
+        if msg.drop:
+            self.store.delete(sorted({buffer_of(k) for k in held}))
+            return OwnedShards(keys=[], devices=[])
+        index = {d: i for i, d in enumerate(self.devices)}
+        values = dict((k, v) for k, v, _ in self.store.held())
+        devices = [-1 if isinstance(values[k], Ragged) else index.get(next(iter(values[k].devices())), -1)
+                   for k in held]
+        log.info("a restarted proxy took back session %s: %d objects kept, runs before it cancelled", owner,
+                 len(held))
+        return OwnedShards(keys=held, devices=devices)
 
     def _delete(self, peer: bytes, env: Envelope) -> None:
         msg = env.message

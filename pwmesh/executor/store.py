@@ -180,6 +180,9 @@ class ObjectStore:
         self._nbytes: dict[str, int] = {}
         self._by_buffer: dict[str, list[str]] = {}
         self._deleted: set[str] = set()  # buffers
+        # Owners a restarted proxy took back (``fence``): owner -> (the marker of the names it gives, the buffers
+        # held when it did). Any other buffer of theirs is dead: it belongs to a run of the proxy before.
+        self._fences: dict[str, tuple[str, frozenset[str]]] = {}
         self._whole: dict[str, _Whole] = {}  # buffers an SPMD computation here produced, whole
         self.memory = MemoryBudget()  # its limit is the executor's to set
 
@@ -191,7 +194,28 @@ class ObjectStore:
         return fut
 
     def deleted(self, key: str) -> bool:
-        return buffer_of(key) in self._deleted
+        return self._dead(buffer_of(key))
+
+    def _dead(self, buffer: str) -> bool:
+        if buffer in self._deleted:
+            return True
+        if not self._fences:
+            return False
+        owner, _, name = buffer.partition("/")
+        fence = self._fences.get(owner)
+        return fence is not None and not (name.startswith(fence[0]) and fence[0]) and buffer not in fence[1]
+
+    def fence(self, owner: str, marker: str) -> list[str]:
+        """A restarted proxy takes ``owner``'s objects back: from now on only the buffers held now and those
+        whose names begin with ``marker`` (the new proxy's; "": none) are kept; returns the keys held now.
+        Pending receives of other buffers of the owner fail."""
+        prefix = f"{owner}/"
+        held = [k for k in self._values if k.startswith(prefix)]
+        self._fences[owner] = (marker, frozenset(buffer_of(k) for k in held))
+        for key, fut in list(self._futures.items()):
+            if key.startswith(prefix) and not fut.done() and self._dead(buffer_of(key)):
+                fut.set_exception(NotFound(f"object {key} belonged to a run of a proxy that restarted"))
+        return held
 
     def get(self, key: str) -> asyncio.Future[Any]:
         """The value's future, created (a posted receive) if the key has not arrived yet."""
@@ -224,7 +248,7 @@ class ObjectStore:
         fut = self._futures.pop(key, None)
         if fut is None:
             buffer = buffer_of(key)  # once: checked against the tombstones, then indexed
-            if buffer in self._deleted:
+            if self._dead(buffer):
                 return
             self._by_buffer.setdefault(buffer, []).append(key)
         elif fut.done():  # it failed (or a receive of a deleted key); the failure stands
@@ -241,7 +265,7 @@ class ObjectStore:
         """Keep an SPMD output whole (a global array over ``sharding``'s devices) beside its pieces
         (its shards here, in ``sharding``'s device order), until the buffer is deleted. It holds no
         memory of its own: it is the pieces' device buffers."""
-        if buffer not in self._deleted:
+        if not self._dead(buffer):
             self._whole[buffer] = _Whole(whole, pieces, sharding)
 
     def wholes(self, buffers: list[str], shardings: tuple[Any, ...], per_shard: list[list[Any]]) -> list[Any | None]:
@@ -299,6 +323,7 @@ class ObjectStore:
     def forget_owner(self, prefix: str) -> None:
         """Drop the tombstones of an owner (a closed session): its buffers never come again."""
         self._deleted = {k for k in self._deleted if not k.startswith(prefix)}
+        self._fences.pop(prefix.rstrip("/"), None)
 
     def held(self) -> list[tuple[str, Any, int]]:
         """(key, value, bytes) of every value here."""

@@ -18,14 +18,17 @@ import collections
 import contextlib
 import dataclasses
 import functools
+import hashlib
 import inspect
 import itertools
 import logging
+import os
 import time
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 from typing import Any
 
-from pwmesh.errors import InvalidArgument, PwmeshError, PwTimeoutError, Unavailable
+from pwmesh.errors import InvalidArgument, NoSession, PwmeshError, PwTimeoutError, Unavailable
 from pwmesh.executor.sandbox import Sandbox
 from pwmesh.proxy import tenants
 from pwmesh.proxy.session import Buffer
@@ -41,12 +44,15 @@ from pwmesh.proxy.state import (
     Fetching,
     FunctionChecked,
     Inbound,
+    Inherited,
     Lowered,
     LowerOffLoop,
     Notice,
     PeerBack,
     PeerLost,
     ProxyState,
+    Reclaim,
+    Reclaimed,
     Reply,
     Resolve,
     Send,
@@ -57,7 +63,7 @@ from pwmesh.proxy.state import (
     sources,
 )
 from pwmesh.service.heartbeat import every
-from pwmesh.service.keys import ADMIN, DAEMON, Security
+from pwmesh.service.keys import ADMIN, DAEMON, Keys, Security
 from pwmesh.service.lifecycle import Service
 from pwmesh.service.metrics import Metric, counter, gauge, listen_host, merged, wire_metrics
 from pwmesh.service.ratelimit import RejectedLog
@@ -73,6 +79,7 @@ from pwmesh.wire.messages import (
     DrainExecutor,
     DrainHost,
     DrainStarted,
+    Error,
     ExecutorStats,
     FetchShards,
     GetClusterState,
@@ -84,9 +91,16 @@ from pwmesh.wire.messages import (
     HostDrained,
     NodeDone,
     Ok,
+    OpenSession,
+    OwnedShards,
     Ping,
+    PutBuffer,
+    ReleaseBuffers,
     ReleaseSlices,
+    ResumeSession,
+    RunProgram,
     SessionInfo,
+    SessionResumed,
     ShardValues,
     SliceAllocated,
     StatusReply,
@@ -97,6 +111,20 @@ log = logging.getLogger(__name__)
 
 DELIVER_TIMEOUT_SECONDS = 600.0  # a put's bytes count in flight at most this long (an executor never answering)
 EARLY_FETCH_TIMEOUT_SECONDS = 7 * 24 * 3600.0  # a fetch sent before its value exists waits as long as it computes
+# Messages held per connection for a session not resumed yet (``Proxy._hold``): past this, "no session".
+MAX_HELD_MESSAGES = 10_000
+
+
+def _ignored() -> asyncio.Future[Any]:
+    """A turn nobody waits for (a resumed session's registration): its failure is logged, not raised."""
+    fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+
+    def done(f: asyncio.Future[Any]) -> None:
+        if not f.cancelled() and f.exception() is not None:
+            log.info("a resumed session's registration was refused: %s", f.exception())
+
+    fut.add_done_callback(done)
+    return fut
 
 
 def sees_all(env: Envelope) -> bool:
@@ -127,6 +155,32 @@ class ProxyConfig:
     # Read each new function's module in a child process before registering it (``pwmesh.executor.sandbox``,
     # as executors do); None: with keys (tenants).
     sandbox_functions: bool | None = None
+    # What sessions' resume tokens are made with, kept in this file (made, mode 0600, if missing) so that they
+    # outlive a restart of this proxy; "": derived from the proxy's key with --keys, else none (a restart
+    # then ends every session).
+    session_secret_file: str = ""
+    reclaim_timeout_seconds: float = 10.0  # per executor, for what it holds of a session being resumed
+
+
+def session_secret(config: ProxyConfig, keys: Keys | None) -> bytes:
+    """The secret resume tokens are made with (``proxy/resume.py``): one that outlives the process, or b""."""
+    if config.session_secret_file:
+        path = Path(config.session_secret_file)
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        except FileExistsError:
+            secret = path.read_bytes()
+            if len(secret) < 16:
+                raise InvalidArgument(f"{path} holds {len(secret)} bytes: a session secret needs 16 or more") from None
+            return secret
+        secret = os.urandom(32)
+        with os.fdopen(fd, "wb") as f:
+            f.write(secret)
+        return secret
+    if keys is not None:
+        own = keys.own[2] if keys.own is not None else keys.secret
+        return hashlib.sha256(b"pwmesh session resume\0" + own).digest()
+    return b""
 
 
 class Proxy(Service):
@@ -145,6 +199,10 @@ class Proxy(Service):
         self._lowering: set[bytes] = set()
         self.lowered_off_loop = 0  # programs lowered on a thread, ever
         self._drains = itertools.count(1)  # drain requests to the RM (``DrainExecutor.request``)
+        # What connections sent, after this proxy started, for a session of the proxy before that they have
+        # not resumed yet (their header names it): held, then handled after the resume, in order
+        # (``_hold``); answered "no session" if no resume comes within the session timeout.
+        self._held: dict[bytes, collections.deque[tuple[Envelope, asyncio.Future[Any], float]]] = {}
 
     async def setup(self) -> None:
         handlers: dict[type[Message], Any] = {
@@ -161,7 +219,10 @@ class Proxy(Service):
         self.state = ProxyState(rm=self.config.rm, address=self.server.address, name=self.name,
                                 session_timeout_seconds=self.config.session_timeout_seconds,
                                 client_heartbeat_interval_seconds=self.config.client_heartbeat_interval_seconds,
-                                lower_off_loop_nodes=self.config.lower_off_loop_nodes)
+                                lower_off_loop_nodes=self.config.lower_off_loop_nodes,
+                                secret=session_secret(self.config, self.ctx.keys))
+        if not self.state.secret:
+            log.info("no session secret (--session-secret-file, or --keys): sessions end if this proxy restarts")
         sandboxed = self.config.sandbox_functions
         self.sandbox = Sandbox() if (sandboxed if sandboxed is not None else self.ctx.keys is not None) else None
         self.state.check_functions = self.sandbox is not None
@@ -177,6 +238,10 @@ class Proxy(Service):
         self.peers = Connections(self.ctx, tasks=self.tasks, name=self.name, on_message=self._notified)
         await wait_for_peer(self.peers.get(self.config.rm), self.state.watch(self.role),
                             timeout_seconds=self.config.rm_timeout_seconds)
+        # What the proxy before this one left (slices its sessions held): kept for their clients to resume.
+        held = await self.peers.request(self.config.rm, GetClusterState(), timeout_seconds=self.config.rm_timeout_seconds)
+        assert isinstance(held, ClusterStateReply)
+        self._perform(self.state.handle(Inherited(held.state.slices), time.monotonic()))
         # Every second at least: runs past their tenant's deadline fail within a second of it.
         self.tasks.spawn(every(min(1.0, self.config.session_timeout_seconds / 4), self._tick), name="expire")
         self.rm_beats = Beats(self.peers, self.config.rm, "resource manager", self.config.rm_heartbeat_interval_seconds,
@@ -199,6 +264,8 @@ class Proxy(Service):
             counter("pwmesh_proxy_sessions_opened", "Client sessions opened.", state.sessions_opened),
             counter("pwmesh_proxy_sessions_expired", "Sessions ended because their client missed its heartbeats.",
                     state.sessions_expired),
+            counter("pwmesh_proxy_sessions_resumed", "Sessions taken back by their clients after a restart of the proxy.",
+                    state.sessions_resumed),
             gauge("pwmesh_proxy_buffers", "Logical buffers the sessions hold.",
                   sum(len(s.buffers) for s in state.sessions.values())),
             gauge("pwmesh_proxy_runs", "Program runs dispatched and not yet finished.", len(state.runs)),
@@ -224,12 +291,48 @@ class Proxy(Service):
 
     def _serve(self, peer: bytes, env: Envelope) -> Message | Awaitable[Message] | None:
         """Every request and post the core handles: its answer, or what will answer it."""
+        held = self._hold(peer, env)
+        if held is not None:
+            return held
         behind = self._behind.get(peer)
         if behind is not None and not isinstance(env.message, Heartbeat):  # after its program being lowered
             turn: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
             behind.append((env, turn))
             return turn
         return self._handle(peer, env)
+
+    def _hold(self, peer: bytes, env: Envelope) -> asyncio.Future[Any] | None:
+        """Hold what a connection sends for a session of the proxy before until it resumes it: its client
+        learns of the restart only from a heartbeat's answer, and what it sent meanwhile (a registration, a
+        run) must neither be refused nor overtake the resume. The header's session id decides only this:
+        whoever names a session they cannot resume waits for the session timeout, then hears "no session"."""
+        if (peer in self.state.sessions or not env.sender
+                or isinstance(env.message, (Heartbeat, ResumeSession, OpenSession, NodeDone, DataLost))
+                or not self.state.may_resume(env.sender, time.monotonic())):
+            return None
+        held = self._held.get(peer)
+        if held is None:
+            # Tell its client now (not at its next heartbeat) that it must resume: "no session" in answer to
+            # this message, which it keeps waiting for (it is answered after the resume).
+            held = self._held[peer] = collections.deque()
+            self.server.post(peer, Error(code=NoSession.code, message="this connection has no session: resume it "
+                                         "(the proxy restarted)"), reply_to=env.msg_id)
+        if len(held) >= MAX_HELD_MESSAGES:
+            return None
+        fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        held.append((env, fut, time.monotonic()))
+        return fut
+
+    def _expire_held(self) -> None:
+        """Held messages whose session was not resumed within the session timeout: "no session"."""
+        limit = time.monotonic() - self.config.session_timeout_seconds
+        for peer, held in list(self._held.items()):
+            while held and held[0][2] < limit:
+                _, fut, _ = held.popleft()
+                if not fut.done():
+                    fut.set_exception(NoSession("this connection has no session (its session was not resumed)"))
+            if not held:
+                del self._held[peer]
 
     def _handle(self, peer: bytes, env: Envelope) -> Any:
         inbound = Inbound(peer, env.message, env.user)
@@ -250,6 +353,48 @@ class Proxy(Service):
         finally:
             self._take_turns(peer)
         return await answer if inspect.isawaitable(answer) else answer
+
+    @staticmethod
+    def _resuming_env(reclaim: Reclaim) -> Envelope:
+        """The envelope a resumed session's registrations are handled in, as if its client sent them again."""
+        assert reclaim.resume is not None
+        return Envelope(message=reclaim.resume, msg_id=0, reply_to=None, sender=reclaim.resume.session_id,
+                        user=reclaim.user, role="client")
+
+    async def _reclaim(self, reclaim: Reclaim) -> dict[str, OwnedShards | None]:
+        """Ask each executor for what it holds of an owner (``ReclaimOwner``); None where one does not answer."""
+        async def ask(control: str) -> OwnedShards | None:
+            try:
+                got = await self.peers.request(control, reclaim.message,
+                                               timeout_seconds=self.config.reclaim_timeout_seconds)
+            except PwmeshError as exc:
+                log.warning("%s did not say what it holds of %s: %s", control, reclaim.message.prefix, exc)
+                return None
+            return got if isinstance(got, OwnedShards) else None
+
+        found = await asyncio.gather(*(ask(c) for c in reclaim.controls))
+        return dict(zip(reclaim.controls, found, strict=True))
+
+    async def _resume(self, reclaim: Reclaim, waiting: list[Envelope]) -> Any:
+        """A session resumed: what its executors hold, then the core rebuilds it; then what its client sent
+        before (``waiting``: held, and handled then) and meanwhile, in order."""
+        assert reclaim.resume is not None
+        coming = frozenset(b for env in waiting for b in (
+            env.message.outputs if isinstance(env.message, RunProgram) else
+            [env.message.buffer] if isinstance(env.message, PutBuffer) else []))
+        named = frozenset(b for env in waiting for b in (
+            [i.buffer for i in env.message.inputs if i.buffer is not None] if isinstance(env.message, RunProgram) else
+            env.message.buffers if isinstance(env.message, ReleaseBuffers) else []))
+        try:
+            held = await self._reclaim(reclaim)
+            event = Reclaimed(reclaim.peer, reclaim.user, reclaim.resume, held, coming, named)
+            answer = self._perform(self.state.handle(event, time.monotonic()))
+            if isinstance(answer, SessionResumed):
+                return dataclasses.replace(answer, held=[env.msg_id for env in waiting])
+            return answer
+        finally:
+            self._lowering.discard(reclaim.peer)
+            self._take_turns(reclaim.peer)
 
     def _lower(self, lower: LowerOffLoop, peer: bytes) -> Event:
         """A big program's lowering (it finds the template when handled again)."""
@@ -327,6 +472,19 @@ class Proxy(Service):
                 self.peers.mark_alive(action.control)
             elif isinstance(action, FencePeer):
                 self.peers.fence(action.control, action.fence)
+            elif isinstance(action, Reclaim):
+                if action.resume is None:
+                    self.tasks.spawn(self._reclaim(action), name="reclaim")
+                else:  # what the session sent before and after waits behind its resume, as behind a lowering
+                    self._lowering.add(action.peer)
+                    held = [(env, fut) for env, fut, _ in self._held.pop(action.peer, ())]
+                    # Its registrations first (what it sent before may use them), as if it had sent them again.
+                    again = [(dataclasses.replace(inbound_env, message=m, msg_id=0, reply_to=None), _ignored())
+                             for m in [*action.resume.functions, *action.resume.programs]
+                             for inbound_env in [self._resuming_env(action)]]
+                    self._behind[action.peer] = collections.deque([*again, *held,
+                                                                   *self._behind.get(action.peer, ())])
+                    answer = self._resume(action, [env for env, _ in held])
             elif isinstance(action, LowerOffLoop | CheckFunction):
                 assert inbound is not None  # only a request's handling goes off the loop
                 # Now, not when the coroutine first runs: what its client sent next must already wait.
@@ -355,6 +513,7 @@ class Proxy(Service):
                 log.error("the tenants policy %s was not applied (the last good one stays): %s", self.tenants.path,
                           self.tenants.error)
         self._perform(self.state.handle(Tick(), time.monotonic()))
+        self._expire_held()
 
     async def _until_done(self, buf: Buffer) -> None:
         if not buf.done:

@@ -108,19 +108,23 @@ class Session:
     # Programs coming in parts (``RegisterProgram.parts``): id -> (the next part, what came so far).
     arriving: dict[str, tuple[int, ProgramSpec]] = dataclasses.field(default_factory=dict)
     lowerings: LoweringCache = dataclasses.field(default_factory=LoweringCache)  # its programs, lowered
+    # What begins every name this proxy gives the session's runs and buffers: "" for a session opened here;
+    # ``r<hex>.`` for one resumed after a restart (``proxy/resume.py``), so executors tell its runs and
+    # buffers from those of the proxy before.
+    marker: str = ""
     _run_ids: itertools.count = dataclasses.field(default_factory=itertools.count)
     _temp_ids: itertools.count = dataclasses.field(default_factory=itertools.count)
 
     def next_run_id(self) -> str:
         # Unguessable: a completion for a run can only come from an executor that was told of it.
-        return f"{self.session_id}:{next(self._run_ids)}-{secrets.token_hex(4)}"
+        return f"{self.session_id}:{self.marker}{next(self._run_ids)}-{secrets.token_hex(4)}"
 
     def temp_name(self) -> str:
-        return f"t{next(self._temp_ids)}"
+        return f"{self.marker}t{next(self._temp_ids)}"
 
     def buffer_name(self, client_id: int) -> str:
         """Object-store names never repeat, even if a client reuses an id it released."""
-        return f"b{client_id}.{next(self._temp_ids)}"
+        return f"{self.marker}b{client_id}.{next(self._temp_ids)}"
 
     def donate(self, client_id: int, what: str) -> None:
         """The client handed buffer ``client_id`` to a run to consume: it is no longer the client's."""

@@ -14,6 +14,9 @@ Events:
     ``SliceGranted(peer, slice)`` the RM's answer to the ``Ask`` a ``CreateSlice`` produced.
     ``FetchEnded(peer, buffer)`` a fetch ``Fetching`` started is over (the buffer is unpinned).
     ``Tick()``                   end the sessions whose client stopped sending heartbeats.
+    ``Inherited(slices)``        at start: the slices the resource manager holds, of the proxy before
+                                 this one (their sessions may be resumed: ``proxy/resume.py``).
+    ``Reclaimed(...)``           the executors' answers to a resume's ``Reclaim``.
 
 Actions:
     ``Send(to, message, dispatch)`` post ``message`` to the daemon at address ``to`` (the RM,
@@ -29,6 +32,8 @@ Actions:
     ``PeerLost(control, error)`` the executor at ``control`` is gone: fail what waits on it.
     ``PeerBack(control)``        it is back (restarted): send what waited for it.
     ``FencePeer(control, fence)`` it restarts: post ``fence`` and hold later posts until ``PeerBack``.
+    ``Reclaim(controls, message)`` request ``message`` (``ReclaimOwner``) of each executor; for a resume,
+                                 hand the core ``Reclaimed`` and answer the request with what it says.
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ import dataclasses
 import gc
 import itertools
 import logging
+import re
 import secrets
 import weakref
 from collections.abc import Callable
@@ -47,6 +53,7 @@ from pwmesh.errors import (
     DeadlineExceeded,
     DeviceLost,
     InvalidArgument,
+    NoSession,
     NotFound,
     PermissionDenied,
     ProtocolError,
@@ -57,6 +64,7 @@ from pwmesh.ir.cache import MAX_PROGRAM_ID_CHARS, LoweringJob
 from pwmesh.ir.keys import function_id
 from pwmesh.ir.lower import location, move_shard, nbytes, slice_locations, value_layout
 from pwmesh.proxy.intake import bind, host_puts, record_run
+from pwmesh.proxy.resume import Orphan, adopt, resume_token, slice_controls, token_matches
 from pwmesh.proxy.session import Buffer, Run, Session
 from pwmesh.proxy.tenants import TenantLimits, TenantPolicy
 from pwmesh.service.heartbeat import Liveness
@@ -85,16 +93,19 @@ from pwmesh.wire.messages import (
     NodeDone,
     Ok,
     OpenSession,
+    OwnedShards,
     PleaseRegister,
     ProgramSpec,
     PutBuffer,
     PutShards,
     QueryBuffers,
+    ReclaimOwner,
     RegisterFunction,
     RegisterProgram,
     RegisterProgramFunction,
     ReleaseBuffers,
     ReleaseSlices,
+    ResumeSession,
     RunPart,
     RunProgram,
     SchedulerJoined,
@@ -102,6 +113,7 @@ from pwmesh.wire.messages import (
     ScheduleRun,
     SendShards,
     SessionOpened,
+    SessionResumed,
     ShardRun,
     SliceCreated,
     SliceInfo,
@@ -118,6 +130,7 @@ log = logging.getLogger(__name__)
 MAX_PART_BYTES = DEFAULT_LIMITS.max_body_bytes - (1 << 20)
 MAX_REFUSED_FUNCTIONS = 1024  # functions the sandbox refused, remembered (the oldest forgotten first)
 MAX_ARRIVING_PROGRAMS = 4  # per session, coming in parts at once (each held until its last part)
+SESSION_ID = re.compile(r"s\d+-[0-9a-f]{6}")  # what ``_open_session`` names sessions
 UNKNOWN_VALUE = ValueSpec(shape=[], dtype="float32", shards=1)  # a failed output of a program never seen
 
 # ------------------------------------------------------------------ events
@@ -187,7 +200,28 @@ class Tick:
     """Time passed: end the sessions whose client stopped sending heartbeats."""
 
 
-Event = Inbound | Notice | SliceGranted | FetchEnded | Delivered | FunctionChecked | Lowered | Tick
+@dataclasses.dataclass(frozen=True)
+class Inherited:
+    """At start: the slices the resource manager holds, made for sessions of the proxy before this one."""
+
+    slices: list[SliceInfo]
+
+
+@dataclasses.dataclass(frozen=True)
+class Reclaimed:
+    """What the executors hold of a session being resumed (``Reclaim``): by control address, None where one
+    did not answer."""
+
+    peer: bytes
+    user: str
+    resume: ResumeSession
+    held: dict[str, OwnedShards | None]
+    coming: frozenset[int] = frozenset()  # buffers that requests the client sent before the resume will make
+    named: frozenset[int] = frozenset()  # buffers they read or release
+
+
+Event = (Inbound | Notice | SliceGranted | FetchEnded | Delivered | FunctionChecked | Lowered | Tick | Inherited
+         | Reclaimed)
 
 # ------------------------------------------------------------------ actions
 
@@ -295,7 +329,19 @@ class LowerOffLoop:
     job: LoweringJob
 
 
-Action = Send | Reply | Ask | Wait | Fetching | Resolve | PeerLost | PeerBack | FencePeer | LowerOffLoop
+@dataclasses.dataclass(frozen=True)
+class Reclaim:
+    """Request ``message`` of each executor at ``controls``. For a resume (``resume``): then hand the core
+    ``Reclaimed`` with their answers, and answer the request with what that says."""
+
+    controls: list[str]
+    message: ReclaimOwner
+    resume: ResumeSession | None = None
+    peer: bytes = b""
+    user: str = ""
+
+
+Action = Send | Reply | Ask | Wait | Fetching | Resolve | PeerLost | PeerBack | FencePeer | LowerOffLoop | Reclaim
 
 
 def settled(buffers: list[Buffer]) -> PwmeshError | None:
@@ -322,9 +368,12 @@ class ProxyState:
     """Everything the proxy knows and decides; see the module docstring for events and actions."""
 
     def __init__(self, *, rm: str, address: str, name: str = "proxy", session_timeout_seconds: float = 30.0,
-                 client_heartbeat_interval_seconds: float = 5.0, lower_off_loop_nodes: int = 0) -> None:
+                 client_heartbeat_interval_seconds: float = 5.0, lower_off_loop_nodes: int = 0,
+                 secret: bytes = b"") -> None:
         """``lower_off_loop_nodes``: a program with that many computations or more, not lowered yet, is
-        lowered by the shell on a thread (``LowerOffLoop``); 0: everything is lowered here."""
+        lowered by the shell on a thread (``LowerOffLoop``); 0: everything is lowered here. ``secret``: what
+        sessions' resume tokens are made with; one that outlives this process lets its sessions outlive it
+        (``proxy/resume.py``; b"": they cannot)."""
         self.rm = rm
         self.lower_off_loop_nodes = lower_off_loop_nodes
         self.address = address  # where executors send NodeDone (carried in every ScheduleRun)
@@ -334,6 +383,12 @@ class ProxyState:
         self.sessions: dict[bytes, Session] = {}
         self.sessions_opened = 0  # ever
         self.sessions_expired = 0  # ended because their client stopped sending heartbeats
+        self.sessions_resumed = 0  # taken back after a restart of the proxy
+        self.secret = secret
+        # Sessions of the proxy before this one, by id, until resumed or freed (``resume_until``).
+        self.orphans: dict[str, Orphan] = {}
+        self.resume_until = float("-inf")  # monotonic: sessions of the proxy before may resume until then
+        self.resuming: set[str] = set()  # session ids being resumed (waiting for the executors)
         self.runs: dict[str, tuple[Session, Run]] = {}
         self.exported: dict[str, RegisterProgramFunction] = {}  # by function id: what executors are sent
         self.registered: set[tuple[str, str, tuple[int, ...]]] = set()  # (fn, control, devices) sent; pruned for a new process there
@@ -355,6 +410,8 @@ class ProxyState:
         self.refused_functions: dict[str, PwmeshError] = {}
         # Bytes of each tenant's puts and fetches passing through here now (``max_bytes_in_flight``).
         self.in_flight: collections.Counter[str] = collections.Counter()
+        self._orphan_slices: dict[str, list[SliceInfo]] = {}  # sessions being resumed: the slices they had
+        self._reclaiming: dict[str, Reclaim] = {}  # sessions being resumed: what was asked of the executors
         self.lost_schedulers: dict[str, DeviceLost] = {}  # address -> why: runs there cannot be ordered
         self.programs = 0
         self.dispatch_messages = 0  # Send actions of program traffic, ever (the shell adds their bytes)
@@ -371,6 +428,7 @@ class ProxyState:
     # The messages ``Inbound`` takes, and their handlers (the shell serves these ops with ``handle``).
     HANDLERS: ClassVar[dict[type[Message], str]] = {
         OpenSession: "_open_session", CloseSession: "_close_session", Heartbeat: "_heartbeat",
+        ResumeSession: "_resume_session",
         CreateSlice: "_create_slice", RegisterProgramFunction: "_register_function",
         RegisterProgram: "_register_program", RunProgram: "_run_program", PutBuffer: "_put_buffer",
         ReleaseBuffers: "_release_buffers", AwaitBuffers: "_await_buffers", QueryBuffers: "_query_buffers",
@@ -416,6 +474,11 @@ class ProxyState:
             elif isinstance(event, Tick):
                 self._expire_sessions(now)
                 self._expire_runs(now)
+                self._expire_orphans(now)
+            elif isinstance(event, Inherited):
+                self._inherit(event.slices, now)
+            elif isinstance(event, Reclaimed):
+                out.append(self._reclaimed(event, now))
             else:
                 raise TypeError(f"not a proxy event: {event!r}")
         except PwmeshError as exc:
@@ -439,6 +502,7 @@ class ProxyState:
     def watch(self, role: str = "proxy") -> WatchCluster:
         """Subscription to the RM, carrying every slice our sessions hold (rebuilds a restarted RM)."""
         slices = [sl for session in self.sessions.values() for sl in session.slices.values()]
+        slices += [sl for orphan in self.orphans.values() for sl in orphan.slices]
         return WatchCluster(role=role, name=self.name, slices=slices)
 
     # ----------------------------------------------------------------- sessions
@@ -452,7 +516,7 @@ class ProxyState:
     def session(self, peer: bytes) -> Session:
         session = self._own(peer)
         if session is None:
-            raise NotFound("this connection has no session (open one first, or it timed out)")
+            raise NoSession("this connection has no session (open one first, or it timed out)")
         return session
 
     def _open_session(self, peer: bytes, msg: OpenSession, now: float) -> Reply:
@@ -468,11 +532,10 @@ class ProxyState:
         if limits.max_sessions and held >= limits.max_sessions:
             raise ResourceExhausted(f"tenant {self._user!r} holds {held} sessions, its limit "
                                     f"(max_sessions {limits.max_sessions})")
-        # Shares are the server's to give: a client's own count only where it is the cluster's one user.
-        own = self._user in ("", LOCAL.name)
-        weight = limits.weight if limits.weight is not None else (msg.weight if own else 1.0)
-        priority = limits.priority if limits.priority is not None else (msg.priority if own else 0)
+        weight, priority = self._shares(self._user, msg.weight, msg.priority)
         sid = f"s{next(self._session_ids)}-{secrets.token_hex(3)}"
+        while sid in self.orphans or sid in self.resuming:  # one of the proxy before's
+            sid = f"s{next(self._session_ids)}-{secrets.token_hex(3)}"
         self.sessions_opened += 1
         self.sessions[peer] = Session(session_id=sid, name=msg.name, peer=peer, owner=self._user,
                                       weight=weight, priority=priority)
@@ -481,7 +544,106 @@ class ProxyState:
         # Four beats per timeout, so one late beat never ends a live session.
         interval = min(self.client_heartbeat_interval_seconds, self.session_timeout_seconds / 4)
         return Reply(SessionOpened(session_id=sid, heartbeat_interval_seconds=interval,
-                                   session_timeout_seconds=self.session_timeout_seconds))
+                                   session_timeout_seconds=self.session_timeout_seconds,
+                                   resume_token=resume_token(self.secret, sid, self._user)))
+
+    # ------------------------------------------------------- sessions of the proxy before (``proxy/resume.py``)
+
+    def _inherit(self, slices: list[SliceInfo], now: float) -> None:
+        """The resource manager's slices at our start: every one is a session of the proxy before's."""
+        for sl in slices:
+            self.orphans.setdefault(sl.owner, Orphan()).slices.append(sl)
+        self.resume_until = now + self.session_timeout_seconds
+        if self.orphans:
+            log.info("%d sessions of the proxy before this one hold %d slices: they are kept for %g s for their "
+                     "clients to resume them", len(self.orphans), len(slices), self.session_timeout_seconds)
+
+    def may_resume(self, session_id: str, now: float) -> bool:
+        """Whether ``session_id`` may be one of the proxy before's, still to be resumed."""
+        return session_id in self.orphans or (
+            now <= self.resume_until and SESSION_ID.fullmatch(session_id) is not None
+            and session_id not in self.resuming and all(s.session_id != session_id for s in self.sessions.values()))
+
+    def _resume_session(self, peer: bytes, msg: ResumeSession, now: float) -> Reclaim:
+        sid = msg.session_id
+        if not token_matches(self.secret, sid, self._user, msg.token):
+            raise PermissionDenied(f"this token does not resume session {sid} (a session is resumed only with the "
+                                   "token it was opened with, by the key that opened it)")
+        if sid in self.resuming or any(s.session_id == sid for s in self.sessions.values()):
+            raise InvalidArgument(f"session {sid} is being resumed already, or was never lost")
+        orphan = self.orphans.pop(sid, None)
+        if orphan is None and now > self.resume_until:
+            raise NotFound(f"session {sid} is gone: it ended or expired (sessions of a proxy that restarted are "
+                           f"kept for {self.session_timeout_seconds:g} s for their clients to resume them)")
+        slices = orphan.slices if orphan is not None else []
+        self.resuming.add(sid)
+        self._orphan_slices[sid] = slices
+        controls = [c for c in slice_controls(slices) if c not in self.lost_controls]
+        message = ReclaimOwner(prefix=f"{sid}/", marker=f"r{secrets.token_hex(4)}.", why=(
+            f"the proxy at {self.address} restarted while this run was in flight (its session was resumed)"))
+        reclaim = Reclaim(controls, message, resume=msg, peer=peer, user=self._user)
+        self._reclaiming[sid] = reclaim
+        return reclaim
+
+    def _reclaimed(self, event: Reclaimed, now: float) -> Reply:
+        """The executors said what they hold of a session being resumed: rebuild it, free what nobody claims."""
+        msg = event.resume
+        sid = msg.session_id
+        reclaim = self._reclaiming.pop(sid)
+        self.resuming.discard(sid)
+        slices = self._orphan_slices.pop(sid)
+        weight, priority = self._shares(event.user, msg.weight, msg.priority)
+        session = Session(session_id=sid, name=msg.name, peer=event.peer, owner=event.user, weight=weight,
+                          priority=priority, marker=reclaim.message.marker)
+        declared = set(msg.slices)
+        session.slices = {sl.slice_id: sl for sl in slices if sl.slice_id in declared}
+        undeclared = [sl.slice_id for sl in slices if sl.slice_id not in declared]
+        if undeclared:
+            self._send(self.rm, ReleaseSlices(owner=sid, slice_ids=undeclared))
+        why = (f"the proxy at {self.address} restarted while this value was being made or moved (or a host holding "
+               f"it did not answer then): session {sid} was resumed without it")
+        # Arrays it dropped lately are kept only for what it sent before that names them, and only if they are
+        # all there (their releases follow).
+        gone = [b for b in msg.released if b.buffer in event.named and b.buffer not in event.coming]
+        adopted = adopt(session, [b for b in msg.buffers if b.buffer not in event.coming], event.held, why, gone)
+        for control, buffers in adopted.unclaimed.items():
+            self._send(control, DeleteShards(buffers=sorted(buffers)))
+        session.hosts |= set(event.held)
+        old = self.sessions.get(event.peer)
+        if old is not None:
+            self._end_session(old, "its connection resumed another session")
+        self.sessions[event.peer] = session
+        self.liveness.beat(sid, now)
+        self.sessions_resumed += 1
+        log.info("session %s (%s) resumed: %d arrays kept, %d failed, %d slices", sid, msg.name,
+                 len(msg.buffers) - len(adopted.failed), len(adopted.failed), len(session.slices))
+        interval = min(self.client_heartbeat_interval_seconds, self.session_timeout_seconds / 4)
+        return Reply(SessionResumed(heartbeat_interval_seconds=interval,
+                                    session_timeout_seconds=self.session_timeout_seconds,
+                                    failed=adopted.failed, why=why))
+
+    def _expire_orphans(self, now: float) -> None:
+        """Free the sessions of the proxy before that nobody resumed in time: their slices and buffers."""
+        if not self.orphans or now <= self.resume_until:
+            return
+        orphans, self.orphans = self.orphans, {}
+        for sid, orphan in orphans.items():
+            log.info("session %s of the proxy before was not resumed within %g s: freeing its %d slices", sid,
+                     self.session_timeout_seconds, len(orphan.slices))
+            self._send(self.rm, ReleaseSlices(owner=sid))
+            controls = [c for c in slice_controls(orphan.slices) if c not in self.lost_controls]
+            if controls:
+                self._out.append(Reclaim(controls, ReclaimOwner(
+                    prefix=f"{sid}/", marker="", drop=True,
+                    why=f"session {sid} was not resumed after its proxy restarted")))
+
+    def _shares(self, user: str, weight: float, priority: int) -> tuple[float, int]:
+        """A new session's weight and priority: the server's to give; a client's own count only where it is
+        the cluster's one user."""
+        limits = self.policy.of(user)
+        own = user in ("", LOCAL.name)
+        return (limits.weight if limits.weight is not None else (weight if own else 1.0),
+                limits.priority if limits.priority is not None else (priority if own else 0))
 
     def _close_session(self, peer: bytes, msg: CloseSession, now: float) -> Reply:
         self._end_session(self.session(peer), "closed by client")

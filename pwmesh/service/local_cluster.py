@@ -188,6 +188,8 @@ class LocalCluster:
                     rest.append(self._spawn_executor(island, f"island{island}-host{host}", spec.devices_per_host))
             proxy = self._spawn("proxy", "proxy", ["--rm", self.rm_address, "--session-timeout-seconds",
                                                    str(spec.session_timeout_seconds),
+                                                   # Sessions outlive a restart of the proxy (``restart``).
+                                                   "--session-secret-file", str(self.log_dir / "proxy.secret"),
                                                    *(("--tenants", spec.tenants) if spec.tenants else ()),
                                                    *spec.proxy_args])
             self._wait_ready([*rest, proxy], deadline, group_size=spec.hosts_per_island if spec.collectives else 0)

@@ -461,6 +461,25 @@ class ForgetOwner(Message, op="exec.forget_owner"):
 
 
 @record
+class ReclaimOwner(Message, op="exec.reclaim_owner"):
+    """A restarted proxy takes a session's objects back (or frees an unclaimed session's): cancel its runs
+    still here (their proxy is gone), and from now on drop any object of the owner that is neither held here
+    now nor named with ``marker`` (what the new proxy names; "" with ``drop``). ``drop``: delete what is
+    held too. The answer lists what is held (nothing with ``drop``)."""
+
+    prefix: str  # "<owner>/"
+    marker: str
+    why: str  # what its cancelled runs fail with
+    drop: bool = False
+
+
+@record
+class OwnedShards(Message, op="exec.owned_shards"):
+    keys: list[str]
+    devices: list[int]
+
+
+@record
 class CancelRun(Message, op="exec.cancel_run"):
     """Fail whatever of ``run_id`` has not run yet (a peer it depends on is gone)."""
 
@@ -556,6 +575,9 @@ class SessionOpened(Message, op="proxy.session_opened"):
     session_id: str
     heartbeat_interval_seconds: float
     session_timeout_seconds: float
+    # What a client shows to take its session back from a restarted proxy (``ResumeSession``); "": this
+    # proxy cannot resume sessions after a restart (it has no lasting secret).
+    resume_token: str = ""
 
 
 @record
@@ -597,6 +619,44 @@ class RegisterProgram(Message, op="proxy.register_program"):
     # messages, where one 64 MiB message held its loop ~3.5 s.
     part: int = 0
     parts: int = 1
+
+
+@record
+class ResumedBuffer(Record):
+    """One array a resuming client still holds: its id and what it is."""
+
+    buffer: int
+    spec: ValueSpec
+
+
+@record
+class ResumeSession(Message, op="proxy.resume_session"):
+    """Take a session back after the proxy restarted: the client's live arrays and slices. What the executors
+    hold of them is kept; arrays whose values are not all there fail with ``Unavailable`` naming the restart;
+    whatever else the session held is freed."""
+
+    session_id: str
+    token: str
+    name: str = ""
+    weight: float = 1.0
+    priority: int = 0
+    buffers: list[ResumedBuffer] = dataclasses.field(default_factory=list)
+    slices: list[int] = dataclasses.field(default_factory=list)
+    # Arrays it dropped or donated lately: what it sent before the resume (a run, a release) may still name them.
+    released: list[ResumedBuffer] = dataclasses.field(default_factory=list)
+    # Its registrations, as it sent them: handled right after the resume, before anything else it sent.
+    functions: list[RegisterProgramFunction] = dataclasses.field(default_factory=list)
+    programs: list[RegisterProgram] = dataclasses.field(default_factory=list)
+
+
+@record
+class SessionResumed(Message, op="proxy.session_resumed"):
+    heartbeat_interval_seconds: float
+    session_timeout_seconds: float
+    failed: list[int] = dataclasses.field(default_factory=list)  # buffers now failed: their values were not all there
+    why: str = ""  # what they fail with
+    # Requests (message ids) the client sent before the resume that this proxy held and answers after it.
+    held: list[int] = dataclasses.field(default_factory=list)
 
 
 @record
