@@ -81,6 +81,9 @@ class NoSession(NotFound):
     code = "no_session"
 
 
+STANDBY = "this proxy is a standby"  # how a standby proxy's ``Unavailable`` begins (its clients move on)
+
+
 class Unavailable(PwmeshError):
     """The daemon stopped (or restarted, e.g. into its island's next JAX group) before it answered: the
     request was not carried out, and may be sent again."""

@@ -13,6 +13,7 @@ from pwmesh.errors import InvalidArgument, NotFound, Unavailable
 from pwmesh.rm.state import ResourceManagerState
 from pwmesh.wire.messages import (
     AllocateSlice,
+    ClaimProxy,
     DrainExecutor,
     DrainStarted,
     ExecutorJoined,
@@ -21,6 +22,8 @@ from pwmesh.wire.messages import (
     Message,
     Ok,
     PleaseRegister,
+    ProxyLease,
+    ProxyLost,
     RegisterExecutor,
     RegisterScheduler,
     ReleaseSlices,
@@ -149,13 +152,39 @@ def test_a_restarted_rm_rebuilds_from_registrants() -> None:
     for sched in old.schedulers.values():
         assert fresh.handle(RegisterScheduler(info=sched), now=0.0) == Ok()
     assert fresh.handle(WatchCluster(role="proxy", name="proxy", slices=[sl]), now=0.0) == Ok()
-    assert fresh.handle(Heartbeat(role="proxy", name="proxy"), now=0.0) == Ok()  # known now: answered
+    # Known now: answered, with the lease, free after the restart (the proxy claims it again).
+    assert fresh.handle(Heartbeat(role="proxy", name="proxy"), now=0.0) == ProxyLease(active=False, holder="",
+                                                                                     address="")
+    assert fresh.handle(ClaimProxy(name="proxy", address="tcp://proxy"), now=0.0).active
     assert fresh.slices[sl.slice_id].devices == sl.devices
     assert fresh.map_version > sl.map_version
     # New slices get fresh ids and see the restored slice as load.
     other = allocate(fresh, "bob", 2)
     assert other.slice_id > sl.slice_id
     assert set(hosts_of(other)).isdisjoint(hosts_of(sl))
+
+
+def test_one_proxy_holds_the_lease_and_a_standby_gets_it_when_that_one_is_lost() -> None:
+    """Issue #28 item 1: the active proxy and its standbys (``pwmesh-proxy --standby``)."""
+    state = started(islands=1, hosts=1, devices=1)
+    for name in ("primary", "standby"):
+        assert state.handle(WatchCluster(role="proxy", name=name), now=0.0) == Ok()
+    assert state.handle(ClaimProxy(name="primary", address="tcp://a"), now=0.0) == ProxyLease(active=True, holder="primary", address="tcp://a")
+    assert state.handle(ClaimProxy(name="standby", address="tcp://b"), now=0.0) == ProxyLease(active=False, holder="primary", address="tcp://a")
+    assert state.handle(ClaimProxy(name="primary", address="tcp://a"), now=1.0).active, "restarted under its name"
+    for now in (5.0, 9.0):  # beating: kept, and the standby's beats say who holds it
+        assert state.handle(Heartbeat(role="proxy", name="primary"), now=now).active
+        assert state.handle(Heartbeat(role="proxy", name="standby"), now=now) == ProxyLease(active=False, holder="primary", address="tcp://a")
+        state.expire(now)
+    state.take_notifications()
+    state.expire(19.5)
+    assert [n for n in state.take_notifications() if isinstance(n, ProxyLost)] == [
+        ProxyLost(name="primary", address="tcp://a", reason="missed heartbeats for 10.0 seconds")]
+    assert state.heartbeat_misses[("proxy",)] == 1
+    assert state.handle(ClaimProxy(name="standby", address="tcp://b"), now=20.0).active
+    # The one that was lost (a pause, say) hears it is no longer the active proxy: it stops.
+    assert state.handle(Heartbeat(role="proxy", name="primary"), now=21.0) == ProxyLease(active=False, holder="standby", address="tcp://b")
+    assert not state.handle(ClaimProxy(name="primary", address="tcp://a"), now=21.0).active
 
 
 def test_an_executor_back_from_the_dead_is_announced() -> None:

@@ -303,6 +303,11 @@ def restart(options: list[str]) -> NoReturn:
 @click.option("--sandbox-functions/--no-sandbox-functions", default=None,
               help="Read each new function's module in a child process before registering it, refusing host "
                    "callbacks and custom calls JAX does not keep stable (default: on with --keys).")
+@_heartbeat
+@click.option("--standby", is_flag=True, help="Serve no session until the active proxy is lost (it missed its "
+              "heartbeats to the resource manager), then take over: its clients, given both addresses, resume "
+              "their sessions here. Needs the active proxy's session secret (the same --session-secret-file "
+              "contents, or the cluster's keys).")
 @click.option("--session-secret-file", default="", help="Where the secret that sessions' resume tokens are made "
               "with is kept (made if missing), so clients take their sessions back after this proxy restarts "
               "(default: derived from the proxy's key with --keys; else sessions end with the process).")
@@ -311,7 +316,8 @@ def restart(options: list[str]) -> NoReturn:
 @_log_level
 @_log_format
 def proxy_main(rm: str, listen: str, name: str, session_timeout_seconds: float, rm_timeout_seconds: float,
-               tenants_file: str, sandbox_functions: bool | None, session_secret_file: str, keys: str,
+               tenants_file: str, sandbox_functions: bool | None, heartbeat_interval_seconds: float, standby: bool,
+               session_secret_file: str, keys: str,
                insecure: bool, metrics_port: int | None,
                log_level: str, log_format: str) -> None:
     """Run a client proxy."""
@@ -322,7 +328,8 @@ def proxy_main(rm: str, listen: str, name: str, session_timeout_seconds: float, 
     run(Proxy(ProxyConfig(rm=rm, listen=listen, name=name, session_timeout_seconds=session_timeout_seconds,
                           rm_timeout_seconds=rm_timeout_seconds,
                           tenants_file=tenants_file, sandbox_functions=sandbox_functions,
-                          session_secret_file=session_secret_file,
+                          session_secret_file=session_secret_file, standby=standby,
+                          rm_heartbeat_interval_seconds=heartbeat_interval_seconds,
                           security=Security(keys, insecure), metrics_port=metrics_port)))
 
 

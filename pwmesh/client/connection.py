@@ -19,6 +19,11 @@ session back it sends again the requests the proxy before never answered that on
 (await, query, fetch, status), and fails the others with ``Unavailable`` naming the
 restart: whether they took effect is unknown. A session the proxy cannot resume fails
 every call with ``ConnectionFailed`` saying why.
+
+Given several addresses (``"tcp://a:7000,tcp://b:7000"``: an active proxy and its standbys,
+``pwmesh-proxy --standby``), the connection moves to the next one when the one it uses
+stops answering or says it is a standby, and resumes its session wherever it finds the
+active proxy.
 """
 
 from __future__ import annotations
@@ -37,7 +42,7 @@ from typing import Any
 
 import zmq
 
-from pwmesh.errors import ConnectionFailed, NoSession, PwmeshError, PwTimeoutError, Unavailable
+from pwmesh.errors import STANDBY, ConnectionFailed, NoSession, PwmeshError, PwTimeoutError, Unavailable
 from pwmesh.service.keys import Keys, unkeyed
 from pwmesh.service.rpc import next_id, raise_error
 from pwmesh.service.transport import ZERO_COPY_THRESHOLD_BYTES
@@ -93,7 +98,9 @@ class ClientConnection:
         ``connect_timeout_seconds`` is ``ConnectionFailed``. ``keys``: the keys directory this client was
         given (else ``$PWMESH_KEYS``): the connection speaks CURVE (``pwmesh.service.keys``)."""
         curve = Keys.from_option(keys)
-        self.address = address
+        self.addresses = [a.strip() for a in address.split(",") if a.strip()] or [address]
+        self.address = self.addresses[0]
+        self._curve = curve
         self.session_id = ""
         self.resume_token = ""
         self._opening = OpenSession(name=name, weight=weight, priority=priority)
@@ -112,10 +119,7 @@ class ClientConnection:
             # so the proxy still knows which session this is.
             self._sock.setsockopt(zmq.ROUTING_ID, b"client-" + secrets.token_bytes(12))
             self._sock.copy_threshold = ZERO_COPY_THRESHOLD_BYTES  # copy=False sends copy small frames anyway
-            plain, server = unkeyed(address)  # a daemon's address may carry its own key (``keys.keyed``)
-            if curve is not None:
-                curve.connect(self._sock, server)
-            self._sock.connect(plain)
+            self._connect(self.address)
         except BaseException:  # an address ZeroMQ refuses: nothing may outlive the refusal
             self._ctx.destroy(linger=0)
             raise
@@ -132,6 +136,12 @@ class ClientConnection:
         self._resume_id: int | None = None  # the ResumeSession in flight
         self._resume_deadline = 0.0
         self._stale: set[int] = set()  # requests sent before it: the proxy before may never answer them
+        self._moved = False  # moved to another address: the requests sent before wait for the session there
+        # With several addresses: move on once a heartbeat went unanswered this long (at least two beats; a
+        # standby takes over only once the resource manager declares the active proxy lost: moving back and
+        # forth finds it then).
+        self.failover_seconds = 4.0
+        self._beat_sent = 0.0  # when the oldest heartbeat not answered yet went out (0: none)
         # Guards the socket, the backlog and the pending table. Re-entrant: ``post`` runs from
         # ``__del__``, which may fire inside ``submit`` or the I/O thread's socket calls.
         self._lock = threading.RLock()
@@ -146,7 +156,7 @@ class ClientConnection:
             return
         first: Message = self._opening if open_session else Ping()
         try:
-            opened = self.request(first, timeout_seconds=connect_timeout_seconds)
+            opened = self._first(first, connect_timeout_seconds)
         except PwTimeoutError:
             self.close()
             why = ("is a pwmesh cluster running there, and do these keys belong to it?" if curve is not None else
@@ -166,6 +176,42 @@ class ClientConnection:
     @property
     def closed(self) -> bool:
         return self._closing.is_set()
+
+    def _connect(self, address: str) -> None:
+        plain, server = unkeyed(address)  # a daemon's address may carry its own key (``keys.keyed``)
+        if self._curve is not None:
+            self._curve.connect(self._sock, server)
+        self._sock.connect(plain)
+
+    def _first(self, first: Message, timeout_seconds: float) -> Message:
+        """The first request, at each address in turn until one answers it (a standby refuses a session)."""
+        for i in range(len(self.addresses)):
+            last = i == len(self.addresses) - 1
+            try:
+                return self.request(first, timeout_seconds=timeout_seconds / len(self.addresses) if not last else
+                                    timeout_seconds)
+            except (PwTimeoutError, Unavailable) as exc:
+                if last:
+                    raise
+                log.info("%s: %s; trying %s", self.address, exc.message, self.addresses[i + 1])
+                self._switch()
+        raise AssertionError("unreachable")
+
+    def _switch(self) -> None:
+        """Move to the next address; what waits for an answer from the one before waits for the session at the
+        next (sent again or failed once it is known there: ``_fail_stale``)."""
+        with self._lock:
+            plain, _ = unkeyed(self.address)
+            try:
+                self._sock.disconnect(plain)
+            except zmq.ZMQError:
+                pass
+            self.address = self.addresses[(self.addresses.index(self.address) + 1) % len(self.addresses)]
+            self._connect(self.address)
+            self._stale |= set(self._pending)
+            self._moved = True
+            self._beats.clear()
+            self._beat_sent = 0.0
 
     def submit(self, message: Message, *, expect_reply: bool = True) -> concurrent.futures.Future[Message] | None:
         """Send ``message`` (from this thread, now); the reply's future if one is expected."""
@@ -258,10 +304,19 @@ class ClientConnection:
                     if len(self._beats) > 64:  # unanswered ones: the proxy is away (the timeout below says so)
                         self._beats.clear()
                     self._beats.add(beat_id)
+                    self._beat_sent = self._beat_sent or now
                     with self._lock:  # ``_service`` sends it and then looks at the socket, as every send must
                         self._backlog.append([b"", *encode(probe, msg_id=beat_id, sender=self.session_id)])
                 if self._service():
                     last_reply = time.monotonic()
+                elif (len(self.addresses) > 1 and self.session_id and self._lost is None and self._beat_sent
+                      and time.monotonic() - self._beat_sent > max(self.failover_seconds,
+                                                                    2 * self.heartbeat_interval_seconds)):
+                    log.warning("the proxy at %s does not answer: trying %s", self.address,
+                                self.addresses[(self.addresses.index(self.address) + 1) % len(self.addresses)])
+                    self._switch()
+                    last_reply = time.monotonic()
+                    next_beat = last_reply  # ask the next one at once
                 if beat:
                     with self._lock:
                         waiting = bool(self._pending)
@@ -349,13 +404,29 @@ class ClientConnection:
         if env.reply_to is None:
             return
         no_session = isinstance(env.message, Error) and env.message.code == NoSession.code and bool(self.session_id)
+        standby = (isinstance(env.message, Error) and env.message.code == Unavailable.code
+                   and env.message.message.startswith(STANDBY) and len(self.addresses) > 1)
         if env.reply_to in self._beats:
             self._beats.discard(env.reply_to)
+            self._beat_sent = 0.0
             if no_session:
                 self._session_gone()
+            elif standby:
+                self._switch()
+            elif self._moved and not isinstance(env.message, Error):  # back where the session is
+                self._moved = False
+                self._fail_stale(Unavailable, replay=True)
             return
         if env.reply_to == self._resume_id:
+            if standby:  # not the active proxy (yet): try the next
+                self._resume_id = None
+                self._switch()
+                return
             self._resumed(env.message)
+            return
+        if standby and self.session_id:  # sent again once the session is found at another address
+            with self._lock:
+                self._stale.add(env.reply_to)
             return
         if no_session and self.resume_token and self._lost is None:
             # To the proxy after a restart, before the session was resumed: it is sent again or failed then.
@@ -406,6 +477,7 @@ class ClientConnection:
                                         f"{self.session_id}: {why}; connect again"))
             return
         self.resumed += 1
+        self._moved = False
         self.heartbeat_interval_seconds = reply.heartbeat_interval_seconds
         self.liveness_timeout_seconds = reply.session_timeout_seconds
         log.warning("session %s resumed at %s: %d arrays failed (%s)", self.session_id, self.address,

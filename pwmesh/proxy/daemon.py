@@ -28,7 +28,7 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
-from pwmesh.errors import InvalidArgument, NoSession, PwmeshError, PwTimeoutError, Unavailable
+from pwmesh.errors import STANDBY, InvalidArgument, NoSession, PwmeshError, PwTimeoutError, Unavailable
 from pwmesh.executor.sandbox import Sandbox
 from pwmesh.proxy import tenants
 from pwmesh.proxy.session import Buffer
@@ -73,6 +73,7 @@ from pwmesh.wire.messages import (
     AllocateSlice,
     AwaitIdle,
     BufferValue,
+    ClaimProxy,
     ClusterStateReply,
     ClusterTrace,
     DataLost,
@@ -94,6 +95,8 @@ from pwmesh.wire.messages import (
     OpenSession,
     OwnedShards,
     Ping,
+    ProxyLease,
+    ProxyLost,
     PutBuffer,
     ReleaseBuffers,
     ReleaseSlices,
@@ -160,6 +163,9 @@ class ProxyConfig:
     # then ends every session).
     session_secret_file: str = ""
     reclaim_timeout_seconds: float = 10.0  # per executor, for what it holds of a session being resumed
+    # Serve nothing until the active proxy is lost, then take over its sessions (their clients resume them
+    # here); without it a proxy claims the lease at start, and is a standby only if another one holds it.
+    standby: bool = False
 
 
 def session_secret(config: ProxyConfig, keys: Keys | None) -> bytes:
@@ -177,9 +183,8 @@ def session_secret(config: ProxyConfig, keys: Keys | None) -> bytes:
         with os.fdopen(fd, "wb") as f:
             f.write(secret)
         return secret
-    if keys is not None:
-        own = keys.own[2] if keys.own is not None else keys.secret
-        return hashlib.sha256(b"pwmesh session resume\0" + own).digest()
+    if keys is not None:  # the cluster's secret (a front host's directory holds it): every proxy's, standbys too
+        return hashlib.sha256(b"pwmesh session resume\0" + keys.secret).digest()
     return b""
 
 
@@ -203,6 +208,10 @@ class Proxy(Service):
         # not resumed yet (their header names it): held, then handled after the resume, in order
         # (``_hold``); answered "no session" if no resume comes within the session timeout.
         self._held: dict[bytes, collections.deque[tuple[Envelope, asyncio.Future[Any], float]]] = {}
+        # Whether this proxy holds the cluster's lease (``ClaimProxy``): a standby serves no session.
+        self.active = False
+        self.lease = ProxyLease(active=False, holder="", address="")
+        self._claiming = False
 
     async def setup(self) -> None:
         handlers: dict[type[Message], Any] = {
@@ -238,15 +247,66 @@ class Proxy(Service):
         self.peers = Connections(self.ctx, tasks=self.tasks, name=self.name, on_message=self._notified)
         await wait_for_peer(self.peers.get(self.config.rm), self.state.watch(self.role),
                             timeout_seconds=self.config.rm_timeout_seconds)
-        # What the proxy before this one left (slices its sessions held): kept for their clients to resume.
-        held = await self.peers.request(self.config.rm, GetClusterState(), timeout_seconds=self.config.rm_timeout_seconds)
-        assert isinstance(held, ClusterStateReply)
-        self._perform(self.state.handle(Inherited(held.state.slices), time.monotonic()))
+        if not self.config.standby:
+            await self._claim()
+        if not self.active:
+            log.warning("serving as a standby: the active proxy is %s at %s", self.lease.holder or "none",
+                        self.lease.address or "-")
         # Every second at least: runs past their tenant's deadline fail within a second of it.
         self.tasks.spawn(every(min(1.0, self.config.session_timeout_seconds / 4), self._tick), name="expire")
         self.rm_beats = Beats(self.peers, self.config.rm, "resource manager", self.config.rm_heartbeat_interval_seconds,
                               self._notified)
         self.tasks.spawn(every(self.config.rm_heartbeat_interval_seconds, self._heartbeat_rm), name="heartbeat")
+
+    async def _claim(self) -> None:
+        """Ask for the lease; once it is ours, take over what the proxy before left."""
+        if self._claiming or self.active:
+            return
+        self._claiming = True
+        try:
+            lease = await self.peers.request(self.config.rm, ClaimProxy(name=self.name, address=self.server.address),
+                                             timeout_seconds=self.config.rm_timeout_seconds)
+            assert isinstance(lease, ProxyLease)
+            self.lease = lease
+            if lease.active:
+                await self._activate()
+        finally:
+            self._claiming = False
+
+    async def _activate(self) -> None:
+        """This proxy is the active one now: the slices the resource manager holds are sessions of the proxy
+        before (restarted, or lost), kept for their clients to resume them here."""
+        held = await self.peers.request(self.config.rm, GetClusterState(), timeout_seconds=self.config.rm_timeout_seconds)
+        assert isinstance(held, ClusterStateReply)
+        mine = {s.session_id for s in self.state.sessions.values()}
+        self._perform(self.state.handle(Inherited([sl for sl in held.state.slices if sl.owner not in mine]),
+                                        time.monotonic()))
+        self.active = True
+        if self.config.standby:
+            log.warning("took over as the active proxy (the one before was %s)", self.lease.holder or "none")
+
+    def _on_lease(self, msg: ProxyLease | ProxyLost) -> None:
+        """What the resource manager says of the lease: a standby claims a free one; an active proxy that lost
+        it (the RM declared it lost, and another took over) stops, as two active proxies would free each
+        other's sessions."""
+        if isinstance(msg, ProxyLost) or not msg.holder:
+            if not self.active:
+                self.tasks.spawn(self._claim(), name="claim")
+            elif isinstance(msg, ProxyLease):  # the RM restarted and forgot the lease: ours again
+                self.tasks.spawn(self._reclaim_lease(), name="claim")
+            return
+        self.lease = msg
+        if self.active and not msg.active:
+            log.error("another proxy (%s at %s) took over: stopping (restarted, this one is a standby)",
+                      msg.holder, msg.address)
+            self.stop_reason = "another proxy took over"
+            self.tasks.spawn(self.close(), name="close-taken-over")
+
+    async def _reclaim_lease(self) -> None:
+        lease = await self.peers.request(self.config.rm, ClaimProxy(name=self.name, address=self.server.address),
+                                         timeout_seconds=self.config.rm_timeout_seconds)
+        if isinstance(lease, ProxyLease):
+            self._on_lease(lease)
 
     async def _heartbeat_rm(self) -> None:
         await self.rm_beats.beat(Heartbeat(role=self.role, name=self.name))
@@ -291,6 +351,9 @@ class Proxy(Service):
 
     def _serve(self, peer: bytes, env: Envelope) -> Message | Awaitable[Message] | None:
         """Every request and post the core handles: its answer, or what will answer it."""
+        if not self.active:
+            raise Unavailable(f"{STANDBY}: the active proxy is {self.lease.holder or 'none'} at "
+                              f"{self.lease.address or '-'}")
         held = self._hold(peer, env)
         if held is not None:
             return held
@@ -500,6 +563,9 @@ class Proxy(Service):
 
     def _notified(self, env: Envelope) -> None:
         """Unsolicited messages on our outgoing connections (the RM's notifications)."""
+        if isinstance(env.message, ProxyLease | ProxyLost):
+            self._on_lease(env.message)
+            return
         try:
             self._perform(self.state.handle(Notice(env.message), time.monotonic()))
         except PwmeshError as exc:

@@ -600,8 +600,9 @@ class ProxyState:
         undeclared = [sl.slice_id for sl in slices if sl.slice_id not in declared]
         if undeclared:
             self._send(self.rm, ReleaseSlices(owner=sid, slice_ids=undeclared))
-        why = (f"the proxy at {self.address} restarted while this value was being made or moved (or a host holding "
-               f"it did not answer then): session {sid} was resumed without it")
+        why = (f"the proxy serving session {sid} restarted or was replaced (by the one at {self.address}) while this "
+               "value was being made or moved, or before it had the request that makes it (or a host holding it "
+               f"did not answer then): session {sid} was resumed without it")
         # Arrays it dropped lately are kept only for what it sent before that names them, and only if they are
         # all there (their releases follow).
         gone = [b for b in msg.released if b.buffer in event.named and b.buffer not in event.coming]

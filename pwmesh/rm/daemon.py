@@ -17,6 +17,7 @@ from pwmesh.service.rpc import Access, Server
 from pwmesh.wire import Envelope, Message
 from pwmesh.wire.messages import (
     AllocateSlice,
+    ClaimProxy,
     DrainExecutor,
     ExecutorLost,
     GetClusterState,
@@ -24,6 +25,7 @@ from pwmesh.wire.messages import (
     LeavingForGroup,
     Ok,
     Ping,
+    ProxyLost,
     RegisterExecutor,
     RegisterScheduler,
     ReleaseSlices,
@@ -60,7 +62,7 @@ class ResourceManager(Service):
         self.watchers: set[bytes] = set()
         handlers: dict[type[Message], Any] = {
             cls: self._handle for cls in (RegisterExecutor, UnregisterExecutor, RegisterScheduler, Heartbeat,
-                                          AllocateSlice, ReleaseSlices, DrainExecutor, GetClusterState)}
+                                          AllocateSlice, ReleaseSlices, DrainExecutor, GetClusterState, ClaimProxy)}
         handlers[WatchCluster] = self._watch
         handlers[LeavingForGroup] = self._leaving
         handlers[Ping] = self.ping
@@ -94,7 +96,7 @@ class ResourceManager(Service):
                                            f"the key {env.user!r} cannot take it over")
             case UnregisterExecutor(executor_id=name) | LeavingForGroup(executor_id=name):
                 claims = [name]
-            case Heartbeat(name=name) | WatchCluster(name=name):
+            case Heartbeat(name=name) | WatchCluster(name=name) | ClaimProxy(name=name):
                 claims = [name]
             case AllocateSlice() | ReleaseSlices() | DrainExecutor():
                 proxies = [name for role, name in self.state.known if role == "proxy"]
@@ -145,6 +147,9 @@ class ResourceManager(Service):
             if isinstance(note, ExecutorLost):
                 log.log(level, "executor %s (host %s) %s: %s", note.executor_id, note.host,
                         "left" if note.graceful else "lost", note.reason)
+            if isinstance(note, ProxyLost):
+                log.warning("the active proxy %s at %s is lost (%s): a standby may take over", note.name,
+                            note.address, note.reason)
             for remap in note.remapped if isinstance(note, ExecutorLost) else [note]:
                 if isinstance(remap, SliceRemapped):
                     log.log(level, "slice %s remapped (%s)%s", remap.slice.slice_id, remap.reason,

@@ -19,6 +19,7 @@ from pwmesh.rm.placement import DeviceRef, of_kind, place
 from pwmesh.service.heartbeat import Liveness
 from pwmesh.wire.messages import (
     AllocateSlice,
+    ClaimProxy,
     ClusterState,
     ClusterStateReply,
     DeviceMove,
@@ -35,6 +36,8 @@ from pwmesh.wire.messages import (
     Ok,
     PhysicalDevice,
     PleaseRegister,
+    ProxyLease,
+    ProxyLost,
     RegisterExecutor,
     RegisterScheduler,
     ReleaseSlices,
@@ -67,7 +70,8 @@ class ResourceManagerState:
         self._physicals: dict[str, tuple[ExecutorInfo, dict[int, PhysicalDevice]]] = {}
         self.known: set[tuple[str, str]] = set()  # (role, name) of every registrant
         # Ever, for the metrics: daemons found silent by role ((role,) keys), executors lost and left.
-        self.heartbeat_misses: dict[tuple[str], int] = {("executor",): 0, ("scheduler",): 0}
+        self.heartbeat_misses: dict[tuple[str], int] = {("executor",): 0, ("scheduler",): 0, ("proxy",): 0}
+        self.active_proxy: tuple[str, str] | None = None  # (name, address) of the proxy holding the lease
         self.executors_lost = 0
         self.executors_left = 0
         self._slice_ids = itertools.count(self.first_slice_id)
@@ -100,7 +104,16 @@ class ResourceManagerState:
                     return PleaseRegister()  # we restarted, or it registered elsewhere
                 if role in ("executor", "scheduler"):
                     self.liveness.beat(f"{role}:{name}" if role == "scheduler" else name, now)
+                if role == "proxy":
+                    if self.active_proxy is not None and self.active_proxy[0] == name:
+                        self.liveness.beat(f"proxy:{name}", now)
+                    return self._lease(name)
                 return Ok()  # answered: the daemon knows the RM is there (``rpc.Beats``)
+            case ClaimProxy(name=name, address=address):
+                if self.active_proxy is None or self.active_proxy[0] == name:
+                    self.active_proxy = (name, address)
+                    self.liveness.beat(f"proxy:{name}", now)
+                return self._lease(name)
             case LeavingForGroup(executor_id=executor_id, epoch=epoch, grace_seconds=grace):
                 info = self.executors.get(executor_id)
                 if info is None:
@@ -190,10 +203,21 @@ class ResourceManagerState:
                 self.notifications.append(SliceRemapped(slice=sl, moves=[], reason=f"scheduler of island "
                                                         f"{info.island} is now at {info.address}"))
 
+    def _lease(self, name: str) -> ProxyLease:
+        holder, address = self.active_proxy or ("", "")
+        return ProxyLease(active=holder == name, holder=holder, address=address)
+
     def expire(self, now: float) -> list[str]:
-        """Mark executors (and schedulers) that missed their heartbeats as lost; returns the executors' ids."""
+        """Mark executors (and schedulers, and the active proxy) that missed their heartbeats as lost; returns
+        the executors' ids."""
         silent = self.liveness.expired(now)
         why = f"missed heartbeats for {self.heartbeat_timeout_seconds} seconds"
+        for name in [n for n in silent if n.startswith("proxy:")]:
+            if self.active_proxy is not None and self.active_proxy[0] == name.removeprefix("proxy:"):
+                self.heartbeat_misses[("proxy",)] += 1
+                self.notifications.append(ProxyLost(name=self.active_proxy[0], address=self.active_proxy[1],
+                                                    reason=why))
+                self.active_proxy = None
         for name in [n for n in silent if n.startswith("scheduler:")]:
             self.heartbeat_misses[("scheduler",)] += 1
             self._lose_scheduler(name.removeprefix("scheduler:"), why)

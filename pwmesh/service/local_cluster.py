@@ -190,6 +190,7 @@ class LocalCluster:
                                                    str(spec.session_timeout_seconds),
                                                    # Sessions outlive a restart of the proxy (``restart``).
                                                    "--session-secret-file", str(self.log_dir / "proxy.secret"),
+                                                   *self._beat(),
                                                    *(("--tenants", spec.tenants) if spec.tenants else ()),
                                                    *spec.proxy_args])
             self._wait_ready([*rest, proxy], deadline, group_size=spec.hosts_per_island if spec.collectives else 0)
@@ -252,6 +253,19 @@ class LocalCluster:
                    for c in self.children if c is not child) + 1
         self._wait_ready([child], time.monotonic() + self.spec.startup_timeout_seconds,
                          group_size=size if self.spec.collectives else 0)
+        return child
+
+    def add_proxy(self, name: str = "proxy-standby", *, standby: bool = True) -> Child:
+        """Start another proxy beside the cluster's, with its session secret: a standby by default, which takes
+        over the sessions if the active proxy is lost (clients given both addresses, ``address,other``, move
+        to it). Returns once it serves; its address is ``child.info["address"]``."""
+        spec = self.spec
+        child = self._spawn("proxy", name, [
+            "--rm", self.rm_address, "--name", name, "--session-timeout-seconds", str(spec.session_timeout_seconds),
+            "--session-secret-file", str(self.log_dir / "proxy.secret"), *self._beat(),
+            *(["--standby"] if standby else []), *(("--tenants", spec.tenants) if spec.tenants else ()),
+            *spec.proxy_args])
+        self._wait_ready([child], time.monotonic() + spec.startup_timeout_seconds)
         return child
 
     def restart(self, name: str) -> Child:

@@ -104,6 +104,34 @@ class RegisterExecutor(Message, op="rm.register_executor"):
 
 
 @record
+class ClaimProxy(Message, op="rm.claim_proxy"):
+    """A proxy asks to be the cluster's active one, whose sessions are the clients'. Granted if there is none,
+    if it is the active one (restarted under its name), or if the active one is lost (missed heartbeats);
+    the others are standbys (``pwmesh-proxy --standby``) until then."""
+
+    name: str
+    address: str
+
+
+@record
+class ProxyLease(Message, op="rm.proxy_lease"):
+    """Who the active proxy is: the answer to ``ClaimProxy``, and to every proxy's heartbeat."""
+
+    active: bool  # the asker is it
+    holder: str  # its name ("": none)
+    address: str  # where it serves
+
+
+@record
+class ProxyLost(Message, op="rm.proxy_lost"):
+    """The active proxy missed its heartbeats: a standby may claim the lease now."""
+
+    name: str
+    address: str
+    reason: str
+
+
+@record
 class RegisterScheduler(Message, op="rm.register_scheduler"):
     info: SchedulerInfo
 
