@@ -119,6 +119,38 @@ def test_up_serves_until_ctrl_c_and_stops_every_process(tmp_path: Path) -> None:
             up.stdout.close()
 
 
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_ctrl_c_in_a_terminal_stops_up_cleanly_and_removes_its_logs() -> None:
+    """Issue #28 item 6. A terminal's Ctrl-C signals its whole foreground process group. The daemons were in
+    it: each took the SIGINT and then the launcher's SIGTERM as a second signal, exited 1 at once, and every
+    stop said "a daemon failed or was killed" and kept its logs. Now they have a session of their own."""
+    up = subprocess.Popen(
+        [sys.executable, "-m", "pwmesh.cli.main", "up", "--islands", "1", "--hosts-per-island", "2",
+         "--devices-per-host", "1"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_env(), start_new_session=True)
+    try:
+        assert up.stdout is not None
+        logs = ""
+        for line in up.stdout:
+            if line.startswith("logs:"):
+                logs = line.split()[1]
+            elif line.startswith("Ctrl-C"):
+                break
+        assert logs and Path(logs).is_dir()
+        os.killpg(up.pid, signal.SIGINT)  # what the terminal does
+        assert up.wait(timeout=60) == 0
+        said = up.stdout.read()
+        assert "stopped." in said and "failed or was killed" not in said, said
+        assert not Path(logs).exists(), "a clean stop removes its logs"
+        assert _children_of(up.pid) == []
+    finally:
+        if up.poll() is None:
+            up.kill()
+            up.wait()
+        if up.stdout is not None:
+            up.stdout.close()
+
+
 # ------------------------------------------------------------------ behaving as people expect
 
 

@@ -120,6 +120,10 @@ class LocalCluster:
                 [sys.executable, "-m", "pwmesh.cli.daemons", role, *args, "--log-level", self.spec.log_level,
                  "--log-format", self.spec.log_format, *(("--keys", keys) if keys else ())],
                 stdout=subprocess.PIPE, stderr=log_file, stdin=subprocess.DEVNULL, env=child_env,
+                # Out of the terminal's process group: Ctrl-C reaches the launcher alone, which stops every
+                # daemon in stages (a SIGINT to each as well made the launcher's SIGTERM their second signal:
+                # they exited 1 at once, and every stop looked like a failure). They still die with it.
+                start_new_session=True,
             )
         child = Child(role, name, popen, log_path, args)
         self.children.append(child)
