@@ -89,6 +89,26 @@ def test_a_put_that_does_not_fit_is_refused_and_others_go_on(small: pw.LocalClus
                                       np.full((1, OUT // 4), 2.0, np.float32))
 
 
+def test_a_computation_that_waits_too_long_for_memory_fails_saying_what_holds_it() -> None:
+    """Issue #28, item 4: a full executor never blocks another tenant's computation without an error. One
+    tenant holds the memory and never frees it; another's computation waits ``--memory-wait-seconds``,
+    then fails with ``ResourceExhausted`` naming the wait and the memory held; the executor goes on."""
+    spec = pw.LocalClusterSpec(islands=1, hosts_per_island=1, devices_per_host=1, memory_limit_bytes=LIMIT,
+                               executor_args=("--memory-wait-seconds", "2"))
+    with pw.LocalCluster(spec) as cluster, pw.Client(cluster.address, name="hog") as hog, \
+            pw.Client(cluster.address, name="victim") as victim:
+        held = hog.put(np.zeros((1, HELD // 4), np.float32), hog.make_virtual_device_set().add_slice(devices=1))
+        np.asarray(held)  # on the executor
+        mine = victim.make_virtual_device_set().add_slice(devices=1)
+        out = pw.pmap(filled(OUT), devices=mine)(np.ones(1, np.float32))
+        with pytest.raises(pw.ResourceExhausted, match=r"waited 2 s for 2\.0 MiB of memory") as info:
+            out.block_until_ready()
+        assert "3.0 MiB of the executor's 4.0 MiB limit stay held" in str(info.value)
+        assert fetch_status(cluster.address).executor_stats[0].waiting_for_memory == 0
+        np.testing.assert_array_equal(np.asarray(pw.pmap(lambda s: s + 1.0, devices=mine)(np.ones(1, np.float32))),
+                                      [2.0])
+
+
 def test_memory_limit_option_takes_suffixes() -> None:
     size = _ByteSize()
     assert [size.convert(v, None, None) for v in ("0", "1024", "64M", "64MiB", "2g", "1.5K")] == [

@@ -175,6 +175,9 @@ class _ByteSize(click.ParamType):
                    "suffixes K, M, G, T are powers of 1024, e.g. 64M, 2G. A computation whose outputs do not "
                    "fit waits until buffers are freed; one that could never fit fails with ResourceExhausted. "
                    "0: no limit.")
+@click.option("--memory-wait-seconds", type=float, default=300.0, show_default=True,
+              help="How long a computation may wait for memory under --memory-limit: then it fails with "
+                   "ResourceExhausted saying what holds the memory (a full executor never blocks silently).")
 @click.option("--watchdog-seconds", type=float, default=10.0, show_default=True,
               help="Log gang computations that wait in their collectives for longer than this.")
 @click.option("--sandbox-functions/--no-sandbox-functions", default=None,
@@ -220,7 +223,8 @@ def executor_main(island: int, rm: str, devices: int, listen: str, data_listen: 
                   data_plane_plaintext: bool, shared_memory: bool, platform: str | None, test_enqueue_jitter_seconds: float,
                   test_order_by_arrival: bool,
                   test_seed: int,
-                  memory_limit_bytes: int, heartbeat_interval_seconds: float, keys: str, insecure: bool,
+                  memory_limit_bytes: int, memory_wait_seconds: float, heartbeat_interval_seconds: float, keys: str,
+                  insecure: bool,
                   metrics_port: int | None,
                   log_level: str, log_format: str) -> None:
     """Run a host executor on island ISLAND."""
@@ -235,7 +239,8 @@ def executor_main(island: int, rm: str, devices: int, listen: str, data_listen: 
 
     config = ExecutorConfig(island=island, rm=rm, devices=devices, listen=listen, data_listen=data_listen,
                             name=name, host=host, heartbeat_interval_seconds=heartbeat_interval_seconds,
-                            memory_limit_bytes=memory_limit_bytes, watchdog_seconds=watchdog_seconds,
+                            memory_limit_bytes=memory_limit_bytes, memory_wait_seconds=memory_wait_seconds,
+                            watchdog_seconds=watchdog_seconds,
                             reclaim_after_seconds=reclaim_after_seconds, sandbox_functions=sandbox_functions,
                             collectives=collectives,
                             group=GroupConfig(jax_coordinator, jax_processes, jax_process_id)

@@ -132,6 +132,7 @@ class ExecutorConfig:
     rm_timeout_seconds: float = 30.0
     heartbeat_interval_seconds: float = 2.0
     memory_limit_bytes: int = 0  # all this executor's devices together; 0: no limit
+    memory_wait_seconds: float = 300.0  # a computation waiting this long for memory fails (ResourceExhausted)
     watchdog_seconds: float = 10.0  # report gang computations in their collectives for longer than this
     # Join the island's JAX group, which its scheduler forms and re-forms, so SPMD computations span executors.
     collectives: bool = False
@@ -205,7 +206,8 @@ class Executor(Service):
         self.part_templates = PartTemplates()  # cached lowerings' parts, unpacked once each
         self.runner = Runner(self.devices, self.store, self.functions, emit=self._emit, done=self._node_done,
                              part_done=self._part_done,
-                             memory_limit_bytes=self.config.memory_limit_bytes, host=self.host)
+                             memory_limit_bytes=self.config.memory_limit_bytes,
+                             memory_wait_seconds=self.config.memory_wait_seconds, host=self.host)
         self._expected_seq: dict[str, int] = {}  # per scheduler: the next Enqueue to admit
         self._held: dict[str, dict[int, Enqueue]] = {}  # per scheduler: arrived early, by executor_seq
         self._jitter = random.Random(f"{self.config.test_seed}-{self.name}")  # each host its own delays

@@ -52,7 +52,7 @@ from typing import Any
 
 import jax
 
-from pwmesh.errors import DeviceLost, PwmeshError, RemoteError
+from pwmesh.errors import DeviceLost, PwmeshError, RemoteError, ResourceExhausted
 from pwmesh.executor.calls import (
     call_ragged,
     call_single,
@@ -65,7 +65,7 @@ from pwmesh.executor.calls import (
 from pwmesh.executor.functions import CompiledFunction, FunctionCache
 from pwmesh.executor.group import peer_gone
 from pwmesh.executor.queues import DeviceQueues, PartDone, Start
-from pwmesh.executor.store import ObjectStore
+from pwmesh.executor.store import ObjectStore, format_bytes
 from pwmesh.executor.stream import Landed, Landings, Streamed
 from pwmesh.executor.work import Span, Work
 from pwmesh.wire.messages import Computation, Emit
@@ -112,6 +112,7 @@ class Runner:
         done: Callable[[Work], None],
         part_done: Callable[[str, str, float], None] = lambda run_id, scheduler, seconds: None,
         memory_limit_bytes: int = 0,
+        memory_wait_seconds: float = 300.0,
         host: str = "",
         trace_spans: int = 100_000,
     ) -> None:
@@ -121,6 +122,7 @@ class Runner:
         self.host = host
         self.memory = store.memory  # stored bytes are counted by the store, reservations here
         self.memory.limit_bytes = memory_limit_bytes
+        self.memory_wait_seconds = memory_wait_seconds
         self._emit = emit
         self._done = done
         self._part_done = part_done
@@ -309,7 +311,16 @@ class Runner:
         """Wait until ``nbytes`` fit, then hold them for ``work``'s outputs; returns what it holds."""
         if work.cancelled is not None and not self.memory.fits(nbytes):
             raise work.cancelled
-        await self.memory.reserve(nbytes, owner=work)
+        try:
+            await asyncio.wait_for(self.memory.reserve(nbytes, owner=work), self.memory_wait_seconds)
+        except TimeoutError:
+            memory = self.memory
+            raise ResourceExhausted(
+                f"computation {work.comp.node} ({work.comp.fn_id[:12]}) on host {self.host} waited "
+                f"{self.memory_wait_seconds:g} s for {format_bytes(nbytes)} of memory for its outputs: "
+                f"{format_bytes(memory.in_use)} of the executor's {format_bytes(memory.limit_bytes)} limit stay held "
+                f"({len(self.store)} objects; the sessions holding them must free some, or the executor needs "
+                "more memory; --memory-wait-seconds)") from None
         return nbytes
 
     async def _run(self, work: Work) -> None:
