@@ -136,6 +136,7 @@ class ClientConnection:
         self._resume_id: int | None = None  # the ResumeSession in flight
         self._resume_deadline = 0.0
         self._stale: set[int] = set()  # requests sent before it: the proxy before may never answer them
+        self._waiting_since = 0.0  # when a request was sent with none pending (silence before it is no failure)
         self._moved = False  # moved to another address: the requests sent before wait for the session there
         # With several addresses: move on once a heartbeat went unanswered this long (at least two beats; a
         # standby takes over only once the resource manager declares the active proxy lost: moving back and
@@ -227,6 +228,8 @@ class ClientConnection:
                 raise ConnectionFailed(f"the connection to {self.address} is closed")
             if expect_reply:
                 fut = concurrent.futures.Future()
+                if not self._pending:
+                    self._waiting_since = time.monotonic()
                 self._pending[msg_id] = fut
                 self._requests[msg_id] = message
             if self._in_socket or self._backlog:  # re-entered mid-call, or behind earlier messages
@@ -326,7 +329,9 @@ class ClientConnection:
                         self._fail_stale(ConnectionFailed(
                             f"the proxy at {self.address} restarted and did not answer the resume of session "
                             f"{self.session_id} within {self.liveness_timeout_seconds:g} seconds"))
-                    if waiting and now - last_reply > self.liveness_timeout_seconds:
+                    # Silent for the timeout while a call waited: a proxy back from a long outage is not failed
+                    # for the silence before the call (it answers the call's heartbeat, or resumes the session).
+                    if waiting and now - max(last_reply, self._waiting_since) > self.liveness_timeout_seconds:
                         self._fail_all(ConnectionFailed(
                             f"the proxy at {self.address} stopped answering "
                             f"(nothing for {self.liveness_timeout_seconds} seconds)"))

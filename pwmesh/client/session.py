@@ -40,7 +40,6 @@ from pwmesh.wire.messages import (
     SliceCreated,
     SliceInfo,
     StatusReply,
-    ValueSpec,
 )
 
 # Values and nodes a program's registration carries per message (``register_program``): ~0.8 MB, decoded
@@ -58,7 +57,8 @@ class Session:
         self.conn = ClientConnection(address, name=name or f"pid{os.getpid()}", weight=weight, priority=priority,
                                      connect_timeout_seconds=connect_timeout_seconds, keys=keys)
         self._ids = itertools.count(1)
-        self._lock = threading.Lock()
+        # Re-entrant: ``gone`` runs from ``pw.Array.__del__``, which the collector may call inside ``_declare``.
+        self._lock = threading.RLock()
         self._functions: set[str] = set()
         self._programs: set[str] = set()
         # The registrations sent, as sent (references: their bytes are the caches' own), for a resume.
@@ -68,7 +68,7 @@ class Session:
         self._arrays: weakref.WeakValueDictionary[int, Any] = weakref.WeakValueDictionary()
         self._slices: list[int] = []
         # Arrays dropped or donated lately (the last ``MAX_GONE``): what was sent before a resume may name them.
-        self._gone: collections.OrderedDict[int, ValueSpec] = collections.OrderedDict()
+        self._gone: collections.OrderedDict[int, Any] = collections.OrderedDict()  # id -> the array's ``spec``
         self.conn.declare = self._declare
         self.conn.on_resumed = self._resumed
 
@@ -85,20 +85,21 @@ class Session:
 
     def track(self, array: Any) -> None:
         """``array`` (a ``pw.Array`` of this session) is alive: declared if the session is resumed."""
-        self._arrays[array.buffer_id] = array
+        with self._lock:  # not while ``_declare`` (the I/O thread) walks them
+            self._arrays[array.buffer_id] = array
 
     def gone(self, array: Any) -> None:
         """``array`` was dropped or donated: declared as such (``ResumeSession.released``) for a while."""
-        with self._lock:
-            self._gone[array.buffer_id] = array.spec()
-            while len(self._gone) > MAX_GONE:
+        with self._lock:  # its spec is made only for a resume: this runs for every array dropped
+            self._gone[array.buffer_id] = array.spec
+            if len(self._gone) > MAX_GONE:
                 self._gone.popitem(last=False)
 
     def _declare(self) -> Declared:
-        arrays = [a for a in list(self._arrays.values()) if not a.is_deleted()]
         with self._lock:
+            arrays = [a for a in list(self._arrays.values()) if not a.is_deleted()]
             registrations = [m for sent in self._registrations.values() for m in sent]
-            gone = [ResumedBuffer(buffer=b, spec=spec) for b, spec in self._gone.items()]
+            gone = [ResumedBuffer(buffer=b, spec=spec()) for b, spec in self._gone.items()]
         return Declared(buffers=[ResumedBuffer(buffer=a.buffer_id, spec=a.spec()) for a in arrays],
                         slices=list(self._slices), released=gone,
                         functions=[m for m in registrations if isinstance(m, RegisterProgramFunction)],

@@ -86,8 +86,10 @@ def jax_trainer(config: lm.Config, optimizer: Any) -> Trainer:
 
 
 def train(config: lm.Config, steps: int, trainer: Trainer, optimizer: Any, *, checkpoint: str | None = None,
-          checkpoint_every: int = 0, progress: bool = True, log_every: int = 10) -> Result:
-    """Train up to step ``steps`` (from the newest checkpoint in ``checkpoint``, if any)."""
+          checkpoint_every: int = 0, progress: bool = True, log_every: int = 10,
+          stop_requested: Callable[[], str] = lambda: "") -> Result:
+    """Train up to step ``steps`` (from the newest checkpoint in ``checkpoint``, if any). ``stop_requested``:
+    why to stop after the step under way ("": go on), as a ``KeyboardInterrupt`` would, with a checkpoint."""
     params, opt_state, start = _initial_state(config, optimizer, checkpoint)
     params = trainer.place(params, lm.param_specs(config))
     opt_state = trainer.place(opt_state, lm.opt_state_specs(config, optimizer))
@@ -105,6 +107,8 @@ def train(config: lm.Config, steps: int, trainer: Trainer, optimizer: Any, *, ch
                 params, opt_state, loss = trainer.step(params, opt_state, next(data))
                 done = step + 1
                 losses.append(loss)
+                if stop_requested():  # between steps: no state is half donated
+                    raise KeyboardInterrupt(stop_requested())
                 timed_from, reported, shown = _report(trainer, config, step, start, steps, losses, reported, shown,
                                                       timed_from, bar, log_every)
                 if checkpoint and checkpoint_every and done % checkpoint_every == 0 and done < steps:
@@ -202,13 +206,21 @@ def main(argv: list[str] | None = None) -> Result:
     optimizer = lm.make_optimizer(config)
     trainer = jax_trainer(config, optimizer) if args.reference else pwmesh_trainer(config, optimizer)
 
-    def stop(signum: int, frame: Any) -> None:  # SIGTERM stops it as Ctrl-C does: with a checkpoint
-        raise KeyboardInterrupt(signal.Signals(signum).name)
+    # Ctrl-C and SIGTERM stop it after the step under way, with a checkpoint: an interrupt in the middle of a
+    # step could leave the state donated to it and not yet replaced, nothing to save. A second one stops now.
+    requested: list[str] = []
+
+    def stop(signum: int, frame: Any) -> None:
+        if requested:
+            raise KeyboardInterrupt(signal.Signals(signum).name)
+        requested.append(signal.Signals(signum).name)
 
     signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
     try:
         result = train(config, args.steps, trainer, optimizer, checkpoint=args.checkpoint,
-                       checkpoint_every=args.checkpoint_every, progress=not args.no_progress)
+                       checkpoint_every=args.checkpoint_every, progress=not args.no_progress,
+                       stop_requested=lambda: requested[0] if requested else "")
     except KeyboardInterrupt as stopped:
         sys.exit(128 + (signal.SIGTERM if stopped.args and stopped.args[0] == "SIGTERM" else signal.SIGINT))
     where = "plain JAX (one process)" if args.reference else "pwmesh"
