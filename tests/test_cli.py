@@ -151,6 +151,39 @@ def test_ctrl_c_in_a_terminal_stops_up_cleanly_and_removes_its_logs() -> None:
             up.stdout.close()
 
 
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_ctrl_c_in_a_terminal_stops_an_embedded_cluster_cleanly_and_removes_its_logs() -> None:
+    """Issue #28 item 6, the embedded cluster's part: a script on ``pw.connect()`` interrupted by Ctrl-C."""
+    script = textwrap.dedent("""
+        import threading, numpy as np, pwmesh as pw
+        client = pw.connect(cluster=pw.LocalClusterSpec(islands=1, hosts_per_island=2, devices_per_host=1))
+        sl = client.make_virtual_device_set().add_slice(devices=2)
+        print(np.asarray(pw.pmap(lambda v: v + 1, devices=sl)(np.zeros((2, 1), np.float32))).sum(), flush=True)
+        print(client.cluster.log_dir, flush=True)
+        threading.Event().wait()
+    """)
+    run = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                           env=_env(), start_new_session=True)
+    try:
+        assert run.stdout is not None and run.stderr is not None
+        assert run.stdout.readline().strip() == "2.0"
+        logs = Path(run.stdout.readline().strip())
+        assert logs.is_dir()
+        os.killpg(run.pid, signal.SIGINT)
+        run.wait(timeout=60)
+        said = run.stderr.read()
+        assert "KeyboardInterrupt" in said and "failed or was killed" not in said, said[-2000:]
+        assert not logs.exists(), "a clean stop removes its logs"
+        assert _children_of(run.pid) == []
+    finally:
+        if run.poll() is None:
+            run.kill()
+            run.wait()
+        for stream in (run.stdout, run.stderr):
+            if stream is not None:
+                stream.close()
+
+
 # ------------------------------------------------------------------ behaving as people expect
 
 
