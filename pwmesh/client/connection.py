@@ -143,6 +143,7 @@ class ClientConnection:
         # forth finds it then).
         self.failover_seconds = 4.0
         self._beat_sent = 0.0  # when the oldest heartbeat not answered yet went out (0: none)
+        self._silent: set[str] = set()  # addresses that stopped answering (not gone back to from a standby)
         # Guards the socket, the backlog and the pending table. Re-entrant: ``post`` runs from
         # ``__del__``, which may fire inside ``submit`` or the I/O thread's socket calls.
         self._lock = threading.RLock()
@@ -198,21 +199,29 @@ class ClientConnection:
                 self._switch()
         raise AssertionError("unreachable")
 
-    def _switch(self) -> None:
-        """Move to the next address; what waits for an answer from the one before waits for the session at the
-        next (sent again or failed once it is known there: ``_fail_stale``)."""
+    def _switch(self, *, past_silent: bool = False) -> bool:
+        """Move to the next address (``past_silent``: the next not found silent; none: stay); what waits for an
+        answer from the one before waits for the session at the next (sent again or failed once it is known
+        there: ``_fail_stale``). Whether it moved."""
         with self._lock:
+            here = self.addresses.index(self.address)
+            following = [self.addresses[(here + k) % len(self.addresses)] for k in range(1, len(self.addresses))]
+            if past_silent:
+                following = [a for a in following if a not in self._silent]
+            if not following:
+                return False
             plain, _ = unkeyed(self.address)
             try:
                 self._sock.disconnect(plain)
             except zmq.ZMQError:
                 pass
-            self.address = self.addresses[(self.addresses.index(self.address) + 1) % len(self.addresses)]
+            self.address = following[0]
             self._connect(self.address)
             self._stale |= set(self._pending)
             self._moved = True
             self._beats.clear()
             self._beat_sent = 0.0
+        return True
 
     def submit(self, message: Message, *, expect_reply: bool = True) -> concurrent.futures.Future[Message] | None:
         """Send ``message`` (from this thread, now); the reply's future if one is expected."""
@@ -299,7 +308,9 @@ class ClientConnection:
                 now = time.monotonic()
                 beat = now >= next_beat
                 if beat:
-                    next_beat = now + self.heartbeat_interval_seconds
+                    # Quickly while looking for the active proxy (a standby answers "standby" until it takes over).
+                    next_beat = now + (min(0.5, self.heartbeat_interval_seconds) if self._moved else
+                                       self.heartbeat_interval_seconds)
                     # A session beats (and stays alive); a sessionless connection (CLI) pings.
                     # Either way the reply proves the proxy still answers.
                     probe = Heartbeat(role="client", name=self.session_id) if self.session_id else Ping()
@@ -317,6 +328,7 @@ class ClientConnection:
                                                                     2 * self.heartbeat_interval_seconds)):
                     log.warning("the proxy at %s does not answer: trying %s", self.address,
                                 self.addresses[(self.addresses.index(self.address) + 1) % len(self.addresses)])
+                    self._silent.add(self.address)
                     self._switch()
                     last_reply = time.monotonic()
                     next_beat = last_reply  # ask the next one at once
@@ -411,21 +423,23 @@ class ClientConnection:
         no_session = isinstance(env.message, Error) and env.message.code == NoSession.code and bool(self.session_id)
         standby = (isinstance(env.message, Error) and env.message.code == Unavailable.code
                    and env.message.message.startswith(STANDBY) and len(self.addresses) > 1)
+        if not standby:
+            self._silent.discard(self.address)
         if env.reply_to in self._beats:
             self._beats.discard(env.reply_to)
             self._beat_sent = 0.0
             if no_session:
                 self._session_gone()
-            elif standby:
-                self._switch()
+            elif standby:  # to another that may be active; not back to one that stopped answering
+                self._switch(past_silent=True)
             elif self._moved and not isinstance(env.message, Error):  # back where the session is
                 self._moved = False
                 self._fail_stale(Unavailable, replay=True)
             return
         if env.reply_to == self._resume_id:
-            if standby:  # not the active proxy (yet): try the next
+            if standby:  # not the active proxy (yet): try the next (or here again, soon)
                 self._resume_id = None
-                self._switch()
+                self._switch(past_silent=True)
                 return
             self._resumed(env.message)
             return
