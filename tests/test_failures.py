@@ -238,11 +238,13 @@ def test_data_lost_on_the_way_fails_its_run_naming_it_instead_of_hanging(monkeyp
 
 
 @pytest.mark.timeout(120)
-def test_an_executor_back_from_a_stall_it_was_declared_lost_in_drops_what_was_written_off() -> None:
-    """Issue #28 item 2, in part. An executor paused (SIGSTOP) past the heartbeat timeout is declared lost:
-    the proxy writes off what it held. When it resumes, the RM's answer to its heartbeat says so, and it
-    drops all of it and registers as a new executor (its objects once stayed, leaked: 36-40 a stall); then
-    it serves again. (Keeping them, reconciled with the proxy, is not done.)"""
+def test_an_executor_back_from_a_stall_keeps_what_it_held_and_drops_what_nobody_holds() -> None:
+    """Issue #28 item 2. An executor paused (SIGSTOP) past the heartbeat timeout is declared lost: what it
+    held raises ``DeviceLost`` meanwhile. When it resumes, the RM's answer to its heartbeat says so: it
+    cancels what it was doing and registers as a new executor, keeping what is complete; the proxy asks
+    what it holds and takes back the buffers it makes whole again (once, all were written off), while
+    what was released meanwhile, or made by runs aborted meanwhile, is deleted there (once, leaked: 36-40
+    objects a stall)."""
     spec = pw.LocalClusterSpec(islands=1, hosts_per_island=2, devices_per_host=1, heartbeat_timeout_seconds=2.0)
     with pw.LocalCluster(spec) as cluster, pw.Client(cluster.address) as client:
         devs = client.make_virtual_device_set()
@@ -250,23 +252,28 @@ def test_an_executor_back_from_a_stall_it_was_declared_lost_in_drops_what_was_wr
         (host,) = second.executors
         x = client.put(np.ones((1, 4), np.float32), second)
         y = pw.pmap(lambda v: v * 2, devices=second)(x)
-        y.block_until_ready()
+        dropped = pw.pmap(lambda v: v * 3, devices=second)(x)
+        np.asarray(dropped)
 
         def executor(name: str) -> tuple[bool, int]:
             status = fetch_status(cluster.address)
             alive = next(e.alive for e in status.cluster.executors if e.executor_id == name)
             return alive, next((s.objects for s in status.executor_stats if s.executor_id == name), -1)
 
-        assert executor(host) == (True, 2)
+        assert executor(host) == (True, 3)
         paused = cluster.child(host).popen
         paused.send_signal(signal.SIGSTOP)
         try:
             eventually(lambda: not executor(host)[0], 30)
             with pytest.raises(pw.DeviceLost, match=host):
                 np.asarray(pw.pmap(lambda v: v + 1, devices=first)(pw.reshard(y, devices=first)))
+            dropped.delete()  # released while its host is away: deleted there once it is back
         finally:
             paused.send_signal(signal.SIGCONT)
-        eventually(lambda: executor(host) == (True, 0), 30)
+        eventually(lambda: executor(host) == (True, 2), 30)  # x and y kept, the rest gone
+        np.testing.assert_array_equal(np.asarray(y), np.full((1, 4), 2.0))
+        np.testing.assert_array_equal(
+            np.asarray(pw.pmap(lambda v: v + 1, devices=first)(pw.reshard(y, devices=first))), np.full((1, 4), 3.0))
         both = devs.add_slice(devices=2)
         assert host in both.executors
         np.testing.assert_array_equal(np.asarray(pw.pmap(lambda v: v + 1, devices=both)(np.zeros((2, 4), np.float32))),

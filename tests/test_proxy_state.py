@@ -8,6 +8,7 @@ answers an ``Enqueue`` with the ``NodeDone`` an executor would post.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import numpy as np
@@ -21,6 +22,8 @@ from pwmesh.proxy.state import (
     FetchEnded,
     Fetching,
     Inbound,
+    Inventoried,
+    Inventory,
     Lowered,
     LowerOffLoop,
     Notice,
@@ -273,6 +276,41 @@ def test_losing_an_executor_mid_run_fails_the_run_and_what_lived_there(world: Wo
         world.ask(CLIENT, RunProgram(inputs=[ProgramInput(buffer=1)], outputs=[3], program=chain([fn], slice_id)))
     # The slice itself was remapped onto live devices: a new buffer lands on them only.
     assert world.ask(CLIENT, PutBuffer(buffer=4, slice_id=slice_id, array=np.ones((8, 2), np.float32))) == Ok()
+
+
+def test_an_executor_back_from_a_stall_makes_its_buffers_whole_and_has_the_rest_deleted(world: World) -> None:
+    """Issue #28 item 2: a host declared lost while it stalled comes back with what it held."""
+    sid, slice_id = world.open()
+    for cid in (1, 5):
+        assert world.ask(CLIENT, PutBuffer(buffer=cid, slice_id=slice_id, array=np.ones((8, 2), np.float32))) == Ok()
+    session = world.proxy.sessions[CLIENT]
+    kept, released = session.buffers[1], session.buffers[5]
+    victim = kept.locations[0].executor_id
+    world.now = 5.0
+    world.rm.handle(Heartbeat(role="scheduler", name="sched-0"), world.now)
+    for e in world.controls.values():
+        if e != victim:
+            world.rm.handle(Heartbeat(role="executor", name=e), world.now)
+    world.now = 12.0
+    assert world.rm.expire(world.now) == [victim]
+    world.notices()
+    assert isinstance(kept.lost, DeviceLost)
+    world.handle(Inbound(CLIENT, ReleaseBuffers(buffers=[5])))  # while its host is away: deleted on its return
+    # It comes back: the RM says it was declared lost; it registers as a new executor, keeping what it held.
+    info = dataclasses.replace(world.rm.executors[victim], fresh=True, incarnation="after-the-stall")
+    assert world.rm.handle(Heartbeat(role="executor", name=victim), world.now).written_off
+    world.rm.handle(RegisterExecutor(info=info), world.now)
+    (inventory,) = [a for a in world.notices() if isinstance(a, Inventory)]
+    assert world.controls[inventory.control] == victim
+    here = [i for i, loc in enumerate(kept.locations) if loc.executor_id == victim]
+    keys = [f"{sid}/{kept.name}/{i}" for i in here] + [f"{sid}/{released.name}/{i}" for i in here]
+    keys.append(f"{sid}/t99/0")  # made by a run aborted while it was away
+    out = world.handle(Inventoried(inventory.control, victim, keys))
+    assert kept.lost is None, "whole again: every shard it had there is there"
+    (delete,) = sent(out, DeleteShards)
+    assert delete.to == inventory.control and delete.message.buffers == sorted([f"{sid}/{released.name}",
+                                                                                 f"{sid}/t99"])
+    assert world.ask(CLIENT, QueryBuffers(buffers=[1])) == BuffersState(ready=[True])
 
 
 def test_a_vanished_client_is_ended_and_its_runs_cancelled(world: World) -> None:

@@ -65,6 +65,7 @@ from pwmesh.wire.messages import (
     Heartbeat,
     JoinGroup,
     LeavingForGroup,
+    ListHeld,
     NodeDone,
     Ok,
     OwnedShards,
@@ -240,6 +241,7 @@ class Executor(Service):
             CancelRun: self._cancel_run,
             ForgetOwner: self._forget_owner,
             ReclaimOwner: self._reclaim_owner,
+            ListHeld: self._list_held,
             AwaitIdle: self._await_idle,
             JoinGroup: self._join_group,
             Fence: self._fence,
@@ -303,23 +305,25 @@ class Executor(Service):
 
     def _start_over(self, why: str) -> None:
         """Back from a stall (SIGSTOP, a host frozen) after the resource manager declared this executor lost:
-        every proxy wrote off what it held and aborted the runs it took part in (the cancels sent here were
-        dropped as to a lost host). Drop all of it (what it held was leaked before, 36-40 objects a stall),
-        cancel what it was doing so nothing waits for inputs that never come, and register as a new
-        executor, with which every peer starts over."""
-        err = DeviceLost(f"executor {self.name} was declared lost ({why}): what it held and did is written off")
+        every proxy aborted the runs it took part in (the cancels sent here were dropped as to a lost host)
+        and took what it held for lost. Cancel what it was doing so nothing waits for inputs that never come,
+        drop what those runs were still waiting for, and register as a new executor, with which every peer
+        starts over. What is complete here stays: the proxy asks for it (``ListHeld``) as it hears of our
+        return, and keeps the buffers that are whole again or deletes the rest."""
+        err = DeviceLost(f"executor {self.name} was declared lost ({why}): what it was doing is cancelled")
         runs = list(dict.fromkeys(w.run_id for w in self.runner.core.incomplete()))
         for run_id in runs:
             self._cancelled[run_id] = err
             self.runner.cancel_run(run_id, err)
-        shards = self.store.write_off()
+        shards = self.store.drop_pending()
         self.progress = Progress()
         self._expected_seq.clear()
         self._held.clear()
         self._quiet.clear()
         self._fresh, self._incarnation = True, os.urandom(8).hex()
-        log.warning("declared lost while away (%s): wrote off %d shards and cancelled %d runs; registering as a "
-                    "new executor", why, shards, len(runs))
+        log.warning("declared lost while away (%s): cancelled %d runs and dropped %d buffers they were making; "
+                    "keeping %d objects for the proxies to reconcile; registering as a new executor", why, len(runs),
+                    shards, len(self.store.held()))
 
     async def _heartbeat(self) -> None:
         await self.rm_beats.beat(Heartbeat(role=self.role, name=self.name))
@@ -617,6 +621,12 @@ class Executor(Service):
         assert isinstance(msg, ForgetOwner)
         self.store.forget_owner(msg.prefix)
         self._reclaimed.pop(msg.prefix.rstrip("/"), None)
+
+    def _list_held(self, peer: bytes, env: Envelope) -> OwnedShards:
+        index = {d: i for i, d in enumerate(self.devices)}
+        held = self.store.held()
+        return OwnedShards(keys=[k for k, _, _ in held], devices=[
+            -1 if isinstance(v, Ragged) else index.get(next(iter(v.devices())), -1) for _, v, _ in held])
 
     def _old_run(self, run_id: str) -> PwmeshError | None:
         """What a run of a session a restarted proxy took back fails with, if the proxy before sent it."""

@@ -315,6 +315,13 @@ class ObjectStore:
             self.memory.freed(freed)  # wakes computations waiting for room
         return removed
 
+    def drop_pending(self) -> int:
+        """Delete the buffers some shard of which was still awaited (their runs were cancelled): what arrives
+        for them later is dropped. What is complete stays. Returns how many buffers went."""
+        waiting = sorted({buffer_of(k) for k, fut in self._futures.items() if not fut.done()})
+        self.delete(waiting)
+        return len(waiting)
+
     def write_off(self) -> int:
         """Delete everything here (everyone wrote it off: this executor was declared lost); returns how many
         shards went. Their tombstones stay: tuples for them still on their way are dropped."""

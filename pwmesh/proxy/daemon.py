@@ -45,6 +45,8 @@ from pwmesh.proxy.state import (
     FunctionChecked,
     Inbound,
     Inherited,
+    Inventoried,
+    Inventory,
     Lowered,
     LowerOffLoop,
     Notice,
@@ -90,6 +92,7 @@ from pwmesh.wire.messages import (
     GetTrace,
     Heartbeat,
     HostDrained,
+    ListHeld,
     NodeDone,
     Ok,
     OpenSession,
@@ -417,6 +420,19 @@ class Proxy(Service):
             self._take_turns(peer)
         return await answer if inspect.isawaitable(answer) else answer
 
+    async def _inventory(self, inventory: Inventory) -> None:
+        """What an executor back from a stall holds, for the core to reconcile."""
+        try:
+            got = await self.peers.request(inventory.control, ListHeld(),
+                                           timeout_seconds=self.config.reclaim_timeout_seconds)
+        except PwmeshError as exc:
+            log.warning("executor %s, back, did not say what it holds (%s): its objects stay until its next return",
+                        inventory.executor_id, exc)
+            return
+        if isinstance(got, OwnedShards):
+            self._perform(self.state.handle(Inventoried(inventory.control, inventory.executor_id, got.keys),
+                                            time.monotonic()))
+
     @staticmethod
     def _resuming_env(reclaim: Reclaim) -> Envelope:
         """The envelope a resumed session's registrations are handled in, as if its client sent them again."""
@@ -535,6 +551,8 @@ class Proxy(Service):
                 self.peers.mark_alive(action.control)
             elif isinstance(action, FencePeer):
                 self.peers.fence(action.control, action.fence)
+            elif isinstance(action, Inventory):
+                self.tasks.spawn(self._inventory(action), name="inventory")
             elif isinstance(action, Reclaim):
                 if action.resume is None:
                     self.tasks.spawn(self._reclaim(action), name="reclaim")

@@ -17,6 +17,7 @@ Events:
     ``Inherited(slices)``        at start: the slices the resource manager holds, of the proxy before
                                  this one (their sessions may be resumed: ``proxy/resume.py``).
     ``Reclaimed(...)``           the executors' answers to a resume's ``Reclaim``.
+    ``Inventoried(...)``         what an executor back from a stall holds (``Inventory``).
 
 Actions:
     ``Send(to, message, dispatch)`` post ``message`` to the daemon at address ``to`` (the RM,
@@ -34,6 +35,8 @@ Actions:
     ``FencePeer(control, fence)`` it restarts: post ``fence`` and hold later posts until ``PeerBack``.
     ``Reclaim(controls, message)`` request ``message`` (``ReclaimOwner``) of each executor; for a resume,
                                  hand the core ``Reclaimed`` and answer the request with what it says.
+    ``Inventory(control, executor_id)`` ask an executor back from a stall what it holds (``ListHeld``);
+                                 then ``Inventoried``.
 """
 
 from __future__ import annotations
@@ -62,7 +65,7 @@ from pwmesh.errors import (
 )
 from pwmesh.ir.cache import MAX_PROGRAM_ID_CHARS, LoweringJob
 from pwmesh.ir.keys import function_id
-from pwmesh.ir.lower import location, move_shard, nbytes, slice_locations, value_layout
+from pwmesh.ir.lower import location, move_shard, nbytes, shard_key, slice_locations, value_layout
 from pwmesh.proxy.intake import bind, host_puts, record_run
 from pwmesh.proxy.resume import Orphan, adopt, resume_token, slice_controls, token_matches
 from pwmesh.proxy.session import Buffer, Run, Session
@@ -220,8 +223,17 @@ class Reclaimed:
     named: frozenset[int] = frozenset()  # buffers they read or release
 
 
+@dataclasses.dataclass(frozen=True)
+class Inventoried:
+    """What an executor back from a stall holds (``Inventory``): its keys."""
+
+    control: str
+    executor_id: str
+    keys: list[str]
+
+
 Event = (Inbound | Notice | SliceGranted | FetchEnded | Delivered | FunctionChecked | Lowered | Tick | Inherited
-         | Reclaimed)
+         | Reclaimed | Inventoried)
 
 # ------------------------------------------------------------------ actions
 
@@ -341,7 +353,17 @@ class Reclaim:
     user: str = ""
 
 
-Action = Send | Reply | Ask | Wait | Fetching | Resolve | PeerLost | PeerBack | FencePeer | LowerOffLoop | Reclaim
+@dataclasses.dataclass(frozen=True)
+class Inventory:
+    """Ask the executor at ``control``, back from a stall it was declared lost in, what it holds (``ListHeld``);
+    then ``Inventoried``."""
+
+    control: str
+    executor_id: str
+
+
+Action = (Send | Reply | Ask | Wait | Fetching | Resolve | PeerLost | PeerBack | FencePeer | LowerOffLoop | Reclaim
+          | Inventory)
 
 
 def settled(buffers: list[Buffer]) -> PwmeshError | None:
@@ -479,6 +501,8 @@ class ProxyState:
                 self._inherit(event.slices, now)
             elif isinstance(event, Reclaimed):
                 out.append(self._reclaimed(event, now))
+            elif isinstance(event, Inventoried):
+                self._reconcile(event)
             else:
                 raise TypeError(f"not a proxy event: {event!r}")
         except PwmeshError as exc:
@@ -1007,8 +1031,10 @@ class ProxyState:
         elif isinstance(msg, SchedulerJoined):
             self.lost_schedulers.pop(msg.address, None)
         elif isinstance(msg, ExecutorJoined):
-            self.lost.pop(msg.executor_id, None)  # what it held stays lost: it was declared gone
+            was_lost = self.lost.pop(msg.executor_id, None) is not None
             self.lost_controls.discard(msg.control)
+            if was_lost:  # back (from a stall, say): what it still holds may make lost buffers whole again
+                self._out.append(Inventory(msg.control, msg.executor_id))
             if msg.fresh:  # a new process: it has none of the functions sent to the old one
                 self.registered = {r for r in self.registered if r[1] != msg.control}
                 self.sites_registered = weakref.WeakSet()
@@ -1070,6 +1096,38 @@ class ProxyState:
         # of them finds its slices already on live hosts.
         for remap in lost.remapped:
             self._slice_remapped(remap)
+
+    def _reconcile(self, got: Inventoried) -> None:
+        """An executor back from a stall holds ``got.keys``: buffers taken for lost with it whose shards it
+        still holds (every other host of theirs up) are whole again; whatever it holds that no session's
+        buffer or run names any more (released, or made by runs aborted meanwhile) is deleted."""
+        held = set(got.keys)
+        live: dict[str, set[str]] = {}
+        for session in self.sessions.values():
+            live.setdefault(session.session_id, set()).update(b.name for b in session.buffers.values())
+        for session, run in self.runs.values():
+            live.setdefault(session.session_id, set()).update(
+                b.name for b in [*run.temporaries, *run.outputs, *run.pinned])
+        whole = 0
+        for session in self.sessions.values():
+            for buf in session.buffers.values():
+                if buf.lost is None or buf.error is not None:
+                    continue
+                here = [i for i, loc in enumerate(buf.locations) if loc.executor_id == got.executor_id]
+                if (here and all(loc.executor_id not in self.lost for loc in buf.locations)
+                        and all(shard_key(session.session_id, buf.name, i) in held for i in here)):
+                    buf.lost = None
+                    whole += 1
+        doomed = set()
+        for key in held:
+            owner, _, rest = key.partition("/")
+            name = rest.rpartition("/")[0]
+            if name not in live.get(owner, ()):
+                doomed.add(f"{owner}/{name}")
+        if doomed:
+            self._send(got.control, DeleteShards(buffers=sorted(doomed)))
+        log.info("executor %s is back holding %d objects: %d buffers taken for lost are whole again, %d buffers "
+                 "nobody holds any more deleted", got.executor_id, len(held), whole, len(doomed))
 
     @staticmethod
     def _needs(run: Run, lost: ExecutorLost) -> bool:

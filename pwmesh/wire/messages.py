@@ -440,6 +440,12 @@ class GetExecutorStats(Message, op="exec.get_stats"):
 
 
 @record
+class ListHeld(Message, op="exec.list_held"):
+    """Every value this executor holds (``OwnedShards``): what a proxy reconciles with its buffers when the
+    executor comes back from a stall it was declared lost in."""
+
+
+@record
 class ExecutorStats(Message, op="exec.stats"):
     executor_id: str
     objects: int
