@@ -68,6 +68,7 @@ class NetnsCluster:
     # Separate hosts share no memory: without this, executors on one kernel would pass big frames
     # through /dev/shm and never over the links.
     executor_args: tuple[str, ...] = ("--no-shared-memory",)
+    heartbeat_timeout_seconds: float = 10.0  # the resource manager's; every daemon beats four times as often
 
     def __post_init__(self) -> None:
         self.log_dir = Path(self.log_dir or tempfile.mkdtemp(prefix="pwmesh-netns-"))
@@ -134,17 +135,19 @@ class NetnsCluster:
         try:
             self._network()
             rm = f"tcp://{self.ip('rm')}:{RM_PORT}"
-            self._start("rm", "rm", "rm", "--listen", rm)
+            beat = ["--heartbeat-interval-seconds", str(self.heartbeat_timeout_seconds / 4)]
+            self._start("rm", "rm", "rm", "--listen", rm, "--heartbeat-timeout-seconds",
+                        str(self.heartbeat_timeout_seconds))
             for island in range(ISLANDS):
                 self._start("rm", f"scheduler-{island}", "scheduler", "--island", str(island), "--rm", rm,
-                            "--listen", f"tcp://{self.ip('rm')}:{SCHEDULER_PORT + island}")
-            self._start("proxy", "proxy", "proxy", "--rm", rm, "--listen", self.address)
+                            "--listen", f"tcp://{self.ip('rm')}:{SCHEDULER_PORT + island}", *beat)
+            self._start("proxy", "proxy", "proxy", "--rm", rm, "--listen", self.address, *beat)
             for island in range(ISLANDS):
                 host = f"island{island}"
                 self._start(host, f"{host}-host0", "executor", "--island", str(island), "--rm", rm,
                             "--devices", str(self.devices_per_host), "--name", f"{host}-host0", "--host", host,
                             "--listen", f"tcp://{self.ip(host)}:{EXECUTOR_PORT}",
-                            "--data-listen", f"tcp://{self.ip(host)}:{DATA_PORT}", *self.executor_args)
+                            "--data-listen", f"tcp://{self.ip(host)}:{DATA_PORT}", *beat, *self.executor_args)
         except BaseException:
             self.down()
             raise
@@ -180,6 +183,10 @@ class NetnsCluster:
                 proc.wait()
             if proc.stdout is not None:
                 proc.stdout.close()
+
+    def link(self, host: str, up: bool) -> None:
+        """Bring ``host``'s link to the others down (a partition) or up again."""
+        self._ip("link", "set", host, "up" if up else "down", ns=self.ns("hub"))
 
     def down(self) -> None:
         """Stop every daemon (SIGTERM, then SIGKILL), then remove the namespaces (and with them the links)."""
