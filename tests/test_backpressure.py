@@ -109,6 +109,27 @@ def test_a_computation_that_waits_too_long_for_memory_fails_saying_what_holds_it
                                       [2.0])
 
 
+def test_data_arriving_from_another_executor_that_does_not_fit_is_refused_naming_why() -> None:
+    """Issue #28, item 4: transfers count against the limit as puts do. A value made on one executor and
+    moved to another that is full fails there with ``ResourceExhausted`` (it once landed, over the limit)."""
+    spec = pw.LocalClusterSpec(islands=1, hosts_per_island=2, devices_per_host=1, memory_limit_bytes=LIMIT)
+    with pw.LocalCluster(spec) as cluster, pw.Client(cluster.address) as client:
+        devs = client.make_virtual_device_set()
+        here, there = devs.add_slice(devices=1), devs.add_slice(devices=1)
+        assert here.executors != there.executors
+        (full,) = there.executors
+        held = client.put(np.zeros((1, HELD // 4), np.float32), there)
+        np.asarray(held)
+        made = pw.pmap(filled(OUT), devices=here)(np.ones(1, np.float32))
+        moved = pw.reshard(made, devices=there)
+        with pytest.raises(pw.ResourceExhausted, match=f"does not fit on executor {full}"):
+            np.asarray(moved)
+        stats = {s.executor_id: s for s in fetch_status(cluster.address).executor_stats}
+        assert stats[full].bytes <= LIMIT
+        held.delete()  # room again: the same move succeeds
+        np.testing.assert_array_equal(np.asarray(pw.reshard(made, devices=there)), np.full((1, OUT // 4), 2.0))
+
+
 def test_memory_limit_option_takes_suffixes() -> None:
     size = _ByteSize()
     assert [size.convert(v, None, None) for v in ("0", "1024", "64M", "64MiB", "2g", "1.5K")] == [

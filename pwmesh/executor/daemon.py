@@ -798,6 +798,14 @@ class Executor(Service):
                 self._store_value(key, t.device, assemble(done.payloads, t))
 
     def _store_value(self, key: str, device: int, value: np.ndarray | Ragged) -> None:
+        memory = self.store.memory
+        if memory.limit_bytes and not memory.fits(value.nbytes) and not self.store.deleted(key):
+            # As a put that does not fit: refused, with the cause for whatever reads it (it once counted only).
+            self.store.fail(key, ResourceExhausted(
+                f"data arriving for {key.rpartition('/')[0]} ({format_bytes(value.nbytes)}) does not fit on "
+                f"executor {self.name}: {format_bytes(memory.in_use)} of its {format_bytes(memory.limit_bytes)} "
+                "memory limit are held; free arrays there, or give it more memory"))
+            return
         if isinstance(value, Ragged):  # routed rows stay on the host until their expert pads them
             self.store.put(key, value, value.nbytes)
         elif value.nbytes >= HOST_COPY_INLINE_BYTES:
