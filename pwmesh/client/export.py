@@ -65,7 +65,16 @@ def export_jit(flat_fn: Callable[..., Any], sl: Slice, avals: Sequence[jax.Shape
     """``flat_fn(*leaves)`` as one SPMD program over ``sl``'s mesh (a plain one on a single device).
 
     ``out_specs``: a spec or pytree prefix of specs for the outputs (``None`` leaves: what XLA's
-    propagation chooses, asked by compiling here once)."""
+    propagation chooses, asked by compiling here once). It is traced under the slice's mesh, as ``jax.jit``
+    is under ``jax.set_mesh``: ``with_sharding_constraint(x, P(...))`` and ``shard_map`` over the slice's axis
+    names work inside it."""
+    with jax.sharding.use_abstract_mesh(abstract_mesh(sl)):
+        return _export_jit(flat_fn, sl, avals, in_specs, out_specs, donate, name)
+
+
+def _export_jit(flat_fn: Callable[..., Any], sl: Slice, avals: Sequence[jax.ShapeDtypeStruct],
+                in_specs: Sequence[PartitionSpec], out_specs: Any, donate: Sequence[int],
+                name: str) -> ExportedFunction:
     n = len(sl.devices)
     out_shape = jax.eval_shape(flat_fn, *avals)
     out_leaves, out_tree = jax.tree_util.tree_flatten(out_shape)
@@ -103,9 +112,10 @@ def _propagated(flat_fn: Callable[..., Any], sl: Slice, avals: Sequence[jax.Shap
                 in_specs: Sequence[PartitionSpec], wanted: list[PartitionSpec | None]) -> list[PartitionSpec]:
     """The outputs' specs with XLA's choice where none was asked for: ``jax.jit``'s outputs, exactly."""
     mesh = propagation_mesh(sl.mesh_shape, sl.axis_names)
-    compiled = jax.jit(flat_fn, in_shardings=tuple(NamedSharding(mesh, s) for s in in_specs),
-                       out_shardings=[None if s is None else NamedSharding(mesh, s) for s in wanted]
-                       ).lower(*avals).compile()
+    with jax.set_mesh(mesh):
+        compiled = jax.jit(flat_fn, in_shardings=tuple(NamedSharding(mesh, s) for s in in_specs),
+                           out_shardings=[None if s is None else NamedSharding(mesh, s) for s in wanted]
+                           ).lower(*avals).compile()
     return [spec if spec is not None else spec_from(chosen, sl.axis_names)
             for spec, chosen in zip(wanted, jax.tree_util.tree_leaves(compiled.output_shardings), strict=True)]
 
