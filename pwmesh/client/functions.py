@@ -105,7 +105,14 @@ class _Compiled:
         full, kw = with_static(args, kwargs, static)
         return self(*full, **kw)
 
+    def _traced(self, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
+        """Called while another function is being traced (``pw.jit``'s, ``jax.jit``'s): what it becomes there."""
+        raise InvalidArgument(f"{self!r} was called while another function is being traced; call it outside, or "
+                              "use jax.vmap inside")
+
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if any(isinstance(leaf, jax.core.Tracer) for leaf in jax.tree_util.tree_leaves((args, kwargs))):
+            return self._traced(args, kwargs)
         builder = current_builder()
         if builder is None:
             return dispatch.call_eagerly(self, args, kwargs)
@@ -129,6 +136,12 @@ class JitFunction(_Compiled):
         clash = set(self.static_argnums) & set(self.donate_argnums)
         if clash:
             raise InvalidArgument(f"{self.__name__}: argument(s) {sorted(clash)} are both static and donated")
+
+    def _traced(self, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
+        """Inlined, as ``jax.jit`` inside a traced function is: part of the one program being traced (its
+        slice and specs are the outer function's business; donation, as in JAX, does not apply)."""
+        return jax.jit(self.fn, static_argnums=self.static_argnums, static_argnames=self.static_argnames)(
+            *args, **kwargs)
 
     def _wanted(self, dyn_args: tuple[Any, ...], dyn_kwargs: dict[str, Any]) -> list[Any]:
         """The spec asked for each leaf (``None``: the default): ``in_specs`` covers the positional
