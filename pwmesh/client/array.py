@@ -104,6 +104,13 @@ class Array:
         """The global value from its distinct blocks as the proxy sends them."""
         return self.sharding.layout(self.shape).assemble(blocks, self.dtype)
 
+    def __jax_array__(self) -> Any:
+        """What JAX meets: an input of the computation while ``pw.jit`` traces a function closing over it
+        (``pwmesh.client.capture``), else its value."""
+        from pwmesh.client import capture  # noqa: PLC0415 - JAX is imported only by what traces
+
+        return capture.as_jax(self)
+
     def __array__(self, dtype: Any = None, copy: bool | None = None) -> np.ndarray:
         value = self.value()
         if dtype is not None and np.dtype(dtype) != value.dtype:

@@ -36,6 +36,11 @@ def _inputs(traced: TracedProgram, leaves: Sequence[Any]) -> list[ProgramInput]:
             raise InvalidArgument(f"pw.Array {leaf.buffer_id} is donated to {traced.donated_to[i]} and passed "
                                   "again in the same call: a donated buffer is consumed by the one call it is given to")
     inputs.extend(ProgramInput(array=c) for c in traced.constants)
+    for array in traced.captured:
+        array._check_alive()
+        if array.session is not session:
+            raise InvalidArgument("a pw.Array can only be used with the client that made it")
+        inputs.append(ProgramInput(buffer=array.buffer_id))
     return inputs
 
 

@@ -25,11 +25,11 @@ from typing import Any
 
 import jax
 
-from pwmesh.client import dispatch
+from pwmesh.client import capture, dispatch
 from pwmesh.client.array import Array
 from pwmesh.client.devices import Slice, VirtualDevice, slice_of
 from pwmesh.client.export import ExportedFunction, export_jit, export_pmap
-from pwmesh.client.sharding import P, SliceSharding, default_spec, is_spec_leaf, resolve
+from pwmesh.client.sharding import P, SliceSharding, abstract_mesh, default_spec, is_spec_leaf, resolve
 from pwmesh.client.tracing import Call, ProgramCache, Symbol, current_builder, leaf_aval, split_static, with_static
 from pwmesh.errors import InvalidArgument
 
@@ -76,6 +76,7 @@ class _Compiled:
         self.__doc__ = getattr(fn, "__doc__", None)
         self._lock = threading.Lock()
         self._exports: dict[tuple[Any, ...], ExportedFunction] = {}
+        self._captured: dict[tuple[Any, ...], list[Array]] = {}  # by export key: the pw.Arrays it closes over
         self.eager = ProgramCache(self._one_call)
         self.static_argnums: tuple[int, ...] = ()
         self.static_argnames: tuple[str, ...] = ()
@@ -201,9 +202,27 @@ class JitFunction(_Compiled):
             full, kw = with_static(a, k, static)
             return fn(*full, **kw)
 
-        exported = self._exported(key, lambda: export_jit(flat_fn, self.slice, avals, [s.spec for s in shardings],
-                                                          self.out_specs, donate, self.__name__))
-        return Call(self.__name__, exported, self.slice, leaves, shardings, donate)
+        def export() -> ExportedFunction:
+            with jax.sharding.use_abstract_mesh(abstract_mesh(self.slice)):  # as the export traces it
+                closed = capture.discover(flat_fn, avals)
+            wanted = [s.spec for s in shardings]
+            if not closed:
+                return export_jit(flat_fn, self.slice, avals, wanted, self.out_specs, donate, self.__name__)
+            with self._lock:
+                self._captured[key] = closed
+            return export_jit(capture.lifted(flat_fn, closed), self.slice, [*avals, *map(leaf_aval, closed)],
+                              [*wanted, *(self._closed_sharding(a).spec for a in closed)], self.out_specs, donate,
+                              self.__name__)
+
+        exported = self._exported(key, export)
+        with self._lock:
+            closed = self._captured.get(key, [])
+        return Call(self.__name__, exported, self.slice, [*leaves, *closed],
+                    [*shardings, *map(self._closed_sharding, closed)], donate, captured=len(closed))
+
+    def _closed_sharding(self, array: Array) -> SliceSharding:
+        """How a pw.Array the function closes over is read: as it lies, on this slice."""
+        return SliceSharding(self.slice, default_spec(array.sharding, self.slice))
 
     def __repr__(self) -> str:
         return f"pw.jit({self.__name__}, slice={self.slice.slice_id}, mesh={self.slice.mesh})"

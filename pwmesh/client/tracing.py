@@ -81,6 +81,7 @@ class Call:
     leaves: list[Any]  # the dynamic arguments' leaves, in order
     in_shardings: list[SliceSharding]  # the layout each is read in
     donate: list[int]  # leaves it consumes
+    captured: int = 0  # the last leaves are pw.Arrays the function closes over (``pwmesh.client.capture``)
 
 
 class NeedsStaging(Exception):  # noqa: N818 - a signal to the caller, not an error
@@ -130,6 +131,7 @@ class ProgramBuilder:
         self.session: Session | None = None
         self.shardings: dict[int, SliceSharding] = {}  # value -> its sharding, client side
         self.constants: dict[int, np.ndarray] = {}  # inputs captured while tracing (not arguments)
+        self.captured: dict[int, Array] = {}  # pw.Arrays functions close over: inputs after the constants
         self.donated: dict[int, str] = {}  # value -> the function it was donated to
         self._unfixed: set[int] = set()  # host inputs whose layout their first reader sets
         # Staged tracing (a program with host functions): the call's real arguments, the
@@ -163,6 +165,7 @@ class ProgramBuilder:
         assert self.concrete is not None and self.run is not None
         self.flushed = dict(zip(self.inputs, self.concrete, strict=False))
         self.flushed.update(self.constants)
+        self.flushed.update(self.captured)
         computed = [v for node in self.nodes for v in node.outputs if v not in self.donated]
         if not computed:
             return
@@ -190,12 +193,21 @@ class ProgramBuilder:
         self.inputs.append(v)
         return Symbol(self, v, tuple(aval.shape), np.dtype(aval.dtype), sharding, bool(aval.weak_type))
 
-    def _symbol(self, what: str, i: int, leaf: Any) -> Symbol:
-        """A call's argument as a value of this program: a symbol of it, or a constant it captures."""
+    def _symbol(self, what: str, i: int, leaf: Any, closed_over: bool = False) -> Symbol:
+        """A call's argument as a value of this program: a symbol of it, or a constant it captures (a pw.Array
+        its function closes over: ``closed_over``)."""
         if isinstance(leaf, Symbol):
             if leaf.builder is not self:
                 raise InvalidArgument(f"{what}: argument {i} belongs to another program being traced")
             return leaf
+        if isinstance(leaf, Array) and closed_over:
+            found = next((v for v, a in self.captured.items() if a is leaf), None)
+            if found is not None:
+                return Symbol(self, found, leaf.shape, leaf.dtype, leaf.sharding)
+            sym = self.input(leaf_aval(leaf), leaf.sharding)
+            self.inputs.pop()  # not an argument: bound to the same array at every run
+            self.captured[sym.value] = leaf
+            return sym
         if isinstance(leaf, Array):
             raise InvalidArgument(f"{what}: argument {i} is a pw.Array; inside @pw.program, pass every pw.Array "
                                   "in as an argument of the program")
@@ -229,7 +241,8 @@ class ProgramBuilder:
     def call(self, call: Call) -> Any:
         assert self.flushed is None, "past a host function, calls run eagerly (see concrete_tree)"
         self._owned_by(call.name, call.slice.session)
-        syms = [self._symbol(call.name, i, leaf) for i, leaf in enumerate(call.leaves)]
+        first_closed = len(call.leaves) - call.captured
+        syms = [self._symbol(call.name, i, leaf, i >= first_closed) for i, leaf in enumerate(call.leaves)]
         n = len(call.slice.devices)
         ragged = any(self.values[s.value].ragged for s in syms)
         if ragged and n != 1:
@@ -303,8 +316,8 @@ class ProgramBuilder:
             raise InvalidArgument("a program must call at least one compiled function (pw.jit, pw.pmap)")
         for v in self._unfixed:  # read by nothing that sets a layout: one copy on the first device it goes to
             self.values[v].shards = 1
-        spec = ProgramSpec(values=self.values, nodes=self.nodes, inputs=self.inputs + list(self.constants),
-                           outputs=outputs)
+        spec = ProgramSpec(values=self.values, nodes=self.nodes,
+                           inputs=self.inputs + list(self.constants) + list(self.captured), outputs=outputs)
         unsafe = donation_error(spec, self.node_names)
         if unsafe is not None:
             raise InvalidArgument(unsafe)
@@ -312,7 +325,7 @@ class ProgramBuilder:
                              [self.shardings[v] for v in outputs],
                              [i for i, v in enumerate(self.inputs) if v in self.donated],
                              {i: self.donated[v] for i, v in enumerate(self.inputs) if v in self.donated},
-                             list(self.constants.values()))
+                             list(self.constants.values()), captured=list(self.captured.values()))
 
 
 @dataclasses.dataclass
@@ -326,6 +339,7 @@ class TracedProgram:
     donated_to: dict[int, str]  # ... and the function each goes to
     constants: list[np.ndarray]  # inputs after the arguments: values captured while tracing
     program_id: str = ""  # a traced program kept for reuse is registered with the proxy under its digest
+    captured: list[Any] = dataclasses.field(default_factory=list)  # inputs after the constants: closed-over pw.Arrays
 
 
 def leaf_signature(leaf: Any) -> tuple[Any, ...]:
