@@ -243,6 +243,17 @@ def test_a_refused_run_fails_its_outputs_with_the_cause(world: World) -> None:
         world.ask(b"other", OpenSession(name="x", weight=0))
 
 
+def silence(world: World, victim: str) -> None:
+    """The RM's core finds ``victim`` silent (the scheduler and the other executors beat) at t = 12 s."""
+    world.now = 5.0
+    world.rm.handle(Heartbeat(role="scheduler", name="sched-0"), world.now)
+    for e in world.controls.values():
+        if e != victim:
+            world.rm.handle(Heartbeat(role="executor", name=e), world.now)
+    world.now = 12.0
+    assert world.rm.expire(world.now) == [victim]
+
+
 def test_losing_an_executor_mid_run_fails_the_run_and_what_lived_there(world: World) -> None:
     _, slice_id = world.open()
     fn = world.function(CLIENT, slice_id, b"f")
@@ -254,14 +265,7 @@ def test_losing_an_executor_mid_run_fails_the_run_and_what_lived_there(world: Wo
     victim = reports[0].executor_id
     survivor = next(e for e in world.controls.values() if e != victim and e in {d.executor_id for d in reports})
     world.handle(Inbound(b"ex", reports[1] if reports[1].executor_id == survivor else reports[0]))
-    # The RM's core finds the victim silent (the others beat), and says so with the slice's new map.
-    world.now = 5.0
-    world.rm.handle(Heartbeat(role="scheduler", name="sched-0"), world.now)
-    for e in world.controls.values():
-        if e != victim:
-            world.rm.handle(Heartbeat(role="executor", name=e), world.now)
-    world.now = 12.0
-    assert world.rm.expire(world.now) == [victim]
+    silence(world, victim)  # and the RM says so with the slice's new map
     out = world.notices()
     (lost,) = [a for a in out if isinstance(a, PeerLost)]
     assert world.controls[lost.control] == victim and isinstance(lost.error, DeviceLost)
@@ -286,13 +290,7 @@ def test_an_executor_back_from_a_stall_makes_its_buffers_whole_and_has_the_rest_
     session = world.proxy.sessions[CLIENT]
     kept, released = session.buffers[1], session.buffers[5]
     victim = kept.locations[0].executor_id
-    world.now = 5.0
-    world.rm.handle(Heartbeat(role="scheduler", name="sched-0"), world.now)
-    for e in world.controls.values():
-        if e != victim:
-            world.rm.handle(Heartbeat(role="executor", name=e), world.now)
-    world.now = 12.0
-    assert world.rm.expire(world.now) == [victim]
+    silence(world, victim)
     world.notices()
     assert isinstance(kept.lost, DeviceLost)
     world.handle(Inbound(CLIENT, ReleaseBuffers(buffers=[5])))  # while its host is away: deleted on its return
