@@ -19,7 +19,7 @@ import numpy as np
 from pwmesh.client.array import Array
 from pwmesh.client.devices import Slice, VirtualDevice, VirtualDeviceSet, slice_of
 from pwmesh.client.dispatch import fetch_all
-from pwmesh.client.export import canonical
+from pwmesh.client.export import canonical, host_aval
 from pwmesh.client.session import Session
 from pwmesh.client.sharding import P, SliceSharding, resolve
 from pwmesh.errors import InvalidArgument
@@ -173,9 +173,10 @@ def put(value: Any, devices: Slice | Sequence[VirtualDevice], spec: Any = None) 
         if isinstance(leaf, Array):
             raise InvalidArgument(f"pw.put: leaf {i} is a pw.Array already; pw.reshard moves one")
         arr = canonical(leaf)
+        weak = bool(host_aval(leaf).weak_type or getattr(leaf, "weak_type", False))  # a Python scalar, or a weak jax.Array
         sharding = SliceSharding(sl, leaf_spec if leaf_spec is not None else P())
         sharding.check(arr.shape, f"pw.put: leaf {i}")
         buffer_id = session.new_buffer_id()
         session.put(buffer_id, sl.slice_id, arr, sharding.wire)
-        arrays.append(Array(session, buffer_id, arr.shape, arr.dtype, sharding))
+        arrays.append(Array(session, buffer_id, arr.shape, arr.dtype, sharding, weak))
     return jax.tree_util.tree_unflatten(treedef, arrays)

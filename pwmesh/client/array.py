@@ -22,10 +22,11 @@ REPR_TIMEOUT_SECONDS = 2.0  # how long a repr waits for the proxy to say whether
 
 
 class Array:
-    __slots__ = ("__weakref__", "_session", "_id", "_value", "_deleted", "_donated", "shape", "dtype", "sharding")
+    __slots__ = ("__weakref__", "_session", "_id", "_value", "_deleted", "_donated", "shape", "dtype", "sharding",
+                 "weak_type")
 
     def __init__(self, session: Session, buffer_id: int, shape: tuple[int, ...], dtype: np.dtype,
-                 sharding: SliceSharding) -> None:
+                 sharding: SliceSharding, weak_type: bool = False) -> None:
         self._session = session
         self._id = buffer_id
         self._value: np.ndarray | None = None
@@ -34,6 +35,8 @@ class Array:
         self.shape = tuple(shape)
         self.dtype = np.dtype(dtype)
         self.sharding = sharding
+        # Weakly typed, as a jax.Array made of a Python scalar: a bfloat16 value times it stays bfloat16.
+        self.weak_type = weak_type
         session.track(self)
 
     @property

@@ -61,9 +61,10 @@ def execute(traced: TracedProgram, leaves: Sequence[Any], *, sequential: bool = 
         if isinstance(leaves[i], Array):
             leaves[i].donated_to(traced.donated_to[i])
     outs = []
-    for buffer_id, v, sharding in zip(ids, traced.spec.outputs, traced.out_shardings, strict=True):
+    weak = traced.out_weak or [False] * len(ids)
+    for buffer_id, v, sharding, weak_type in zip(ids, traced.spec.outputs, traced.out_shardings, weak, strict=True):
         spec = traced.spec.values[v]
-        outs.append(Array(session, buffer_id, tuple(spec.shape), np.dtype(spec.dtype), sharding))
+        outs.append(Array(session, buffer_id, tuple(spec.shape), np.dtype(spec.dtype), sharding, weak_type))
     return jax.tree_util.tree_unflatten(traced.out_tree, outs)
 
 

@@ -91,7 +91,8 @@ def _export_jit(flat_fn: Callable[..., Any], sl: Slice, avals: Sequence[jax.Shap
         specs_out = tuple(P() for _ in out_leaves)
         fn_id, serialized = _serialize(exp, False, [1], [], list(donate))
         return ExportedFunction(fn_id, serialized, False, [1], [], list(donate), tuple(P() for _ in avals),
-                                tuple(jax.ShapeDtypeStruct(o.shape, o.dtype) for o in exp.out_avals), specs_out, out_tree)
+                                tuple(jax.ShapeDtypeStruct(o.shape, o.dtype, weak_type=o.weak_type) for o in exp.out_avals),
+                                specs_out, out_tree)
     if any(spec is None for spec in wanted):
         wanted = _propagated(flat_fn, sl, avals, in_specs, wanted)
     for i, (leaf, spec) in enumerate(zip(out_leaves, wanted, strict=True)):
@@ -104,7 +105,8 @@ def _export_jit(flat_fn: Callable[..., Any], sl: Slice, avals: Sequence[jax.Shap
     axes = list(sl.axis_names)
     fn_id, serialized = _serialize(exp, True, list(sl.mesh_shape), axes, list(donate))
     return ExportedFunction(fn_id, serialized, True, list(sl.mesh_shape), axes, list(donate), tuple(in_specs),
-                            tuple(jax.ShapeDtypeStruct(o.shape, o.dtype) for o in exp.out_avals), tuple(wanted),
+                            tuple(jax.ShapeDtypeStruct(o.shape, o.dtype, weak_type=o.weak_type) for o in exp.out_avals),
+                            tuple(wanted),
                             out_tree)
 
 

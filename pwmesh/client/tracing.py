@@ -132,6 +132,7 @@ class ProgramBuilder:
         self.shardings: dict[int, SliceSharding] = {}  # value -> its sharding, client side
         self.constants: dict[int, np.ndarray] = {}  # inputs captured while tracing (not arguments)
         self.captured: dict[int, Array] = {}  # pw.Arrays functions close over: inputs after the constants
+        self.weak: set[int] = set()  # values weakly typed (as JAX's: a Python scalar's, and what they make)
         self.donated: dict[int, str] = {}  # value -> the function it was donated to
         self._unfixed: set[int] = set()  # host inputs whose layout their first reader sets
         # Staged tracing (a program with host functions): the call's real arguments, the
@@ -190,6 +191,8 @@ class ProgramBuilder:
         v = self._value(tuple(aval.shape), aval.dtype, sharding)
         if sharding is None:
             self._unfixed.add(v)
+        if aval.weak_type:
+            self.weak.add(v)
         self.inputs.append(v)
         return Symbol(self, v, tuple(aval.shape), np.dtype(aval.dtype), sharding, bool(aval.weak_type))
 
@@ -259,7 +262,9 @@ class ProgramBuilder:
         for aval, spec in zip(exported.out_avals, exported.out_specs, strict=True):
             sharding = SliceSharding(call.slice, spec)
             v = self._value(tuple(aval.shape), np.dtype(aval.dtype), sharding, ragged=ragged)
-            outs.append(Symbol(self, v, tuple(aval.shape), np.dtype(aval.dtype), sharding))
+            outs.append(Symbol(self, v, tuple(aval.shape), np.dtype(aval.dtype), sharding, bool(aval.weak_type)))
+            if aval.weak_type:
+                self.weak.add(v)
         self.node_names.append(call.name)
         self.nodes.append(NodeSpec(fn_id=exported.fn_id, slice_id=call.slice.slice_id, inputs=[s.value for s in syms],
                                    outputs=[s.value for s in outs], in_shardings=[s.wire for s in call.in_shardings],
@@ -277,7 +282,9 @@ class ProgramBuilder:
         v = self._value(sym.shape, sym.dtype, sharding)
         self.node_names.append("pw.reshard")
         self.nodes.append(NodeSpec(fn_id="", slice_id=sl.slice_id, inputs=[sym.value], outputs=[v], kind="reshard"))
-        return Symbol(self, v, sym.shape, sym.dtype, sharding)
+        if sym.weak_type:
+            self.weak.add(v)
+        return Symbol(self, v, sym.shape, sym.dtype, sharding, sym.weak_type)
 
     def route(self, x: Any, expert_ids: Any, experts: Sequence[Any], home: Slice, blocks: SliceSharding) -> Symbol:
         """Rows of ``x`` to ``experts[expert_ids[row]]``, and their results back in row order on ``home``."""
@@ -325,7 +332,8 @@ class ProgramBuilder:
                              [self.shardings[v] for v in outputs],
                              [i for i, v in enumerate(self.inputs) if v in self.donated],
                              {i: self.donated[v] for i, v in enumerate(self.inputs) if v in self.donated},
-                             list(self.constants.values()), captured=list(self.captured.values()))
+                             list(self.constants.values()), captured=list(self.captured.values()),
+                             out_weak=[v in self.weak for v in outputs])
 
 
 @dataclasses.dataclass
@@ -340,19 +348,21 @@ class TracedProgram:
     constants: list[np.ndarray]  # inputs after the arguments: values captured while tracing
     program_id: str = ""  # a traced program kept for reuse is registered with the proxy under its digest
     captured: list[Any] = dataclasses.field(default_factory=list)  # inputs after the constants: closed-over pw.Arrays
+    out_weak: list[bool] = dataclasses.field(default_factory=list)  # which outputs are weakly typed
 
 
 def leaf_signature(leaf: Any) -> tuple[Any, ...]:
     """What of an argument leaf a traced program depends on (its cache key)."""
     if isinstance(leaf, Array):
-        return ("buffer", leaf.shape, leaf.dtype.name, id(leaf.sharding.slice), tuple(map(tuple, leaf.sharding.wire.spec)))
+        return ("buffer", leaf.shape, leaf.dtype.name, leaf.weak_type, id(leaf.sharding.slice),
+                tuple(map(tuple, leaf.sharding.wire.spec)))
     aval = host_aval(leaf)
     return ("host", aval.shape, np.dtype(aval.dtype).name, aval.weak_type)
 
 
 def leaf_aval(leaf: Any) -> jax.ShapeDtypeStruct:
     if isinstance(leaf, (Array, Symbol)):
-        return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, weak_type=isinstance(leaf, Symbol) and leaf.weak_type)
+        return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, weak_type=leaf.weak_type)
     return host_aval(leaf)
 
 

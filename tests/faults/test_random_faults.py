@@ -54,17 +54,18 @@ class Worker(threading.Thread):
         self.errors: dict[str, int] = {}
         self.unexpected: list[BaseException] = []
         self.slowest = 0.0
-        self.last_good = time.monotonic()
+        self.last_good = 0.0  # monotonic: its last step that completed and checked
 
     def run(self) -> None:
         try:
-            sl = self.client.make_virtual_device_set().add_slice(devices=2)
-            step = pw.pmap(lambda v: v * 0.5 + 1.0, devices=sl)
             host = np.arange(6, dtype=np.float32).reshape(2, 3)
-            x = None
+            x = step = None
             while not self.stop.is_set():
                 start = time.monotonic()
                 try:
+                    if step is None:  # a slice asked for while the proxy restarts may have to be asked again
+                        sl = self.client.make_virtual_device_set().add_slice(devices=2)
+                        step = pw.pmap(lambda v: v * 0.5 + 1.0, devices=sl)
                     if x is None or self.steps % 7 == 0:
                         host = np.arange(6, dtype=np.float32).reshape(2, 3) + self.steps
                         x = self.client.put(host, sl)
@@ -121,7 +122,7 @@ def test_random_faults_under_two_clients() -> None:
         workers = [Worker(cluster.address, f"client{i}") for i in range(2)]
         for w in workers:
             w.start()
-        good_step_after(workers, time.monotonic() - BOUND)
+        good_step_after(workers, 0.0)  # each has its slice and has stepped once
         table: list[tuple[str, float]] = []
         for _ in range(faults):
             start = time.monotonic()
