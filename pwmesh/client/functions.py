@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import inspect
 import threading
+import weakref
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -66,6 +67,14 @@ def _both_ways(fn: Callable[..., Any], nums_given: int | Iterable[int] | None,
     return nums, names
 
 
+# Exports by function, shared by every wrapper of it with the same calling convention on a slice of the same
+# mesh (``jax.jit(f)(x)`` in a loop makes a new wrapper each time, and finds its compiled function in JAX's
+# cache): function -> (mesh, axes, platforms, convention) -> (exports, closed-over arrays) by call signature.
+_SHARED: weakref.WeakKeyDictionary[Callable[..., Any], dict[tuple[Any, ...], tuple[dict[Any, Any], dict[Any, Any]]]] = \
+    weakref.WeakKeyDictionary()
+_shared_lock = threading.Lock()
+
+
 class _Compiled:
     """What ``pw.jit`` and ``pw.pmap`` share: the slice, the exports cache, the eager path."""
 
@@ -84,6 +93,17 @@ class _Compiled:
     @property
     def num_devices(self) -> int:
         return len(self.slice.devices)
+
+    def _share(self, convention: tuple[Any, ...]) -> None:
+        """Use the exports of every other wrapper of this function with this calling convention, on a slice
+        of this mesh (none shared where the function or the convention cannot key a dictionary)."""
+        key = (self.slice.mesh_shape, self.slice.axis_names, tuple(self.slice.platforms), convention)
+        try:
+            hash(key)
+            with _shared_lock:
+                self._exports, self._captured = _SHARED.setdefault(self.fn, {}).setdefault(key, ({}, {}))
+        except TypeError:
+            pass
 
     def split(self, args: Sequence[Any], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any],
                                                                           tuple[Any, ...]]:
@@ -137,6 +157,8 @@ class JitFunction(_Compiled):
         clash = set(self.static_argnums) & set(self.donate_argnums)
         if clash:
             raise InvalidArgument(f"{self.__name__}: argument(s) {sorted(clash)} are both static and donated")
+        self._share(("jit", in_specs, out_specs, self.static_argnums, self.static_argnames, self.donate_argnums,
+                     self.donate_argnames))
 
     def _traced(self, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
         """Inlined, as ``jax.jit`` inside a traced function is: part of the one program being traced (its
@@ -235,6 +257,7 @@ class MappedFunction(_Compiled):
                  axis_name: str | None = None) -> None:
         super().__init__(fn, devices)
         self.axis_name = axis_name
+        self._share(("pmap", axis_name))
 
     def bind(self, args: Sequence[Any], kwargs: dict[str, Any]) -> Call:
         if kwargs:

@@ -1,0 +1,46 @@
+"""Caching as ``jax.jit`` caches (issue #27, item 5, in part), ported from JAX's ``tests/pjit_test.py``: a
+new ``pw.jit`` wrapper of the same function, on a slice of the same mesh with the same specs, finds the
+function already exported (``jax.jit(f)(x)`` in a loop costs a lookup, not an export), on both layouts.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+from test_sharding_constraint import mesh_2x1  # noqa: F401 - the module-scoped fixture, both layouts
+
+import pwmesh as pw
+
+pytestmark = pytest.mark.timeout(180)
+
+
+# pjit_test.py: PJitTest.testCaching (the body is not traced again by a new wrapper)
+def test_caching(mesh_2x1: pw.Slice) -> None:  # noqa: F811 - the fixture
+    should_be_tracing = True
+
+    def f(x):
+        assert should_be_tracing
+        return jnp.sin(x) * 2
+
+    x = np.arange(16, dtype=np.float32).reshape(4, 4)
+    first = pw.jit(f, devices=mesh_2x1, in_specs=P(("x", "y")), out_specs=None)(x)
+    should_be_tracing = False
+    again = pw.jit(f, devices=mesh_2x1, in_specs=P(("x", "y")), out_specs=None)(x)
+    np.testing.assert_allclose(np.asarray(again), np.asarray(first))
+    np.testing.assert_allclose(np.asarray(first), np.sin(x) * 2, rtol=1e-6)
+
+
+def test_another_convention_or_function_exports_anew(mesh_2x1: pw.Slice) -> None:  # noqa: F811 - the fixture
+    def f(x):
+        return x * 3
+
+    a = pw.jit(f, devices=mesh_2x1, in_specs=P("x"))
+    b = pw.jit(f, devices=mesh_2x1, in_specs=P())  # another convention: its own exports
+    c = pw.jit(lambda x: x * 3, devices=mesh_2x1, in_specs=P("x"))  # another function object
+    x = np.arange(4, dtype=np.float32)
+    for w in (a, b, c):
+        np.testing.assert_allclose(np.asarray(w(x)), x * 3)
+    assert a._exports is pw.jit(f, devices=mesh_2x1, in_specs=P("x"))._exports
+    assert a._exports is not b._exports and a._exports is not c._exports
