@@ -246,8 +246,52 @@ class JitFunction(_Compiled):
         """How a pw.Array the function closes over is read: as it lies, on this slice."""
         return SliceSharding(self.slice, default_spec(array.sharding, self.slice))
 
+    def lower(self, *args: Any, **kwargs: Any) -> Lowered:
+        """Ahead of time, as ``jax.jit(...).lower``: the function traced and exported for these arguments (values,
+        ``pw.Array``s or ``jax.ShapeDtypeStruct``s), without running it."""
+        call = self.bind(args, kwargs)
+        return Lowered(self, call.exported, tuple(leaf_aval(leaf) for leaf in call.leaves[:len(call.leaves) - call.captured]))
+
     def __repr__(self) -> str:
         return f"pw.jit({self.__name__}, slice={self.slice.slice_id}, mesh={self.slice.mesh})"
+
+
+class Lowered:
+    """``pw.jit(f).lower(*args)``: what ``jax.jit``'s ``Lowered`` is, for a slice."""
+
+    def __init__(self, fn: JitFunction, exported: ExportedFunction, avals: tuple[jax.ShapeDtypeStruct, ...]) -> None:
+        self._fn = fn
+        self.exported = exported
+        self.in_avals = avals
+        self.out_info = jax.tree_util.tree_unflatten(exported.out_tree, list(exported.out_avals))
+
+    def as_text(self) -> str:
+        """The StableHLO module the executors compile."""
+        return jax.export.deserialize(bytearray(self.exported.serialized)).mlir_module()
+
+    def compile(self) -> Compiled:
+        """Compiled, as ``jax.jit``'s: each executor compiles it when it first runs it (the cluster's devices
+        are not this process's), so this checks nothing more; calling it runs it."""
+        return Compiled(self)
+
+
+class Compiled:
+    """``pw.jit(f).lower(*args).compile()``: callable with arguments of the types it was lowered for."""
+
+    def __init__(self, lowered: Lowered) -> None:
+        self._lowered = lowered
+        self.out_info = lowered.out_info
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        fn = self._lowered._fn
+        dyn_args, dyn_kwargs, _ = fn.split(args, kwargs)
+        got = tuple(leaf_aval(leaf) for leaf in jax.tree_util.tree_leaves((dyn_args, dyn_kwargs)))
+        want = self._lowered.in_avals
+        if [(a.shape, a.dtype) for a in got] != [(a.shape, a.dtype) for a in want]:
+            raise TypeError(f"{fn.__name__}: argument types differ from those it was compiled for: got "
+                            f"{[f'{a.dtype}{list(a.shape)}' for a in got]}, compiled for "
+                            f"{[f'{a.dtype}{list(a.shape)}' for a in want]}")
+        return fn(*args, **kwargs)
 
 
 class MappedFunction(_Compiled):
