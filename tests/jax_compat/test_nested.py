@@ -37,7 +37,7 @@ def test_autodiff_through_a_nested_function(mesh_2x1: pw.Slice) -> None:  # noqa
     np.testing.assert_allclose(np.asarray(pw.jit(jax.grad(loss), devices=mesh_2x1)(x)), np.asarray(want), rtol=1e-5)
 
 
-# api_test.py: APITest.test_jit_nested_static_args (statics of the inner function kept when inlined)
+# Not a port: the inner function's static arguments kept when it is inlined
 def test_nested_static_args(mesh_2x1: pw.Slice) -> None:  # noqa: F811 - the fixture
     inner = pw.jit(lambda x, n: x * n, devices=mesh_2x1, static_argnums=1)
     outer = pw.jit(lambda x: inner(x, 3) + inner(x, 2.5), devices=mesh_2x1)

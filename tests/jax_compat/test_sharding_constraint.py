@@ -110,8 +110,7 @@ def test_vmap_sharding_constraint(mesh_2x1: pw.Slice) -> None:
     np.testing.assert_array_equal(np.asarray(out), x)
 
 
-# shard_map over the slice's axis names, from the mesh in context (shard_map_test.py: test_jax_jit_in_shard_map's
-# mesh-from-context form)
+# Not a port: shard_map over the slice's axis names, its mesh taken from the context
 def test_shard_map_over_the_slices_axes(mesh_2x1: pw.Slice) -> None:
     def f(a):
         return jax.shard_map(lambda b: b * 10 + jax.lax.axis_index("x"), in_specs=P("x"), out_specs=P("x"))(a)
