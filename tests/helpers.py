@@ -11,6 +11,7 @@ import itertools
 import os
 import select
 import signal
+import subprocess
 import sys
 import threading
 import time
@@ -68,6 +69,16 @@ def refused(conn: ClientConnection, message: Message) -> bool:
     except pw.PermissionDenied:
         return True
     return False
+
+
+def reap(proc: subprocess.Popen[Any]) -> None:
+    """Kill ``proc`` if a failed assertion left it running; close its pipes."""
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait()
+    for stream in (proc.stdin, proc.stdout, proc.stderr):
+        if stream is not None:
+            stream.close()
 
 
 def ping_status(address: str) -> str:

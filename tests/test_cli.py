@@ -15,6 +15,7 @@ import pytest
 from click.testing import CliRunner
 
 import pwmesh as pw
+from helpers import reap
 from pwmesh.cli.main import main
 
 
@@ -82,16 +83,6 @@ def _children_of(pid: int) -> list[int]:
     return found
 
 
-def _reap(proc: subprocess.Popen[str]) -> None:
-    """Kill ``proc`` if a failed assertion left it running; close its pipes."""
-    if proc.poll() is None:
-        proc.kill()
-        proc.wait()
-    for stream in (proc.stdout, proc.stderr):
-        if stream is not None:
-            stream.close()
-
-
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 def test_up_serves_until_ctrl_c_and_stops_every_process(tmp_path: Path) -> None:
     up = subprocess.Popen(
@@ -122,7 +113,7 @@ def test_up_serves_until_ctrl_c_and_stops_every_process(tmp_path: Path) -> None:
         assert "stopped." in up.stdout.read()
         assert _children_of(up.pid) == []
     finally:
-        _reap(up)
+        reap(up)
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
@@ -150,7 +141,7 @@ def test_ctrl_c_in_a_terminal_stops_up_cleanly_and_removes_its_logs() -> None:
         assert not Path(logs).exists(), "a clean stop removes its logs"
         assert _children_of(up.pid) == []
     finally:
-        _reap(up)
+        reap(up)
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
@@ -178,7 +169,7 @@ def test_ctrl_c_in_a_terminal_stops_an_embedded_cluster_cleanly_and_removes_its_
         assert not logs.exists(), "a clean stop removes its logs"
         assert _children_of(run.pid) == []
     finally:
-        _reap(run)
+        reap(run)
 
 
 # ------------------------------------------------------------------ behaving as people expect

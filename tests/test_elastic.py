@@ -15,7 +15,7 @@ import pytest
 from click.testing import CliRunner
 
 import pwmesh as pw
-from helpers import eventually, slow
+from helpers import eventually, reap, slow
 from pwmesh.cli.commands import fetch_status
 from pwmesh.cli.main import main
 
@@ -138,9 +138,4 @@ def test_a_killed_client_frees_everything_it_owned(one_island: pw.LocalCluster, 
         np.testing.assert_array_equal(np.asarray(pw.pmap(lambda x: x + 1, devices=mine)(kept)), [[1.0, 2.0, 3.0, 4.0]])
     finally:
         bystander.close()
-        if victim.poll() is None:
-            victim.kill()
-            victim.wait()
-        for pipe in (victim.stdin, victim.stdout):
-            if pipe is not None:
-                pipe.close()
+        reap(victim)

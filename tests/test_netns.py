@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 
+from helpers import reap
 from pwmesh.cli import netns
 from pwmesh.service import keys as cluster_keys
 
@@ -119,11 +120,7 @@ def test_the_operator_script_starts_a_cluster_people_can_use_and_removes_it_on_c
         assert script.wait(timeout=60) == 0
         assert "stopped." in script.stdout.read()
     finally:
-        if script.poll() is None:
-            script.kill()
-            script.wait()
-        if script.stdout is not None:
-            script.stdout.close()
+        reap(script)
         subprocess.run([sys.executable, str(BIN), "down", "--prefix", "pwb"], capture_output=True, check=False)
     assert namespaces("pwb") == [], "Ctrl-C removed every namespace"
 

@@ -326,10 +326,10 @@ class ClientConnection:
                 elif (len(self.addresses) > 1 and self.session_id and self._lost is None and self._beat_sent
                       and time.monotonic() - self._beat_sent > max(self.failover_seconds,
                                                                     2 * self.heartbeat_interval_seconds)):
-                    log.warning("the proxy at %s does not answer: trying %s", self.address,
-                                self.addresses[(self.addresses.index(self.address) + 1) % len(self.addresses)])
-                    self._silent.add(self.address)
+                    silent = self.address
+                    self._silent.add(silent)
                     self._switch()
+                    log.warning("the proxy at %s does not answer: trying %s", silent, self.address)
                     last_reply = time.monotonic()
                     next_beat = last_reply  # ask the next one at once
                 if beat:

@@ -34,7 +34,7 @@ from pwmesh.executor.functions import FunctionCache
 from pwmesh.executor.group import GroupConfig, group_devices, join
 from pwmesh.executor.runner import Runner, as_error
 from pwmesh.executor.sandbox import Sandbox
-from pwmesh.executor.store import ObjectStore, buffer_of, format_bytes
+from pwmesh.executor.store import ObjectStore, buffer_of, format_bytes, renamed
 from pwmesh.executor.work import Work
 from pwmesh.ir.keys import function_id
 from pwmesh.service.heartbeat import LoopLag, every
@@ -623,16 +623,20 @@ class Executor(Service):
         self._reclaimed.pop(msg.prefix.rstrip("/"), None)
 
     def _list_held(self, peer: bytes, env: Envelope) -> OwnedShards:
+        return self._owned([k for k, _, _ in self.store.held()])
+
+    def _owned(self, keys: list[str]) -> OwnedShards:
+        """``keys`` (held here) with the index of the device each is on (-1: routed rows, on the host)."""
         index = {d: i for i, d in enumerate(self.devices)}
-        held = self.store.held()
-        return OwnedShards(keys=[k for k, _, _ in held], devices=[
-            -1 if isinstance(v, Ragged) else index.get(next(iter(v.devices())), -1) for _, v, _ in held])
+        values = self.store.values(keys) or []
+        return OwnedShards(keys=keys, devices=[
+            -1 if isinstance(v, Ragged) else index.get(next(iter(v.devices())), -1) for v in values])
 
     def _old_run(self, run_id: str) -> PwmeshError | None:
         """What a run of a session a restarted proxy took back fails with, if the proxy before sent it."""
         owner, _, rest = run_id.partition(":")
         reclaimed = self._reclaimed.get(owner)
-        if reclaimed is None or (reclaimed[0] and rest.startswith(reclaimed[0])):
+        if reclaimed is None or renamed(rest, reclaimed[0]):
             return None
         return reclaimed[1]
 
@@ -654,13 +658,9 @@ class Executor(Service):
         if msg.drop:
             self.store.delete(sorted({buffer_of(k) for k in held}))
             return OwnedShards(keys=[], devices=[])
-        index = {d: i for i, d in enumerate(self.devices)}
-        values = dict((k, v) for k, v, _ in self.store.held())
-        devices = [-1 if isinstance(values[k], Ragged) else index.get(next(iter(values[k].devices())), -1)
-                   for k in held]
         log.info("a restarted proxy took back session %s: %d objects kept, runs before it cancelled", owner,
                  len(held))
-        return OwnedShards(keys=held, devices=devices)
+        return self._owned(held)
 
     def _delete(self, peer: bytes, env: Envelope) -> None:
         msg = env.message

@@ -162,6 +162,11 @@ def _retrieve(fut: asyncio.Future[Any]) -> None:
         fut.exception()
 
 
+def renamed(name: str, marker: str) -> bool:
+    """Whether ``name`` was given by the proxy whose names begin with ``marker`` ("": no proxy's)."""
+    return bool(marker) and name.startswith(marker)
+
+
 def buffer_of(key: str) -> str:
     """``"<owner>/<buffer>"`` of a shard key ``"<owner>/<buffer>/<shard>"``."""
     return key.rpartition("/")[0]
@@ -203,7 +208,7 @@ class ObjectStore:
             return False
         owner, _, name = buffer.partition("/")
         fence = self._fences.get(owner)
-        return fence is not None and not (name.startswith(fence[0]) and fence[0]) and buffer not in fence[1]
+        return fence is not None and not renamed(name, fence[0]) and buffer not in fence[1]
 
     def fence(self, owner: str, marker: str) -> list[str]:
         """A restarted proxy takes ``owner``'s objects back: from now on only the buffers held now and those

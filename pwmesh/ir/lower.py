@@ -50,6 +50,14 @@ def shard_key(owner: str, buffer: str, shard: int) -> str:
     return f"{owner}/{buffer}/{shard}"
 
 
+def split_key(key: str) -> tuple[str, str, int] | None:
+    """``(owner, buffer, shard)`` of a ``shard_key``; None for what is not one."""
+    parts = key.split("/")
+    if len(parts) != 3 or not parts[2].isdigit():
+        return None
+    return parts[0], parts[1], int(parts[2])
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class ShardLocation:
     executor_id: str

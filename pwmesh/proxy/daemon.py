@@ -267,14 +267,17 @@ class Proxy(Service):
             return
         self._claiming = True
         try:
-            lease = await self.peers.request(self.config.rm, ClaimProxy(name=self.name, address=self.server.address),
-                                             timeout_seconds=self.config.rm_timeout_seconds)
-            assert isinstance(lease, ProxyLease)
-            self.lease = lease
-            if lease.active:
+            self.lease = await self._ask_lease()
+            if self.lease.active:
                 await self._activate()
         finally:
             self._claiming = False
+
+    async def _ask_lease(self) -> ProxyLease:
+        lease = await self.peers.request(self.config.rm, ClaimProxy(name=self.name, address=self.server.address),
+                                         timeout_seconds=self.config.rm_timeout_seconds)
+        assert isinstance(lease, ProxyLease)
+        return lease
 
     async def _activate(self) -> None:
         """This proxy is the active one now: the slices the resource manager holds are sessions of the proxy
@@ -306,10 +309,7 @@ class Proxy(Service):
             self.tasks.spawn(self.close(), name="close-taken-over")
 
     async def _reclaim_lease(self) -> None:
-        lease = await self.peers.request(self.config.rm, ClaimProxy(name=self.name, address=self.server.address),
-                                         timeout_seconds=self.config.rm_timeout_seconds)
-        if isinstance(lease, ProxyLease):
-            self._on_lease(lease)
+        self._on_lease(await self._ask_lease())
 
     async def _heartbeat_rm(self) -> None:
         await self.rm_beats.beat(Heartbeat(role=self.role, name=self.name))
@@ -560,9 +560,9 @@ class Proxy(Service):
                     self._lowering.add(action.peer)
                     held = [(env, fut) for env, fut, _ in self._held.pop(action.peer, ())]
                     # Its registrations first (what it sent before may use them), as if it had sent them again.
-                    again = [(dataclasses.replace(inbound_env, message=m, msg_id=0, reply_to=None), _ignored())
-                             for m in [*action.resume.functions, *action.resume.programs]
-                             for inbound_env in [self._resuming_env(action)]]
+                    resuming = self._resuming_env(action)
+                    again = [(dataclasses.replace(resuming, message=m), _ignored())
+                             for m in [*action.resume.functions, *action.resume.programs]]
                     self._behind[action.peer] = collections.deque([*again, *held,
                                                                    *self._behind.get(action.peer, ())])
                     answer = self._resume(action, [env for env, _ in held])

@@ -32,7 +32,7 @@ import re
 from collections.abc import Sequence
 
 from pwmesh.errors import Unavailable
-from pwmesh.ir.lower import location
+from pwmesh.ir.lower import location, split_key
 from pwmesh.proxy.session import Buffer, Session
 from pwmesh.wire.messages import OwnedShards, PhysicalDevice, ResumedBuffer, SliceInfo
 
@@ -82,9 +82,9 @@ def adopt(session: Session, declared: list[ResumedBuffer], held: dict[str, Owned
     shards: dict[str, dict[int, tuple[str, int]]] = {}  # name -> shard -> (control, device)
     for control, got in held.items():
         for key, device in zip(got.keys if got else [], got.devices if got else [], strict=True):
-            key_owner, name, shard = key.rsplit("/", 2) if key.count("/") == 2 else ("", "", "")
-            if key_owner == owner and shard.isdigit():
-                shards.setdefault(name, {})[int(shard)] = (control, device)
+            parts = split_key(key)
+            if parts is not None and parts[0] == owner:
+                shards.setdefault(parts[1], {})[parts[2]] = (control, device)
     by_client: dict[int, list[str]] = {}
     for name in shards:
         match = _CLIENT_BUFFER.fullmatch(name)

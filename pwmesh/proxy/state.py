@@ -65,7 +65,7 @@ from pwmesh.errors import (
 )
 from pwmesh.ir.cache import MAX_PROGRAM_ID_CHARS, LoweringJob
 from pwmesh.ir.keys import function_id
-from pwmesh.ir.lower import location, move_shard, nbytes, shard_key, slice_locations, value_layout
+from pwmesh.ir.lower import location, move_shard, nbytes, shard_key, slice_locations, split_key, value_layout
 from pwmesh.proxy.intake import bind, host_puts, record_run
 from pwmesh.proxy.resume import Orphan, adopt, resume_token, slice_controls, token_matches
 from pwmesh.proxy.session import Buffer, Run, Session
@@ -565,9 +565,7 @@ class ProxyState:
                                       weight=weight, priority=priority)
         self.liveness.beat(sid, now)
         log.info("session %s (%s) opened", sid, msg.name)
-        # Four beats per timeout, so one late beat never ends a live session.
-        interval = min(self.client_heartbeat_interval_seconds, self.session_timeout_seconds / 4)
-        return Reply(SessionOpened(session_id=sid, heartbeat_interval_seconds=interval,
+        return Reply(SessionOpened(session_id=sid, heartbeat_interval_seconds=self._client_beats(),
                                    session_timeout_seconds=self.session_timeout_seconds,
                                    resume_token=resume_token(self.secret, sid, self._user)))
 
@@ -586,14 +584,14 @@ class ProxyState:
         """Whether ``session_id`` may be one of the proxy before's, still to be resumed."""
         return session_id in self.orphans or (
             now <= self.resume_until and SESSION_ID.fullmatch(session_id) is not None
-            and session_id not in self.resuming and all(s.session_id != session_id for s in self.sessions.values()))
+            and session_id not in self.resuming and self._by_id(session_id) is None)
 
     def _resume_session(self, peer: bytes, msg: ResumeSession, now: float) -> Reclaim:
         sid = msg.session_id
         if not token_matches(self.secret, sid, self._user, msg.token):
             raise PermissionDenied(f"this token does not resume session {sid} (a session is resumed only with the "
                                    "token it was opened with, by the key that opened it)")
-        if sid in self.resuming or any(s.session_id == sid for s in self.sessions.values()):
+        if sid in self.resuming or self._by_id(sid) is not None:
             raise InvalidArgument(f"session {sid} is being resumed already, or was never lost")
         orphan = self.orphans.pop(sid, None)
         if orphan is None and now > self.resume_until:
@@ -602,7 +600,7 @@ class ProxyState:
         slices = orphan.slices if orphan is not None else []
         self.resuming.add(sid)
         self._orphan_slices[sid] = slices
-        controls = [c for c in slice_controls(slices) if c not in self.lost_controls]
+        controls = self._controls_of(slices)
         message = ReclaimOwner(prefix=f"{sid}/", marker=f"r{secrets.token_hex(4)}.", why=(
             f"the proxy at {self.address} restarted while this run was in flight (its session was resumed)"))
         reclaim = Reclaim(controls, message, resume=msg, peer=peer, user=self._user)
@@ -642,8 +640,7 @@ class ProxyState:
         self.sessions_resumed += 1
         log.info("session %s (%s) resumed: %d arrays kept, %d failed, %d slices", sid, msg.name,
                  len(msg.buffers) - len(adopted.failed), len(adopted.failed), len(session.slices))
-        interval = min(self.client_heartbeat_interval_seconds, self.session_timeout_seconds / 4)
-        return Reply(SessionResumed(heartbeat_interval_seconds=interval,
+        return Reply(SessionResumed(heartbeat_interval_seconds=self._client_beats(),
                                     session_timeout_seconds=self.session_timeout_seconds,
                                     failed=adopted.failed, why=why))
 
@@ -656,11 +653,23 @@ class ProxyState:
             log.info("session %s of the proxy before was not resumed within %g s: freeing its %d slices", sid,
                      self.session_timeout_seconds, len(orphan.slices))
             self._send(self.rm, ReleaseSlices(owner=sid))
-            controls = [c for c in slice_controls(orphan.slices) if c not in self.lost_controls]
+            controls = self._controls_of(orphan.slices)
             if controls:
                 self._out.append(Reclaim(controls, ReclaimOwner(
                     prefix=f"{sid}/", marker="", drop=True,
                     why=f"session {sid} was not resumed after its proxy restarted")))
+
+    def _client_beats(self) -> float:
+        """How often a client beats: four beats per timeout, so one late beat never ends a live session."""
+        return min(self.client_heartbeat_interval_seconds, self.session_timeout_seconds / 4)
+
+    def _by_id(self, session_id: str) -> Session | None:
+        """The live session ``session_id`` (sessions are kept by connection)."""
+        return next((s for s in self.sessions.values() if s.session_id == session_id), None)
+
+    def _controls_of(self, slices: list[SliceInfo]) -> list[str]:
+        """The live executors the slices' devices are on, each once."""
+        return [c for c in slice_controls(slices) if c not in self.lost_controls]
 
     def _shares(self, user: str, weight: float, priority: int) -> tuple[float, int]:
         """A new session's weight and priority: the server's to give; a client's own count only where it is
@@ -1049,7 +1058,7 @@ class ProxyState:
 
     def _slice_remapped(self, note: SliceRemapped) -> None:
         """Adopt a slice's new devices, and move its live buffers off hosts still up (draining)."""
-        session = next((s for s in self.sessions.values() if s.session_id == note.slice.owner), None)
+        session = self._by_id(note.slice.owner)
         if session is None or note.slice.slice_id not in session.slices:
             return
         session.slices[note.slice.slice_id] = note.slice
@@ -1120,10 +1129,9 @@ class ProxyState:
                     whole += 1
         doomed = set()
         for key in held:
-            owner, _, rest = key.partition("/")
-            name = rest.rpartition("/")[0]
-            if name not in live.get(owner, ()):
-                doomed.add(f"{owner}/{name}")
+            parts = split_key(key)
+            if parts is not None and parts[1] not in live.get(parts[0], ()):
+                doomed.add(f"{parts[0]}/{parts[1]}")
         if doomed:
             self._send(got.control, DeleteShards(buffers=sorted(doomed)))
         log.info("executor %s is back holding %d objects: %d buffers taken for lost are whole again, %d buffers "

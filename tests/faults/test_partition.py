@@ -17,6 +17,7 @@ from collections.abc import Iterator
 
 import pytest
 
+from helpers import reap
 from pwmesh.cli import netns
 from pwmesh.service import keys as cluster_keys
 
@@ -86,9 +87,4 @@ def test_a_host_partitioned_away_and_back_keeps_what_it_held(cluster: tuple[netn
         job.stdin.close()
         assert job.wait(timeout=60) == 0
     finally:
-        if job.poll() is None:
-            job.kill()
-            job.wait()
-        for stream in (job.stdout, job.stderr):
-            if stream is not None:
-                stream.close()
+        reap(job)

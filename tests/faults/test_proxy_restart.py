@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 import pwmesh as pw
-from helpers import eventually
+from helpers import eventually, reap
 from pwmesh.cli.commands import fetch_status
 
 SESSION_TIMEOUT = 6.0  # a heartbeat every 1.5 s: a client notices the restart within that
@@ -120,11 +120,7 @@ def test_a_session_nobody_resumes_is_freed_within_the_session_timeout() -> None:
             child.send_signal(signal.SIGKILL)  # the client dies with the proxy: nobody resumes its session
             child.wait()
         finally:
-            if child.poll() is None:
-                child.kill()
-                child.wait()
-            if child.stdout is not None:
-                child.stdout.close()
+            reap(child)
         kill_proxy(cluster, 0.0)
         restarted = time.monotonic()
         assert slices_held(cluster.address) == {sid: 1}, "kept while its client may still resume it"
