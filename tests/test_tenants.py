@@ -35,6 +35,7 @@ from pwmesh.service import keys as cluster_keys
 from pwmesh.wire import decode, encode
 from pwmesh.wire.messages import (
     CancelRun,
+    ClaimProxy,
     DeleteShards,
     DeviceInfo,
     DrainExecutor,
@@ -45,12 +46,16 @@ from pwmesh.wire.messages import (
     GetClusterTrace,
     GetExecutorStats,
     GetStatus,
+    ListHeld,
     NodeDone,
     Ping,
     Pong,
     PutShards,
+    ReclaimOwner,
     RegisterExecutor,
     RegisterScheduler,
+    ResumedBuffer,
+    ResumeSession,
     ScheduleRun,
     StatusReply,
     UnregisterExecutor,
@@ -100,6 +105,9 @@ def test_a_client_key_cannot_act_as_a_daemon(keyed: pw.LocalCluster, key_dirs: d
                 PutShards(keys=keys, devices=[0] * len(keys), arrays=[np.full(2, 666.0, np.float32)] * len(keys)),
                 DeleteShards(buffers=[k.rpartition("/")[0] for k in keys]),
                 CancelRun(run_id=f"{session}:1-00000000", error=ErrorInfo(code="internal", message="bob")),
+                # What a restarted proxy asks (sessions that outlive it): never a tenant's to ask.
+                ReclaimOwner(prefix=f"{session}/", marker="", why="bob", drop=True),
+                ListHeld(),
             ],
             keyed.rm_address: [
                 RegisterScheduler(info=SchedulerInfo(island=0, address="tcp://127.0.0.1:1", name="bob")),
@@ -109,6 +117,7 @@ def test_a_client_key_cannot_act_as_a_daemon(keyed: pw.LocalCluster, key_dirs: d
                     devices=[DeviceInfo(index=i, kind="cpu", platform="cpu", global_id=100 + i) for i in range(8)])),
                 UnregisterExecutor(executor_id=executor.executor_id, reason="bob"),
                 DrainExecutor(executor=executor.executor_id),
+                ClaimProxy(name="bob", address="tcp://127.0.0.1:1"),  # the active proxy's lease
             ],
             state.schedulers[0].address: [ScheduleRun(run_id="bob:1", proxy=keyed.address, parts=[])],
             keyed.address: [NodeDone(run_id=f"{session}:1-00000000", nodes=[0], executor_id=executor.executor_id),
@@ -131,6 +140,28 @@ def test_a_client_key_cannot_act_as_a_daemon(keyed: pw.LocalCluster, key_dirs: d
         assert sorted(e.executor_id for e in after.executors) == sorted(e.executor_id for e in state.executors)
         assert all(e.alive and not e.draining for e in after.executors)
         assert [s.address for s in after.schedulers] == [s.address for s in state.schedulers]
+
+
+def test_another_key_cannot_resume_a_session_even_with_its_token(keyed: pw.LocalCluster,
+                                                                key_dirs: dict[str, Path]) -> None:
+    """A session survives a restart of its proxy through its resume token (``pwmesh.proxy.resume``). The token
+    is tied to the key that opened the session: bob, given alice's session id and token, is refused, and
+    alice's session goes on."""
+    with pw.Client(keyed.address, name="alice", keys=str(key_dirs["alice"])) as alice:
+        sl = alice.make_virtual_device_set().add_slice(devices=1)
+        a = alice.put(np.arange(2.0, dtype=np.float32).reshape(1, 2), sl)
+        conn = alice.session.conn
+        assert conn.resume_token, "a keyed cluster's proxy gives tokens (its secret comes from the cluster's key)"
+        bob = raw(keyed.address, key_dirs["bob"])
+        try:
+            steal = ResumeSession(session_id=conn.session_id, token=conn.resume_token,
+                                  buffers=[ResumedBuffer(buffer=a.buffer_id, spec=a.spec())], slices=[sl.slice_id])
+            with pytest.raises(pw.PermissionDenied, match="does not resume session"):
+                bob.request(steal, timeout_seconds=10.0)
+        finally:
+            bob.close()
+        np.testing.assert_array_equal(np.asarray(a), [[0.0, 1.0]])
+        assert [s.session_id for s in status(keyed.address, key_dirs["alice"]).sessions] == [conn.session_id]
 
 
 def test_clients_see_their_own_sessions_and_an_admin_sees_all(keyed: pw.LocalCluster,
