@@ -13,7 +13,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import pwmesh as pw
-from helpers import eventually, slow_then_after
+from helpers import eventually, slow, slow_then_after
 from pwmesh.cli.commands import fetch_status
 from pwmesh.client.connection import ClientConnection
 from pwmesh.wire.messages import DrainHost
@@ -93,6 +93,59 @@ def test_a_scheduler_restarted_at_once_fails_what_it_was_ordering(fragile: pw.Lo
             np.asarray(queued)
         x2, y2 = f(np.ones(1))
         np.testing.assert_allclose(np.asarray(y2), np.asarray(x2) + 1.0)
+
+
+def _restart_scheduler(cluster: pw.LocalCluster) -> None:
+    scheduler = cluster.child("scheduler-0")
+    scheduler.popen.send_signal(signal.SIGKILL)
+    scheduler.popen.wait()
+    cluster.restart("scheduler-0")
+
+
+def test_a_scheduler_restart_gives_back_the_donated_state_of_a_run_that_had_not_started(
+        fragile: pw.LocalCluster) -> None:
+    """Issue #28, item 3. A training step donates its state, and waits on host0 behind seconds of work
+    when the island's scheduler is killed and restarted at once: the step is failed (its scheduler is
+    gone), but its executor never ran it, so the state it was given is still whole there. Before, it was
+    freed with the run: the training state was lost although nothing had touched it. Now the step's
+    output says so, and the state is the caller's again: it reads back unchanged and the step retried
+    with it runs."""
+    with pw.Client(fragile.address) as client:
+        _, on0, _, _, _ = slow_then_after(client, fragile.address)  # host0 computes for seconds
+        step = pw.jit(lambda s: s * 2.0, devices=on0, donate_argnums=0)
+        state = client.put(np.arange(4.0, dtype=np.float32), on0)
+        state.block_until_ready()
+        new = step(state)  # queued on host0, behind the slow computation
+        assert state.is_deleted()
+        _restart_scheduler(fragile)
+        with pytest.raises(pw.DeviceLost, match=rf"scheduler of island 0 .*pw.Array {state.buffer_id} can be used "
+                                                r"again"):
+            np.asarray(new)
+        np.testing.assert_array_equal(np.asarray(state), np.arange(4.0))  # taken back: whole
+        assert not state.is_deleted()
+        retried = step(state)
+        np.testing.assert_array_equal(np.asarray(retried), np.arange(4.0) * 2)
+        with pytest.raises(pw.InvalidArgument, match="was donated to"):  # consumed this time
+            np.asarray(state)
+
+
+def test_donated_state_a_running_computation_was_given_is_not_given_back(fragile: pw.LocalCluster) -> None:
+    """Issue #28, item 3, the other side: a run aborted while its computation runs may have consumed what
+    was donated to it (XLA takes donated inputs as the computation starts), so that is freed as before,
+    and using it again is the usual error."""
+    with pw.Client(fragile.address) as client:
+        devs = client.make_virtual_device_set()
+        on0 = devs.add_slice(devices=1)
+        long_step = pw.jit(lambda s: s + slow(1.0), devices=on0, donate_argnums=0)
+        state = client.put(np.ones((192, 192), np.float32), on0)
+        new = long_step(state)
+        eventually(lambda: any(e.running for e in fetch_status(fragile.address).executor_stats), 30)
+        _restart_scheduler(fragile)
+        with pytest.raises(pw.DeviceLost, match="scheduler of island 0") as failed:
+            np.asarray(new)
+        assert "can be used again" not in str(failed.value)
+        with pytest.raises(pw.InvalidArgument, match="was donated to"):
+            np.asarray(state)
 
 
 def test_a_restarted_proxy_with_no_session_secret_fails_the_calls_waiting_on_the_old_one() -> None:

@@ -70,10 +70,21 @@ class Array:
 
     def _check_alive(self) -> None:
         if self._donated:
-            raise InvalidArgument(f"pw.Array {self._id} {self.dtype}{list(self.shape)} was donated to "
-                                  f"{self._donated} and can no longer be used")
+            self._take_back()
         if self._deleted:
             raise ValueError(f"pw.Array {self._id} was deleted")
+
+    def _take_back(self) -> None:
+        """Used after it was donated: the cluster gives it back if the run it went to was aborted before it
+        consumed it (a scheduler or host lost meanwhile; that run's outputs fail saying so), as if the call
+        had never been made; else this is an error, as using a donated ``jax.Array`` is."""
+        try:
+            self._session.take_back(self._id)
+        except InvalidArgument:
+            raise InvalidArgument(f"pw.Array {self._id} {self.dtype}{list(self.shape)} was donated to "
+                                  f"{self._donated} and can no longer be used") from None
+        self._donated, self._deleted = "", False
+        self._session.track(self)
 
     def donated_to(self, what: str) -> None:
         """It was handed to ``what`` (``donate_argnums``): the cluster frees it; using it again is an error."""
@@ -122,7 +133,10 @@ class Array:
 
     def delete(self) -> None:
         """Free the buffer on the cluster now (also happens when the array is garbage-collected)."""
-        if not self._deleted:
+        if self._donated:  # kept for us only if its run was aborted first (``_take_back``)
+            self._session.drop_donated(self._id)
+            self._donated = ""
+        elif not self._deleted:
             self._deleted = True
             self._session.gone(self)
             self._session.release(self._id)

@@ -40,12 +40,16 @@ from pwmesh.wire.messages import (
     SliceCreated,
     SliceInfo,
     StatusReply,
+    TakeBack,
 )
 
 # Values and nodes a program's registration carries per message (``register_program``): ~0.8 MB, decoded
 # by the proxy in ~40 ms between other clients' messages (10,000 a part let their round trips reach 0.67 s).
 PROGRAM_PART_ITEMS = 4_000
 MAX_GONE = 4_096  # arrays dropped lately, declared to a restarted proxy (``Session.gone``)
+# Donated arrays dropped, released together (``Session.drop_donated``): a run aborted before it consumed one
+# leaves it to its client, whose dropping it frees it; most were consumed, so one message per this many.
+DONATED_RELEASE_BATCH = 256
 
 
 class Session:
@@ -69,6 +73,7 @@ class Session:
         self._slices: list[int] = []
         # Arrays dropped or donated lately (the last ``MAX_GONE``): what was sent before a resume may name them.
         self._gone: collections.OrderedDict[int, Any] = collections.OrderedDict()  # id -> the array's ``spec``
+        self._dropped_donated: list[int] = []
         self.conn.declare = self._declare
         self.conn.on_resumed = self._resumed
 
@@ -182,6 +187,22 @@ class Session:
     def release(self, buffer_id: int) -> None:
         if not self.conn.closed:
             self.conn.post(ReleaseBuffers(buffers=[buffer_id]))
+
+    def take_back(self, buffer_id: int) -> None:
+        """Take back buffer ``buffer_id``, donated to a run that was aborted before it consumed it; raises
+        ``InvalidArgument`` saying so if it was consumed (or its run has not failed)."""
+        self.conn.request(TakeBack(buffer=buffer_id))
+
+    def drop_donated(self, buffer_id: int) -> None:
+        """A donated array was dropped: if its run was aborted without consuming it, the proxy keeps it for
+        us (``take_back``) until told, in a batch (most were consumed, and the proxy ignores those)."""
+        with self._lock:
+            self._dropped_donated.append(buffer_id)
+            if len(self._dropped_donated) < DONATED_RELEASE_BATCH:
+                return
+            dropped, self._dropped_donated = self._dropped_donated, []
+        if not self.conn.closed:
+            self.conn.post(ReleaseBuffers(buffers=dropped))
 
     def status(self) -> StatusReply:
         reply = self.conn.request(GetStatus(), timeout_seconds=60.0)

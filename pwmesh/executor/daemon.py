@@ -623,7 +623,16 @@ class Executor(Service):
         self._reclaimed.pop(msg.prefix.rstrip("/"), None)
 
     def _list_held(self, peer: bytes, env: Envelope) -> OwnedShards:
-        return self._owned([k for k, _, _ in self.store.held()])
+        msg = env.message
+        assert isinstance(msg, ListHeld)
+        if not msg.keys:
+            return self._owned([k for k, _, _ in self.store.held()])
+        # Asked after a ``CancelRun`` (it came first on this connection): the run's work that had not
+        # started never will (``Runner._run``); what runs now may consume its inputs at any moment.
+        busy = self.runner.donating()
+        values = [self.store.values([k]) if k not in busy else None for k in msg.keys]
+        return self._owned([k for k, v in zip(msg.keys, values, strict=True)
+                            if v is not None and not (isinstance(v[0], jax.Array) and v[0].is_deleted())])
 
     def _owned(self, keys: list[str]) -> OwnedShards:
         """``keys`` (held here) with the index of the device each is on (-1: routed rows, on the host)."""

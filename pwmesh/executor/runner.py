@@ -253,6 +253,12 @@ class Runner:
             self._finish(work, started or now, started, [], None, error, 0)
         return len(works)
 
+    def donating(self) -> set[str]:
+        """The keys that computations running now (on device threads, or handed to devices) were given to
+        consume: they may be gone any moment."""
+        return {f"{work.comp.inputs[k]}/{shard}" for work in self._running for k in work.comp.donate
+                for shard in work.shards}
+
     def running_of(self, run_id: str) -> list[Work]:
         """``run_id``'s computations running on device threads or handed to devices now (and those of the
         nodes it dispatched one by one)."""
@@ -358,6 +364,8 @@ class Runner:
                 # Its devices reached it only then: that is when its trace's wait begins.
                 await self._room(work, 1)
                 arrived = max(arrived, self._free_since(work))
+            if work.cancelled is not None:  # meanwhile: it must not start (nor consume what it was donated)
+                raise work.cancelled
             start = time.time()
             if fn is None:  # route: nothing runs, it only emits; identity: its inputs are its outputs
                 outs = per_shard if comp.kind == "identity" else [[] for _ in work.shards]

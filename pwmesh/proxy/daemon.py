@@ -36,6 +36,7 @@ from pwmesh.proxy.state import (
     Action,
     Ask,
     CheckFunction,
+    CheckKept,
     Deliver,
     Delivered,
     Event,
@@ -47,6 +48,7 @@ from pwmesh.proxy.state import (
     Inherited,
     Inventoried,
     Inventory,
+    KeptChecked,
     Lowered,
     LowerOffLoop,
     Notice,
@@ -433,6 +435,22 @@ class Proxy(Service):
             self._perform(self.state.handle(Inventoried(inventory.control, inventory.executor_id, got.keys),
                                             time.monotonic()))
 
+    async def _check_kept(self, check: CheckKept) -> None:
+        """Which shards donated to an aborted run its executors hold intact, for the core to give back."""
+        async def ask(control: str, keys: list[str]) -> list[str]:
+            try:
+                got = await self.peers.request(control, ListHeld(keys=keys),
+                                               timeout_seconds=self.config.reclaim_timeout_seconds)
+            except PwmeshError as exc:
+                log.info("executor at %s did not say whether it holds what was donated to aborted run %s (%s): it "
+                         "is freed", control, check.run_id, exc)
+                return []
+            return got.keys if isinstance(got, OwnedShards) else []
+
+        found = await asyncio.gather(*(ask(control, keys) for control, keys in check.asks.items()))
+        self._perform(self.state.handle(KeptChecked(check.run_id, [k for keys in found for k in keys]),
+                                        time.monotonic()))
+
     @staticmethod
     def _resuming_env(reclaim: Reclaim) -> Envelope:
         """The envelope a resumed session's registrations are handled in, as if its client sent them again."""
@@ -553,6 +571,8 @@ class Proxy(Service):
                 self.peers.fence(action.control, action.fence)
             elif isinstance(action, Inventory):
                 self.tasks.spawn(self._inventory(action), name="inventory")
+            elif isinstance(action, CheckKept):
+                self.tasks.spawn(self._check_kept(action), name=f"check-kept-{action.run_id}")
             elif isinstance(action, Reclaim):
                 if action.resume is None:
                     self.tasks.spawn(self._reclaim(action), name="reclaim")

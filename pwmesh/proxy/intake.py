@@ -114,6 +114,7 @@ def record_run(session: Session, run_id: str, program: ProgramSpec, lowered: Low
     for client_id, buf in binding.donated.values():  # the run consumes it: the client's reference ends here
         buf.client_ref = False
         session.donate(client_id, run_id)
+        run.donated.append((client_id, buf))
     for name in lowered.derived:  # reshards and landings: freed with the run
         temporaries.append(Buffer.new(name, ValueSpec(shape=[], dtype="float32", shards=0), client_ref=False))
     for buf in temporaries:

@@ -81,6 +81,7 @@ class Run:
     # Sequential dispatch: nodes not sent yet, and the nodes each still waits for.
     held: dict[int, list[tuple[str, Computation]]] = dataclasses.field(default_factory=dict)
     waits_for: dict[int, set[int]] = dataclasses.field(default_factory=dict)
+    donated: list[tuple[int, Buffer]] = dataclasses.field(default_factory=list)  # (client id, buffer) it consumes
 
 
 @dataclasses.dataclass(eq=False)
@@ -98,6 +99,9 @@ class Session:
     # a later use of the id gets (the client library stops that use itself).
     donated: collections.OrderedDict[int, str] = dataclasses.field(default_factory=collections.OrderedDict)
     runs: dict[str, Run] = dataclasses.field(default_factory=dict)
+    # Donated buffers a run was aborted before it consumed: the client's again once it asks (``TakeBack``),
+    # freed when it releases them; client id -> buffer.
+    returnable: dict[int, Buffer] = dataclasses.field(default_factory=dict)
     ended: bool = False
     hosts: set[str] = dataclasses.field(default_factory=set)  # executors that may hold its keys
     programs: dict[str, ProgramSpec] = dataclasses.field(default_factory=dict)  # registered, by id

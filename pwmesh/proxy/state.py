@@ -18,6 +18,7 @@ Events:
                                  this one (their sessions may be resumed: ``proxy/resume.py``).
     ``Reclaimed(...)``           the executors' answers to a resume's ``Reclaim``.
     ``Inventoried(...)``         what an executor back from a stall holds (``Inventory``).
+    ``KeptChecked(run_id, intact)`` which shards donated to an aborted run are intact (``CheckKept``).
 
 Actions:
     ``Send(to, message, dispatch)`` post ``message`` to the daemon at address ``to`` (the RM,
@@ -37,6 +38,8 @@ Actions:
                                  hand the core ``Reclaimed`` and answer the request with what it says.
     ``Inventory(control, executor_id)`` ask an executor back from a stall what it holds (``ListHeld``);
                                  then ``Inventoried``.
+    ``CheckKept(run_id, asks)``  ask executors which of these shard keys, donated to an aborted run, they
+                                 hold intact (``ListHeld(keys)``); then ``KeptChecked``.
 """
 
 from __future__ import annotations
@@ -121,6 +124,7 @@ from pwmesh.wire.messages import (
     SliceCreated,
     SliceInfo,
     SliceRemapped,
+    TakeBack,
     ValueSpec,
     WatchCluster,
 )
@@ -232,8 +236,16 @@ class Inventoried:
     keys: list[str]
 
 
+@dataclasses.dataclass(frozen=True)
+class KeptChecked:
+    """The shard keys donated to aborted run ``run_id`` that its executors hold intact (``CheckKept``)."""
+
+    run_id: str
+    intact: list[str]
+
+
 Event = (Inbound | Notice | SliceGranted | FetchEnded | Delivered | FunctionChecked | Lowered | Tick | Inherited
-         | Reclaimed | Inventoried)
+         | Reclaimed | Inventoried | KeptChecked)
 
 # ------------------------------------------------------------------ actions
 
@@ -362,8 +374,18 @@ class Inventory:
     executor_id: str
 
 
+@dataclasses.dataclass(frozen=True)
+class CheckKept:
+    """Ask each executor (by control address) which of its shard keys, donated to aborted run ``run_id``,
+    it holds intact (``ListHeld(keys)``, after the run's ``CancelRun``); then ``KeptChecked`` with them all
+    (none of an executor that does not answer)."""
+
+    run_id: str
+    asks: dict[str, list[str]]
+
+
 Action = (Send | Reply | Ask | Wait | Fetching | Resolve | PeerLost | PeerBack | FencePeer | LowerOffLoop | Reclaim
-          | Inventory)
+          | Inventory | CheckKept)
 
 
 def settled(buffers: list[Buffer]) -> PwmeshError | None:
@@ -446,6 +468,9 @@ class ProxyState:
         self._dispatching = False
         self._user = ""  # who sent the Inbound being handled (``Inbound.user``)
         self._handlers = {op: getattr(self, method) for op, method in self.HANDLERS.items()}
+        # Aborted runs whose donated buffers the executors are asked about (``CheckKept``): run id ->
+        # (session, run, error, [(client id, buffer)]).
+        self._keeping: dict[str, tuple[Session, Run, PwmeshError, list[tuple[int, Buffer]]]] = {}
 
     # The messages ``Inbound`` takes, and their handlers (the shell serves these ops with ``handle``).
     HANDLERS: ClassVar[dict[type[Message], str]] = {
@@ -454,7 +479,7 @@ class ProxyState:
         CreateSlice: "_create_slice", RegisterProgramFunction: "_register_function",
         RegisterProgram: "_register_program", RunProgram: "_run_program", PutBuffer: "_put_buffer",
         ReleaseBuffers: "_release_buffers", AwaitBuffers: "_await_buffers", QueryBuffers: "_query_buffers",
-        Fetch: "_fetch", NodeDone: "_node_done", DataLost: "_data_lost",
+        Fetch: "_fetch", NodeDone: "_node_done", DataLost: "_data_lost", TakeBack: "_take_back",
     }
 
     def handle(self, event: Event, now: float) -> list[Action]:
@@ -503,6 +528,8 @@ class ProxyState:
                 out.append(self._reclaimed(event, now))
             elif isinstance(event, Inventoried):
                 self._reconcile(event)
+            elif isinstance(event, KeptChecked):
+                self._kept_checked(event)
             else:
                 raise TypeError(f"not a proxy event: {event!r}")
         except PwmeshError as exc:
@@ -709,10 +736,13 @@ class ProxyState:
         ended = PwmeshError(f"session {session.session_id} ended: {why}")
         for run in list(session.runs.values()):
             self._abort_run(session, run, ended)
-        for buf in list(session.buffers.values()):
+        for run_id in [r for r, keeping in self._keeping.items() if keeping[0] is session]:
+            self._kept_checked(KeptChecked(run_id, []))
+        for buf in [*session.buffers.values(), *session.returnable.values()]:
             buf.client_ref = False
             self._maybe_free(session.session_id, buf)
         session.buffers.clear()
+        session.returnable.clear()
         session.ended = True
         session.hosts |= {d.control for sl in session.slices.values() for d in sl.devices}
         if session.slices:
@@ -1113,7 +1143,8 @@ class ProxyState:
         held = set(got.keys)
         live: dict[str, set[str]] = {}
         for session in self.sessions.values():
-            live.setdefault(session.session_id, set()).update(b.name for b in session.buffers.values())
+            live.setdefault(session.session_id, set()).update(
+                b.name for b in [*session.buffers.values(), *session.returnable.values()])
         for session, run in self.runs.values():
             live.setdefault(session.session_id, set()).update(
                 b.name for b in [*run.temporaries, *run.outputs, *run.pinned])
@@ -1147,15 +1178,59 @@ class ProxyState:
         return any(lost.executor_id in waiting for waiting in run.pending.values())
 
     def _abort_run(self, session: Session, run: Run, err: PwmeshError) -> None:
-        """Fail everything ``run`` has not produced, and free the survivors' queues of it."""
-        for bufs in run.outputs_of.values():
-            for buf in bufs:
-                self._resolve(buf, err)
+        """Fail everything ``run`` has not produced, and free the survivors' queues of it.
+
+        What was donated to it and may not have been consumed yet (complete, on live executors) is kept
+        until its executors say whether they hold it intact (``CheckKept``; they were told to cancel the run
+        first): those buffers are the client's again (``TakeBack``), as they would be had the call never
+        been made; only then do its outputs fail, saying so."""
         info = ErrorInfo.of(err)
         for control in run.executors:
             self._send(control, CancelRun(run_id=run.run_id, error=info))
         run.pending.clear()
+        keep = [] if session.ended else [(cid, buf) for cid, buf in run.donated if buf.done and buf.error is None
+                                         and buf.lost is None and buf.locations
+                                         and all(loc.executor_id not in self.lost for loc in buf.locations)]
+        if keep:
+            asks: dict[str, list[str]] = {}
+            for _, buf in keep:
+                buf.pins += 1  # not freed with the run
+                for i, loc in enumerate(buf.locations):
+                    asks.setdefault(loc.control, []).append(shard_key(session.session_id, buf.name, i))
+            self._keeping[run.run_id] = (session, run, err, keep)
+            self._out.append(CheckKept(run.run_id, asks))
+        else:
+            self._fail_outputs(run, err)
         self._finish_run(session, run)
+
+    def _fail_outputs(self, run: Run, err: PwmeshError) -> None:
+        for bufs in run.outputs_of.values():
+            for buf in bufs:
+                self._resolve(buf, err)
+
+    def _kept_checked(self, event: KeptChecked) -> None:
+        """The executors said which shards donated to an aborted run they hold intact: buffers whole there are
+        the client's to take back; the rest are freed. Then the run's outputs fail."""
+        keeping = self._keeping.pop(event.run_id, None)
+        if keeping is None:
+            return
+        session, run, err, keep = keeping
+        intact = set(event.intact)
+        back = []
+        for cid, buf in keep:
+            buf.pins -= 1
+            if (not session.ended and buf.lost is None
+                    and all(shard_key(session.session_id, buf.name, i) in intact for i in range(len(buf.locations)))):
+                session.returnable[cid] = buf
+                back.append(cid)
+            else:
+                self._maybe_free(session.session_id, buf)
+        if back:
+            log.info("run %s was aborted before it consumed buffers %s donated to it: they are its client's again",
+                     run.run_id, back)
+            err = type(err)(f"{err.message} (it had not consumed what was donated to it: pw.Array "
+                            f"{', '.join(map(str, back))} can be used again)", remote_traceback=err.remote_traceback)
+        self._fail_outputs(run, err)
 
     def _finish_run(self, session: Session, run: Run) -> None:
         self.runs.pop(run.run_id, None)
@@ -1233,11 +1308,27 @@ class ProxyState:
         if session is None:
             return None
         for cid in msg.buffers:
-            buf = session.buffers.pop(cid, None)
+            buf = session.buffers.pop(cid, None) or session.returnable.pop(cid, None)
             if buf is not None:
                 buf.client_ref = False
                 self._maybe_free(session.session_id, buf)
         return None
+
+    def _take_back(self, peer: bytes, msg: TakeBack, now: float) -> Reply:
+        session = self.session(peer)
+        buf = session.returnable.pop(msg.buffer, None)
+        if buf is None:
+            if msg.buffer in session.buffers:  # taken back already
+                return Reply(Ok())
+            what = session.donated.get(msg.buffer)
+            if what is None:
+                raise NotFound(f"buffer {msg.buffer} does not exist (deleted, or never made)")
+            raise InvalidArgument(f"buffer {msg.buffer} was donated to {what} and can no longer be used (that run "
+                                  "consumed it, or has not failed)")
+        buf.client_ref = True
+        session.buffers[msg.buffer] = buf
+        session.donated.pop(msg.buffer, None)
+        return Reply(Ok())
 
     def buffer(self, session: Session, cid: int) -> Buffer:
         buf = session.buffers.get(cid)

@@ -15,12 +15,14 @@ from typing import Any
 from pwmesh.errors import PwmeshError
 from pwmesh.proxy.state import (
     Ask,
+    CheckKept,
     Deliver,
     Delivered,
     FencePeer,
     FetchEnded,
     Fetching,
     Inbound,
+    KeptChecked,
     Notice,
     PeerBack,
     PeerLost,
@@ -179,6 +181,8 @@ class SimProxy(Node):
             elif isinstance(action, FencePeer):
                 self._send(action.control, action.fence, "")
                 self._fenced.setdefault(action.control, [])
+            elif isinstance(action, CheckKept):  # simulated executors hold no values: nothing is given back
+                self._run(KeptChecked(action.run_id, []), None)
             else:
                 raise TypeError(f"the simulator does not know the proxy action {type(action).__name__}")
 

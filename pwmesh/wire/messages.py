@@ -442,7 +442,13 @@ class GetExecutorStats(Message, op="exec.get_stats"):
 @record
 class ListHeld(Message, op="exec.list_held"):
     """Every value this executor holds (``OwnedShards``): what a proxy reconciles with its buffers when the
-    executor comes back from a stall it was declared lost in."""
+    executor comes back from a stall it was declared lost in.
+
+    With ``keys``, only those of them held *intact*: stored, not consumed by a computation they were
+    donated to, and read by none running now (and the executor's cancelled runs never start, so none
+    will): what a proxy gives back to the client when a run they were donated to was aborted."""
+
+    keys: list[str] = dataclasses.field(default_factory=list)
 
 
 @record
@@ -740,6 +746,14 @@ class BufferValue(Message, op="proxy.buffer_value"):
 @record
 class ReleaseBuffers(Message, op="proxy.release_buffers"):
     buffers: list[int]
+
+
+@record
+class TakeBack(Message, op="proxy.take_back"):
+    """Take back buffer ``buffer``, donated to a run that was aborted before it consumed it (``Ok``), or
+    learn why not (``InvalidArgument``: it was consumed, or the run has not failed)."""
+
+    buffer: int
 
 
 @record
