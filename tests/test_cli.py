@@ -11,6 +11,7 @@ import textwrap
 import urllib.request
 from pathlib import Path
 
+import numpy as np
 import pytest
 from click.testing import CliRunner
 
@@ -38,6 +39,30 @@ def test_status_shows_islands_hosts_devices_and_sessions(cluster: pw.LocalCluste
     state = json.loads(raw.output)
     assert len(state["cluster"]["executors"]) == 4
     assert client.session_id in [s["session_id"] for s in state["sessions"]]
+
+
+def test_debug_events_dumps_each_daemons_latest_events(cluster: pw.LocalCluster, client: pw.Client) -> None:
+    """Issue #29 item 2: every daemon's core keeps its latest events, stimulus ids on each, and
+    ``pwmesh debug events DAEMON`` prints them: the run a client just made is in the proxy's, its
+    scheduler's and its executor's logs."""
+    sl = client.make_virtual_device_set().add_slice(devices=1)
+    np.testing.assert_array_equal(np.asarray(pw.pmap(lambda x: x + 1.0, devices=sl)(np.zeros(1))), [1.0])
+    (executor,) = sl.executors
+    scheduler = f"scheduler-{sl.island}"
+
+    def events(daemon: str) -> str:
+        result = CliRunner().invoke(main, ["debug", "events", daemon, "--address", cluster.address, "--limit", "0"])
+        assert result.exit_code == 0, result.output
+        return result.output
+
+    ran = events(executor)
+    assert f"# {executor} at tcp://" in ran
+    assert "enqueue-" in ran and "Received(message=exec.enqueue(run_id=" in ran and "done-" in ran
+    assert "Inbound(proxy.run_program" in events("proxy")
+    assert "ScheduleRun(run_id=" in events(scheduler) and "RunPartDone(run_id=" in events(scheduler)
+    assert "rm.allocate_slice" in events("rm")
+    unknown = CliRunner().invoke(main, ["debug", "events", "nosuch", "--address", cluster.address])
+    assert unknown.exit_code != 0 and "no daemon 'nosuch'" in unknown.output and "proxy" in unknown.output
 
 
 def test_demo_against_a_running_cluster(cluster: pw.LocalCluster) -> None:

@@ -22,7 +22,9 @@ from pwmesh.service.local_cluster import LocalCluster, LocalClusterSpec
 from pwmesh.wire.messages import (
     ClusterTrace,
     DrainHost,
+    EventLines,
     GetClusterTrace,
+    GetEvents,
     GetStatus,
     HostDrained,
     StatusReply,
@@ -112,6 +114,32 @@ def fetch_status(address: str, connect_timeout_seconds: float = 10.0, *, keys: s
         conn.close()
     assert isinstance(reply, StatusReply)
     return reply
+
+
+def debug_events(address: str, target: str, limit: int, *, connect_timeout_seconds: float = 10.0) -> str:
+    """The latest events a daemon's core handled (``GetEvents``), one line each: ``target`` is ``proxy``,
+    ``rm``, ``scheduler-N`` (island N's), an executor id as ``pwmesh status`` shows it, or an address."""
+    where = target
+    if "://" not in target:
+        status = fetch_status(address, connect_timeout_seconds)
+        schedulers = {f"scheduler-{s.island}": s.address for s in status.cluster.schedulers}
+        executors = {e.executor_id: e.control for e in status.cluster.executors if e.alive}
+        known = {"proxy": address, "rm": status.rm, **schedulers, **executors}
+        if not known.get(target):
+            raise pw.NotFound(f"no daemon {target!r}: name one of {', '.join(sorted(k for k, v in known.items() if v))} "
+                              "or give its address")
+        where = known[target]
+    conn = ClientConnection(where, name="debug", open_session=False, probe=True,
+                            connect_timeout_seconds=connect_timeout_seconds)
+    try:
+        reply = conn.request(GetEvents(limit=limit), timeout_seconds=30.0)
+    finally:
+        conn.close()
+    assert isinstance(reply, EventLines)
+    if not reply.lines:
+        return f"{reply.daemon} ({where}) keeps no events yet"
+    return "\n".join([f"# {reply.daemon} at {where}: its latest {len(reply.lines)} events (time, stimulus id, "
+                      "event -> how many actions it caused)", *reply.lines])
 
 
 def drain(address: str, host: str, timeout_seconds: float, *, connect_timeout_seconds: float = 10.0) -> str:

@@ -166,6 +166,28 @@ def trace(address: str | None, connect_timeout: float, out: str, last_seconds: f
     click.echo(commands.trace(_need(address), out, last_seconds, limit, connect_timeout_seconds=connect_timeout))
 
 
+@main.group()
+def debug() -> None:
+    """Look inside a running daemon."""
+
+
+@debug.command(name="events")
+@_connection
+@click.argument("daemon")
+@click.option("--limit", type=click.IntRange(min=0), default=100, show_default=True,
+              help="The newest this many events (0: all it keeps, up to 2,000).")
+def debug_events(address: str | None, connect_timeout: float, daemon: str, limit: int) -> None:
+    """Print the latest events DAEMON's core handled: time, stimulus id, event, and how many actions it caused.
+
+    DAEMON is `proxy`, `rm`, `scheduler-N` (island N's), an executor id as `pwmesh status` shows it, or an
+    address (tcp://...). Each daemon keeps its last 2,000 (the resource manager leaves out heartbeats); an
+    executor's can be replayed into a fresh `ExecutorState` in a test. Needs an admin key on a keyed cluster.
+    """
+    from pwmesh.cli import commands  # noqa: PLC0415
+
+    click.echo(commands.debug_events(_need(address), daemon, limit, connect_timeout_seconds=connect_timeout))
+
+
 @main.command()
 @_connection
 def demo(address: str | None, connect_timeout: float) -> None:

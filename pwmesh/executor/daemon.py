@@ -12,6 +12,7 @@ import asyncio
 import collections
 import concurrent.futures
 import dataclasses
+import functools
 import logging
 import os
 import random
@@ -24,6 +25,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from pwmesh.core.contract import Send, Timer
 from pwmesh.dataflow.exchange import Destination, Ragged, assemble, cut, cut_error
 from pwmesh.dataflow.plane import DataPlane
 from pwmesh.dataflow.progress import Arrived, Progress, ProgressError
@@ -34,7 +36,22 @@ from pwmesh.executor.functions import FunctionCache
 from pwmesh.executor.group import GroupConfig, group_devices, join
 from pwmesh.executor.runner import Runner, as_error
 from pwmesh.executor.sandbox import Sandbox
-from pwmesh.executor.store import ObjectStore, buffer_of, format_bytes, renamed
+from pwmesh.executor.state import (
+    Action,
+    Admit,
+    Cancelled,
+    CancelWork,
+    Completed,
+    ExecutorState,
+    Flush,
+    Forgotten,
+    Leaving,
+    PartEnded,
+    Received,
+    Reclaimed,
+    StartedOver,
+)
+from pwmesh.executor.store import ObjectStore, buffer_of, format_bytes
 from pwmesh.executor.work import Work
 from pwmesh.ir.keys import function_id
 from pwmesh.service.heartbeat import LoopLag, every
@@ -60,6 +77,7 @@ from pwmesh.wire.messages import (
     Fence,
     FetchShards,
     ForgetOwner,
+    GetEvents,
     GetExecutorStats,
     GetTrace,
     Heartbeat,
@@ -75,7 +93,6 @@ from pwmesh.wire.messages import (
     ReclaimOwner,
     RegisterExecutor,
     RegisterFunction,
-    RunPartDone,
     SendShards,
     ShardValues,
     TraceEvent,
@@ -84,7 +101,6 @@ from pwmesh.wire.messages import (
     UnregisterExecutor,
     Watchers,
 )
-from pwmesh.wire.parts import PartTemplates, enqueued
 from pwmesh.wire.records import check_runs
 
 log = logging.getLogger(__name__)
@@ -204,21 +220,14 @@ class Executor(Service):
         self.abandoned = 0  # computations given up as it stopped (still running on device threads, maybe)
         self.progress = Progress()
         self._dropped_log = RejectedLog(self.name, logger=log)  # tuples a peer made up: a line per producer per 10 s
-        self.part_templates = PartTemplates()  # cached lowerings' parts, unpacked once each
         self.runner = Runner(self.devices, self.store, self.functions, emit=self._emit, done=self._node_done,
                              part_done=self._part_done,
                              memory_limit_bytes=self.config.memory_limit_bytes,
                              memory_wait_seconds=self.config.memory_wait_seconds, host=self.host)
-        self._expected_seq: dict[str, int] = {}  # per scheduler: the next Enqueue to admit
-        self._held: dict[str, dict[int, Enqueue]] = {}  # per scheduler: arrived early, by executor_seq
+        # What it admits, in what order, and what it reports (the pure core; ``Runner`` runs the computations).
+        self.state = ExecutorState(self.name, ordered=not self.config.test_order_by_arrival)
+        self.event_log = self.state.events
         self._jitter = random.Random(f"{self.config.test_seed}-{self.name}")  # each host its own delays
-        self._cancelled: collections.OrderedDict[str, PwmeshError] = collections.OrderedDict()
-        # Sessions a restarted proxy took back (``ReclaimOwner``): session id -> (the marker of its new runs'
-        # ids, what the runs of the proxy before fail with).
-        self._reclaimed: dict[str, tuple[str, PwmeshError]] = {}
-        self._completed: dict[tuple[str, str], list[int]] = {}  # (proxy, run) -> nodes done, not yet reported
-        self._parts_done: list[tuple[str, RunPartDone]] = []  # (scheduler, message) sent with those
-        self._quiet: dict[str, tuple[str, list[int]]] = {}  # run -> (proxy, quiet nodes done): sent at its part's end
         self._registered: dict[str, RegisterFunction] = {}  # kept across a restart into a new forming
         self._fences: collections.Counter[int] = collections.Counter()  # forming -> watchers fenced
         self._fenced = asyncio.Event()
@@ -247,12 +256,13 @@ class Executor(Service):
             Fence: self._fence,
             GetExecutorStats: lambda peer, env: self.stats(),
             GetTrace: self._trace,
+            GetEvents: self.events,
             Ping: self.ping,
         }
         # Only daemons put, fetch, delete, enqueue or register here: a client's values reach an executor
         # through the proxy, which checks that they are the client's own. An admin may read its state.
         self.control = Server(self.ctx, self.config.listen, control, tasks=self.tasks, name=self.name,
-                              access=Access.of(admin=[GetExecutorStats, GetTrace]), passable=True)
+                              access=Access.of(admin=[GetExecutorStats, GetTrace, GetEvents]), passable=True)
         bind_host, _, port = self.config.data_listen.removeprefix("tcp://").rpartition(":")
         self.ctx.guard_bind(self.config.data_listen, "the data plane at ")
         keys = self.ctx.keys
@@ -313,13 +323,10 @@ class Executor(Service):
         err = DeviceLost(f"executor {self.name} was declared lost ({why}): what it was doing is cancelled")
         runs = list(dict.fromkeys(w.run_id for w in self.runner.core.incomplete()))
         for run_id in runs:
-            self._cancelled[run_id] = err
-            self.runner.cancel_run(run_id, err)
+            self._act(self.state.handle(Cancelled(run_id, err), time.monotonic()))
         shards = self.store.drop_pending()
         self.progress = Progress()
-        self._expected_seq.clear()
-        self._held.clear()
-        self._quiet.clear()
+        self._act(self.state.handle(StartedOver(), time.monotonic()))
         self._fresh, self._incarnation = True, os.urandom(8).hex()
         log.warning("declared lost while away (%s): cancelled %d runs and dropped %d buffers they were making; "
                     "keeping %d objects for the proxies to reconcile; registering as a new executor", why, len(runs),
@@ -372,51 +379,30 @@ class Executor(Service):
         self._arrive(msg)
 
     def _arrive(self, msg: Enqueue) -> None:
-        """Admit Enqueues in the island's order: hold any that overtook an earlier one."""
-        if self.config.test_order_by_arrival or msg.executor_seq < 0:
-            self._admit(msg)
-            return
-        source = f"{msg.scheduler}|{msg.epoch}"  # a restarted scheduler is a new source
-        held = self._held.setdefault(source, {})
-        held[msg.executor_seq] = msg
-        expected = self._expected_seq.get(source, 0)
-        while expected in held:
-            self._admit(held.pop(expected))
-            expected += 1
-        self._expected_seq[source] = expected
+        self._act(self.state.handle(Received(msg), time.monotonic()))
 
-    def _admit(self, msg: Enqueue) -> None:
-        failed: PwmeshError | None = self._cancelled.get(msg.run_id.split("#", 1)[0])
-        if failed is None and self._reclaimed:
-            failed = self._old_run(msg.run_id)
-        comps: list[Computation] = []
-        if failed is None:
-            try:
-                comps = enqueued(msg, self.part_templates)
-            except PwmeshError as exc:
-                failed = exc
-        if failed is not None:
-            # The cancellation overtook this Enqueue (they travel different paths), or it was
-            # unreadable: fail it at once, and give the scheduler its window slot back.
-            self.peers.post(msg.proxy, NodeDone(run_id=msg.run_id, nodes=msg.nodes, executor_id=self.name,
-                                                error=ErrorInfo.of(failed)))
-            self._part_done(msg.run_id, msg.scheduler, 0.0)
-            return
-        for comp, exc in self.runner.enqueue_all(msg.run_id, msg.proxy, comps, msg.scheduler):
-            self.peers.post(msg.proxy, NodeDone(run_id=msg.run_id, nodes=[comp.node], executor_id=self.name,
-                                                error=ErrorInfo.of(exc)))
+    def _act(self, actions: list[Action]) -> None:
+        """Do what the core says."""
+        for action in actions:
+            if isinstance(action, Send):
+                self.peers.post(action.to, action.message)
+            elif isinstance(action, Admit):
+                msg = action.message
+                for comp, exc in self.runner.enqueue_all(msg.run_id, msg.proxy, action.computations, msg.scheduler):
+                    self._act(self.state.handle(Completed(msg.run_id, msg.proxy, comp.node, error=exc),
+                                                time.monotonic()))
+            elif isinstance(action, CancelWork):
+                self.runner.cancel_run(action.run_id, action.error)
+            elif isinstance(action, Timer):
+                after_wakeups(functools.partial(self._on_timer, action.event))
+            else:
+                raise TypeError(f"not an executor action: {action!r}")
+
+    def _on_timer(self, event: Flush) -> None:
+        self._act(self.state.handle(event, time.monotonic()))
 
     def _part_done(self, run_id: str, scheduler: str, device_seconds: float) -> None:
-        quiet = self._quiet.pop(run_id, None)
-        if quiet is not None:  # the part's quiet completions leave with its end, before its RunPartDone
-            self._report_later(quiet[0], run_id, quiet[1])
-        if not scheduler:
-            return
-        done = RunPartDone(run_id=run_id, executor_id=self.name, device_seconds=device_seconds)
-        if self._completed:  # leave together with the completions (one I/O-thread wake-up for both)
-            self._parts_done.append((scheduler, done))
-        else:
-            self.peers.post(scheduler, done)
+        self._act(self.state.handle(PartEnded(run_id, scheduler, device_seconds), time.monotonic()))
 
     async def _watchdog(self) -> None:
         for wait in self.runner.gang_waits(older_than_seconds=self.config.watchdog_seconds):
@@ -542,10 +528,7 @@ class Executor(Service):
         msg = env.message
         assert isinstance(msg, CancelRun)
         err = msg.error.exception()
-        self._cancelled[msg.run_id] = err
-        while len(self._cancelled) > 10_000:  # runs are cancelled rarely; remember the recent ones
-            self._cancelled.popitem(last=False)
-        self.runner.cancel_run(msg.run_id, err)
+        self._act(self.state.handle(Cancelled(msg.run_id, err), time.monotonic()))
         if (self.config.reclaim_after_seconds > 0 and msg.run_id not in self._reclaiming
                 and self.runner.running_of(msg.run_id)):
             self._reclaiming.add(msg.run_id)
@@ -582,10 +565,7 @@ class Executor(Service):
             f"{self.config.reclaim_after_seconds:g} s after it was cancelled ({why.message})"), only=given_up)
         kept = set(given_up)
         self._requeue = [(w.run_id, w.proxy, w.scheduler, w.comp) for w in incomplete if w not in kept]
-        for quiet_run, (proxy, nodes) in self._quiet.items():  # completed here: they go now, not at the part's end
-            self._report_later(proxy, quiet_run, nodes)
-        self._quiet.clear()
-        self._report_completed()
+        self._act(self.state.handle(Leaving(), time.monotonic()))  # every completion held here goes now
         await self.peers.barrier(timeout_seconds=5.0)  # the failures and completions delivered
         self.runner.silence()  # what is queued again is reported by the next process
         self.restart = [
@@ -620,7 +600,7 @@ class Executor(Service):
         msg = env.message
         assert isinstance(msg, ForgetOwner)
         self.store.forget_owner(msg.prefix)
-        self._reclaimed.pop(msg.prefix.rstrip("/"), None)
+        self._act(self.state.handle(Forgotten(msg.prefix.rstrip("/")), time.monotonic()))
 
     def _list_held(self, peer: bytes, env: Envelope) -> OwnedShards:
         msg = env.message
@@ -641,14 +621,6 @@ class Executor(Service):
         return OwnedShards(keys=keys, devices=[
             -1 if isinstance(v, Ragged) else index.get(next(iter(v.devices())), -1) for v in values])
 
-    def _old_run(self, run_id: str) -> PwmeshError | None:
-        """What a run of a session a restarted proxy took back fails with, if the proxy before sent it."""
-        owner, _, rest = run_id.partition(":")
-        reclaimed = self._reclaimed.get(owner)
-        if reclaimed is None or renamed(rest, reclaimed[0]):
-            return None
-        return reclaimed[1]
-
     def _reclaim_owner(self, peer: bytes, env: Envelope) -> OwnedShards:
         """A restarted proxy takes a session's objects back (``ReclaimOwner``): the runs its process before
         sent here are cancelled (and any still to come), and only what is held now or named anew is kept."""
@@ -658,11 +630,10 @@ class Executor(Service):
         if not owner or "/" in owner:
             raise InvalidArgument(f"not an owner's prefix: {msg.prefix!r}")
         err = Unavailable(msg.why)
-        self._reclaimed[owner] = (msg.marker, err)
+        self._act(self.state.handle(Reclaimed(owner, msg.marker, err), time.monotonic()))
         runs = {w.run_id.split("#", 1)[0] for w in self.runner.core.incomplete()}
-        for run_id in [r for r in runs if self._old_run(r) is not None]:
-            self._cancelled[run_id] = err
-            self.runner.cancel_run(run_id, err)
+        for run_id in [r for r in runs if self.state.old_run(r) is not None]:
+            self._act(self.state.handle(Cancelled(run_id, err), time.monotonic()))
         held = self.store.fence(owner, msg.marker)
         if msg.drop:
             self.store.delete(sorted({buffer_of(k) for k in held}))
@@ -838,34 +809,14 @@ class Executor(Service):
                 self._copied.set()
 
     def _node_done(self, work: Work) -> None:
-        """Report a completed computation: failures at once, successes batched per run until the
-        loop's next turns (a chain that ran in one go is one message).
+        """Report a completed computation (the core batches successes per run until the loop's next turns:
+        a chain that ran in one go is one message).
 
         The batch leaves after the replies its outputs woke: an early fetch of the value a chain
         just made goes first, so the proxy forwards it before it takes the chain's completion
         (~0.5 ms for 128 nodes) and frees the chain's buffers (more again, here)."""
-        if work.error is not None:
-            self.peers.post(work.proxy, NodeDone(run_id=work.run_id, nodes=[work.comp.node], executor_id=self.name,
-                                                 error=ErrorInfo.of(work.error)))
-            return
-        if work.comp.quiet:  # nobody outside the run waits for it: it goes with the part's end
-            self._quiet.setdefault(work.run_id, (work.proxy, []))[1].append(work.comp.node)
-            return
-        self._report_later(work.proxy, work.run_id, [work.comp.node])
-
-    def _report_later(self, proxy: str, run_id: str, nodes: list[int]) -> None:
-        """Add ``nodes`` to the completions that leave together after the loop's wake-ups."""
-        if not self._completed:
-            after_wakeups(self._report_completed)
-        self._completed.setdefault((proxy, run_id), []).extend(nodes)
-
-    def _report_completed(self) -> None:
-        completed, self._completed = self._completed, {}
-        parts, self._parts_done = self._parts_done, []
-        for (proxy, run_id), nodes in completed.items():
-            self.peers.post(proxy, NodeDone(run_id=run_id, nodes=nodes, executor_id=self.name))
-        for scheduler, done in parts:
-            self.peers.post(scheduler, done)
+        self._act(self.state.handle(Completed(work.run_id, work.proxy, work.comp.node, work.comp.quiet, work.error),
+                                    time.monotonic()))
 
     # ------------------------------------------------------------ the JAX group
 
@@ -954,7 +905,7 @@ class Executor(Service):
         directory = spill.spill_directory(self.name)
         spill.save(spill.Saved(values=values, failures=self.store.failures(), tombstones=self.store.tombstones(),
                                functions=list(self._registered.values()),
-                               expected_seq=dict(self._expected_seq), requeue=self._requeue), directory)
+                               expected_seq=self.state.expected_seq(), requeue=self._requeue), directory)
         assert self.restart is not None
         self.restart += ["--resume-from", str(directory)]
         log.info("moved %d buffers (%d bytes) to host memory for the restart", len(values),
@@ -974,7 +925,7 @@ class Executor(Service):
         for fn in saved.functions:
             self.functions.register(fn.fn_id, fn.exported, fn.spmd, fn.mesh, fn.axes, fn.donate)
             self._registered[fn.fn_id] = fn
-        self._expected_seq.update(saved.expected_seq)
+        self.state.expect(saved.expected_seq)
         self._requeue = saved.requeue  # queued once this process serves (``_queue_again``)
         spill.remove(directory)
         log.info("took back %d buffers and %d functions after restarting into forming %d", len(saved.values),
@@ -1007,7 +958,8 @@ class Executor(Service):
         if self.abandoned:
             log.warning("stopping%s: gave up %d computations not finished after %g s%s", why, self.abandoned,
                         self.config.stop_wait_seconds, "".join(f"; {line}" for line in running))
-        after_wakeups(self._report_completed)  # their failures leave before the barrier
+        # Their failures were sent as they were given up; what else completed leaves before the barrier.
+        self._act(self.state.handle(Flush(), time.monotonic()))
 
     async def close(self) -> None:
         await super().close()

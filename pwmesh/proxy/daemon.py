@@ -89,6 +89,7 @@ from pwmesh.wire.messages import (
     FetchShards,
     GetClusterState,
     GetClusterTrace,
+    GetEvents,
     GetExecutorStats,
     GetStatus,
     GetTrace,
@@ -224,17 +225,19 @@ class Proxy(Service):
             GetStatus: self._status,
             GetClusterTrace: self._trace,
             DrainHost: self._drain_host,
+            GetEvents: self.events,
             Ping: self.ping,
         }
         # Clients open sessions and act on their own; completions come from daemons only; an admin drains.
         access = Access.of(client=[*(op for op in ProxyState.HANDLERS if op not in (NodeDone, DataLost)), GetStatus,
-                                   GetClusterTrace], admin=[DrainHost])
+                                   GetClusterTrace], admin=[DrainHost, GetEvents])
         self.server = Server(self.ctx, self.config.listen, handlers, tasks=self.tasks, name=self.name, access=access)
         self.state = ProxyState(rm=self.config.rm, address=self.server.address, name=self.name,
                                 session_timeout_seconds=self.config.session_timeout_seconds,
                                 client_heartbeat_interval_seconds=self.config.client_heartbeat_interval_seconds,
                                 lower_off_loop_nodes=self.config.lower_off_loop_nodes,
                                 secret=session_secret(self.config, self.ctx.keys))
+        self.event_log = self.state.events
         if not self.state.secret:
             log.info("no session secret (--session-secret-file, or --keys): sessions end if this proxy restarts")
         sandboxed = self.config.sandbox_functions
@@ -761,7 +764,7 @@ class Proxy(Service):
                         lowered=s.lowerings.misses, reused=s.lowerings.hits)
             for s in self.state.sessions.values() if sees_all(env) or s.owner == env.user
         ]
-        return StatusReply(cluster=reply.state, sessions=sessions, executor_stats=[s for s in found if s],
+        return StatusReply(cluster=reply.state, sessions=sessions, rm=self.config.rm, executor_stats=[s for s in found if s],
                            programs=self.state.programs, dispatch_messages=self.state.dispatch_messages,
                            dispatch_bytes=self.dispatch_bytes)
 

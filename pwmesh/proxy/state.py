@@ -55,6 +55,7 @@ import weakref
 from collections.abc import Callable
 from typing import ClassVar
 
+from pwmesh.core.contract import EventLog, describe
 from pwmesh.errors import (
     DeadlineExceeded,
     DeviceLost,
@@ -388,6 +389,19 @@ Action = (Send | Reply | Ask | Wait | Fetching | Resolve | PeerLost | PeerBack |
           | Inventory | CheckKept)
 
 
+def _summary(event: Event) -> str:
+    """A line for the event log: what it is and whom it concerns, without its payload."""
+    if isinstance(event, Inbound):
+        msg = event.message
+        what = getattr(msg, "run_id", None) or getattr(msg, "program_id", None) or getattr(msg, "session_id", None)
+        return f"Inbound({msg.op} from {event.peer.hex()[:12]}{f' {what}' if what else ''})"
+    if isinstance(event, Notice):
+        return f"Notice({event.message.op})"
+    if isinstance(event, KeptChecked | Inventoried | Reclaimed):
+        return describe(event)[:300]
+    return type(event).__name__
+
+
 def settled(buffers: list[Buffer]) -> PwmeshError | None:
     """What a wait on ``buffers`` (all done) answers: the first failure in their order, or None."""
     for buf in buffers:
@@ -471,6 +485,8 @@ class ProxyState:
         # Aborted runs whose donated buffers the executors are asked about (``CheckKept``): run id ->
         # (session, run, error, [(client id, buffer)]).
         self._keeping: dict[str, tuple[Session, Run, PwmeshError, list[tuple[int, Buffer]]]] = {}
+        # The latest events, as summary lines (a client's messages carry arrays: none is kept).
+        self.events = EventLog()
 
     # The messages ``Inbound`` takes, and their handlers (the shell serves these ops with ``handle``).
     HANDLERS: ClassVar[dict[type[Message], str]] = {
@@ -485,6 +501,8 @@ class ProxyState:
     def handle(self, event: Event, now: float) -> list[Action]:
         """Apply ``event``; return what must happen because of it, in order."""
         self._out = out = []
+        kind = event.message.op if isinstance(event, Inbound | Notice) else type(event).__name__
+        stimulus = self.events.stimulus(kind)
         try:
             if isinstance(event, Inbound):
                 self._user = event.user
@@ -537,6 +555,7 @@ class ProxyState:
         finally:
             self._out = []
             self._dispatching = False
+            self.events.record(now, stimulus, _summary(event), len(out))
         return out
 
     def _send(self, to: str, message: Message) -> None:

@@ -21,6 +21,7 @@ from pwmesh.wire.messages import (
     DrainExecutor,
     ExecutorLost,
     GetClusterState,
+    GetEvents,
     Heartbeat,
     LeavingForGroup,
     Ok,
@@ -66,9 +67,11 @@ class ResourceManager(Service):
         handlers[WatchCluster] = self._watch
         handlers[LeavingForGroup] = self._leaving
         handlers[Ping] = self.ping
+        handlers[GetEvents] = self.events
+        self.event_log = self.state.events
         # Everything here is the daemons' (register, watch, allocate...); an admin may read the map.
         self.server = Server(self.ctx, self.config.listen, handlers, tasks=self.tasks, name=self.name,
-                             on_unreachable=self.watchers.discard, access=Access.of(admin=[GetClusterState]))
+                             on_unreachable=self.watchers.discard, access=Access.of(admin=[GetClusterState, GetEvents]))
         self.server.start()
         self.tasks.spawn(every(self.config.heartbeat_timeout_seconds / 4, self._expire), name="rm.expire")
 

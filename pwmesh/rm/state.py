@@ -14,6 +14,7 @@ import collections
 import dataclasses
 import itertools
 
+from pwmesh.core.contract import EventLog, describe
 from pwmesh.errors import InvalidArgument, NotFound, ResourceExhausted, Unavailable
 from pwmesh.rm.placement import DeviceRef, of_kind, place
 from pwmesh.service.heartbeat import Liveness
@@ -66,6 +67,7 @@ class ResourceManagerState:
 
     def __post_init__(self) -> None:
         self.liveness = Liveness(self.heartbeat_timeout_seconds)
+        self.events = EventLog()  # the latest messages handled but heartbeats (``pwmesh debug events``)
         self.notifications: list[Message] = []
         self._physicals: dict[str, tuple[ExecutorInfo, dict[int, PhysicalDevice]]] = {}
         self.known: set[tuple[str, str]] = set()  # (role, name) of every registrant
@@ -81,6 +83,17 @@ class ResourceManagerState:
         self._given_up: collections.OrderedDict[tuple[str, str], None] = collections.OrderedDict()
 
     def handle(self, message: Message, now: float) -> Message | None:
+        """Apply ``message``; return the answer (and leave notices in ``notifications``)."""
+        if isinstance(message, Heartbeat):  # the bulk of its traffic: not logged, so the log shows the rest
+            return self._handle(message, now)
+        stimulus = self.events.stimulus(message.op)
+        before = len(self.notifications)
+        try:
+            return self._handle(message, now)
+        finally:
+            self.events.record(now, stimulus, describe(message)[:300], len(self.notifications) - before)
+
+    def _handle(self, message: Message, now: float) -> Message | None:
         match message:
             case RegisterExecutor(info=info):
                 return self._register_executor(info, now)

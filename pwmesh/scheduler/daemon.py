@@ -31,6 +31,7 @@ from pwmesh.wire.messages import (
     ExecutorRestarting,
     Fence,
     GetClusterState,
+    GetEvents,
     GetSchedulerStats,
     Heartbeat,
     JoinGroup,
@@ -78,12 +79,14 @@ class Scheduler(Service):
             ScheduleRun: self._schedule,
             RunPartDone: self._part_done,
             GetSchedulerStats: self._stats,
+            GetEvents: self.events,
             Ping: self.ping,
         }
         self.server = Server(self.ctx, self.config.listen, handlers, tasks=self.tasks, name=self.name,
-                             access=Access.of(admin=[GetSchedulerStats]))
+                             access=Access.of(admin=[GetSchedulerStats, GetEvents]))
         self.order = IslandOrder(self.config.island, policy=self.config.policy, window=self.config.window,
                                  scheduler=self.ctx.advertise(self.server.address))
+        self.event_log = self.order.events
         self.server.start()
         self.peers = Connections(self.ctx, tasks=self.tasks, name=self.name, on_message=self._notified)
         rm = self.peers.get(self.config.rm)
@@ -224,14 +227,14 @@ class Scheduler(Service):
     def _schedule(self, peer: bytes, env: Envelope) -> None:
         run = env.message
         assert isinstance(run, ScheduleRun)
-        self._post(self.order.submit(run))
+        self._post(self.order.submit(run, time.monotonic()))
 
     def _part_done(self, peer: bytes, env: Envelope) -> None:
         msg = env.message
         assert isinstance(msg, RunPartDone)
         if not speaks_for(env.user, msg.executor_id):
             raise PermissionDenied(f"the daemon key {env.user!r} cannot report {msg.executor_id}'s parts done")
-        self._post(self.order.part_done(msg.run_id, msg.executor_id, msg.device_seconds))
+        self._post(self.order.part_done(msg.run_id, msg.executor_id, msg.device_seconds, time.monotonic()))
 
     def _stats(self, peer: bytes, env: Envelope) -> SchedulerStats:
         return SchedulerStats(island=self.config.island, policy=self.order.policy, next_seq=self.order.next_seq,

@@ -28,6 +28,7 @@ import itertools
 import secrets
 from typing import NamedTuple
 
+from pwmesh.core.contract import EventLog
 from pwmesh.errors import InvalidArgument
 from pwmesh.wire.messages import ClientUsage, Enqueue, ScheduleRun
 from pwmesh.wire.records import MAX_DEVICES
@@ -113,10 +114,26 @@ class IslandOrder:
         # A completion wakes only the best of those its freed slot may let through, not every waiting client.
         self._ready: list[_Entry] = []
         self._blocked: dict[DeviceKey, list[_Entry]] = {}
+        self.events = EventLog()  # the latest runs submitted and parts done
 
     # ---------------------------------------------------------------- events
 
-    def submit(self, run: ScheduleRun) -> list[SendEnqueue]:
+    def submit(self, run: ScheduleRun, now: float = 0.0) -> list[SendEnqueue]:
+        """Queue a run for its client, then release whatever now fits (logged: ``pwmesh debug events``)."""
+        stimulus = self.events.stimulus("schedule")
+        sends = self._submit(run)
+        self.events.record(now, stimulus, f"ScheduleRun(run_id={run.run_id!r}, session={run.session!r}, "
+                                          f"parts={len(run.parts)})", len(sends))
+        return sends
+
+    def part_done(self, run_id: str, executor_id: str, device_seconds: float, now: float = 0.0) -> list[SendEnqueue]:
+        """An executor finished its part of a run (logged)."""
+        stimulus = self.events.stimulus("part-done")
+        sends = self._part_done(run_id, executor_id, device_seconds)
+        self.events.record(now, stimulus, f"RunPartDone(run_id={run_id!r}, executor_id={executor_id!r})", len(sends))
+        return sends
+
+    def _submit(self, run: ScheduleRun) -> list[SendEnqueue]:
         """Queue a run for its client, then release whatever now fits."""
         client = self._clients.get(run.session)
         if client is None:
@@ -139,7 +156,7 @@ class IslandOrder:
             self._place(client)
         return self._release()
 
-    def part_done(self, run_id: str, executor_id: str, device_seconds: float) -> list[SendEnqueue]:
+    def _part_done(self, run_id: str, executor_id: str, device_seconds: float) -> list[SendEnqueue]:
         """An executor finished its part of a run: free its slots, charge the client."""
         flight = self._in_flight.get(run_id)
         if flight is None or executor_id not in flight.parts:

@@ -25,12 +25,13 @@ import time
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
+from pwmesh.core.contract import EventLog
 from pwmesh.errors import PwTimeoutError
 from pwmesh.service.keys import Security
 from pwmesh.service.tasks import TaskGroup
 from pwmesh.service.transport import Context
 from pwmesh.wire import Envelope
-from pwmesh.wire.messages import Pong
+from pwmesh.wire.messages import EventLines, GetEvents, Pong
 
 if TYPE_CHECKING:
     from pwmesh.service.metrics import Metric, MetricsServer
@@ -87,6 +88,17 @@ class Service:
         if self.metrics is not None:
             info["metrics"] = self.metrics.address
         return info
+
+    # The bounded log of the events its core handled lately (``pwmesh.core.contract``), if it keeps one.
+    event_log: EventLog | None = None
+
+    def events(self, peer: bytes, env: Envelope) -> EventLines:
+        """Its core's latest events (``GetEvents``), for ``pwmesh debug events``."""
+        msg = env.message
+        assert isinstance(msg, GetEvents)
+        if self.event_log is None:
+            return EventLines(daemon=self.name, lines=[])
+        return EventLines(daemon=self.name, lines=self.event_log.lines(msg.limit))
 
     def ping(self, peer: bytes, env: Envelope) -> Pong:
         """Every daemon answers ``Ping`` with who it is and its lifecycle status."""

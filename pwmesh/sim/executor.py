@@ -1,16 +1,16 @@
 """A simulated host executor: fake devices with the real device-queue core, in virtual time.
 
-It does what ``pwmesh/executor`` does with each message, without JAX or arrays:
-``Enqueue``s are admitted in the island's order (``executor_seq`` per scheduler), their
-computations unpacked with the real ``wire.parts.enqueued`` and put on the real
+It does what ``pwmesh/executor`` does with each message, without JAX or arrays, around the
+executor's real core (``executor.state.ExecutorState``: ``Enqueue``s admitted in the island's
+order, cancelled runs, completions batched per run per instant) and put on the real
 ``executor.queues.DeviceQueues`` (one FIFO per device, a computation starts at the
 head of all its devices' queues). A started computation waits for its inputs and its
 function, then takes the host's overhead and its devices' time from the cost model
 (``sim.cost``); its outputs are stored as shapes (no data), its ``Emit``s move bytes
 over the network's data plane to the executors that hold the destination shards
 (per destination, the sources it will hear from are counted, as progress tracking
-does), and completions go back as ``NodeDone`` (to the proxy, batched per run per
-instant) and ``RunPartDone`` (to the scheduler). ``PutShards``, ``SendShards``,
+does), and completions go back as the core says (``NodeDone`` to the proxy,
+``RunPartDone`` to the scheduler). ``PutShards``, ``SendShards``,
 ``FetchShards`` (answered with zeros of the stored shape: real bytes on the wire),
 ``DeleteShards``, ``ForgetOwner`` and ``CancelRun`` behave as the real executor's.
 """
@@ -23,10 +23,12 @@ from collections.abc import Callable
 
 import numpy as np
 
+from pwmesh.core.contract import Send, Timer
 from pwmesh.dataflow.exchange import destinations, emit_layouts
 from pwmesh.dataflow.layout import plan
 from pwmesh.errors import NotFound, PwmeshError
 from pwmesh.executor.queues import DeviceQueues, PartDone, Start
+from pwmesh.executor.state import Admit, Cancelled, CancelWork, Completed, Event, ExecutorState, PartEnded, Received
 from pwmesh.executor.work import Work
 from pwmesh.sim.clock import Clock
 from pwmesh.sim.cost import CostModel, FunctionCost
@@ -39,18 +41,14 @@ from pwmesh.wire.messages import (
     DeleteShards,
     Emit,
     Enqueue,
-    ErrorInfo,
     FetchShards,
     ForgetOwner,
-    NodeDone,
     Ok,
     PutShards,
     RegisterFunction,
-    RunPartDone,
     SendShards,
     ShardValues,
 )
-from pwmesh.wire.parts import PartTemplates, enqueued
 
 Meta = tuple[tuple[int, ...], str]  # a stored shard: its shape and dtype (the simulator keeps no data)
 
@@ -68,24 +66,18 @@ class SimExecutor(Node):
         self.cost = cost
         self.peers = peers  # every executor, by data-plane address (the data plane's routes)
         self.queues = DeviceQueues(devices)
-        self.templates = PartTemplates()
+        self.state = ExecutorState(executor_id, log_events=False)
         self.functions: dict[str, FunctionCost] = {}
         self.stored: dict[str, Meta] = {}
         self._by_prefix: collections.defaultdict[str, set[str]] = collections.defaultdict(set)  # buffer -> its keys here
         self.failed: dict[str, PwmeshError] = {}
         self.tombstones: set[str] = set()  # deleted buffers ("owner/buffer"): late data for them is dropped
-        self.cancelled: dict[str, PwmeshError] = {}
         self.spans: list[tuple[float, float, str, int, tuple[int, ...]]] = []  # (start, end, run, node, devices)
         self.keep_spans = keep_spans
         self.host_free = 0.0  # the host dispatches one computation at a time
         self._waiters: dict[str, list[Callable[[], None]]] = collections.defaultdict(list)
         self._fn_waiters: dict[str, list[Callable[[], None]]] = collections.defaultdict(list)
         self._inbox: dict[str, int] = {}  # destination key -> pieces still expected
-        self._held: dict[str, dict[int, Enqueue]] = {}
-        self._expected: dict[str, int] = {}
-        self._completed: dict[tuple[str, str], list[int]] = {}
-        self._parts_done: list[tuple[str, RunPartDone]] = []
-        self._quiet: dict[str, tuple[str, list[int]]] = {}  # run -> (proxy, quiet nodes done): sent at its part's end
         self.data_bytes_out = 0
 
     # ------------------------------------------------------------ messages
@@ -93,7 +85,7 @@ class SimExecutor(Node):
     def handle(self, env: Envelope) -> None:
         msg = env.message
         if isinstance(msg, Enqueue):
-            self._arrive_enqueue(msg)
+            self._core(Received(msg))
         elif isinstance(msg, RegisterFunction):
             fn = FunctionCost.from_artifact(msg.exported)
             self.functions[msg.fn_id] = fn
@@ -120,26 +112,25 @@ class SimExecutor(Node):
         elif isinstance(msg, ForgetOwner):
             self.tombstones = {t for t in self.tombstones if not t.startswith(msg.prefix)}
         elif isinstance(msg, CancelRun):
-            self._cancel(msg.run_id, msg.error.exception())
+            self._core(Cancelled(msg.run_id, msg.error.exception()))
         else:
             self.post(env.sender, Ok(), reply_to=env.msg_id)  # what a fake host need not do (stats, traces)
 
-    def _arrive_enqueue(self, msg: Enqueue) -> None:
-        """Admit Enqueues in the island's order, holding any that overtook an earlier one."""
-        if msg.executor_seq < 0:
-            self._admit(msg)
-            return
-        source = f"{msg.scheduler}|{msg.epoch}"
-        held = self._held.setdefault(source, {})
-        held[msg.executor_seq] = msg
-        expected = self._expected.get(source, 0)
-        while expected in held:
-            self._admit(held.pop(expected))
-            expected += 1
-        self._expected[source] = expected
+    def _core(self, event: Event) -> None:
+        """Hand the executor's core ``event`` and do what it says."""
+        for action in self.state.handle(event, self.clock.now):
+            if isinstance(action, Send):
+                self.post(action.to, action.message)
+            elif isinstance(action, Admit):
+                self._admit(action.message, action.computations)
+            elif isinstance(action, CancelWork):
+                self._cancel(action.run_id, action.error)
+            elif isinstance(action, Timer):  # what completes in one instant leaves together
+                self.clock.after(0.0, lambda event=action.event: self._core(event))
+            else:
+                raise TypeError(f"not an executor action: {action!r}")
 
-    def _admit(self, msg: Enqueue) -> None:
-        comps: list[Computation] = enqueued(msg, self.templates)
+    def _admit(self, msg: Enqueue, comps: list[Computation]) -> None:
         self.queues.admitting(msg.run_id)
         starts: list[Start] = []
         for comp in comps:
@@ -164,9 +155,9 @@ class SimExecutor(Node):
     def _start(self, work: Work) -> None:
         """Every local device reached it: wait for its function and inputs, then run it."""
         comp = work.comp
-        base = work.run_id.split("#", 1)[0]
-        if base in self.cancelled:
-            self._fail(work, self.cancelled[base])
+        cancelled = self.state.cancelled.get(work.run_id.split("#", 1)[0])
+        if cancelled is not None:
+            self._fail(work, cancelled)
             return
         if comp.kind == "call" and comp.fn_id not in self.functions:
             self._fn_waiters[comp.fn_id].append(lambda: self._start(work))
@@ -233,15 +224,13 @@ class SimExecutor(Node):
                     if peer is not None:
                         key = f"{target.prefix}/{j}"
                         self.network.transfer(self.data, dest.data, 64, lambda p=peer, k=key: p._store_failed(k, error))
-        self.post(work.proxy, NodeDone(run_id=work.run_id, nodes=[work.comp.node], executor_id=self.executor_id,
-                                       error=ErrorInfo.of(error)))
+        self._core(Completed(work.run_id, work.proxy, work.comp.node, error=error))
         if not work.finished:
             starts = self.queues.release(work)
             self._act(starts)
             self._act(self.queues.complete(work))
 
     def _cancel(self, run_id: str, error: PwmeshError) -> None:
-        self.cancelled[run_id] = error
         for work in self.queues.of_run(run_id):
             if not work.finished and work.cancelled is None:
                 work.cancelled = error
@@ -251,35 +240,10 @@ class SimExecutor(Node):
     # ------------------------------------------------------------ completions
 
     def _completed_node(self, work: Work) -> None:
-        if work.comp.quiet:  # nobody outside the run waits for it: it goes with the part's end (as the real one)
-            self._quiet.setdefault(work.run_id, (work.proxy, []))[1].append(work.comp.node)
-            return
-        self._report_later(work.proxy, work.run_id, [work.comp.node])
-
-    def _report_later(self, proxy: str, run_id: str, nodes: list[int]) -> None:
-        if not self._completed and not self._parts_done:
-            self.clock.after(0.0, self._report)  # what completes in one instant leaves together
-        self._completed.setdefault((proxy, run_id), []).extend(nodes)
+        self._core(Completed(work.run_id, work.proxy, work.comp.node, work.comp.quiet))
 
     def _part_done(self, done: PartDone) -> None:
-        quiet = self._quiet.pop(done.run_id, None)
-        if quiet is not None:  # the part's quiet completions leave with its end, before its RunPartDone
-            self._report_later(quiet[0], done.run_id, quiet[1])
-        if not done.scheduler:
-            return
-        msg = RunPartDone(run_id=done.run_id, executor_id=self.executor_id, device_seconds=done.device_seconds)
-        if self._completed:
-            self._parts_done.append((done.scheduler, msg))
-        else:
-            self.post(done.scheduler, msg)
-
-    def _report(self) -> None:
-        completed, self._completed = self._completed, {}
-        parts, self._parts_done = self._parts_done, []
-        for (proxy, run_id), nodes in completed.items():
-            self.post(proxy, NodeDone(run_id=run_id, nodes=nodes, executor_id=self.executor_id))
-        for scheduler, msg in parts:
-            self.post(scheduler, msg)
+        self._core(PartEnded(done.run_id, done.scheduler, done.device_seconds))
 
     # ------------------------------------------------------------ the store and the data plane
 

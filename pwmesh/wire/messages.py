@@ -584,6 +584,20 @@ class DataLost(Message, op="exec.data_lost"):
 
 
 @record
+class GetEvents(Message, op="debug.get_events"):
+    """The newest ``limit`` (0: all kept) events the daemon's core handled, one line each (``EventLines``):
+    ``pwmesh debug events``."""
+
+    limit: int = 0
+
+
+@record
+class EventLines(Message, op="debug.events"):
+    daemon: str
+    lines: list[str]
+
+
+@record
 class GetTrace(Message, op="exec.get_trace"):
     """The newest ``limit`` (0: all kept) computations that ended at or after ``since`` (wall clock)."""
 
@@ -785,6 +799,7 @@ class StatusReply(Message, op="proxy.status"):
     programs: int = 0
     dispatch_messages: int = 0
     dispatch_bytes: int = 0
+    rm: str = ""  # the resource manager's address, as the proxy reaches it
 
 
 @record

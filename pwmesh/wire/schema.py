@@ -374,6 +374,10 @@ def _first_to_wire(self: Record) -> dict[str, Any]:
 _first_to_wire._generated = True  # type: ignore[attr-defined]
 
 
-def record(cls: type) -> type:
-    """Decorator: make ``cls`` a slotted, keyword-only dataclass ``Record``."""
+_R = typing.TypeVar("_R", bound=type)
+
+
+@typing.dataclass_transform(kw_only_default=True, field_specifiers=(dataclasses.field,))
+def record(cls: _R) -> _R:
+    """Decorator: make ``cls`` a slotted, keyword-only dataclass ``Record`` (a dataclass to type checkers)."""
     return dataclasses.dataclass(slots=True, kw_only=True)(cls)

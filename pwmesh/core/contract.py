@@ -1,0 +1,83 @@
+"""The contract of a pure core: shared actions, stimulus ids, and the log of recent events.
+
+Every event a core handles gets a *stimulus id*: ``"<kind>-<n>"``, numbered per core. The actions it
+returns carry that id (``Send.stimulus``), and the core records the event, its id and what it caused in
+an ``EventLog``: a bounded ring of the latest events, cheap enough to keep always on (a tuple each), so
+that when a daemon misbehaves its last events can be dumped (``pwmesh debug events``) and replayed in a
+test against a fresh core.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import itertools
+from typing import Any
+
+from pwmesh.wire import Message
+
+EVENT_LOG_LENGTH = 2_000  # events kept per core
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Send:
+    """Post ``message`` to the daemon at address ``to``; ``stimulus``: the event that caused it."""
+
+    to: str
+    message: Message
+    stimulus: str = ""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Timer:
+    """Hand the core ``event`` at ``at`` (the core's clock); ``at`` <= now: once the shell's pending wake-ups
+    have run (the same instant, after what is ready now)."""
+
+    at: float
+    event: Any
+    stimulus: str = ""
+
+
+def describe(value: Any) -> str:
+    """A short line for an event or action: its type and fields, long values cut."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        fields = []
+        for field in dataclasses.fields(value):
+            item = getattr(value, field.name)
+            text = item.op if isinstance(item, Message) else repr(item)
+            if isinstance(item, Message):
+                inner = [f"{f.name}={getattr(item, f.name)!r}" for f in dataclasses.fields(item)
+                         if f.name in ("run_id", "nodes", "executor_seq", "scheduler", "epoch")]
+                text = f"{item.op}({', '.join(inner)})"
+            fields.append(f"{field.name}={text[:120]}")
+        return f"{type(value).__name__}({', '.join(fields)})"
+    return repr(value)[:200]
+
+
+class EventLog:
+    """The latest ``length`` events a core handled: (time, stimulus id, event, the actions' summary).
+
+    ``stimulus(kind)`` names the next event; ``record`` keeps it. Events are kept as objects (not
+    formatted) so recording costs a tuple; ``lines`` formats them when asked."""
+
+    def __init__(self, length: int = EVENT_LOG_LENGTH) -> None:
+        self.entries: collections.deque[tuple[float, str, Any, int]] = collections.deque(maxlen=length)
+        self._ids = itertools.count(1)
+
+    def stimulus(self, kind: str) -> str:
+        return f"{kind}-{next(self._ids)}"
+
+    def record(self, now: float, stimulus: str, event: Any, actions: int) -> None:
+        """Keep ``event`` (it must hold no large payload: pass a summary line for one that does)."""
+        self.entries.append((now, stimulus, event, actions))
+
+    def lines(self, limit: int = 0) -> list[str]:
+        """The newest ``limit`` (0: all) entries, oldest first, one line each."""
+        entries = list(self.entries)[-limit:] if limit > 0 else list(self.entries)
+        return [f"{now:.6f} {stimulus} {event if isinstance(event, str) else describe(event)} -> {actions} actions"
+                for now, stimulus, event, actions in entries]
+
+    def events(self) -> list[Any]:
+        """The events kept, oldest first (summary lines for those that carried payloads): hand them to a
+        fresh core to replay what this one did."""
+        return [event for _, _, event, _ in self.entries]

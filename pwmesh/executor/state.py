@@ -1,0 +1,287 @@
+"""The executor's pure core: which runs it admits, in what order, and what it reports of them.
+
+``ExecutorState.handle(event, now) -> actions`` has no threads, JAX or sockets. The daemon
+(``executor/daemon.py``, with ``Runner`` running the computations) and the simulated executor
+(``sim/executor.py``) drive this same core; a test drives it with events alone.
+
+Events:
+    ``Received(enqueue)``         an ``Enqueue`` from an island's scheduler, in whatever order the network
+                                  gave it: admitted in the island's order (``executor_seq`` per scheduler
+                                  instance), the ones that overtook an earlier one held until it comes.
+    ``Cancelled(run_id, error)``  the proxy cancelled a run (``CancelRun``): what of it is queued fails, and
+                                  what of it arrives later fails at once.
+    ``Reclaimed(owner, marker, error)`` a restarted proxy took session ``owner`` back (``ReclaimOwner``): runs
+                                  the proxy before sent (names without ``marker``) are cancelled, now and later.
+    ``Forgotten(owner)``          the session ended for good (``ForgetOwner``).
+    ``Completed(run_id, proxy, node, quiet, error)`` a computation of a run completed (or failed, or was
+                                  refused as it was admitted).
+    ``PartEnded(run_id, scheduler, device_seconds)`` every computation of a run admitted here completed.
+    ``Flush()``                   the wake-ups of this instant ran: batched completions leave.
+    ``StartedOver()``             the executor was declared lost and starts over as a new one: the island's
+                                  order and what waited for a part's end start over too.
+    ``Leaving()``                 the process restarts (its work goes on in the next): every completion
+                                  held here leaves now, quiet ones too.
+
+Actions:
+    ``Send(to, message)``         post a message (``NodeDone`` to a proxy, ``RunPartDone`` to a scheduler).
+    ``Admit(enqueue, computations)`` run these (the runner's device queues take them in this order); those
+                                  it refuses come back as ``Completed`` with their error.
+    ``CancelWork(run_id, error)`` fail what of ``run_id`` is queued or waiting here.
+    ``Timer(now, Flush())``       hand the core ``Flush`` once this instant's wake-ups have run.
+
+Completions are batched: a computation that fails is reported at once; the others of one run, per
+proxy, leave together after the loop's wake-ups (a chain that ran in one go is one ``NodeDone``), and
+a *quiet* one (nobody outside its run waits for it) leaves with its part's end. A part's
+``RunPartDone`` leaves after the completions it follows, so the scheduler never frees a slot for a
+run whose results the proxy has not heard of.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+
+from pwmesh.core.contract import EventLog, Send, Timer
+from pwmesh.errors import PwmeshError
+from pwmesh.executor.store import renamed
+from pwmesh.wire.messages import Computation, Enqueue, ErrorInfo, NodeDone, RunPartDone
+from pwmesh.wire.parts import PartTemplates, enqueued
+
+MAX_CANCELLED = 10_000  # cancelled runs remembered (runs are cancelled rarely; the recent ones matter)
+
+# ------------------------------------------------------------------ events
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Received:
+    message: Enqueue
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Cancelled:
+    run_id: str
+    error: PwmeshError
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Reclaimed:
+    owner: str
+    marker: str
+    error: PwmeshError
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Forgotten:
+    owner: str
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Completed:
+    run_id: str
+    proxy: str
+    node: int
+    quiet: bool = False
+    error: PwmeshError | None = None
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class PartEnded:
+    run_id: str
+    scheduler: str
+    device_seconds: float
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Flush:
+    pass
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class StartedOver:
+    pass
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Leaving:
+    pass
+
+
+Event = Received | Cancelled | Reclaimed | Forgotten | Completed | PartEnded | Flush | StartedOver | Leaving
+
+# ------------------------------------------------------------------ actions
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Admit:
+    message: Enqueue
+    computations: list[Computation]
+    stimulus: str = ""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class CancelWork:
+    run_id: str
+    error: PwmeshError
+    stimulus: str = ""
+
+
+Action = Send | Admit | CancelWork | Timer
+
+_KINDS = {Received: "enqueue", Cancelled: "cancel", Reclaimed: "reclaim", Forgotten: "forget",
+          Completed: "done", PartEnded: "part-done", Flush: "flush", StartedOver: "start-over", Leaving: "leave"}
+
+
+class ExecutorState:
+    def __init__(self, name: str, *, ordered: bool = True, log_events: bool = True) -> None:
+        self.name = name
+        self.ordered = ordered  # False (a test's option): admit in arrival order
+        self.templates = PartTemplates()
+        self.events = EventLog() if log_events else None
+        self.cancelled: collections.OrderedDict[str, PwmeshError] = collections.OrderedDict()
+        # Sessions a restarted proxy took back: owner -> (the new proxy's name marker, what old runs fail with).
+        self.reclaimed: dict[str, tuple[str, PwmeshError]] = {}
+        self._held: dict[str, dict[int, Enqueue]] = {}  # per source: Enqueues that overtook an earlier one
+        self._expected: dict[str, int] = {}  # per source: the next executor_seq to admit
+        self._completed: dict[tuple[str, str], list[int]] = {}  # (proxy, run) -> nodes, leaving at Flush
+        self._parts_done: list[tuple[str, RunPartDone]] = []  # (scheduler, message), leaving after those
+        self._quiet: dict[str, tuple[str, list[int]]] = {}  # run -> (proxy, quiet nodes done): at its part's end
+        self._flushing = False  # a Flush is asked for
+        self._out: list[Action] = []
+        self._stimulus = ""
+
+    # ---------------------------------------------------------------- the contract
+
+    def handle(self, event: Event, now: float) -> list[Action]:
+        """Apply ``event``; return what must happen because of it, in order."""
+        self._out = out = []
+        self._stimulus = stimulus = self.events.stimulus(_KINDS[type(event)]) if self.events is not None else ""
+        match event:
+            case Received(message=msg):
+                self._arrive(msg)
+            case Cancelled(run_id=run_id, error=error):
+                self._cancel(run_id, error)
+            case Reclaimed(owner=owner, marker=marker, error=error):
+                self.reclaimed[owner] = (marker, error)
+            case Forgotten(owner=owner):
+                self.reclaimed.pop(owner, None)
+            case Completed():
+                self._completed_one(event)
+            case PartEnded(run_id=run_id, scheduler=scheduler, device_seconds=seconds):
+                self._part_ended(run_id, scheduler, seconds)
+            case Flush():
+                self._flush()
+            case StartedOver():
+                self._held.clear()
+                self._expected.clear()
+                self._quiet.clear()
+            case Leaving():
+                for run_id, (proxy, nodes) in self._quiet.items():  # completed here: they go now
+                    self._report_later(proxy, run_id, nodes)
+                self._quiet.clear()
+                self._flush()
+            case _:
+                raise TypeError(f"not an executor event: {event!r}")
+        if self.events is not None:
+            self.events.record(now, stimulus, event, len(out))
+        self._out = []
+        return out
+
+    def _send(self, to: str, message: NodeDone | RunPartDone) -> None:
+        self._out.append(Send(to, message, self._stimulus))
+
+    # ---------------------------------------------------------------- admission
+
+    def old_run(self, run_id: str) -> PwmeshError | None:
+        """What a run of a session a restarted proxy took back fails with, if the proxy before sent it."""
+        if not self.reclaimed:
+            return None
+        owner, _, rest = run_id.partition(":")
+        reclaimed = self.reclaimed.get(owner)
+        if reclaimed is None or renamed(rest, reclaimed[0]):
+            return None
+        return reclaimed[1]
+
+    def expected_seq(self) -> dict[str, int]:
+        """Per source (scheduler instance): the next ``executor_seq`` to admit (saved across a restart)."""
+        return dict(self._expected)
+
+    def expect(self, expected: dict[str, int]) -> None:
+        """Go on from ``expected`` (``expected_seq`` of the process before)."""
+        self._expected.update(expected)
+
+    def _arrive(self, msg: Enqueue) -> None:
+        """Admit Enqueues in the island's order: hold any that overtook an earlier one."""
+        if not self.ordered or msg.executor_seq < 0:
+            self._admit(msg)
+            return
+        source = f"{msg.scheduler}|{msg.epoch}"  # a restarted scheduler is a new source
+        held = self._held.setdefault(source, {})
+        held[msg.executor_seq] = msg
+        expected = self._expected.get(source, 0)
+        while expected in held:
+            self._admit(held.pop(expected))
+            expected += 1
+        self._expected[source] = expected
+
+    def _admit(self, msg: Enqueue) -> None:
+        failed = self.cancelled.get(msg.run_id.split("#", 1)[0]) or self.old_run(msg.run_id)
+        if failed is None:
+            try:
+                comps = enqueued(msg, self.templates)
+            except PwmeshError as exc:
+                failed = exc
+            else:
+                self._out.append(Admit(msg, comps, self._stimulus))
+                return
+        # The cancellation overtook this Enqueue (they travel different paths), or it was unreadable:
+        # fail it at once, and give the scheduler its window slot back.
+        self._send(msg.proxy, NodeDone(run_id=msg.run_id, nodes=msg.nodes, executor_id=self.name,
+                                       error=ErrorInfo.of(failed)))
+        self._part_ended(msg.run_id, msg.scheduler, 0.0)
+
+    def _cancel(self, run_id: str, error: PwmeshError) -> None:
+        self.cancelled[run_id] = error
+        while len(self.cancelled) > MAX_CANCELLED:
+            self.cancelled.popitem(last=False)
+        self._out.append(CancelWork(run_id, error, self._stimulus))
+
+    # ---------------------------------------------------------------- reporting
+
+    def _completed_one(self, done: Completed) -> None:
+        if done.error is not None:
+            self._send(done.proxy, NodeDone(run_id=done.run_id, nodes=[done.node], executor_id=self.name,
+                                            error=ErrorInfo.of(done.error)))
+            return
+        if done.quiet:  # nobody outside the run waits for it: it goes with the part's end
+            self._quiet.setdefault(done.run_id, (done.proxy, []))[1].append(done.node)
+            return
+        self._report_later(done.proxy, done.run_id, [done.node])
+
+    def _report_later(self, proxy: str, run_id: str, nodes: list[int]) -> None:
+        """Add ``nodes`` to the completions that leave together after this instant's wake-ups."""
+        if not self._flushing:
+            self._flushing = True
+            self._out.append(Timer(0.0, Flush(), self._stimulus))
+        self._completed.setdefault((proxy, run_id), []).extend(nodes)
+
+    def _part_ended(self, run_id: str, scheduler: str, device_seconds: float) -> None:
+        quiet = self._quiet.pop(run_id, None)
+        if quiet is not None:  # the part's quiet completions leave with its end, before its RunPartDone
+            self._report_later(quiet[0], run_id, quiet[1])
+        if not scheduler:
+            return
+        done = RunPartDone(run_id=run_id, executor_id=self.name, device_seconds=device_seconds)
+        if self._completed:  # leave together with the completions (one I/O-thread wake-up for both)
+            self._parts_done.append((scheduler, done))
+        else:
+            self._send(scheduler, done)
+
+    def _flush(self) -> None:
+        self._flushing = False
+        completed, self._completed = self._completed, {}
+        parts, self._parts_done = self._parts_done, []
+        for (proxy, run_id), nodes in completed.items():
+            self._send(proxy, NodeDone(run_id=run_id, nodes=nodes, executor_id=self.name))
+        for scheduler, done in parts:
+            self._send(scheduler, done)
+
