@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 from collections.abc import AsyncIterator
 
 import jax
@@ -22,7 +23,8 @@ from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
 from pwmesh.errors import NotFound, PwmeshError
 from pwmesh.executor.daemon import after_wakeups
 from pwmesh.executor.functions import CompiledFunction, FunctionCache
-from pwmesh.executor.runner import INLINE_SECONDS, Runner, runs_inline
+from pwmesh.executor.runner import Runner
+from pwmesh.executor.state import INLINE_SECONDS, How, how_to_run, runs_inline
 from pwmesh.executor.store import ObjectStore
 from pwmesh.executor.work import Work
 from pwmesh.wire.messages import Computation, ShardRun
@@ -83,15 +85,15 @@ def chain(run: str, n: int, first: str = "x", shards: int = 2) -> list[Computati
 
 
 async def warm(r: Runner, rec: Recorder) -> None:
-    """The first runs compile, and run slowly once, on the device threads (the fast path never compiles)."""
-    fn = None
-    for i in range(40):  # timed on threads it looks slow; every 16th run goes inline and is timed there
-        r.enqueue_all(f"warm{i}", "p", chain(f"warm{i}", 1))
-        await rec.part(f"warm{i}")
-        fn = r.functions.get("inc").result()
-        if i >= 2 and fn.seconds * 2 < INLINE_SECONDS:
-            break
-    assert fn is not None and runs_inline(fn, fn.seconds * 2), f"a scalar add took {fn and fn.seconds * 1e6} us"
+    """The first run compiles, and runs once, on a device thread (the fast path never compiles). Then the
+    function is measured quick, as a scalar add is on the loop: the policy takes measured time as data
+    (``how_to_run``), so the test says what was measured rather than waiting for a loaded machine to
+    time a run under INLINE_SECONDS (it used to loop until one did)."""
+    r.enqueue_all("warm0", "p", chain("warm0", 1))
+    await rec.part("warm0")
+    fn = r.functions.get("inc").result()
+    fn.ran(20e-6)
+    assert runs_inline(fn, fn.seconds * 2) and fn.seconds < INLINE_SECONDS / 2
     rec.parts.clear()
     rec.done.clear()
 
@@ -206,6 +208,24 @@ def test_which_computations_run_on_the_loop() -> None:
     assert inline(1.2e-3, runs=32), "every 16th run goes inline, to be timed without thread contention"
     assert not inline(5e-3, runs=32), "but not one that is surely slow"
     assert not inline(float("inf"), runs=0), "never ran: it compiles first, on a device thread"
+
+
+def test_how_a_computation_runs_follows_what_was_measured_of_it() -> None:
+    """The choice between the loop, the devices' streams and their threads, from measured time as data."""
+
+    class Measured:
+        def __init__(self, seconds: float, bounded: bool | None = True, runs: int = 1) -> None:
+            self.seconds, self.bounded, self.runs = seconds, bounded, runs
+
+    plain = Computation(node=0, fn_id="f", executor_id="e", control="c", runs=[ShardRun(device=0, shard=0)],
+                        inputs=["x"], outputs=["y"])
+    assert how_to_run(plain, Measured(50e-6), shards=2) is How.INLINE
+    assert how_to_run(plain, Measured(800e-6), shards=2) is How.STREAM, "1.6 ms over both shards: too long"
+    assert how_to_run(plain, Measured(50e-6, bounded=False), shards=2) is How.THREAD, "it may loop for ever"
+    assert how_to_run(plain, Measured(50e-6, bounded=None), shards=2) is How.THREAD, "not read yet"
+    assert how_to_run(plain, None, shards=2) is How.THREAD, "not compiled for its devices: it compiles there"
+    ragged = dataclasses.replace(plain, ragged=True)
+    assert how_to_run(ragged, Measured(50e-6), shards=2) is How.THREAD, "routed rows are cut on the host"
 
 
 def test_a_streamed_run_never_makes_a_function_look_slower() -> None:

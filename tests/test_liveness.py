@@ -35,7 +35,7 @@ import pwmesh as pw
 from helpers import eventually
 from pwmesh.cli.commands import fetch_status, format_status
 from pwmesh.executor.functions import CompiledFunction, bounded
-from pwmesh.executor.runner import runs_inline
+from pwmesh.executor.state import runs_inline
 
 HEARTBEAT = 2.0  # seconds: a host silent for this long is declared lost
 LONG = 5 * HEARTBEAT  # the long call: this many seconds at least

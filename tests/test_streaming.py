@@ -23,11 +23,12 @@ import pytest
 from jax import export, lax
 from test_fast_path import Recorder, chain, device_loops
 
-import pwmesh.executor.runner as runner_module
+import pwmesh.executor.state as executor_state
 import pwmesh.executor.stream as stream_module
 from pwmesh.errors import PwmeshError
 from pwmesh.executor.functions import FunctionCache
-from pwmesh.executor.runner import RUN_AHEAD, Runner, runs_inline
+from pwmesh.executor.runner import RUN_AHEAD, Runner
+from pwmesh.executor.state import runs_inline
 from pwmesh.executor.store import ObjectStore
 from pwmesh.wire.messages import ShardRun
 
@@ -111,7 +112,7 @@ async def test_a_slow_chain_is_handed_over_ahead_but_at_most_run_ahead_deep(monk
         # load the estimate that decides "inline or streamed" can be timed too low from a landing seen
         # late (the landing thread descheduled), and a later step then ran inline: 7 of 8 streamed
         # (fresh-clone CI, 2 cores). That decision has tests of its own (test_fast_path.py).
-        monkeypatch.setattr(runner_module, "runs_inline", lambda fn, seconds: False)
+        monkeypatch.setattr(executor_state, "runs_inline", lambda timing, seconds: False)
         seen = spy_streams(r)
         spied = r._stream
 

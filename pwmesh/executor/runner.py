@@ -65,6 +65,7 @@ from pwmesh.executor.calls import (
 from pwmesh.executor.functions import CompiledFunction, FunctionCache
 from pwmesh.executor.group import peer_gone
 from pwmesh.executor.queues import DeviceQueues, PartDone, Start
+from pwmesh.executor.state import How, how_to_run
 from pwmesh.executor.store import ObjectStore, format_bytes
 from pwmesh.executor.stream import Landed, Landings, Streamed
 from pwmesh.executor.work import Span, Work
@@ -72,26 +73,12 @@ from pwmesh.wire.messages import Computation, Emit
 
 log = logging.getLogger(__name__)
 
-INLINE_SECONDS = 1e-3  # computations quicker than this (all shards, recently) run on the event loop, not a device thread
 RUN_AHEAD = 4  # computations handed to a device and not yet finished there, at most (see ``Runner._stream``)
 
 
 def gang_label(comp: Computation) -> str:
     hosts = sorted({g.executor_id for g in comp.gang})
     return f"{len(comp.gang)} devices of {', '.join(hosts)}"
-
-
-def runs_inline(fn: CompiledFunction, seconds: float) -> bool:
-    """Whether a computation expected to take ``seconds`` (all its shards) is quick enough to run
-    right on the loop (held at most INLINE_SECONDS), rather than hop to device threads and back.
-
-    Only a bounded function (``CompiledFunction.bounded``) ever does: one that loops may take any
-    time on its next inputs, whatever it took before. Timed on threads, a function looks slower than
-    it is (they contend for the interpreter), so one that might be quick enough goes inline every
-    16th run, to be timed there."""
-    if fn.bounded is not True:
-        return False
-    return seconds < INLINE_SECONDS or (seconds < 2 * INLINE_SECONDS and fn.runs % 16 == 0)
 
 
 def as_error(exc: BaseException, context: str) -> PwmeshError:
@@ -347,14 +334,10 @@ class Runner:
             if comp.kind == "call":
                 fn = await _unless_cancelled(self.functions.get(comp.fn_id), work)
                 self._check_fits(work, fn)
-                # A gang runs on its device thread: handing it to XLA may wait there for its peers, and
-                # the loop must go on serving the other devices (their queues are their own order).
-                # Nor one that is not bounded: XLA may run it to its end in the call that hands it over.
-                streamed = None if comp.ragged or comp.gang else self._runnable(comp, tuple(work.devices))
-                if streamed is not None and streamed[0].bounded is not True:
-                    streamed = None
-                if streamed is not None and runs_inline(fn, fn.seconds * len(streamed[1])):
-                    streamed = None  # quick: it runs right on the loop (_call), on computed inputs only
+                found = None if comp.ragged or comp.gang else self._runnable(comp, tuple(work.devices))
+                how = how_to_run(comp, found[0] if found else None, len(found[1]) if found else len(work.devices))
+                # Inline: it runs right on the loop (_call), on computed inputs only; threads: _call too.
+                streamed = found if how is How.STREAM else None
             per_shard = await self._inputs(work, streamed is not None)
             if fn is not None:
                 reserved = await self._reserve(work, fn.shard_output_nbytes * len(work.devices))
@@ -505,7 +488,7 @@ class Runner:
         if found is None:
             return False
         fn, devices, exes = found
-        if not runs_inline(fn, fn.seconds * len(devices)):
+        if how_to_run(comp, fn, len(devices)) is not How.INLINE:
             return False
         per_shard = []
         for shard in work.shards:
@@ -603,7 +586,7 @@ class Runner:
         # A quick computation runs right here, on the loop: the hop to a device thread and back
         # (~0.1-0.5 ms on a busy host) would dominate it. Never a gang: it waits for its peers;
         # nor routed rows: they are padded and cut on the host.
-        if found is not None and not comp.gang and not comp.ragged and runs_inline(fn, fn.seconds * len(devices)):
+        if found is not None and how_to_run(comp, fn, len(devices)) is How.INLINE:
             return self._call_inline(work, fn, devices, found[2], per_shard)
         self._running[work] = time.time()
         try:
@@ -655,7 +638,7 @@ class Runner:
                 work.device_seconds = wall
         finally:
             self._consume(work, per_shard)
-        fn.ran(wall / len(devices))  # ``fn.seconds`` is per shard: runs_inline multiplies it back
+        fn.ran(wall / len(devices))  # ``fn.seconds`` is per shard: how_to_run multiplies it back
         return outs
 
     def _wholes(self, work: Work, fn: CompiledFunction, devices: list[jax.Device],

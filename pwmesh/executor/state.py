@@ -40,6 +40,8 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import enum
+from typing import Protocol
 
 from pwmesh.core.contract import EventLog, Send, Timer
 from pwmesh.errors import PwmeshError
@@ -48,6 +50,50 @@ from pwmesh.wire.messages import Computation, Enqueue, ErrorInfo, NodeDone, RunP
 from pwmesh.wire.parts import PartTemplates, enqueued
 
 MAX_CANCELLED = 10_000  # cancelled runs remembered (runs are cancelled rarely; the recent ones matter)
+INLINE_SECONDS = 1e-3  # computations quicker than this (all shards, recently) run on the event loop, not a device thread
+
+# ------------------------------------------------------------------ how a computation runs
+
+
+class Timing(Protocol):
+    """What the executor measured of a compiled function (``CompiledFunction``): data, so tests inject it."""
+
+    bounded: bool | None  # nothing in it loops without a trip count, calls the host or waits on data
+    seconds: float  # how long one shard's run takes, recently (inf: never ran)
+    runs: int
+
+
+class How(enum.Enum):
+    INLINE = "inline"  # right on the event loop: quicker than the hop to a device thread and back
+    STREAM = "stream"  # handed to its devices without waiting (as on an accelerator's stream)
+    THREAD = "thread"  # on its devices' threads, waited for there
+
+
+def runs_inline(timing: Timing, seconds: float) -> bool:
+    """Whether a computation expected to take ``seconds`` (all its shards) is quick enough to run
+    right on the loop (held at most INLINE_SECONDS), rather than hop to device threads and back.
+
+    Only a bounded function ever does: one that loops may take any time on its next inputs, whatever
+    it took before. Timed on threads, a function looks slower than it is (they contend for the
+    interpreter), so one that might be quick enough goes inline every 16th run, to be timed there."""
+    if timing.bounded is not True:
+        return False
+    return seconds < INLINE_SECONDS or (seconds < 2 * INLINE_SECONDS and timing.runs % 16 == 0)
+
+
+def how_to_run(comp: Computation, timing: Timing | None, shards: int) -> How:
+    """How a computation of a registered function runs, over ``shards`` device pieces (a gang's whole mesh),
+    given what was measured of it (``timing``; None: not compiled for these devices yet).
+
+    A gang runs on its device thread: handing it to XLA may wait there for its peers, and the loop must
+    go on serving the other devices. So do routed rows (padded and cut on the host), what is not
+    compiled yet (it compiles there), and what is not bounded (XLA may run it to its end in the call
+    that hands it over). The rest is streamed, or runs inline if it is quick."""
+    if comp.gang or comp.ragged or timing is None or timing.bounded is not True:
+        return How.THREAD
+    if runs_inline(timing, timing.seconds * shards):
+        return How.INLINE
+    return How.STREAM
 
 # ------------------------------------------------------------------ events
 
