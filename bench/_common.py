@@ -75,10 +75,13 @@ def load_average() -> float:
     return round(os.getloadavg()[0], 2)
 
 
-def machine(load_at_start: float | None = None) -> dict[str, Any]:
-    """The machine, for the results file. Load averages count the benchmark's own processes too."""
+def machine(load_at_start: float | None = None, devices: str = "cpu") -> dict[str, Any]:
+    """The machine, for the results file. Load averages count the benchmark's own processes too.
+    ``devices``: the executors' platform (``--platform``), plain JAX's the same."""
     import jax
 
+    backend = ("cpu (JAX CPU devices, --xla_force_host_platform_device_count per executor)" if devices == "cpu"
+               else f"{devices} (executors --platform {devices}; plain JAX on the same devices)")
     return {
         "platform": platform.platform(),
         "python": sys.version.split()[0],
@@ -86,8 +89,19 @@ def machine(load_at_start: float | None = None) -> dict[str, Any]:
         "cpus": os.cpu_count(),
         "load_average_1m_at_start": load_at_start,
         "load_average_1m_at_end": load_average(),
-        "backend": "cpu (JAX CPU devices, --xla_force_host_platform_device_count per executor)",
+        "backend": backend,
     }
+
+
+PLATFORMS = ("cpu", "cuda", "rocm", "tpu")  # the executors' --platform; plain JAX runs on the same
+
+
+def share_accelerator(devices: str) -> None:
+    """On an accelerator the benchmark's processes (its executors, plain JAX) share the devices, so none may
+    take most of their memory when it starts, as JAX does by default: each allocates as it goes. Set before
+    JAX starts a backend here; the executors and subprocesses inherit it. Nothing changes on CPU."""
+    if devices != "cpu":
+        os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 
 def write_json(path: Path, data: dict[str, Any]) -> None:

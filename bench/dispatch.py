@@ -25,6 +25,10 @@ call to the last value at the client (checked). Rounds alternate the
 
     python bench/dispatch.py              # ~2 minutes on a 2-core machine
     python bench/dispatch.py --smoke      # seconds: short sequences, one round
+    python bench/dispatch.py --platform cuda --devices 1 --systems pwmesh,jax   # one GPU (bench/gpu.sh)
+
+``--platform`` puts the executors and plain JAX on that platform's devices,
+``--devices`` the slice's and plain JAX's number of them (2).
 
 Ray comes from the ``bench`` extra (``pip install -e '.[bench]'``); without it
 the Ray rows are skipped and recorded as null. Writes ``dispatch.json``,
@@ -37,7 +41,7 @@ import os
 
 # Plain JAX, and Ray's workers (which inherit this environment), get as many CPU devices as the
 # pwmesh slice; this must happen before jax is imported. pwmesh's executors set their own.
-DEVICES = 2
+DEVICES = 2  # the slice's and plain JAX's devices: --devices (at most 2 on CPU) sets it before anything runs
 os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={DEVICES}"
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # Ray resolves 127.0.0.1 to the host's external address and then listens on every interface;
@@ -68,12 +72,14 @@ except ImportError:  # optional: pip install -e '.[bench]'
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import (  # noqa: E402
     DEFAULT_OUT,
+    PLATFORMS,
     executor_trace,
     load_average,
     machine,
     pyplot,
     save_figure,
     save_results,
+    share_accelerator,
     table,
 )
 
@@ -93,6 +99,8 @@ class Config:
     min_round_seconds: float = 0.25  # a round repeats sequences until this long (fast systems)
     trace_samples: int = 5  # pwmesh sequences traced per (computation, mode) for the breakdown
     systems: tuple[str, ...] = SYSTEMS
+    platform: str = "cpu"  # the executors' devices, and plain JAX's
+    devices: int = DEVICES
 
 
 # ------------------------------------------------------------------ the computation
@@ -202,7 +210,7 @@ def traced(client: pw.Client, address: str, sequence: Callable[[], Any], length:
 
 
 def bench_pwmesh(config: Config) -> tuple[dict[str, Any], dict[str, Any]]:
-    spec = pw.LocalClusterSpec(islands=1, hosts_per_island=2, devices_per_host=DEVICES)
+    spec = pw.LocalClusterSpec(islands=1, hosts_per_island=2, devices_per_host=DEVICES, platform=config.platform)
     n = config.length
     with pw.LocalCluster(spec) as cluster, pw.Client(cluster.address, name="bench-dispatch") as client:
         sl = client.make_virtual_device_set().add_slice(devices=DEVICES)
@@ -241,13 +249,15 @@ def bench_pwmesh(config: Config) -> tuple[dict[str, Any], dict[str, Any]]:
 
 def bench_jax(config: Config) -> tuple[dict[str, Any], dict[str, Any]]:
     n = config.length
+    if config.platform != "cpu" and jax.devices()[0].platform == "cpu":
+        raise RuntimeError(f"plain JAX found no {config.platform} devices here")
     x = jax.pmap(lambda v: v * 0.0, devices=jax.devices()[:DEVICES])(np.zeros(DEVICES, np.float32))
     sequences: dict[tuple[str, str], Callable[[], None]] = {}
     for computation in COMPUTATIONS:
         one, fused = make_op(computation, 1), make_op(computation, n)
         # XLA's CPU client deadlocks (an all-reduce rendezvous that never completes) when two psum
         # executions are in flight on 2 CPU devices here, so that loop waits for each call.
-        wait_each = computation == "add_psum"
+        wait_each = computation == "add_psum" and config.platform == "cpu"
 
         def opbyop(one: Any = one, wait_each: bool = wait_each) -> None:
             v = x
@@ -260,7 +270,8 @@ def bench_jax(config: Config) -> tuple[dict[str, Any], dict[str, Any]]:
         sequences[computation, "opbyop"] = opbyop
         sequences[computation, "fused"] = lambda fused=fused: check(fused(x), float(n))
     info = {"devices": [str(d) for d in jax.devices()[:DEVICES]],
-            "note": "add_psum OpByOp waits for each call: XLA's CPU collectives deadlock with two in flight"}
+            "note": "add_psum OpByOp waits for each call: XLA's CPU collectives deadlock with two in flight"
+            if config.platform == "cpu" else ""}
     return measure(sequences, config), info
 
 
@@ -421,7 +432,7 @@ def plot(path: Path, results: dict[str, Any]) -> bool:
             ax.bar(xs, ys, width, label=label)
         ax.set_yscale("log")
         ax.set_xticks(range(len(MODES)), [MODE_NAMES[m] for m in MODES])
-        ax.set_title({"add": "scalar add", "add_psum": "scalar add + psum over 2 devices"}[computation],
+        ax.set_title({"add": "scalar add", "add_psum": f"scalar add + psum over {DEVICES} devices"}[computation],
                      fontsize=10)
         ax.grid(axis="y", which="both", alpha=0.3)
     axes[0].set_ylabel("computations / s (log)")
@@ -431,12 +442,17 @@ def plot(path: Path, results: dict[str, Any]) -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
+    global DEVICES  # --devices
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--length", type=int, default=None, help="computations per sequence (128)")
     parser.add_argument("--rounds", type=int, default=None)
     parser.add_argument("--warmup", type=int, default=None, help="warm-up sequences per computation and mode")
     parser.add_argument("--min-round-seconds", type=float, default=None)
     parser.add_argument("--systems", default=None, help="comma-separated subset of " + ",".join(SYSTEMS))
+    parser.add_argument("--platform", choices=PLATFORMS, default="cpu",
+                        help="the executors' devices and plain JAX's (cpu)")
+    parser.add_argument("--devices", type=int, choices=(1, 2), default=DEVICES,
+                        help=f"the slice's and plain JAX's devices ({DEVICES})")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="output directory")
     parser.add_argument("--smoke", action="store_true", help="tiny run (seconds) to check that everything works")
     args = parser.parse_args(argv)
@@ -450,6 +466,11 @@ def main(argv: list[str] | None = None) -> int:
         unknown = set(config.systems) - set(SYSTEMS)
         if unknown:
             parser.error(f"unknown systems {sorted(unknown)}; choose from {SYSTEMS}")
+    DEVICES = config.devices = args.devices
+    config.platform = args.platform
+    if config.platform != "cpu":
+        share_accelerator(config.platform)
+        jax.config.update("jax_platforms", config.platform)  # plain JAX on the executors' kind of device
 
     started = time.monotonic()
     load_at_start = load_average()
@@ -491,7 +512,7 @@ def main(argv: list[str] | None = None) -> int:
         "benchmark": "dispatch",
         "smoke": args.smoke,
         "config": {**dataclasses.asdict(config), "systems": list(config.systems)},
-        "machine": machine(load_at_start),
+        "machine": machine(load_at_start, config.platform),
         "results": results,
         "ratios": ratios(results),
         "targets": found,

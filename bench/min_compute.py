@@ -26,6 +26,11 @@ fitted over all sizes, predicts.
 
     python bench/min_compute.py              # at most ~5 minutes (--budget-seconds 270)
     python bench/min_compute.py --smoke      # seconds: two tiny sizes, a short chain
+    python bench/min_compute.py --platform cuda --layouts single --sizes 512,1024,2048,4096   # one GPU
+
+``--platform`` puts the executors and plain JAX on that platform's devices; layout
+``single`` is a 1-device slice against 1 JAX device (on a cluster of one executor
+of one device when it is the only layout: one GPU, bench/gpu.sh).
 
 Writes ``min_compute.json`` and ``min_compute.png`` into ``--out`` (default: bench/results).
 """
@@ -57,17 +62,19 @@ import pwmesh as pw  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import (  # noqa: E402
     DEFAULT_OUT,
+    PLATFORMS,
     fixed_overhead,
     load_average,
     machine,
     pyplot,
     save_figure,
     save_results,
+    share_accelerator,
     table,
     threshold_crossing,
 )
 
-LAYOUTS = {"span": 4, "one": 2}  # slice devices: over both executors, on one executor
+LAYOUTS = {"span": 4, "one": 2, "single": 1}  # slice devices: over both executors, on one executor, one device
 TARGET_MS = 2.3
 
 
@@ -81,6 +88,7 @@ class Config:
     threshold: float = 0.95
     layouts: tuple[str, ...] = ("span",)
     budget_seconds: float | None = 270.0  # all sweeps; a size predicted to overrun it is not started
+    platform: str = "cpu"  # the executors' devices, and plain JAX's
 
 
 def step(v: Any) -> Any:
@@ -117,6 +125,8 @@ def sweep(client: pw.Client, layout: str, config: Config, deadline: float) -> di
         return v
 
     jax_devices = jax.devices()[:devices]
+    if config.platform != "cpu" and jax_devices[0].platform == "cpu":
+        raise RuntimeError(f"plain JAX found no {config.platform} devices here")
     jax_step = jax.pmap(step, devices=jax_devices)
     jax_put = jax.pmap(lambda v: v, devices=jax_devices)  # one block per device, like pw.put
 
@@ -191,7 +201,8 @@ def plot(path: Path, sweeps: list[dict[str, Any]], threshold: float) -> bool:
     if plt is None:
         return False
     fig, ax = plt.subplots(figsize=(7.5, 4.5))
-    labels = {"span": "slice over 2 executors (4 devices)", "one": "slice on 1 executor (2 devices)"}
+    labels = {"span": "slice over 2 executors (4 devices)", "one": "slice on 1 executor (2 devices)",
+              "single": "1 device"}
     for s, style in zip(sweeps, ("o-", "s--"), strict=False):
         points = sorted(s["points"], key=lambda p: p["compute_ms_per_step"])  # noise can reorder sizes
         ax.plot([p["compute_ms_per_step"] for p in points], [p["ratio"] for p in points], style,
@@ -221,11 +232,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threshold", type=float, default=None, help="pwmesh/JAX ratio to reach (0.95)")
     parser.add_argument("--layouts", default=None, help="comma-separated subset of " + ",".join(LAYOUTS))
     parser.add_argument("--budget-seconds", type=float, default=None, help="time for all sweeps (270)")
+    parser.add_argument("--platform", choices=PLATFORMS, default="cpu",
+                        help="the executors' devices and plain JAX's (cpu)")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="output directory")
     parser.add_argument("--smoke", action="store_true", help="tiny run (seconds) to check that everything works")
     args = parser.parse_args(argv)
 
-    config = Config(sizes=(16, 32), depth=4, rounds=1, layouts=tuple(LAYOUTS), budget_seconds=None) \
+    config = Config(sizes=(16, 32), depth=4, rounds=1, layouts=("span", "one"), budget_seconds=None) \
         if args.smoke else Config()
     if args.sizes:
         config.sizes = tuple(int(n) for n in args.sizes.split(","))
@@ -236,10 +249,16 @@ def main(argv: list[str] | None = None) -> int:
     for field in ("depth", "rounds", "threshold", "budget_seconds"):
         if getattr(args, field) is not None:
             setattr(config, field, getattr(args, field))
+    config.platform = args.platform
+    if config.platform != "cpu":
+        share_accelerator(config.platform)
+        jax.config.update("jax_platforms", config.platform)  # plain JAX on the executors' kind of device
 
     started = time.monotonic()
     load_at_start = load_average()
-    spec = pw.LocalClusterSpec(islands=1, hosts_per_island=2, devices_per_host=2)
+    shape = (1, 1) if config.layouts == ("single",) else (2, 2)  # (executors, devices each): one GPU is 1 x 1
+    spec = pw.LocalClusterSpec(islands=1, hosts_per_island=shape[0], devices_per_host=shape[1],
+                               platform=config.platform)
     with pw.LocalCluster(spec) as cluster, pw.Client(cluster.address, name="bench-min-compute") as client:
         deadline = time.monotonic() + (config.budget_seconds or math.inf)
         sweeps = []
@@ -267,7 +286,7 @@ def main(argv: list[str] | None = None) -> int:
         "benchmark": "min_compute",
         "smoke": args.smoke,
         "config": {**dataclasses.asdict(config), "sizes": list(config.sizes), "layouts": list(config.layouts)},
-        "machine": machine(load_at_start),
+        "machine": machine(load_at_start, config.platform),
         "target_ms": TARGET_MS,
         "sweeps": sweeps,
         "wall_seconds": time.monotonic() - started,

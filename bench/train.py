@@ -17,6 +17,12 @@ presets, with the fixed per-step overhead fitted over all of them.
 
     python bench/train.py              # a few minutes
     python bench/train.py --smoke      # seconds: the tiny preset, a few steps
+    python bench/train.py --platform cuda --mesh 1x1 --presets small,large   # one GPU (bench/gpu.sh)
+
+``--platform`` puts the executors and plain JAX on that platform's devices (the
+benchmark's own process stays on CPU: it only traces); ``--mesh DATAxMODEL``
+(default 2x2) sizes the mesh, plain JAX then running this file's copy of
+``train_lm --reference`` over it.
 
 Writes ``train.json`` and ``train.png`` into ``--out`` (default: bench/results).
 """
@@ -26,6 +32,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -35,18 +42,25 @@ import time
 from pathlib import Path
 from typing import Any
 
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
 import pwmesh as pw
 from pwmesh.examples import lm, train_lm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import (  # noqa: E402
     DEFAULT_OUT,
+    PLATFORMS,
     fixed_overhead,
     load_average,
     machine,
     pyplot,
     save_figure,
     save_results,
+    share_accelerator,
     table,
     threshold_crossing,
 )
@@ -58,25 +72,65 @@ class Config:
     steps: dict[str, int] = dataclasses.field(default_factory=lambda: {"tiny": 300, "small": 80, "large": 14})
     rounds: int = 2
     threshold: float = 0.95
+    platform: str = "cpu"  # the executors' devices, and plain JAX's
+    mesh: dict[str, int] = dataclasses.field(default_factory=lambda: dict(train_lm.MESH))
 
 
-def jax_run(preset: str, steps: int) -> dict[str, Any]:
-    """``train_lm --reference`` in a process of its own (its 4 CPU devices are its own)."""
+def parse_mesh(text: str) -> dict[str, int]:
+    """``DATAxMODEL`` (``2x2``) as a mesh of ``train_lm``'s axes."""
+    data, model = (int(n) for n in text.lower().split("x"))
+    return {"data": data, "model": model}
+
+
+def jax_run(preset: str, steps: int, config: Config) -> dict[str, Any]:
+    """``train_lm --reference`` in a process of its own (its devices are its own); on another mesh than
+    train_lm's, this file's copy of it (``reference``)."""
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "PWMESH_ADDRESS")}
+    if config.platform != "cpu":
+        env["JAX_PLATFORMS"] = config.platform
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "jax.json"
-        proc = subprocess.run([sys.executable, "-m", "pwmesh.examples.train_lm", "--reference", "--preset", preset,
-                               "--steps", str(steps), "--json", str(out), "--no-progress"],
+        if config.mesh == train_lm.MESH:
+            command = ["-m", "pwmesh.examples.train_lm", "--reference", "--no-progress"]
+        else:
+            command = [__file__, "--reference-json", "--mesh", "{data}x{model}".format(**config.mesh)]
+        proc = subprocess.run([sys.executable, *command, "--preset", preset, "--steps", str(steps), "--json", str(out)],
                               env=env, capture_output=True, text=True, timeout=600)
         if proc.returncode != 0:
             raise RuntimeError(f"train_lm --reference failed:\n{proc.stderr[-3000:]}")
         return json.loads(out.read_text())
 
 
-def pwmesh_run(preset: str, steps: int) -> dict[str, Any]:
+def reference(preset: str, steps: int, mesh: dict[str, int], out: str) -> None:
+    """``train_lm --reference`` (``jax_trainer``) over ``mesh`` of this process's first devices."""
     config = lm.PRESETS[preset]
     optimizer = lm.make_optimizer(config)
-    result = train_lm.train(config, steps, train_lm.pwmesh_trainer(config, optimizer), optimizer, progress=False)
+    devices = lm.local_devices(math.prod(mesh.values()), "--mesh")
+    jax_mesh = Mesh(np.array(devices).reshape(tuple(mesh.values())), tuple(mesh))
+
+    def named(specs: Any) -> Any:
+        return jax.tree_util.tree_map(lambda s: NamedSharding(jax_mesh, s), specs, is_leaf=lambda x: isinstance(x, P))
+
+    pspecs, ospecs = named(lm.param_specs(config)), named(lm.opt_state_specs(config, optimizer))
+    step = jax.jit(lm.make_train_step(config, optimizer), in_shardings=(pspecs, ospecs, named(lm.batch_spec())),
+                   out_shardings=(pspecs, ospecs, named(P())), donate_argnums=(0, 1))
+    trainer = train_lm.Trainer(step, lambda tree, specs: jax.device_put(tree, named(specs)), jax.device_get)
+    result = train_lm.train(config, steps, trainer, optimizer, progress=False)
+    Path(out).write_text(json.dumps(dataclasses.asdict(result)) + "\n")
+
+
+def pwmesh_run(preset: str, steps: int, mesh: dict[str, int]) -> dict[str, Any]:
+    config = lm.PRESETS[preset]
+    optimizer = lm.make_optimizer(config)
+    if mesh == train_lm.MESH:
+        trainer = train_lm.pwmesh_trainer(config, optimizer)
+    else:  # train_lm.pwmesh_trainer over another mesh
+        sl = pw.make_virtual_device_set().add_slice(devices=math.prod(mesh.values()), mesh=mesh)
+        pspecs, ospecs = lm.param_specs(config), lm.opt_state_specs(config, optimizer)
+        step = pw.jit(lm.make_train_step(config, optimizer), devices=sl, in_specs=(pspecs, ospecs, lm.batch_spec()),
+                      out_specs=(pspecs, ospecs, P()), donate_argnums=(0, 1))
+        trainer = train_lm.Trainer(step, lambda tree, specs: pw.put(tree, devices=sl, spec=specs), pw.get)
+    result = train_lm.train(config, steps, trainer, optimizer, progress=False)
     return dataclasses.asdict(result)
 
 
@@ -85,7 +139,8 @@ def measure(preset: str, config: Config) -> dict[str, Any]:
     runs: dict[str, list[dict[str, Any]]] = {"jax": [], "pwmesh": []}
     for r in range(config.rounds):
         for name in (("jax", "pwmesh") if r % 2 == 0 else ("pwmesh", "jax")):
-            runs[name].append(jax_run(preset, steps) if name == "jax" else pwmesh_run(preset, steps))
+            runs[name].append(jax_run(preset, steps, config) if name == "jax" else
+                              pwmesh_run(preset, steps, config.mesh))
     jax_s = statistics.median(run["step_seconds"] for run in runs["jax"])
     pw_s = statistics.median(run["step_seconds"] for run in runs["pwmesh"])
     tokens = lm.PRESETS[preset].tokens_per_step
@@ -110,7 +165,7 @@ def measure(preset: str, config: Config) -> dict[str, Any]:
     return point
 
 
-def plot(path: Path, points: list[dict[str, Any]], threshold: float) -> bool:
+def plot(path: Path, points: list[dict[str, Any]], threshold: float, config: Config) -> bool:
     plt = pyplot()
     if plt is None:
         return False
@@ -123,7 +178,9 @@ def plot(path: Path, points: list[dict[str, Any]], threshold: float) -> bool:
     ax.axhline(threshold, color="grey", linestyle=":", label=f"{threshold:.0%} of plain JAX")
     ax.set_xscale("log")
     ax.xaxis.set_major_formatter(plt.FuncFormatter(lambda v, _: f"{v:g}"))
-    ax.set_xlabel("training step time (ms, plain JAX, 2x2 mesh of 4 CPU devices)")
+    devices = math.prod(config.mesh.values())
+    ax.set_xlabel("training step time (ms, plain JAX, {data}x{model} mesh of ".format(**config.mesh)
+                  + f"{devices} {config.platform.upper()} device{'s' if devices > 1 else ''})")
     ax.set_ylabel("pwmesh / plain-JAX throughput")
     ax.set_ylim(0, max(1.1, 1.05 * max(p["ratio"] for p in points)))
     ax.set_title("Transformer LM training: how big a step must be to hide pwmesh's dispatch", fontsize=10)
@@ -136,21 +193,38 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--presets", default=None, help="comma-separated, of " + ",".join(lm.PRESETS))
     parser.add_argument("--rounds", type=int, default=None, help="runs per system and preset (2)")
     parser.add_argument("--threshold", type=float, default=None, help="pwmesh/JAX ratio to reach (0.95)")
+    parser.add_argument("--steps", type=int, default=None, help="steps per run, every preset (300, 80, 14)")
+    parser.add_argument("--platform", choices=PLATFORMS, default="cpu",
+                        help="the executors' devices and plain JAX's (cpu)")
+    parser.add_argument("--mesh", type=parse_mesh, default=None, help="DATAxMODEL devices (2x2)")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="output directory")
     parser.add_argument("--smoke", action="store_true", help="tiny run (seconds) to check that everything works")
+    parser.add_argument("--preset", help=argparse.SUPPRESS)  # with --reference-json: jax_run's subprocess
+    parser.add_argument("--reference-json", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--json", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.reference_json:
+        reference(args.preset, args.steps, args.mesh, args.json)
+        return 0
     config = Config(presets=("tiny",), steps={"tiny": 8}, rounds=1) if args.smoke else Config()
     if args.presets:
         config.presets = tuple(p for p in args.presets.split(",") if p)
         if set(config.presets) - set(lm.PRESETS):
             parser.error(f"presets are {sorted(lm.PRESETS)}")
-    for field in ("rounds", "threshold"):
+    for field in ("rounds", "threshold", "mesh"):
         if getattr(args, field) is not None:
             setattr(config, field, getattr(args, field))
+    if args.steps is not None:
+        config.steps = {preset: args.steps for preset in config.presets}
+    config.platform = args.platform
+    if config.platform != "cpu":
+        share_accelerator(config.platform)
+        jax.config.update("jax_platforms", "cpu")  # this process only traces: the devices are the executors'
 
     started = time.monotonic()
     load_at_start = load_average()
-    spec = pw.LocalClusterSpec(islands=1, hosts_per_island=1, devices_per_host=4)
+    spec = pw.LocalClusterSpec(islands=1, hosts_per_island=1, devices_per_host=math.prod(config.mesh.values()),
+                               platform=config.platform)
     with pw.LocalCluster(spec) as cluster:
         pw.connect(cluster.address, name="bench-train")
         try:
@@ -181,7 +255,7 @@ def main(argv: list[str] | None = None) -> int:
         "benchmark": "train",
         "smoke": args.smoke,
         "config": dataclasses.asdict(config),
-        "machine": machine(load_at_start),
+        "machine": machine(load_at_start, config.platform),
         "threshold": config.threshold,
         "points": points,
         "min_step_ms": crossed["min_ms"],
@@ -190,7 +264,7 @@ def main(argv: list[str] | None = None) -> int:
         "predicted_min_step_ms": fitted["predicted_min_ms"],
         "wall_seconds": time.monotonic() - started,
     }
-    save_results(args.out, "train", result, lambda path: plot(path, points, config.threshold))
+    save_results(args.out, "train", result, lambda path: plot(path, points, config.threshold, config))
     return 0
 
 

@@ -310,3 +310,25 @@ def test_startup_smoke(tmp_path: Path) -> None:
     data = json.loads((tmp_path / "startup.json").read_text())
     assert data["benchmark"] == "startup" and data["smoke"] is True
     assert data["summary"]["groups"]["first_spmd_step_seconds"] > data["summary"]["groups"]["ready_seconds"] > 0
+
+
+@pytest.mark.timeout(200)
+def test_gpu_sh_cpu_dry_run(tmp_path: Path) -> None:
+    # bench/gpu.sh's steps on CPU with tiny sizes (~40 s on 2 cores): the one-device flags it gives the three
+    # benchmarks (--platform, --mesh 1x1, --devices 1, layout single), its budgets and its summary.
+    env = {k: v for k, v in os.environ.items() if k != "PWMESH_ADDRESS"}
+    proc = subprocess.run(["bash", str(BENCH / "gpu.sh"), "--cpu-dry-run", str(tmp_path)],
+                          env={**env, "PYTHON": sys.executable}, capture_output=True, text=True, timeout=190)
+    assert proc.returncode == 0, f"gpu.sh exited {proc.returncode}:\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
+    train = json.loads((tmp_path / "train.json").read_text())
+    assert train["config"]["mesh"] == {"data": 1, "model": 1} and train["config"]["platform"] == "cpu"
+    assert train["points"][0]["losses_identical"]
+    dispatch = json.loads((tmp_path / "dispatch.json").read_text())
+    assert dispatch["config"]["devices"] == 1 and dispatch["results"]["ray"] is None
+    assert dispatch["results"]["pwmesh"]["add_psum"]["chained"]["computations_per_second"] > 0
+    (sweep,) = json.loads((tmp_path / "min_compute.json").read_text())["sweeps"]
+    assert sweep["layout"] == "single" and sweep["devices"] == 1 and len(sweep["placement"]) == 1
+    summary = (tmp_path / "summary.txt").read_text()
+    assert "pwmesh/JAX" in summary and summary.count("\ndispatch ") == 6 and "single n=32:" in summary
+    assert "bench/gpu.sh: done" in proc.stdout
+    check_plot(tmp_path / "train.png")
