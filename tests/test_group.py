@@ -6,9 +6,9 @@ from __future__ import annotations
 
 from test_placement import executor
 
+from pwmesh.core.liveness import Liveness
 from pwmesh.rm.state import ResourceManagerState
 from pwmesh.scheduler.group import AskAgain, Form, Formed, IslandGroup, Joined, Left, Tick
-from pwmesh.service.heartbeat import Liveness
 from pwmesh.wire.messages import (
     ExecutorJoined,
     ExecutorLost,

@@ -6,7 +6,7 @@ import logging
 
 import pytest
 
-from pwmesh.service.rpc import RejectedLog
+from pwmesh.core.ratelimit import RejectedLog
 
 
 class Clock:

@@ -45,10 +45,10 @@ from typing import Any
 import msgpack
 import numpy as np
 
+from pwmesh.core.ratelimit import RejectedLog
 from pwmesh.dataflow.secure import TAG_BYTES, Seal, SealError, new_nonce, pair_key, proof, proves
 from pwmesh.service import listeners
 from pwmesh.service.keys import unkeyed
-from pwmesh.service.ratelimit import RejectedLog
 from pwmesh.wire import codec
 from pwmesh.wire.messages import TupleBatch
 

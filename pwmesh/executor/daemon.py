@@ -26,6 +26,7 @@ import jax
 import numpy as np
 
 from pwmesh.core.contract import Send, Timer
+from pwmesh.core.ratelimit import RejectedLog
 from pwmesh.dataflow.exchange import Destination, Ragged, assemble, cut, cut_error
 from pwmesh.dataflow.plane import DataPlane
 from pwmesh.dataflow.progress import Arrived, Progress, ProgressError
@@ -58,7 +59,6 @@ from pwmesh.service.heartbeat import LoopLag, every
 from pwmesh.service.keys import PLANE_SECRET_ENV, Security
 from pwmesh.service.lifecycle import Service, Status
 from pwmesh.service.metrics import Metric, counter, gauge, listen_host, merged, wire_metrics
-from pwmesh.service.ratelimit import RejectedLog
 from pwmesh.service.rpc import Access, Beats, Connections, Server, wait_for_peer
 from pwmesh.wire import Envelope
 from pwmesh.wire.messages import (

@@ -28,6 +28,7 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
+from pwmesh.core.ratelimit import RejectedLog
 from pwmesh.errors import STANDBY, InvalidArgument, NoSession, PwmeshError, PwTimeoutError, Unavailable
 from pwmesh.executor.sandbox import Sandbox
 from pwmesh.proxy import tenants
@@ -70,7 +71,6 @@ from pwmesh.service.heartbeat import every
 from pwmesh.service.keys import ADMIN, DAEMON, Keys, Security
 from pwmesh.service.lifecycle import Service
 from pwmesh.service.metrics import Metric, counter, gauge, listen_host, merged, wire_metrics
-from pwmesh.service.ratelimit import RejectedLog
 from pwmesh.service.rpc import Access, Beats, Connections, Server, wait_for_peer
 from pwmesh.wire import Envelope, Message
 from pwmesh.wire.messages import (

@@ -56,6 +56,8 @@ from collections.abc import Callable
 from typing import ClassVar
 
 from pwmesh.core.contract import EventLog, describe
+from pwmesh.core.liveness import Liveness
+from pwmesh.core.ratelimit import RejectedLog
 from pwmesh.errors import (
     DeadlineExceeded,
     DeviceLost,
@@ -74,9 +76,7 @@ from pwmesh.proxy.intake import bind, host_puts, record_run
 from pwmesh.proxy.resume import Orphan, adopt, resume_token, slice_controls, token_matches
 from pwmesh.proxy.session import Buffer, Run, Session
 from pwmesh.proxy.tenants import TenantLimits, TenantPolicy
-from pwmesh.service.heartbeat import Liveness
 from pwmesh.service.keys import LOCAL, speaks_for
-from pwmesh.service.ratelimit import RejectedLog
 from pwmesh.wire import DEFAULT_LIMITS, Message
 from pwmesh.wire.messages import (
     AllocateSlice,
@@ -478,7 +478,8 @@ class ProxyState:
         self._out: list[Action] = []
         # What a peer can make us say again and again (completions and losses it makes up): a line per
         # (kind, executor) per 10 s, at most 100 lines per 10 s in all, with counts of the rest.
-        self._peer_log = RejectedLog(name, logger=log)
+        self._now = 0.0  # the time ``handle`` was given: the core's clock
+        self._peer_log = RejectedLog(name, logger=log, clock=lambda: self._now)
         self._dispatching = False
         self._user = ""  # who sent the Inbound being handled (``Inbound.user``)
         self._handlers = {op: getattr(self, method) for op, method in self.HANDLERS.items()}
@@ -501,6 +502,7 @@ class ProxyState:
     def handle(self, event: Event, now: float) -> list[Action]:
         """Apply ``event``; return what must happen because of it, in order."""
         self._out = out = []
+        self._now = now
         kind = event.message.op if isinstance(event, Inbound | Notice) else type(event).__name__
         stimulus = self.events.stimulus(kind)
         try:

@@ -15,9 +15,9 @@ import dataclasses
 import itertools
 
 from pwmesh.core.contract import EventLog, describe
+from pwmesh.core.liveness import Liveness
 from pwmesh.errors import InvalidArgument, NotFound, ResourceExhausted, Unavailable
 from pwmesh.rm.placement import DeviceRef, of_kind, place
-from pwmesh.service.heartbeat import Liveness
 from pwmesh.wire.messages import (
     AllocateSlice,
     ClaimProxy,

@@ -14,6 +14,7 @@ import sys
 import time
 from typing import Any
 
+from pwmesh.core.ratelimit import RejectedLog
 from pwmesh.errors import DeviceLost, PermissionDenied, PwmeshError
 from pwmesh.scheduler.group import AskAgain, Form, Formed, IslandGroup, Joined, Left, Tick
 from pwmesh.scheduler.order import IslandOrder, SendEnqueue
@@ -21,7 +22,6 @@ from pwmesh.service.heartbeat import every
 from pwmesh.service.keys import Security, speaks_for
 from pwmesh.service.lifecycle import Service
 from pwmesh.service.metrics import Metric, counter, gauge, listen_host, merged, wire_metrics
-from pwmesh.service.ratelimit import RejectedLog
 from pwmesh.service.rpc import Access, Beats, Connections, Server, wait_for_peer
 from pwmesh.wire import Envelope
 from pwmesh.wire.messages import (

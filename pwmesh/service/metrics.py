@@ -24,8 +24,8 @@ from prometheus_client.exposition import choose_encoder
 from prometheus_client.process_collector import ProcessCollector
 from prometheus_client.registry import Collector, CollectorRegistry
 
+from pwmesh.core.ratelimit import RejectedLog
 from pwmesh.errors import InvalidArgument
-from pwmesh.service.ratelimit import RejectedLog
 from pwmesh.service.tasks import TaskGroup
 
 __all__ = ["Metric", "MetricsServer", "counter", "gauge", "listen_host", "merged", "wire_metrics"]

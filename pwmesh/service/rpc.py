@@ -24,9 +24,9 @@ from typing import Any
 
 import zmq
 
+from pwmesh.core.ratelimit import RejectedLog
 from pwmesh.errors import ConnectionFailed, ProtocolError, PwmeshError, PwTimeoutError, error_class
 from pwmesh.service.keys import ADMIN, DAEMON, Identity
-from pwmesh.service.ratelimit import RejectedLog
 from pwmesh.service.tasks import TaskGroup
 from pwmesh.service.transport import Context, DealerSocket, RouterSocket
 from pwmesh.wire import DEFAULT_LIMITS, Envelope, Limits, Message, decode, encode

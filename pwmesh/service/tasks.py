@@ -14,7 +14,7 @@ import logging
 from collections.abc import Callable, Coroutine
 from typing import Any
 
-from pwmesh.service.ratelimit import RejectedLog
+from pwmesh.core.ratelimit import RejectedLog
 
 log = logging.getLogger(__name__)
 

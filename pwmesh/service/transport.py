@@ -32,10 +32,10 @@ from typing import Any
 import zmq
 from zmq.auth.thread import ThreadAuthenticator
 
+from pwmesh.core.ratelimit import RejectedLog
 from pwmesh.errors import InvalidArgument
 from pwmesh.service import listeners
 from pwmesh.service.keys import DAEMON, LOCAL, AuthorizedKeys, Identity, Keys, start_authenticator, unkeyed
-from pwmesh.service.ratelimit import RejectedLog
 from pwmesh.wire.codec import DEFAULT_LIMITS
 
 log = logging.getLogger(__name__)
