@@ -254,6 +254,27 @@ def test_a_clean_stop_logs_no_loss_and_removes_its_own_directory(tmp_path: Path)
     assert not made.exists(), "its own temporary directory is gone after a clean stop"
 
 
+def test_executors_stop_cleanly_after_streamed_training_steps() -> None:
+    """Issue #28 item 6: an executor that had streamed computations to its devices (a short training loop,
+    as ``bench/train.py --smoke`` runs) aborted at exit, inside XLA ("terminate called after throwing an
+    instance of ''", status 134), so the cluster kept its logs and said a daemon failed. Now every daemon
+    exits 0: the embedded cluster's own directory is gone after the stop."""
+    from pwmesh.examples import lm, train_lm  # noqa: PLC0415 - the same loop as the benchmark's
+
+    config = lm.PRESETS["tiny"]
+    optimizer = lm.make_optimizer(config)
+    spec = pw.LocalClusterSpec(islands=1, hosts_per_island=1, devices_per_host=4)
+    with pw.LocalCluster(spec) as cluster:
+        made = cluster.log_dir
+        pw.connect(cluster.address, name="steps")
+        try:
+            result = train_lm.train(config, 8, train_lm.pwmesh_trainer(config, optimizer), optimizer, progress=False)
+        finally:
+            pw.disconnect()
+        assert len(result.losses) == 8
+    assert not made.exists(), f"a daemon did not exit 0: logs kept in {made}"
+
+
 def test_a_second_connect_while_an_embedded_cluster_runs_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("PWMESH_ADDRESS", raising=False)
     first = pw.connect(cluster=TINY)

@@ -261,13 +261,16 @@ def executor_main(island: int, rm: str, devices: int, listen: str, data_listen: 
     run(executor)
     if executor.restart is not None:  # into its island's JAX group's next forming
         restart(executor.restart)
-    if executor.abandoned:
-        # Computations it gave up on may still run on device threads, inside XLA: the interpreter's exit
-        # would wait for them (it joins its thread pools), for as long as they run. What they make has
-        # nowhere to go, and everything else is closed: leave now.
-        logging.shutdown()
-        sys.stdout.flush()
-        os._exit(0)
+    # Closed: everything it served is answered, its sockets, data plane and pools are shut. Leave without
+    # the interpreter's finalization: threads JAX and XLA still hold (a landing thread, the runtime's
+    # own pools) are stopped there by forced unwinding, which aborts the process from inside XLA's C++
+    # ("terminate called after throwing an instance of ''", exit status 134: seen after a short training
+    # run); and computations it gave up on may still run on device threads, which the interpreter's exit
+    # would wait for (it joins its thread pools). What they make has nowhere to go.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 # The options a restart sets (each takes one value): an earlier restart's are dropped, not piled up.
