@@ -8,6 +8,7 @@
 # summary.txt (the table printed at the end: pwmesh over plain JAX) -- 8 files, no deeper folders.
 #
 #   bench/gpu.sh OUTDIR                  # on a machine with a GPU; fails at once without one
+#   PWMESH_GPU_SH_QUICK=1 bench/gpu.sh OUTDIR   # ~5 minutes: fewer steps, rounds and sizes
 #   bench/gpu.sh --cpu-dry-run OUTDIR    # the same steps on CPU, tiny sizes (~40 s on 2 cores); also
 #                                        # PWMESH_GPU_SH_CPU=1. CI runs only this (tests/test_bench_smoke.py).
 #
@@ -74,6 +75,12 @@ else
     # in this range on an H100 or H200). The executor keeps a chain's 128 values until its run ends: 32 GiB
     # at n = 8192, so larger sizes or longer chains would not fit an 80 GB GPU. Stops before its budget.
     MIN_ARGS=(--layouts single --sizes 256,512,1024,2048,3072,4096,6144,8192 --budget-seconds 130)
+    if [[ ${PWMESH_GPU_SH_QUICK:-0} == 1 ]]; then  # ~5 minutes: a lease's device time is short
+        TRAIN_S=110 DISPATCH_S=70 MIN_S=110
+        TRAIN_ARGS=(--mesh 1x1 --presets small,large --steps 150 --rounds 1)
+        DISPATCH_ARGS=(--devices 1 --systems pwmesh,jax --rounds 3 --warmup 1)
+        MIN_ARGS=(--layouts single --sizes 512,1024,2048,4096,8192 --budget-seconds 80)
+    fi
 fi
 
 declare -A STATUS
