@@ -157,6 +157,10 @@ def measure(preset: str, config: Config) -> dict[str, Any]:
         "jax_rounds_ms": [1000 * run["step_seconds"] for run in runs["jax"]],
         "pwmesh_rounds_ms": [1000 * run["step_seconds"] for run in runs["pwmesh"]],
         "losses_identical": same,
+        # Across runs (JAX's among themselves too): on a GPU, XLA's autotuning and reductions may differ per process.
+        "max_loss_difference": max(abs(a - b) for run in runs["jax"] + runs["pwmesh"]
+                                   for a, b in zip(run["losses"], runs["jax"][0]["losses"], strict=True)),
+        "jax_final_loss": runs["jax"][0]["losses"][-1],
         "final_loss": runs["pwmesh"][0]["losses"][-1],
         "load_average_1m": load_average(),
     }

@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import export
-from jax.sharding import AbstractMesh, NamedSharding, PartitionSpec
+from jax.sharding import AbstractMesh, AxisType, NamedSharding, PartitionSpec
 
 from pwmesh.client.devices import Slice
 from pwmesh.client.sharding import P, SliceSharding, abstract_mesh, propagation_mesh, resolve, spec_from
@@ -93,20 +93,21 @@ def _export_jit(flat_fn: Callable[..., Any], sl: Slice, avals: Sequence[jax.Shap
         return ExportedFunction(fn_id, serialized, False, [1], [], list(donate), tuple(P() for _ in avals),
                                 tuple(jax.ShapeDtypeStruct(o.shape, o.dtype, weak_type=o.weak_type) for o in exp.out_avals),
                                 specs_out, out_tree)
-    if any(spec is None for spec in wanted):
-        wanted = _propagated(flat_fn, sl, avals, in_specs, wanted)
-    for i, (leaf, spec) in enumerate(zip(out_leaves, wanted, strict=True)):
+    # Every output's spec: XLA's choice where none was asked for.
+    full = (_propagated(flat_fn, sl, avals, in_specs, wanted) if any(spec is None for spec in wanted)
+            else [spec for spec in wanted if spec is not None])
+    for i, (leaf, spec) in enumerate(zip(out_leaves, full, strict=True)):
         SliceSharding(sl, spec).check(leaf.shape, f"{name}: output {i} (as XLA shards it)")
     mesh = abstract_mesh(sl)
     sharded = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(mesh, s), weak_type=a.weak_type)
                for a, s in zip(avals, in_specs, strict=True)]
-    exp = _quiet_export(jax.jit(flat_fn, out_shardings=[NamedSharding(mesh, s) for s in wanted], keep_unused=True),
+    exp = _quiet_export(jax.jit(flat_fn, out_shardings=[NamedSharding(mesh, s) for s in full], keep_unused=True),
                         sl, sharded)
     axes = list(sl.axis_names)
     fn_id, serialized = _serialize(exp, True, list(sl.mesh_shape), axes, list(donate))
     return ExportedFunction(fn_id, serialized, True, list(sl.mesh_shape), axes, list(donate), tuple(in_specs),
                             tuple(jax.ShapeDtypeStruct(o.shape, o.dtype, weak_type=o.weak_type) for o in exp.out_avals),
-                            tuple(wanted),
+                            tuple(full),
                             out_tree)
 
 
@@ -147,7 +148,7 @@ def export_pmap(fn: Callable[..., Any], sl: Slice, avals: Sequence[jax.ShapeDtyp
         out_avals = tuple(jax.ShapeDtypeStruct((n, *o.shape[1:]), o.dtype) for o in exp.out_avals)
         mesh, axes = [n], []
     else:
-        abstract = AbstractMesh((n,), (axis_name,))
+        abstract = AbstractMesh((n,), (axis_name,), axis_types=(AxisType.Auto,))  # as the executors' (sharding.py)
         spec = P(axis_name)
         mapped = jax.shard_map(per_block, mesh=abstract, in_specs=spec, out_specs=spec)
         sharded = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(abstract, spec)) for a in avals]

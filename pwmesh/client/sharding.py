@@ -23,7 +23,7 @@ from typing import Any
 
 import jax
 import numpy as np
-from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
+from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionSpec
 from jaxlib import xla_client
 
 from pwmesh.client.devices import Slice
@@ -163,7 +163,10 @@ class _Broadcast:
 
 
 def abstract_mesh(sl: Slice) -> AbstractMesh:
-    return AbstractMesh(sl.mesh_shape, sl.axis_names)
+    """The slice's mesh as functions are traced and exported under it. Its axes are Auto, as a
+    ``jax.sharding.Mesh``'s are by default, which is what the executors build: a JAX whose AbstractMesh
+    defaults to Explicit axes (0.11) would otherwise refuse the executors' mesh for the exported one."""
+    return AbstractMesh(sl.mesh_shape, sl.axis_names, axis_types=(AxisType.Auto,) * len(sl.axis_names))
 
 
 _clients: dict[int, Any] = {}

@@ -14,7 +14,7 @@ from typing import Any
 import jax
 import numpy as np
 from jax import export
-from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec, SingleDeviceSharding
+from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionSpec, SingleDeviceSharding
 
 from pwmesh.errors import InvalidArgument
 from pwmesh.executor.artifacts import read
@@ -127,7 +127,7 @@ class CompiledFunction:
         if not self.spmd:
             return [math.prod(a.shape) * np.dtype(a.dtype).itemsize for a in avals]
         # Over the abstract mesh: a mesh spanning executors has devices this host cannot address.
-        mesh = AbstractMesh(self.mesh, self.axes)
+        mesh = AbstractMesh(self.mesh, self.axes, axis_types=(AxisType.Auto,) * len(self.axes))
         blocks = PartitionSpec(self.axes[0] if len(self.axes) == 1 else self.axes)
         outs = [NamedSharding(mesh, blocks if s is None else s.spec) for s in self.exported.out_shardings_jax(mesh)]
         return [math.prod(s.shard_shape(a.shape)) * np.dtype(a.dtype).itemsize for a, s in zip(avals, outs, strict=True)]
