@@ -122,6 +122,10 @@ class Runner:
         self.spans: collections.deque[Span] = collections.deque(maxlen=trace_spans)  # newest; for ``pwmesh trace``
         self._collectives: dict[Work, float] = {}  # gang computations running, since when (the watchdog)
         self._running: dict[Work, float] = {}  # on device threads or handed to devices: since when (wall clock)
+        # What waits on work, kept here so that ``Work`` stays a plain record: a queued computation's
+        # cancellation (set when its run is cancelled), and a streamed one's landing (its outputs computed).
+        self._cancels: dict[Work, asyncio.Future[None]] = {}
+        self._landing: dict[Work, asyncio.Future[None]] = {}
         # (fn_id, spmd, devices, donated inputs) -> what the fast path runs, once compiled (functions never change)
         self._ready: dict[tuple[str, bool, tuple[int, ...], tuple[int, ...]],
                           tuple[CompiledFunction, list[jax.Device], list[Any]]] = {}
@@ -191,7 +195,11 @@ class Runner:
             log.exception("%s failed on the fast path", work.label)
             if work.finished:  # it ran and was reported; only its tail went wrong
                 return
-        work.queue(asyncio.get_running_loop())
+        work.queued = True
+        # Only work that goes through the queues waits, so only it has this: it fails when its run is
+        # cancelled, so that whatever it waits for (inputs, its function) stops holding it.
+        cancel = self._cancels[work] = asyncio.get_running_loop().create_future()
+        cancel.add_done_callback(_retrieve)
         self._act(self.core.queue(work))
 
     def _act(self, actions: list[Start] | list[PartDone]) -> None:
@@ -221,8 +229,9 @@ class Runner:
             work.cancelled = error
             self.memory.cancel(work, error)
             # Only this work stops waiting: the keys it waits for may serve other runs.
-            if not work.cancel.done():
-                work.cancel.set_exception(error)
+            cancel = self._cancels.get(work)
+            if cancel is not None and not cancel.done():
+                cancel.set_exception(error)
 
     def abandon(self, error: PwmeshError, only: list[Work] | None = None) -> int:
         """Give up on every computation not completed (the executor is stopping and will not wait
@@ -234,8 +243,9 @@ class Runner:
         for work in works:
             work.cancelled = error
             self.memory.cancel(work, error)
-            if work.queued and not work.cancel.done():
-                work.cancel.set_exception(error)
+            cancel = self._cancels.get(work)
+            if cancel is not None and not cancel.done():
+                cancel.set_exception(error)
             started = self._running.pop(work, 0.0)
             self._finish(work, started or now, started, [], None, error, 0)
         return len(works)
@@ -332,7 +342,7 @@ class Runner:
             fn = None
             streamed = None  # what to hand over without waiting for it (see _stream), if that is how it runs
             if comp.kind == "call":
-                fn = await _unless_cancelled(self.functions.get(comp.fn_id), work)
+                fn = await self._unless_cancelled(self.functions.get(comp.fn_id), work)
                 self._check_fits(work, fn)
                 found = None if comp.ragged or comp.gang else self._runnable(comp, tuple(work.devices))
                 how = how_to_run(comp, found[0] if found else None, len(found[1]) if found else len(work.devices))
@@ -387,7 +397,15 @@ class Runner:
         value = self._pending.get(key) if pending else None
         if value is not None:
             return value
-        return await _unless_cancelled(self.store.get(key), work)
+        return await self._unless_cancelled(self.store.get(key), work)
+
+    async def _unless_cancelled(self, fut: asyncio.Future[Any], work: Work) -> Any:
+        """``await fut``, unless ``work``'s run is cancelled first (then raise the reason)."""
+        if not fut.done():
+            await asyncio.wait((fut, self._cancels[work]), return_when=asyncio.FIRST_COMPLETED)
+        if not fut.done():
+            raise work.cancelled or PwmeshError(f"{work.label} was cancelled")
+        return fut.result()
 
     def _mixed(self, work: Work) -> bool:
         """Whether computations on other device sets are streamed to any of its devices."""
@@ -402,9 +420,7 @@ class Runner:
         for device in work.devices:
             streaming = self._streaming[device]
             while len(streaming) >= limit:
-                landed = streaming[0].landed
-                assert landed is not None
-                await asyncio.shield(landed)
+                await asyncio.shield(self._landing[streaming[0]])
 
     def _free_since(self, work: Work) -> float:
         """When the last computation streamed to its devices ended (0.0: none has)."""
@@ -436,7 +452,8 @@ class Runner:
         for shard, out in zip(work.shards, outs, strict=True):
             for prefix, value in zip(comp.outputs, out, strict=False):  # a count mismatch fails in _finish
                 self._pending[f"{prefix}/{shard}"] = value
-        work.landed = asyncio.get_running_loop().create_future()
+        work.streamed = True
+        self._landing[work] = asyncio.get_running_loop().create_future()
         for device in work.devices:
             self._streaming[device].append(work)
         self._running.setdefault(work, times[1])
@@ -463,8 +480,7 @@ class Runner:
         for shard in work.shards:
             for prefix in comp.outputs:
                 self._pending.pop(f"{prefix}/{shard}", None)
-        assert work.landed is not None
-        work.landed.set_result(None)
+        self._landing.pop(work).set_result(None)
         arrived, start = streamed.times
         # Handed over while its devices were still busy with the computations ahead of it: they
         # began it (and waited for anything, as its trace shows) only once those ended.
@@ -688,6 +704,7 @@ class Runner:
         return err
 
     def _complete(self, work: Work) -> None:
+        self._cancels.pop(work, None)
         actions = self.core.complete(work)
         if self.core.outstanding == 0:
             self._idle.set()
@@ -711,12 +728,8 @@ class Runner:
                 landings.close()
 
 
-async def _unless_cancelled(fut: asyncio.Future[Any], work: Work) -> Any:
-    """``await fut``, unless ``work``'s run is cancelled first (then raise the reason)."""
-    if not fut.done():
-        await asyncio.wait((fut, work.cancel), return_when=asyncio.FIRST_COMPLETED)
-    if not fut.done():
-        raise work.cancelled or PwmeshError(f"{work.label} was cancelled")
-    return fut.result()
+def _retrieve(fut: asyncio.Future[Any]) -> None:
+    if not fut.cancelled():
+        fut.exception()
 
 

@@ -3,9 +3,8 @@ and the record of when it ran (``Span``)."""
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 from pwmesh.errors import PwmeshError
 from pwmesh.wire.messages import Computation
@@ -13,7 +12,9 @@ from pwmesh.wire.messages import Computation
 
 @dataclasses.dataclass(eq=False)
 class Work:
-    """One computation of one run on this executor: all of its local shards."""
+    """One computation of one run on this executor: all of its local shards. A plain record (no futures:
+    what waits on it is the runner's), so the pure cores (``DeviceQueues``, ``ExecutorState``) and the
+    simulator share it."""
 
     run_id: str
     proxy: str
@@ -26,25 +27,11 @@ class Work:
     error: PwmeshError | None = None
     cancelled: PwmeshError | None = None  # its run was cancelled: it never waits for memory
     device_seconds: float = 0.0
-    landed: asyncio.Future[None] | None = None  # streamed: resolved once its outputs are computed
-    # Only work that goes through the queues waits, so only it has this (``queue``): it fails when
-    # its run is cancelled, so that whatever it waits for (inputs, its function) stops holding it.
-    cancel: asyncio.Future[None] = dataclasses.field(init=False)
-
-    def queue(self, loop: asyncio.AbstractEventLoop) -> None:
-        """Make the future its waits need: it goes through the device queues."""
-        self.queued = True
-        self.cancel = loop.create_future()
-        self.cancel.add_done_callback(_retrieve)
+    streamed: bool = False  # handed to its devices' streams without waiting (``Runner._stream``)
 
     @property
     def label(self) -> str:
         return f"run {self.run_id} node {self.comp.node} (seq {self.comp.seq})"
-
-
-def _retrieve(fut: asyncio.Future[Any]) -> None:
-    if not fut.cancelled():
-        fut.exception()
 
 
 class Span(NamedTuple):
