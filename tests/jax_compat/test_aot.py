@@ -9,7 +9,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
-from test_sharding_constraint import mesh_2x1  # noqa: F401 - the module-scoped fixture, both layouts
 
 import pwmesh as pw
 
@@ -17,7 +16,7 @@ pytestmark = pytest.mark.timeout(180)
 
 
 # pjit_test.py: PJitTest.testLowerWithDuckTyping
-def test_lower_with_duck_typing(mesh_2x1: pw.Slice) -> None:  # noqa: F811 - the fixture
+def test_lower_with_duck_typing(mesh_2x1: pw.Slice) -> None:
     x = jax.ShapeDtypeStruct((2, 2), jnp.float32)
     lowered = pw.jit(lambda x: x + 4, devices=mesh_2x1, in_specs=P("x"), out_specs=P("x")).lower(x)
     assert "stablehlo" in lowered.as_text() or "func.func" in lowered.as_text()
@@ -25,7 +24,7 @@ def test_lower_with_duck_typing(mesh_2x1: pw.Slice) -> None:  # noqa: F811 - the
 
 
 # Not a port: lower -> compile -> call, and the compiled call's type check (jax.stages.Compiled raises TypeError)
-def test_lower_compile_and_call(mesh_2x1: pw.Slice) -> None:  # noqa: F811 - the fixture
+def test_lower_compile_and_call(mesh_2x1: pw.Slice) -> None:
     f = pw.jit(lambda x, y: x @ y, devices=mesh_2x1, in_specs=(P("x"), P()))
     x, y = np.ones((4, 3), np.float32), np.arange(6, dtype=np.float32).reshape(3, 2)
     compiled = f.lower(x, y).compile()

@@ -9,7 +9,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
-from test_sharding_constraint import mesh_2x1  # noqa: F401 - the module-scoped fixture, both layouts
 
 import pwmesh as pw
 
@@ -17,7 +16,7 @@ pytestmark = pytest.mark.timeout(180)
 
 
 # pjit_test.py: PJitTest.testCaching (the body is not traced again by a new wrapper)
-def test_caching(mesh_2x1: pw.Slice) -> None:  # noqa: F811 - the fixture
+def test_caching(mesh_2x1: pw.Slice) -> None:
     should_be_tracing = True
 
     def f(x):
@@ -32,7 +31,7 @@ def test_caching(mesh_2x1: pw.Slice) -> None:  # noqa: F811 - the fixture
     np.testing.assert_allclose(np.asarray(first), np.sin(x) * 2, rtol=1e-6)
 
 
-def test_another_convention_or_function_exports_anew(mesh_2x1: pw.Slice) -> None:  # noqa: F811 - the fixture
+def test_another_convention_or_function_exports_anew(mesh_2x1: pw.Slice) -> None:
     def f(x):
         return x * 3
 

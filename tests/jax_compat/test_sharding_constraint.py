@@ -11,7 +11,6 @@ two executors of one device each in one JAX group.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
 
 import jax
 import jax.numpy as jnp
@@ -23,18 +22,6 @@ from jax.sharding import PartitionSpec as P
 import pwmesh as pw
 
 pytestmark = pytest.mark.timeout(180)
-
-
-@pytest.fixture(scope="module", params=["one-executor", "two-executors-one-group"])
-def mesh_2x1(request: pytest.FixtureRequest) -> Iterator[pw.Slice]:
-    """A 2 x 1 mesh ('x', 'y'), as upstream's ``jtu.with_mesh([('x', 2), ('y', 1)])``."""
-    spec = (pw.LocalClusterSpec(islands=1, hosts_per_island=1, devices_per_host=2)
-            if request.param == "one-executor" else
-            pw.LocalClusterSpec(islands=1, hosts_per_island=2, devices_per_host=1, collectives=True))
-    with pw.LocalCluster(spec) as cluster, pw.Client(cluster.address, name="jax-compat") as client:
-        sl = client.make_virtual_device_set().add_slice(devices=2, mesh={"x": 2, "y": 1})
-        assert len(sl.executors) == (1 if request.param == "one-executor" else 2)
-        yield sl
 
 
 # pjit_test.py: PJitTest.testShardingConstraintStablehlo

@@ -11,7 +11,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
-from test_sharding_constraint import mesh_2x1  # noqa: F401 - the module-scoped fixture, both layouts
 
 import pwmesh as pw
 
@@ -21,7 +20,7 @@ X = np.ones(4, dtype=jnp.bfloat16)
 mul = jax.jit(lambda a, b: a * b)
 
 
-def test_a_weak_output_passed_on_keeps_bfloat16(mesh_2x1: pw.Slice) -> None:  # noqa: F811 - the fixture
+def test_a_weak_output_passed_on_keeps_bfloat16(mesh_2x1: pw.Slice) -> None:
     scale = pw.jit(lambda s: s * 2, devices=mesh_2x1)(1.0)  # weak f32, as jax.jit's
     assert scale.weak_type and scale.dtype == np.float32
     assert scale.weak_type == jax.jit(lambda s: s * 2)(1.0).weak_type
@@ -30,7 +29,7 @@ def test_a_weak_output_passed_on_keeps_bfloat16(mesh_2x1: pw.Slice) -> None:  # 
     np.testing.assert_array_equal(np.asarray(out).astype(np.float32), np.full(4, 2.0))
 
 
-def test_a_put_python_scalar_or_weak_array_is_weak(mesh_2x1: pw.Slice) -> None:  # noqa: F811 - the fixture
+def test_a_put_python_scalar_or_weak_array_is_weak(mesh_2x1: pw.Slice) -> None:
     for value in (3.0, jnp.array(3.0)):
         put = pw.put(value, mesh_2x1)
         assert put.weak_type
@@ -40,7 +39,7 @@ def test_a_put_python_scalar_or_weak_array_is_weak(mesh_2x1: pw.Slice) -> None: 
     assert pw.jit(lambda a, b: a * b, devices=mesh_2x1)(X, strong).dtype == mul(X, np.float32(3.0)).dtype
 
 
-def test_weak_through_a_program_and_a_reshard(mesh_2x1: pw.Slice) -> None:  # noqa: F811 - the fixture
+def test_weak_through_a_program_and_a_reshard(mesh_2x1: pw.Slice) -> None:
     double = pw.jit(lambda s: s * 2, devices=mesh_2x1)
 
     @pw.program

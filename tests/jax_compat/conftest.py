@@ -1,0 +1,50 @@
+"""The clusters JAX's ported tests run on, shared by every file here (started once per layout).
+
+Each case runs on both layouts: one executor holding every device of the mesh, and two executors
+in one JAX group holding half each (an SPMD computation then spans two processes, as across hosts).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+import pwmesh as pw
+
+LAYOUTS = ["one-executor", "two-executors-one-group"]
+
+
+def _cluster(layout: str, devices: int) -> pw.LocalCluster:
+    if layout == "one-executor":
+        return pw.LocalCluster(pw.LocalClusterSpec(islands=1, hosts_per_island=1, devices_per_host=devices))
+    return pw.LocalCluster(pw.LocalClusterSpec(islands=1, hosts_per_island=2, devices_per_host=devices // 2,
+                                               collectives=True))
+
+
+@pytest.fixture(scope="package", params=LAYOUTS)
+def layout_2x1(request: pytest.FixtureRequest) -> Iterator[tuple[pw.Client, pw.Slice]]:
+    """A client and a 2 x 1 mesh ('x', 'y'), as upstream's ``jtu.with_mesh([('x', 2), ('y', 1)])``."""
+    with _cluster(request.param, 2) as cluster, pw.Client(cluster.address, name="jax-compat") as client:
+        sl = client.make_virtual_device_set().add_slice(devices=2, mesh={"x": 2, "y": 1})
+        assert len(sl.executors) == (1 if request.param == "one-executor" else 2)
+        yield client, sl
+
+
+@pytest.fixture
+def mesh_2x1(layout_2x1: tuple[pw.Client, pw.Slice]) -> pw.Slice:
+    return layout_2x1[1]
+
+
+@pytest.fixture(scope="package", params=LAYOUTS)
+def layout_2x2(request: pytest.FixtureRequest) -> Iterator[tuple[pw.Client, pw.Slice]]:
+    """A client and a 2 x 2 mesh ('x', 'y'), as upstream's ``jtu.with_mesh([('x', 2), ('y', 2)])``."""
+    with _cluster(request.param, 4) as cluster, pw.Client(cluster.address, name="jax-compat") as client:
+        sl = client.make_virtual_device_set().add_slice(devices=4, mesh={"x": 2, "y": 2})
+        assert len(sl.executors) == (1 if request.param == "one-executor" else 2)
+        yield client, sl
+
+
+@pytest.fixture
+def mesh_2x2(layout_2x2: tuple[pw.Client, pw.Slice]) -> pw.Slice:
+    return layout_2x2[1]
