@@ -90,12 +90,39 @@ def dispatch_spmd(fn: CompiledFunction, devices: tuple[jax.Device, ...], local: 
             whole = jax.make_array_from_single_device_arrays(aval.shape, sharding, pieces)
         globals_.append(whole)
     leaves = jax.tree_util.tree_leaves(exe(*globals_))
-    order = {d.id: i for i, d in enumerate(local)}
+    return split(leaves, local), leaves
+
+
+# Per output sharding (an executable returns the same objects call after call) and local devices: where each
+# of an output's per-device arrays goes.
+_PLACES: dict[tuple[Any, tuple[jax.Device, ...]], list[int]] = {}
+
+
+def split(leaves: list[Any], local: tuple[jax.Device, ...]) -> list[list[Any]]:
+    """Each local device's pieces of global arrays ``leaves``, in ``local`` order.
+
+    ``addressable_shards`` makes a Shard, and a sharding, per piece: a 54-output step on 4 devices took
+    ~41 us of the loop for that alone (~22 us this way; the pieces are the very same arrays)."""
     result: list[list[Any]] = [[] for _ in local]
     for leaf in leaves:
-        for s in leaf.addressable_shards:
-            result[order[s.device.id]].append(s.data)
-    return result, leaves
+        sharding = leaf.sharding
+        places = _PLACES.get((sharding, local))
+        if places is None:
+            order = {d.id: i for i, d in enumerate(local)}
+            try:
+                places = [order[d.id] for d in sharding._addressable_device_assignment]
+            except AttributeError:  # a JAX without it: the public way
+                places = [order[s.device.id] for s in leaf.addressable_shards]
+            if len(_PLACES) > 4096:
+                _PLACES.clear()
+            _PLACES[(sharding, local)] = places
+        try:
+            arrays = leaf._arrays
+        except AttributeError:
+            arrays = [s.data for s in leaf.addressable_shards]
+        for place, array in zip(places, arrays, strict=True):
+            result[place].append(array)
+    return result
 
 
 def call_spmd(fn: CompiledFunction, devices: tuple[jax.Device, ...], local: tuple[jax.Device, ...],
