@@ -67,6 +67,16 @@ class ShardLocation:
     island: int
     host: str = ""
     group: str = ""  # the executor's JAX group ("" for none)
+    _hash: int = dataclasses.field(default=0, init=False, repr=False, compare=False)
+
+    def __hash__(self) -> int:
+        """Kept once made: a run's lowering is looked up by its inputs' locations (``ir.cache._key``), a
+        training step's ~200 of them each time, and a dataclass hashes all seven fields on every call."""
+        h = self._hash
+        if not h:
+            h = hash((self.executor_id, self.control, self.data, self.device, self.island, self.host, self.group)) or 1
+            object.__setattr__(self, "_hash", h)
+        return h
 
 
 def location(d: PhysicalDevice) -> ShardLocation:
