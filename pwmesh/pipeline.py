@@ -238,7 +238,9 @@ class Pipeline:
             pspec = _full_specs(stage.param_specs, p, f"stage {s} param_specs")
             specs.append((pspec, _opt_specs(self.optimizer, p, pspec), {"grads": pspec, "loss": P()}))
         if self._specs is not None:
-            same = all(jax.tree_util.tree_structure(a[0]) == jax.tree_util.tree_structure(b[0])
+            structure = jax.tree_util.tree_structure
+            # jaxlib's stubs leave PyTreeDef unresolved for mypy ("PyTreeDef?"), though it compares with ==.
+            same = all(structure(a[0]) == structure(b[0])  # type: ignore[operator]
                        for a, b in zip(specs, self._specs, strict=True))
             if not same:
                 raise InvalidArgument("these parameters are structured unlike the ones this pipeline was placed with")
@@ -308,8 +310,8 @@ class Pipeline:
             if isinstance(leaf, Array):
                 raise InvalidArgument(f"batch leaf {i} is a pw.Array; a pipeline takes the batch from the host")
         arrays = [np.asarray(leaf) for leaf in leaves]
-        sizes = {a.shape[0] if a.ndim else None for a in arrays}
-        if len(sizes) != 1 or None in sizes:
+        sizes = {a.shape[0] for a in arrays if a.ndim}
+        if len(sizes) != 1 or any(not a.ndim for a in arrays):
             raise InvalidArgument(f"every batch leaf must have the batch along axis 0; got shapes "
                                   f"{[a.shape for a in arrays]}")
         (size,) = sizes
@@ -338,7 +340,9 @@ class Pipeline:
             s, i = op.stage, op.microbatch
             x = microbatches[i] if s == 0 else inputs.get((s, i))
             if op.kind == "F":
-                inputs[(s + 1, i)] = fns[s].forward(params[s], x)
+                forward = fns[s].forward
+                assert forward is not None  # the last stage's forward is in its backward: it has no F
+                inputs[(s + 1, i)] = forward(params[s], x)
             elif op.kind == "B":  # the last stage reads the microbatch (targets), the others their gradient
                 out = fns[s].backward(params[s], x, microbatches[i] if s == last else grads_in.pop((s, i)), acc[s])
                 acc[s], grads_in[(s - 1, i)] = out if s > 0 else (out, None)

@@ -38,7 +38,7 @@ import select
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import zmq
 
@@ -123,7 +123,7 @@ class ClientConnection:
         except BaseException:  # an address ZeroMQ refuses: nothing may outlive the refusal
             self._ctx.destroy(linger=0)
             raise
-        self._fd = self._sock.getsockopt(zmq.FD)  # what the I/O thread waits on: the socket is the callers'
+        self._fd = cast(int, self._sock.getsockopt(zmq.FD))  # what the I/O thread waits on: the socket is the callers'
         # Messages not yet handed to the socket, in order: refused (high-water mark), or posted
         # from ``__del__`` while this thread was inside a socket call. Guarded by ``_lock``.
         self._backlog: collections.deque[list[Any]] = collections.deque()
@@ -247,7 +247,7 @@ class ClientConnection:
             elif not self._send_now(frames):  # refused: the I/O thread sends it when it can
                 self._backlog.append(frames)
                 self._wake()
-            elif self._sock.getsockopt(zmq.EVENTS) & _POLLIN:
+            elif cast(int, self._sock.getsockopt(zmq.EVENTS)) & _POLLIN:
                 self._wake()  # our send consumed the signal of a reply: tell the I/O thread
         return fut
 
@@ -378,7 +378,7 @@ class ClientConnection:
                 while self._backlog and self._send_now(self._backlog[0]):
                     self._backlog.popleft()
                     sent += 1
-                events = self._sock.getsockopt(zmq.EVENTS)
+                events = cast(int, self._sock.getsockopt(zmq.EVENTS))
                 if not events & _POLLIN:
                     if sent and self._backlog and events & _POLLOUT:
                         continue
@@ -391,7 +391,7 @@ class ClientConnection:
     def _receive_all(self) -> list[list[Any]]:
         """Every message waiting on the socket (lock held; ``EVENTS`` said one waits)."""
         recv = self._sock.recv
-        messages = []
+        messages: list[list[Any]] = []
         self._in_socket = True
         try:
             while True:
@@ -405,7 +405,7 @@ class ClientConnection:
                     frames.append(frame)
                 messages.append(frames)
                 # Asking is cheaper than a receive that fails.
-                if not self._sock.getsockopt(zmq.EVENTS) & _POLLIN:
+                if not cast(int, self._sock.getsockopt(zmq.EVENTS)) & _POLLIN:
                     return messages
         finally:
             self._in_socket = False

@@ -26,6 +26,8 @@ class Program:
     Arguments and results are pytrees; ``static_argnums``/``static_argnames`` as in ``jax.jit``.
     """
 
+    __name__: str  # the function's (``functools.update_wrapper``)
+
     def __init__(self, fn: Callable[..., Any], dispatch: str = "parallel", static_argnums: Iterable[int] = (),
                  static_argnames: Iterable[str] = ()) -> None:
         if dispatch not in DISPATCH_MODES:

@@ -45,7 +45,7 @@ def describe(value: Any) -> str:
         for field in dataclasses.fields(value):
             item = getattr(value, field.name)
             text = item.op if isinstance(item, Message) else repr(item)
-            if isinstance(item, Message):
+            if isinstance(item, Message) and dataclasses.is_dataclass(item):  # every Message is (@record)
                 inner = [f"{f.name}={getattr(item, f.name)!r}" for f in dataclasses.fields(item)
                          if f.name in ("run_id", "nodes", "executor_seq", "scheduler", "epoch")]
                 text = f"{item.op}({', '.join(inner)})"

@@ -26,7 +26,7 @@ class Ragged(NamedTuple):
     """Routed rows: ``array``'s rows are rows ``index`` of the value they were routed from."""
 
     array: np.ndarray
-    index: np.ndarray
+    index: np.ndarray  # type: ignore[assignment]  # shadows tuple.index on purpose (never searched as a tuple)
 
     @property
     def nbytes(self) -> int:
@@ -146,8 +146,9 @@ def assemble(tuples: list[DataTuple], last: DataTuple) -> np.ndarray | Ragged:
         if not data:
             return Ragged(np.zeros((0, *shape[1:]), dtype), np.zeros((0,), np.int32))
         return Ragged(np.concatenate([t.array for t in data]), np.concatenate([t.index for t in data]))
-    if len(data) == 1 and data[0].index is None and not any(data[0].offset) and data[0].array.shape == shape:
-        return data[0].array  # a whole shard moved as it is
+    if (len(data) == 1 and data[0].index is None and not any(data[0].offset)
+            and (whole := data[0].array) is not None and whole.shape == shape):
+        return whole  # a whole shard moved as it is
     out = np.zeros(shape, dtype)
     base = first.shard * shape[0] if shape else 0
     for t in data:

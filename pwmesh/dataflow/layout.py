@@ -119,7 +119,8 @@ class Layout(NamedTuple):
     def box(self, device: int) -> Box:
         return _tables(self).boxes[device]
 
-    def index(self, device: int) -> tuple[slice, ...]:
+    # Shadows tuple.index on purpose (a Layout is never searched as a tuple): mypy rightly sees an override.
+    def index(self, device: int) -> tuple[slice, ...]:  # type: ignore[override]
         """``device``'s block of the global array, for numpy indexing."""
         return tuple(slice(lo, hi) for lo, hi in self.box(device))
 

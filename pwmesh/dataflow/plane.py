@@ -338,7 +338,7 @@ class _Stream:
             elif view.nbytes >= BIG_FRAME_BYTES:
                 out = self.plane.pool.take(view.nbytes + TAG_BYTES)  # warm, reused once sent
                 seal.seal_into(view, out)
-                sock.sendall(out)
+                sock.sendall(out.data)
             else:
                 sock.sendall(seal.seal(view))
         for kind, nbytes, _, _ in preamble:
@@ -506,7 +506,8 @@ class DataPlane:
     def _accept_loop(self) -> None:
         while True:
             try:
-                readable, _, _ = select.select([self._listener, self._wake[0]], [], [])
+                watched: list[socket.socket | int] = [self._listener, self._wake[0]]
+                readable, _, _ = select.select(watched, [], [])
                 if self._wake[0] in readable:
                     return
                 sock, addr = self._listener.accept()
@@ -659,7 +660,7 @@ class DataPlane:
                 frames.append(buf)
             elif seal is not None and nbytes >= BIG_FRAME_BYTES:
                 sealed = self.pool.take(nbytes + TAG_BYTES)
-                _recv_exactly(sock, memoryview(sealed))
+                _recv_exactly(sock, sealed.data)
                 buf = self.pool.take(nbytes)
                 seal.open_into(sealed, buf)
                 frames.append(buf)
@@ -667,7 +668,7 @@ class DataPlane:
                 frames.append(seal.open(recv_bytes(sock, nbytes + TAG_BYTES)))
             elif nbytes >= BIG_FRAME_BYTES:
                 buf = self.pool.take(nbytes)
-                _recv_exactly(sock, memoryview(buf))
+                _recv_exactly(sock, buf.data)
                 frames.append(buf)
             else:
                 frames.append(recv_bytes(sock, nbytes))

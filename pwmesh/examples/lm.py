@@ -234,7 +234,9 @@ def make_train_step(config: Config, optimizer: optax.GradientTransformation | No
 def local_devices(n: int, what: str) -> list[Any]:
     """``n`` JAX devices of this process for ``what`` (a flag, for the message). On CPU they are asked for
     if JAX has not started its backends yet; otherwise the process must have been started with them."""
-    if jax.config.jax_platforms in (None, "", "cpu") and jax.config.jax_num_cpu_devices < n:
+    # jax's Config declares no flag attributes (they are dynamic): read() refuses jax_platforms, so attributes.
+    platforms = jax.config.jax_platforms  # type: ignore[attr-defined]
+    if platforms in (None, "", "cpu") and jax.config.jax_num_cpu_devices < n:  # type: ignore[attr-defined]
         try:
             jax.config.update("jax_num_cpu_devices", n)
         except RuntimeError:  # JAX has started its backends already
@@ -300,7 +302,8 @@ def save_checkpoint(directory: str | os.PathLike[str], step: int, params: Any, o
     """Write ``ckpt_<step>.npz`` into ``directory`` (made if missing); returns its path."""
     out = Path(directory)
     out.mkdir(parents=True, exist_ok=True)
-    arrays = {**_flat("params", params), **_flat("opt_state", opt_state), "step": np.asarray(step)}
+    # Any: numpy's savez(**kwds) would have a key "allow_pickle" be a bool.
+    arrays: dict[str, Any] = {**_flat("params", params), **_flat("opt_state", opt_state), "step": np.asarray(step)}
     fd, tmp = tempfile.mkstemp(dir=out, prefix=".ckpt-", suffix=".npz")
     try:
         with os.fdopen(fd, "wb") as f:

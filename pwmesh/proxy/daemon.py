@@ -352,8 +352,9 @@ class Proxy(Service):
 
     async def close(self) -> None:
         await super().close()
-        if getattr(self, "sandbox", None) is not None:
-            self.sandbox.close()
+        sandbox: Sandbox | None = getattr(self, "sandbox", None)  # absent if the start failed before it
+        if sandbox is not None:
+            sandbox.close()
 
     # ------------------------------------------------------------ the core's I/O
 

@@ -386,7 +386,7 @@ class CheckKept:
 
 
 Action = (Send | Reply | Ask | Wait | Fetching | Resolve | PeerLost | PeerBack | FencePeer | LowerOffLoop | Reclaim
-          | Inventory | CheckKept)
+          | Inventory | CheckKept | CheckFunction | Deliver)
 
 
 def _summary(event: Event) -> str:
@@ -793,7 +793,7 @@ class ProxyState:
         session.slices[sl.slice_id] = sl
         return Reply(SliceCreated(slice=sl))
 
-    def _register_function(self, peer: bytes, msg: RegisterProgramFunction, now: float) -> Reply:
+    def _register_function(self, peer: bytes, msg: RegisterProgramFunction, now: float) -> Reply | None:
         session = self.session(peer)
         if msg.slice_id not in session.slices:
             raise NotFound(f"slice {msg.slice_id} is not one of this session's slices")

@@ -128,12 +128,12 @@ class ResourceManagerState:
                     self.liveness.beat(f"proxy:{name}", now)
                 return self._lease(name)
             case LeavingForGroup(executor_id=executor_id, epoch=epoch, grace_seconds=grace):
-                info = self.executors.get(executor_id)
-                if info is None:
+                leaving = self.executors.get(executor_id)
+                if leaving is None:
                     return PleaseRegister()
                 # The grace counts as a beat that far in the future: a restart under way is no loss.
                 self.liveness.excuse(executor_id, now + max(0.0, min(grace, 600.0)))
-                self.notifications.append(ExecutorRestarting(executor_id=executor_id, control=info.control,
+                self.notifications.append(ExecutorRestarting(executor_id=executor_id, control=leaving.control,
                                                              epoch=epoch))
                 return Ok()
             case AllocateSlice(owner=owner, devices=n, island=island, kind=kind, request=request):
@@ -262,7 +262,8 @@ class ResourceManagerState:
         self.map_version += 1
         before = len(self.notifications)
         self._remap(f"{executor_id} is gone ({reason})")
-        remapped = self.notifications[before:]  # only SliceRemapped: they travel inside the loss
+        # Only SliceRemapped: they travel inside the loss.
+        remapped = [n for n in self.notifications[before:] if isinstance(n, SliceRemapped)]
         del self.notifications[before:]
         self.notifications.append(ExecutorLost(executor_id=executor_id, host=info.host, control=info.control,
                                                reason=reason, graceful=graceful, remapped=remapped))

@@ -22,8 +22,8 @@ from pwmesh.service.heartbeat import every
 from pwmesh.service.keys import Security, speaks_for
 from pwmesh.service.lifecycle import Service
 from pwmesh.service.metrics import Metric, counter, gauge, listen_host, merged, wire_metrics
-from pwmesh.service.rpc import Access, Beats, Connections, Server, wait_for_peer
-from pwmesh.wire import Envelope
+from pwmesh.service.rpc import Access, Beats, Connections, Handler, Server, wait_for_peer
+from pwmesh.wire import Envelope, Message
 from pwmesh.wire.messages import (
     ClusterStateReply,
     ExecutorJoined,
@@ -75,7 +75,7 @@ class Scheduler(Service):
         self._notice_log = RejectedLog(self.name, logger=log)  # notices a peer made unappliable: rate-limited
 
     async def setup(self) -> None:
-        handlers = {
+        handlers: dict[type[Message], Handler] = {
             ScheduleRun: self._schedule,
             RunPartDone: self._part_done,
             GetSchedulerStats: self._stats,

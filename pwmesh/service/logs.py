@@ -104,5 +104,7 @@ def _log_thread_exception(args: threading.ExceptHookArgs) -> None:
     if args.exc_type is SystemExit:
         return
     thread = args.thread.name if args.thread is not None else "?"
+    exc_info = (args.exc_type, args.exc_value, args.exc_traceback)
+    # typeshed's exc_info triple must hold an exception; logging formats one whose value is None too.
     logging.getLogger("pwmesh").error("uncaught exception in thread %s", thread, extra={"thread_name": thread},
-                                      exc_info=(args.exc_type, args.exc_value, args.exc_traceback))
+                                      exc_info=exc_info)  # type: ignore[arg-type]

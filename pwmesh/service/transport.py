@@ -27,7 +27,7 @@ import os
 import socket
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, cast
 
 import zmq
 from zmq.auth.thread import ThreadAuthenticator
@@ -54,7 +54,7 @@ BACKLOG_RETRY_SECONDS = 0.05
 # Plain ints: pyzmq's flag enums cost more than the calls they are passed to.
 _NOBLOCK = int(zmq.NOBLOCK)
 _MORE = int(zmq.NOBLOCK | zmq.SNDMORE)
-_EVENTS = zmq.EVENTS
+_EVENTS = zmq.EVENTS  # pyzmq types every option's value as int | bytes: FD and EVENTS are ints
 _POLLIN = int(zmq.POLLIN)
 _POLLOUT = int(zmq.POLLOUT)
 
@@ -259,7 +259,7 @@ class _Pump:
         loop = self._loop
         if loop is None:
             loop = self._loop = asyncio.get_running_loop()
-            self._fd = self._sock.getsockopt(zmq.FD)
+            self._fd = cast(int, self._sock.getsockopt(zmq.FD))
             loop.add_reader(self._fd, self._on_events)
         return loop
 
@@ -278,7 +278,7 @@ class _Pump:
             while True:
                 sent = self._flush() if self._backlogged else 0
                 # Read after every send: the state is current, and the FD's signal is reset.
-                events = self._sock.getsockopt(_EVENTS)
+                events = cast(int, self._sock.getsockopt(_EVENTS))
                 if events & _POLLIN:
                     events = self._drain(events)
                     if events < 0:
@@ -303,7 +303,7 @@ class _Pump:
         """A send may have consumed the FD's signal: if that hid work, do it from the loop."""
         if self._busy:  # inside _on_events, which reads EVENTS again before it returns
             return
-        events = self._sock.getsockopt(_EVENTS)
+        events = cast(int, self._sock.getsockopt(_EVENTS))
         if (events & _POLLIN and (self._on_frames is not None or self._waiters)) or (
                 events & _POLLOUT and self._backlogged):
             self._schedule_check()
@@ -322,7 +322,7 @@ class _Pump:
         """Receive while ``EVENTS`` says a message waits (asking is cheaper than a failed
         receive); the last ``EVENTS`` read, or -1 if the rest is left for later (nobody
         receives, or the batch is done and the rest rescheduled)."""
-        getsockopt = self._sock.getsockopt
+        getsockopt = cast("Callable[[int], int]", self._sock.getsockopt)
         callback = self._on_frames
         if callback is None:
             while events & _POLLIN:  # one message per waiting recv(); the rest stays in ZeroMQ

@@ -19,14 +19,14 @@ class Clock:
     def __init__(self) -> None:
         self.now = 0.0
         self.events_run = 0
-        self._heap: list[tuple[float, int, Callable[[], None]]] = []
+        self._heap: list[tuple[float, int, Callable[[], object]]] = []  # what a callback returns is dropped
         self._seq = itertools.count()
 
-    def at(self, when: float, callback: Callable[[], None]) -> None:
+    def at(self, when: float, callback: Callable[[], object]) -> None:
         """Run ``callback`` at virtual time ``when`` (never in the past: the past is ``now``)."""
         heapq.heappush(self._heap, (max(when, self.now), next(self._seq), callback))
 
-    def after(self, delay_seconds: float, callback: Callable[[], None]) -> None:
+    def after(self, delay_seconds: float, callback: Callable[[], object]) -> None:
         if delay_seconds < 0:
             raise InvalidArgument(f"a delay cannot be negative, got {delay_seconds}")
         self.at(self.now + delay_seconds, callback)

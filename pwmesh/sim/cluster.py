@@ -206,7 +206,7 @@ class SimCluster:
                 "enqueues": sum(s.enqueues for s in self.schedulers),
                 "core_cpu_seconds": sum(s.cpu_seconds for s in self.schedulers),
                 "core_calls": sum(s.core_calls for s in self.schedulers),
-                "busy_in_steps": max((b for s in self.schedulers if (b := busy(s)) is not None), default=None),
+                "busy_in_steps": max((x for s in self.schedulers if (x := busy(s)) is not None), default=None),
                 "usage": {u.session: {"weight": u.weight, "runs": u.runs, "device_seconds": u.device_seconds}
                           for s in self.schedulers for u in s.order.usage()},
             },

@@ -71,7 +71,7 @@ def saturate(order: IslandOrder, clients: Mapping[str, tuple[float, int]], steps
     for session in clients:
         for _ in range(backlog):
             submit(session)
-    used = collections.Counter[str]()
+    used = collections.defaultdict[str, float](float)  # device-seconds per session
     for _ in range(steps):
         if not in_flight:
             raise RuntimeError("nothing in flight although every client has work waiting: the order stalled")

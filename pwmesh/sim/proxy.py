@@ -72,7 +72,7 @@ class _Fetch:
     request: _Request
     session_id: str
     buffer: Any
-    shards: dict[str, list[Any]]  # key -> its array, once here
+    shards: dict[str, Any]  # key -> its array, once here
     order: list[str]  # every key, in the order the reply lists them
     left: int
     charge: tuple[str, int] = ("", 0)  # whose bytes in flight it is, and how many (``Fetching``)

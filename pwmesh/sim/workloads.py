@@ -19,13 +19,14 @@ Each step is marked ``step`` ... ``step_end`` (the client waited for its outputs
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Generator
+from typing import Any
 
 import numpy as np
 
 from pwmesh.errors import InvalidArgument
 from pwmesh.ir.keys import function_id
-from pwmesh.sim.client import Call, Mark, Post, Script, SimClient
+from pwmesh.sim.client import Call, Mark, Op, Post, Script, SimClient
 from pwmesh.sim.cluster import SimCluster
 from pwmesh.sim.cost import FunctionCost
 from pwmesh.wire.messages import (
@@ -41,6 +42,7 @@ from pwmesh.wire.messages import (
     ReleaseBuffers,
     RunProgram,
     SliceCreated,
+    SliceInfo,
     ValueSpec,
 )
 
@@ -97,12 +99,13 @@ def chain(fn_ids: list[str], slice_ids: list[int], spec: ValueSpec) -> ProgramSp
         NodeSpec(fn_id=fn_ids[i], slice_id=slice_ids[i], inputs=[i], outputs=[i + 1]) for i in range(n)])
 
 
-def _session(name: str, w: Workload, weight: float = 1.0, island: int | None = None) -> Script:
+def _session(name: str, w: Workload, weight: float = 1.0,
+             island: int | None = None) -> Generator[Op, Any, SliceInfo]:
     """Open a session and make a slice; the script's value is the slice."""
     yield Call(OpenSession(name=name, weight=weight))
     created = yield Call(CreateSlice(devices=w.devices, island=island))
     assert isinstance(created, SliceCreated)
-    return created.slice  # type: ignore[return-value]
+    return created.slice
 
 
 def _put(buffer: int, slice_id: int, w: Workload) -> Call:

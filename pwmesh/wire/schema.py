@@ -367,17 +367,18 @@ def _first_to_wire(self: Record) -> dict[str, Any]:
     cls = type(self)
     fn = _compile_to_wire(cls)
     if cls.__dict__.get("to_wire") is _first_to_wire:
-        cls.to_wire = fn  # type: ignore[method-assign]
+        # mypy does not model replacing a method on a class (here, by its compiled version).
+        cls.to_wire = fn  # type: ignore[method-assign, assignment]
     return fn(self)
 
 
 _first_to_wire._generated = True  # type: ignore[attr-defined]
 
 
-_R = typing.TypeVar("_R", bound=type)
+_T = typing.TypeVar("_T")
 
 
 @typing.dataclass_transform(kw_only_default=True, field_specifiers=(dataclasses.field,))
-def record(cls: _R) -> _R:
+def record(cls: type[_T]) -> type[_T]:
     """Decorator: make ``cls`` a slotted, keyword-only dataclass ``Record`` (a dataclass to type checkers)."""
     return dataclasses.dataclass(slots=True, kw_only=True)(cls)
