@@ -3,6 +3,7 @@ per call, posted without waiting; the outputs come back at once as ``pw.Array`` 
 
 from __future__ import annotations
 
+import collections
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -30,11 +31,14 @@ def _inputs(traced: TracedProgram, leaves: Sequence[Any]) -> list[ProgramInput]:
             inputs.append(ProgramInput(buffer=leaf.buffer_id))
         else:
             inputs.append(ProgramInput(array=canonical(leaf)))
-    for i in traced.donated:
-        leaf = leaves[i]
-        if isinstance(leaf, Array) and sum(other is leaf for other in leaves) > 1:
-            raise InvalidArgument(f"pw.Array {leaf.buffer_id} is donated to {traced.donated_to[i]} and passed "
-                                  "again in the same call: a donated buffer is consumed by the one call it is given to")
+    if traced.donated:
+        passed = collections.Counter(id(leaf) for leaf in leaves)  # once, not a scan per donated leaf
+        for i in traced.donated:
+            leaf = leaves[i]
+            if isinstance(leaf, Array) and passed[id(leaf)] > 1:
+                raise InvalidArgument(f"pw.Array {leaf.buffer_id} is donated to {traced.donated_to[i]} and passed "
+                                      "again in the same call: a donated buffer is consumed by the one call it is "
+                                      "given to")
     inputs.extend(ProgramInput(array=c) for c in traced.constants)
     for array in traced.captured:
         array._check_alive()

@@ -72,7 +72,8 @@ class Session:
         self._arrays: weakref.WeakValueDictionary[int, Any] = weakref.WeakValueDictionary()
         self._slices: list[int] = []
         # Arrays dropped or donated lately (the last ``MAX_GONE``): what was sent before a resume may name them.
-        self._gone: collections.OrderedDict[int, Any] = collections.OrderedDict()  # id -> the array's ``spec``
+        # (id, the array's ``spec``): appended without a lock (a deque is safe for that; ``_declare`` copies it).
+        self._gone: collections.deque[tuple[int, Any]] = collections.deque(maxlen=MAX_GONE)
         self._dropped_donated: list[int] = []
         self.conn.declare = self._declare
         self.conn.on_resumed = self._resumed
@@ -94,17 +95,18 @@ class Session:
             self._arrays[array.buffer_id] = array
 
     def gone(self, array: Any) -> None:
-        """``array`` was dropped or donated: declared as such (``ResumeSession.released``) for a while."""
-        with self._lock:  # its spec is made only for a resume: this runs for every array dropped
-            self._gone[array.buffer_id] = array.spec
-            if len(self._gone) > MAX_GONE:
-                self._gone.popitem(last=False)
+        """``array`` was dropped or donated: declared as such (``ResumeSession.released``) for a while.
+
+        It runs for every array dropped or donated (a training step's every state leaf): an append, no lock;
+        the spec is a bound method, made only for a resume."""
+        self._gone.append((array.buffer_id, array.spec))
 
     def _declare(self) -> Declared:
         with self._lock:
             arrays = [a for a in list(self._arrays.values()) if not a.is_deleted()]
             registrations = [m for sent in self._registrations.values() for m in sent]
-            gone = [ResumedBuffer(buffer=b, spec=spec()) for b, spec in self._gone.items()]
+            alive = {a.buffer_id for a in arrays}  # a donated array taken back (``Array._take_back``) is alive
+            gone = [ResumedBuffer(buffer=b, spec=spec()) for b, spec in list(self._gone) if b not in alive]
         return Declared(buffers=[ResumedBuffer(buffer=a.buffer_id, spec=a.spec()) for a in arrays],
                         slices=list(self._slices), released=gone,
                         functions=[m for m in registrations if isinstance(m, RegisterProgramFunction)],

@@ -71,12 +71,14 @@ def spec_indices(spec: PartitionSpec, names: Sequence[str], what: str) -> list[l
 class SliceSharding:
     """A slice and a ``PartitionSpec`` over its mesh: how a ``pw.Array`` is laid out on the devices."""
 
-    __slots__ = ("slice", "spec", "_wire")
+    __slots__ = ("slice", "spec", "_wire", "key")
 
     def __init__(self, sl: Slice, spec: PartitionSpec) -> None:
         self.slice = sl
         self.spec = spec
         self._wire = Sharding(mesh=list(sl.mesh_shape), spec=spec_indices(spec, sl.axis_names, repr(self)))
+        # What a traced program depends on of it (``tracing.leaf_signature``), made once: every call looks it up.
+        self.key = (id(sl), tuple(map(tuple, self._wire.spec)))
 
     @property
     def mesh(self) -> dict[str, int]:

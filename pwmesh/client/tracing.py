@@ -354,8 +354,7 @@ class TracedProgram:
 def leaf_signature(leaf: Any) -> tuple[Any, ...]:
     """What of an argument leaf a traced program depends on (its cache key)."""
     if isinstance(leaf, Array):
-        return ("buffer", leaf.shape, leaf.dtype.name, leaf.weak_type, id(leaf.sharding.slice),
-                tuple(map(tuple, leaf.sharding.wire.spec)))
+        return ("buffer", leaf.shape, leaf.dtype, leaf.weak_type, leaf.sharding.key)
     aval = host_aval(leaf)
     return ("host", aval.shape, np.dtype(aval.dtype).name, aval.weak_type)
 
