@@ -59,8 +59,8 @@ from pwmesh.service.heartbeat import LoopLag, every
 from pwmesh.service.keys import PLANE_SECRET_ENV, Security
 from pwmesh.service.lifecycle import Service, Status
 from pwmesh.service.metrics import Metric, counter, gauge, listen_host, merged, wire_metrics
-from pwmesh.service.rpc import Access, Beats, Connections, Server, wait_for_peer
-from pwmesh.wire import Envelope
+from pwmesh.service.rpc import Access, Beats, Connections, Handler, Server, wait_for_peer
+from pwmesh.wire import Envelope, Message
 from pwmesh.wire.messages import (
     AwaitIdle,
     CancelRun,
@@ -240,7 +240,7 @@ class Executor(Service):
             self.runner.group_devices = group_devices(self.name, self.devices, self.config.group_members)
         if self.config.resume_from:
             self._resume(Path(self.config.resume_from))
-        control = {
+        control: dict[type[Message], Handler] = {
             RegisterFunction: self._register_function,
             Enqueue: self._enqueue,
             PutShards: self._put,

@@ -9,6 +9,7 @@ import math
 import re
 import threading
 import warnings
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -114,7 +115,7 @@ class CompiledFunction:
         mesh = Mesh(np.array(devices).reshape(self.mesh), self.axes)
         blocks = PartitionSpec(self.axes[0] if len(self.axes) == 1 else self.axes)  # unspecified: leading axis
 
-        def interned(found: tuple[Any, ...]) -> tuple[Any, ...]:
+        def interned(found: Sequence[Any]) -> tuple[Any, ...]:  # NamedShardings, or None: the leading axis
             return tuple(_named(tuple(devices), self.mesh, self.axes, blocks if s is None else s.spec) for s in found)
 
         return interned(self.exported.in_shardings_jax(mesh)), interned(self.exported.out_shardings_jax(mesh))
@@ -129,7 +130,8 @@ class CompiledFunction:
         # Over the abstract mesh: a mesh spanning executors has devices this host cannot address.
         mesh = AbstractMesh(self.mesh, self.axes, axis_types=(AxisType.Auto,) * len(self.axes))
         blocks = PartitionSpec(self.axes[0] if len(self.axes) == 1 else self.axes)
-        outs = [NamedSharding(mesh, blocks if s is None else s.spec) for s in self.exported.out_shardings_jax(mesh)]
+        found: Sequence[Any] = self.exported.out_shardings_jax(mesh)  # NamedShardings, or None
+        outs = [NamedSharding(mesh, blocks if s is None else s.spec) for s in found]
         return [math.prod(s.shard_shape(a.shape)) * np.dtype(a.dtype).itemsize for a, s in zip(avals, outs, strict=True)]
 
     @property
@@ -166,9 +168,10 @@ class CompiledFunction:
             exe = jax.jit(self.exported.call, out_shardings=out_shardings,
                           donate_argnums=donate).lower(*specs).compile()
         if self.bounded is None:  # known before the executable is: nothing runs inline while it is not
+            text = exe.as_text()
             try:
-                self.bounded = bounded(exe.as_text())
-            except Exception:  # no text to read: never inline
+                self.bounded = text is not None and bounded(text)
+            except Exception:  # unreadable text: never inline
                 self.bounded = False
         with self._lock:
             self._executables.setdefault(key, exe)

@@ -127,7 +127,8 @@ class Runner:
         self._cancels: dict[Work, asyncio.Future[None]] = {}
         self._landing: dict[Work, asyncio.Future[None]] = {}
         # (fn_id, spmd, devices, donated inputs) -> what the fast path runs, once compiled (functions never change)
-        self._ready: dict[tuple[str, bool, tuple[int, ...], tuple[int, ...]],
+        # (function, SPMD, a gang's (executor, device) pairs or the local device ids, donated inputs) -> found
+        self._ready: dict[tuple[str, bool, tuple[tuple[str, int], ...] | tuple[int, ...], tuple[int, ...]],
                           tuple[CompiledFunction, list[jax.Device], list[Any]]] = {}
         self._idle = asyncio.Event()
         self._idle.set()
@@ -295,7 +296,8 @@ class Runner:
         for it) for longer than ``older_than_seconds``: each waits for peers on other executors that have
         not reached it (a deadlock, if those wait for one here)."""
         now = time.monotonic()
-        waits, seen = [], set()
+        waits: list[str] = []
+        seen: set[int] = set()
         for work, since in list(self._collectives.items()):  # in the order they were handed over
             if seen.isdisjoint(work.devices) and now - since >= older_than_seconds:
                 waits.append(f"devices [{','.join(map(str, work.devices))}] have been in {work.label}, a collective "

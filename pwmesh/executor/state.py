@@ -199,7 +199,7 @@ class ExecutorState:
 
     def handle(self, event: Event, now: float) -> list[Action]:
         """Apply ``event``; return what must happen because of it, in order."""
-        self._out = out = []
+        self._out = out = list[Action]()
         self._stimulus = stimulus = self.events.stimulus(_KINDS[type(event)]) if self.events is not None else ""
         match event:
             case Received(message=msg):

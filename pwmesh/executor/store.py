@@ -343,10 +343,12 @@ class ObjectStore:
 
     def failures(self) -> dict[str, PwmeshError]:
         """The keys that failed, with their failures."""
-        out = {}
+        out: dict[str, PwmeshError] = {}
         for key, fut in self._futures.items():
-            if fut.done() and not fut.cancelled() and isinstance(fut.exception(), PwmeshError):
-                out[key] = fut.exception()
+            if fut.done() and not fut.cancelled():
+                exc = fut.exception()
+                if isinstance(exc, PwmeshError):
+                    out[key] = exc
         return out
 
     def tombstones(self) -> list[str]:

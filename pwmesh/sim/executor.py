@@ -18,6 +18,7 @@ does), and completions go back as the core says (``NodeDone`` to the proxy,
 from __future__ import annotations
 
 import collections
+import functools
 import math
 from collections.abc import Callable
 
@@ -97,8 +98,11 @@ class SimExecutor(Node):
         elif isinstance(msg, SendShards):
             shards = [r.shard + k for r in msg.runs for k in range(r.count)]
             keys = [f"{msg.prefix}/{s}" for s in shards]
-            self._when_ready(keys, lambda: [self._emit(e, shards, {s: self.stored.get(f"{msg.prefix}/{s}")
-                                                                    for s in shards}) for e in msg.emits])
+            def send(emits: list[Emit] = msg.emits, prefix: str = msg.prefix) -> None:
+                for e in emits:
+                    self._emit(e, shards, {s: self.stored.get(f"{prefix}/{s}") for s in shards})
+
+            self._when_ready(keys, send)
         elif isinstance(msg, FetchShards):
             self._when_ready(msg.keys, lambda: self.post(env.sender, ShardValues(arrays=[
                 np.zeros(*self.stored[k]) if k in self.stored else np.zeros((0,), np.float32) for k in msg.keys]),
@@ -126,7 +130,7 @@ class SimExecutor(Node):
             elif isinstance(action, CancelWork):
                 self._cancel(action.run_id, action.error)
             elif isinstance(action, Timer):  # what completes in one instant leaves together
-                self.clock.after(0.0, lambda event=action.event: self._core(event))
+                self.clock.after(0.0, functools.partial(self._core, action.event))
             else:
                 raise TypeError(f"not an executor action: {action!r}")
 
@@ -223,7 +227,7 @@ class SimExecutor(Node):
                     peer = self.peers.get(dest.data)
                     if peer is not None:
                         key = f"{target.prefix}/{j}"
-                        self.network.transfer(self.data, dest.data, 64, lambda p=peer, k=key: p._store_failed(k, error))
+                        self.network.transfer(self.data, dest.data, 64, functools.partial(peer._store_failed, key, error))
         self._core(Completed(work.run_id, work.proxy, work.comp.node, error=error))
         if not work.finished:
             starts = self.queues.release(work)
@@ -247,7 +251,7 @@ class SimExecutor(Node):
 
     # ------------------------------------------------------------ the store and the data plane
 
-    def _when_ready(self, keys: list[str], then: Callable[[], None]) -> None:
+    def _when_ready(self, keys: list[str], then: Callable[[], object]) -> None:
         """Run ``then`` once every key is stored or failed (a posted receive)."""
         missing = [k for k in keys if k not in self.stored and k not in self.failed]
         if not missing:
