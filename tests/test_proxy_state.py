@@ -226,6 +226,11 @@ def test_a_program_runs_completes_and_its_buffers_are_freed_by_reference(world: 
 
     again = world.handle(Inbound(CLIENT, RunProgram(inputs=[ProgramInput(buffer=1)], outputs=[3], program_id="p")))
     assert not sent(again, RegisterFunction)  # registered once per site, for every later run
+    # Every action carries the id of the event that caused it, and the event log has that event (summarised).
+    (stimulus,) = {a.stimulus for a in again if isinstance(a, Send)}
+    assert stimulus.startswith("proxy.run_program-")
+    (line,) = [line for line in world.proxy.events.lines() if f" {stimulus} " in line]
+    assert "Inbound(proxy.run_program from " in line and f"-> {len(again)} actions" in line
     with pytest.raises(NotFound, match="buffer 2 does not exist"):
         world.ask(CLIENT, QueryBuffers(buffers=[2]))
 

@@ -253,11 +253,13 @@ Event = (Inbound | Notice | SliceGranted | FetchEnded | Delivered | FunctionChec
 
 @dataclasses.dataclass(frozen=True)
 class Send:
-    """Post ``message`` to the daemon at ``to``; ``dispatch``: program traffic (``StatusReply``)."""
+    """Post ``message`` to the daemon at ``to``; ``dispatch``: program traffic (``StatusReply``); ``stimulus``:
+    the event that caused it (its id in ``events``, ``pwmesh debug events proxy``)."""
 
     to: str
     message: Message
     dispatch: bool = False
+    stimulus: str = ""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -479,6 +481,7 @@ class ProxyState:
         # What a peer can make us say again and again (completions and losses it makes up): a line per
         # (kind, executor) per 10 s, at most 100 lines per 10 s in all, with counts of the rest.
         self._now = 0.0  # the time ``handle`` was given: the core's clock
+        self._stimulus = ""  # the id of the event being handled (``events``)
         self._peer_log = RejectedLog(name, logger=log, clock=lambda: self._now)
         self._dispatching = False
         self._user = ""  # who sent the Inbound being handled (``Inbound.user``)
@@ -504,7 +507,7 @@ class ProxyState:
         self._out = out = []
         self._now = now
         kind = event.message.op if isinstance(event, Inbound | Notice) else type(event).__name__
-        stimulus = self.events.stimulus(kind)
+        self._stimulus = stimulus = self.events.stimulus(kind)
         try:
             if isinstance(event, Inbound):
                 self._user = event.user
@@ -563,7 +566,7 @@ class ProxyState:
     def _send(self, to: str, message: Message) -> None:
         if to in self.lost_controls:  # gone: what it would hold died with it
             return
-        self._out.append(Send(to, message, self._dispatching))
+        self._out.append(Send(to, message, self._dispatching, self._stimulus))
         if self._dispatching:
             self.dispatch_messages += 1
 
