@@ -130,3 +130,16 @@ def test_the_event_log_replays_into_the_same_decisions() -> None:
              for acts in first]
     assert strip == [[type(a).__name__ + repr(getattr(a, "message", getattr(a, "run_id", ""))) for a in acts]
                      for acts in replayed]
+
+
+def test_the_event_log_keeps_no_large_part() -> None:
+    """A big program's part (hundreds of KiB) is logged as a line: 2,000 of them kept would hold gigabytes."""
+    core = ExecutorState("x")
+    big = enqueue("big", 0, nodes=3000)
+    assert len(big.computations) > 64 << 10
+    core.handle(Received(big), 0.0)
+    core.handle(Received(enqueue("small", 1)), 0.0)
+    assert core.events is not None
+    logged, small = core.events.events()
+    assert isinstance(logged, str) and "run_id='big'" in logged
+    assert isinstance(small, Received)

@@ -43,13 +43,14 @@ import dataclasses
 import enum
 from typing import Protocol
 
-from pwmesh.core.contract import EventLog, Send, Timer
+from pwmesh.core.contract import EventLog, Send, Timer, describe
 from pwmesh.errors import PwmeshError
 from pwmesh.executor.store import renamed
 from pwmesh.wire.messages import Computation, Enqueue, ErrorInfo, NodeDone, RunPartDone
 from pwmesh.wire.parts import PartTemplates, enqueued
 
 MAX_CANCELLED = 10_000  # cancelled runs remembered (runs are cancelled rarely; the recent ones matter)
+MAX_LOGGED_PART_BYTES = 64 << 10  # a larger Enqueue is logged as a line, not kept (the log keeps 2,000 events)
 INLINE_SECONDS = 1e-3  # computations quicker than this (all shards, recently) run on the event loop, not a device thread
 
 # ------------------------------------------------------------------ how a computation runs
@@ -228,7 +229,10 @@ class ExecutorState:
             case _:
                 raise TypeError(f"not an executor event: {event!r}")
         if self.events is not None:
-            self.events.record(now, stimulus, event, len(out))
+            # Kept as it is, to be replayed; but not a large program's part: 2,000 of those would hold gigabytes.
+            kept = (describe(event) if isinstance(event, Received)
+                    and len(event.message.computations) > MAX_LOGGED_PART_BYTES else event)
+            self.events.record(now, stimulus, kept, len(out))
         self._out = []
         return out
 
