@@ -22,13 +22,18 @@ def _cluster(layout: str, devices: int) -> pw.LocalCluster:
                                                collectives=True))
 
 
+def _layout(layout: str, mesh: dict[str, int]) -> Iterator[tuple[pw.Client, pw.Slice]]:
+    devices = mesh["x"] * mesh["y"]
+    with _cluster(layout, devices) as cluster, pw.Client(cluster.address, name="jax-compat") as client:
+        sl = client.make_virtual_device_set().add_slice(devices=devices, mesh=mesh)
+        assert len(sl.executors) == (1 if layout == "one-executor" else 2)
+        yield client, sl
+
+
 @pytest.fixture(scope="package", params=LAYOUTS)
 def layout_2x1(request: pytest.FixtureRequest) -> Iterator[tuple[pw.Client, pw.Slice]]:
     """A client and a 2 x 1 mesh ('x', 'y'), as upstream's ``jtu.with_mesh([('x', 2), ('y', 1)])``."""
-    with _cluster(request.param, 2) as cluster, pw.Client(cluster.address, name="jax-compat") as client:
-        sl = client.make_virtual_device_set().add_slice(devices=2, mesh={"x": 2, "y": 1})
-        assert len(sl.executors) == (1 if request.param == "one-executor" else 2)
-        yield client, sl
+    yield from _layout(request.param, {"x": 2, "y": 1})
 
 
 @pytest.fixture
@@ -39,10 +44,7 @@ def mesh_2x1(layout_2x1: tuple[pw.Client, pw.Slice]) -> pw.Slice:
 @pytest.fixture(scope="package", params=LAYOUTS)
 def layout_2x2(request: pytest.FixtureRequest) -> Iterator[tuple[pw.Client, pw.Slice]]:
     """A client and a 2 x 2 mesh ('x', 'y'), as upstream's ``jtu.with_mesh([('x', 2), ('y', 2)])``."""
-    with _cluster(request.param, 4) as cluster, pw.Client(cluster.address, name="jax-compat") as client:
-        sl = client.make_virtual_device_set().add_slice(devices=4, mesh={"x": 2, "y": 2})
-        assert len(sl.executors) == (1 if request.param == "one-executor" else 2)
-        yield client, sl
+    yield from _layout(request.param, {"x": 2, "y": 2})
 
 
 @pytest.fixture
