@@ -32,8 +32,7 @@ from pwmesh.core.ratelimit import RejectedLog
 from pwmesh.errors import STANDBY, InvalidArgument, NoSession, PwmeshError, PwTimeoutError, Unavailable
 from pwmesh.executor.sandbox import Sandbox
 from pwmesh.proxy import tenants
-from pwmesh.proxy.session import Buffer
-from pwmesh.proxy.state import (
+from pwmesh.proxy.events import (
     Action,
     Ask,
     CheckFunction,
@@ -55,7 +54,6 @@ from pwmesh.proxy.state import (
     Notice,
     PeerBack,
     PeerLost,
-    ProxyState,
     Reclaim,
     Reclaimed,
     Reply,
@@ -67,6 +65,8 @@ from pwmesh.proxy.state import (
     settled,
     sources,
 )
+from pwmesh.proxy.session import Buffer
+from pwmesh.proxy.state import ProxyState
 from pwmesh.service.heartbeat import every
 from pwmesh.service.keys import ADMIN, DAEMON, Keys, Security
 from pwmesh.service.lifecycle import Service

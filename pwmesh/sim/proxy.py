@@ -13,7 +13,7 @@ import dataclasses
 from typing import Any
 
 from pwmesh.errors import PwmeshError
-from pwmesh.proxy.state import (
+from pwmesh.proxy.events import (
     Ask,
     CheckKept,
     Deliver,
@@ -26,7 +26,6 @@ from pwmesh.proxy.state import (
     Notice,
     PeerBack,
     PeerLost,
-    ProxyState,
     Reply,
     Resolve,
     Send,
@@ -36,6 +35,7 @@ from pwmesh.proxy.state import (
     settled,
     sources,
 )
+from pwmesh.proxy.state import ProxyState
 from pwmesh.sim.clock import Clock
 from pwmesh.sim.controller import error_message
 from pwmesh.sim.network import Network
