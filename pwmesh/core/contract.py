@@ -61,7 +61,8 @@ class EventLog:
     formatted) so recording costs a tuple; ``lines`` formats them when asked."""
 
     def __init__(self, length: int = EVENT_LOG_LENGTH) -> None:
-        self.entries: collections.deque[tuple[float, str, Any, int]] = collections.deque(maxlen=length)
+        # (time, stimulus id: "<kind>-<n>" or (kind, n), event, actions): a core on a hot path appends itself
+        self.entries: collections.deque[tuple[float, str | tuple[str, int], Any, int]] = collections.deque(maxlen=length)
         self._ids = itertools.count(1)
 
     def stimulus(self, kind: str) -> str:
@@ -74,7 +75,8 @@ class EventLog:
     def lines(self, limit: int = 0) -> list[str]:
         """The newest ``limit`` (0: all) entries, oldest first, one line each."""
         entries = list(self.entries)[-limit:] if limit > 0 else list(self.entries)
-        return [f"{now:.6f} {stimulus} {event if isinstance(event, str) else describe(event)} -> {actions} actions"
+        return [f"{now:.6f} {stimulus if isinstance(stimulus, str) else '-'.join(map(str, stimulus))} "
+                f"{event if isinstance(event, str) else describe(event)} -> {actions} actions"
                 for now, stimulus, event, actions in entries]
 
     def events(self) -> list[Any]:

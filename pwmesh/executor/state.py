@@ -41,6 +41,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import enum
+import itertools
 from typing import Protocol
 
 from pwmesh.core.contract import EventLog, Send, Timer, describe
@@ -194,50 +195,54 @@ class ExecutorState:
         self._quiet: dict[str, tuple[str, list[int]]] = {}  # run -> (proxy, quiet nodes done): at its part's end
         self._flushing = False  # a Flush is asked for
         self._out: list[Action] = []
-        self._stimulus = ""
+        self._kind, self._n = "", 0  # the event being handled: its stimulus id is "<kind>-<n>" (``_stimulus``)
+        self._ids = itertools.count(1)
 
     # ---------------------------------------------------------------- the contract
 
     def handle(self, event: Event, now: float) -> list[Action]:
         """Apply ``event``; return what must happen because of it, in order."""
         self._out = out = list[Action]()
-        self._stimulus = stimulus = self.events.stimulus(_KINDS[type(event)]) if self.events is not None else ""
-        match event:
-            case Received(message=msg):
-                self._arrive(msg)
-            case Cancelled(run_id=run_id, error=error):
-                self._cancel(run_id, error)
-            case Reclaimed(owner=owner, marker=marker, error=error):
-                self.reclaimed[owner] = (marker, error)
-            case Forgotten(owner=owner):
-                self.reclaimed.pop(owner, None)
-            case Completed():
-                self._completed_one(event)
-            case PartEnded(run_id=run_id, scheduler=scheduler, device_seconds=seconds):
-                self._part_ended(run_id, scheduler, seconds)
-            case Flush():
-                self._flush()
-            case StartedOver():
-                self._held.clear()
-                self._expected.clear()
-                self._quiet.clear()
-            case Leaving():
-                for run_id, (proxy, nodes) in self._quiet.items():  # completed here: they go now
-                    self._report_later(proxy, run_id, nodes)
-                self._quiet.clear()
-                self._flush()
-            case _:
-                raise TypeError(f"not an executor event: {event!r}")
+        self._kind, self._n = kind, n = _KINDS[type(event)], next(self._ids)  # made a string only when needed
+        # By type, at once: a completion per computation is the hot path (a match tried each case in turn).
+        if type(event) is Completed:
+            self._completed_one(event)
+        elif isinstance(event, Received):
+            self._arrive(event.message)
+        elif isinstance(event, PartEnded):
+            self._part_ended(event.run_id, event.scheduler, event.device_seconds)
+        elif isinstance(event, Flush):
+            self._flush()
+        elif isinstance(event, Cancelled):
+            self._cancel(event.run_id, event.error)
+        elif isinstance(event, Reclaimed):
+            self.reclaimed[event.owner] = (event.marker, event.error)
+        elif isinstance(event, Forgotten):
+            self.reclaimed.pop(event.owner, None)
+        elif isinstance(event, StartedOver):
+            self._held.clear()
+            self._expected.clear()
+            self._quiet.clear()
+        elif isinstance(event, Leaving):
+            for run_id, (proxy, nodes) in self._quiet.items():  # completed here: they go now
+                self._report_later(proxy, run_id, nodes)
+            self._quiet.clear()
+            self._flush()
+        else:
+            raise TypeError(f"not an executor event: {event!r}")
         if self.events is not None:
             # Kept as it is, to be replayed; but not a large program's part: 2,000 of those would hold gigabytes.
-            kept = (describe(event) if isinstance(event, Received)
+            kept = (describe(event) if type(event) is Received
                     and len(event.message.computations) > MAX_LOGGED_PART_BYTES else event)
-            self.events.record(now, stimulus, kept, len(out))
+            self.events.entries.append((now, (kind, n), kept, len(out)))  # the id formatted when read
         self._out = []
         return out
 
+    def _stimulus(self) -> str:
+        return f"{self._kind}-{self._n}"
+
     def _send(self, to: str, message: NodeDone | RunPartDone) -> None:
-        self._out.append(Send(to, message, self._stimulus))
+        self._out.append(Send(to, message, self._stimulus()))
 
     # ---------------------------------------------------------------- admission
 
@@ -281,7 +286,7 @@ class ExecutorState:
             except PwmeshError as exc:
                 failed = exc
             else:
-                self._out.append(Admit(msg, comps, self._stimulus))
+                self._out.append(Admit(msg, comps, self._stimulus()))
                 return
         # The cancellation overtook this Enqueue (they travel different paths), or it was unreadable:
         # fail it at once, and give the scheduler its window slot back.
@@ -293,7 +298,7 @@ class ExecutorState:
         self.cancelled[run_id] = error
         while len(self.cancelled) > MAX_CANCELLED:
             self.cancelled.popitem(last=False)
-        self._out.append(CancelWork(run_id, error, self._stimulus))
+        self._out.append(CancelWork(run_id, error, self._stimulus()))
 
     # ---------------------------------------------------------------- reporting
 
@@ -311,7 +316,7 @@ class ExecutorState:
         """Add ``nodes`` to the completions that leave together after this instant's wake-ups."""
         if not self._flushing:
             self._flushing = True
-            self._out.append(Timer(0.0, Flush(), self._stimulus))
+            self._out.append(Timer(0.0, Flush(), self._stimulus()))
         self._completed.setdefault((proxy, run_id), []).extend(nodes)
 
     def _part_ended(self, run_id: str, scheduler: str, device_seconds: float) -> None:
