@@ -98,32 +98,35 @@ def how_to_run(comp: Computation, timing: Timing | None, shards: int) -> How:
     return How.STREAM
 
 # ------------------------------------------------------------------ events
+#
+# Events and actions are not changed once made, but not frozen either: a frozen dataclass's __init__ costs
+# four times a plain one's (0.55 against 0.14 us for a completion), and one is made per computation.
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
+@dataclasses.dataclass(slots=True)
 class Received:
     message: Enqueue
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
+@dataclasses.dataclass(slots=True)
 class Cancelled:
     run_id: str
     error: PwmeshError
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
+@dataclasses.dataclass(slots=True)
 class Reclaimed:
     owner: str
     marker: str
     error: PwmeshError
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
+@dataclasses.dataclass(slots=True)
 class Forgotten:
     owner: str
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
+@dataclasses.dataclass(slots=True)
 class Completed:
     run_id: str
     proxy: str
@@ -132,24 +135,24 @@ class Completed:
     error: PwmeshError | None = None
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
+@dataclasses.dataclass(slots=True)
 class PartEnded:
     run_id: str
     scheduler: str
     device_seconds: float
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
+@dataclasses.dataclass(slots=True)
 class Flush:
     pass
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
+@dataclasses.dataclass(slots=True)
 class StartedOver:
     pass
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
+@dataclasses.dataclass(slots=True)
 class Leaving:
     pass
 
@@ -159,14 +162,14 @@ Event = Received | Cancelled | Reclaimed | Forgotten | Completed | PartEnded | F
 # ------------------------------------------------------------------ actions
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
+@dataclasses.dataclass(slots=True)
 class Admit:
     message: Enqueue
     computations: list[Computation]
     stimulus: str = ""
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
+@dataclasses.dataclass(slots=True)
 class CancelWork:
     run_id: str
     error: PwmeshError
