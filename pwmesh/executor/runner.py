@@ -65,7 +65,7 @@ from pwmesh.executor.calls import (
 from pwmesh.executor.functions import CompiledFunction, FunctionCache
 from pwmesh.executor.group import peer_gone
 from pwmesh.executor.queues import DeviceQueues, PartDone, Start
-from pwmesh.executor.state import How, how_to_run
+from pwmesh.executor.state import How, how_to_run, runs_inline
 from pwmesh.executor.store import ObjectStore, format_bytes
 from pwmesh.executor.stream import Landed, Landings, Streamed
 from pwmesh.executor.work import Span, Work
@@ -506,7 +506,8 @@ class Runner:
         if found is None:
             return False
         fn, devices, exes = found
-        if how_to_run(comp, fn, len(devices)) is not How.INLINE:
+        # how_to_run's INLINE, its gang and routed-rows cases ruled out above (this runs per computation).
+        if not runs_inline(fn, fn.seconds * len(devices)):
             return False
         per_shard = []
         for shard in work.shards:
