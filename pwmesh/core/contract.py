@@ -82,6 +82,10 @@ class EventLog:
                 for now, stimulus, event, actions in entries]
 
     def events(self) -> list[Any]:
-        """The events kept, oldest first (summary lines for those that carried payloads): hand them to a
-        fresh core to replay what this one did."""
-        return [event for _, _, event, _ in self.entries]
+        """The events kept, oldest first (summary lines for those that carried payloads; an entry that stands
+        for several, with an ``expand()``, as those): hand them to a fresh core to replay what this one did."""
+        out: list[Any] = []
+        for _, _, event, _ in self.entries:
+            expand = getattr(event, "expand", None)
+            out.extend(expand() if expand is not None else [event])
+        return out
