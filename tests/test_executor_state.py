@@ -118,10 +118,12 @@ def test_the_event_log_replays_into_the_same_decisions() -> None:
     """``pwmesh debug events`` dumps a core's latest events; handed to a fresh core, they make the same
     actions: a misbehaviour seen in a daemon can be replayed in a test."""
     core = ExecutorState("x")
-    script = [Received(enqueue("r1", 1)), Cancelled("r9", PwmeshError("gone")), Received(enqueue("r0", 0)),
-              Completed("r0", "proxy", 0), PartEnded("r0", "sched", 1.0), Flush(), Received(enqueue("r9", 2))]
+    script = [Received(enqueue("r1", 1)), Cancelled("r9", PwmeshError("gone")), Received(enqueue("r0", 0, nodes=3)),
+              Completed("r0", "proxy", 0), Completed("r0", "proxy", 1, quiet=True), Completed("r0", "proxy", 2),
+              PartEnded("r0", "sched", 1.0), Flush(), Received(enqueue("r9", 2))]
     first = [core.handle(event, float(t)) for t, event in enumerate(script)]
     assert core.events is not None and core.events.events() == script
+    assert len(core.events.entries) == len(script) - 2, "a run's successive completions are one entry"
     lines = core.events.lines()
     assert lines[0].startswith("0.000000 enqueue-1 Received(message=exec.enqueue(run_id='r1'")
     again = ExecutorState("x")
