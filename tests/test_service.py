@@ -234,6 +234,26 @@ async def test_posts_and_pushes_arrive_in_order_before_the_reply_behind_them(ech
 
 
 @pytest.mark.asyncio
+async def test_a_reply_after_its_request_timed_out_is_dropped_not_taken_for_a_notice(echo: str) -> None:
+    """A late answer goes to nobody. It used to reach ``on_message`` as a notice: an executor back from a
+    partition took a late ``PleaseRegister(written_off)`` to a heartbeat that had timed out for a second
+    order to start over, and the resource manager wrote off what it held (a CI failure, under load)."""
+    ctx, tasks = Context(), TaskGroup()
+    noticed: list[Any] = []
+    conn = Connection(ctx, echo, tasks=tasks, name="test", on_message=noticed.append)
+    try:
+        with pytest.raises(pw.PwTimeoutError):  # its answer waits behind 20,000 pushes: it comes too late
+            await conn.request(Heartbeat(role="r", name="push:20000"), timeout_seconds=0.001)
+        # Answers come in order: once this one is here, the late one arrived before it.
+        assert isinstance(await conn.request(Heartbeat(role="r", name="next"), timeout_seconds=30.0), Pong)
+        assert len(noticed) == 20_000 and all(isinstance(m.message, NodeDone) for m in noticed), \
+            "the pushes are notices; the late Pong is not"
+    finally:
+        await tasks.stop()
+        ctx.close()
+
+
+@pytest.mark.asyncio
 async def test_sends_between_arrivals_never_hide_a_message(echo: str) -> None:
     """Every send may consume the socket's readiness signal (ZeroMQ's FD is edge-triggered):
     many tasks posting and requesting while pushes stream in must never leave one unread."""

@@ -447,8 +447,11 @@ class ClientConnection:
             with self._lock:
                 self._stale.add(env.reply_to)
             return
-        if no_session and self.resume_token and self._lost is None:
-            # To the proxy after a restart, before the session was resumed: it is sent again or failed then.
+        if no_session and self._lost is None:
+            # To the proxy after a restart, before the session was resumed: it is sent again or failed then;
+            # with no resume token, the session is gone, and this call fails with every other as
+            # ``ConnectionFailed`` (a request that met the new proxy before a heartbeat did got the bare
+            # ``NoSession`` once).
             self._session_gone()
             return
         with self._lock:

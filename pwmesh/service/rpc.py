@@ -353,9 +353,13 @@ class Connection:
             self._rejected_log.rejected(self.address, exc.message)
             return
         self.received[env.message.op] += 1
-        fut = self._pending.get(env.reply_to) if env.reply_to is not None else None
-        if fut is not None:
-            if not fut.done():
+        if env.reply_to is not None:
+            # The answer to a request: to its caller, or to nobody if the caller stopped waiting (timed out).
+            # Never a notice: a late PleaseRegister(written_off) to a heartbeat that had timed out, handled as
+            # one, made an executor back from a partition start over twice, and the resource manager took
+            # its second registration for a new process and wrote off what it held.
+            fut = self._pending.get(env.reply_to)
+            if fut is not None and not fut.done():
                 fut.set_result(env.message)
         elif self._on_message is not None:
             self._on_message(env)
