@@ -1054,3 +1054,14 @@ def test_experts_in_a_chain_before_the_combine() -> None:
     ids = np.array([1, 0] * (ROWS // 2), np.int32)
     want = np.where((ids == 0)[:, None], FUNCTIONS["e2"](FUNCTIONS["e0"](x)), FUNCTIONS["e1"](x))
     np.testing.assert_array_equal(simulate(spec, lowered, {0: x, 1: ids})[6], want)
+
+
+def test_a_proxy_sizes_a_bfloat16_value_it_never_decoded() -> None:
+    """A fresh process (a proxy that has not decoded a bfloat16 array, so NumPy does not know the name) sizes
+    a bfloat16 output: fetching one computed on the cluster failed with "data type 'bfloat16' not understood"."""
+    import subprocess  # noqa: PLC0415
+    import sys  # noqa: PLC0415
+
+    code = "from pwmesh.ir.lower import nbytes; print(nbytes([4, 2], 'bfloat16'), nbytes([3], 'float8_e4m3fn'))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.split() == ["16", "3"]

@@ -28,6 +28,7 @@ import numpy as np
 from pwmesh.dataflow.layout import Layout, check_split
 from pwmesh.errors import InvalidArgument
 from pwmesh.ir.graph import donation_error
+from pwmesh.wire.codec import dtype_from_name
 from pwmesh.wire.messages import (
     Computation,
     Emit,
@@ -582,4 +583,6 @@ def layout_key(v: int, want: Layout, devs: list[ShardLocation]) -> tuple[int, La
 
 
 def nbytes(shape: list[int], dtype: str) -> int:
-    return math.prod(shape) * np.dtype(dtype).itemsize
+    # By the wire's name lookup: a proxy that never decoded a bfloat16 array does not know the name otherwise
+    # (fetching a bfloat16 result failed with "data type 'bfloat16' not understood").
+    return math.prod(shape) * dtype_from_name(dtype).itemsize

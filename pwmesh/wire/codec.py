@@ -70,7 +70,7 @@ def _dtype_name(dtype: np.dtype) -> str:
     return dtype.name
 
 
-def _dtype_from_name(name: str) -> np.dtype:
+def dtype_from_name(name: str) -> np.dtype:
     try:
         dtype = np.dtype(name)
     except TypeError:
@@ -205,7 +205,7 @@ def decode(frames: Sequence[Any], limits: Limits = DEFAULT_LIMITS) -> Envelope:
         if index in used:
             raise ProtocolError(f"buffer frame {index} referenced twice")
         used.add(index)
-        dtype = _dtype_from_name(dtype_name)
+        dtype = dtype_from_name(dtype_name)
         expected = math.prod(shape) * dtype.itemsize
         buf = buffers[index]
         if buf.nbytes != expected:
