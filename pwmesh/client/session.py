@@ -41,6 +41,7 @@ from pwmesh.wire.messages import (
     SliceInfo,
     StatusReply,
     TakeBack,
+    ValueSpec,
 )
 
 # Values and nodes a program's registration carries per message (``register_program``): ~0.8 MB, decoded
@@ -73,7 +74,7 @@ class Session:
         self._slices: list[int] = []
         # Arrays dropped or donated lately (the last ``MAX_GONE``): what was sent before a resume may name them.
         # (id, the array's ``spec``): appended without a lock (a deque is safe for that; ``_declare`` copies it).
-        self._gone: collections.deque[tuple[int, Any]] = collections.deque(maxlen=MAX_GONE)
+        self._gone: collections.deque[tuple[int, Any, Any, Any]] = collections.deque(maxlen=MAX_GONE)
         self._dropped_donated: list[int] = []
         self.conn.declare = self._declare
         self.conn.on_resumed = self._resumed
@@ -97,16 +98,19 @@ class Session:
     def gone(self, array: Any) -> None:
         """``array`` was dropped or donated: declared as such (``ResumeSession.released``) for a while.
 
-        It runs for every array dropped or donated (a training step's every state leaf): an append, no lock;
-        the spec is a bound method, made only for a resume."""
-        self._gone.append((array.buffer_id, array.spec))
+        It runs for every array dropped or donated (a training step's every state leaf): an append, no lock.
+        What is kept is what its spec is made of, never the array: a bound method kept the last 4,096 dropped
+        arrays alive, with any value they had fetched."""
+        self._gone.append((array.buffer_id, array.shape, array.dtype, array.sharding))
 
     def _declare(self) -> Declared:
         with self._lock:
             arrays = [a for a in list(self._arrays.values()) if not a.is_deleted()]
             registrations = [m for sent in self._registrations.values() for m in sent]
             alive = {a.buffer_id for a in arrays}  # a donated array taken back (``Array._take_back``) is alive
-            gone = [ResumedBuffer(buffer=b, spec=spec()) for b, spec in list(self._gone) if b not in alive]
+            gone = [ResumedBuffer(buffer=b, spec=ValueSpec(shape=list(shape), dtype=dtype.name,
+                                                           shards=len(sharding.slice.devices), sharding=sharding.wire))
+                    for b, shape, dtype, sharding in list(self._gone) if b not in alive]
         return Declared(buffers=[ResumedBuffer(buffer=a.buffer_id, spec=a.spec()) for a in arrays],
                         slices=list(self._slices), released=gone,
                         functions=[m for m in registrations if isinstance(m, RegisterProgramFunction)],

@@ -552,10 +552,6 @@ def test_copy_to_host_async(mesh_2x1: pw.Slice) -> None:
 
 
 # api_test.py: APITest.test_devicearray_weakref_friendly
-@pytest.mark.xfail(strict=True, reason="pwmesh: a dropped pw.Array is resurrected by its own __del__: delete() calls "
-                   "Session.gone, which keeps (buffer_id, array.spec) with array.spec a bound method of the array, so "
-                   "weakref.ref(x)() still returns it after `del x` (and after gc.collect()); the last MAX_GONE = 4096 "
-                   "dropped arrays stay alive so, each with the host value it fetched (delete() keeps _value)")
 def test_devicearray_weakref_friendly(mesh_2x1: pw.Slice) -> None:
     x = pw.put(1.0, mesh_2x1)
     y = weakref.ref(x)
