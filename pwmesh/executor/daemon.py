@@ -43,6 +43,7 @@ from pwmesh.executor.state import (
     Cancelled,
     CancelWork,
     Completed,
+    Event,
     ExecutorState,
     Flush,
     Forgotten,
@@ -323,10 +324,10 @@ class Executor(Service):
         err = DeviceLost(f"executor {self.name} was declared lost ({why}): what it was doing is cancelled")
         runs = list(dict.fromkeys(w.run_id for w in self.runner.core.incomplete()))
         for run_id in runs:
-            self._act(self.state.handle(Cancelled(run_id, err), time.monotonic()))
+            self._handle(Cancelled(run_id, err))
         shards = self.store.drop_pending()
         self.progress = Progress()
-        self._act(self.state.handle(StartedOver(), time.monotonic()))
+        self._handle(StartedOver())
         self._fresh, self._incarnation = True, os.urandom(8).hex()
         log.warning("declared lost while away (%s): cancelled %d runs and dropped %d buffers they were making; "
                     "keeping %d objects for the proxies to reconcile; registering as a new executor", why, len(runs),
@@ -379,7 +380,11 @@ class Executor(Service):
         self._arrive(msg)
 
     def _arrive(self, msg: Enqueue) -> None:
-        self._act(self.state.handle(Received(msg), time.monotonic()))
+        self._handle(Received(msg))
+
+    def _handle(self, event: Event) -> None:
+        """Hand the core ``event`` and do what it says."""
+        self._act(self.state.handle(event, time.monotonic()))
 
     def _act(self, actions: list[Action]) -> None:
         """Do what the core says."""
@@ -389,20 +394,17 @@ class Executor(Service):
             elif isinstance(action, Admit):
                 msg = action.message
                 for comp, exc in self.runner.enqueue_all(msg.run_id, msg.proxy, action.computations, msg.scheduler):
-                    self._act(self.state.handle(Completed(msg.run_id, msg.proxy, comp.node, error=exc),
-                                                time.monotonic()))
+                    self._handle(Completed(msg.run_id, msg.proxy, comp.node, error=exc))
             elif isinstance(action, CancelWork):
                 self.runner.cancel_run(action.run_id, action.error)
             elif isinstance(action, Timer):
-                after_wakeups(functools.partial(self._on_timer, action.event))
+                after_wakeups(functools.partial(self._handle, action.event))
             else:
                 raise TypeError(f"not an executor action: {action!r}")
 
-    def _on_timer(self, event: Flush) -> None:
-        self._act(self.state.handle(event, time.monotonic()))
 
     def _part_done(self, run_id: str, scheduler: str, device_seconds: float) -> None:
-        self._act(self.state.handle(PartEnded(run_id, scheduler, device_seconds), time.monotonic()))
+        self._handle(PartEnded(run_id, scheduler, device_seconds))
 
     async def _watchdog(self) -> None:
         for wait in self.runner.gang_waits(older_than_seconds=self.config.watchdog_seconds):
@@ -528,7 +530,7 @@ class Executor(Service):
         msg = env.message
         assert isinstance(msg, CancelRun)
         err = msg.error.exception()
-        self._act(self.state.handle(Cancelled(msg.run_id, err), time.monotonic()))
+        self._handle(Cancelled(msg.run_id, err))
         if (self.config.reclaim_after_seconds > 0 and msg.run_id not in self._reclaiming
                 and self.runner.running_of(msg.run_id)):
             self._reclaiming.add(msg.run_id)
@@ -565,7 +567,7 @@ class Executor(Service):
             f"{self.config.reclaim_after_seconds:g} s after it was cancelled ({why.message})"), only=given_up)
         kept = set(given_up)
         self._requeue = [(w.run_id, w.proxy, w.scheduler, w.comp) for w in incomplete if w not in kept]
-        self._act(self.state.handle(Leaving(), time.monotonic()))  # every completion held here goes now
+        self._handle(Leaving())  # every completion held here goes now
         await self.peers.barrier(timeout_seconds=5.0)  # the failures and completions delivered
         self.runner.silence()  # what is queued again is reported by the next process
         self.restart = [
@@ -600,7 +602,7 @@ class Executor(Service):
         msg = env.message
         assert isinstance(msg, ForgetOwner)
         self.store.forget_owner(msg.prefix)
-        self._act(self.state.handle(Forgotten(msg.prefix.rstrip("/")), time.monotonic()))
+        self._handle(Forgotten(msg.prefix.rstrip("/")))
 
     def _list_held(self, peer: bytes, env: Envelope) -> OwnedShards:
         msg = env.message
@@ -630,10 +632,10 @@ class Executor(Service):
         if not owner or "/" in owner:
             raise InvalidArgument(f"not an owner's prefix: {msg.prefix!r}")
         err = Unavailable(msg.why)
-        self._act(self.state.handle(Reclaimed(owner, msg.marker, err), time.monotonic()))
+        self._handle(Reclaimed(owner, msg.marker, err))
         runs = {w.run_id.split("#", 1)[0] for w in self.runner.core.incomplete()}
         for run_id in [r for r in runs if self.state.old_run(r) is not None]:
-            self._act(self.state.handle(Cancelled(run_id, err), time.monotonic()))
+            self._handle(Cancelled(run_id, err))
         held = self.store.fence(owner, msg.marker)
         if msg.drop:
             self.store.delete(sorted({buffer_of(k) for k in held}))
@@ -815,8 +817,7 @@ class Executor(Service):
         The batch leaves after the replies its outputs woke: an early fetch of the value a chain
         just made goes first, so the proxy forwards it before it takes the chain's completion
         (~0.5 ms for 128 nodes) and frees the chain's buffers (more again, here)."""
-        self._act(self.state.handle(Completed(work.run_id, work.proxy, work.comp.node, work.comp.quiet, work.error),
-                                    time.monotonic()))
+        self._handle(Completed(work.run_id, work.proxy, work.comp.node, work.comp.quiet, work.error))
 
     # ------------------------------------------------------------ the JAX group
 
@@ -959,7 +960,7 @@ class Executor(Service):
             log.warning("stopping%s: gave up %d computations not finished after %g s%s", why, self.abandoned,
                         self.config.stop_wait_seconds, "".join(f"; {line}" for line in running))
         # Their failures were sent as they were given up; what else completed leaves before the barrier.
-        self._act(self.state.handle(Flush(), time.monotonic()))
+        self._handle(Flush())
 
     async def close(self) -> None:
         await super().close()

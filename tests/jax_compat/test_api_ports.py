@@ -705,19 +705,8 @@ def test_infer_argnums_and_argnames(mesh_2x1: pw.Slice) -> None:
     assert np.asarray(pw.jit(f, devices=mesh_2x1, static_argnames=("x", "y"))(2, 3)) == 6
 
 
-# api_test.py: JitTest.test_jit_with_static_argnames
-def test_jit_with_static_argnames(mesh_2x1: pw.Slice) -> None:
-    def f(x):
-        assert x == "foo"
-        return 1
-
-    f_nums = pw.jit(f, devices=mesh_2x1, static_argnums=0)
-    assert np.asarray(f_nums("foo")) == 1
-    assert np.asarray(f_nums(x="foo")) == 1
-
-    f_names = pw.jit(f, devices=mesh_2x1, static_argnames="x")
-    assert np.asarray(f_names("foo")) == 1
-    assert np.asarray(f_names(x="foo")) == 1
+# api_test.py: JitTest.test_jit_with_static_argnames is upstream's ArrayPjitTest.test_pjit_with_static_argnames
+# line for line: ported once, in test_pjit_ports.py.
 
 
 # api_test.py: JitTest.test_new_static_argnum_on_keyword_arguments
