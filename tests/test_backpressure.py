@@ -80,9 +80,10 @@ def test_a_put_that_does_not_fit_is_refused_and_others_go_on(small: pw.LocalClus
     next computation there (another tenant's) waited for memory with no error. Now it is refused."""
     with pw.Client(small.address) as client, pw.Client(small.address) as other:
         sl = client.make_virtual_device_set().add_slice(devices=1)
-        big = client.put(np.zeros((1, (LIMIT + MiB) // 4), np.float32), sl)  # 5 MiB into 4
+        # 5 MiB into 4: a put that big goes straight to the executor (``client/direct.py``), which refuses it
+        # before a byte is sent: ``pw.put`` raises (a small put, posted through the proxy, fails on first use).
         with pytest.raises(pw.ResourceExhausted, match="does not fit on executor island0-host0"):
-            np.asarray(big)
+            client.put(np.zeros((1, (LIMIT + MiB) // 4), np.float32), sl)
         assert fetch_status(small.address).executor_stats[0].bytes < LIMIT
         theirs = other.make_virtual_device_set().add_slice(devices=1)
         np.testing.assert_array_equal(np.asarray(pw.pmap(filled(OUT), devices=theirs)(np.ones(1, np.float32))),

@@ -386,6 +386,9 @@ def test_bytes_in_flight_through_the_proxy_are_limited_and_given_back(keyed: pw.
     tenants.save(policy, tenants.TenantPolicy({"bob": tenants.TenantLimits(max_bytes_in_flight=1 << 20)}))
     with opened(keyed.address, key_dirs["bob"], name="bob") as bob:
         sl = bob.make_virtual_device_set().add_slice(devices=1)
+        # The limit guards the proxy's memory: values big enough to go direct (``client/direct.py``) never
+        # pass through it, and are not counted (checked at the end). Here every value takes the proxy's path.
+        bob.session.direct_min_bytes = -1
 
         def limited() -> bool:  # (until the proxy has read the policy, the put passes and its fetch is refused)
             try:
@@ -404,6 +407,8 @@ def test_bytes_in_flight_through_the_proxy_are_limited_and_given_back(keyed: pw.
             np.asarray(tiled)
         total = pw.pmap(lambda x: x.sum(), devices=sl)(tiled)  # still there, and usable on the devices
         assert float(np.asarray(total)[0]) == 8 * (1 << 16)
+        bob.session.direct_min_bytes = 1 << 20  # direct: the same fetch passes, never held by the proxy
+        assert np.asarray(tiled).shape == (1, 1 << 19)
 
 
 def test_tenants_set_and_list(tmp_path: Path) -> None:

@@ -110,7 +110,7 @@ class Array:
     def value(self) -> np.ndarray:
         if self._value is None:
             self._check_alive()
-            (blocks,) = self._session.fetch([self._id])
+            (blocks,) = self._session.fetch([self._id], nbytes=[self.nbytes])
             self._value = self.assemble(blocks)
         return self._value
 

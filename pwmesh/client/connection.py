@@ -103,6 +103,7 @@ class ClientConnection:
         self._curve = curve
         self.session_id = ""
         self.resume_token = ""
+        self.data_key = b""  # what this session's direct transfers are keyed with (``client/direct.py``)
         self._opening = OpenSession(name=name, weight=weight, priority=priority)
         # Set by the layer above: what it still holds (live arrays, slices), declared to a restarted proxy
         # to take the session back; and what to do once it has (register functions and programs again).
@@ -172,6 +173,7 @@ class ClientConnection:
             assert isinstance(opened, SessionOpened)
             self.session_id = opened.session_id
             self.resume_token = opened.resume_token
+            self.data_key = opened.data_key
             self.heartbeat_interval_seconds = opened.heartbeat_interval_seconds
             self.liveness_timeout_seconds = opened.session_timeout_seconds
 

@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 
 from pwmesh.client.connection import ClientConnection, Declared
+from pwmesh.client.direct import DirectData, direct_min_bytes
 from pwmesh.wire.messages import (
     AwaitBuffers,
     BuffersState,
@@ -30,6 +31,7 @@ from pwmesh.wire.messages import (
     Message,
     ProgramSpec,
     PutBuffer,
+    PutDirect,
     QueryBuffers,
     RegisterProgram,
     RegisterProgramFunction,
@@ -37,6 +39,7 @@ from pwmesh.wire.messages import (
     ResumedBuffer,
     SessionResumed,
     Sharding,
+    ShardPlaces,
     SliceCreated,
     SliceInfo,
     StatusReply,
@@ -76,6 +79,8 @@ class Session:
         # (id, the array's ``spec``): appended without a lock (a deque is safe for that; ``_declare`` copies it).
         self._gone: collections.deque[tuple[int, Any, Any, Any]] = collections.deque(maxlen=MAX_GONE)
         self._dropped_donated: list[int] = []
+        self._direct: DirectData | None = None  # made on the first direct transfer
+        self.direct_min_bytes = direct_min_bytes()
         self.conn.declare = self._declare
         self.conn.on_resumed = self._resumed
 
@@ -166,21 +171,58 @@ class Session:
         self._slices.append(reply.slice.slice_id)
         return reply.slice
 
-    def put(self, buffer_id: int, slice_id: int, array: np.ndarray, sharding: Sharding) -> None:
-        self.conn.post(PutBuffer(buffer=buffer_id, slice_id=slice_id, array=array, sharding=sharding))
+    def _goes_direct(self, nbytes: int) -> DirectData | None:
+        """The data plane to move ``nbytes`` over, if a value that big goes direct (``client/direct.py``)."""
+        if not (0 <= self.direct_min_bytes <= nbytes and self.conn.data_key):
+            return None
+        with self._lock:
+            if self._direct is None:
+                self._direct = DirectData(self.session_id, self.conn.data_key, self.address)
+            return self._direct
 
-    def fetch(self, buffer_ids: Sequence[int], timeout_seconds: float | None = None) -> list[list[np.ndarray]]:
-        """Each buffer's distinct blocks (fetched in parallel); ``PwTimeoutError`` past the timeout."""
-        futures = [self.conn.submit(Fetch(buffer=b)) for b in buffer_ids]
-        deadline = None if timeout_seconds is None else time.monotonic() + timeout_seconds
-        blocks = []
-        for fut in futures:
-            assert fut is not None
-            remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
-            reply = self.conn.wait(fut, "fetch", remaining)
-            assert isinstance(reply, BufferValue)
-            blocks.append(reply.shards)
-        return blocks
+    def put(self, buffer_id: int, slice_id: int, array: np.ndarray, sharding: Sharding) -> None:
+        """Put ``array`` as buffer ``buffer_id``: through the proxy (a post: it returns at once), or, if it is
+        big, straight to the executors (it returns once they hold it; a failure is raised here)."""
+        direct = self._goes_direct(int(array.nbytes))
+        if direct is None:
+            self.conn.post(PutBuffer(buffer=buffer_id, slice_id=slice_id, array=array, sharding=sharding))
+            return
+        try:
+            places = self.conn.request(PutDirect(buffer=buffer_id, slice_id=slice_id, shape=list(array.shape),
+                                                 dtype=array.dtype.name, sharding=sharding))
+            assert isinstance(places, ShardPlaces)
+            direct.send(array, places, array.shape, sharding)
+        except BaseException:
+            self.release(buffer_id)  # no pw.Array holds it: its record (or what reached an executor) is freed
+            raise
+
+    def fetch(self, buffer_ids: Sequence[int], timeout_seconds: float | None = None,
+              nbytes: Sequence[int] = ()) -> list[list[np.ndarray]]:
+        """Each buffer's distinct blocks (fetched in parallel); ``PwTimeoutError`` past the timeout. A buffer
+        of ``nbytes`` big enough is pushed to this session's data plane by the executors (direct)."""
+        direct = self._goes_direct(max(nbytes, default=-1))
+        tags = [direct.expect() if direct is not None and size >= self.direct_min_bytes else ""
+                for size in (nbytes or [0] * len(buffer_ids))]
+        try:
+            futures = [self.conn.submit(Fetch(buffer=b, to=direct.address if tag and direct else "", tag=tag))
+                       for b, tag in zip(buffer_ids, tags, strict=True)]
+            deadline = None if timeout_seconds is None else time.monotonic() + timeout_seconds
+            blocks = []
+            for fut, tag in zip(futures, tags, strict=True):
+                assert fut is not None
+                remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+                reply = self.conn.wait(fut, "fetch", remaining)
+                assert isinstance(reply, BufferValue)
+                if reply.pushed and direct is not None:
+                    blocks.append(direct.blocks(tag, reply.pushed, deadline))
+                else:
+                    blocks.append(reply.shards)
+            return blocks
+        finally:
+            if direct is not None:
+                for tag in tags:
+                    if tag:
+                        direct.forget(tag)
 
     def await_buffers(self, buffer_ids: list[int]) -> None:
         self.conn.request(AwaitBuffers(buffers=buffer_ids))
@@ -217,3 +259,5 @@ class Session:
 
     def close(self) -> None:
         self.conn.close()
+        if self._direct is not None:
+            self._direct.close()

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import logging
 import mmap
 import os
@@ -50,7 +51,7 @@ from pwmesh.dataflow.secure import TAG_BYTES, Seal, SealError, new_nonce, pair_k
 from pwmesh.service import listeners
 from pwmesh.service.keys import unkeyed
 from pwmesh.wire import codec
-from pwmesh.wire.messages import TupleBatch
+from pwmesh.wire.messages import ShardBatch, TupleBatch
 
 log = logging.getLogger(__name__)
 
@@ -196,6 +197,15 @@ class _Segment:
         except FileNotFoundError:
             pass
 
+    def close(self) -> None:
+        """Unlinked and unmapped: its memory goes once the receiver's mapping does too."""
+        self.unlink()
+        self.array = np.empty(0, np.uint8)  # the view first: a mapping with views on it cannot close
+        try:
+            self.map.close()
+        except BufferError:  # a frame being copied from it still: the mapping goes with its last view
+            pass
+
 
 class _Pending:
     """A batch on its way: its encoded frames (kept until acknowledged, to send again), the slots it
@@ -211,11 +221,13 @@ class _Pending:
 
 
 class _Stream:
-    """One destination: a connected socket, a queue of encoded batches, a writer and an ack reader."""
+    """One destination: a connected socket, a queue of encoded batches, a writer and an ack reader.
+    ``session``: (session id, its data key) for a stream between a client and an executor."""
 
-    def __init__(self, plane: DataPlane, address: str) -> None:
+    def __init__(self, plane: DataPlane, address: str, session: tuple[str, bytes] | None = None) -> None:
         self.plane = plane
         self.address = address
+        self.session = session
         self.queue: queue.SimpleQueue[Any] = queue.SimpleQueue()  # _Pending, _WAKE or None (the end)
         self.lock = threading.Condition()
         self.unacked: collections.deque[_Pending] = collections.deque()  # sent, in order, not acknowledged
@@ -236,7 +248,9 @@ class _Stream:
         plain, theirs = unkeyed(self.address)
         host, port = plain.removeprefix("tcp://").rsplit(":", 1)
         pair, key = self.plane.pair, self.plane.key
-        if pair is not None:
+        if self.session is not None:  # a client's stream: keyed by its session, whatever the cluster's keys
+            pair, key = None, self.session[1]
+        elif pair is not None:
             theirs = theirs or self.plane.cluster_key
             if theirs is None:
                 raise StreamError(f"the data plane at {self.address} has no key in its address")
@@ -247,7 +261,8 @@ class _Stream:
             nonce = new_nonce() if key is not None else b""
             _send_hello(sock, {"machine": self.plane.machine if self.plane.shared_memory else "", "pid": os.getpid(),
                                "nonce": nonce, "plaintext": self.plane.plaintext,
-                               **({"from": pair[0]} if pair is not None else {})})
+                               **({"from": pair[0]} if pair is not None else {}),
+                               **({"session": self.session[0]} if self.session is not None else {})})
             reply = _recv_hello(sock)
             machine = _machine_of(reply)
             seal = ack_seal = None
@@ -284,7 +299,7 @@ class _Stream:
                     old = min(self.free, key=lambda s: s.size)
                     self.free.remove(old)
                     self.segments.remove(old)
-                    old.unlink()
+                    old.close()
                     continue
                 if self.closed:
                     raise ConnectionError("stream closed")
@@ -354,13 +369,17 @@ class _Stream:
             while True:
                 data = recv_bytes(sock, size)
                 (count,) = _ACK.unpack(ack_seal.open(data) if ack_seal is not None else data)
+                delivered = []
                 with self.lock:
                     if count > len(self.unacked):
                         raise StreamError(f"{count} acknowledged, {len(self.unacked)} sent")
                     for _ in range(count):
-                        self.free.extend(self.unacked.popleft().slots)
+                        pending = self.unacked.popleft()
+                        self.free.extend(pending.slots)
+                        if isinstance(pending.tag, Notify):
+                            delivered.append(pending.tag)
                     self.lock.notify_all()
-                self.plane._settled(count)
+                self.plane._settled(count, delivered=delivered)
         except (OSError, ConnectionError, StreamError, SealError) as exc:
             self._reset(exc, sock)
 
@@ -385,6 +404,8 @@ class _Stream:
                 self.not_before = time.monotonic() + RETRY_DELAYS_SECONDS[max(p.attempts for p in again) - 1]
             self.lock.notify_all()
         if current is not None:
+            with contextlib.suppress(OSError):
+                current.shutdown(socket.SHUT_RDWR)  # wakes its acknowledgement reader (a close alone does not)
             current.close()
         lost = len(failed) - len(again)
         kept = {id(p) for p in again}
@@ -406,30 +427,61 @@ class _Stream:
         self.closed = True
         self.queue.put(None)
         self._reset(ConnectionError("the data plane closed"))
-        for seg in self.segments:
-            seg.unlink()
+        with self.lock:
+            segments, self.segments, self.free = self.segments, [], []
+        for seg in segments:
+            seg.close()
+
+
+class Notify:
+    """A batch's tag that is told the batch's fate, on the plane's loop: ``done(None)`` once the receiver
+    holds it, ``done(why)`` if it is lost."""
+
+    __slots__ = ("done",)
+
+    def __init__(self, done: Callable[[str | None], None]) -> None:
+        self.done = done
+
+
+class _Inline:
+    """The loop of a plane that has none (a client's): what it is asked to call later runs at once, on the
+    plane's own thread (the callbacks are thread-safe)."""
+
+    @staticmethod
+    def call_soon_threadsafe(fn: Callable[..., Any], *args: Any) -> None:
+        fn(*args)
 
 
 class DataPlane:
     """An executor's data plane: a listener for its peers' streams, and a stream to each destination.
 
     ``on_batch`` is called on the event loop (through ``call_soon_threadsafe``) for every
-    batch that arrives; ``idle`` is set whenever every batch sent so far has been acknowledged."""
+    batch that arrives; ``idle`` is set whenever every batch sent so far has been acknowledged.
+
+    Clients move their arrays over it too (a direct put or fetch, never through the proxy): a client's
+    stream is keyed by its session's data key (``session_keys``, which the proxy gives both ends), carries
+    only ``ShardBatch`` messages, and each is handed to ``on_shards(session, batch)``. A client's own plane
+    (``loop`` None, ``sessions_only``) serves only its session's streams."""
 
     def __init__(self, loop: Any, on_batch: Callable[[TupleBatch], None], *, bind_host: str = "127.0.0.1",
                  port: int = 0, shared_memory: bool = True, max_segments: int = 8, max_streams: int = 4096,
                  limits: codec.Limits = codec.DEFAULT_LIMITS, key: bytes | None = None,
                  pair: tuple[bytes, bytes] | None = None, is_daemon: Callable[[bytes], bool] | None = None,
                  cluster_key: bytes | None = None, plaintext: bool = False,
-                 on_lost: Callable[[list[Any], str], None] | None = None) -> None:
+                 on_lost: Callable[[list[Any], str], None] | None = None,
+                 on_shards: Callable[[str, ShardBatch], None] | None = None, sessions_only: bool = False) -> None:
         """``pair`` (public, secret: the host's CURVE keys, z85): each stream is keyed by its two ends
         (``secure.pair_key``): the destination's public key is in its address (``keys.keyed``; none:
         ``cluster_key``, the cluster's), the sender's in its hello, which ``is_daemon`` must accept. Else ``key`` (``secure.plane_key``): one
         secret every end holds. Streams prove their key both ways and are sealed, unless both ends are
         ``plaintext`` (a fabric you trust). Neither: anyone who connects is a peer. ``on_lost(tags, why)``
-        is called on the loop with the tags of batches given up on (``send``)."""
-        self.loop = loop
+        is called on the loop with the tags of batches given up on (``send``), but a ``Notify`` tag is told
+        itself, delivered or lost."""
+        self.loop = loop if loop is not None else _Inline()
         self.on_lost = on_lost
+        self.on_shards = on_shards
+        self.session_keys: dict[str, bytes] = {}  # session id -> its data key (set by the owner, any thread)
+        self.sessions_only = sessions_only
         self.refusing = ""  # why every inbound stream is refused ("": none is; set by a test's hook)
         self.key = key
         self.pair = pair
@@ -473,27 +525,43 @@ class DataPlane:
     def in_flight(self) -> int:
         return self._in_flight
 
-    def send(self, address: str, batch: TupleBatch, tag: Any = None) -> None:
+    def send(self, address: str, batch: TupleBatch | ShardBatch, tag: Any = None,
+             session: tuple[str, bytes] | None = None) -> None:
         """Queue ``batch`` for the executor whose data plane listens at ``address`` (never blocks). If it
-        is lost, ``on_lost`` is told with ``tag`` (not None)."""
-        stream = self._streams.get(address)
+        is lost, ``on_lost`` is told with ``tag`` (not None); a ``Notify`` tag is told either way.
+        ``session`` (id, data key): the stream is a client's, keyed by its session."""
+        where = address if session is None else f"{address}#{session[0]}"
+        stream = self._streams.get(where)
         if stream is None:
-            stream = self._streams[address] = _Stream(self, address)
+            stream = self._streams[where] = _Stream(self, address, session)
         with self._count_lock:
             self._in_flight += 1
         self.idle.clear()
         stream.queue.put(_Pending(codec.encode(batch, msg_id=0), tag))
 
-    def _settled(self, count: int, *, lost: int = 0, tags: list[Any] | None = None, reason: str = "") -> None:
-        """``count`` batches are no longer in flight: acknowledged, or (``lost`` of them, sent with ``tags``)
-        given up on."""
+    def forget_session(self, session: str) -> None:
+        """Session ``session`` ended: close the streams to its client (what they had not delivered is lost)."""
+        for where in [w for w, stream in self._streams.items()
+                      if stream.session is not None and stream.session[0] == session]:
+            self._streams.pop(where).close()
+
+    def _settled(self, count: int, *, lost: int = 0, tags: list[Any] | None = None, reason: str = "",
+                 delivered: list[Any] | None = None) -> None:
+        """``count`` batches are no longer in flight: acknowledged (sent with ``delivered`` tags), or
+        (``lost`` of them, sent with ``tags``) given up on."""
         with self._count_lock:
             self._in_flight -= count
             self.lost += lost
             idle = self._in_flight <= 0
-        tagged = [t for t in tags or () if t is not None]
+        tagged = [t for t in tags or () if t is not None and not isinstance(t, Notify)]
         if tagged and self.on_lost is not None and not self._closing:
             self.loop.call_soon_threadsafe(self.on_lost, tagged, reason)
+        for tag in tags or ():
+            if isinstance(tag, Notify):
+                self.loop.call_soon_threadsafe(tag.done, reason or "lost")
+        for tag in delivered or ():
+            if isinstance(tag, Notify):
+                self.loop.call_soon_threadsafe(tag.done, None)
         if idle and not self._closing:
             self.loop.call_soon_threadsafe(self._mark_idle)
 
@@ -565,7 +633,7 @@ class DataPlane:
         with self._readers_lock:
             self._reading[sock] = counted
         try:
-            shared, seal, ack_seal = self._handshake(sock)
+            shared, seal, ack_seal, session = self._handshake(sock)
             while True:
                 frames = self._read_message(sock, segments, shared, seal, counted)
                 ack = _ACK.pack(1)
@@ -575,8 +643,13 @@ class DataPlane:
                 except codec.FrameError as exc:
                     self._reject(peer, exc.reason, exc.message)
                     continue
-                if isinstance(env.message, TupleBatch):
+                if session is not None and isinstance(env.message, ShardBatch) and self.on_shards is not None:
+                    self.loop.call_soon_threadsafe(self.on_shards, session, env.message)
+                elif session is None and isinstance(env.message, TupleBatch):
                     self.loop.call_soon_threadsafe(self.on_batch, env.message)
+                elif session is not None:
+                    self._reject(peer, "wrong_op", f"a {env.message.op} on session {session}'s stream (only its "
+                                 "shards travel there)")
                 else:
                     self._reject(peer, "wrong_op", f"a {env.message.op} (only tuple batches travel here)")
         except (StreamError, SealError) as exc:
@@ -588,20 +661,32 @@ class DataPlane:
             self._reject(peer, "stream", f"stream failed: {type(exc).__name__}: {exc}")
         finally:
             self._forget(sock)
-            for mapped, _ in segments.values():
-                mapped.close()
+            mapped = [m for m, _ in segments.values()]
+            segments.clear()  # the views go first: an mmap with views on it cannot close
+            for m in mapped:
+                try:
+                    m.close()
+                except BufferError:  # a view is still held somewhere: the mapping goes with it
+                    pass
 
-    def _handshake(self, sock: socket.socket) -> tuple[bool, Seal | None, Seal | None]:
+    def _handshake(self, sock: socket.socket) -> tuple[bool, Seal | None, Seal | None, str | None]:
         """Read the peer's hello and answer it (with keys: each end proves it holds them); whether the
-        stream's big frames come through shared memory, how its payload is sealed, and how our
-        acknowledgements are."""
+        stream's big frames come through shared memory, how its payload is sealed, how our
+        acknowledgements are, and the session whose stream it is (None: a daemon's)."""
         sock.settimeout(HANDSHAKE_TIMEOUT_SECONDS)
         if self.refusing:
             raise StreamError(f"refusing every stream ({self.refusing})")
         hello = _recv_hello(sock)
         machine = _machine_of(hello)
         key, seal, ack_seal = self.key, None, None
-        if self.pair is not None:
+        session = hello.get("session")
+        if session is not None:  # a client's stream (or, at a client, an executor's): keyed by the session
+            key = self.session_keys.get(session) if isinstance(session, str) else None
+            if not key:
+                raise StreamError(f"a stream for session {str(session)[:40]!r}, which has no data key here")
+        elif self.sessions_only:
+            raise StreamError("a stream for no session (this data plane serves only its session's)")
+        elif self.pair is not None:
             sender = hello.get("from")
             if not (isinstance(sender, bytes) and len(sender) == 40 and self.is_daemon is not None
                     and self.is_daemon(sender)):
@@ -621,7 +706,7 @@ class DataPlane:
             seal = Seal(key, theirs, mine) if encrypted else None
             ack_seal = Seal(key, theirs, mine, purpose=b"acks")
         sock.settimeout(None)  # a stream may rightly be idle for as long as its sender has nothing to send
-        return self._shares(machine), seal, ack_seal
+        return self._shares(machine), seal, ack_seal, session
 
     def _shares(self, machine: str) -> bool:
         return bool(self.shared_memory and self.machine and machine == self.machine)

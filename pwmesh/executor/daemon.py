@@ -33,6 +33,7 @@ from pwmesh.dataflow.progress import Arrived, Progress, ProgressError
 from pwmesh.dataflow.secure import plane_key
 from pwmesh.errors import DeviceLost, InvalidArgument, PwmeshError, ResourceExhausted, Unavailable
 from pwmesh.executor import spill
+from pwmesh.executor.direct import DirectTransfers
 from pwmesh.executor.functions import FunctionCache
 from pwmesh.executor.group import GroupConfig, group_devices, join
 from pwmesh.executor.runner import Runner, as_error
@@ -75,6 +76,7 @@ from pwmesh.wire.messages import (
     ErrorInfo,
     ExecutorInfo,
     ExecutorStats,
+    ExpectShards,
     Fence,
     FetchShards,
     ForgetOwner,
@@ -90,6 +92,7 @@ from pwmesh.wire.messages import (
     OwnedShards,
     Ping,
     PleaseRegister,
+    PushShards,
     PutShards,
     ReclaimOwner,
     RegisterExecutor,
@@ -247,6 +250,8 @@ class Executor(Service):
             PutShards: self._put,
             SendShards: self._send_shards,
             FetchShards: self._fetch,
+            ExpectShards: lambda peer, env: self.direct.expect(peer, env),
+            PushShards: lambda peer, env: self.direct.push(peer, env),
             DeleteShards: self._delete,
             CancelRun: self._cancel_run,
             ForgetOwner: self._forget_owner,
@@ -274,11 +279,13 @@ class Executor(Service):
                                shared_memory=self.config.shared_memory,
                                pair=(keys.public, keys.secret) if keys is not None else None,
                                is_daemon=self.ctx.daemon_key, cluster_key=keys.server_public if keys else None,
-                               on_lost=self._lost,
+                               on_lost=self._lost, on_shards=lambda session, batch: self.direct.arrived(session, batch),
                                key=plane_key(bytes.fromhex(secret)) if keys is None and secret else None,
                                plaintext=self.config.data_plane_plaintext or (keys is None and bool(secret)))
         # A test's hook: this executor's data plane refuses every stream, so what is sent to it is lost.
         self.plane.refusing = "PWMESH_TEST_REFUSE_STREAMS" if os.environ.get("PWMESH_TEST_REFUSE_STREAMS") else ""
+        self.direct = DirectTransfers(self.name, self.store, self.plane, self._store_direct, self._on_host,
+                                      lambda coro, name: self.tasks.spawn(coro, name=name))
         self.control.start()
         self.peers = Connections(self.ctx, tasks=self.tasks, name=self.name, on_message=self._notified)
         self._sending = 0  # transfers waiting for their shard, or under way
@@ -466,6 +473,12 @@ class Executor(Service):
         value = await asyncio.get_running_loop().run_in_executor(self._copies, on_device, array, on)
         self.store.put(key, value, array.nbytes)
 
+    async def _store_direct(self, key: str, device: int, array: np.ndarray) -> None:
+        if array.nbytes >= HOST_COPY_INLINE_BYTES:
+            await self._store_array_off_loop(key, device, array)
+        else:
+            self._store_array(key, device, array)
+
     def _store_array(self, key: str, device: int, array: np.ndarray) -> None:
         self.store.put(key, jax.device_put(array, self._device(device)), array.nbytes)
 
@@ -602,6 +615,7 @@ class Executor(Service):
         msg = env.message
         assert isinstance(msg, ForgetOwner)
         self.store.forget_owner(msg.prefix)
+        self.direct.forget(msg.prefix.rstrip("/"))
         self._handle(Forgotten(msg.prefix.rstrip("/")))
 
     def _list_held(self, peer: bytes, env: Envelope) -> OwnedShards:
@@ -672,7 +686,9 @@ class Executor(Service):
                              gang_waits=self.runner.gang_waits(),
                              running=self.runner.running(time.time()),
                              loop_lag_max_seconds=self.loop_lag.max_seconds,
-                             loop_stalls=[[wall, seconds] for wall, seconds in self.loop_lag.recent])
+                             loop_stalls=[[wall, seconds] for wall, seconds in self.loop_lag.recent],
+                             direct_received_bytes=self.direct.received_bytes,
+                             direct_pushed_bytes=self.direct.pushed_bytes)
 
     def collect(self) -> list[Metric]:
         core, memory = self.runner.core, self.runner.memory

@@ -40,6 +40,7 @@ from pwmesh.proxy.events import (
     Deliver,
     Delivered,
     Event,
+    Expecting,
     FencePeer,
     FetchEnded,
     Fetching,
@@ -103,6 +104,7 @@ from pwmesh.wire.messages import (
     Ping,
     ProxyLease,
     ProxyLost,
+    PushShards,
     PutBuffer,
     ReleaseBuffers,
     ReleaseSlices,
@@ -563,6 +565,8 @@ class Proxy(Service):
                 answer = self._await_buffers(action.buffers)
             elif isinstance(action, Fetching):
                 answer = self._fetch(action)
+            elif isinstance(action, Expecting):
+                answer = self._expect(action)
             elif isinstance(action, Ask):
                 answer = self._ask(action)
             elif isinstance(action, Deliver):
@@ -661,21 +665,29 @@ class Proxy(Service):
                 raise failed
         return Ok()
 
+    async def _expect(self, expecting: Expecting) -> Message:
+        """A direct put: every executor told what to expect (the first refusal is the answer), then where."""
+        await asyncio.gather(*(self.peers.request(control, ask, timeout_seconds=DELIVER_TIMEOUT_SECONDS)
+                               for control, ask in expecting.asks.items()))
+        return expecting.reply
+
     async def _fetch(self, fetching: Fetching) -> BufferValue:
         sid, buf = fetching.session_id, fetching.buffer
         try:
-            shards = None if buf.done else await self._fetch_early(sid, buf)
+            shards = None if buf.done else await self._fetch_early(fetching)
             if shards is None:
                 await self._until_done(buf)
                 failed = settled([buf])
                 if failed is not None:
                     raise failed
-                shards = await self._fetch_shards(sid, buf, self.config.fetch_timeout_seconds)
+                shards = await self._fetch_shards(fetching, self.config.fetch_timeout_seconds)
         finally:
             self._perform(self.state.handle(FetchEnded(sid, buf, fetching.owner, fetching.nbytes), time.monotonic()))
+        if fetching.to:  # pushed to the client's data plane: the answer says how many blocks
+            return BufferValue(shards=[], pushed=len(shards))
         return BufferValue(shards=shards)
 
-    async def _fetch_early(self, session_id: str, buf: Buffer) -> list[Any] | None:
+    async def _fetch_early(self, fetching: Fetching) -> list[Any] | None:
         """Fetch a buffer still being computed: ask its executors now, not once it is done.
 
         ``FetchShards`` waits there for a shard not made yet (a posted receive), so the value
@@ -684,27 +696,29 @@ class Proxy(Service):
         lost executor, a cancelled run or a failed node ends the wait). None once the buffer
         is complete without the values: the caller reports its failure, or (it was moved
         meanwhile, say) fetches it the ordinary way."""
-        fetching = asyncio.ensure_future(self._fetch_shards(session_id, buf, EARLY_FETCH_TIMEOUT_SECONDS))
+        buf = fetching.buffer
+        early = asyncio.ensure_future(self._fetch_shards(fetching, EARLY_FETCH_TIMEOUT_SECONDS))
         done = asyncio.ensure_future(self._until_done(buf))
         try:
-            await asyncio.wait((done, fetching), return_when=asyncio.FIRST_COMPLETED)
-            if fetching.done() and fetching.exception() is None:
-                return fetching.result()
+            await asyncio.wait((done, early), return_when=asyncio.FIRST_COMPLETED)
+            if early.done() and early.exception() is None:
+                return early.result()
             await done  # complete, successfully or not (the caller reports which)
             if settled([buf]) is None:
                 with contextlib.suppress(PwmeshError):
-                    return await fetching
+                    return await early
             return None
         finally:
             done.cancel()
-            if not fetching.done():
-                fetching.cancel()
-            elif not fetching.cancelled():
-                fetching.exception()  # retrieved: a failure here was reported another way
+            if not early.done():
+                early.cancel()
+            elif not early.cancelled():
+                early.exception()  # retrieved: a failure here was reported another way
 
-    async def _fetch_shards(self, session_id: str, buf: Buffer, timeout_seconds: float) -> list[Any]:
-        """One shard of each distinct block (``sources``): replicas are not fetched twice."""
-        wanted = sources(session_id, buf)
+    async def _fetch_shards(self, fetching: Fetching, timeout_seconds: float) -> list[Any]:
+        """One shard of each distinct block (``sources``): replicas are not fetched twice. A direct fetch
+        (``fetching.to``): each executor pushes its blocks to the client instead (``PushShards``)."""
+        wanted = sources(fetching.session_id, fetching.buffer)
         by_executor: dict[str, list[int]] = {}
         for k, (control, _) in enumerate(wanted):
             by_executor.setdefault(control, []).append(k)
@@ -712,14 +726,20 @@ class Proxy(Service):
 
         async def fetch_from(control: str, indices: list[int]) -> None:
             deadline = time.monotonic() + timeout_seconds
+            keys = [wanted[k][1] for k in indices]
+            request: Message = FetchShards(keys=keys) if not fetching.to else PushShards(
+                session=fetching.session_id, data_key=fetching.data_key, to=fetching.to, tag=fetching.tag,
+                keys=keys, indices=indices)
             while True:
                 try:
-                    reply = await self.peers.request(control, FetchShards(keys=[wanted[k][1] for k in indices]),
+                    reply = await self.peers.request(control, request,
                                                      timeout_seconds=max(0.0, deadline - time.monotonic()))
                     break
                 except Unavailable:  # it restarted (into its JAX group's next forming) and holds the shards again
                     if time.monotonic() >= deadline:
                         raise
+            if fetching.to:
+                return
             assert isinstance(reply, ShardValues)
             for k, arr in zip(indices, reply.arrays, strict=True):
                 shards[k] = arr

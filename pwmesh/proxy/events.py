@@ -166,6 +166,20 @@ class Fetching:
     buffer: Buffer
     owner: str = ""  # whose bytes in flight it is, and how many (back with ``FetchEnded``)
     nbytes: int = 0
+    # A direct fetch: the executors push the blocks to the client's data plane at ``to``, tagged ``tag``,
+    # on a stream keyed ``data_key`` (``PushShards``); the answer says how many.
+    to: str = ""
+    tag: str = ""
+    data_key: bytes = b""
+
+
+@dataclasses.dataclass(frozen=True)
+class Expecting:
+    """A direct put: ask each executor to expect its shards (``ExpectShards``, by control address), then
+    answer ``reply`` (where the client sends them); the first refusal is the answer instead."""
+
+    asks: dict[str, Message]
+    reply: Message
 
 
 @dataclasses.dataclass(frozen=True)
@@ -259,7 +273,7 @@ class CheckKept:
     asks: dict[str, list[str]]
 
 
-Action = (Send | Reply | Ask | Wait | Fetching | Resolve | PeerLost | PeerBack | FencePeer | LowerOffLoop | Reclaim
+Action = (Send | Reply | Ask | Wait | Fetching | Expecting | Resolve | PeerLost | PeerBack | FencePeer | LowerOffLoop | Reclaim
           | Inventory | CheckKept | CheckFunction | Deliver)
 
 

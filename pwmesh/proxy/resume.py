@@ -48,6 +48,12 @@ def resume_token(secret: bytes, session_id: str, owner: str) -> str:
     return hmac.new(secret, f"{session_id}\0{owner}".encode(), hashlib.sha256).hexdigest()
 
 
+def data_key(secret: bytes, session_id: str) -> bytes:
+    """What session ``session_id``'s direct transfers are keyed with (its client and the executors hold it):
+    derived, so a proxy restarted with the same ``secret`` gives the executors the key the client has."""
+    return hmac.new(secret, f"data\0{session_id}".encode(), hashlib.sha256).digest()
+
+
 def token_matches(secret: bytes, session_id: str, owner: str, token: str) -> bool:
     expected = resume_token(secret, session_id, owner)
     return bool(expected) and hmac.compare_digest(expected, token)

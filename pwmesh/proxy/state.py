@@ -58,6 +58,7 @@ from typing import ClassVar
 from pwmesh.core.contract import EventLog
 from pwmesh.core.liveness import Liveness
 from pwmesh.core.ratelimit import RejectedLog
+from pwmesh.dataflow.layout import Layout
 from pwmesh.errors import (
     DeadlineExceeded,
     DeviceLost,
@@ -80,6 +81,7 @@ from pwmesh.proxy.events import (  # noqa: F401 - re-exported: tests name them f
     Deliver,
     Delivered,
     Event,
+    Expecting,
     FencePeer,
     FetchEnded,
     Fetching,
@@ -107,11 +109,12 @@ from pwmesh.proxy.events import (  # noqa: F401 - re-exported: tests name them f
     sources,
 )
 from pwmesh.proxy.intake import bind, host_puts, record_run
-from pwmesh.proxy.resume import Orphan, adopt, resume_token, slice_controls, token_matches
+from pwmesh.proxy.resume import Orphan, adopt, data_key, resume_token, slice_controls, token_matches
 from pwmesh.proxy.session import Buffer, Run, Session
 from pwmesh.proxy.tenants import TenantLimits, TenantPolicy
 from pwmesh.service.keys import LOCAL, speaks_for
 from pwmesh.wire import DEFAULT_LIMITS, Message
+from pwmesh.wire.codec import dtype_from_name
 from pwmesh.wire.messages import (
     AllocateSlice,
     AwaitBuffers,
@@ -127,6 +130,7 @@ from pwmesh.wire.messages import (
     ExecutorJoined,
     ExecutorLost,
     ExecutorRestarting,
+    ExpectShards,
     Fence,
     Fetch,
     ForgetOwner,
@@ -137,6 +141,7 @@ from pwmesh.wire.messages import (
     PleaseRegister,
     ProgramSpec,
     PutBuffer,
+    PutDirect,
     PutShards,
     QueryBuffers,
     ReclaimOwner,
@@ -154,6 +159,8 @@ from pwmesh.wire.messages import (
     SendShards,
     SessionOpened,
     SessionResumed,
+    Sharding,
+    ShardPlaces,
     ShardRun,
     SliceCreated,
     SliceInfo,
@@ -197,6 +204,7 @@ class ProxyState:
         self.sessions_expired = 0  # ended because their client stopped sending heartbeats
         self.sessions_resumed = 0  # taken back after a restart of the proxy
         self.secret = secret
+        self.data_secret = secret or secrets.token_bytes(32)  # what sessions' data keys derive from
         # Sessions of the proxy before this one, by id, until resumed or freed (``resume_until``).
         self.orphans: dict[str, Orphan] = {}
         self.resume_until = float("-inf")  # monotonic: sessions of the proxy before may resume until then
@@ -252,6 +260,7 @@ class ProxyState:
         RegisterProgram: "_register_program", RunProgram: "_run_program", PutBuffer: "_put_buffer",
         ReleaseBuffers: "_release_buffers", AwaitBuffers: "_await_buffers", QueryBuffers: "_query_buffers",
         Fetch: "_fetch", NodeDone: "_node_done", DataLost: "_data_lost", TakeBack: "_take_back",
+        PutDirect: "_put_direct",
     }
 
     def handle(self, event: Event, now: float) -> list[Action]:
@@ -370,7 +379,8 @@ class ProxyState:
         log.info("session %s (%s) opened", sid, msg.name)
         return Reply(SessionOpened(session_id=sid, heartbeat_interval_seconds=self._client_beats(),
                                    session_timeout_seconds=self.session_timeout_seconds,
-                                   resume_token=resume_token(self.secret, sid, self._user)))
+                                   resume_token=resume_token(self.secret, sid, self._user),
+                                   data_key=data_key(self.data_secret, sid)))
 
     # ------------------------------------------------------- sessions of the proxy before (``proxy/resume.py``)
 
@@ -1044,25 +1054,32 @@ class ProxyState:
                                                       shards=1), exc)
             raise
 
+    def _new_put(self, session: Session, buffer_id: int, slice_id: int, shape: list[int], dtype: str,
+                 sharding: Sharding | None) -> tuple[Buffer, Layout]:
+        """A put's buffer, checked (the tenant's limits, the slice, the layout), not registered yet."""
+        sl = session.slices.get(slice_id)
+        if sl is None:
+            raise NotFound(f"slice {slice_id} is not one of this session's slices")
+        if buffer_id in session.buffers:
+            raise InvalidArgument(f"buffer {buffer_id} already exists")
+        n = len(sl.devices)
+        spec = ValueSpec(shape=shape, dtype=dtype, shards=n, sharding=sharding)
+        layout = value_layout(spec)
+        if sharding is None and n > 1 and (not shape or shape[0] % n):
+            raise InvalidArgument(f"an array of shape {tuple(shape)} cannot be split evenly over {n} devices")
+        layout.check(f"putting an array of shape {tuple(shape)} on slice {slice_id}")
+        if layout.devices != n:
+            raise InvalidArgument(f"a layout over {layout.devices} devices for slice {slice_id} of {n}")
+        buf = Buffer.new(session.buffer_name(buffer_id), spec, client_ref=True)
+        buf.locations = slice_locations(sl)
+        buf.slice_id = sl.slice_id
+        return buf, layout
+
     def _put(self, session: Session, msg: PutBuffer) -> Reply:
         self._check_bytes(session.owner, self.policy.of(session.owner), lambda: int(msg.array.nbytes))
         self._check_in_flight(session.owner, int(msg.array.nbytes), "a put")  # counted per executor below
-        sl = session.slices.get(msg.slice_id)
-        if sl is None:
-            raise NotFound(f"slice {msg.slice_id} is not one of this session's slices")
-        if msg.buffer in session.buffers:
-            raise InvalidArgument(f"buffer {msg.buffer} already exists")
-        n = len(sl.devices)
-        spec = ValueSpec(shape=list(msg.array.shape), dtype=msg.array.dtype.name, shards=n, sharding=msg.sharding)
-        layout = value_layout(spec)
-        if msg.sharding is None and n > 1 and (msg.array.ndim == 0 or msg.array.shape[0] % n):
-            raise InvalidArgument(f"an array of shape {msg.array.shape} cannot be split evenly over {n} devices")
-        layout.check(f"putting an array of shape {msg.array.shape} on slice {msg.slice_id}")
-        if layout.devices != n:
-            raise InvalidArgument(f"a layout over {layout.devices} devices for slice {msg.slice_id} of {n}")
-        buf = Buffer.new(session.buffer_name(msg.buffer), spec, client_ref=True)
-        buf.locations = slice_locations(sl)
-        buf.slice_id = sl.slice_id
+        buf, layout = self._new_put(session, msg.buffer, msg.slice_id, list(msg.array.shape), msg.array.dtype.name,
+                                    msg.sharding)
         puts: dict[str, PutShards] = {}
         keys = buf.keys(session.session_id)  # once: per shard it made a put of n shards cost n^2
         for key, loc, part in zip(keys, buf.locations, layout.split(msg.array), strict=True):
@@ -1078,6 +1095,35 @@ class ProxyState:
         buf.resolve(None)  # new: nobody waits on it yet
         session.buffers[msg.buffer] = buf
         return Reply(Ok())
+
+    def _put_direct(self, peer: bytes, msg: PutDirect, now: float) -> Expecting:
+        """A put whose bytes go from the client to the executors (``executor/direct.py``): checked and
+        named here, announced to each executor; the answer says where each shard goes."""
+        session = self.session(peer)
+        try:
+            dtype = dtype_from_name(msg.dtype)
+            self._check_bytes(session.owner, self.policy.of(session.owner), lambda: nbytes(msg.shape, msg.dtype))
+            buf, layout = self._new_put(session, msg.buffer, msg.slice_id, list(msg.shape), dtype.name, msg.sharding)
+        except PwmeshError as exc:
+            session.fail_buffer(msg.buffer, ValueSpec(shape=list(msg.shape), dtype=str(msg.dtype), shards=1), exc)
+            raise
+        sid = session.session_id
+        asks: dict[str, ExpectShards] = {}
+        places = ShardPlaces(addresses=[], keys=[], devices=[])
+        shape = list(layout.shard_shape)
+        for key, loc in zip(buf.keys(sid), buf.locations, strict=True):
+            ask = asks.setdefault(loc.control, ExpectShards(session=sid, data_key=data_key(self.data_secret, sid),
+                                                            keys=[], devices=[], shapes=[], dtype=dtype.name))
+            ask.keys.append(key)
+            ask.devices.append(loc.device)
+            ask.shapes.append(shape)
+            places.addresses.append(loc.data)
+            places.keys.append(key)
+            places.devices.append(loc.device)
+            buf.holders.add(loc.control)
+        buf.resolve(None)  # its shards are waited for where they go, as a put's through the proxy are
+        session.buffers[msg.buffer] = buf
+        return Expecting(dict(asks), places)
 
     def _release_buffers(self, peer: bytes, msg: ReleaseBuffers, now: float) -> None:
         session = self._own(peer)
@@ -1126,8 +1172,12 @@ class ProxyState:
         session = self.session(peer)
         buf = self.buffer(session, msg.buffer)
         size = 0 if buf.error is not None else nbytes(buf.spec.shape, buf.spec.dtype)  # failed: its cause, not this
+        if msg.to:  # direct: its bytes never pass through here
+            size = 0
         self._check_in_flight(session.owner, size, "a fetch")
         self.in_flight[session.owner] += size
         buf.pins += 1  # a release while we fetch must not delete the shards under us
         buf.readers += 1  # nor a run it is donated to consume them
-        return Fetching(session.session_id, buf, session.owner, size)
+        sid = session.session_id
+        return Fetching(sid, buf, session.owner, size, to=msg.to, tag=msg.tag,
+                        data_key=data_key(self.data_secret, sid) if msg.to else b"")

@@ -423,6 +423,44 @@ class FetchShards(Message, op="exec.fetch_shards"):
 
 
 @record
+class ExpectShards(Message, op="exec.expect_shards"):
+    """Session ``session``'s client will send these shards over the data plane (a direct put): take
+    them from a stream keyed ``data_key`` (``Ok``), or refuse now (``ResourceExhausted``: they do not fit)."""
+
+    session: str
+    data_key: bytes
+    keys: list[str]
+    devices: list[int]
+    shapes: list[list[int]]
+    dtype: str
+
+
+@record
+class PushShards(Message, op="exec.push_shards"):
+    """Send these shards (each once it exists) to the data plane of session ``session``'s client at ``to``
+    (a direct fetch), as one ``ShardBatch`` tagged ``tag``; ``Ok`` once it holds them."""
+
+    session: str
+    data_key: bytes
+    to: str
+    tag: str
+    keys: list[str]
+    indices: list[int]  # each shard's place in what the client assembles (``Layout.distinct()`` order)
+
+
+@record
+class ShardBatch(Message, op="data.shards"):
+    """Data plane, between a client and an executor: a direct put's shards (``keys`` on ``devices``), or a
+    direct fetch's (``indices``, for the request ``tag``)."""
+
+    tag: str
+    keys: list[str]
+    arrays: list[np.ndarray]
+    devices: list[int] = dataclasses.field(default_factory=list)
+    indices: list[int] = dataclasses.field(default_factory=list)
+
+
+@record
 class ShardValues(Message, op="exec.shard_values"):
     arrays: list[np.ndarray]
 
@@ -466,6 +504,8 @@ class ExecutorStats(Message, op="exec.stats"):
     running: list[str] = dataclasses.field(default_factory=list)  # on device threads now, and for how long
     loop_lag_max_seconds: float = 0.0  # the longest its event loop was held, since it started
     loop_stalls: list[list[float]] = dataclasses.field(default_factory=list)  # recent [wall clock, seconds] held
+    direct_received_bytes: int = 0  # clients' direct puts stored here (``executor/direct.py``)
+    direct_pushed_bytes: int = 0  # clients' direct fetches delivered from here
 
 
 @record
@@ -632,6 +672,8 @@ class SessionOpened(Message, op="proxy.session_opened"):
     # What a client shows to take its session back from a restarted proxy (``ResumeSession``); "": this
     # proxy cannot resume sessions after a restart (it has no lasting secret).
     resume_token: str = ""
+    # What the client's data plane and the executors key the session's direct transfers with ("": none).
+    data_key: bytes = b""
 
 
 @record
@@ -748,13 +790,37 @@ class BuffersState(Message, op="proxy.buffers_state"):
 
 
 @record
+class PutDirect(Message, op="proxy.put_direct"):
+    """A put whose bytes go from the client to the executors over the data plane, never through the proxy:
+    the proxy checks it, names the shards, tells the executors to expect them, and answers where they go."""
+
+    buffer: int
+    slice_id: int
+    shape: list[int]
+    dtype: str
+    sharding: Sharding | None = None
+
+
+@record
+class ShardPlaces(Message, op="proxy.shard_places"):
+    """Where a direct put's shards go, in ``Layout.split`` order: data plane address, key, device."""
+
+    addresses: list[str]
+    keys: list[str]
+    devices: list[int]
+
+
+@record
 class Fetch(Message, op="proxy.fetch"):
     buffer: int
+    to: str = ""  # the client's data plane: the executors push the value there (a direct fetch)
+    tag: str = ""  # what the pushed shards are tagged with
 
 
 @record
 class BufferValue(Message, op="proxy.buffer_value"):
     shards: list[np.ndarray]  # one per distinct block, in ``Layout.distinct()`` order
+    pushed: int = 0  # a direct fetch: how many blocks were pushed to the client's data plane instead
 
 
 @record
