@@ -136,6 +136,18 @@ def test_min_compute_smoke(tmp_path: Path) -> None:
 
 
 @pytest.mark.timeout(110)
+def test_client_transfer_smoke(tmp_path: Path) -> None:
+    run_smoke("client_transfer.py", tmp_path)
+    data = json.loads((tmp_path / "client_transfer.json").read_text())
+    assert data["benchmark"] == "client_transfer" and data["smoke"] is True
+    methods = {r["method"] for r in data["results"]}
+    assert methods == {"pw.put (direct)", "np.asarray (direct)", "pw.put (proxy)", "np.asarray (proxy)", "raw TCP",
+                       "shared memory"}
+    assert all(r["gbytes_per_second"] > 0 for r in data["results"])
+    assert {"pw.put direct / raw TCP", "np.asarray direct / proxy"} <= data["ratios"]["2 MiB"].keys()
+
+
+@pytest.mark.timeout(110)
 def test_transfer_smoke(tmp_path: Path) -> None:
     run_smoke("transfer.py", tmp_path)
     data = json.loads((tmp_path / "transfer.json").read_text())

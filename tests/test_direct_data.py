@@ -52,6 +52,23 @@ def test_a_big_put_and_fetch_go_between_the_client_and_the_executors(cluster: pw
         assert direct_bytes(cluster.address)[1] - pushed == 2 * x.nbytes  # both values pushed, each block once
 
 
+def test_a_big_host_argument_of_pw_jit_goes_direct_and_is_freed_after_the_run(cluster: pw.LocalCluster) -> None:
+    with pw.Client(cluster.address) as client:
+        sl = client.make_virtual_device_set().add_slice(devices=4)
+        batch = np.arange(2 * DIRECT_MIN_BYTES // 4, dtype=np.float32).reshape(256, -1)  # 2 MiB
+        step = pw.jit(lambda v: (v * 2).sum(), devices=sl, in_specs=P("x"))
+        def objects() -> int:
+            return sum(s.objects for s in fetch_status(cluster.address).executor_stats)
+
+        eventually(lambda: objects() == 0, timeout_seconds=10)  # the earlier tests' sessions' values freed
+        received = direct_bytes(cluster.address)[0]
+        out = step(batch)
+        assert float(np.asarray(out)) == float((batch.astype(np.float64) * 2).sum())
+        eventually(lambda: direct_bytes(cluster.address)[0] - received == batch.nbytes, timeout_seconds=10)
+        # The batch's shards were freed once the run had read them: only the result's 4 are left.
+        eventually(lambda: objects() == 4, timeout_seconds=10)
+
+
 def test_small_values_still_travel_in_control_messages(cluster: pw.LocalCluster) -> None:
     with pw.Client(cluster.address) as client:
         sl = client.make_virtual_device_set().add_slice(devices=2)

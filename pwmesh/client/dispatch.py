@@ -14,23 +14,54 @@ from pwmesh.client.array import Array
 from pwmesh.client.export import canonical
 from pwmesh.client.tracing import ProgramBuilder, Symbol, TracedProgram, trace
 from pwmesh.errors import InvalidArgument
-from pwmesh.wire.messages import ProgramInput, RunProgram
+from pwmesh.wire.messages import ProgramInput, RunProgram, Sharding
 
 if TYPE_CHECKING:
     from pwmesh.client.tracing import ProgramCache
 
 
-def _inputs(traced: TracedProgram, leaves: Sequence[Any]) -> list[ProgramInput]:
+def _placed(traced: TracedProgram, index: int) -> tuple[int, Sharding] | None:
+    """Where argument ``index``'s value lives, if one slice and layout: (slice id, sharding) of the calls
+    that read it (all alike, each with explicit in_shardings), else None (the lowering decides)."""
+    value = traced.spec.inputs[index]
+    found: list[tuple[int, Sharding]] = []
+    for node in traced.spec.nodes:
+        for pos, v in enumerate(node.inputs):
+            if v == value:
+                if node.kind != "call" or not node.in_shardings:
+                    return None
+                if not found or found[0] != (node.slice_id, node.in_shardings[pos]):
+                    found.append((node.slice_id, node.in_shardings[pos]))
+    return found[0] if len(found) == 1 else None
+
+
+def _host_input(traced: TracedProgram, index: int, leaf: Any, puts: list[int]) -> ProgramInput:
+    """A host argument: sent with the run, or, if it is big, put straight onto its executors first
+    (``client/direct.py``: never through the proxy); its buffer id goes in ``puts``, released after the run."""
+    arr = canonical(leaf)
+    session = traced.session
+    if not 0 <= session.direct_min_bytes <= arr.nbytes:
+        return ProgramInput(array=arr)
+    placed = _placed(traced, index)
+    if placed is None:
+        return ProgramInput(array=arr)
+    buffer_id = session.new_buffer_id()
+    session.put(buffer_id, placed[0], arr, placed[1])
+    puts.append(buffer_id)
+    return ProgramInput(buffer=buffer_id)
+
+
+def _inputs(traced: TracedProgram, leaves: Sequence[Any], puts: list[int]) -> list[ProgramInput]:
     session = traced.session
     inputs = []
-    for leaf in leaves:
+    for index, leaf in enumerate(leaves):
         if isinstance(leaf, Array):
             leaf._check_alive()
             if leaf.session is not session:
                 raise InvalidArgument("a pw.Array can only be used with the client that made it")
             inputs.append(ProgramInput(buffer=leaf.buffer_id))
         else:
-            inputs.append(ProgramInput(array=canonical(leaf)))
+            inputs.append(_host_input(traced, index, leaf, puts))
     if traced.donated:
         passed = collections.Counter(id(leaf) for leaf in leaves)  # once, not a scan per donated leaf
         for i in traced.donated:
@@ -51,7 +82,8 @@ def _inputs(traced: TracedProgram, leaves: Sequence[Any]) -> list[ProgramInput]:
 def execute(traced: TracedProgram, leaves: Sequence[Any], *, sequential: bool = False) -> Any:
     """Dispatch a traced program without waiting for it; returns its outputs as ``pw.Array`` futures."""
     session = traced.session
-    inputs = _inputs(traced, leaves)
+    puts: list[int] = []  # big host arguments put first (direct): released once the run has them
+    inputs = _inputs(traced, leaves, puts)
     for exported, slice_id in traced.functions:
         exported.register(session.register_function, slice_id)
     ids = [session.new_buffer_id() for _ in traced.spec.outputs]
@@ -61,6 +93,8 @@ def execute(traced: TracedProgram, leaves: Sequence[Any], *, sequential: bool = 
     else:  # traced for this run only (a staged program)
         run = RunProgram(program=traced.spec, inputs=inputs, outputs=ids, sequential=sequential)
     session.post(run)
+    for buffer_id in puts:  # behind the run on the same connection: it holds them until it has read them
+        session.release(buffer_id)
     for i in traced.donated:
         if isinstance(leaves[i], Array):
             leaves[i].donated_to(traced.donated_to[i])
