@@ -75,7 +75,7 @@ class Client:
         """Values of ``arrays``, fetched in parallel; ``PwTimeoutError`` if one takes longer than the timeout."""
         for arr in arrays:
             arr._check_alive()
-        blocks = self.session.fetch([a.buffer_id for a in arrays], timeout_seconds, [a.nbytes for a in arrays])
+        blocks = self.session.fetch([a.buffer_id for a in arrays], timeout_seconds, [a.layout() for a in arrays])
         return [a.assemble(b) for a, b in zip(arrays, blocks, strict=True)]
 
     def put(self, value: Any, devices: Slice | Sequence[VirtualDevice], spec: Any = None) -> Any:

@@ -15,6 +15,7 @@ import numpy as np
 
 from pwmesh.client.session import Session
 from pwmesh.client.sharding import SliceSharding
+from pwmesh.dataflow.layout import Layout
 from pwmesh.errors import InvalidArgument
 from pwmesh.wire.messages import ValueSpec
 
@@ -110,9 +111,13 @@ class Array:
     def value(self) -> np.ndarray:
         if self._value is None:
             self._check_alive()
-            (blocks,) = self._session.fetch([self._id], nbytes=[self.nbytes])
+            (blocks,) = self._session.fetch([self._id], layouts=[self.layout()])
             self._value = self.assemble(blocks)
         return self._value
+
+    def layout(self) -> tuple[Layout, np.dtype]:
+        """How the value lies over its devices, and its dtype (what a fetch assembles)."""
+        return self.sharding.layout(self.shape), self.dtype
 
     def assemble(self, blocks: list[np.ndarray]) -> np.ndarray:
         """The global value from its distinct blocks as the proxy sends them."""

@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from pwmesh.dataflow.layout import Layout
+from pwmesh.dataflow.layout import Assembled, Layout
 from pwmesh.dataflow.plane import DataPlane, Notify
 from pwmesh.errors import PwTimeoutError, Unavailable
 from pwmesh.service.keys import unkeyed
@@ -55,18 +55,34 @@ def local_host(proxy_address: str) -> str:
         return str(probe.getsockname()[0])
 
 
+class _Fetch:
+    """A direct fetch under way: the value it fills, block by block."""
+
+    def __init__(self, layout: Layout, dtype: np.dtype[Any]) -> None:
+        self.layout = layout
+        self.out = np.empty(layout.shape, dtype)
+        self.devices = layout.distinct()
+        self.arrived: set[int] = set()
+
+    def place(self, index: int, array: np.ndarray) -> None:
+        if not 0 <= index < len(self.devices):
+            return  # not a block of this value: the executor that sent it is not ours to trust that far
+        where = self.layout.index(self.devices[index]) if self.layout.shape else ()
+        self.out[where] = np.asarray(array).reshape(self.out[where].shape)
+
+
 class DirectData:
     """This session's data plane: a listener the executors push fetched blocks to, and streams to theirs."""
 
     def __init__(self, session_id: str, data_key: bytes, proxy_address: str) -> None:
         self.session = (session_id, data_key)
         self.plane = DataPlane(None, self._not_ours, bind_host=local_host(proxy_address), sessions_only=True,
-                               on_shards=self._arrived)
+                               on_shards=self._arrived, copy_shared=False)
         self.plane.session_keys[session_id] = data_key
         self.address = self.plane.address
         self._tags = itertools.count(1)
         self._lock = threading.Condition()
-        self._arrivals: dict[str, dict[int, np.ndarray]] = {}  # fetch tag -> block index -> value
+        self._arrivals: dict[str, _Fetch] = {}  # by tag
 
     @staticmethod
     def _not_ours(batch: Any) -> None:  # a session's plane takes only its shards (``sessions_only``)
@@ -74,34 +90,39 @@ class DirectData:
 
     # ------------------------------------------------------------------ fetch
 
-    def expect(self) -> str:
-        """A tag for a fetch whose blocks will be pushed here."""
+    def expect(self, layout: Layout, dtype: np.dtype[Any]) -> str:
+        """A tag for a fetch of a value laid out as ``layout`` whose blocks will be pushed here."""
         tag = f"f{next(self._tags)}"
         with self._lock:
-            self._arrivals[tag] = {}
+            self._arrivals[tag] = _Fetch(layout, dtype)
         return tag
 
     def _arrived(self, session: str, batch: ShardBatch) -> None:
+        """Blocks pushed here (on the stream's reader thread; the arrays may be views of the sender's shared
+        memory, valid until this returns): each copied into its place in the value."""
         with self._lock:
-            blocks = self._arrivals.get(batch.tag)
-            if blocks is None:  # a fetch given up on (failed, timed out): late blocks are dropped
-                return
-            for index, array in zip(batch.indices, batch.arrays, strict=False):
-                blocks[index] = array
+            fetch = self._arrivals.get(batch.tag)
+        if fetch is None:  # a fetch given up on (failed, timed out): late blocks are dropped
+            return
+        for index, array in zip(batch.indices, batch.arrays, strict=False):
+            fetch.place(index, array)  # outside the lock: the executors' streams copy in parallel
+        with self._lock:
+            fetch.arrived.update(batch.indices)
             self._lock.notify_all()
 
     def blocks(self, tag: str, count: int, deadline: float | None) -> list[np.ndarray]:
-        """The ``count`` blocks pushed for ``tag`` (the executors said they were delivered)."""
+        """The value whose ``count`` blocks were pushed for ``tag`` (the executors said they were delivered),
+        assembled (``Assembled``)."""
         deadline = deadline if deadline is not None else time.monotonic() + DELIVERY_TIMEOUT_SECONDS
         with self._lock:
             try:
-                while len(self._arrivals[tag]) < count:
+                fetch = self._arrivals[tag]
+                while len(fetch.arrived) < count:
                     left = deadline - time.monotonic()
                     if left <= 0:
-                        raise PwTimeoutError(f"a direct fetch: {len(self._arrivals[tag])} of {count} blocks arrived")
+                        raise PwTimeoutError(f"a direct fetch: {len(fetch.arrived)} of {count} blocks arrived")
                     self._lock.wait(left)
-                got = self._arrivals[tag]
-                return [got[i] for i in range(count)]
+                return Assembled([fetch.out])
             finally:
                 self._arrivals.pop(tag, None)
 

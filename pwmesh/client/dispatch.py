@@ -122,7 +122,7 @@ def fetch_all(leaves: Sequence[Any]) -> None:
         arr._check_alive()
         by_session.setdefault(id(arr.session), []).append(arr)
     for group in by_session.values():
-        fetched = group[0].session.fetch([a.buffer_id for a in group], nbytes=[a.nbytes for a in group])
+        fetched = group[0].session.fetch([a.buffer_id for a in group], layouts=[a.layout() for a in group])
         for arr, blocks in zip(group, fetched, strict=True):
             arr._value = arr.assemble(blocks)
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import collections
 import itertools
+import math
 import os
 import threading
 import time
@@ -21,6 +22,7 @@ import numpy as np
 
 from pwmesh.client.connection import ClientConnection, Declared
 from pwmesh.client.direct import DirectData, direct_min_bytes
+from pwmesh.dataflow.layout import Layout
 from pwmesh.wire.messages import (
     AwaitBuffers,
     BuffersState,
@@ -197,12 +199,14 @@ class Session:
             raise
 
     def fetch(self, buffer_ids: Sequence[int], timeout_seconds: float | None = None,
-              nbytes: Sequence[int] = ()) -> list[list[np.ndarray]]:
+              layouts: Sequence[tuple[Layout, np.dtype[Any]]] = ()) -> list[list[np.ndarray]]:
         """Each buffer's distinct blocks (fetched in parallel); ``PwTimeoutError`` past the timeout. A buffer
-        of ``nbytes`` big enough is pushed to this session's data plane by the executors (direct)."""
-        direct = self._goes_direct(max(nbytes, default=-1))
-        tags = [direct.expect() if direct is not None and size >= self.direct_min_bytes else ""
-                for size in (nbytes or [0] * len(buffer_ids))]
+        laid out as ``layouts`` says, if it is big, is pushed to this session's data plane by the executors
+        (direct), and comes back assembled (``Assembled``)."""
+        sizes = [math.prod(layout.shape) * dtype.itemsize for layout, dtype in layouts] or [0] * len(buffer_ids)
+        direct = self._goes_direct(max(sizes, default=-1))
+        tags = [direct.expect(*layouts[i]) if direct is not None and size >= self.direct_min_bytes else ""
+                for i, size in enumerate(sizes)]
         try:
             futures = [self.conn.submit(Fetch(buffer=b, to=direct.address if tag and direct else "", tag=tag))
                        for b, tag in zip(buffer_ids, tags, strict=True)]

@@ -47,6 +47,11 @@ class Piece(NamedTuple):
         return tuple(slice(o, o + hi - lo) for o, lo, hi in zip(self.offset, self.lo, self.hi, strict=True))
 
 
+class Assembled(list):  # type: ignore[type-arg]
+    """A value's blocks already assembled into it: ``[value]``, which ``Layout.assemble`` returns as is (a
+    client's direct fetch copies each block into place as it arrives: ``pwmesh.client.direct``)."""
+
+
 class Layout(NamedTuple):
     """A value of ``shape`` over a mesh of axis ``mesh`` sizes; dimension ``d`` split by axes ``spec[d]``."""
 
@@ -142,6 +147,8 @@ class Layout(NamedTuple):
 
     def assemble(self, blocks: list[np.ndarray], dtype: np.dtype) -> np.ndarray:
         """The global array from one block per distinct block, in ``distinct()`` order."""
+        if isinstance(blocks, Assembled):
+            return np.asarray(blocks[0])
         devices = self.distinct()
         if len(devices) == 1:
             return np.asarray(blocks[0]).reshape(self.shape)

@@ -469,14 +469,20 @@ class DataPlane:
                  pair: tuple[bytes, bytes] | None = None, is_daemon: Callable[[bytes], bool] | None = None,
                  cluster_key: bytes | None = None, plaintext: bool = False,
                  on_lost: Callable[[list[Any], str], None] | None = None,
-                 on_shards: Callable[[str, ShardBatch], None] | None = None, sessions_only: bool = False) -> None:
+                 on_shards: Callable[[str, ShardBatch], None] | None = None, sessions_only: bool = False,
+                 copy_shared: bool = True) -> None:
         """``pair`` (public, secret: the host's CURVE keys, z85): each stream is keyed by its two ends
         (``secure.pair_key``): the destination's public key is in its address (``keys.keyed``; none:
         ``cluster_key``, the cluster's), the sender's in its hello, which ``is_daemon`` must accept. Else ``key`` (``secure.plane_key``): one
         secret every end holds. Streams prove their key both ways and are sealed, unless both ends are
         ``plaintext`` (a fabric you trust). Neither: anyone who connects is a peer. ``on_lost(tags, why)``
         is called on the loop with the tags of batches given up on (``send``), but a ``Notify`` tag is told
-        itself, delivered or lost."""
+        itself, delivered or lost. ``copy_shared=False`` (a plane without a loop): what arrives through
+        shared memory is handed over as views of the sender's slots, and acknowledged only once the
+        callback returns, which must have copied what it keeps (one copy fewer: a client's fetch)."""
+        if not copy_shared and loop is not None:
+            raise ValueError("views of shared memory are handed only to callbacks run by the reader itself")
+        self.copy_shared = copy_shared
         self.loop = loop if loop is not None else _Inline()
         self.on_lost = on_lost
         self.on_shards = on_shards
@@ -637,21 +643,20 @@ class DataPlane:
             while True:
                 frames = self._read_message(sock, segments, shared, seal, counted)
                 ack = _ACK.pack(1)
-                sock.sendall(ack if ack_seal is None else ack_seal.seal(ack))  # held here: its slots may be reused
+                ack = ack if ack_seal is None else ack_seal.seal(ack)
+                if self.copy_shared:
+                    sock.sendall(ack)  # held here: its slots may be reused
                 try:
-                    env = codec.decode(frames, self.limits)
+                    message: Any = codec.decode(frames, self.limits).message
                 except codec.FrameError as exc:
                     self._reject(peer, exc.reason, exc.message)
-                    continue
-                if session is not None and isinstance(env.message, ShardBatch) and self.on_shards is not None:
-                    self.loop.call_soon_threadsafe(self.on_shards, session, env.message)
-                elif session is None and isinstance(env.message, TupleBatch):
-                    self.loop.call_soon_threadsafe(self.on_batch, env.message)
-                elif session is not None:
-                    self._reject(peer, "wrong_op", f"a {env.message.op} on session {session}'s stream (only its "
-                                 "shards travel there)")
-                else:
-                    self._reject(peer, "wrong_op", f"a {env.message.op} (only tuple batches travel here)")
+                    message = None
+                del frames
+                if message is not None:
+                    self._dispatch(message, session, peer)
+                    del message  # views of the sender's slots (``copy_shared=False``) go before the slots do
+                if not self.copy_shared:
+                    sock.sendall(ack)
         except (StreamError, SealError) as exc:
             self._reject(peer, "stream", f"{exc}; stream closed")
         except OSError as exc:
@@ -668,6 +673,18 @@ class DataPlane:
                     m.close()
                 except BufferError:  # a view is still held somewhere: the mapping goes with it
                     pass
+
+    def _dispatch(self, message: Any, session: str | None, peer: Any) -> None:
+        """Hand what arrived to its callback: a client's shards, or (from a daemon) a tuple batch."""
+        if session is not None and isinstance(message, ShardBatch) and self.on_shards is not None:
+            self.loop.call_soon_threadsafe(self.on_shards, session, message)
+        elif session is None and isinstance(message, TupleBatch):
+            self.loop.call_soon_threadsafe(self.on_batch, message)
+        elif session is not None:
+            self._reject(peer, "wrong_op", f"a {message.op} on session {session}'s stream (only its shards travel "
+                         "there)")
+        else:
+            self._reject(peer, "wrong_op", f"a {message.op} (only tuple batches travel here)")
 
     def _handshake(self, sock: socket.socket) -> tuple[bool, Seal | None, Seal | None, str | None]:
         """Read the peer's hello and answer it (with keys: each end proves it holds them); whether the
@@ -740,6 +757,9 @@ class DataPlane:
                 source = segments[name][1]
                 if offset + nbytes > source.nbytes:
                     raise StreamError("shared-memory frame outside its segment")
+                if not self.copy_shared:  # a view: acknowledged (the slot reused) once the callback is done
+                    frames.append(source[offset:offset + nbytes])
+                    continue
                 buf = self.pool.take(nbytes)
                 np.copyto(buf, source[offset:offset + nbytes])
                 frames.append(buf)
