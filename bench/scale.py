@@ -21,7 +21,7 @@ no JAX: each part drives the same pure object the daemon wraps, with a synthetic
 (b) **Island-scheduler decisions per second** with 1 to 64 clients: ``IslandOrder`` (policy
     ``fair``, window 2, weights 1/2/4/8 in turn among clients sharing executors), each client
     keeping 4 runs queued: the oldest part in flight completes; when its run is done, its client
-    submits another. A decision is one run released and sequenced (``SendEnqueue`` actions:
+    submits another. A decision is one run released and sequenced (``Send`` actions of an ``Enqueue``:
     one per executor of the run). CPU is ``time.process_time`` inside ``submit``/``part_done`` only. Two run shapes: ``small``
     (1 node on 8 devices of one executor) and ``gang`` (4 nodes on 16 devices over two
     executors); 16 executors, client ``c`` on executor ``c`` (small) or ``2c, 2c+1`` (gang),
@@ -57,6 +57,7 @@ from typing import Any
 
 import numpy as np
 
+from pwmesh.core import contract
 from pwmesh.ir.cache import LoweringCache
 from pwmesh.ir.keys import function_id
 from pwmesh.proxy.state import Ask, Inbound, ProxyState, Reply, Send, SliceGranted
@@ -146,25 +147,33 @@ def median_cpu(fn: Callable[[], Any], repeats: int) -> tuple[float, Any]:
 # ------------------------------------------------------------------ a synthetic cluster
 
 
+def rm_ask(rm: ResourceManagerState, message: Message) -> Message | None:
+    """The RM core's answer to ``message`` (raised if it failed); its notices go nowhere: nobody watches here."""
+    (reply,) = [a for a in rm.handle(contract.Received(message), 0.0) if isinstance(a, contract.Reply)]
+    if reply.error is not None:
+        raise reply.error
+    return reply.message
+
+
 def resource_manager(executors: int, islands: int = 1) -> ResourceManagerState:
     """An RM that knows ``executors`` hosts of 8 devices, dealt round-robin over ``islands`` islands,
     each island in one JAX group (so an SPMD node may span its executors)."""
     rm = ResourceManagerState()
     for isl in range(islands):
-        rm.handle(RegisterScheduler(info=SchedulerInfo(island=isl, address=f"tcp://sched-{isl}:6100",
-                                                       name=f"sched-{isl}")), 0.0)
+        rm_ask(rm, RegisterScheduler(info=SchedulerInfo(island=isl, address=f"tcp://sched-{isl}:6100",
+                                                        name=f"sched-{isl}")))
     for e in range(executors):
         isl = e % islands
         ip = f"10.{e // 256}.{e % 256}.1"
-        rm.handle(RegisterExecutor(info=ExecutorInfo(
+        rm_ask(rm, RegisterExecutor(info=ExecutorInfo(
             executor_id=f"ex{e:05d}", island=isl, host=f"host{e:05d}", control=f"tcp://{ip}:7000",
             data=f"tcp://{ip}:7001", devices=[DeviceInfo(index=i) for i in range(DEVICES_PER_EXECUTOR)],
-            group=f"island-{isl}")), 0.0)
+            group=f"island-{isl}")))
     return rm
 
 
 def allocate(rm: ResourceManagerState, owner: str, devices: int, island: int | None = None) -> SliceInfo:
-    reply = rm.handle(AllocateSlice(owner=owner, devices=devices, island=island), 0.0)
+    reply = rm_ask(rm, AllocateSlice(owner=owner, devices=devices, island=island))
     assert isinstance(reply, SliceAllocated)
     return reply.slice
 
@@ -212,7 +221,9 @@ class ProxyHarness:
     def ask(self, message: Message) -> Message | None:
         actions = self.handle(Inbound(CLIENT, message))
         for ask in [a for a in actions if isinstance(a, Ask)]:  # the daemon's part: the RM answers
-            actions = self.handle(SliceGranted(ask.peer, self.rm.handle(ask.message, 0.0).slice))
+            granted = rm_ask(self.rm, ask.message)
+            assert isinstance(granted, SliceAllocated)
+            actions = self.handle(SliceGranted(ask.peer, granted.slice))
         replies = [a for a in actions if isinstance(a, Reply)]
         if replies and replies[0].error is not None:
             raise replies[0].error
@@ -287,7 +298,7 @@ def proxy_point(devices: int, spmd: bool, config: Config) -> dict[str, Any]:
         "completion_messages_out": len(frees), "completion_cpu_us": 1e6 * done_s,
         "setup_register_function_messages": len(setup),
         "setup_register_function_bytes": sum(encoded_bytes(m) for m in setup),
-        "scheduler_enqueues": len(actions), "scheduler_enqueue_bytes": sum(encoded_bytes(a.enqueue) for a in actions),
+        "scheduler_enqueues": len(actions), "scheduler_enqueue_bytes": sum(encoded_bytes(a.message) for a in actions),
         "scheduler_cpu_us": 1e6 * sched_s,
     }
 
@@ -374,11 +385,11 @@ def decisions_round(clients: int, shape: str, decisions: int, backlog: int = 4) 
     def took(actions: list[Any]) -> None:
         nonlocal released, enqueues
         # A released run's Enqueues all come from the one call that released it.
-        released += len({a.enqueue.run_id for a in actions})
+        released += len({a.message.run_id for a in actions})
         enqueues += len(actions)
         for a in actions:
-            in_flight.append((a.enqueue.run_id, a.control))
-            parts_left[a.enqueue.run_id] += 1
+            in_flight.append((a.message.run_id, a.to))
+            parts_left[a.message.run_id] += 1
 
     for c in range(clients):
         for _ in range(backlog):
@@ -447,7 +458,7 @@ def placement_time(config: Config) -> list[dict[str, Any]]:
         rm = resource_manager(config.rm_executors, islands)
         per_island = devices // islands
         for load, background in (("idle", 0), ("loaded", config.rm_background_slices)):
-            rm.handle(ReleaseSlices(owner="background"), 0.0)
+            rm_ask(rm, ReleaseSlices(owner="background"))
             for _ in range(background):
                 allocate(rm, "background", DEVICES_PER_EXECUTOR)
             held = sum(len(sl.devices) for sl in rm.slices.values())
@@ -460,7 +471,7 @@ def placement_time(config: Config) -> list[dict[str, Any]]:
                     start = time.process_time()
                     sl = allocate(rm, "bench", n)
                     samples.append(time.process_time() - start)
-                    rm.handle(ReleaseSlices(owner="bench"), 0.0)
+                    rm_ask(rm, ReleaseSlices(owner="bench"))
                     assert len(sl.devices) == n
                 ms = 1000 * statistics.median(samples)
                 row = {"devices": devices, "islands": islands, "load": load, "held_device_slots": held,

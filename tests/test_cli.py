@@ -59,8 +59,10 @@ def test_debug_events_dumps_each_daemons_latest_events(cluster: pw.LocalCluster,
     assert f"# {executor} at tcp://" in ran
     assert "enqueue-" in ran and "Received(message=exec.enqueue(run_id=" in ran and "done-" in ran
     assert "Inbound(proxy.run_program" in events("proxy")
-    assert "ScheduleRun(run_id=" in events(scheduler) and "RunPartDone(run_id=" in events(scheduler)
-    assert "rm.allocate_slice" in events("rm")
+    ordered = events(scheduler)
+    assert "schedule-" in ordered and "Received(message=sched.schedule_run(run_id=" in ordered
+    assert "part-done-" in ordered and "Received(message=sched.run_part_done(run_id=" in ordered
+    assert "Received(message=rm.allocate_slice" in events("rm")
     unknown = CliRunner().invoke(main, ["debug", "events", "nosuch", "--address", cluster.address])
     assert unknown.exit_code != 0 and "no daemon 'nosuch'" in unknown.output and "proxy" in unknown.output
 

@@ -4,10 +4,10 @@ manager's part in a member's restart (announced, excused). No sockets, no JAX.""
 
 from __future__ import annotations
 
+from rm_driver import DrivenRM
 from test_placement import executor
 
 from pwmesh.core.liveness import Liveness
-from pwmesh.rm.state import ResourceManagerState
 from pwmesh.scheduler.group import AskAgain, Form, Formed, IslandGroup, Joined, Left, Tick
 from pwmesh.wire.messages import (
     ExecutorJoined,
@@ -127,21 +127,21 @@ def test_after_a_scheduler_restart_formings_continue_past_the_members_epochs() -
 # ------------------------------------------------- the resource manager's part in a restart
 
 def test_a_member_leaving_for_a_forming_is_announced_and_excused_until_it_registers_again() -> None:
-    state = ResourceManagerState(heartbeat_timeout_seconds=3.0)
-    state.handle(RegisterExecutor(info=executor("a")), now=0.0)
+    state = DrivenRM(heartbeat_timeout_seconds=3.0)
+    state.ask(RegisterExecutor(info=executor("a")), now=0.0)
     state.take_notifications()
-    assert state.handle(LeavingForGroup(executor_id="a", epoch=2, grace_seconds=60.0), now=1.0) == Ok()
+    assert state.ask(LeavingForGroup(executor_id="a", epoch=2, grace_seconds=60.0), now=1.0) == Ok()
     assert state.take_notifications() == [ExecutorRestarting(executor_id="a", control="tcp://a:1", epoch=2)], \
         "every watcher hears of the restart (and fences)"
     state.expire(now=30.0)
     assert state.executors["a"].alive and state.take_notifications() == [], "silent while restarting: excused"
-    assert state.handle(RegisterExecutor(info=executor("a")), now=31.0) == Ok()
+    assert state.ask(RegisterExecutor(info=executor("a")), now=31.0) == Ok()
     assert isinstance(state.take_notifications()[0], ExecutorJoined)
     state.expire(now=35.0)
     lost = state.take_notifications()
     assert [n.executor_id for n in lost if isinstance(n, ExecutorLost)] == ["a"], \
         "registered again, the excuse is over: silent for a heartbeat timeout, it is lost"
-    assert state.handle(LeavingForGroup(executor_id="nobody", epoch=1, grace_seconds=60.0), now=36.0) \
+    assert state.ask(LeavingForGroup(executor_id="nobody", epoch=1, grace_seconds=60.0), now=36.0) \
         == PleaseRegister()
 
 

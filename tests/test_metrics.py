@@ -19,13 +19,13 @@ import pytest
 import zmq
 from click.testing import CliRunner
 from prometheus_client.parser import text_string_to_metric_families
+from rm_driver import DrivenRM
 
 import pwmesh as pw
 from helpers import eventually
 from pwmesh.cli.daemons import rm_main
 from pwmesh.errors import InvalidArgument
 from pwmesh.rm.daemon import ResourceManager, ResourceManagerConfig
-from pwmesh.rm.state import ResourceManagerState
 from pwmesh.service.lifecycle import stop_process, wait_ready
 from pwmesh.service.metrics import MetricsServer, counter, listen_host
 from pwmesh.service.tasks import TaskGroup
@@ -307,14 +307,14 @@ def test_metrics_bind_the_host_the_control_socket_binds() -> None:
 
 
 def test_the_resource_manager_counts_executors_that_miss_their_heartbeats() -> None:
-    state = ResourceManagerState(heartbeat_timeout_seconds=1.0)
+    state = DrivenRM(heartbeat_timeout_seconds=1.0)
     for name in ("a", "b"):
-        state.handle(RegisterExecutor(info=ExecutorInfo(executor_id=name, island=0, host=name, control=f"c-{name}",
+        state.ask(RegisterExecutor(info=ExecutorInfo(executor_id=name, island=0, host=name, control=f"c-{name}",
                                                         data=f"d-{name}", pid=1, devices=[])), now=0.0)
-    state.handle(Heartbeat(role="executor", name="a"), now=0.9)
+    state.ask(Heartbeat(role="executor", name="a"), now=0.9)
     assert state.expire(now=1.5) == ["b"]
     assert state.heartbeat_misses[("executor",)] == 1 and state.executors_lost == 1
-    state.handle(UnregisterExecutor(executor_id="a", reason="drained"), now=1.6)
+    state.ask(UnregisterExecutor(executor_id="a", reason="drained"), now=1.6)
     assert state.executors_left == 1 and state.heartbeat_misses[("executor",)] == 1
 
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 import collections
 
 import pytest
+from rm_driver import DrivenRM
 
 from pwmesh.errors import InvalidArgument, NotFound, ResourceExhausted
 from pwmesh.rm.placement import DeviceRef, place
-from pwmesh.rm.state import ResourceManagerState
 from pwmesh.wire.messages import (
     AllocateSlice,
     ClusterStateReply,
@@ -182,43 +182,43 @@ def test_an_island_with_only_dead_executors_is_unknown() -> None:
 # --------------------------------------------------------------- ResourceManagerState
 
 
-def started(islands: int = 2, hosts: int = 2, devices: int = 2, timeout: float = 10.0) -> ResourceManagerState:
-    state = ResourceManagerState(heartbeat_timeout_seconds=timeout)
+def started(islands: int = 2, hosts: int = 2, devices: int = 2, timeout: float = 10.0) -> DrivenRM:
+    state = DrivenRM(heartbeat_timeout_seconds=timeout)
     for island in range(islands):
-        assert state.handle(RegisterScheduler(info=SchedulerInfo(island=island, address=f"tcp://sched{island}")),
+        assert state.ask(RegisterScheduler(info=SchedulerInfo(island=island, address=f"tcp://sched{island}")),
                             now=0.0) == Ok()
     for ex in cluster(islands, hosts, devices):
-        assert state.handle(RegisterExecutor(info=ex), now=0.0) == Ok()
+        assert state.ask(RegisterExecutor(info=ex), now=0.0) == Ok()
     state.take_notifications()  # the registrations' own announcements
     return state
 
 
-def beat_schedulers(state: ResourceManagerState, now: float) -> None:
+def beat_schedulers(state: DrivenRM, now: float) -> None:
     """Schedulers heartbeat too; tests about executors keep them alive."""
     for info in state.schedulers.values():
-        state.handle(Heartbeat(role="scheduler", name=info.name), now=now)
+        state.ask(Heartbeat(role="scheduler", name=info.name), now=now)
 
 
-def allocate(state: ResourceManagerState, owner: str, devices: int, island: int | None = None,
+def allocate(state: DrivenRM, owner: str, devices: int, island: int | None = None,
              now: float = 0.0) -> SliceInfo:
-    reply = state.handle(AllocateSlice(owner=owner, devices=devices, island=island), now=now)
+    reply = state.ask(AllocateSlice(owner=owner, devices=devices, island=island), now=now)
     assert isinstance(reply, SliceAllocated)
     return reply.slice
 
 
 def test_registering_executors_bumps_the_map_version() -> None:
-    state = ResourceManagerState()
+    state = DrivenRM()
     assert state.map_version == 0
-    state.handle(RegisterExecutor(info=executor("a")), now=0.0)
+    state.ask(RegisterExecutor(info=executor("a")), now=0.0)
     assert state.map_version == 1
-    state.handle(RegisterExecutor(info=executor("b")), now=0.0)
+    state.ask(RegisterExecutor(info=executor("b")), now=0.0)
     assert state.map_version == 2
     assert set(state.executors) == {"a", "b"}
 
 
 def test_registering_a_scheduler_records_it() -> None:
-    state = ResourceManagerState()
-    state.handle(RegisterScheduler(info=SchedulerInfo(island=3, address="tcp://s")), now=0.0)
+    state = DrivenRM()
+    state.ask(RegisterScheduler(info=SchedulerInfo(island=3, address="tcp://s")), now=0.0)
     assert state.schedulers[3].address == "tcp://s"
 
 
@@ -271,11 +271,11 @@ def test_a_gang_slice_lands_on_one_host_when_one_can_hold_it() -> None:
 
 
 def test_island_without_a_scheduler() -> None:
-    state = ResourceManagerState()
-    state.handle(RegisterExecutor(info=executor("a")), now=0.0)
+    state = DrivenRM()
+    state.ask(RegisterExecutor(info=executor("a")), now=0.0)
     version = state.map_version
     with pytest.raises(NotFound):
-        state.handle(AllocateSlice(owner="alice", devices=1), now=0.0)
+        state.ask(AllocateSlice(owner="alice", devices=1), now=0.0)
     assert state.map_version == version and not state.slices
 
 
@@ -283,11 +283,11 @@ def test_allocation_errors_change_nothing() -> None:
     state = started(islands=1, hosts=1, devices=2)
     version = state.map_version
     with pytest.raises(ResourceExhausted):
-        state.handle(AllocateSlice(owner="alice", devices=3), now=0.0)
+        state.ask(AllocateSlice(owner="alice", devices=3), now=0.0)
     with pytest.raises(ResourceExhausted):
-        state.handle(AllocateSlice(owner="alice", devices=1, island=5), now=0.0)
+        state.ask(AllocateSlice(owner="alice", devices=1, island=5), now=0.0)
     with pytest.raises(InvalidArgument):
-        state.handle(AllocateSlice(owner="alice", devices=0), now=0.0)
+        state.ask(AllocateSlice(owner="alice", devices=0), now=0.0)
     assert state.map_version == version and not state.slices
 
 
@@ -296,7 +296,7 @@ def test_release_by_owner_frees_only_that_owners_slices() -> None:
     mine = [allocate(state, "alice", 1) for _ in range(2)]
     theirs = allocate(state, "bob", 2)
     version = state.map_version
-    assert state.handle(ReleaseSlices(owner="alice"), now=0.0) == Ok()
+    assert state.ask(ReleaseSlices(owner="alice"), now=0.0) == Ok()
     assert state.map_version == version + 1
     assert list(state.slices) == [theirs.slice_id]
     assert state.load() == {(d.executor_id, d.device): 1 for d in theirs.devices}
@@ -307,7 +307,7 @@ def test_release_of_chosen_ids() -> None:
     state = started()
     a1, a2 = allocate(state, "alice", 1), allocate(state, "alice", 1)
     b = allocate(state, "bob", 1)
-    state.handle(ReleaseSlices(owner="alice", slice_ids=[a1.slice_id, b.slice_id]), now=0.0)
+    state.ask(ReleaseSlices(owner="alice", slice_ids=[a1.slice_id, b.slice_id]), now=0.0)
     assert set(state.slices) == {a2.slice_id, b.slice_id}, "bob's slice is not alice's to release"
 
 
@@ -315,8 +315,8 @@ def test_release_of_nothing_keeps_the_map_version() -> None:
     state = started()
     allocate(state, "alice", 1)
     version = state.map_version
-    state.handle(ReleaseSlices(owner="carol"), now=0.0)
-    state.handle(ReleaseSlices(owner="alice", slice_ids=[]), now=0.0)
+    state.ask(ReleaseSlices(owner="carol"), now=0.0)
+    state.ask(ReleaseSlices(owner="alice", slice_ids=[]), now=0.0)
     assert state.map_version == version
     assert len(state.slices) == 1
 
@@ -324,7 +324,7 @@ def test_release_of_nothing_keeps_the_map_version() -> None:
 def test_released_devices_are_reused() -> None:
     state = started(islands=1, hosts=1, devices=2)
     first = allocate(state, "alice", 2)
-    state.handle(ReleaseSlices(owner="alice"), now=0.0)
+    state.ask(ReleaseSlices(owner="alice"), now=0.0)
     assert state.load() == {}
     again = allocate(state, "bob", 2)
     assert {(d.executor_id, d.device) for d in again.devices} == {(d.executor_id, d.device) for d in first.devices}
@@ -332,7 +332,7 @@ def test_released_devices_are_reused() -> None:
 
 def test_expire_marks_silent_executors_lost_after_the_timeout() -> None:
     state = started(islands=1, hosts=2, devices=2, timeout=10.0)
-    state.handle(Heartbeat(role="executor", name="i0h1"), now=8.0)
+    state.ask(Heartbeat(role="executor", name="i0h1"), now=8.0)
     version = state.map_version
     beat_schedulers(state, 10.0)
     assert state.expire(now=10.0) == [], "exactly the timeout is not yet late"
@@ -352,7 +352,7 @@ def test_expire_marks_silent_executors_lost_after_the_timeout() -> None:
 def test_heartbeats_keep_an_executor_alive() -> None:
     state = started(islands=1, hosts=1, devices=1, timeout=10.0)
     for t in range(5, 60, 5):
-        state.handle(Heartbeat(role="executor", name="i0h0"), now=float(t))
+        state.ask(Heartbeat(role="executor", name="i0h0"), now=float(t))
         assert state.expire(now=t + 9.9) == []
     assert state.executors["i0h0"].alive
 
@@ -360,26 +360,26 @@ def test_heartbeats_keep_an_executor_alive() -> None:
 def test_heartbeats_from_others_do_not_count() -> None:
     state = started(islands=1, hosts=1, devices=1, timeout=10.0)
     # Unknown senders are asked to register (after a restart, that rebuilds the state)...
-    assert state.handle(Heartbeat(role="scheduler", name="i0h0"), now=9.0) == PleaseRegister()
-    assert state.handle(Heartbeat(role="executor", name="stranger"), now=9.0) == PleaseRegister()
+    assert state.ask(Heartbeat(role="scheduler", name="i0h0"), now=9.0) == PleaseRegister()
+    assert state.ask(Heartbeat(role="executor", name="stranger"), now=9.0) == PleaseRegister()
     # ...and keep nobody alive.
     assert state.expire(now=10.5) == ["i0h0"]
     assert "stranger" not in state.executors
     # One it declared lost is told so: everyone wrote off what it held (it starts over, as a new executor).
-    back = state.handle(Heartbeat(role="executor", name="i0h0"), now=11.0)
+    back = state.ask(Heartbeat(role="executor", name="i0h0"), now=11.0)
     assert isinstance(back, PleaseRegister) and "declared it lost" in back.written_off
 
 
 def test_placement_ignores_lost_executors() -> None:
     state = started(islands=1, hosts=2, devices=2, timeout=10.0)
-    state.handle(Heartbeat(role="executor", name="i0h1"), now=5.0)
+    state.ask(Heartbeat(role="executor", name="i0h1"), now=5.0)
     beat_schedulers(state, 11.0)
     state.expire(now=11.0)
     sl = allocate(state, "alice", 2, now=11.0)
     assert {d.executor_id for d in sl.devices} == {"i0h1"}
     assert {d.executor_id for d in allocate(state, "bob", 1, now=11.0).devices} == {"i0h1"}
     with pytest.raises(ResourceExhausted):
-        state.handle(AllocateSlice(owner="alice", devices=3), now=11.0)
+        state.ask(AllocateSlice(owner="alice", devices=3), now=11.0)
 
 
 def test_re_registration_revives_a_lost_executor() -> None:
@@ -387,7 +387,7 @@ def test_re_registration_revives_a_lost_executor() -> None:
     beat_schedulers(state, 11.0)
     assert state.expire(now=11.0) == ["i0h0"]
     version = state.map_version
-    state.handle(RegisterExecutor(info=executor("i0h0", 0, 2, alive=False)), now=12.0)
+    state.ask(RegisterExecutor(info=executor("i0h0", 0, 2, alive=False)), now=12.0)
     assert state.executors["i0h0"].alive is True
     assert state.map_version == version + 1
     beat_schedulers(state, 21.0)
@@ -396,13 +396,13 @@ def test_re_registration_revives_a_lost_executor() -> None:
 
 
 def test_snapshot() -> None:
-    state = ResourceManagerState()
+    state = DrivenRM()
     for island in (1, 0):
-        state.handle(RegisterScheduler(info=SchedulerInfo(island=island, address=f"tcp://s{island}")), now=0.0)
+        state.ask(RegisterScheduler(info=SchedulerInfo(island=island, address=f"tcp://s{island}")), now=0.0)
     for ex in cluster(islands=2, hosts=1, devices=2):
-        state.handle(RegisterExecutor(info=ex), now=0.0)
+        state.ask(RegisterExecutor(info=ex), now=0.0)
     sl = allocate(state, "alice", 2)
-    reply = state.handle(GetClusterState(), now=0.0)
+    reply = state.ask(GetClusterState(), now=0.0)
     assert isinstance(reply, ClusterStateReply)
     snap = reply.state
     assert snap.map_version == state.map_version == 3
@@ -415,18 +415,18 @@ def test_snapshot() -> None:
 
 def test_unhandled_message() -> None:
     with pytest.raises(InvalidArgument, match="ping"):
-        ResourceManagerState().handle(Ping(), now=0.0)
+        DrivenRM().ask(Ping(), now=0.0)
 
 
 def test_losses_are_announced_once_with_their_cause() -> None:
     state = started(islands=1, hosts=2)
     assert state.take_notifications() == []
-    assert state.handle(UnregisterExecutor(executor_id="i0h0", reason="drained"), now=1.0) == Ok()
+    assert state.ask(UnregisterExecutor(executor_id="i0h0", reason="drained"), now=1.0) == Ok()
     version = state.map_version
     (left,) = state.take_notifications()
     assert (left.executor_id, left.reason, left.graceful) == ("i0h0", "drained", True)
     assert left.control == state.executors["i0h0"].control
-    assert state.handle(UnregisterExecutor(executor_id="i0h0", reason="again"), now=1.0) == Ok()
+    assert state.ask(UnregisterExecutor(executor_id="i0h0", reason="again"), now=1.0) == Ok()
     assert state.take_notifications() == [] and state.map_version == version
     # A crash is only seen as silence, and is not graceful: data it sent may be lost.
     beat_schedulers(state, 10.5)
@@ -440,5 +440,5 @@ def test_losses_are_announced_once_with_their_cause() -> None:
 def test_unregistering_an_unknown_executor_changes_nothing() -> None:
     state = started(islands=1, hosts=1)
     version = state.map_version
-    assert state.handle(UnregisterExecutor(executor_id="nobody", reason="x"), now=0.0) == Ok()
+    assert state.ask(UnregisterExecutor(executor_id="nobody", reason="x"), now=0.0) == Ok()
     assert state.map_version == version and state.take_notifications() == []

@@ -15,13 +15,13 @@ import jax
 import numpy as np
 import pytest
 from jax import export
+from rm_driver import DrivenRM
 
 from pwmesh.client.devices import Slice
 from pwmesh.client.export import export_jit, export_pmap
 from pwmesh.client.sharding import P
 from pwmesh.errors import ResourceExhausted
 from pwmesh.rm.placement import of_kind
-from pwmesh.rm.state import ResourceManagerState
 from pwmesh.wire.messages import (
     AllocateSlice,
     DeviceInfo,
@@ -45,18 +45,18 @@ def executor(name: str, platform: str, kind: str, devices: int = 2) -> ExecutorI
 
 
 @pytest.fixture
-def mixed() -> ResourceManagerState:
+def mixed() -> DrivenRM:
     """One island: two CPU hosts and two H100 hosts."""
-    state = ResourceManagerState(heartbeat_timeout_seconds=10.0)
-    assert state.handle(RegisterScheduler(info=SchedulerInfo(island=0, address="tcp://sched0")), now=0.0) == Ok()
+    state = DrivenRM(heartbeat_timeout_seconds=10.0)
+    assert state.ask(RegisterScheduler(info=SchedulerInfo(island=0, address="tcp://sched0")), now=0.0) == Ok()
     for ex in (executor("c0", "cpu", "cpu"), executor("c1", "cpu", "cpu"),
                executor("g0", "cuda", H100), executor("g1", "cuda", H100)):
-        assert state.handle(RegisterExecutor(info=ex), now=0.0) == Ok()
+        assert state.ask(RegisterExecutor(info=ex), now=0.0) == Ok()
     return state
 
 
-def allocate(state: ResourceManagerState, devices: int, kind: str = "") -> SliceInfo:
-    reply = state.handle(AllocateSlice(owner="alice", devices=devices, kind=kind), now=0.0)
+def allocate(state: DrivenRM, devices: int, kind: str = "") -> SliceInfo:
+    reply = state.ask(AllocateSlice(owner="alice", devices=devices, kind=kind), now=0.0)
     assert isinstance(reply, SliceAllocated)
     return reply.slice
 
@@ -72,13 +72,13 @@ def test_a_kind_is_a_platform_or_part_of_the_device_kind(kind: str, platform: st
 
 
 @pytest.mark.parametrize("kind", ["gpu", "H100", "cuda"])
-def test_a_slice_of_a_kind_lands_on_devices_of_that_kind_only(mixed: ResourceManagerState, kind: str) -> None:
+def test_a_slice_of_a_kind_lands_on_devices_of_that_kind_only(mixed: DrivenRM, kind: str) -> None:
     sl = allocate(mixed, 4, kind)
     assert {d.executor_id for d in sl.devices} == {"g0", "g1"}
     assert {d.platform for d in sl.devices} == {"cuda"} and sl.kind == kind
 
 
-def test_a_slice_of_a_kind_nobody_has_is_refused_with_what_there_is(mixed: ResourceManagerState) -> None:
+def test_a_slice_of_a_kind_nobody_has_is_refused_with_what_there_is(mixed: DrivenRM) -> None:
     with pytest.raises(ResourceExhausted, match=r"no live device is of kind 'tpu' \(live devices: cpu \(cpu\), "
                                                 r"cuda \(NVIDIA H100 80GB HBM3\)\)"):
         allocate(mixed, 1, "tpu")
@@ -86,12 +86,12 @@ def test_a_slice_of_a_kind_nobody_has_is_refused_with_what_there_is(mixed: Resou
         allocate(mixed, 5, "gpu")
 
 
-def test_a_slice_stays_on_its_platform_when_its_devices_move(mixed: ResourceManagerState) -> None:
+def test_a_slice_stays_on_its_platform_when_its_devices_move(mixed: DrivenRM) -> None:
     sl = allocate(mixed, 2)  # any kind: it lands on one host, and keeps that host's platform
     (platform,) = {d.platform for d in sl.devices}
     assert sl.kind == platform
     lost = sl.devices[0].executor_id
-    mixed.handle(UnregisterExecutor(executor_id=lost, reason="gone"), now=1.0)
+    mixed.ask(UnregisterExecutor(executor_id=lost, reason="gone"), now=1.0)
     moved = mixed.slices[sl.slice_id]
     assert not moved.broken and lost not in {d.executor_id for d in moved.devices}
     assert {d.platform for d in moved.devices} == {platform}, "a remap never crosses platforms"

@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from rm_driver import DrivenRM
 
 from pwmesh.errors import DeviceLost, InvalidArgument, NotFound, ProtocolError, PwmeshError, ResourceExhausted
 from pwmesh.ir.keys import function_id
@@ -39,7 +40,6 @@ from pwmesh.proxy.state import (
     sources,
 )
 from pwmesh.proxy.tenants import TenantLimits, TenantPolicy
-from pwmesh.rm.state import ResourceManagerState
 from pwmesh.scheduler.order import IslandOrder
 from pwmesh.wire import Message, encode
 from pwmesh.wire.messages import (
@@ -51,6 +51,7 @@ from pwmesh.wire.messages import (
     DeleteShards,
     DeviceInfo,
     DrainExecutor,
+    Enqueue,
     ExecutorInfo,
     ExecutorLost,
     Fetch,
@@ -77,7 +78,9 @@ from pwmesh.wire.messages import (
     ScheduleRun,
     SendShards,
     SessionOpened,
+    SliceAllocated,
     SliceCreated,
+    SliceInfo,
     ValueSpec,
 )
 
@@ -92,13 +95,13 @@ class World:
 
     def __init__(self) -> None:
         self.now = 0.0
-        self.rm = ResourceManagerState(heartbeat_timeout_seconds=10.0)
-        self.rm.handle(RegisterScheduler(info=SchedulerInfo(island=0, address=SCHEDULER, name="sched-0")), 0.0)
+        self.rm = DrivenRM(heartbeat_timeout_seconds=10.0)
+        self.rm.ask(RegisterScheduler(info=SchedulerInfo(island=0, address=SCHEDULER, name="sched-0")), 0.0)
         self.controls: dict[str, str] = {}
         for e in range(3):
             info = ExecutorInfo(executor_id=f"ex{e}", island=0, host=f"host{e}", control=f"tcp://ex{e}:7000",
                                 data=f"tcp://ex{e}:7001", devices=[DeviceInfo(index=i) for i in range(2)])
-            self.rm.handle(RegisterExecutor(info=info), 0.0)
+            self.rm.ask(RegisterExecutor(info=info), 0.0)
             self.controls[info.control] = info.executor_id
         self.rm.take_notifications()
         self.order = IslandOrder(island=0)
@@ -112,7 +115,7 @@ class World:
         actions = self.handle(Inbound(peer, message))
         asks = [a for a in actions if isinstance(a, Ask)]
         for ask in asks:  # the shell's part: the RM answers, and the answer goes back in
-            actions = self.handle(SliceGranted(ask.peer, self.rm.handle(ask.message, self.now).slice))
+            actions = self.handle(SliceGranted(ask.peer, allocated(self.rm.ask(ask.message, self.now))))
         replies = [a for a in actions if isinstance(a, Reply | Wait | Fetching)]
         assert len(replies) <= 1, actions
         if replies and isinstance(replies[0], Reply):
@@ -150,10 +153,16 @@ class World:
                 released += self.order.submit(action.message)
         while released:  # each part reports to the scheduler too, which may release more
             send = released.pop(0)
-            enq, executor_id = send.enqueue, self.controls[send.control]
+            enq, executor_id = send.message, self.controls[send.to]
+            assert isinstance(enq, Enqueue)
             done.append(NodeDone(run_id=enq.run_id, nodes=enq.nodes, executor_id=executor_id))
             released += self.order.part_done(enq.run_id, executor_id, 0.0)
         return done
+
+
+def allocated(reply: Message | None) -> SliceInfo:
+    assert isinstance(reply, SliceAllocated), reply
+    return reply.slice
 
 
 def sent(actions: list[Any], kind: type[Message]) -> list[Send]:
@@ -251,10 +260,10 @@ def test_a_refused_run_fails_its_outputs_with_the_cause(world: World) -> None:
 def silence(world: World, victim: str) -> None:
     """The RM's core finds ``victim`` silent (the scheduler and the other executors beat) at t = 12 s."""
     world.now = 5.0
-    world.rm.handle(Heartbeat(role="scheduler", name="sched-0"), world.now)
+    world.rm.ask(Heartbeat(role="scheduler", name="sched-0"), world.now)
     for e in world.controls.values():
         if e != victim:
-            world.rm.handle(Heartbeat(role="executor", name=e), world.now)
+            world.rm.ask(Heartbeat(role="executor", name=e), world.now)
     world.now = 12.0
     assert world.rm.expire(world.now) == [victim]
 
@@ -301,8 +310,8 @@ def test_an_executor_back_from_a_stall_makes_its_buffers_whole_and_has_the_rest_
     world.handle(Inbound(CLIENT, ReleaseBuffers(buffers=[5])))  # while its host is away: deleted on its return
     # It comes back: the RM says it was declared lost; it registers as a new executor, keeping what it held.
     info = dataclasses.replace(world.rm.executors[victim], fresh=True, incarnation="after-the-stall")
-    assert world.rm.handle(Heartbeat(role="executor", name=victim), world.now).written_off
-    world.rm.handle(RegisterExecutor(info=info), world.now)
+    assert world.rm.ask(Heartbeat(role="executor", name=victim), world.now).written_off
+    world.rm.ask(RegisterExecutor(info=info), world.now)
     (inventory,) = [a for a in world.notices() if isinstance(a, Inventory)]
     assert world.controls[inventory.control] == victim
     here = [i for i, loc in enumerate(kept.locations) if loc.executor_id == victim]
@@ -336,7 +345,7 @@ def test_a_drain_remaps_the_slice_and_moves_its_live_buffers(world: World) -> No
     assert world.ask(CLIENT, PutBuffer(buffer=1, slice_id=slice_id, array=np.ones((4, 2), np.float32))) == Ok()
     (held,) = world.proxy.sessions[CLIENT].buffers.values()
     old = held.locations[0]
-    started = world.rm.handle(DrainExecutor(executor=old.executor_id), world.now)
+    started = world.rm.ask(DrainExecutor(executor=old.executor_id), world.now)
     assert started.remapped == 1
     out = world.notices()
     moves = sent(out, SendShards)

@@ -9,22 +9,23 @@ import random
 
 import pytest
 
+from pwmesh.core.contract import Send
 from pwmesh.errors import InvalidArgument
-from pwmesh.scheduler.order import IslandOrder, SendEnqueue
+from pwmesh.scheduler.order import IslandOrder
 from pwmesh.sim.island import saturate
 from pwmesh.sim.island import schedule_run as run
 from pwmesh.wire.messages import Enqueue, ScheduleRun
 from pwmesh.wire.parts import enqueued
 
 
-def enqueues(actions: list[SendEnqueue]) -> dict[str, Enqueue]:
-    by_control = {a.control: a.enqueue for a in actions}
+def enqueues(actions: list[Send]) -> dict[str, Enqueue]:
+    by_control = {a.to: a.message for a in actions if isinstance(a.message, Enqueue)}
     assert len(by_control) == len(actions), "one Enqueue per executor per run"
     return by_control
 
 
-def released(actions: list[SendEnqueue]) -> list[str]:
-    return list(dict.fromkeys(a.enqueue.run_id for a in actions))
+def released(actions: list[Send]) -> list[str]:
+    return list(dict.fromkeys(a.message.run_id for a in actions if isinstance(a.message, Enqueue)))
 
 
 # ------------------------------------------------------------------ the order
@@ -64,12 +65,14 @@ def test_every_device_sees_the_same_relative_order_of_gangs() -> None:
     per_device: dict[tuple[str, int], list[int]] = collections.defaultdict(list)
     in_flight: list[tuple[str, str]] = []
 
-    def record(actions: list[SendEnqueue]) -> None:
+    def record(actions: list[Send]) -> None:
         for action in actions:
-            for comp in enqueued(action.enqueue):
+            enqueue = action.message
+            assert isinstance(enqueue, Enqueue)
+            for comp in enqueued(enqueue):
                 for device, _ in comp.shards():
                     per_device[(comp.executor_id, device)].append(comp.seq)
-                in_flight.append((action.enqueue.run_id, comp.executor_id))
+                in_flight.append((enqueue.run_id, comp.executor_id))
 
     for i in range(200):
         gang = rng.sample(executors, rng.randint(2, 4))
@@ -221,8 +224,8 @@ class SortEveryRelease(IslandOrder):
     the reference the kept order (heaps, clients waiting on the device that blocks them) must agree
     with, action for action."""
 
-    def _release(self) -> list[SendEnqueue]:
-        actions: list[SendEnqueue] = []
+    def _release(self) -> list[Send]:
+        actions: list[Send] = []
         released = True
         while released:
             released = False
@@ -267,5 +270,5 @@ def test_the_kept_order_releases_exactly_what_sorting_every_time_released(policy
             got, want = fast.submit(r), slow.submit(r)
         assert got == want, f"step {step}"
         for action in got:  # each part completes later, in random order
-            in_flight.append((action.enqueue.run_id, action.control.removeprefix("tcp://").rsplit(":", 1)[0]))
+            in_flight.append((action.message.run_id, action.to.removeprefix("tcp://").rsplit(":", 1)[0]))
     assert fast.next_seq > 200 and any(c.queue for c in fast._clients.values()), "runs waited, and ran"

@@ -13,6 +13,7 @@ from click.testing import CliRunner
 
 from pwmesh.cli.main import main
 from pwmesh.scheduler.order import IslandOrder
+from pwmesh.scheduler.state import SchedulerState
 from pwmesh.sim.client import Call, Mark, Script, SimClient
 from pwmesh.sim.clock import Clock
 from pwmesh.sim.cluster import SimCluster, SimConfig, format_report
@@ -104,7 +105,7 @@ def chain_on_one_executor(k: int, seconds: float, devices: int = 1) -> tuple[Clo
     ex = SimExecutor(executor_id="ex0", island=0, host="h0", control="sim://ex0", data="sim://ex0/data",
                      devices=devices, clock=clock, network=net, cost=COST, peers=peers, keep_spans=True)
     peers[ex.data] = ex
-    sched = SimScheduler("sim://s0", clock, net, IslandOrder(0, scheduler="sim://s0"))
+    sched = SimScheduler("sim://s0", clock, net, SchedulerState(IslandOrder(0, scheduler="sim://s0")))
     proxy = Sink("sim://proxy", clock, net)
     fn = FunctionCost("f", ((4, 4),), ((4, 4),), seconds=seconds)
     proxy.post(ex.address, RegisterFunction(fn_id="f", exported=fn.artifact(512), spmd=False, devices=[0]))

@@ -41,9 +41,11 @@ from pwmesh.wire.messages import (
     DrainExecutor,
     DrainHost,
     ErrorInfo,
+    EventLines,
     ExecutorInfo,
     FetchShards,
     GetClusterTrace,
+    GetEvents,
     GetExecutorStats,
     GetStatus,
     ListHeld,
@@ -195,6 +197,36 @@ def test_clients_see_their_own_sessions_and_an_admin_sees_all(keyed: pw.LocalClu
                 admin_view.close()
         finally:
             conn.close()
+
+
+def test_a_tenant_cannot_read_a_daemon_s_events(keyed: pw.LocalCluster, key_dirs: dict[str, Path],
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """``GetEvents`` (``pwmesh debug events``) shows every tenant's runs and sessions: an admin's only. A
+    client key is refused it by every daemon with a clear error, and each goes on serving."""
+    state = status(keyed.address, key_dirs["root"]).cluster
+    daemons = {"proxy": keyed.address, "rm": keyed.rm_address, "scheduler-0": state.schedulers[0].address,
+               state.executors[0].executor_id: state.executors[0].control}
+    for name, address in daemons.items():
+        conn = raw(address, key_dirs["bob"])
+        try:
+            with pytest.raises(pw.PermissionDenied, match="debug.get_events from bob"):
+                conn.request(GetEvents(), timeout_seconds=10.0)
+            assert isinstance(conn.request(Ping(), timeout_seconds=10.0), Pong), f"{name} stopped serving"
+        finally:
+            conn.close()
+        admin = raw(address, key_dirs["root"])
+        try:
+            assert isinstance(admin.request(GetEvents(limit=5), timeout_seconds=10.0), EventLines), name
+        finally:
+            admin.close()
+    # The command says so in one line, and an admin's key reads the log.
+    monkeypatch.setenv("PWMESH_KEYS", str(key_dirs["bob"]))
+    refused_cli = CliRunner().invoke(main, ["debug", "events", "rm", "--address", keyed.address])
+    assert refused_cli.exit_code == 1 and "debug.get_events from bob" in refused_cli.output, refused_cli.output
+    assert "Traceback" not in refused_cli.output
+    monkeypatch.setenv("PWMESH_KEYS", str(key_dirs["root"]))
+    read = CliRunner().invoke(main, ["debug", "events", "rm", "--address", keyed.address, "--limit", "0"])
+    assert read.exit_code == 0 and "Received(message=rm.register_executor" in read.output, read.output
 
 
 def test_a_removed_key_is_refused_within_a_second(keyed: pw.LocalCluster, key_dirs: dict[str, Path]) -> None:

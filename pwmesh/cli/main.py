@@ -180,8 +180,8 @@ def debug_events(address: str | None, connect_timeout: float, daemon: str, limit
     """Print the latest events DAEMON's core handled: time, stimulus id, event, and how many actions it caused.
 
     DAEMON is `proxy`, `rm`, `scheduler-N` (island N's), an executor id as `pwmesh status` shows it, or an
-    address (tcp://...). Each daemon keeps its last 2,000 (the resource manager leaves out heartbeats); an
-    executor's can be replayed into a fresh `ExecutorState` in a test. Needs an admin key on a keyed cluster.
+    address (tcp://...). Each daemon keeps its last 2,000 (heartbeats in a row as one line); a core's log
+    can be replayed into a fresh core in a test (`pwmesh.core.contract.replay`). Needs an admin key on a keyed cluster.
     """
     from pwmesh.cli import commands  # noqa: PLC0415
 

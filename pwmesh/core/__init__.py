@@ -7,6 +7,6 @@ The pure helpers cores use live here too: ``liveness.Liveness`` (who missed thei
 ``ratelimit.RejectedLog`` (what a peer can make a daemon log, bounded; its clock is injected).
 """
 
-from pwmesh.core.contract import EventLog, Send, Timer, describe
+from pwmesh.core.contract import EventLog, Received, Reply, Send, Timer, describe, replay
 
-__all__ = ["EventLog", "Send", "Timer", "describe"]
+__all__ = ["EventLog", "Received", "Reply", "Send", "Timer", "describe", "replay"]

@@ -4,7 +4,11 @@ Every event a core handles gets a *stimulus id*: ``"<kind>-<n>"``, numbered per 
 returns carry that id (``Send.stimulus``), and the core records the event, its id and what it caused in
 an ``EventLog``: a bounded ring of the latest events, cheap enough to keep always on (a tuple each), so
 that when a daemon misbehaves its last events can be dumped (``pwmesh debug events``) and replayed in a
-test against a fresh core.
+test against a fresh core (``EventLog.timed``, ``replay``).
+
+The actions every core may return: ``Send`` (post a message to a daemon), ``Reply`` (answer the request
+being handled) and ``Timer`` (hand the core an event later). A core adds its own where its shell must do
+something no message says (the executor's ``Admit``, the resource manager's ``Notify``...).
 """
 
 from __future__ import annotations
@@ -12,11 +16,21 @@ from __future__ import annotations
 import collections
 import dataclasses
 import itertools
+from collections.abc import Callable, Iterable
 from typing import Any
 
+from pwmesh.errors import PwmeshError
 from pwmesh.wire import Message
 
 EVENT_LOG_LENGTH = 2_000  # events kept per core
+
+
+@dataclasses.dataclass(slots=True)
+class Received:
+    """Event: ``message`` arrived for the core (the resource manager's and the scheduler's main event; the
+    executor and the proxy have their own, with what they need besides)."""
+
+    message: Message
 
 
 # Not frozen (a frozen dataclass's __init__ costs four times a plain one's; a Send is made per message), and
@@ -27,6 +41,15 @@ class Send:
 
     to: str
     message: Message
+    stimulus: str = ""
+
+
+@dataclasses.dataclass(slots=True)
+class Reply:
+    """Answer the request being handled with ``message`` (None: with nothing), or fail it with ``error``."""
+
+    message: Message | None = None
+    error: PwmeshError | None = None
     stimulus: str = ""
 
 
@@ -89,3 +112,28 @@ class EventLog:
             expand = getattr(event, "expand", None)
             out.extend(expand() if expand is not None else [event])
         return out
+
+    def timed(self) -> list[tuple[float, Any]]:
+        """The events kept as (time, event), oldest first, expanded as ``events`` (an entry standing for events
+        at several times, with a ``timed()``, gives those): what ``replay`` hands a fresh core."""
+        out: list[tuple[float, Any]] = []
+        for now, _, event, _ in self.entries:
+            timed = getattr(event, "timed", None)
+            if timed is not None:
+                out.extend(timed())
+                continue
+            expand = getattr(event, "expand", None)
+            out.extend((now, e) for e in (expand() if expand is not None else [event]))
+        return out
+
+
+def replay(handle: Callable[[Any, float], list[Any]], events: Iterable[tuple[float, Any]]) -> list[list[Any]]:
+    """Hand ``events`` ((time, event), as ``EventLog.timed`` gives them) to a fresh core's ``handle`` in order;
+    returns what each caused. An event logged as a line (it carried a payload too large to keep) cannot be
+    replayed: that is refused, not skipped, since what followed it may depend on it."""
+    out = []
+    for now, event in events:
+        if isinstance(event, str):
+            raise ValueError(f"cannot replay an event logged as a line: {event[:200]}")
+        out.append(handle(event, now))
+    return out

@@ -1,4 +1,6 @@
-"""``pwmesh-rm``: the resource manager's asyncio shell around ``ResourceManagerState``."""
+"""``pwmesh-rm``: the resource manager's asyncio shell around ``ResourceManagerState``: each request, and
+every tick of its heartbeat check, is an event for the core; its ``Notify`` actions go to every watcher and
+its ``Reply`` back to the requester."""
 
 from __future__ import annotations
 
@@ -7,8 +9,9 @@ import logging
 import time
 from typing import Any
 
+from pwmesh.core.contract import Received, Reply
 from pwmesh.errors import InvalidArgument, PermissionDenied
-from pwmesh.rm.state import ResourceManagerState
+from pwmesh.rm.state import Action, Notify, ResourceManagerState, Tick
 from pwmesh.service.heartbeat import every
 from pwmesh.service.keys import Security, speaks_for, unkeyed
 from pwmesh.service.lifecycle import Service
@@ -77,9 +80,7 @@ class ResourceManager(Service):
 
     def _handle(self, peer: bytes, env: Envelope) -> Message | None:
         self._check_claim(env)
-        reply = self.state.handle(env.message, time.monotonic())
-        self._notify()
-        return reply
+        return self._act(self.state.handle(Received(env.message), time.monotonic()))
 
     def _check_claim(self, env: Envelope) -> None:
         """A daemon host's own key acts only as itself (``keys.speaks_for``): it registers, beats for,
@@ -139,26 +140,36 @@ class ResourceManager(Service):
         return Watchers(count=len(self.watchers)) if isinstance(reply, Ok) else reply
 
     async def _expire(self) -> None:
-        self.state.expire(time.monotonic())
-        self._notify()
+        self._act(self.state.handle(Tick(), time.monotonic()))
 
-    def _notify(self) -> None:
-        """Post what the state produced to every watcher, before the current reply."""
-        for note in self.state.take_notifications():
-            # An executor that left (it drained and unregistered: a clean stop) is news, not trouble.
-            level = logging.INFO if isinstance(note, ExecutorLost) and note.graceful else logging.WARNING
-            if isinstance(note, ExecutorLost):
-                log.log(level, "executor %s (host %s) %s: %s", note.executor_id, note.host,
-                        "left" if note.graceful else "lost", note.reason)
-            if isinstance(note, ProxyLost):
-                log.warning("the active proxy %s at %s is lost (%s): a standby may take over", note.name,
-                            note.address, note.reason)
-            for remap in note.remapped if isinstance(note, ExecutorLost) else [note]:
-                if isinstance(remap, SliceRemapped):
-                    log.log(level, "slice %s remapped (%s)%s", remap.slice.slice_id, remap.reason,
-                            f": broken, {remap.slice.broken}" if remap.slice.broken else "")
-            for peer in self.watchers:
-                self.server.post(peer, note)
+    def _act(self, actions: list[Action]) -> Message | None:
+        """Carry out the core's actions: notices to every watcher, then the answer (returned, or raised)."""
+        reply: Message | None = None
+        for action in actions:
+            if isinstance(action, Notify):
+                self._notify(action.message)
+            elif isinstance(action, Reply):
+                if action.error is not None:
+                    raise action.error
+                reply = action.message
+        return reply
+
+    def _notify(self, note: Message) -> None:
+        """Post a notice to every watcher, before the current reply."""
+        # An executor that left (it drained and unregistered: a clean stop) is news, not trouble.
+        level = logging.INFO if isinstance(note, ExecutorLost) and note.graceful else logging.WARNING
+        if isinstance(note, ExecutorLost):
+            log.log(level, "executor %s (host %s) %s: %s", note.executor_id, note.host,
+                    "left" if note.graceful else "lost", note.reason)
+        if isinstance(note, ProxyLost):
+            log.warning("the active proxy %s at %s is lost (%s): a standby may take over", note.name,
+                        note.address, note.reason)
+        for remap in note.remapped if isinstance(note, ExecutorLost) else [note]:
+            if isinstance(remap, SliceRemapped):
+                log.log(level, "slice %s remapped (%s)%s", remap.slice.slice_id, remap.reason,
+                        f": broken, {remap.slice.broken}" if remap.slice.broken else "")
+        for peer in self.watchers:
+            self.server.post(peer, note)
 
     def collect(self) -> list[Metric]:
         state = self.state

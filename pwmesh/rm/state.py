@@ -1,22 +1,32 @@
-"""The resource manager's state machine, with no sockets: ``handle(message, now) -> reply``.
+"""The resource manager's state machine, with no sockets: ``handle(event, now) -> actions``.
 
-Besides replies it produces notifications for watchers (proxies, schedulers),
-collected with ``take_notifications``: ``ExecutorLost`` when a host leaves or
-falls silent (carrying the remaps that loss caused), ``SliceRemapped`` when a
-slice's virtual devices move off a draining host or back onto new capacity. The
-state can be rebuilt after a restart from what registrants send again
-(``WatchCluster.slices``).
+Events:
+    ``Received(message)``  a request from a daemon (register, heartbeat, watch, allocate, release, drain...).
+    ``Tick()``             time passed: daemons that missed their heartbeats are lost.
+
+Actions (each carrying the id of the event that caused it, ``stimulus``):
+    ``Notify(message)``    tell every watcher (proxies, schedulers): ``ExecutorJoined``, ``ExecutorLost`` when
+                           a host leaves or falls silent (carrying the remaps that loss caused),
+                           ``SliceRemapped`` when a slice's virtual devices move off a draining host or back
+                           onto new capacity, ``SchedulerJoined``/``SchedulerLost``, ``ProxyLost``...
+    ``Reply(message, error)`` the answer to a ``Received`` request (after its notices, which watchers hear
+                           before the requester hears back).
+
+Every event but heartbeats is kept in ``events`` (heartbeats in a row are kept as one entry, the latest of
+each daemon: all a replay needs of them); ``EventLog.timed`` hands them to a fresh core to replay. The
+state can be rebuilt after a restart from what registrants send again (``WatchCluster.slices``).
 """
 
 from __future__ import annotations
 
 import collections
+import copy
 import dataclasses
 import itertools
 
-from pwmesh.core.contract import EventLog, describe
+from pwmesh.core.contract import EventLog, Received, Reply
 from pwmesh.core.liveness import Liveness
-from pwmesh.errors import InvalidArgument, NotFound, ResourceExhausted, Unavailable
+from pwmesh.errors import InvalidArgument, NotFound, PwmeshError, ResourceExhausted, Unavailable
 from pwmesh.rm.placement import DeviceRef, of_kind, place
 from pwmesh.wire.messages import (
     AllocateSlice,
@@ -54,6 +64,44 @@ from pwmesh.wire.messages import (
 
 MAX_REQUESTS_KEPT = 10_000  # requests remembered (made, or given up), the oldest forgotten first
 MAX_RESTORED_ID = 1 << 62  # a restored slice's id and map version: the RM adds 1 to each, and it must stay encodable
+# Requests whose objects the state keeps and changes (an executor's info, a restored slice): logged as copies,
+# so a replay starts from what arrived, not from what it became.
+_KEPT = (RegisterExecutor, RegisterScheduler, WatchCluster)
+
+# ------------------------------------------------------------------ events
+
+
+@dataclasses.dataclass(slots=True)
+class Tick:
+    """Time passed: who missed their heartbeats is lost."""
+
+
+@dataclasses.dataclass(slots=True)
+class Heartbeats:
+    """In the event log: heartbeats in a row, the latest of each daemon ((role, name) -> when). Replayed, they
+    leave liveness as the originals did: a heartbeat changes nothing else, and nothing else came between."""
+
+    latest: dict[tuple[str, str], float]
+
+    def timed(self) -> list[tuple[float, Received]]:
+        return sorted(((now, Received(Heartbeat(role=role, name=name))) for (role, name), now in self.latest.items()),
+                      key=lambda pair: pair[0])
+
+
+Event = Received | Tick
+
+# ----------------------------------------------------------------- actions
+
+
+@dataclasses.dataclass(slots=True)
+class Notify:
+    """Tell every watcher ``message``."""
+
+    message: Message
+    stimulus: str = ""
+
+
+Action = Notify | Reply
 
 
 @dataclasses.dataclass
@@ -67,8 +115,8 @@ class ResourceManagerState:
 
     def __post_init__(self) -> None:
         self.liveness = Liveness(self.heartbeat_timeout_seconds)
-        self.events = EventLog()  # the latest messages handled but heartbeats (``pwmesh debug events``)
-        self.notifications: list[Message] = []
+        self.events = EventLog()  # the latest events handled (``pwmesh debug events``)
+        self.notifications: list[Message] = []  # made while an event is handled: its ``Notify`` actions
         self._physicals: dict[str, tuple[ExecutorInfo, dict[int, PhysicalDevice]]] = {}
         self.known: set[tuple[str, str]] = set()  # (role, name) of every registrant
         # Ever, for the metrics: daemons found silent by role ((role,) keys), executors lost and left.
@@ -82,16 +130,48 @@ class ResourceManagerState:
         self._by_request: collections.OrderedDict[tuple[str, str], int] = collections.OrderedDict()
         self._given_up: collections.OrderedDict[tuple[str, str], None] = collections.OrderedDict()
 
-    def handle(self, message: Message, now: float) -> Message | None:
-        """Apply ``message``; return the answer (and leave notices in ``notifications``)."""
-        if isinstance(message, Heartbeat):  # the bulk of its traffic: not logged, so the log shows the rest
-            return self._handle(message, now)
+    def handle(self, event: Event, now: float) -> list[Action]:
+        """Apply ``event``; return what watchers must be told and, for a request, its answer, in order."""
+        if type(event) is Tick:
+            stimulus = self.events.stimulus("tick")
+            silent = self._expire(now)
+            actions = self._actions(stimulus)
+            if silent:  # a tick that finds everyone alive changes nothing: not logged, so the log shows the rest
+                self.events.record(now, stimulus, event, len(actions))
+            return actions
+        if not isinstance(event, Received):
+            raise TypeError(f"not a resource manager event: {event!r}")
+        message = event.message
+        if type(message) is Heartbeat:  # the bulk of its traffic: the latest of each kept, in one entry
+            stimulus = self.events.stimulus("heartbeat")
+            actions = self._answer(message, now, stimulus)
+            entries = self.events.entries
+            last = entries[-1][2] if entries else None
+            if type(last) is Heartbeats:
+                last.latest.pop((message.role, message.name), None)  # re-inserted: the dict keeps beats in order
+                last.latest[(message.role, message.name)] = now
+            else:
+                self.events.record(now, stimulus, Heartbeats({(message.role, message.name): now}), len(actions))
+            return actions
         stimulus = self.events.stimulus(message.op)
-        before = len(self.notifications)
+        kept = Received(copy.deepcopy(message)) if isinstance(message, _KEPT) else event
+        actions = self._answer(message, now, stimulus)
+        self.events.record(now, stimulus, kept, len(actions))
+        return actions
+
+    def _answer(self, message: Message, now: float, stimulus: str) -> list[Action]:
         try:
-            return self._handle(message, now)
-        finally:
-            self.events.record(now, stimulus, describe(message)[:300], len(self.notifications) - before)
+            reply = Reply(self._handle(message, now), stimulus=stimulus)
+        except PwmeshError as exc:
+            reply = Reply(error=exc, stimulus=stimulus)
+        actions = self._actions(stimulus)
+        actions.append(reply)
+        return actions
+
+    def _actions(self, stimulus: str) -> list[Action]:
+        """The notices made while handling an event, as actions."""
+        notes, self.notifications = self.notifications, []
+        return [Notify(note, stimulus) for note in notes]
 
     def _handle(self, message: Message, now: float) -> Message | None:
         match message:
@@ -220,9 +300,9 @@ class ResourceManagerState:
         holder, address = self.active_proxy or ("", "")
         return ProxyLease(active=holder == name, holder=holder, address=address)
 
-    def expire(self, now: float) -> list[str]:
-        """Mark executors (and schedulers, and the active proxy) that missed their heartbeats as lost; returns
-        the executors' ids."""
+    def _expire(self, now: float) -> list[str]:
+        """Mark executors (and schedulers, and the active proxy) that missed their heartbeats as lost (``Tick``);
+        returns who was silent."""
         silent = self.liveness.expired(now)
         why = f"missed heartbeats for {self.heartbeat_timeout_seconds} seconds"
         for name in [n for n in silent if n.startswith("proxy:")]:
@@ -238,7 +318,7 @@ class ResourceManagerState:
         self.heartbeat_misses[("executor",)] += len(lost)
         for executor_id in lost:
             self._lose(executor_id, why)
-        return lost
+        return silent
 
     def _lose_scheduler(self, name: str, reason: str) -> None:
         self.known.discard(("scheduler", name))
@@ -430,11 +510,6 @@ class ResourceManagerState:
             self.map_version = max(self.map_version, *(s.map_version for s in slices)) + 1
             top = max(self.slices)
             self._slice_ids = itertools.count(max(top + 1, next(self._slice_ids)))
-
-    def take_notifications(self) -> list[Message]:
-        """What watchers must be told since the last call, in order."""
-        out, self.notifications = self.notifications, []
-        return out
 
     def snapshot(self) -> ClusterState:
         return ClusterState(

@@ -1,6 +1,7 @@
-"""``pwmesh-scheduler --island N``: the asyncio shell around ``IslandOrder`` (and, with
-``--collectives``, ``IslandGroup``: it serves the island's JAX group, each forming's
-coordinator a child process of its own)."""
+"""``pwmesh-scheduler --island N``: the asyncio shell around ``SchedulerState`` (``IslandOrder`` and, with
+``--collectives``, ``IslandGroup``: it serves the island's JAX group, each forming's coordinator a child
+process of its own). Messages and ticks become events for the core; its actions become messages, and
+coordinators started and stopped."""
 
 from __future__ import annotations
 
@@ -14,10 +15,12 @@ import sys
 import time
 from typing import Any
 
+from pwmesh.core.contract import Received, Reply, Send
 from pwmesh.core.ratelimit import RejectedLog
 from pwmesh.errors import DeviceLost, PermissionDenied, PwmeshError
-from pwmesh.scheduler.group import AskAgain, Form, Formed, IslandGroup, Joined, Left, Tick
-from pwmesh.scheduler.order import IslandOrder, SendEnqueue
+from pwmesh.scheduler.group import AskAgain, Form, Formed, IslandGroup
+from pwmesh.scheduler.order import IslandOrder
+from pwmesh.scheduler.state import Event, SchedulerState, Tick
 from pwmesh.service.heartbeat import every
 from pwmesh.service.keys import Security, speaks_for
 from pwmesh.service.lifecycle import Service
@@ -86,7 +89,11 @@ class Scheduler(Service):
                              access=Access.of(admin=[GetSchedulerStats, GetEvents]))
         self.order = IslandOrder(self.config.island, policy=self.config.policy, window=self.config.window,
                                  scheduler=self.ctx.advertise(self.server.address))
-        self.event_log = self.order.events
+        self.group = IslandGroup() if self.config.collectives else None
+        self.state = SchedulerState(self.order, self.group)
+        self.event_log = self.state.events
+        self._coordinators: dict[int, asyncio.subprocess.Process] = {}  # forming -> its coordinator
+        self._addresses: dict[int, str] = {}  # forming -> its coordinator's address
         self.server.start()
         self.peers = Connections(self.ctx, tasks=self.tasks, name=self.name, on_message=self._notified)
         rm = self.peers.get(self.config.rm)
@@ -95,19 +102,15 @@ class Scheduler(Service):
         self.rm_beats = Beats(self.peers, self.config.rm, "resource manager", self.config.heartbeat_interval_seconds,
                               self._notified)
         self.tasks.spawn(every(self.config.heartbeat_interval_seconds, self._heartbeat), name="heartbeat")
-        self.group = IslandGroup() if self.config.collectives else None
-        self._held: list[list[SendEnqueue]] = []  # the island's work while its group forms, in order
-        self._controls: dict[str, str] = {}  # executor -> control address (the group's members)
-        self._coordinators: dict[int, asyncio.subprocess.Process] = {}  # forming -> its coordinator
-        self._addresses: dict[int, str] = {}  # forming -> its coordinator's address
         if self.group is not None:
             # Executors that registered before we watched: the notifications after this add to them.
             reply = await rm.request(GetClusterState(), timeout_seconds=self.config.rm_timeout_seconds)
             assert isinstance(reply, ClusterStateReply)
             for info in reply.state.executors:
                 if info.alive and info.island == self.config.island and info.group:
-                    self._controls[info.executor_id] = info.control
-                    self._group(Joined(info.executor_id, info.group_epoch))
+                    self._handle(Received(ExecutorJoined(executor_id=info.executor_id, control=info.control,
+                                                         island=info.island, group=info.group,
+                                                         group_epoch=info.group_epoch)))
             self.tasks.spawn(every(0.25, self._tick), name="group-tick")
 
     def _registration(self) -> RegisterScheduler:
@@ -119,13 +122,8 @@ class Scheduler(Service):
             self.peers.post(self.config.rm, self._registration())
             self.peers.post(self.config.rm, WatchCluster(role=self.role, name=self.name))
         elif isinstance(env.message, ExecutorJoined):
-            joined = env.message
-            self.peers.mark_alive(joined.control)
-            if joined.fresh:  # a new process: it expects the island's order from its first Enqueue on
-                self.order.restart_executor(joined.executor_id)
-            if self.group is not None and joined.island == self.config.island and joined.group:
-                self._controls[joined.executor_id] = joined.control
-                self._group(Joined(joined.executor_id, joined.group_epoch))
+            self.peers.mark_alive(env.message.control)
+            self._handle(Received(env.message))
         elif isinstance(env.message, ExecutorRestarting):
             try:
                 self.peers.fence(env.message.control, Fence(epoch=env.message.epoch))
@@ -134,35 +132,25 @@ class Scheduler(Service):
         elif isinstance(env.message, ExecutorLost):
             lost = env.message
             self.peers.mark_lost(lost.control, DeviceLost(f"executor {lost.executor_id} is gone ({lost.reason})"))
-            self._post(self.order.forget_executor(lost.executor_id))
-            if self.group is not None:
-                self._group(Left(lost.executor_id))
+            self._handle(Received(lost))
 
     async def _heartbeat(self) -> None:
         await self.rm_beats.beat(Heartbeat(role=self.role, name=self.name))
 
-    def _post(self, actions: list[SendEnqueue]) -> None:
-        # Synchronous from sequencing to posting: each executor receives its parts in
-        # island order (and can restore it from ``executor_seq`` regardless).
-        if self.group is not None and (self._held or self.group.holding):
-            if actions:
-                self._held.append(actions)  # posted, in order, once the group has formed
-            return
-        for action in actions:
-            self.peers.post(action.control, action.enqueue)
-
-    # ------------------------------------------------------------ the JAX group
-
-    async def _tick(self) -> None:
-        self._group(Tick())
-
-    def _group(self, event: Joined | Left | Tick) -> None:
-        assert self.group is not None
-        for action in self.group.handle(event, time.monotonic()):
+    def _handle(self, event: Event) -> None:
+        """Hand the core ``event`` and carry out its actions, in order: synchronous from sequencing to
+        posting, so each executor receives its parts in island order (and can restore it from
+        ``executor_seq`` regardless)."""
+        for action in self.state.handle(event, time.monotonic()):
             match action:
+                case Send(to=to, message=message):
+                    self.peers.post(to, message)
+                case Reply(error=error) if error is not None:
+                    raise error
                 case Form(epoch=epoch, members=members):
                     self._form(epoch, members)
                 case AskAgain(epoch=epoch, members=members):
+                    assert self.group is not None
                     log.warning("island %d: %s not in forming %d of the JAX group yet; asking again",
                                 self.config.island, ", ".join(members), epoch)
                     self._ask(epoch, members, self.group.forming or members)
@@ -171,10 +159,11 @@ class Scheduler(Service):
                              ", ".join(members) or "no members")
                     for old in [e for e in self._coordinators if e < epoch]:
                         self.tasks.spawn(self._stop_coordinator(old), name=f"stop-coordinator-{old}")
-                    held, self._held = self._held, []
-                    for actions in held:
-                        for a in actions:
-                            self.peers.post(a.control, a.enqueue)
+
+    # ------------------------------------------------------------ the JAX group
+
+    async def _tick(self) -> None:
+        self._handle(Tick())
 
     def _form(self, epoch: int, members: tuple[str, ...]) -> None:
         # Formings abandoned under way (a member left) stop now: their members fail to join and start over.
@@ -197,7 +186,7 @@ class Scheduler(Service):
         address = address or self._addresses.get(epoch, "")
         self._addresses[epoch] = address
         for member in ask:
-            self.peers.post(self._controls[member], JoinGroup(epoch=epoch, coordinator=address, members=list(members)))
+            self.peers.post(self.state.controls[member], JoinGroup(epoch=epoch, coordinator=address, members=list(members)))
 
     async def _coordinate(self, epoch: int, address: str, processes: int) -> None:
         """Serve forming ``epoch``: its coordinator is a child process until a later forming completes."""
@@ -225,16 +214,15 @@ class Scheduler(Service):
             await proc.wait()
 
     def _schedule(self, peer: bytes, env: Envelope) -> None:
-        run = env.message
-        assert isinstance(run, ScheduleRun)
-        self._post(self.order.submit(run, time.monotonic()))
+        assert isinstance(env.message, ScheduleRun)
+        self._handle(Received(env.message))
 
     def _part_done(self, peer: bytes, env: Envelope) -> None:
         msg = env.message
         assert isinstance(msg, RunPartDone)
         if not speaks_for(env.user, msg.executor_id):
             raise PermissionDenied(f"the daemon key {env.user!r} cannot report {msg.executor_id}'s parts done")
-        self._post(self.order.part_done(msg.run_id, msg.executor_id, msg.device_seconds, time.monotonic()))
+        self._handle(Received(msg))
 
     def _stats(self, peer: bytes, env: Envelope) -> SchedulerStats:
         return SchedulerStats(island=self.config.island, policy=self.order.policy, next_seq=self.order.next_seq,

@@ -51,6 +51,7 @@ class Form:
 
     epoch: int
     members: tuple[str, ...]
+    stimulus: str = ""  # the event that caused it (``SchedulerState`` fills it in)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,6 +61,7 @@ class AskAgain:
 
     epoch: int
     members: tuple[str, ...]
+    stimulus: str = ""  # the event that caused it (``SchedulerState`` fills it in)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,6 +71,7 @@ class Formed:
 
     epoch: int
     members: tuple[str, ...]
+    stimulus: str = ""  # the event that caused it (``SchedulerState`` fills it in)
 
 
 Action = Form | AskAgain | Formed

@@ -1,4 +1,6 @@
-"""The island's single order and the sharing policy that feeds it (no sockets).
+"""The island's single order and the sharing policy that feeds it (no sockets): the ordering part of the
+island scheduler's core (``scheduler/state.py``: ``SchedulerState.handle`` is the entry the daemon and the
+simulator use; this is its policy, as ``rm/placement.py`` is the resource manager's).
 
 Runs wait in one queue per client. Whenever every device a client's next run
 touches has a free slot (at most ``window`` runs in flight per device), the
@@ -28,7 +30,7 @@ import itertools
 import secrets
 from typing import NamedTuple
 
-from pwmesh.core.contract import EventLog
+from pwmesh.core.contract import Send
 from pwmesh.errors import InvalidArgument
 from pwmesh.wire.messages import ClientUsage, Enqueue, ScheduleRun
 from pwmesh.wire.records import MAX_DEVICES
@@ -45,14 +47,6 @@ class OrderEntry(NamedTuple):
     node: int
     executor_id: str
     session: str
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class SendEnqueue:
-    """Action: deliver ``enqueue`` to the executor at ``control``."""
-
-    control: str
-    enqueue: Enqueue
 
 
 @dataclasses.dataclass
@@ -89,7 +83,7 @@ class _InFlight:
 
 class IslandOrder:
     def __init__(self, island: int, *, policy: str = "fair", window: int = 2, scheduler: str = "",
-                 history: int = 10_000) -> None:
+                 history: int = 10_000, epoch: str = "") -> None:
         if policy not in POLICIES:
             raise InvalidArgument(f"unknown policy {policy!r}; choose one of {POLICIES}")
         if window < 1:
@@ -101,7 +95,8 @@ class IslandOrder:
         self.next_seq = 0
         self.history: collections.deque[OrderEntry] = collections.deque(maxlen=history)
         self.max_clients = 256  # idle clients beyond this many are forgotten
-        self.epoch = secrets.token_hex(4)  # this instance: executors restart their count with a new one
+        # This instance: executors restart their count with a new one (given: a replay of its events).
+        self.epoch = epoch or secrets.token_hex(4)
         self.busy: collections.Counter[DeviceKey] = collections.Counter()
         self._executor_seq: collections.Counter[str] = collections.Counter()
         self._clients: dict[str, _Client] = {}
@@ -114,27 +109,16 @@ class IslandOrder:
         # A completion wakes only the best of those its freed slot may let through, not every waiting client.
         self._ready: list[_Entry] = []
         self._blocked: dict[DeviceKey, list[_Entry]] = {}
-        self.events = EventLog()  # the latest runs submitted and parts done
+        self._stimulus = ""  # the event being handled: the Sends it causes carry its id
 
     # ---------------------------------------------------------------- events
+    #
+    # Each returns the Enqueues released, as ``Send`` actions carrying ``stimulus`` (the id of the event
+    # ``SchedulerState`` is handling).
 
-    def submit(self, run: ScheduleRun, now: float = 0.0) -> list[SendEnqueue]:
-        """Queue a run for its client, then release whatever now fits (logged: ``pwmesh debug events``)."""
-        stimulus = self.events.stimulus("schedule")
-        sends = self._submit(run)
-        self.events.record(now, stimulus, f"ScheduleRun(run_id={run.run_id!r}, session={run.session!r}, "
-                                          f"parts={len(run.parts)})", len(sends))
-        return sends
-
-    def part_done(self, run_id: str, executor_id: str, device_seconds: float, now: float = 0.0) -> list[SendEnqueue]:
-        """An executor finished its part of a run (logged)."""
-        stimulus = self.events.stimulus("part-done")
-        sends = self._part_done(run_id, executor_id, device_seconds)
-        self.events.record(now, stimulus, f"RunPartDone(run_id={run_id!r}, executor_id={executor_id!r})", len(sends))
-        return sends
-
-    def _submit(self, run: ScheduleRun) -> list[SendEnqueue]:
+    def submit(self, run: ScheduleRun, stimulus: str = "") -> list[Send]:
         """Queue a run for its client, then release whatever now fits."""
+        self._stimulus = stimulus
         client = self._clients.get(run.session)
         if client is None:
             client = self._clients[run.session] = _Client(run.session, run.weight, run.priority,
@@ -156,8 +140,9 @@ class IslandOrder:
             self._place(client)
         return self._release()
 
-    def _part_done(self, run_id: str, executor_id: str, device_seconds: float) -> list[SendEnqueue]:
+    def part_done(self, run_id: str, executor_id: str, device_seconds: float, stimulus: str = "") -> list[Send]:
         """An executor finished its part of a run: free its slots, charge the client."""
+        self._stimulus = stimulus
         flight = self._in_flight.get(run_id)
         if flight is None or executor_id not in flight.parts:
             return []
@@ -223,14 +208,14 @@ class IslandOrder:
         if not blocked:
             self._blocked.pop(key, None)
 
-    def _release(self) -> list[SendEnqueue]:
+    def _release(self) -> list[Send]:
         """Release head runs in policy order while any fits (work-conserving)."""
         if self.policy == "fifo":
             return self._release_fifo()
         # Fair: pop waiting clients in key order; a head that does not fit waits on a device that blocks
         # it (slots only fill during a pass, so it would not fit later in it either) until a slot there
         # frees. The first head that fits is the one a sort of every waiting client would release.
-        actions: list[SendEnqueue] = []
+        actions: list[Send] = []
         ready = self._ready
         while ready:
             entry = heapq.heappop(ready)
@@ -247,9 +232,9 @@ class IslandOrder:
                 self._wake(woken_by)  # its slot may still be free: the next best there may use it
         return actions
 
-    def _release_fifo(self) -> list[SendEnqueue]:
+    def _release_fifo(self) -> list[Send]:
         """Oldest head first, and nothing overtakes a head that does not fit."""
-        actions: list[SendEnqueue] = []
+        actions: list[Send] = []
         heap = [(self._key(c), c.order, c) for c in self._clients.values() if c.queue]
         heapq.heapify(heap)
         while heap:
@@ -261,7 +246,7 @@ class IslandOrder:
                 heapq.heappush(heap, (self._key(client), order, client))
         return actions
 
-    def _sequence(self, client: _Client, pending: _Pending) -> list[SendEnqueue]:
+    def _sequence(self, client: _Client, pending: _Pending) -> list[Send]:
         run = pending.run
         parts: dict[str, list[DeviceKey]] = {}
         actions = []
@@ -273,10 +258,10 @@ class IslandOrder:
                 record(OrderEntry(s, run_id, node, part.executor_id, session))
             seq += len(seqs)
             ex = part.executor_id
-            actions.append(SendEnqueue(part.control, Enqueue(
+            actions.append(Send(part.control, Enqueue(
                 run_id=run_id, proxy=run.proxy, nodes=part.nodes, computations=part.computations, seqs=seqs,
                 names=part.names,
-                scheduler=self.scheduler, executor_seq=self._executor_seq[ex], epoch=self.epoch)))
+                scheduler=self.scheduler, executor_seq=self._executor_seq[ex], epoch=self.epoch), self._stimulus))
             self._executor_seq[ex] += 1
         self.next_seq = seq
         for key in pending.footprint:
@@ -287,12 +272,12 @@ class IslandOrder:
         client.runs += 1
         return actions
 
-    def forget_executor(self, executor_id: str) -> list[SendEnqueue]:
+    def forget_executor(self, executor_id: str, stimulus: str = "") -> list[Send]:
         """An executor is gone: its parts will never report; free their slots."""
-        actions: list[SendEnqueue] = []
+        actions: list[Send] = []
         for run_id, flight in list(self._in_flight.items()):
             if executor_id in flight.parts:
-                actions.extend(self.part_done(run_id, executor_id, 0.0))
+                actions.extend(self.part_done(run_id, executor_id, 0.0, stimulus))
         return actions
 
     def restart_executor(self, executor_id: str) -> None:

@@ -19,10 +19,12 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from pwmesh.core.contract import Received
 from pwmesh.errors import InvalidArgument
 from pwmesh.proxy.state import ProxyState
 from pwmesh.rm.state import ResourceManagerState
 from pwmesh.scheduler.order import IslandOrder
+from pwmesh.scheduler.state import SchedulerState
 from pwmesh.sim.client import Script, SimClient
 from pwmesh.sim.clock import Clock
 from pwmesh.sim.controller import SimResourceManager, SimScheduler
@@ -80,10 +82,11 @@ class SimCluster:
         for island in range(config.islands):
             address = f"sim://scheduler-{island}"
             order = IslandOrder(island, policy=config.policy, window=config.window, scheduler=address)
-            self.schedulers.append(SimScheduler(address, self.clock, self.network, order,
+            self.schedulers.append(SimScheduler(address, self.clock, self.network, SchedulerState(order),
                                                 service_seconds=config.scheduler_service_seconds, **node))
-            self.rm.core(self.rm.state.handle, RegisterScheduler(info=SchedulerInfo(
-                island=island, address=address, name=f"scheduler-{island}")), 0.0)
+            # Nobody watches yet: the registrations' notices go nowhere.
+            self.rm.core(self.rm.state.handle, Received(RegisterScheduler(info=SchedulerInfo(
+                island=island, address=address, name=f"scheduler-{island}"))), 0.0)
         self.executors: list[SimExecutor] = []
         by_data: dict[str, SimExecutor] = {}
         for island in range(config.islands):
@@ -94,11 +97,10 @@ class SimCluster:
                                  cost=config.cost, peers=by_data, keep_spans=config.keep_spans)
                 by_data[data] = ex
                 self.executors.append(ex)
-                self.rm.core(self.rm.state.handle, RegisterExecutor(info=ExecutorInfo(
+                self.rm.core(self.rm.state.handle, Received(RegisterExecutor(info=ExecutorInfo(
                     executor_id=name, island=island, host=name, control=control, data=data,
                     devices=[DeviceInfo(index=i, kind="sim", platform="cpu") for i in range(config.devices_per_host)],
-                    group=f"island-{island}" if config.collectives else "")), 0.0)
-        self.rm.core(self.rm.state.take_notifications)  # nobody watches yet
+                    group=f"island-{island}" if config.collectives else ""))), 0.0)
         self.proxy = SimProxy(PROXY, self.clock, self.network, ProxyState(
             rm=RM, address=PROXY, session_timeout_seconds=config.session_timeout_seconds), RM,
                               service_seconds=config.proxy_service_seconds, **node)

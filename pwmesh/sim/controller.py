@@ -2,8 +2,9 @@
 
 Each shell does what its asyncio daemon does with a message — and nothing more — so
 the core is what the simulation measures: ``SimResourceManager`` wraps
-``rm.state.ResourceManagerState``, ``SimScheduler`` wraps ``scheduler.order.IslandOrder``
-(one per island); the proxy's is ``sim.proxy``. Every call into a core is timed
+``rm.state.ResourceManagerState``, ``SimScheduler`` wraps ``scheduler.state.SchedulerState``
+(one per island), each through its one entry, ``handle(event, now) -> actions``; the proxy's is
+``sim.proxy``. Every call into a core is timed
 (``Node.core``: real CPU seconds), which is where a single controller would saturate.
 """
 
@@ -11,9 +12,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from pwmesh.core.contract import Received, Reply, Send
 from pwmesh.errors import PwmeshError
-from pwmesh.rm.state import ResourceManagerState
-from pwmesh.scheduler.order import IslandOrder, SendEnqueue
+from pwmesh.rm.state import Notify, ResourceManagerState
+from pwmesh.scheduler.state import SchedulerState
 from pwmesh.sim.clock import Clock
 from pwmesh.sim.network import Network
 from pwmesh.sim.node import Node
@@ -46,47 +48,39 @@ class SimResourceManager(Node):
     def handle(self, env: Envelope) -> None:
         if isinstance(env.message, WatchCluster) and env.sender not in self.watchers:
             self.watchers.append(env.sender)
-        try:
-            reply = self.core(self.state.handle, env.message, self.clock.now)
-        except PwmeshError as exc:
-            reply = error_message(exc)
-        self.notify()
-        if reply is not None:
-            self.post(env.sender, reply, reply_to=env.msg_id)
-
-    def notify(self) -> None:
-        for note in self.core(self.state.take_notifications):
-            for watcher in self.watchers:
-                self.post(watcher, note)
+        for action in self.core(self.state.handle, Received(env.message), self.clock.now):
+            if isinstance(action, Notify):
+                for watcher in self.watchers:
+                    self.post(watcher, action.message)
+            elif action.error is not None:
+                self.post(env.sender, error_message(action.error), reply_to=env.msg_id)
+            elif action.message is not None:
+                self.post(env.sender, action.message, reply_to=env.msg_id)
 
 
 class SimScheduler(Node):
-    """An island scheduler's shell: ``ScheduleRun`` and ``RunPartDone`` into ``IslandOrder``, ``Enqueue`` out."""
+    """An island scheduler's shell: ``ScheduleRun``, ``RunPartDone`` and the RM's ``ExecutorLost`` into
+    ``SchedulerState``, ``Enqueue`` out."""
 
-    def __init__(self, address: str, clock: Clock, network: Network, order: IslandOrder, **node: Any) -> None:
+    def __init__(self, address: str, clock: Clock, network: Network, state: SchedulerState, **node: Any) -> None:
         super().__init__(address, clock, network, **node)
-        self.order = order
+        self.state = state
+        self.order = state.order
         self.decisions = 0  # runs released into the island's order
         self.enqueues = 0
 
     def handle(self, env: Envelope) -> None:
         msg = env.message
-        try:
-            if isinstance(msg, ScheduleRun):
-                actions = self.core(self.order.submit, msg)
-            elif isinstance(msg, RunPartDone):
-                actions = self.core(self.order.part_done, msg.run_id, msg.executor_id, msg.device_seconds)
-            elif isinstance(msg, ExecutorLost):
-                actions = self.core(self.order.forget_executor, msg.executor_id)
-            else:
-                return  # the RM's other news concerns the JAX group, which the simulator has none of
-        except PwmeshError as exc:
-            self.post(env.sender, error_message(exc), reply_to=env.msg_id)
-            return
-        self._post(actions)
-
-    def _post(self, actions: list[SendEnqueue]) -> None:
-        self.decisions += len({a.enqueue.run_id for a in actions})
-        self.enqueues += len(actions)
+        if not isinstance(msg, ScheduleRun | RunPartDone | ExecutorLost):
+            return  # the RM's other news concerns the JAX group, which the simulator has none of
+        actions = self.core(self.state.handle, Received(msg), self.clock.now)
+        runs = set()
         for action in actions:
-            self.post(action.control, action.enqueue)
+            if isinstance(action, Reply):
+                if action.error is not None:
+                    self.post(env.sender, error_message(action.error), reply_to=env.msg_id)
+            elif isinstance(action, Send):
+                runs.add(getattr(action.message, "run_id", ""))
+                self.enqueues += 1
+                self.post(action.to, action.message)
+        self.decisions += len(runs)

@@ -1,4 +1,5 @@
-"""An island's order (``IslandOrder``) driven in a closed loop, with no executors and no clocks.
+"""An island's order (``IslandOrder``, in the scheduler's core ``SchedulerState``) driven in a closed loop,
+with no executors and no clocks.
 
 The sharing policies are promises about the long run ("each client gets device time in
 proportion to its weight", "fifo ignores weights"), which only a loop that keeps every
@@ -12,9 +13,11 @@ from __future__ import annotations
 import collections
 from collections.abc import Callable, Iterable, Mapping
 
+from pwmesh.core.contract import Received, Send
 from pwmesh.errors import InvalidArgument
-from pwmesh.scheduler.order import IslandOrder, SendEnqueue
-from pwmesh.wire.messages import Computation, ScheduleRun, ShardRun
+from pwmesh.scheduler.order import IslandOrder
+from pwmesh.scheduler.state import Action, SchedulerState
+from pwmesh.wire.messages import Computation, Enqueue, RunPartDone, ScheduleRun, ShardRun
 from pwmesh.wire.parts import run_parts
 
 MakeRun = Callable[[str, str, float, int], ScheduleRun]  # (run_id, session, weight, priority) -> the run
@@ -56,8 +59,12 @@ def saturate(order: IslandOrder, clients: Mapping[str, tuple[float, int]], steps
     executor_of: dict[str, dict[str, str]] = {}  # run id -> control address -> executor id
     in_flight: collections.deque[tuple[str, str]] = collections.deque()  # (run id, executor id), oldest first
 
-    def send(actions: list[SendEnqueue]) -> None:
-        in_flight.extend((a.enqueue.run_id, executor_of[a.enqueue.run_id][a.control]) for a in actions)
+    core = SchedulerState(order)  # driven as the daemon drives it
+
+    def send(actions: list[Action]) -> None:
+        for a in actions:
+            assert isinstance(a, Send) and isinstance(a.message, Enqueue), a
+            in_flight.append((a.message.run_id, executor_of[a.message.run_id][a.to]))
 
     def submit(session: str) -> None:
         weight, priority = clients[session]
@@ -66,7 +73,7 @@ def saturate(order: IslandOrder, clients: Mapping[str, tuple[float, int]], steps
         session_of[run.run_id] = session
         parts_left[run.run_id] = len(run.parts)
         executor_of[run.run_id] = {p.control: p.executor_id for p in run.parts}
-        send(order.submit(run))
+        send(core.handle(Received(run), 0.0))
 
     for session in clients:
         for _ in range(backlog):
@@ -82,6 +89,6 @@ def saturate(order: IslandOrder, clients: Mapping[str, tuple[float, int]], steps
         if not parts_left[run_id]:
             del parts_left[run_id], session_of[run_id], executor_of[run_id]
             submit(session)  # every client always has work waiting
-        send(order.part_done(run_id, executor, cost))
+        send(core.handle(Received(RunPartDone(run_id=run_id, executor_id=executor, device_seconds=cost)), 0.0))
     total = sum(used.values())
     return {s: used[s] / total if total else 0.0 for s in clients}

@@ -1,0 +1,128 @@
+"""The island scheduler's core, with no sockets: ``SchedulerState.handle(event, now) -> actions``.
+
+It joins the island's order (``order.py``: ``IslandOrder``, the sharing policy and the sequencing) and,
+on an island of ``--collectives`` executors, its JAX group (``group.py``: ``IslandGroup``): while a
+forming of the group is under way or due, the Enqueues the order releases are held, in order, and leave
+right after the forming completes. The daemon (``scheduler/daemon.py``) and the simulator
+(``sim/controller.py``) drive this same core.
+
+Events:
+    ``Received(message)``  ``ScheduleRun`` from a proxy, ``RunPartDone`` from an executor, and the resource
+                           manager's notices ``ExecutorJoined`` and ``ExecutorLost`` (the shell does what
+                           concerns its connections itself: marking a peer alive or lost, fences).
+    ``Tick()``             time passed: a settled membership may start a forming of the group.
+
+Actions (each carrying the id of the event that caused it, ``stimulus``):
+    ``Send(control, Enqueue)`` an executor's part of a released run, in the island's order.
+    ``Reply(error=...)``   a message refused (a run naming devices that cannot be): the sender is told.
+    ``Form``, ``AskAgain``, ``Formed`` (``group.py``) start a forming of the JAX group (a coordinator, then
+                           ``JoinGroup`` to each member at ``controls``), ask its slow members again, and
+                           stop the coordinators of older formings (the held Enqueues follow ``Formed``).
+
+Every event is kept in ``events`` (``pwmesh debug events scheduler-N``) but a ``Tick`` that caused nothing
+(it changed nothing) and the payload of a large run (logged as a line); ``EventLog.timed`` hands them to a
+fresh core built with the same ``epoch`` to replay.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from pwmesh.core.contract import EventLog, Received, Reply, Send
+from pwmesh.errors import PwmeshError
+from pwmesh.scheduler.group import AskAgain, Form, Formed, IslandGroup, Joined, Left
+from pwmesh.scheduler.group import Tick as GroupTick
+from pwmesh.scheduler.order import IslandOrder
+from pwmesh.wire.messages import ExecutorJoined, ExecutorLost, RunPartDone, ScheduleRun
+
+MAX_LOGGED_RUN_BYTES = 64 << 10  # a larger ScheduleRun is logged as a line, not kept (the log keeps 2,000 events)
+
+# ------------------------------------------------------------------ events
+
+
+@dataclasses.dataclass(slots=True)
+class Tick:
+    """Time passed (the island's JAX group waits for a membership to settle, and asks slow members again)."""
+
+
+Event = Received | Tick
+Action = Send | Reply | Form | AskAgain | Formed
+
+_KINDS = {ScheduleRun: "schedule", RunPartDone: "part-done", ExecutorJoined: "joined", ExecutorLost: "lost"}
+
+
+class SchedulerState:
+    def __init__(self, order: IslandOrder, group: IslandGroup | None = None) -> None:
+        self.order = order
+        self.group = group  # None: the island's executors form no JAX group
+        self.controls: dict[str, str] = {}  # the group's members: executor -> control address
+        self.events = EventLog()
+        self._held: list[Send] = []  # the island's work while its group forms, in order
+
+    @property
+    def island(self) -> int:
+        return self.order.island
+
+    def handle(self, event: Event, now: float) -> list[Action]:
+        """Apply ``event``; return what must happen because of it, in order."""
+        actions: list[Action] = []
+        if type(event) is Tick:
+            if self.group is None:
+                return []
+            stimulus = self.events.stimulus("tick")
+            actions = self._group(self.group.handle(GroupTick(), now), stimulus)
+            if actions:  # a tick that caused nothing changed nothing: not logged, so the log shows the rest
+                self.events.record(now, stimulus, event, len(actions))
+            return actions
+        if not isinstance(event, Received):
+            raise TypeError(f"not a scheduler event: {event!r}")
+        message = event.message
+        stimulus = self.events.stimulus(_KINDS.get(type(message), message.op))
+        try:
+            match message:
+                case RunPartDone(run_id=run_id, executor_id=executor_id, device_seconds=seconds):
+                    actions = self._release(self.order.part_done(run_id, executor_id, seconds, stimulus))
+                case ScheduleRun():
+                    actions = self._release(self.order.submit(message, stimulus))
+                case ExecutorJoined(executor_id=executor_id, control=control, island=island, group=group,
+                                    group_epoch=epoch, fresh=fresh):
+                    if fresh:  # a new process: it expects the island's order from its first Enqueue on
+                        self.order.restart_executor(executor_id)
+                    if self.group is not None and island == self.island and group:
+                        self.controls[executor_id] = control
+                        actions = self._group(self.group.handle(Joined(executor_id, epoch), now), stimulus)
+                case ExecutorLost(executor_id=executor_id):
+                    actions = self._release(self.order.forget_executor(executor_id, stimulus))
+                    if self.group is not None:
+                        actions += self._group(self.group.handle(Left(executor_id), now), stimulus)
+                case _:
+                    raise TypeError(f"the scheduler's core does not handle {message.op}")
+        except PwmeshError as exc:  # refused (a run naming devices that cannot be): nothing changed
+            actions = [Reply(error=exc, stimulus=stimulus)]
+        finally:
+            self.events.record(now, stimulus, self._kept(event), len(actions))
+        return actions
+
+    def _kept(self, event: Received) -> Received | str:
+        """What the log keeps of ``event``: itself, but a line for a large run (2,000 kept would hold gigabytes)."""
+        run = event.message
+        if isinstance(run, ScheduleRun) and sum(len(p.computations) for p in run.parts) > MAX_LOGGED_RUN_BYTES:
+            return f"Received(message=ScheduleRun(run_id={run.run_id!r}, session={run.session!r}, " \
+                   f"parts={len(run.parts)}), payload not kept)"
+        return event
+
+    def _release(self, sends: list[Send]) -> list[Action]:
+        """The order's Enqueues: now, or held (in order) while the island's JAX group forms."""
+        if self.group is not None and (self._held or self.group.holding):
+            self._held.extend(sends)  # sent, in order, once the group has formed
+            return []
+        return list(sends)
+
+    def _group(self, group_actions: list[Form | AskAgain | Formed], stimulus: str) -> list[Action]:
+        actions: list[Action] = []
+        for action in group_actions:
+            actions.append(dataclasses.replace(action, stimulus=stimulus))
+            if isinstance(action, Formed):
+                actions.extend(self._held)
+                self._held = []
+        return actions
