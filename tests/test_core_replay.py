@@ -281,3 +281,39 @@ def test_an_event_log_refuses_to_replay_a_line() -> None:
     with pytest.raises(ValueError, match="a line"):
         replay(lambda event, now: [], log.timed())
     assert replay(lambda event, now: [Ok()], [(0.0, object())]) == [[Ok()]]
+
+
+# ------------------------------------------------------------------ from a real daemon's dump
+
+
+@pytest.mark.timeout(120)
+def test_a_resource_managers_dumped_events_replay_into_the_cluster_it_holds(tmp_path: Any) -> None:
+    """``pwmesh debug events rm --raw FILE`` on a real cluster: the events, replayed into a fresh core,
+    rebuild the map the running resource manager answers with (executors, slices and their owners)."""
+    import numpy as np  # noqa: PLC0415
+
+    import pwmesh as pw  # noqa: PLC0415
+    from pwmesh.cli.commands import debug_events, fetch_status, load_events  # noqa: PLC0415
+    from pwmesh.core.contract import recorded  # noqa: PLC0415
+
+    spec = pw.LocalClusterSpec(islands=1, hosts_per_island=2, devices_per_host=1, heartbeat_timeout_seconds=5.0)
+    with pw.LocalCluster(spec) as cluster, pw.Client(cluster.address) as client:
+        devs = client.make_virtual_device_set()
+        kept, dropped = devs.add_slice(devices=2), devs.add_slice(devices=1)
+        assert float(np.asarray(pw.pmap(lambda x: x + 1.0, devices=kept)(np.zeros((2, 1), np.float32))).sum()) == 2.0
+        del dropped
+        live = fetch_status(cluster.address).cluster
+        path = tmp_path / "rm-events.msgpack"
+        debug_events(cluster.address, "rm", 0, raw=str(path))
+    events = recorded(load_events(str(path)), kinds=[Tick])
+    assert any(isinstance(e, Received) and isinstance(e.message, RegisterExecutor) for _, e in events)
+    fresh = ResourceManagerState(heartbeat_timeout_seconds=5.0,
+                                 first_slice_id=min(s.slice_id for s in live.slices))
+    replay(fresh.handle, events)
+    again = fresh.snapshot()
+
+    def held(state: Any) -> Any:
+        return (sorted((e.executor_id, e.alive) for e in state.executors),
+                sorted((s.slice_id, s.owner, [d.executor_id for d in s.devices]) for s in state.slices))
+
+    assert held(again) == held(live)

@@ -12,7 +12,10 @@ import sys
 import threading
 import time
 import traceback
+from pathlib import Path
 from typing import Any
+
+import msgpack
 
 import pwmesh as pw
 from pwmesh.client.connection import ClientConnection
@@ -27,6 +30,7 @@ from pwmesh.wire.messages import (
     GetEvents,
     GetStatus,
     HostDrained,
+    RecordedEvent,
     StatusReply,
     TraceEvent,
 )
@@ -116,9 +120,11 @@ def fetch_status(address: str, connect_timeout_seconds: float = 10.0, *, keys: s
     return reply
 
 
-def debug_events(address: str, target: str, limit: int, *, connect_timeout_seconds: float = 10.0) -> str:
+def debug_events(address: str, target: str, limit: int, *, connect_timeout_seconds: float = 10.0,
+                 raw: str = "") -> str:
     """The latest events a daemon's core handled (``GetEvents``), one line each: ``target`` is ``proxy``,
-    ``rm``, ``scheduler-N`` (island N's), an executor id as ``pwmesh status`` shows it, or an address."""
+    ``rm``, ``scheduler-N`` (island N's), an executor id as ``pwmesh status`` shows it, or an address.
+    ``raw``: also write the events themselves to that file (``load_events`` reads it back, to replay)."""
     where = target
     if "://" not in target:
         status = fetch_status(address, connect_timeout_seconds)
@@ -132,14 +138,25 @@ def debug_events(address: str, target: str, limit: int, *, connect_timeout_secon
     conn = ClientConnection(where, name="debug", open_session=False, probe=True,
                             connect_timeout_seconds=connect_timeout_seconds)
     try:
-        reply = conn.request(GetEvents(limit=limit), timeout_seconds=30.0)
+        reply = conn.request(GetEvents(limit=limit, raw=bool(raw)), timeout_seconds=30.0)
     finally:
         conn.close()
     assert isinstance(reply, EventLines)
+    if raw:
+        Path(raw).write_bytes(msgpack.packb([e.to_wire() for e in reply.recorded]))
     if not reply.lines:
         return f"{reply.daemon} ({where}) keeps no events yet"
     return "\n".join([f"# {reply.daemon} at {where}: its latest {len(reply.lines)} events (time, stimulus id, "
                       "event -> how many actions it caused)", *reply.lines])
+
+
+def load_events(path: str) -> list[RecordedEvent]:
+    """The events ``debug_events(..., raw=path)`` wrote (``pwmesh.core.contract.recorded`` makes them
+    replayable)."""
+    data = msgpack.unpackb(Path(path).read_bytes())
+    if not isinstance(data, list):
+        raise pw.InvalidArgument(f"{path} holds no recorded events")
+    return [RecordedEvent.from_wire(e, f"event {i}") for i, e in enumerate(data)]
 
 
 def drain(address: str, host: str, timeout_seconds: float, *, connect_timeout_seconds: float = 10.0) -> str:

@@ -176,7 +176,10 @@ def debug() -> None:
 @click.argument("daemon")
 @click.option("--limit", type=click.IntRange(min=0), default=100, show_default=True,
               help="The newest this many events (0: all it keeps, up to 2,000).")
-def debug_events(address: str | None, connect_timeout: float, daemon: str, limit: int) -> None:
+@click.option("--raw", type=click.Path(dir_okay=False, writable=True), default="",
+              help="Also write the events themselves to this file, to replay them into a fresh core in a test "
+              "(pwmesh.cli.commands.load_events, pwmesh.core.contract.replay).")
+def debug_events(address: str | None, connect_timeout: float, daemon: str, limit: int, raw: str) -> None:
     """Print the latest events DAEMON's core handled: time, stimulus id, event, and how many actions it caused.
 
     DAEMON is `proxy`, `rm`, `scheduler-N` (island N's), an executor id as `pwmesh status` shows it, or an
@@ -185,7 +188,7 @@ def debug_events(address: str | None, connect_timeout: float, daemon: str, limit
     """
     from pwmesh.cli import commands  # noqa: PLC0415
 
-    click.echo(commands.debug_events(_need(address), daemon, limit, connect_timeout_seconds=connect_timeout))
+    click.echo(commands.debug_events(_need(address), daemon, limit, connect_timeout_seconds=connect_timeout, raw=raw))
 
 
 @main.command()

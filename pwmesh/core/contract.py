@@ -4,7 +4,8 @@ Every event a core handles gets a *stimulus id*: ``"<kind>-<n>"``, numbered per 
 returns carry that id (``Send.stimulus``), and the core records the event, its id and what it caused in
 an ``EventLog``: a bounded ring of the latest events, cheap enough to keep always on (a tuple each), so
 that when a daemon misbehaves its last events can be dumped (``pwmesh debug events``) and replayed in a
-test against a fresh core (``EventLog.timed``, ``replay``).
+test against a fresh core (``EventLog.timed``, ``replay``). A daemon dumps them replayable too
+(``GetEvents(raw=True)``: ``record``, then ``recorded`` on the other side; ``pwmesh debug events --raw``).
 
 The actions every core may return: ``Send`` (post a message to a daemon), ``Reply`` (answer the request
 being handled) and ``Timer`` (hand the core an event later). A core adds its own where its shell must do
@@ -20,7 +21,8 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from pwmesh.errors import PwmeshError
-from pwmesh.wire import Message
+from pwmesh.wire import Message, codec
+from pwmesh.wire.messages import RecordedEvent
 
 EVENT_LOG_LENGTH = 2_000  # events kept per core
 
@@ -125,6 +127,32 @@ class EventLog:
             expand = getattr(event, "expand", None)
             out.extend((now, e) for e in (expand() if expand is not None else [event]))
         return out
+
+
+def record(now: float, event: Any) -> RecordedEvent:
+    """``event`` (of ``EventLog.timed``) as it travels (``GetEvents(raw=True)``): a ``Received`` as its
+    message's frames, an event with no fields by its class name, anything else as its line only."""
+    if isinstance(event, Received):
+        return RecordedEvent(time=now, kind="Received",
+                             frames=[bytes(f) for f in codec.encode(event.message, msg_id=0)])
+    if dataclasses.is_dataclass(event) and not dataclasses.fields(event):
+        return RecordedEvent(time=now, kind=type(event).__name__)
+    return RecordedEvent(time=now, kind="line", line=event if isinstance(event, str) else describe(event))
+
+
+def recorded(events: Iterable[RecordedEvent], kinds: Iterable[type]) -> list[tuple[float, Any]]:
+    """The (time, event) pairs ``record`` made, for ``replay``: ``kinds`` are the core's own field-less
+    events (its ``Tick``); an event that was kept only as a line stays a line (``replay`` refuses it)."""
+    by_name = {k.__name__: k for k in kinds}
+    out: list[tuple[float, Any]] = []
+    for ev in events:
+        if ev.kind == "Received":
+            out.append((ev.time, Received(codec.decode(ev.frames).message)))
+        elif ev.kind in by_name:
+            out.append((ev.time, by_name[ev.kind]()))
+        else:
+            out.append((ev.time, ev.line or ev.kind))
+    return out
 
 
 def replay(handle: Callable[[Any, float], list[Any]], events: Iterable[tuple[float, Any]]) -> list[list[Any]]:

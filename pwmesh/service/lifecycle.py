@@ -25,7 +25,7 @@ import time
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
-from pwmesh.core.contract import EventLog
+from pwmesh.core.contract import EventLog, record
 from pwmesh.errors import PwTimeoutError
 from pwmesh.service.keys import Security
 from pwmesh.service.tasks import TaskGroup
@@ -98,7 +98,11 @@ class Service:
         assert isinstance(msg, GetEvents)
         if self.event_log is None:
             return EventLines(daemon=self.name, lines=[])
-        return EventLines(daemon=self.name, lines=self.event_log.lines(msg.limit))
+        recorded = []
+        if msg.raw:
+            timed = self.event_log.timed()
+            recorded = [record(now, event) for now, event in (timed[-msg.limit:] if msg.limit > 0 else timed)]
+        return EventLines(daemon=self.name, lines=self.event_log.lines(msg.limit), recorded=recorded)
 
     def ping(self, peer: bytes, env: Envelope) -> Pong:
         """Every daemon answers ``Ping`` with who it is and its lifecycle status."""

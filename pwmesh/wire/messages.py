@@ -629,12 +629,25 @@ class GetEvents(Message, op="debug.get_events"):
     ``pwmesh debug events``."""
 
     limit: int = 0
+    raw: bool = False  # also the events themselves (``EventLines.recorded``), to replay in a test
+
+
+@record
+class RecordedEvent(Record):
+    """One event of a core's log, replayable: a message it received, as its wire frames; or an event of
+    the core's own with no fields (``kind``: its class name, e.g. ``Tick``); else only its ``line``."""
+
+    time: float
+    kind: str
+    frames: list[bytes] = dataclasses.field(default_factory=list)
+    line: str = ""
 
 
 @record
 class EventLines(Message, op="debug.events"):
     daemon: str
     lines: list[str]
+    recorded: list[RecordedEvent] = dataclasses.field(default_factory=list)  # asked ``raw``
 
 
 @record
