@@ -25,11 +25,12 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import jax
+from jax.sharding import AbstractMesh
 
-from pwmesh.client import capture, dispatch
+from pwmesh.client import dispatch
 from pwmesh.client.array import Array
 from pwmesh.client.devices import Slice, VirtualDevice, slice_of
-from pwmesh.client.export import ExportedFunction, export_jit, export_pmap
+from pwmesh.client.export import ExportedFunction, TracedFunction, export_jit, export_pmap, trace_jit
 from pwmesh.client.sharding import P, SliceSharding, abstract_mesh, default_spec, is_spec_leaf, resolve
 from pwmesh.client.tracing import Call, ProgramCache, Symbol, current_builder, leaf_aval, split_static, with_static
 from pwmesh.errors import InvalidArgument
@@ -70,9 +71,27 @@ def _both_ways(fn: Callable[..., Any], nums_given: int | Iterable[int] | None,
 # Exports by function, shared by every wrapper of it with the same calling convention on a slice of the same
 # mesh (``jax.jit(f)(x)`` in a loop makes a new wrapper each time, and finds its compiled function in JAX's
 # cache): function -> (mesh, axes, platforms, convention) -> (exports, closed-over arrays) by call signature.
-_SHARED: weakref.WeakKeyDictionary[Callable[..., Any], dict[tuple[Any, ...], tuple[dict[Any, Any], dict[Any, Any]]]] = \
-    weakref.WeakKeyDictionary()
+_SHARED: weakref.WeakKeyDictionary[Callable[..., Any], dict[tuple[Any, ...], _Caches]] = weakref.WeakKeyDictionary()
 _shared_lock = threading.Lock()
+
+
+def _abstract(leaf: Any) -> jax.ShapeDtypeStruct:
+    """A leaf's abstract value, a tracer's included (weak types kept)."""
+    if isinstance(leaf, jax.core.Tracer):
+        aval = jax.typeof(leaf)
+        return jax.ShapeDtypeStruct(aval.shape, aval.dtype, weak_type=aval.weak_type)
+    return leaf_aval(leaf)
+
+
+class _Caches:
+    """What every wrapper of one function with one calling convention on one mesh shares."""
+
+    __slots__ = ("exports", "captured", "traces")
+
+    def __init__(self) -> None:
+        self.exports: dict[tuple[Any, ...], ExportedFunction] = {}
+        self.captured: dict[tuple[Any, ...], list[Array]] = {}  # by export key: the pw.Arrays it closes over
+        self.traces: dict[tuple[Any, ...], TracedFunction] = {}  # by (mesh, static, in_tree, avals)
 
 
 class _Compiled:
@@ -84,11 +103,14 @@ class _Compiled:
         self.__name__ = getattr(fn, "__name__", "fn")
         self.__doc__ = getattr(fn, "__doc__", None)
         self._lock = threading.Lock()
-        self._exports: dict[tuple[Any, ...], ExportedFunction] = {}
-        self._captured: dict[tuple[Any, ...], list[Array]] = {}  # by export key: the pw.Arrays it closes over
+        self._caches = _Caches()
         self.eager = ProgramCache(self._one_call)
         self.static_argnums: tuple[int, ...] = ()
         self.static_argnames: tuple[str, ...] = ()
+
+    @property
+    def _exports(self) -> dict[tuple[Any, ...], ExportedFunction]:
+        return self._caches.exports
 
     @property
     def num_devices(self) -> int:
@@ -101,7 +123,7 @@ class _Compiled:
         try:
             hash(key)
             with _shared_lock:
-                self._exports, self._captured = _SHARED.setdefault(self.fn, {}).setdefault(key, ({}, {}))
+                self._caches = _SHARED.setdefault(self.fn, {}).setdefault(key, _Caches())
         except TypeError:
             pass
 
@@ -111,12 +133,40 @@ class _Compiled:
 
     def _exported(self, key: tuple[Any, ...], make: Callable[[], ExportedFunction]) -> ExportedFunction:
         with self._lock:
-            found = self._exports.get(key)
+            found = self._caches.exports.get(key)
         if found is None:
             found = make()
             with self._lock:
-                found = self._exports.setdefault(key, found)
+                found = self._caches.exports.setdefault(key, found)
         return found
+
+    def _trace(self, static: tuple[Any, ...], in_tree: Any, avals: Sequence[jax.ShapeDtypeStruct],
+               mesh: AbstractMesh) -> TracedFunction:
+        """The function traced for this signature under ``mesh``: once, then found by every later call, export and
+        inlined call of it (as ``jax.jit`` traces once per signature)."""
+        key = (mesh, static, in_tree, tuple((a.shape, str(a.dtype), a.weak_type) for a in avals))
+        with self._lock:
+            found = self._caches.traces.get(key)
+        if found is not None:
+            return found
+        with jax.sharding.use_abstract_mesh(mesh):
+            traced = trace_jit(self._flat(static, in_tree), avals)
+        if traced.reusable:
+            with self._lock:
+                traced = self._caches.traces.setdefault(key, traced)
+        return traced
+
+    def _flat(self, static: tuple[Any, ...], in_tree: Any) -> Callable[..., Any]:
+        """The function of its dynamic arguments' leaves (a pw.Array it returns as it is: an output it computes)."""
+        fn = self.fn
+
+        def flat_fn(*flat: Any) -> Any:
+            a, k = jax.tree_util.tree_unflatten(in_tree, list(flat))
+            full, kw = with_static(a, k, static)
+            out = fn(*full, **kw)
+            return jax.tree_util.tree_map(lambda x: x.__jax_array__() if isinstance(x, Array) else x, out)
+
+        return flat_fn
 
     def bind(self, args: Sequence[Any], kwargs: dict[str, Any]) -> Call:
         raise NotImplementedError
@@ -132,6 +182,9 @@ class _Compiled:
                               "use jax.vmap inside")
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        # As jax.jit under jax.disable_jit(): the Python function, called as it is.
+        if jax.config.jax_disable_jit:  # type: ignore[attr-defined]
+            return self.fn(*args, **kwargs)
         if any(isinstance(leaf, jax.core.Tracer) for leaf in jax.tree_util.tree_leaves((args, kwargs))):
             return self._traced(args, kwargs)
         builder = current_builder()
@@ -162,9 +215,14 @@ class JitFunction(_Compiled):
 
     def _traced(self, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
         """Inlined, as ``jax.jit`` inside a traced function is: part of the one program being traced (its
-        slice and specs are the outer function's business; donation, as in JAX, does not apply)."""
-        return jax.jit(self.fn, static_argnums=self.static_argnums, static_argnames=self.static_argnames)(
-            *args, **kwargs)
+        slice and specs are the outer function's business; donation, as in JAX, does not apply). Traced once
+        per signature, as a call of it outside any trace is (the two share their traces)."""
+        dyn_args, dyn_kwargs, static = self.split(args, kwargs)
+        leaves, in_tree = jax.tree_util.tree_flatten((dyn_args, dyn_kwargs))
+        leaves = [leaf.__jax_array__() if isinstance(leaf, Array) else leaf for leaf in leaves]
+        traced = self._trace(static, in_tree, [_abstract(leaf) for leaf in leaves], jax.sharding.get_abstract_mesh())
+        closed = [a.__jax_array__() for a in traced.captured]  # the outer trace's own inputs for them
+        return jax.tree_util.tree_unflatten(traced.out_tree, jax.jit(traced.flat)(*leaves, *closed))
 
     def _wanted(self, dyn_args: tuple[Any, ...], dyn_kwargs: dict[str, Any]) -> list[Any]:
         """The spec asked for each leaf (``None``: the default): ``in_specs`` covers the positional
@@ -217,28 +275,19 @@ class JitFunction(_Compiled):
         donate = self._donated_leaves(args, kwargs)
         key = (static, in_tree, tuple((a.shape, str(a.dtype), a.weak_type) for a in avals),
                tuple(tuple(map(tuple, s.wire.spec)) for s in shardings), tuple(donate))
-        fn = self.fn
-
-        def flat_fn(*flat: Any) -> Any:
-            a, k = jax.tree_util.tree_unflatten(in_tree, list(flat))
-            full, kw = with_static(a, k, static)
-            return fn(*full, **kw)
-
         def export() -> ExportedFunction:
-            with jax.sharding.use_abstract_mesh(abstract_mesh(self.slice)):  # as the export traces it
-                closed = capture.discover(flat_fn, avals)
-            wanted = [s.spec for s in shardings]
-            if not closed:
-                return export_jit(flat_fn, self.slice, avals, wanted, self.out_specs, donate, self.__name__)
-            with self._lock:
-                self._captured[key] = closed
-            return export_jit(capture.lifted(flat_fn, closed), self.slice, [*avals, *map(leaf_aval, closed)],
-                              [*wanted, *(self._closed_sharding(a).spec for a in closed)], self.out_specs, donate,
-                              self.__name__)
+            traced = self._trace(static, in_tree, avals, abstract_mesh(self.slice))
+            closed = list(traced.captured)
+            if closed:
+                with self._lock:
+                    self._caches.captured[key] = closed
+            return export_jit(traced, self.slice, traced.in_avals,
+                              [*(s.spec for s in shardings), *(self._closed_sharding(a).spec for a in closed)],
+                              self.out_specs, donate, self.__name__)
 
         exported = self._exported(key, export)
         with self._lock:
-            closed = self._captured.get(key, [])
+            closed = self._caches.captured.get(key, [])
         return Call(self.__name__, exported, self.slice, [*leaves, *closed],
                     [*shardings, *map(self._closed_sharding, closed)], donate, captured=len(closed))
 

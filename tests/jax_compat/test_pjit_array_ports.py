@@ -275,10 +275,6 @@ def test_trivial_computation(mesh_2x2: pw.Slice) -> None:
 
 # pjit_test.py: ArrayPjitTest.test_trivial_computation_with_sharded_const (a pw.Array closed over is an input of
 # the computation, README "Coming from JAX")
-@pytest.mark.xfail(strict=True, reason="pwmesh: a function that returns a pw.Array it closes over as it is (not "
-                   "computed on) fails while pw.jit traces it: capture.discover's jax.eval_shape meets the pw.Array "
-                   "itself as an output and raises ValueError('Triggering __jax_array__() during abstractification "
-                   "is no longer supported...'); jax.jit returns a jax.Array it closes over")
 def test_trivial_computation_with_sharded_const(mesh_2x1: pw.Slice) -> None:
     const = pw.put(_arange((8, 2), np.int32), mesh_2x1, P("x", "y"))
     out = pw.jit(lambda: const, devices=mesh_2x1)()
