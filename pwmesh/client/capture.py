@@ -31,6 +31,11 @@ _standing_for: contextvars.ContextVar[Callable[[Any], Any] | None] = contextvars
     "pwmesh_capture", default=None)
 
 
+def active() -> bool:
+    """Whether ``pw.jit`` is tracing a function here (a ``pw.Array`` then stands for an input of it)."""
+    return _standing_for.get() is not None
+
+
 def as_jax(array: Any) -> Any:
     """``array`` (a ``pw.Array``) as JAX meets it: an input's tracer while ``pw.jit`` traces, else its value."""
     standing_for = _standing_for.get()

@@ -226,17 +226,30 @@ def _flat_outputs(fn: Callable[..., Any]) -> Callable[..., list[Any]]:
 
 def canonical(value: Any) -> np.ndarray:
     """A host value as the array JAX would make of it (float64 -> float32 unless x64 is on). A NumPy masked
-    array is refused, as JAX refuses it (its mask would be dropped in silence)."""
+    array is refused, as JAX refuses it (its mask would be dropped in silence); so is a Python int out of
+    the range of JAX's integer type (``OverflowError``, as ``jax.jit`` and ``jax.device_put`` raise)."""
     if isinstance(value, np.ma.MaskedArray):
         raise InvalidArgument("numpy masked arrays are not supported as direct inputs to JAX functions. Use "
                               "arr.filled() to convert the value to a standard numpy array.")
+    if isinstance(value, int) and not isinstance(value, bool):
+        return _python_int(value)
     arr = np.asarray(value)
     dtype = jax.dtypes.canonicalize_dtype(arr.dtype)
     return arr if arr.dtype == dtype else arr.astype(dtype)
 
 
+def _python_int(value: int) -> np.ndarray:
+    dtype = np.dtype(jax.dtypes.canonicalize_dtype(np.int64))
+    info = np.iinfo(dtype)
+    if not info.min <= value <= info.max:
+        raise OverflowError(f"Python int {value} too large to convert to {dtype.name}")
+    return np.asarray(value, dtype)
+
+
 def host_aval(value: Any) -> jax.ShapeDtypeStruct:
-    """The abstract value of a host leaf; Python scalars are weakly typed, as in ``jax.jit``."""
-    weak = isinstance(value, (bool, int, float, complex)) and not isinstance(value, np.generic)
+    """The abstract value of a host leaf; weakly typed as in ``jax.jit``: a Python scalar, or a ``jax.Array``
+    that is weak itself (``jnp.array(3.0)``)."""
+    python_scalar = isinstance(value, (int, float, complex)) and not isinstance(value, (bool, np.generic))
+    weak = python_scalar or (isinstance(value, jax.Array) and value.weak_type)
     arr = canonical(value)
-    return jax.ShapeDtypeStruct(arr.shape, arr.dtype, weak_type=weak and not isinstance(value, bool))
+    return jax.ShapeDtypeStruct(arr.shape, arr.dtype, weak_type=weak)

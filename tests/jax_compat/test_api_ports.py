@@ -1211,10 +1211,6 @@ def test_python_scalar_argument_is_weak(mesh_2x1: pw.Slice) -> None:
 
 
 # Not a port: a weakly typed jax.Array argument (jnp.array(3.0)) stays weak, as it does through jax.jit
-@pytest.mark.xfail(strict=True, reason="pwmesh: a weakly typed jax.Array argument is made strong: "
-                   "pw.jit(lambda a: a, devices=s)(jnp.array(3.0)).weak_type is False (host_aval marks only Python "
-                   "scalars weak), so pw.jit(lambda a, b: a * b)(bf16_array, jnp.array(3.0)) is float32 where jax.jit "
-                   "gives bfloat16 (pw.put(jnp.array(3.0)) keeps it weak)")
 def test_weak_jax_array_argument_stays_weak(mesh_2x1: pw.Slice) -> None:
     x = np.ones(4, dtype=jnp.bfloat16)
     scale = jnp.array(3.0)
@@ -1270,10 +1266,6 @@ def test_jit_int4_argument(mesh_2x1: pw.Slice) -> None:
 
 
 # api_test.py: NamedCallTest.test_integer_overflow (its funcs that apply to pw.jit's host arguments)
-@pytest.mark.xfail(strict=True, reason="pwmesh: a Python int out of int32's range is wrapped silently (2**31 -> "
-                   "-2147483648: export.canonical does np.asarray(v).astype(int32)), in pw.jit's arguments and in "
-                   "pw.put; jax.jit raises OverflowError 'An overflow was encountered while parsing an argument to a "
-                   "jitted computation, whose argument path is x'")
 @pytest.mark.parametrize("func", ["identity_trivial", "identity", "asarray"])
 def test_integer_overflow(mesh_2x1: pw.Slice, func: str) -> None:
     funcdict = {
@@ -1321,10 +1313,6 @@ def test_partial_eval(mesh_2x1: pw.Slice) -> None:
 
 
 # Not a port: a jax.Array given as a static argument is refused as unhashable, as by jax.jit; so must a pw.Array be
-@pytest.mark.xfail(strict=True, reason="pwmesh: a pw.Array is hashable (by identity, where jax.Array raises "
-                   "TypeError 'unhashable type'), so pw.jit(lambda x, y: x + 3, devices=s, static_argnums=1)(1, "
-                   "pw.put(np.ones(2), s)) is accepted as a static argument and traced with a pw.Array inside; jax.jit "
-                   "raises ValueError 'Non-hashable static arguments are not supported' for a jax.Array")
 def test_array_as_static_argument_is_refused(mesh_2x1: pw.Slice) -> None:
     f = pw.jit(lambda x, y: x + 3, devices=mesh_2x1, static_argnums=(1,))
     with pytest.raises(ValueError, match="[Nn]on-hashable|not hashable"):
