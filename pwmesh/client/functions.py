@@ -18,55 +18,25 @@ it runs as a one-node program of its own.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import threading
+import types
 import weakref
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any
+from typing import Any, overload
 
 import jax
 from jax.sharding import AbstractMesh
 
 from pwmesh.client import dispatch
+from pwmesh.client.argnums import argnums_and_argnames
 from pwmesh.client.array import Array
 from pwmesh.client.devices import Slice, VirtualDevice, slice_of
 from pwmesh.client.export import ExportedFunction, TracedFunction, export_jit, export_pmap, trace_jit
 from pwmesh.client.sharding import P, SliceSharding, abstract_mesh, default_spec, is_spec_leaf, resolve
 from pwmesh.client.tracing import Call, ProgramCache, Symbol, current_builder, leaf_aval, split_static, with_static
 from pwmesh.errors import InvalidArgument
-
-
-def _argnums(value: int | Iterable[int] | None) -> tuple[int, ...]:
-    if value is None:
-        return ()
-    return (value,) if isinstance(value, int) else tuple(value)
-
-
-def _argnames(value: str | Iterable[str] | None) -> tuple[str, ...]:
-    if value is None:
-        return ()
-    return (value,) if isinstance(value, str) else tuple(value)
-
-
-def _both_ways(fn: Callable[..., Any], nums_given: int | Iterable[int] | None,
-               names_given: str | Iterable[str] | None) -> tuple[tuple[int, ...], tuple[str, ...]]:
-    """Argument numbers and names, as ``jax.jit`` infers them: one left out (None) is completed from the
-    other through ``fn``'s signature; both given, each is taken as it is (``static_argnames=()`` says no
-    argument is static by name, whatever the numbers)."""
-    nums, names = _argnums(nums_given), _argnames(names_given)
-    if nums_given is not None and names_given is not None:
-        return nums, names
-    try:
-        params = list(inspect.signature(fn).parameters.values())
-    except (TypeError, ValueError):  # a builtin or a callable without a signature
-        return nums, names
-    positional = [p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-    if nums_given is None:
-        nums = tuple(sorted({positional.index(n) for n in names if n in positional}))
-    if names_given is None:
-        names = tuple(positional[i] for i in nums if 0 <= i < len(positional))
-    return nums, names
-
 
 # Exports by function, shared by every wrapper of it with the same calling convention on a slice of the same
 # mesh (``jax.jit(f)(x)`` in a loop makes a new wrapper each time, and finds its compiled function in JAX's
@@ -81,6 +51,19 @@ def _abstract(leaf: Any) -> jax.ShapeDtypeStruct:
         aval = jax.typeof(leaf)
         return jax.ShapeDtypeStruct(aval.shape, aval.dtype, weak_type=aval.weak_type)
     return leaf_aval(leaf)
+
+
+def _one_call(ref: weakref.ref[_Compiled]) -> Callable[[Sequence[Any], dict[str, Any], tuple[Any, ...]], Any]:
+    """The body of the one-node program an eager call runs (the wrapper held weakly: its cache of programs
+    keeps no cycle through it, so dropping the wrapper frees it and what its function closes over at once)."""
+
+    def call(args: Sequence[Any], kwargs: dict[str, Any], static: tuple[Any, ...]) -> Any:
+        compiled = ref()
+        assert compiled is not None, "traced through a live wrapper"
+        full, kw = with_static(args, kwargs, static)
+        return compiled(*full, **kw)
+
+    return call
 
 
 class _Caches:
@@ -98,13 +81,17 @@ class _Compiled:
     """What ``pw.jit`` and ``pw.pmap`` share: the slice, the exports cache, the eager path."""
 
     def __init__(self, fn: Callable[..., Any], devices: Slice | Sequence[VirtualDevice]) -> None:
+        if not callable(fn):
+            raise TypeError(f"Expected a callable value, got {fn}")
+        if inspect.isgeneratorfunction(fn):
+            raise TypeError(f"Expected a function, got a generator function: {fn}")
+        functools.update_wrapper(self, fn)  # its name, module, docstring, annotations, attributes: jax.jit's too
+        self.__name__ = getattr(fn, "__name__", "fn")
         self.fn = fn
         self.slice = slice_of(devices)
-        self.__name__ = getattr(fn, "__name__", "fn")
-        self.__doc__ = getattr(fn, "__doc__", None)
         self._lock = threading.Lock()
         self._caches = _Caches()
-        self.eager = ProgramCache(self._one_call)
+        self.eager = ProgramCache(_one_call(weakref.ref(self)))
         self.static_argnums: tuple[int, ...] = ()
         self.static_argnames: tuple[str, ...] = ()
 
@@ -171,10 +158,9 @@ class _Compiled:
     def bind(self, args: Sequence[Any], kwargs: dict[str, Any]) -> Call:
         raise NotImplementedError
 
-    def _one_call(self, args: Sequence[Any], kwargs: dict[str, Any], static: tuple[Any, ...]) -> Any:
-        """The body of the one-node program an eager call runs."""
-        full, kw = with_static(args, kwargs, static)
-        return self(*full, **kw)
+    def __get__(self, instance: Any, owner: Any = None) -> Any:
+        """As a method, bound to its instance (as ``jax.jit``'s function is)."""
+        return self if instance is None else types.MethodType(self, instance)
 
     def _traced(self, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
         """Called while another function is being traced (``pw.jit``'s, ``jax.jit``'s): what it becomes there."""
@@ -205,8 +191,8 @@ class JitFunction(_Compiled):
         super().__init__(fn, devices)
         self.in_specs = in_specs
         self.out_specs = out_specs
-        self.static_argnums, self.static_argnames = _both_ways(fn, static_argnums, static_argnames)
-        self.donate_argnums, self.donate_argnames = _both_ways(fn, donate_argnums, donate_argnames)
+        self.static_argnums, self.static_argnames = argnums_and_argnames(fn, static_argnums, static_argnames, "static")
+        self.donate_argnums, self.donate_argnames = argnums_and_argnames(fn, donate_argnums, donate_argnames, "donate")
         clash = set(self.static_argnums) & set(self.donate_argnums)
         if clash:
             raise InvalidArgument(f"{self.__name__}: argument(s) {sorted(clash)} are both static and donated")
@@ -226,7 +212,8 @@ class JitFunction(_Compiled):
 
     def _wanted(self, dyn_args: tuple[Any, ...], dyn_kwargs: dict[str, Any]) -> list[Any]:
         """The spec asked for each leaf (``None``: the default): ``in_specs`` covers the positional
-        arguments (static ones left out, as ``jax.jit``'s ``in_shardings``); keyword ones take the default."""
+        arguments (static ones left out, as ``jax.jit``'s ``in_shardings``); keyword ones take the default
+        (``jax.jit`` refuses them when ``in_shardings`` are given)."""
         n_kw = len(jax.tree_util.tree_leaves(dyn_kwargs))
         if self.in_specs is None:
             return [None] * (len(jax.tree_util.tree_leaves(dyn_args)) + n_kw)
@@ -371,17 +358,35 @@ class MappedFunction(_Compiled):
         return f"pw.pmap({self.__name__}, slice={self.slice.slice_id}, axis_name={self.axis_name!r})"
 
 
-def jit(fn: Callable[..., Any], *, devices: Slice | Sequence[VirtualDevice], in_specs: Any = None,
+@overload
+def jit(fn: Callable[..., Any], /, *, devices: Slice | Sequence[VirtualDevice], in_specs: Any = None,
         out_specs: Any = None, static_argnums: int | Iterable[int] | None = None,
         static_argnames: str | Iterable[str] | None = None, donate_argnums: int | Iterable[int] | None = None,
-        donate_argnames: str | Iterable[str] | None = None) -> JitFunction:
-    """``fn`` compiled for ``devices`` (a slice) like ``jax.jit`` with ``NamedSharding``s over its mesh.
+        donate_argnames: str | Iterable[str] | None = None) -> JitFunction: ...
+
+
+@overload
+def jit(fn: None = None, /, *, devices: Slice | Sequence[VirtualDevice], in_specs: Any = None,
+        out_specs: Any = None, static_argnums: int | Iterable[int] | None = None,
+        static_argnames: str | Iterable[str] | None = None, donate_argnums: int | Iterable[int] | None = None,
+        donate_argnames: str | Iterable[str] | None = None) -> Callable[[Callable[..., Any]], JitFunction]: ...
+
+
+def jit(fn: Callable[..., Any] | None = None, /, *, devices: Slice | Sequence[VirtualDevice], in_specs: Any = None,
+        out_specs: Any = None, static_argnums: int | Iterable[int] | None = None,
+        static_argnames: str | Iterable[str] | None = None, donate_argnums: int | Iterable[int] | None = None,
+        donate_argnames: str | Iterable[str] | None = None) -> Any:
+    """``fn`` compiled for ``devices`` (a slice) like ``jax.jit`` with ``NamedSharding``s over its mesh; without
+    ``fn``, a decorator that compiles the function it is given so (``@pw.jit(devices=s, static_argnames=...)``).
 
     ``in_specs``: a ``PartitionSpec`` for every argument, or a tuple with one entry per positional
     argument (static ones left out), each a pytree prefix of that argument (``None``: the default).
     ``out_specs``: a spec or a pytree prefix of the result. Defaults: see the module docstring."""
-    return JitFunction(fn, devices, in_specs=in_specs, out_specs=out_specs, static_argnums=static_argnums,
-                       static_argnames=static_argnames, donate_argnums=donate_argnums, donate_argnames=donate_argnames)
+    options = dict(in_specs=in_specs, out_specs=out_specs, static_argnums=static_argnums,
+                   static_argnames=static_argnames, donate_argnums=donate_argnums, donate_argnames=donate_argnames)
+    if fn is None:
+        return functools.partial(JitFunction, devices=devices, **options)
+    return JitFunction(fn, devices, **options)
 
 
 def pmap(fn: Callable[..., Any], *, devices: Slice | Sequence[VirtualDevice],

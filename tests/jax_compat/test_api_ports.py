@@ -75,9 +75,6 @@ def test_jit_repr(mesh_2x1: pw.Slice) -> None:
 
 
 # api_test.py: JitTest.test_jit_decorator_factory
-@pytest.mark.xfail(strict=True, reason="pwmesh: pw.jit has no decorator-factory form: pw.jit(devices=s, "
-                   "static_argnames=['flag']) raises TypeError \"jit() missing 1 required positional argument: 'fn'\" "
-                   "(jax.jit(static_argnames=...) returns a decorator)")
 def test_jit_decorator_factory(mesh_2x1: pw.Slice) -> None:
     @pw.jit(devices=mesh_2x1, static_argnames=["flag"])
     def func(x, flag):
@@ -98,16 +95,12 @@ def test_jit_decorator_through_partial(mesh_2x1: pw.Slice) -> None:
 
 
 # api_test.py: JitTest.test_jit_of_noncallable
-@pytest.mark.xfail(strict=True, reason="pwmesh: pw.jit(3, devices=s) is accepted (the error comes only at the first "
-                   "call); jax.jit(3) raises TypeError 'Expected a callable value, got 3'")
 def test_jit_of_noncallable(mesh_2x1: pw.Slice) -> None:
     with pytest.raises(TypeError, match="Expected a callable value.*"):
         pw.jit(3, devices=mesh_2x1)
 
 
 # api_test.py: JitTest.test_jit_of_generator
-@pytest.mark.xfail(strict=True, reason="pwmesh: pw.jit of a generator function is accepted; jax.jit raises "
-                   "TypeError 'Expected a function, got a generator function'")
 def test_jit_of_generator(mesh_2x1: pw.Slice) -> None:
     def gen(x):
         yield x
@@ -203,10 +196,6 @@ def test_complex_support(mesh_2x1: pw.Slice) -> None:
 
 
 # api_test.py: JitTest.test_jit_argnums_overflow_error
-@pytest.mark.xfail(strict=True, reason="pwmesh: pw.jit does not check static_argnums/donate_argnums against the "
-                   "function's signature: pw.jit(lambda a, b, c: 0, devices=s, static_argnums=(0, 1, 3)) is accepted; "
-                   "jax.jit raises ValueError 'Jitted function has static_argnums=(0, 1, 3), but only accepts 3 "
-                   "positional arguments'")
 @pytest.mark.parametrize("argnum_type", ["static_argnums", "donate_argnums"])
 def test_jit_argnums_overflow_error(mesh_2x1: pw.Slice, argnum_type: str) -> None:
     def f(a, b, c): ...
@@ -243,10 +232,6 @@ def test_jit_argnums_overflow_error(mesh_2x1: pw.Slice, argnum_type: str) -> Non
 
 
 # api_test.py: JitTest.test_jit_argnames_validation
-@pytest.mark.xfail(strict=True, reason="pwmesh: pw.jit does not check static_argnames/donate_argnames against the "
-                   "function's signature: pw.jit(lambda a, b, c: 0, devices=s, static_argnames=('b', 'c', "
-                   "'not_defined')) is accepted; jax.jit raises ValueError \"Jitted function has invalid argnames "
-                   "{'not_defined'}\" (so for a positional-only or *args name)")
 @pytest.mark.parametrize("argnum_type", ["static_argnames", "donate_argnames"])
 def test_jit_argnames_validation(mesh_2x1: pw.Slice, argnum_type: str) -> None:
     def f(a, b, c): ...
@@ -275,10 +260,6 @@ def test_jit_with_many_args_works(mesh_2x1: pw.Slice) -> None:
 
 
 # api_test.py: JitTest.test_donate_argnames_signature_fail
-@pytest.mark.xfail(strict=True, reason="pwmesh: donate_argnames on a callable whose signature cannot be read is "
-                   "silently ignored (functions._both_ways catches the TypeError), the call runs donating nothing; "
-                   "jax.jit raises ValueError 'Getting the signature of function ... failed. Pass donate_argnums "
-                   "instead of donate_argnames.'")
 def test_donate_argnames_signature_fail(mesh_2x1: pw.Slice) -> None:
     class NoSignature:
         @property
@@ -511,14 +492,10 @@ def test_jit_deep_copy(mesh_2x1: pw.Slice) -> None:
     assert np.asarray(pw.jit(lambda x: copy.deepcopy(x), devices=mesh_2x1)(1)) == 1
 
 
-# api_test.py: JitTest.test_static_argnum_on_method (adapted: upstream's @jit(static_argnums=(0,)) is a decorator
-# factory, see test_jit_decorator_factory; functools.partial gives the same wrapper)
-@pytest.mark.xfail(strict=True, reason="pwmesh: a pw.jit function is not a descriptor (no __get__), so as a method it "
-                   "is not bound: A().my_func_jit(3) raises TypeError \"A.my_func_jit() missing 1 required positional "
-                   "argument: 'x'\"; jax.jit's binds self as a method does")
+# api_test.py: JitTest.test_static_argnum_on_method
 def test_static_argnum_on_method(mesh_2x1: pw.Slice) -> None:
     class A:
-        @_jit(mesh_2x1, static_argnums=(0,))
+        @pw.jit(devices=mesh_2x1, static_argnums=(0,))
         def my_func_jit(self, x):
             return x + 2
 
@@ -592,9 +569,6 @@ def test_jit_nested_donate_ignored(mesh_2x1: pw.Slice) -> None:
 
 
 # api_test.py: JitTest.test_jit_reference_dropping
-@pytest.mark.xfail(strict=True, reason="pwmesh: a pw.jit wrapper is in a reference cycle (JitFunction.eager = "
-                   "ProgramCache(self._one_call) holds a bound method of the wrapper), so `del g` does not free it nor "
-                   "what its function closes over until gc.collect() runs; a jax.jit wrapper is freed at once")
 def test_jit_reference_dropping(mesh_2x1: pw.Slice) -> None:
     x = jnp.ones(10)
     f = (lambda x: lambda: x)(x)  # reference to x in f's closure
@@ -620,9 +594,6 @@ def test_jit_raises_on_first_invocation_on_non_hashable_static_argnum(mesh_2x1: 
 
 
 # api_test.py: JitTest.test_cpp_jit_raises_on_non_hashable_static_argnum
-@pytest.mark.xfail(strict=True, reason="pwmesh: a static argument whose __eq__ raises lets that exception out "
-                   "(NotImplementedError from the cache lookup); jax.jit raises ValueError 'static arguments should be "
-                   "comparable using __eq__'")
 def test_cpp_jit_raises_on_non_hashable_static_argnum(mesh_2x1: pw.Slice) -> None:
     jitted_f = pw.jit(lambda x, y: x + 3, devices=mesh_2x1, static_argnums=[1])
     jitted_f(1, 1)
@@ -664,9 +635,6 @@ def test_cpp_jitted_function_returns_pw_array(mesh_2x1: pw.Slice) -> None:
 
 
 # api_test.py: JitTest.test_jit_wrapped_attributes
-@pytest.mark.xfail(strict=True, reason="pwmesh: a pw.jit function copies only __name__ and __doc__ from the function "
-                   "(its __module__ is 'pwmesh.client.functions'; no __qualname__, __annotations__, __wrapped__ nor "
-                   "the function's own attributes), where jax.jit's is functools.wraps'd")
 def test_jit_wrapped_attributes(mesh_2x1: pw.Slice) -> None:
     def f(x: int) -> int:
         """docstring of f."""

@@ -548,9 +548,10 @@ def test_pjit_kwargs(mesh_2x1: pw.Slice) -> None:
 
 # pjit_test.py: ArrayPjitTest.test_pjit_kwargs_axis_resources_error (upstream's in_shardings is a
 # single-device sharding; here a spec over the slice)
-@pytest.mark.xfail(strict=True, reason="pwmesh: a keyword argument passed to a pw.jit function with in_specs is "
-                   "accepted (it takes the default layout, pwmesh/client/functions.py JitFunction._wanted), where "
-                   "jax.jit refuses it: ValueError('pjit does not support kwargs when in_shardings is specified.')")
+@pytest.mark.xfail(strict=True, reason="Deliberate: pwmesh's in_specs cover the positional arguments and keyword "
+                   "arguments take the default layout (README, 'Pytrees, scalars, static and keyword arguments'; "
+                   "tests/test_sharding.py relies on it), where jax.jit refuses kwargs when in_shardings is specified: "
+                   "code written for jax.jit never passes them, so accepting them breaks none of it")
 def test_pjit_kwargs_axis_resources_error(mesh_2x1: pw.Slice) -> None:
     with pytest.raises(ValueError, match="does not support kwargs when in_shardings is specified"):
         pw.jit(lambda x: x, devices=mesh_2x1, in_specs=P("x"))(x=np.arange(8.0))
