@@ -35,6 +35,7 @@ from pwmesh.client.array import Array
 from pwmesh.client.devices import Slice, VirtualDevice, slice_of
 from pwmesh.client.export import ExportedFunction, TracedFunction, export_jit, export_pmap, trace_jit
 from pwmesh.client.sharding import P, SliceSharding, abstract_mesh, default_spec, is_spec_leaf, resolve
+from pwmesh.client.stages import Lowered
 from pwmesh.client.tracing import Call, ProgramCache, Symbol, current_builder, leaf_aval, split_static, with_static
 from pwmesh.errors import InvalidArgument
 
@@ -284,50 +285,15 @@ class JitFunction(_Compiled):
 
     def lower(self, *args: Any, **kwargs: Any) -> Lowered:
         """Ahead of time, as ``jax.jit(...).lower``: the function traced and exported for these arguments (values,
-        ``pw.Array``s or ``jax.ShapeDtypeStruct``s), without running it."""
+        ``pw.Array``s, ``jax.ShapeDtypeStruct``s or ``jax.core.ShapedArray``s), without running it."""
+        dyn_args, dyn_kwargs, static = self.split(args, kwargs)
+        in_tree = jax.tree_util.tree_structure((dyn_args, dyn_kwargs))
         call = self.bind(args, kwargs)
-        return Lowered(self, call.exported, tuple(leaf_aval(leaf) for leaf in call.leaves[:len(call.leaves) - call.captured]))
+        own = call.leaves[:len(call.leaves) - call.captured]
+        return Lowered(self, call.exported, static, in_tree, tuple(map(leaf_aval, own)), call.donate)
 
     def __repr__(self) -> str:
         return f"pw.jit({self.__name__}, slice={self.slice.slice_id}, mesh={self.slice.mesh})"
-
-
-class Lowered:
-    """``pw.jit(f).lower(*args)``: what ``jax.jit``'s ``Lowered`` is, for a slice."""
-
-    def __init__(self, fn: JitFunction, exported: ExportedFunction, avals: tuple[jax.ShapeDtypeStruct, ...]) -> None:
-        self._fn = fn
-        self.exported = exported
-        self.in_avals = avals
-        self.out_info = jax.tree_util.tree_unflatten(exported.out_tree, list(exported.out_avals))
-
-    def as_text(self) -> str:
-        """The StableHLO module the executors compile."""
-        return jax.export.deserialize(bytearray(self.exported.serialized)).mlir_module()
-
-    def compile(self) -> Compiled:
-        """Compiled, as ``jax.jit``'s: each executor compiles it when it first runs it (the cluster's devices
-        are not this process's), so this checks nothing more; calling it runs it."""
-        return Compiled(self)
-
-
-class Compiled:
-    """``pw.jit(f).lower(*args).compile()``: callable with arguments of the types it was lowered for."""
-
-    def __init__(self, lowered: Lowered) -> None:
-        self._lowered = lowered
-        self.out_info = lowered.out_info
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        fn = self._lowered._fn
-        dyn_args, dyn_kwargs, _ = fn.split(args, kwargs)
-        got = tuple(leaf_aval(leaf) for leaf in jax.tree_util.tree_leaves((dyn_args, dyn_kwargs)))
-        want = self._lowered.in_avals
-        if [(a.shape, a.dtype) for a in got] != [(a.shape, a.dtype) for a in want]:
-            raise TypeError(f"{fn.__name__}: argument types differ from those it was compiled for: got "
-                            f"{[f'{a.dtype}{list(a.shape)}' for a in got]}, compiled for "
-                            f"{[f'{a.dtype}{list(a.shape)}' for a in want]}")
-        return fn(*args, **kwargs)
 
 
 class MappedFunction(_Compiled):

@@ -367,7 +367,7 @@ def leaf_signature(leaf: Any) -> tuple[Any, ...]:
 def leaf_aval(leaf: Any) -> jax.ShapeDtypeStruct:
     if isinstance(leaf, (Array, Symbol)):
         return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, weak_type=leaf.weak_type)
-    if isinstance(leaf, jax.ShapeDtypeStruct):  # ahead of time (``.lower``): a shape and a dtype stand for a value
+    if isinstance(leaf, (jax.ShapeDtypeStruct, jax.core.ShapedArray)):  # ahead of time (``.lower``): types stand for values
         return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, weak_type=leaf.weak_type)
     return host_aval(leaf)
 

@@ -287,8 +287,6 @@ def test_vmap(mesh_2x1: pw.Slice) -> None:
 
 
 # pjit_test.py: PJitTest.testLowerDonateArgnumsAvailable
-@pytest.mark.xfail(strict=True, reason="pwmesh: pw.jit(...).lower(x) (Lowered) and its .compile() (Compiled) have no "
-                   "donate_argnums attribute (AttributeError), where jax.stages.Lowered/Compiled give (0,)")
 def test_lower_donate_argnums_available(mesh_2x1: pw.Slice) -> None:
     x = jax.ShapeDtypeStruct((2, 2), jnp.float32)
 
@@ -302,8 +300,6 @@ def test_lower_donate_argnums_available(mesh_2x1: pw.Slice) -> None:
 
 
 # pjit_test.py: PJitTest.testLowerDonateArgnumsAvailableWithNames
-@pytest.mark.xfail(strict=True, reason="pwmesh: Lowered and Compiled have no donate_argnums attribute "
-                   "(AttributeError); JAX infers (0,) from donate_argnames=('inp1',)")
 def test_lower_donate_argnums_available_with_names(mesh_2x1: pw.Slice) -> None:
     x = jax.ShapeDtypeStruct((2, 2), jnp.float32)
     f_low = pw.jit(lambda inp1: inp1, devices=mesh_2x1, in_specs=P("x"), out_specs=P("x"),
@@ -324,11 +320,6 @@ def test_lower_compile_with_kwargs(mesh_2x2: pw.Slice) -> None:
 
 
 # pjit_test.py: PJitTest.testLowerCompileInTreeMismatch
-@pytest.mark.xfail(strict=True, reason="pwmesh: Compiled.__call__ compares only the flat leaves' shapes and dtypes, "
-                   "not the pytree: compiled for (x, y), exe([x], [x + 1]) is not refused with TypeError ('Function "
-                   "compiled with input pytree does not match the input pytree it was called with') but calls f with "
-                   "the lists, which fails inside it: TypeError(\"unsupported operand type(s) for @: 'list' and "
-                   "'list'\")")
 def test_lower_compile_in_tree_mismatch(mesh_2x2: pw.Slice) -> None:
     f = pw.jit(lambda x, y: x @ y, devices=mesh_2x2, in_specs=P(("x", "y")), out_specs=P(("x", "y")))
     x = _arange((8, 8), np.int32)
@@ -356,10 +347,6 @@ def test_static_argnums(mesh_2x1: pw.Slice) -> None:
 
 
 # pjit_test.py: PJitTest.testLowerCompileWithAvals (upstream's 4x2 mesh is the 2x2 one)
-@pytest.mark.xfail(strict=True, reason="pwmesh: lower() takes values, pw.Arrays and jax.ShapeDtypeStructs but not a "
-                   "jax.core.ShapedArray, which jax.jit(...).lower accepts as an abstract argument: pwmesh takes it "
-                   "for a host value (a 0-d object array) and raises InvalidArgument('<lambda>: argument leaf 0: "
-                   "P(('x', 'y'),) has 1 entries but the value has shape ()')")
 def test_lower_compile_with_avals(mesh_2x2: pw.Slice) -> None:
     f = pw.jit(lambda x, y: x @ y, devices=mesh_2x2, in_specs=P(("x", "y")), out_specs=P(("x", "y")))
     aval = jax.core.ShapedArray((8, 8), np.int32)
@@ -408,11 +395,6 @@ def test_concurrent_pjit(mesh_2x1: pw.Slice) -> None:
 
 
 # pjit_test.py: ArrayPjitTest.testLowerCompileWithStaticArguments
-@pytest.mark.xfail(strict=True, reason="pwmesh: a Compiled of a function with static arguments must be called with "
-                   "them again: f.lower(1, x).compile()(x) takes x for the static argument c (Compiled.__call__ "
-                   "calls the pw.jit function with the arguments given) and raises InvalidArgument('<lambda>: static "
-                   "argument 0 is a ndarray, which is not hashable ...'), where JAX's Compiled takes the dynamic "
-                   "arguments only (its static ones are fixed by lower) and returns x + 1")
 def test_lower_compile_with_static_arguments(mesh_2x2: pw.Slice) -> None:
     f = pw.jit(lambda c, x: x if c == 0 else x + 1, devices=mesh_2x2, in_specs=P(("x", "y")),
                out_specs=P(("x", "y")), static_argnums=0)
