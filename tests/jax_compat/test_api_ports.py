@@ -429,8 +429,8 @@ def test_double_donation(mesh_2x1: pw.Slice) -> None:
         result.block_until_ready()
 
 
-# api_test.py: JitTest.test_dict_donation (adapted: upstream reads lower(...).args_info, which pwmesh lacks, see
-# test_donate_args_info_aot; here the call's effect: which leaves are consumed)
+# api_test.py: JitTest.test_dict_donation (adapted: upstream reads lower(...).args_info, which
+# test_donate_args_info_aot checks; here the call's effect: which leaves are consumed)
 @pytest.mark.parametrize("jit_kwargs", [{"donate_argnames": ("z", "y")}, {"donate_argnums": (0, 1)}],
                          ids=["argnames", "argnums"])
 def test_dict_donation(mesh_2x1: pw.Slice, jit_kwargs) -> None:

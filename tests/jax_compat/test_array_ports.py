@@ -179,7 +179,7 @@ def test_sharded_add(mesh_2x2: pw.Slice) -> None:
 
 
 # array_test.py: JaxArrayTest.test_sharded_zeros_like
-@pytest.mark.xfail(strict=True, reason="deliberate: README, 'Coming from JAX': JAX's own functions refuse a pw.Array "
+@pytest.mark.xfail(strict=True, reason="Deliberate: README, 'Coming from JAX': JAX's own functions refuse a pw.Array "
                    "given directly (jnp.sin(w)), as they refuse any __jax_array__ object (here jnp.zeros_like(a) "
                    "raises AttributeError \"'SliceSharding' object has no attribute '_is_concrete'\")")
 def test_sharded_zeros_like(mesh_2x2: pw.Slice) -> None:

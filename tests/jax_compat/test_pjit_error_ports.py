@@ -156,7 +156,7 @@ def test_axis_resources_mismatch(mesh_2x1: pw.Slice) -> None:
 
 # pjit_test.py: PJitErrorTest.testNestedDifferentResources (the inner function on a one-device slice of the
 # same cluster, where upstream enters a one-device mesh)
-@pytest.mark.xfail(strict=True, reason="deliberate: README 'Coming from JAX': a pw.jit function called while another "
+@pytest.mark.xfail(strict=True, reason="Deliberate: README 'Coming from JAX': a pw.jit function called while another "
                    "is traced is inlined, 'its slice and specs are the outer one's', so an inner function on a "
                    "one-device slice runs over the outer 2-device mesh, where JAX refuses a nested jit under a mesh "
                    "of another size (ValueError '... cannot change the size of the mesh ...')")

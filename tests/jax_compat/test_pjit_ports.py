@@ -186,7 +186,7 @@ def test_buffer_donation_with_output_sharding_inference(mesh_2x1: pw.Slice) -> N
 
 
 # pjit_test.py: PJitTest.testBufferDonationNotDonated
-@pytest.mark.xfail(strict=True, reason="deliberate: README 'Donation': a donated argument's buffers are handed to "
+@pytest.mark.xfail(strict=True, reason="Deliberate: README 'Donation': a donated argument's buffers are handed to "
                    "the computation, XLA reuses them for outputs where it can 'and the rest are freed when the "
                    "computation runs', so x.is_deleted() is True where JAX (on CPU) keeps a buffer it could not "
                    "alias to an output (x @ x.T: (8, 2) -> (8, 8)) and x stays usable")
