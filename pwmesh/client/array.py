@@ -9,6 +9,8 @@ to a function (``donate_argnums``) hands it over: it can no longer be used.
 from __future__ import annotations
 
 import math
+import operator
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -22,9 +24,71 @@ from pwmesh.wire.messages import ValueSpec
 REPR_TIMEOUT_SECONDS = 2.0  # how long a repr waits for the proxy to say whether the value is ready
 
 
+class DeletedArrayError(RuntimeError, ValueError):
+    """A deleted ``pw.Array`` was used: a ``RuntimeError``, as JAX raises for a deleted ``jax.Array`` (and a
+    ``ValueError``, as pwmesh raised before, for code that catches that)."""
+
+
+def _ops() -> Any:
+    """``pwmesh.client.array_ops``, which runs ``pw.jit`` (above this module: imported when first used)."""
+    from pwmesh.client import array_ops  # noqa: PLC0415 - see the docstring
+
+    return array_ops
+
+
+def _binary(op: Callable[[Any, Any], Any], reflected: bool = False) -> Callable[[Array, Any], Any]:
+    def method(self: Array, other: Any) -> Any:
+        return _ops().binary(op, self, other, reflected)
+
+    method.__name__ = f"__{'r' if reflected else ''}{op.__name__.strip('_')}__"
+    return method
+
+
+def _unary(op: Callable[[Any], Any]) -> Callable[[Array], Any]:
+    def method(self: Array) -> Any:
+        return _ops().unary(op, self)
+
+    return method
+
+
+def _scalar(convert: Callable[[Any], Any]) -> Callable[[Array], Any]:
+    def method(self: Array) -> Any:
+        return convert(self.value())
+
+    return method
+
+
 class Array:
     __slots__ = ("__weakref__", "_session", "_id", "_value", "_deleted", "_donated", "shape", "dtype", "sharding",
                  "weak_type")
+
+    # As jax.Array: NumPy defers to its operators (NumPy array + pw.Array is a pw.Array); unhashable, so never a
+    # static argument nor a dictionary key.
+    __array_priority__ = 100
+    __hash__ = None  # type: ignore[assignment]
+
+    # Operators run the jax.numpy operation on its slice (``pwmesh.client.array_ops``); conversions fetch.
+    __add__, __radd__ = _binary(operator.add), _binary(operator.add, True)
+    __sub__, __rsub__ = _binary(operator.sub), _binary(operator.sub, True)
+    __mul__, __rmul__ = _binary(operator.mul), _binary(operator.mul, True)
+    __truediv__, __rtruediv__ = _binary(operator.truediv), _binary(operator.truediv, True)
+    __floordiv__, __rfloordiv__ = _binary(operator.floordiv), _binary(operator.floordiv, True)
+    __mod__, __rmod__ = _binary(operator.mod), _binary(operator.mod, True)
+    __pow__, __rpow__ = _binary(operator.pow), _binary(operator.pow, True)
+    __matmul__, __rmatmul__ = _binary(operator.matmul), _binary(operator.matmul, True)
+    __and__, __rand__ = _binary(operator.and_), _binary(operator.and_, True)
+    __or__, __ror__ = _binary(operator.or_), _binary(operator.or_, True)
+    __xor__, __rxor__ = _binary(operator.xor), _binary(operator.xor, True)
+    __lshift__, __rlshift__ = _binary(operator.lshift), _binary(operator.lshift, True)
+    __rshift__, __rrshift__ = _binary(operator.rshift), _binary(operator.rshift, True)
+    __lt__, __le__, __gt__, __ge__ = (_binary(operator.lt), _binary(operator.le), _binary(operator.gt),
+                                      _binary(operator.ge))
+    __eq__ = _binary(operator.eq)  # type: ignore[assignment]
+    __ne__ = _binary(operator.ne)  # type: ignore[assignment]
+    __neg__, __pos__, __abs__, __invert__ = (_unary(operator.neg), _unary(operator.pos), _unary(operator.abs),
+                                             _unary(operator.invert))
+    __bool__, __int__, __float__, __complex__, __index__ = (_scalar(bool), _scalar(int), _scalar(float),
+                                                            _scalar(complex), _scalar(operator.index))
 
     def __init__(self, session: Session, buffer_id: int, shape: tuple[int, ...], dtype: np.dtype,
                  sharding: SliceSharding, weak_type: bool = False) -> None:
@@ -73,7 +137,11 @@ class Array:
         if self._donated:
             self._take_back()
         if self._deleted:
-            raise ValueError(f"pw.Array {self._id} was deleted")
+            raise DeletedArrayError(f"Array has been deleted with shape={self._short_type()}. (pw.Array {self._id})")
+
+    def _short_type(self) -> str:
+        """As JAX writes an array's type: ``float32[8,2]``."""
+        return f"{self.dtype.name}[{','.join(map(str, self.shape))}]"
 
     def _take_back(self) -> None:
         """Used after it was donated: the cluster gives it back if the run it went to was aborted before it
@@ -156,6 +224,25 @@ class Array:
         except Exception:  # interpreter shutdown or a closed connection: nothing left to free
             pass
 
+    def __getitem__(self, index: Any) -> Any:
+        return _ops().getitem(self, index)
+
+    def __iter__(self) -> Any:
+        return _ops().rows(self)
+
+    def astype(self, dtype: Any, copy: bool = False) -> Any:
+        """A new array of ``dtype`` on the same devices (``copy``: accepted, as ``jax.Array.astype``'s; the
+        result is always a new array)."""
+        del copy
+        return _ops().astype(self, dtype)
+
+    def item(self, *args: Any) -> Any:
+        """An element as a Python scalar (fetched), as ``jax.Array.item``."""
+        return self.value().item(*args)
+
+    def copy_to_host_async(self) -> None:
+        """As ``jax.Array``'s, accepted; the value is fetched when first read (``np.asarray``, ``pw.get``)."""
+
     def __len__(self) -> int:
         if not self.shape:
             raise TypeError("len() of a 0-d pw.Array")
@@ -164,8 +251,8 @@ class Array:
     def __repr__(self) -> str:
         if self._donated:
             state = "donated"
-        elif self._deleted:
-            state = "deleted"
+        elif self._deleted:  # as jax.Array's repr
+            raise DeletedArrayError("Array has been deleted.")
         elif self._value is not None:
             state = "fetched"
         else:

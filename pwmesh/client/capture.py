@@ -2,11 +2,11 @@
 
 In ``jax.jit`` a ``jax.Array`` closed over is a constant of the computation. A ``pw.Array`` lives on
 the cluster, so it cannot be baked into the exported module; it is passed in, as an argument the
-function did not name. ``pw.jit`` traces a new signature once more first (``discover``), with every
-``pw.Array`` it touches standing for zeros of its shape; if it touched any, the function is exported
-with them as extra inputs (``lifted``), each standing for its own input's tracer. As with JAX's
-constants, what a function closed over is fixed when it is traced: rebinding the name later is not
-seen by that signature's later calls.
+function did not name. ``pw.jit`` traces a new signature with every ``pw.Array`` it touches standing
+for zeros of its shape (``discover``); if it touched any, it traces it once more with them as extra
+inputs (``lifted``), each standing for its own input's tracer. As with JAX's constants, what a function
+closed over is fixed when it is traced: rebinding the name later is not seen by that signature's later
+calls.
 
 The hook is ``pw.Array.__jax_array__`` (``as_jax``), which JAX calls where an operator meets one
 (``x + w``, ``w @ x``, ``jnp.asarray(w)``); JAX's own functions given one directly (``jnp.sin(w)``)
@@ -18,16 +18,22 @@ from __future__ import annotations
 
 import contextvars
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
-import jax
 import jax.numpy as jnp
 
 from pwmesh.errors import InvalidArgument
 
+T = TypeVar("T")
+
 # What a pw.Array becomes in the trace under way: None outside one (its value).
 _standing_for: contextvars.ContextVar[Callable[[Any], Any] | None] = contextvars.ContextVar(
     "pwmesh_capture", default=None)
+
+
+def active() -> bool:
+    """Whether ``pw.jit`` is tracing a function here (a ``pw.Array`` then stands for an input of it)."""
+    return _standing_for.get() is not None
 
 
 def as_jax(array: Any) -> Any:
@@ -38,8 +44,9 @@ def as_jax(array: Any) -> Any:
     return standing_for(array)
 
 
-def discover(fn: Callable[..., Any], avals: Sequence[jax.ShapeDtypeStruct]) -> list[Any]:
-    """The ``pw.Array``s ``fn`` closes over, in the order it first touches them (one abstract trace)."""
+def discover(trace: Callable[[], T]) -> tuple[list[Any], T]:
+    """Run ``trace`` (one abstract trace of a function) with every ``pw.Array`` it touches standing for zeros of
+    its shape: the arrays, in the order it first touched them, and what ``trace`` returned."""
     found: dict[int, Any] = {}
 
     def record(array: Any) -> Any:
@@ -48,10 +55,10 @@ def discover(fn: Callable[..., Any], avals: Sequence[jax.ShapeDtypeStruct]) -> l
 
     token = _standing_for.set(record)
     try:
-        jax.eval_shape(fn, *avals)
+        result = trace()
     finally:
         _standing_for.reset(token)
-    return list(found.values())
+    return list(found.values()), result
 
 
 def lifted(fn: Callable[..., Any], captured: Sequence[Any]) -> Callable[..., Any]:

@@ -17,8 +17,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import export
+from jax.extend import core as jax_core
 from jax.sharding import AbstractMesh, AxisType, NamedSharding, PartitionSpec
 
+from pwmesh.client import capture
 from pwmesh.client.devices import Slice
 from pwmesh.client.sharding import P, SliceSharding, abstract_mesh, propagation_mesh, resolve, spec_from
 from pwmesh.errors import InvalidArgument
@@ -60,28 +62,79 @@ def _quiet_export(jitted: Any, sl: Slice, avals: Sequence[jax.ShapeDtypeStruct])
         return export.export(jitted, platforms=sl.platforms)(*avals)
 
 
-def export_jit(flat_fn: Callable[..., Any], sl: Slice, avals: Sequence[jax.ShapeDtypeStruct],
+@dataclasses.dataclass(frozen=True)
+class TracedFunction:
+    """A function traced once for one signature. Every later step (asking XLA for the outputs' shardings, the
+    export, a call inlined into another trace) replays its jaxpr, never the Python body: the body runs once per
+    signature, as under ``jax.jit``."""
+
+    jaxpr: Any  # a ClosedJaxpr: flat inputs (the arguments' leaves, then ``captured``) to flat outputs
+    in_avals: tuple[jax.ShapeDtypeStruct, ...]
+    out_avals: tuple[jax.ShapeDtypeStruct, ...]
+    out_tree: Any
+    captured: tuple[Any, ...]  # the pw.Arrays it closes over: its last inputs (``pwmesh.client.capture``)
+    hoisted: tuple[Any, ...] = ()  # tracers of an enclosing trace it closes over: the jaxpr's first inputs
+
+    @property
+    def flat(self) -> Callable[..., list[Any]]:
+        """The function again, flat inputs to flat outputs (an artifact holds no user pytree types, optax's
+        states say, which ``jax.export`` cannot serialize: the caller rebuilds the structure it traced)."""
+        replay = jax_core.jaxpr_as_fun(self.jaxpr)
+        hoisted = self.hoisted
+
+        def flat(*args: Any) -> list[Any]:
+            return list(replay(*hoisted, *args))
+
+        return flat
+
+    @property
+    def out_shape(self) -> Any:
+        return jax.tree_util.tree_unflatten(self.out_tree, list(self.out_avals))
+
+    @property
+    def reusable(self) -> bool:
+        """Whether it may serve later calls: not when it closes over a tracer of the trace it was made in."""
+        return not self.hoisted and not any(isinstance(c, jax.core.Tracer) for c in self.jaxpr.consts)
+
+
+def _aval(x: Any) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct(x.shape, x.dtype, weak_type=bool(getattr(x, "weak_type", False)))
+
+
+def trace_jit(fn: Callable[..., Any], avals: Sequence[jax.ShapeDtypeStruct]) -> TracedFunction:
+    """``fn(*leaves)`` traced for ``avals``: once, or twice where it closes over ``pw.Array``s (then with each
+    as an input of its own)."""
+    closed, traced = capture.discover(lambda: jax.jit(fn).trace(*avals))
+    if closed:
+        avals = [*avals, *map(_aval, closed)]
+        traced = jax.jit(capture.lifted(fn, closed)).trace(*avals)
+    out_leaves, out_tree = jax.tree_util.tree_flatten(traced.out_info)
+    return TracedFunction(traced.jaxpr, tuple(avals), tuple(map(_aval, out_leaves)), out_tree, tuple(closed),
+                          tuple(traced._consts))  # JAX has no public name for them
+
+
+def export_jit(fn: Callable[..., Any] | TracedFunction, sl: Slice, avals: Sequence[jax.ShapeDtypeStruct],
                in_specs: Sequence[PartitionSpec], out_specs: Any, donate: Sequence[int], name: str) -> ExportedFunction:
-    """``flat_fn(*leaves)`` as one SPMD program over ``sl``'s mesh (a plain one on a single device).
+    """``fn(*leaves)`` (or a function traced already) as one SPMD program over ``sl``'s mesh (a plain one on a
+    single device).
 
     ``out_specs``: a spec or pytree prefix of specs for the outputs (``None`` leaves: what XLA's
     propagation chooses, asked by compiling here once). It is traced under the slice's mesh, as ``jax.jit``
     is under ``jax.set_mesh``: ``with_sharding_constraint(x, P(...))`` and ``shard_map`` over the slice's axis
     names work inside it."""
     with jax.sharding.use_abstract_mesh(abstract_mesh(sl)):
-        return _export_jit(flat_fn, sl, avals, in_specs, out_specs, donate, name)
+        traced = fn if isinstance(fn, TracedFunction) else trace_jit(fn, avals)
+        return _export_jit(traced, sl, traced.in_avals, in_specs, out_specs, donate, name)
 
 
-def _export_jit(flat_fn: Callable[..., Any], sl: Slice, avals: Sequence[jax.ShapeDtypeStruct],
+def _export_jit(traced: TracedFunction, sl: Slice, avals: Sequence[jax.ShapeDtypeStruct],
                 in_specs: Sequence[PartitionSpec], out_specs: Any, donate: Sequence[int],
                 name: str) -> ExportedFunction:
     n = len(sl.devices)
-    out_shape = jax.eval_shape(flat_fn, *avals)
-    out_leaves, out_tree = jax.tree_util.tree_flatten(out_shape)
-    flat_fn = _flat_outputs(flat_fn)  # the artifact's pytrees are lists: the client keeps the structure
-    for i, leaf in enumerate(out_leaves):
-        if not isinstance(leaf, jax.ShapeDtypeStruct):
-            raise InvalidArgument(f"{name}: output {i} is a {type(leaf).__name__}; a function returns arrays")
+    out_shape = traced.out_shape
+    out_leaves = traced.out_avals
+    out_tree = traced.out_tree
+    flat_fn = traced.flat
     wanted = resolve(out_specs, out_shape, f"{name}: out_specs")
     for i, (leaf, spec) in enumerate(zip(out_leaves, wanted, strict=True)):
         if spec is not None:
@@ -173,17 +226,30 @@ def _flat_outputs(fn: Callable[..., Any]) -> Callable[..., list[Any]]:
 
 def canonical(value: Any) -> np.ndarray:
     """A host value as the array JAX would make of it (float64 -> float32 unless x64 is on). A NumPy masked
-    array is refused, as JAX refuses it (its mask would be dropped in silence)."""
+    array is refused, as JAX refuses it (its mask would be dropped in silence); so is a Python int out of
+    the range of JAX's integer type (``OverflowError``, as ``jax.jit`` and ``jax.device_put`` raise)."""
     if isinstance(value, np.ma.MaskedArray):
         raise InvalidArgument("numpy masked arrays are not supported as direct inputs to JAX functions. Use "
                               "arr.filled() to convert the value to a standard numpy array.")
+    if isinstance(value, int) and not isinstance(value, bool):
+        return _python_int(value)
     arr = np.asarray(value)
     dtype = jax.dtypes.canonicalize_dtype(arr.dtype)
     return arr if arr.dtype == dtype else arr.astype(dtype)
 
 
+def _python_int(value: int) -> np.ndarray:
+    dtype = np.dtype(jax.dtypes.canonicalize_dtype(np.int64))
+    info = np.iinfo(dtype)
+    if not info.min <= value <= info.max:
+        raise OverflowError(f"Python int {value} too large to convert to {dtype.name}")
+    return np.asarray(value, dtype)
+
+
 def host_aval(value: Any) -> jax.ShapeDtypeStruct:
-    """The abstract value of a host leaf; Python scalars are weakly typed, as in ``jax.jit``."""
-    weak = isinstance(value, (bool, int, float, complex)) and not isinstance(value, np.generic)
+    """The abstract value of a host leaf; weakly typed as in ``jax.jit``: a Python scalar, or a ``jax.Array``
+    that is weak itself (``jnp.array(3.0)``)."""
+    python_scalar = isinstance(value, (int, float, complex)) and not isinstance(value, (bool, np.generic))
+    weak = python_scalar or (isinstance(value, jax.Array) and value.weak_type)
     arr = canonical(value)
-    return jax.ShapeDtypeStruct(arr.shape, arr.dtype, weak_type=weak and not isinstance(value, bool))
+    return jax.ShapeDtypeStruct(arr.shape, arr.dtype, weak_type=weak)

@@ -18,77 +18,87 @@ it runs as a one-node program of its own.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import threading
+import types
 import weakref
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any
+from typing import Any, overload
 
 import jax
+from jax.sharding import AbstractMesh
 
-from pwmesh.client import capture, dispatch
+from pwmesh.client import dispatch
+from pwmesh.client.argnums import argnums_and_argnames
 from pwmesh.client.array import Array
 from pwmesh.client.devices import Slice, VirtualDevice, slice_of
-from pwmesh.client.export import ExportedFunction, export_jit, export_pmap
+from pwmesh.client.export import ExportedFunction, TracedFunction, export_jit, export_pmap, trace_jit
 from pwmesh.client.sharding import P, SliceSharding, abstract_mesh, default_spec, is_spec_leaf, resolve
+from pwmesh.client.stages import Lowered
 from pwmesh.client.tracing import Call, ProgramCache, Symbol, current_builder, leaf_aval, split_static, with_static
 from pwmesh.errors import InvalidArgument
-
-
-def _argnums(value: int | Iterable[int] | None) -> tuple[int, ...]:
-    if value is None:
-        return ()
-    return (value,) if isinstance(value, int) else tuple(value)
-
-
-def _argnames(value: str | Iterable[str] | None) -> tuple[str, ...]:
-    if value is None:
-        return ()
-    return (value,) if isinstance(value, str) else tuple(value)
-
-
-def _both_ways(fn: Callable[..., Any], nums_given: int | Iterable[int] | None,
-               names_given: str | Iterable[str] | None) -> tuple[tuple[int, ...], tuple[str, ...]]:
-    """Argument numbers and names, as ``jax.jit`` infers them: one left out (None) is completed from the
-    other through ``fn``'s signature; both given, each is taken as it is (``static_argnames=()`` says no
-    argument is static by name, whatever the numbers)."""
-    nums, names = _argnums(nums_given), _argnames(names_given)
-    if nums_given is not None and names_given is not None:
-        return nums, names
-    try:
-        params = list(inspect.signature(fn).parameters.values())
-    except (TypeError, ValueError):  # a builtin or a callable without a signature
-        return nums, names
-    positional = [p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-    if nums_given is None:
-        nums = tuple(sorted({positional.index(n) for n in names if n in positional}))
-    if names_given is None:
-        names = tuple(positional[i] for i in nums if 0 <= i < len(positional))
-    return nums, names
-
 
 # Exports by function, shared by every wrapper of it with the same calling convention on a slice of the same
 # mesh (``jax.jit(f)(x)`` in a loop makes a new wrapper each time, and finds its compiled function in JAX's
 # cache): function -> (mesh, axes, platforms, convention) -> (exports, closed-over arrays) by call signature.
-_SHARED: weakref.WeakKeyDictionary[Callable[..., Any], dict[tuple[Any, ...], tuple[dict[Any, Any], dict[Any, Any]]]] = \
-    weakref.WeakKeyDictionary()
+_SHARED: weakref.WeakKeyDictionary[Callable[..., Any], dict[tuple[Any, ...], _Caches]] = weakref.WeakKeyDictionary()
 _shared_lock = threading.Lock()
+
+
+def _abstract(leaf: Any) -> jax.ShapeDtypeStruct:
+    """A leaf's abstract value, a tracer's included (weak types kept)."""
+    if isinstance(leaf, jax.core.Tracer):
+        aval = jax.typeof(leaf)
+        return jax.ShapeDtypeStruct(aval.shape, aval.dtype, weak_type=aval.weak_type)
+    return leaf_aval(leaf)
+
+
+def _one_call(ref: weakref.ref[_Compiled]) -> Callable[[Sequence[Any], dict[str, Any], tuple[Any, ...]], Any]:
+    """The body of the one-node program an eager call runs (the wrapper held weakly: its cache of programs
+    keeps no cycle through it, so dropping the wrapper frees it and what its function closes over at once)."""
+
+    def call(args: Sequence[Any], kwargs: dict[str, Any], static: tuple[Any, ...]) -> Any:
+        compiled = ref()
+        assert compiled is not None, "traced through a live wrapper"
+        full, kw = with_static(args, kwargs, static)
+        return compiled(*full, **kw)
+
+    return call
+
+
+class _Caches:
+    """What every wrapper of one function with one calling convention on one mesh shares."""
+
+    __slots__ = ("exports", "captured", "traces")
+
+    def __init__(self) -> None:
+        self.exports: dict[tuple[Any, ...], ExportedFunction] = {}
+        self.captured: dict[tuple[Any, ...], list[Array]] = {}  # by export key: the pw.Arrays it closes over
+        self.traces: dict[tuple[Any, ...], TracedFunction] = {}  # by (mesh, static, in_tree, avals)
 
 
 class _Compiled:
     """What ``pw.jit`` and ``pw.pmap`` share: the slice, the exports cache, the eager path."""
 
     def __init__(self, fn: Callable[..., Any], devices: Slice | Sequence[VirtualDevice]) -> None:
+        if not callable(fn):
+            raise TypeError(f"Expected a callable value, got {fn}")
+        if inspect.isgeneratorfunction(fn):
+            raise TypeError(f"Expected a function, got a generator function: {fn}")
+        functools.update_wrapper(self, fn)  # its name, module, docstring, annotations, attributes: jax.jit's too
+        self.__name__ = getattr(fn, "__name__", "fn")
         self.fn = fn
         self.slice = slice_of(devices)
-        self.__name__ = getattr(fn, "__name__", "fn")
-        self.__doc__ = getattr(fn, "__doc__", None)
         self._lock = threading.Lock()
-        self._exports: dict[tuple[Any, ...], ExportedFunction] = {}
-        self._captured: dict[tuple[Any, ...], list[Array]] = {}  # by export key: the pw.Arrays it closes over
-        self.eager = ProgramCache(self._one_call)
+        self._caches = _Caches()
+        self.eager = ProgramCache(_one_call(weakref.ref(self)))
         self.static_argnums: tuple[int, ...] = ()
         self.static_argnames: tuple[str, ...] = ()
+
+    @property
+    def _exports(self) -> dict[tuple[Any, ...], ExportedFunction]:
+        return self._caches.exports
 
     @property
     def num_devices(self) -> int:
@@ -101,7 +111,7 @@ class _Compiled:
         try:
             hash(key)
             with _shared_lock:
-                self._exports, self._captured = _SHARED.setdefault(self.fn, {}).setdefault(key, ({}, {}))
+                self._caches = _SHARED.setdefault(self.fn, {}).setdefault(key, _Caches())
         except TypeError:
             pass
 
@@ -111,20 +121,47 @@ class _Compiled:
 
     def _exported(self, key: tuple[Any, ...], make: Callable[[], ExportedFunction]) -> ExportedFunction:
         with self._lock:
-            found = self._exports.get(key)
+            found = self._caches.exports.get(key)
         if found is None:
             found = make()
             with self._lock:
-                found = self._exports.setdefault(key, found)
+                found = self._caches.exports.setdefault(key, found)
         return found
+
+    def _trace(self, static: tuple[Any, ...], in_tree: Any, avals: Sequence[jax.ShapeDtypeStruct],
+               mesh: AbstractMesh) -> TracedFunction:
+        """The function traced for this signature under ``mesh``: once, then found by every later call, export and
+        inlined call of it (as ``jax.jit`` traces once per signature)."""
+        key = (mesh, static, in_tree, tuple((a.shape, str(a.dtype), a.weak_type) for a in avals))
+        with self._lock:
+            found = self._caches.traces.get(key)
+        if found is not None:
+            return found
+        with jax.sharding.use_abstract_mesh(mesh):
+            traced = trace_jit(self._flat(static, in_tree), avals)
+        if traced.reusable:
+            with self._lock:
+                traced = self._caches.traces.setdefault(key, traced)
+        return traced
+
+    def _flat(self, static: tuple[Any, ...], in_tree: Any) -> Callable[..., Any]:
+        """The function of its dynamic arguments' leaves (a pw.Array it returns as it is: an output it computes)."""
+        fn = self.fn
+
+        def flat_fn(*flat: Any) -> Any:
+            a, k = jax.tree_util.tree_unflatten(in_tree, list(flat))
+            full, kw = with_static(a, k, static)
+            out = fn(*full, **kw)
+            return jax.tree_util.tree_map(lambda x: x.__jax_array__() if isinstance(x, Array) else x, out)
+
+        return flat_fn
 
     def bind(self, args: Sequence[Any], kwargs: dict[str, Any]) -> Call:
         raise NotImplementedError
 
-    def _one_call(self, args: Sequence[Any], kwargs: dict[str, Any], static: tuple[Any, ...]) -> Any:
-        """The body of the one-node program an eager call runs."""
-        full, kw = with_static(args, kwargs, static)
-        return self(*full, **kw)
+    def __get__(self, instance: Any, owner: Any = None) -> Any:
+        """As a method, bound to its instance (as ``jax.jit``'s function is)."""
+        return self if instance is None else types.MethodType(self, instance)
 
     def _traced(self, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
         """Called while another function is being traced (``pw.jit``'s, ``jax.jit``'s): what it becomes there."""
@@ -132,6 +169,9 @@ class _Compiled:
                               "use jax.vmap inside")
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        # As jax.jit under jax.disable_jit(): the Python function, called as it is.
+        if jax.config.jax_disable_jit:  # type: ignore[attr-defined]
+            return self.fn(*args, **kwargs)
         if any(isinstance(leaf, jax.core.Tracer) for leaf in jax.tree_util.tree_leaves((args, kwargs))):
             return self._traced(args, kwargs)
         builder = current_builder()
@@ -152,8 +192,8 @@ class JitFunction(_Compiled):
         super().__init__(fn, devices)
         self.in_specs = in_specs
         self.out_specs = out_specs
-        self.static_argnums, self.static_argnames = _both_ways(fn, static_argnums, static_argnames)
-        self.donate_argnums, self.donate_argnames = _both_ways(fn, donate_argnums, donate_argnames)
+        self.static_argnums, self.static_argnames = argnums_and_argnames(fn, static_argnums, static_argnames, "static")
+        self.donate_argnums, self.donate_argnames = argnums_and_argnames(fn, donate_argnums, donate_argnames, "donate")
         clash = set(self.static_argnums) & set(self.donate_argnums)
         if clash:
             raise InvalidArgument(f"{self.__name__}: argument(s) {sorted(clash)} are both static and donated")
@@ -162,13 +202,19 @@ class JitFunction(_Compiled):
 
     def _traced(self, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
         """Inlined, as ``jax.jit`` inside a traced function is: part of the one program being traced (its
-        slice and specs are the outer function's business; donation, as in JAX, does not apply)."""
-        return jax.jit(self.fn, static_argnums=self.static_argnums, static_argnames=self.static_argnames)(
-            *args, **kwargs)
+        slice and specs are the outer function's business; donation, as in JAX, does not apply). Traced once
+        per signature, as a call of it outside any trace is (the two share their traces)."""
+        dyn_args, dyn_kwargs, static = self.split(args, kwargs)
+        leaves, in_tree = jax.tree_util.tree_flatten((dyn_args, dyn_kwargs))
+        leaves = [leaf.__jax_array__() if isinstance(leaf, Array) else leaf for leaf in leaves]
+        traced = self._trace(static, in_tree, [_abstract(leaf) for leaf in leaves], jax.sharding.get_abstract_mesh())
+        closed = [a.__jax_array__() for a in traced.captured]  # the outer trace's own inputs for them
+        return jax.tree_util.tree_unflatten(traced.out_tree, jax.jit(traced.flat)(*leaves, *closed))
 
     def _wanted(self, dyn_args: tuple[Any, ...], dyn_kwargs: dict[str, Any]) -> list[Any]:
         """The spec asked for each leaf (``None``: the default): ``in_specs`` covers the positional
-        arguments (static ones left out, as ``jax.jit``'s ``in_shardings``); keyword ones take the default."""
+        arguments (static ones left out, as ``jax.jit``'s ``in_shardings``); keyword ones take the default
+        (``jax.jit`` refuses them when ``in_shardings`` are given)."""
         n_kw = len(jax.tree_util.tree_leaves(dyn_kwargs))
         if self.in_specs is None:
             return [None] * (len(jax.tree_util.tree_leaves(dyn_args)) + n_kw)
@@ -217,28 +263,19 @@ class JitFunction(_Compiled):
         donate = self._donated_leaves(args, kwargs)
         key = (static, in_tree, tuple((a.shape, str(a.dtype), a.weak_type) for a in avals),
                tuple(tuple(map(tuple, s.wire.spec)) for s in shardings), tuple(donate))
-        fn = self.fn
-
-        def flat_fn(*flat: Any) -> Any:
-            a, k = jax.tree_util.tree_unflatten(in_tree, list(flat))
-            full, kw = with_static(a, k, static)
-            return fn(*full, **kw)
-
         def export() -> ExportedFunction:
-            with jax.sharding.use_abstract_mesh(abstract_mesh(self.slice)):  # as the export traces it
-                closed = capture.discover(flat_fn, avals)
-            wanted = [s.spec for s in shardings]
-            if not closed:
-                return export_jit(flat_fn, self.slice, avals, wanted, self.out_specs, donate, self.__name__)
-            with self._lock:
-                self._captured[key] = closed
-            return export_jit(capture.lifted(flat_fn, closed), self.slice, [*avals, *map(leaf_aval, closed)],
-                              [*wanted, *(self._closed_sharding(a).spec for a in closed)], self.out_specs, donate,
-                              self.__name__)
+            traced = self._trace(static, in_tree, avals, abstract_mesh(self.slice))
+            closed = list(traced.captured)
+            if closed:
+                with self._lock:
+                    self._caches.captured[key] = closed
+            return export_jit(traced, self.slice, traced.in_avals,
+                              [*(s.spec for s in shardings), *(self._closed_sharding(a).spec for a in closed)],
+                              self.out_specs, donate, self.__name__)
 
         exported = self._exported(key, export)
         with self._lock:
-            closed = self._captured.get(key, [])
+            closed = self._caches.captured.get(key, [])
         return Call(self.__name__, exported, self.slice, [*leaves, *closed],
                     [*shardings, *map(self._closed_sharding, closed)], donate, captured=len(closed))
 
@@ -248,50 +285,15 @@ class JitFunction(_Compiled):
 
     def lower(self, *args: Any, **kwargs: Any) -> Lowered:
         """Ahead of time, as ``jax.jit(...).lower``: the function traced and exported for these arguments (values,
-        ``pw.Array``s or ``jax.ShapeDtypeStruct``s), without running it."""
+        ``pw.Array``s, ``jax.ShapeDtypeStruct``s or ``jax.core.ShapedArray``s), without running it."""
+        dyn_args, dyn_kwargs, static = self.split(args, kwargs)
+        in_tree = jax.tree_util.tree_structure((dyn_args, dyn_kwargs))
         call = self.bind(args, kwargs)
-        return Lowered(self, call.exported, tuple(leaf_aval(leaf) for leaf in call.leaves[:len(call.leaves) - call.captured]))
+        own = call.leaves[:len(call.leaves) - call.captured]
+        return Lowered(self, call.exported, static, in_tree, tuple(map(leaf_aval, own)), call.donate)
 
     def __repr__(self) -> str:
         return f"pw.jit({self.__name__}, slice={self.slice.slice_id}, mesh={self.slice.mesh})"
-
-
-class Lowered:
-    """``pw.jit(f).lower(*args)``: what ``jax.jit``'s ``Lowered`` is, for a slice."""
-
-    def __init__(self, fn: JitFunction, exported: ExportedFunction, avals: tuple[jax.ShapeDtypeStruct, ...]) -> None:
-        self._fn = fn
-        self.exported = exported
-        self.in_avals = avals
-        self.out_info = jax.tree_util.tree_unflatten(exported.out_tree, list(exported.out_avals))
-
-    def as_text(self) -> str:
-        """The StableHLO module the executors compile."""
-        return jax.export.deserialize(bytearray(self.exported.serialized)).mlir_module()
-
-    def compile(self) -> Compiled:
-        """Compiled, as ``jax.jit``'s: each executor compiles it when it first runs it (the cluster's devices
-        are not this process's), so this checks nothing more; calling it runs it."""
-        return Compiled(self)
-
-
-class Compiled:
-    """``pw.jit(f).lower(*args).compile()``: callable with arguments of the types it was lowered for."""
-
-    def __init__(self, lowered: Lowered) -> None:
-        self._lowered = lowered
-        self.out_info = lowered.out_info
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        fn = self._lowered._fn
-        dyn_args, dyn_kwargs, _ = fn.split(args, kwargs)
-        got = tuple(leaf_aval(leaf) for leaf in jax.tree_util.tree_leaves((dyn_args, dyn_kwargs)))
-        want = self._lowered.in_avals
-        if [(a.shape, a.dtype) for a in got] != [(a.shape, a.dtype) for a in want]:
-            raise TypeError(f"{fn.__name__}: argument types differ from those it was compiled for: got "
-                            f"{[f'{a.dtype}{list(a.shape)}' for a in got]}, compiled for "
-                            f"{[f'{a.dtype}{list(a.shape)}' for a in want]}")
-        return fn(*args, **kwargs)
 
 
 class MappedFunction(_Compiled):
@@ -322,17 +324,35 @@ class MappedFunction(_Compiled):
         return f"pw.pmap({self.__name__}, slice={self.slice.slice_id}, axis_name={self.axis_name!r})"
 
 
-def jit(fn: Callable[..., Any], *, devices: Slice | Sequence[VirtualDevice], in_specs: Any = None,
+@overload
+def jit(fn: Callable[..., Any], /, *, devices: Slice | Sequence[VirtualDevice], in_specs: Any = None,
         out_specs: Any = None, static_argnums: int | Iterable[int] | None = None,
         static_argnames: str | Iterable[str] | None = None, donate_argnums: int | Iterable[int] | None = None,
-        donate_argnames: str | Iterable[str] | None = None) -> JitFunction:
-    """``fn`` compiled for ``devices`` (a slice) like ``jax.jit`` with ``NamedSharding``s over its mesh.
+        donate_argnames: str | Iterable[str] | None = None) -> JitFunction: ...
+
+
+@overload
+def jit(fn: None = None, /, *, devices: Slice | Sequence[VirtualDevice], in_specs: Any = None,
+        out_specs: Any = None, static_argnums: int | Iterable[int] | None = None,
+        static_argnames: str | Iterable[str] | None = None, donate_argnums: int | Iterable[int] | None = None,
+        donate_argnames: str | Iterable[str] | None = None) -> Callable[[Callable[..., Any]], JitFunction]: ...
+
+
+def jit(fn: Callable[..., Any] | None = None, /, *, devices: Slice | Sequence[VirtualDevice], in_specs: Any = None,
+        out_specs: Any = None, static_argnums: int | Iterable[int] | None = None,
+        static_argnames: str | Iterable[str] | None = None, donate_argnums: int | Iterable[int] | None = None,
+        donate_argnames: str | Iterable[str] | None = None) -> Any:
+    """``fn`` compiled for ``devices`` (a slice) like ``jax.jit`` with ``NamedSharding``s over its mesh; without
+    ``fn``, a decorator that compiles the function it is given so (``@pw.jit(devices=s, static_argnames=...)``).
 
     ``in_specs``: a ``PartitionSpec`` for every argument, or a tuple with one entry per positional
     argument (static ones left out), each a pytree prefix of that argument (``None``: the default).
     ``out_specs``: a spec or a pytree prefix of the result. Defaults: see the module docstring."""
-    return JitFunction(fn, devices, in_specs=in_specs, out_specs=out_specs, static_argnums=static_argnums,
-                       static_argnames=static_argnames, donate_argnums=donate_argnums, donate_argnames=donate_argnames)
+    options = dict(in_specs=in_specs, out_specs=out_specs, static_argnums=static_argnums,
+                   static_argnames=static_argnames, donate_argnums=donate_argnums, donate_argnames=donate_argnames)
+    if fn is None:
+        return functools.partial(JitFunction, devices=devices, **options)
+    return JitFunction(fn, devices, **options)
 
 
 def pmap(fn: Callable[..., Any], *, devices: Slice | Sequence[VirtualDevice],

@@ -103,6 +103,11 @@ def split_static(fn_name: str, args: Sequence[Any], kwargs: dict[str, Any], stat
         except TypeError:
             raise InvalidArgument(f"{fn_name}: static argument {where!r} is a {type(value).__name__}, which is not "
                                   "hashable (static arguments key the compiled function)") from None
+        try:
+            value == value  # noqa: B015 - what a cache hit would ask: asked now, so it fails at once or never
+        except Exception as exc:
+            raise InvalidArgument(f"{fn_name}: static argument {where!r}: static arguments should be comparable "
+                                  f"using __eq__ ({type(exc).__name__}: {exc})") from exc
     dyn_args = tuple(a for i, a in enumerate(args) if i not in nums)
     dyn_kwargs = {k: v for k, v in kwargs.items() if k not in names}
     return dyn_args, dyn_kwargs, static
@@ -362,7 +367,7 @@ def leaf_signature(leaf: Any) -> tuple[Any, ...]:
 def leaf_aval(leaf: Any) -> jax.ShapeDtypeStruct:
     if isinstance(leaf, (Array, Symbol)):
         return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, weak_type=leaf.weak_type)
-    if isinstance(leaf, jax.ShapeDtypeStruct):  # ahead of time (``.lower``): a shape and a dtype stand for a value
+    if isinstance(leaf, (jax.ShapeDtypeStruct, jax.core.ShapedArray)):  # ahead of time (``.lower``): types stand for values
         return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, weak_type=leaf.weak_type)
     return host_aval(leaf)
 

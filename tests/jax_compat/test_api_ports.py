@@ -7,9 +7,8 @@ How a port reads upstream's checks:
 - A result is a ``pw.Array`` future: ``np.asarray`` fetches it where upstream compares a ``jax.Array`` with ``==``.
 - An argument upstream donates is a ``jax.Array`` on a device; here it is a ``pw.Array`` (``pw.put``), the only kind a
   call can consume (a host value given to a donating ``pw.jit`` is copied in and stays the caller's).
-- Upstream counts traces (``len(side) == 1``). ``pw.jit`` runs a function's Python body more than once for a new
-  signature (``test_jit_of_grad``'s xfail says how many), so the ports that check cache hits and misses ask whether a
-  call traced anew (``_Traces``), and the cases that count exactly are kept as they are, marked xfail.
+- Upstream counts traces (``len(side) == 1``); so do the ports (``_Traces``): ``pw.jit`` runs a function's Python body
+  once per signature, as ``jax.jit`` does.
 - Skipped: device and backend arguments, cache internals (``_cache_size``, ``clear_cache``, live executables), HLO
   text and dialects, compiler options, cost and memory analyses, ``jax.config`` flags and ``disable_jit``.
 """
@@ -36,14 +35,11 @@ import pwmesh as pw
 pytestmark = pytest.mark.timeout(180)
 
 DONATE = [("argnums", "donate_argnums", 0), ("argnames", "donate_argnames", "x")]
-TRACE_COUNT = ("pwmesh: the function's Python body runs 3 times on the first call of a signature on 2 devices "
-               "(capture.discover, export._propagated's compile asking XLA for the output shardings, jax.export in "
-               "_quiet_export; 2 times when out_specs is given or on one device), where jax.jit traces it once; "
-               "minimal: side = []; f = pw.jit(lambda x: side.append(1) or x * 2, devices=s); f(1.0); len(side) == 3")
 
 
 class _Traces:
-    """Whether calls traced the function anew: ``fn`` wrapped to note each time its body runs."""
+    """How many times calls traced the function: ``fn`` wrapped to count each time its body runs (upstream's
+    ``len(side)``)."""
 
     def __init__(self) -> None:
         self.count = 0
@@ -57,10 +53,10 @@ class _Traces:
 
         return traced
 
-    def anew(self) -> bool:
-        """Whether the body ran since the last question."""
+    def since(self) -> int:
+        """How many times the body ran since the last question."""
         seen, self._seen = self._seen, self.count
-        return self.count > seen
+        return self.count - seen
 
 
 def _jit(sl: pw.Slice, **kwargs):
@@ -79,9 +75,6 @@ def test_jit_repr(mesh_2x1: pw.Slice) -> None:
 
 
 # api_test.py: JitTest.test_jit_decorator_factory
-@pytest.mark.xfail(strict=True, reason="pwmesh: pw.jit has no decorator-factory form: pw.jit(devices=s, "
-                   "static_argnames=['flag']) raises TypeError \"jit() missing 1 required positional argument: 'fn'\" "
-                   "(jax.jit(static_argnames=...) returns a decorator)")
 def test_jit_decorator_factory(mesh_2x1: pw.Slice) -> None:
     @pw.jit(devices=mesh_2x1, static_argnames=["flag"])
     def func(x, flag):
@@ -102,16 +95,12 @@ def test_jit_decorator_through_partial(mesh_2x1: pw.Slice) -> None:
 
 
 # api_test.py: JitTest.test_jit_of_noncallable
-@pytest.mark.xfail(strict=True, reason="pwmesh: pw.jit(3, devices=s) is accepted (the error comes only at the first "
-                   "call); jax.jit(3) raises TypeError 'Expected a callable value, got 3'")
 def test_jit_of_noncallable(mesh_2x1: pw.Slice) -> None:
     with pytest.raises(TypeError, match="Expected a callable value.*"):
         pw.jit(3, devices=mesh_2x1)
 
 
 # api_test.py: JitTest.test_jit_of_generator
-@pytest.mark.xfail(strict=True, reason="pwmesh: pw.jit of a generator function is accepted; jax.jit raises "
-                   "TypeError 'Expected a function, got a generator function'")
 def test_jit_of_generator(mesh_2x1: pw.Slice) -> None:
     def gen(x):
         yield x
@@ -120,7 +109,7 @@ def test_jit_of_generator(mesh_2x1: pw.Slice) -> None:
         pw.jit(gen, devices=mesh_2x1)
 
 
-# api_test.py: JitTest.test_jit_static_args (traced anew or not, rather than counted: see the module's docstring)
+# api_test.py: JitTest.test_jit_static_args
 @pytest.mark.parametrize("one, two, three", [(1, 2, 3), tuple(np.asarray(i, np.int32) for i in (1, 2, 3))],
                          ids=["int", "numpy"])
 def test_jit_static_args(mesh_2x1: pw.Slice, one, two, three) -> None:
@@ -133,27 +122,27 @@ def test_jit_static_args(mesh_2x1: pw.Slice, one, two, three) -> None:
 
     f1 = pw.jit(traces.wrap(f), devices=mesh_2x1, static_argnums=(3, 4))
     assert np.asarray(f1(one, two, three, True, False)) == 123
-    assert traces.anew()
+    assert traces.since() == 1
     assert np.asarray(f1(one, two, three, True, False)) == 123
-    assert not traces.anew()  # Obvious cache hit.
+    assert traces.since() == 0  # Obvious cache hit.
     assert np.asarray(f1(two, one, three, True, False)) == 213
-    assert not traces.anew()  # Should cache hit because same signature.
+    assert traces.since() == 0  # Should cache hit because same signature.
     assert np.asarray(f1(two, one, three, True, True)) == 213
-    assert traces.anew()
+    assert traces.since() == 1
 
     f2 = pw.jit(traces.wrap(f), devices=mesh_2x1, static_argnums=(0, 2, 3, 4))
     assert np.asarray(f2(1, 2, 3, True, False)) == 123
-    assert traces.anew()
+    assert traces.since() == 1
     assert np.asarray(f2(1, 3, 3, True, False)) == 133
-    assert not traces.anew()
+    assert traces.since() == 0
     assert np.asarray(f2(2, 2, 3, True, False)) == 223
-    assert traces.anew()
+    assert traces.since() == 1
     assert np.asarray(f2(2, 4, 3, True, False)) == 243
-    assert not traces.anew()
+    assert traces.since() == 0
     assert np.asarray(f2(2, 4, 3, True, True)) == 243
-    assert traces.anew()
+    assert traces.since() == 1
     assert np.asarray(f2(2, 5, 3, True, True)) == 253
-    assert not traces.anew()
+    assert traces.since() == 0
 
 
 # api_test.py: JitTest.test_static_args_equality (upstream's _cache_size() == 1 is a cache internal: left out)
@@ -173,9 +162,9 @@ def test_static_args_equality(mesh_2x1: pw.Slice) -> None:
 
     f1 = pw.jit(traces.wrap(f), devices=mesh_2x1, static_argnums=(1,))
     assert np.asarray(f1(1, A())) == 100
-    assert traces.anew()
+    assert traces.since() == 1
     assert np.asarray(f1(1, A())) == 100
-    assert not traces.anew()
+    assert traces.since() == 0
 
 
 # api_test.py: JitTest.test_jit_kwargs
@@ -189,14 +178,14 @@ def test_jit_kwargs(mesh_2x1: pw.Slice, one, two, three) -> None:
 
     f = pw.jit(traces.wrap(f), devices=mesh_2x1)
     assert np.asarray(f(one, two, three)) == 123
-    assert traces.anew()
+    assert traces.since() == 1
     assert np.asarray(f(one, two, three)) == 123
-    assert not traces.anew()
+    assert traces.since() == 0
 
     assert np.asarray(f(one, two, z=three)) == 123
-    assert traces.anew()  # actually recompiles from kwarg
+    assert traces.since() == 1  # actually recompiles from kwarg
     assert np.asarray(f(one, two, z=three)) == 123
-    assert not traces.anew()  # but should still cache
+    assert traces.since() == 0  # but should still cache
 
     np.asarray(f(one, two, z=np.zeros(3)))  # doesn't crash
 
@@ -207,10 +196,6 @@ def test_complex_support(mesh_2x1: pw.Slice) -> None:
 
 
 # api_test.py: JitTest.test_jit_argnums_overflow_error
-@pytest.mark.xfail(strict=True, reason="pwmesh: pw.jit does not check static_argnums/donate_argnums against the "
-                   "function's signature: pw.jit(lambda a, b, c: 0, devices=s, static_argnums=(0, 1, 3)) is accepted; "
-                   "jax.jit raises ValueError 'Jitted function has static_argnums=(0, 1, 3), but only accepts 3 "
-                   "positional arguments'")
 @pytest.mark.parametrize("argnum_type", ["static_argnums", "donate_argnums"])
 def test_jit_argnums_overflow_error(mesh_2x1: pw.Slice, argnum_type: str) -> None:
     def f(a, b, c): ...
@@ -247,10 +232,6 @@ def test_jit_argnums_overflow_error(mesh_2x1: pw.Slice, argnum_type: str) -> Non
 
 
 # api_test.py: JitTest.test_jit_argnames_validation
-@pytest.mark.xfail(strict=True, reason="pwmesh: pw.jit does not check static_argnames/donate_argnames against the "
-                   "function's signature: pw.jit(lambda a, b, c: 0, devices=s, static_argnames=('b', 'c', "
-                   "'not_defined')) is accepted; jax.jit raises ValueError \"Jitted function has invalid argnames "
-                   "{'not_defined'}\" (so for a positional-only or *args name)")
 @pytest.mark.parametrize("argnum_type", ["static_argnames", "donate_argnames"])
 def test_jit_argnames_validation(mesh_2x1: pw.Slice, argnum_type: str) -> None:
     def f(a, b, c): ...
@@ -279,10 +260,6 @@ def test_jit_with_many_args_works(mesh_2x1: pw.Slice) -> None:
 
 
 # api_test.py: JitTest.test_donate_argnames_signature_fail
-@pytest.mark.xfail(strict=True, reason="pwmesh: donate_argnames on a callable whose signature cannot be read is "
-                   "silently ignored (functions._both_ways catches the TypeError), the call runs donating nothing; "
-                   "jax.jit raises ValueError 'Getting the signature of function ... failed. Pass donate_argnums "
-                   "instead of donate_argnames.'")
 def test_donate_argnames_signature_fail(mesh_2x1: pw.Slice) -> None:
     class NoSignature:
         @property
@@ -419,8 +396,6 @@ def test_donate_argnums_with_kwargs(mesh_2x1: pw.Slice) -> None:
 
 
 # api_test.py: JitTest.test_donate_args_info_aot
-@pytest.mark.xfail(strict=True, reason="pwmesh: pw.jit(...).lower(...) has no args_info (AttributeError: 'Lowered' "
-                   "object has no attribute 'args_info'); jax's says per argument leaf whether it is donated")
 def test_donate_args_info_aot(mesh_2x1: pw.Slice) -> None:
     def fn(x, y):
         return jax.tree.map(lambda i: i * 2, x), y * 2
@@ -454,8 +429,8 @@ def test_double_donation(mesh_2x1: pw.Slice) -> None:
         result.block_until_ready()
 
 
-# api_test.py: JitTest.test_dict_donation (adapted: upstream reads lower(...).args_info, which pwmesh lacks, see
-# test_donate_args_info_aot; here the call's effect: which leaves are consumed)
+# api_test.py: JitTest.test_dict_donation (adapted: upstream reads lower(...).args_info, which
+# test_donate_args_info_aot checks; here the call's effect: which leaves are consumed)
 @pytest.mark.parametrize("jit_kwargs", [{"donate_argnames": ("z", "y")}, {"donate_argnums": (0, 1)}],
                          ids=["argnames", "argnums"])
 def test_dict_donation(mesh_2x1: pw.Slice, jit_kwargs) -> None:
@@ -515,14 +490,10 @@ def test_jit_deep_copy(mesh_2x1: pw.Slice) -> None:
     assert np.asarray(pw.jit(lambda x: copy.deepcopy(x), devices=mesh_2x1)(1)) == 1
 
 
-# api_test.py: JitTest.test_static_argnum_on_method (adapted: upstream's @jit(static_argnums=(0,)) is a decorator
-# factory, see test_jit_decorator_factory; functools.partial gives the same wrapper)
-@pytest.mark.xfail(strict=True, reason="pwmesh: a pw.jit function is not a descriptor (no __get__), so as a method it "
-                   "is not bound: A().my_func_jit(3) raises TypeError \"A.my_func_jit() missing 1 required positional "
-                   "argument: 'x'\"; jax.jit's binds self as a method does")
+# api_test.py: JitTest.test_static_argnum_on_method
 def test_static_argnum_on_method(mesh_2x1: pw.Slice) -> None:
     class A:
-        @_jit(mesh_2x1, static_argnums=(0,))
+        @pw.jit(devices=mesh_2x1, static_argnums=(0,))
         def my_func_jit(self, x):
             return x + 2
 
@@ -596,9 +567,6 @@ def test_jit_nested_donate_ignored(mesh_2x1: pw.Slice) -> None:
 
 
 # api_test.py: JitTest.test_jit_reference_dropping
-@pytest.mark.xfail(strict=True, reason="pwmesh: a pw.jit wrapper is in a reference cycle (JitFunction.eager = "
-                   "ProgramCache(self._one_call) holds a bound method of the wrapper), so `del g` does not free it nor "
-                   "what its function closes over until gc.collect() runs; a jax.jit wrapper is freed at once")
 def test_jit_reference_dropping(mesh_2x1: pw.Slice) -> None:
     x = jnp.ones(10)
     f = (lambda x: lambda: x)(x)  # reference to x in f's closure
@@ -624,9 +592,6 @@ def test_jit_raises_on_first_invocation_on_non_hashable_static_argnum(mesh_2x1: 
 
 
 # api_test.py: JitTest.test_cpp_jit_raises_on_non_hashable_static_argnum
-@pytest.mark.xfail(strict=True, reason="pwmesh: a static argument whose __eq__ raises lets that exception out "
-                   "(NotImplementedError from the cache lookup); jax.jit raises ValueError 'static arguments should be "
-                   "comparable using __eq__'")
 def test_cpp_jit_raises_on_non_hashable_static_argnum(mesh_2x1: pw.Slice) -> None:
     jitted_f = pw.jit(lambda x, y: x + 3, devices=mesh_2x1, static_argnums=[1])
     jitted_f(1, 1)
@@ -668,9 +633,6 @@ def test_cpp_jitted_function_returns_pw_array(mesh_2x1: pw.Slice) -> None:
 
 
 # api_test.py: JitTest.test_jit_wrapped_attributes
-@pytest.mark.xfail(strict=True, reason="pwmesh: a pw.jit function copies only __name__ and __doc__ from the function "
-                   "(its __module__ is 'pwmesh.client.functions'; no __qualname__, __annotations__, __wrapped__ nor "
-                   "the function's own attributes), where jax.jit's is functools.wraps'd")
 def test_jit_wrapped_attributes(mesh_2x1: pw.Slice) -> None:
     def f(x: int) -> int:
         """docstring of f."""
@@ -775,9 +737,6 @@ def test_jit_with_pruned_args(mesh_2x1: pw.Slice, num_args: int) -> None:
 
 
 # api_test.py: JitTest.test_jit_lower_compile
-@pytest.mark.xfail(strict=True, reason="pwmesh: Lowered.in_avals is a flat tuple of ShapeDtypeStructs "
-                   "((ShapeDtypeStruct(shape=(), dtype=float32, weak_type=True),)), not jax's ((ShapedArray(...),), {}); "
-                   "Compiled has no in_avals and neither has in_tree")
 def test_jit_lower_compile(mesh_2x1: pw.Slice) -> None:
     def f(x):
         return jnp.sqrt(x**2) + 1.0
@@ -799,10 +758,6 @@ def test_jit_lower_duck_typing(mesh_2x1: pw.Slice) -> None:
 
 
 # api_test.py: JitTest.test_jit_lower_compile_in_tree_mismatch
-@pytest.mark.xfail(strict=True, reason="pwmesh: Compiled checks the leaves' shapes and dtypes, not the pytree: "
-                   "f_exe([1.]) passes the check and traces f anew for a list (here TypeError \"unsupported operand "
-                   "type(s) for ** or pow(): 'list' and 'int'\" from f); jax raises TypeError 'Function compiled with "
-                   "input pytree does not match the input pytree it was called with'")
 def test_jit_lower_compile_in_tree_mismatch(mesh_2x1: pw.Slice) -> None:
     def f(x):
         return jnp.sqrt(x**2) + 1.0
@@ -820,9 +775,6 @@ def test_jit_lower_compile_trivial(mesh_2x1: pw.Slice) -> None:
 
 
 # api_test.py: JitTest.test_jit_lower_compile_trivial_in_tree_mismatch
-@pytest.mark.xfail(strict=True, reason="pwmesh: Compiled checks the leaves' shapes and dtypes, not the pytree: "
-                   "pw.jit(lambda x: x, devices=s).lower(1.).compile()([4.0]) runs (traced anew) and returns [4.0]; "
-                   "jax raises TypeError 'Function compiled with input pytree does not match ...'")
 def test_jit_lower_compile_trivial_in_tree_mismatch(mesh_2x1: pw.Slice) -> None:
     f_exe = pw.jit(lambda x: x, devices=mesh_2x1).lower(1.0).compile()
     with pytest.raises(TypeError, match="Function compiled with input pytree does not match the input pytree it"
@@ -865,10 +817,6 @@ def test_jit_lower_compile_trivial_multi_arg(mesh_2x1: pw.Slice) -> None:
 
 
 # api_test.py: JitTest.test_jit_lower_compile_vmap
-@pytest.mark.xfail(strict=True, reason="pwmesh: a Compiled called under jax.vmap tries to make a host value of the "
-                   "BatchTracer (TracerArrayConversionError 'The numpy.ndarray conversion method __array__() was "
-                   "called on traced array'); jax raises TypeError 'Cannot apply JAX transformations to a function "
-                   "lowered and compiled for a particular signature. Detected ... BatchTracer'")
 def test_jit_lower_compile_vmap(mesh_2x1: pw.Slice) -> None:
     f = pw.jit(lambda x: x + 4, devices=mesh_2x1).lower(1.0).compile()
 
@@ -992,7 +940,6 @@ def test_grad_of_jit(mesh_2x1: pw.Slice) -> None:
 
 
 # api_test.py: APITest.test_jit_of_grad
-@pytest.mark.xfail(strict=True, reason=TRACE_COUNT)
 def test_jit_of_grad(mesh_2x1: pw.Slice) -> None:
     side = []
 
@@ -1160,9 +1107,6 @@ def test_static_argnums_order(mesh_2x1: pw.Slice) -> None:
 
 
 # api_test.py: APITest.test_inner_jit_function_retracing
-@pytest.mark.xfail(strict=True, reason=TRACE_COUNT + "; here the outer body runs 3 times and the inner one 4 "
-                   "(once per outer trace, plus once) where jax traces each once, and inner_fn called at the top "
-                   "level afterwards traces again (3 more) where jax finds it traced")
 def test_inner_jit_function_retracing(mesh_2x1: pw.Slice) -> None:
     # https://github.com/jax-ml/jax/issues/7155
     inner_count = outer_count = 0
@@ -1219,10 +1163,6 @@ def test_python_scalar_argument_is_weak(mesh_2x1: pw.Slice) -> None:
 
 
 # Not a port: a weakly typed jax.Array argument (jnp.array(3.0)) stays weak, as it does through jax.jit
-@pytest.mark.xfail(strict=True, reason="pwmesh: a weakly typed jax.Array argument is made strong: "
-                   "pw.jit(lambda a: a, devices=s)(jnp.array(3.0)).weak_type is False (host_aval marks only Python "
-                   "scalars weak), so pw.jit(lambda a, b: a * b)(bf16_array, jnp.array(3.0)) is float32 where jax.jit "
-                   "gives bfloat16 (pw.put(jnp.array(3.0)) keeps it weak)")
 def test_weak_jax_array_argument_stays_weak(mesh_2x1: pw.Slice) -> None:
     x = np.ones(4, dtype=jnp.bfloat16)
     scale = jnp.array(3.0)
@@ -1278,10 +1218,6 @@ def test_jit_int4_argument(mesh_2x1: pw.Slice) -> None:
 
 
 # api_test.py: NamedCallTest.test_integer_overflow (its funcs that apply to pw.jit's host arguments)
-@pytest.mark.xfail(strict=True, reason="pwmesh: a Python int out of int32's range is wrapped silently (2**31 -> "
-                   "-2147483648: export.canonical does np.asarray(v).astype(int32)), in pw.jit's arguments and in "
-                   "pw.put; jax.jit raises OverflowError 'An overflow was encountered while parsing an argument to a "
-                   "jitted computation, whose argument path is x'")
 @pytest.mark.parametrize("func", ["identity_trivial", "identity", "asarray"])
 def test_integer_overflow(mesh_2x1: pw.Slice, func: str) -> None:
     funcdict = {
@@ -1329,10 +1265,6 @@ def test_partial_eval(mesh_2x1: pw.Slice) -> None:
 
 
 # Not a port: a jax.Array given as a static argument is refused as unhashable, as by jax.jit; so must a pw.Array be
-@pytest.mark.xfail(strict=True, reason="pwmesh: a pw.Array is hashable (by identity, where jax.Array raises "
-                   "TypeError 'unhashable type'), so pw.jit(lambda x, y: x + 3, devices=s, static_argnums=1)(1, "
-                   "pw.put(np.ones(2), s)) is accepted as a static argument and traced with a pw.Array inside; jax.jit "
-                   "raises ValueError 'Non-hashable static arguments are not supported' for a jax.Array")
 def test_array_as_static_argument_is_refused(mesh_2x1: pw.Slice) -> None:
     f = pw.jit(lambda x, y: x + 3, devices=mesh_2x1, static_argnums=(1,))
     with pytest.raises(ValueError, match="[Nn]on-hashable|not hashable"):

@@ -29,8 +29,6 @@ pytestmark = pytest.mark.timeout(180)
 
 SPECS = [("mesh_x_y", P("x", "y")), ("mesh_x", P("x")), ("mesh_y", P("y")), ("mesh_none_y", P(None, "y")),
          ("mesh_xy", P(("x", "y"))), ("mesh_fully_replicated", P())]
-DELETED = ("pwmesh: using a deleted pw.Array raises ValueError 'pw.Array N was deleted' (Array._check_alive); jax "
-           "raises RuntimeError 'Array has been deleted with shape=float32[3].'")
 ALL_DTYPES = [jnp.bfloat16, np.float16, np.float32, np.int8, np.int16, np.int32, np.uint8, np.uint16, np.uint32,
               np.complex64, np.bool_]  # jtu.dtypes.all with x64 off (its custom_floats, bfloat16, among them)
 
@@ -70,7 +68,6 @@ def test_array_2d_shard(mesh_2x2: pw.Slice, mesh_axes: P) -> None:
 
 
 # array_test.py: JaxArrayTest.test_array_delete (upstream's _check_if_deleted, here a fetch)
-@pytest.mark.xfail(strict=True, reason=DELETED)
 def test_array_delete(mesh_2x2: pw.Slice) -> None:
     arr, _ = create_array((8, 2), mesh_2x2, P("x", "y"))
     arr.delete()
@@ -80,7 +77,6 @@ def test_array_delete(mesh_2x2: pw.Slice) -> None:
 
 # array_test.py: JaxArrayTest.test_single_device_array_usage_after_delete (`x + 1` through pw.jit: a pw.Array has no
 # operators, see test_jnp_array_normal_add)
-@pytest.mark.xfail(strict=True, reason=DELETED)
 def test_single_device_array_usage_after_delete(mesh_2x1: pw.Slice) -> None:
     x = pw.put(jnp.array([1, 2, 3]), mesh_2x1)
     x.delete()
@@ -89,7 +85,6 @@ def test_single_device_array_usage_after_delete(mesh_2x1: pw.Slice) -> None:
 
 
 # array_test.py: JaxArrayTest.test_multi_device_array_usage_after_delete
-@pytest.mark.xfail(strict=True, reason=DELETED)
 def test_multi_device_array_usage_after_delete(mesh_2x2: pw.Slice) -> None:
     arr = pw.put(np.arange(16, dtype=np.int32), mesh_2x2, P("x"))
     arr.delete()
@@ -149,9 +144,6 @@ def test_jnp_array_jit_add(mesh_2x1: pw.Slice) -> None:
 
 
 # array_test.py: JaxArrayTest.test_jnp_array_normal_add
-@pytest.mark.xfail(strict=True, reason="pwmesh: a pw.Array has no arithmetic operators: a + b of two pw.Arrays raises "
-                   "TypeError \"unsupported operand type(s) for +: 'Array' and 'Array'\" (and a == 3 is False, by "
-                   "identity, where jax gives Array(True)); only a jax.Array on the left takes one (jnp.ones(3) + a)")
 def test_jnp_array_normal_add(mesh_2x1: pw.Slice) -> None:
     a = pw.put(jnp.array([1, 2, 3]), mesh_2x1)
     b = pw.put(jnp.array([4, 5, 6]), mesh_2x1)
@@ -160,8 +152,6 @@ def test_jnp_array_normal_add(mesh_2x1: pw.Slice) -> None:
 
 
 # array_test.py: JaxArrayTest.test_jnp_array_astype
-@pytest.mark.xfail(strict=True, reason="pwmesh: a pw.Array has no astype (AttributeError: 'Array' object has no "
-                   "attribute 'astype'); jax.Array.astype converts on its devices")
 def test_jnp_array_astype(mesh_2x1: pw.Slice) -> None:
     arr = pw.put(jnp.array([1, 2, 3]), mesh_2x1)
     arr_float32 = arr.astype(jnp.float32)
@@ -189,7 +179,7 @@ def test_sharded_add(mesh_2x2: pw.Slice) -> None:
 
 
 # array_test.py: JaxArrayTest.test_sharded_zeros_like
-@pytest.mark.xfail(strict=True, reason="deliberate: README, 'Coming from JAX': JAX's own functions refuse a pw.Array "
+@pytest.mark.xfail(strict=True, reason="Deliberate: README, 'Coming from JAX': JAX's own functions refuse a pw.Array "
                    "given directly (jnp.sin(w)), as they refuse any __jax_array__ object (here jnp.zeros_like(a) "
                    "raises AttributeError \"'SliceSharding' object has no attribute '_is_concrete'\")")
 def test_sharded_zeros_like(mesh_2x2: pw.Slice) -> None:
@@ -210,8 +200,6 @@ def test_zeros_like(mesh_2x1: pw.Slice) -> None:
 
 
 # array_test.py: JaxArrayTest.test_array_iter_mesh_pspec_sharding_multi_device
-@pytest.mark.xfail(strict=True, reason="pwmesh: a pw.Array is not iterable (TypeError: 'Array' object is not "
-                   "iterable); iter(jax_array) yields its rows as arrays")
 def test_array_iter_mesh_pspec_sharding_multi_device(mesh_2x2: pw.Slice) -> None:
     arr, input_data = create_array((8, 2), mesh_2x2, P("x", "y"))
     for i, j in zip(iter(arr), iter(input_data), strict=True):
@@ -219,8 +207,6 @@ def test_array_iter_mesh_pspec_sharding_multi_device(mesh_2x2: pw.Slice) -> None
 
 
 # array_test.py: JaxArrayTest.test_array_getitem_mesh_pspec_sharding_multi_device
-@pytest.mark.xfail(strict=True, reason="pwmesh: a pw.Array cannot be indexed (TypeError: 'Array' object is not "
-                   "subscriptable); jax_array[2:4, 0:1] is an array")
 def test_array_getitem_mesh_pspec_sharding_multi_device(mesh_2x2: pw.Slice) -> None:
     arr, input_data = create_array((8, 2), mesh_2x2, P("x", "y"))
     s = arr[2:4, 0:1]
@@ -239,9 +225,6 @@ def test_array_jnp_array_copy_multi_device(mesh_2x2: pw.Slice) -> None:
 
 
 # array_test.py: JaxArrayTest.test_array_not_hashable
-@pytest.mark.xfail(strict=True, reason="pwmesh: a pw.Array is hashable (by identity: hash(a) works), where "
-                   "hash(jax_array) raises TypeError 'unhashable type' (so a pw.Array passes as a static argument: "
-                   "test_api_ports.py::test_array_as_static_argument_is_refused)")
 def test_array_not_hashable(mesh_2x1: pw.Slice) -> None:
     x = pw.put(jnp.arange(4), mesh_2x1)
     with pytest.raises(TypeError, match="unhashable type"):
@@ -260,9 +243,6 @@ def test_array_is_ready(mesh_2x1: pw.Slice) -> None:
 
 
 # array_test.py: JaxArrayTest.test_array_copy_to_host_async
-@pytest.mark.xfail(strict=True, reason="pwmesh: a pw.Array has no copy_to_host_async (AttributeError), which jax.Array "
-                   "has to start a fetch ahead (jax.copy_to_host_async(pw_array) passes it through: "
-                   "test_copy_to_host_async)")
 def test_array_copy_to_host_async(mesh_2x2: pw.Slice) -> None:
     x = pw.jit(lambda: jnp.arange(8.0), devices=mesh_2x2, out_specs=P(None))()
     assert len(x.sharding.slice.devices) == 4
@@ -480,8 +460,6 @@ def test_devicearray_repr(mesh_2x1: pw.Slice) -> None:
 
 
 # api_test.py: APITest.test_legacy_devicearray_repr
-@pytest.mark.xfail(strict=True, reason="pwmesh: a pw.Array has no item() (AttributeError: 'Array' object has no "
-                   "attribute 'item'); jax.Array.item() fetches the Python scalar")
 def test_legacy_devicearray_repr(mesh_2x1: pw.Slice) -> None:
     dx = pw.put(3.0, mesh_2x1)
     assert str(dx.item()) == "3.0"  # doesn't crash
@@ -489,11 +467,6 @@ def test_legacy_devicearray_repr(mesh_2x1: pw.Slice) -> None:
 
 # api_test.py: APITest.test_scalar_conversion_errors (the conversions that succeed: int/float/complex/bool/index of a
 # scalar array; the errors they raise for other arrays come from jax inside pw.jit, test_api_ports.py's test_cast_int)
-@pytest.mark.xfail(strict=True, reason="pwmesh: a 0-d pw.Array converts to no Python scalar: operator.index(a) and "
-                   "hex(a) raise TypeError \"'Array' object cannot be interpreted as an integer\", float(a) TypeError "
-                   "\"float() argument must be a string or a real number, not 'Array'\" (int, complex alike), bool(a) "
-                   "TypeError 'len() of a 0-d pw.Array' (bool falls back on __len__); jax.Array has __index__, "
-                   "__int__, __float__, __complex__ and __bool__")
 def test_scalar_conversion(mesh_2x1: pw.Slice) -> None:
     scalar_int = pw.put(jnp.int32(3), mesh_2x1)
     scalar_float = pw.put(jnp.float32(0.5), mesh_2x1)
@@ -506,8 +479,6 @@ def test_scalar_conversion(mesh_2x1: pw.Slice) -> None:
 
 
 # api_test.py: APITest.test_devicearray_delete
-@pytest.mark.xfail(strict=True, reason="pwmesh: repr of a deleted pw.Array returns 'pw.Array(..., deleted)' (its repr "
-                   "never raises, array.py); jax's raises RuntimeError 'Array has been deleted.'")
 def test_devicearray_delete(mesh_2x1: pw.Slice) -> None:
     x = pw.put(1.0, mesh_2x1)
     x.delete()
@@ -589,3 +560,53 @@ def test_sharded_outputs_fetch_the_global_value(mesh_2x2: pw.Slice, out_spec: P)
     assert out.sharding.spec == out_spec
     assert out.sharding.shard_shape(out.shape) == _jax_sharding(out_spec).shard_shape(data.shape)
     np.testing.assert_array_equal(np.asarray(out), data * 2)
+
+
+# Not a port (jax.Array's operators, as JaxArrayTest uses them throughout): each operator of a pw.Array, with another
+# pw.Array, a NumPy array, a Python scalar (either side), gives jax.Array's value, dtype and weak type, on its slice
+@pytest.mark.parametrize("op", [operator.add, operator.sub, operator.mul, operator.truediv, operator.floordiv,
+                                operator.mod, operator.pow, operator.lt, operator.le, operator.gt, operator.ge,
+                                operator.eq, operator.ne], ids=lambda op: op.__name__)
+def test_binary_operators(mesh_2x2: pw.Slice, op) -> None:
+    x = np.arange(1, 9, dtype=np.float32).reshape(4, 2)
+    a, b = pw.put(x, mesh_2x2, P("x")), pw.put(x + 1, mesh_2x2)
+    for got, want in [(op(a, b), op(jnp.asarray(x), jnp.asarray(x + 1))), (op(a, 2), op(jnp.asarray(x), 2)),
+                      (op(3, a), op(3, jnp.asarray(x))), (op(x + 1, a), op(jnp.asarray(x + 1), jnp.asarray(x)))]:
+        assert isinstance(got, pw.Array) and got.sharding.slice is mesh_2x2
+        assert (got.dtype, got.weak_type) == (want.dtype, want.weak_type)
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6)
+
+
+# Not a port: matmul, the bitwise operators and the unary ones, as jax.Array's
+def test_matmul_bitwise_and_unary_operators(mesh_2x2: pw.Slice) -> None:
+    x = np.arange(8, dtype=np.int32).reshape(4, 2)
+    a = pw.put(x, mesh_2x2, P("x"))
+    w = pw.put(np.ones((2, 3), np.int32), mesh_2x2)
+    np.testing.assert_array_equal(np.asarray(a @ w), x @ np.ones((2, 3), np.int32))
+    for op in (operator.and_, operator.or_, operator.xor, operator.lshift, operator.rshift):
+        np.testing.assert_array_equal(np.asarray(op(a, 3)), op(x, 3))
+    for op in (operator.neg, operator.pos, operator.abs, operator.invert):
+        np.testing.assert_array_equal(np.asarray(op(a)), op(x))
+    assert (a == "not an array") is False  # no array operand: Python's identity comparison, as for jax.Array
+
+
+# Not a port: indexing as jax.Array's (an integer, slices, None, an ellipsis, an index array: NumPy's, a pw.Array)
+def test_indexing_forms(mesh_2x2: pw.Slice) -> None:
+    x = np.arange(24, dtype=np.float32).reshape(4, 6)
+    a = pw.put(x, mesh_2x2, P("x", "y"))
+    ids = np.array([3, 0], np.int32)
+    for index in [1, -1, (2, 3), slice(1, None, 2), (Ellipsis, 1), (None, 0), ids, (slice(None), ids)]:
+        np.testing.assert_array_equal(np.asarray(a[index]), x[index])
+    np.testing.assert_array_equal(np.asarray(a[pw.put(ids, mesh_2x2)]), x[ids])
+    assert float(a[1, 2]) == x[1, 2]
+
+
+# Not a port: a pw.Array closed over by a pw.jit function takes part in its computation with its operators, index
+# and astype on its left, as a jax.Array closed over does (one program: the operators are JAX's on its input there)
+def test_operators_of_a_closed_over_array_inside_pw_jit(mesh_2x1: pw.Slice) -> None:
+    x = np.arange(4, dtype=np.float32)
+    w = pw.put(x * 10, mesh_2x1)
+    out = pw.jit(lambda v: (w + v, -w * v, w[1:] @ v[1:], w.astype(jnp.int32)), devices=mesh_2x1)(x)
+    want = (x * 10 + x, -x * 10 * x, (x * 10)[1:] @ x[1:], (x * 10).astype(np.int32))
+    for got, expected in zip(out, want, strict=True):
+        np.testing.assert_allclose(np.asarray(got), expected)

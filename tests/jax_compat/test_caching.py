@@ -43,3 +43,27 @@ def test_another_convention_or_function_exports_anew(mesh_2x1: pw.Slice) -> None
         np.testing.assert_allclose(np.asarray(w(x)), x * 3)
     assert a._exports is pw.jit(f, devices=mesh_2x1, in_specs=P("x"))._exports
     assert a._exports is not b._exports and a._exports is not c._exports
+
+
+# Not a port (item 5): the Python body runs once per signature, counted by its side effect, on a mesh where the
+# outputs' shardings are XLA's choice (asked by compiling once more) and for a function closing over a pw.Array
+def test_body_runs_once_per_signature(mesh_2x2: pw.Slice) -> None:
+    side = []
+    w = pw.put(np.arange(8, dtype=np.float32).reshape(4, 2), mesh_2x2, P("x"))
+
+    def f(x):
+        side.append(None)
+        return {"y": x @ w, "z": jnp.sin(x)}
+
+    x = np.ones((3, 4), np.float32)
+    for _ in range(3):
+        out = pw.jit(f, devices=mesh_2x2)(x)
+    np.testing.assert_allclose(np.asarray(out["y"]), x @ np.asarray(w))
+    assert len(side) == 2  # closing over a pw.Array: traced once more, with it as an input (capture.py)
+    pw.jit(lambda x: f(x), devices=mesh_2x2)(np.ones((5, 4), np.float32))  # noqa: PLW0108
+    assert len(side) == 4
+    g = pw.jit(lambda x: side.append(None) or x * 2, devices=mesh_2x2)
+    g(x)
+    g(x + 1)
+    g(np.ones(8, np.float32))
+    assert len(side) == 6

@@ -156,7 +156,7 @@ def test_axis_resources_mismatch(mesh_2x1: pw.Slice) -> None:
 
 # pjit_test.py: PJitErrorTest.testNestedDifferentResources (the inner function on a one-device slice of the
 # same cluster, where upstream enters a one-device mesh)
-@pytest.mark.xfail(strict=True, reason="deliberate: README 'Coming from JAX': a pw.jit function called while another "
+@pytest.mark.xfail(strict=True, reason="Deliberate: README 'Coming from JAX': a pw.jit function called while another "
                    "is traced is inlined, 'its slice and specs are the outer one's', so an inner function on a "
                    "one-device slice runs over the outer 2-device mesh, where JAX refuses a nested jit under a mesh "
                    "of another size (ValueError '... cannot change the size of the mesh ...')")
@@ -171,8 +171,6 @@ def test_nested_different_resources(layout_2x1: tuple[pw.Client, pw.Slice]) -> N
 
 
 # pjit_test.py: PJitErrorTest.test_pjit_with_deleted_input_at_first_call (case 'committed': laid out P('x'))
-@pytest.mark.xfail(strict=True, reason="pwmesh: a deleted pw.Array passed to a pw.jit function raises ValueError('pw."
-                   "Array N was deleted'), where JAX raises RuntimeError('Array has been deleted with shape=...')")
 def test_pjit_with_deleted_input_at_first_call_committed(mesh_2x1: pw.Slice) -> None:
     x = pw.put(np.arange(8, dtype=np.int32), mesh_2x1, P("x"))
     f = pw.jit(lambda x: x + 1, devices=mesh_2x1)
@@ -182,8 +180,6 @@ def test_pjit_with_deleted_input_at_first_call_committed(mesh_2x1: pw.Slice) -> 
 
 
 # pjit_test.py: PJitErrorTest.test_pjit_with_deleted_input_at_first_call (case 'uncommitted': replicated)
-@pytest.mark.xfail(strict=True, reason="pwmesh: a deleted pw.Array passed to a pw.jit function raises ValueError('pw."
-                   "Array N was deleted'), where JAX raises RuntimeError('Array has been deleted with shape=...')")
 def test_pjit_with_deleted_input_at_first_call_uncommitted(mesh_2x1: pw.Slice) -> None:
     x = pw.put(np.arange(8, dtype=np.int32), mesh_2x1)
     f = pw.jit(lambda x: x + 1, devices=mesh_2x1)
@@ -192,8 +188,7 @@ def test_pjit_with_deleted_input_at_first_call_uncommitted(mesh_2x1: pw.Slice) -
         f(x)
 
 
-# pjit_test.py: PJitErrorTest.test_pjit_with_deleted_input_at_subsequent_call (both cases; upstream takes
-# RuntimeError or ValueError here, with "(Array|buffer|Buffer) has been deleted": pwmesh's says "was deleted")
+# pjit_test.py: PJitErrorTest.test_pjit_with_deleted_input_at_subsequent_call (both cases)
 @pytest.mark.parametrize("committed", [True, False], ids=["committed", "uncommitted"])
 def test_pjit_with_deleted_input_at_subsequent_call(mesh_2x1: pw.Slice, committed: bool) -> None:
     x = pw.put(np.arange(8, dtype=np.int32), mesh_2x1, P("x") if committed else None)
