@@ -18,7 +18,7 @@ batch sampled and one update, in four ways:
 The cluster has one executor of 4 devices per island (the trainer's mesh on one host: no JAX
 group), started once; each mode runs ``--rounds`` times per preset, alternating the order, and
 the medians of the time per step (after the warm-up, to the last reward fetched) are compared.
-Presets: ``tiny`` (plain JAX ~5-7 ms a step on 2 cores) and ``small`` (~60-110 ms).
+Presets: ``tiny`` (plain JAX ~7-8 ms a step on 2 cores) and ``small`` (~110-160 ms).
 
     python bench/rl.py              # ~2 minutes on 2 cores
     python bench/rl.py --smoke      # seconds: the tiny preset, a few steps
