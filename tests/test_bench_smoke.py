@@ -201,6 +201,38 @@ def test_train_smoke(tmp_path: Path) -> None:
     check_plot(tmp_path / "train.png")
 
 
+@pytest.mark.timeout(170)
+def test_rl_smoke(tmp_path: Path) -> None:
+    # Four runs of 8 steps, each compiling its sampler and trainer, one of them in a process of its own:
+    # ~40 s on 2 idle cores, twice that when the machine is busy.
+    run_smoke("rl.py", tmp_path, timeout_seconds=160)
+    data = json.loads((tmp_path / "rl.json").read_text())
+    assert {"benchmark", "config", "machine", "points"} <= data.keys()
+    assert data["benchmark"] == "rl" and data["smoke"] is True
+    (point,) = data["points"]
+    modes = {"overlap", "overlap-calls", "sequential", "jax"}
+    assert set(point["ms_per_step"]) == modes and all(v > 0 for v in point["ms_per_step"].values())
+    assert all(len(point["rewards"][m]) == point["steps"] for m in modes)
+    # On-policy on one slice, pwmesh samples and trains exactly as plain JAX does; the overlapped loop is
+    # one step off-policy, its three-call form the same program's calls.
+    assert point["rewards"]["sequential"] == point["rewards"]["jax"]
+    assert point["rewards"]["overlap"] == point["rewards"]["overlap-calls"]
+    check_plot(tmp_path / "rl.png")
+
+
+@pytest.mark.timeout(110)
+def test_weight_sync_smoke(tmp_path: Path) -> None:
+    run_smoke("weight_sync.py", tmp_path)
+    data = json.loads((tmp_path / "weight_sync.json").read_text())
+    assert {"benchmark", "config", "machine", "tree", "equal", "results", "ratios"} <= data.keys()
+    assert data["benchmark"] == "weight_sync" and data["smoke"] is True
+    assert data["equal"], "the synced tree equals what was put"
+    assert [r["method"] for r in data["results"]] == ["tcp", "plane", "reshard", "reshard 1 device", "round trip"]
+    assert all(r["gbytes_per_second"] > 0 for r in data["results"])
+    assert data["tree"]["arrays"] > 10 and data["tree"]["trainer_mesh"] == {"data": 2, "model": 2}
+    check_plot(tmp_path / "weight_sync.png")
+
+
 @pytest.mark.timeout(260)
 def test_pipeline_smoke(tmp_path: Path) -> None:
     # Three clusters (1, 2 and 4 islands), each compiling four stages: ~90 s on 2 idle cores (measured at

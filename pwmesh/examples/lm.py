@@ -140,15 +140,24 @@ def _blocks(h: jax.Array, layers: list[dict[str, Any]]) -> jax.Array:
     return h
 
 
+def _head_logits(params: dict[str, Any], h: jax.Array) -> jax.Array:
+    return (_layer_norm(h, params["ln_f"]) @ params["unembed"]).astype(jnp.float32)
+
+
 def _head_loss(params: dict[str, Any], h: jax.Array, tokens: jax.Array) -> jax.Array:
-    logits = _layer_norm(h, params["ln_f"]) @ params["unembed"]
-    logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    logp = jax.nn.log_softmax(_head_logits(params, h), axis=-1)
     return -jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1).mean()
 
 
 def loss_fn(params: dict[str, Any], tokens: jax.Array) -> jax.Array:
     """Mean next-byte cross-entropy of ``tokens`` (int32 [batch, seq_len + 1]), in float32."""
     return _head_loss(params, _blocks(_embed(params, tokens), params["layers"]), tokens)
+
+
+def logits(params: dict[str, Any], tokens: jax.Array) -> jax.Array:
+    """The next token's logits after each of ``tokens[:, :-1]`` (float32 [batch, seq_len, vocab]): what a
+    sampler or a policy-gradient loss needs (``examples/rl.py``). Causal: position t sees tokens 0..t only."""
+    return _head_logits(params, _blocks(_embed(params, tokens), params["layers"]))
 
 
 # ------------------------------------------------------------------ the model as pipeline stages
