@@ -172,11 +172,12 @@ def put(value: Any, devices: Slice | Sequence[VirtualDevice], spec: Any = None) 
     for i, (leaf, leaf_spec) in enumerate(zip(leaves, specs, strict=True)):
         if isinstance(leaf, Array):
             raise InvalidArgument(f"pw.put: leaf {i} is a pw.Array already; pw.reshard moves one")
-        arr = canonical(leaf)
-        weak = bool(host_aval(leaf).weak_type or getattr(leaf, "weak_type", False))  # a Python scalar, or a weak jax.Array
+        arr = canonical(leaf)  # a typed key array's: its data (``client/prng.py``)
+        aval = host_aval(leaf)
+        weak = bool(aval.weak_type or getattr(leaf, "weak_type", False))  # a Python scalar, or a weak jax.Array
         sharding = SliceSharding(sl, leaf_spec if leaf_spec is not None else P())
-        sharding.check(arr.shape, f"pw.put: leaf {i}")
+        sharding.check(aval.shape, f"pw.put: leaf {i}")
         buffer_id = session.new_buffer_id()
         session.put(buffer_id, sl.slice_id, arr, sharding.wire)
-        arrays.append(Array(session, buffer_id, arr.shape, arr.dtype, sharding, weak))
+        arrays.append(Array(session, buffer_id, aval.shape, aval.dtype, sharding, weak))
     return jax.tree_util.tree_unflatten(treedef, arrays)

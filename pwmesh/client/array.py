@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 
+from pwmesh.client import prng
 from pwmesh.client.session import Session
 from pwmesh.client.sharding import SliceSharding
 from pwmesh.dataflow.layout import Layout
@@ -98,7 +99,7 @@ class Array:
         self._deleted = False
         self._donated = ""  # what it was donated to
         self.shape = tuple(shape)
-        self.dtype = np.dtype(dtype)
+        self.dtype = prng.dtype_of(dtype)  # a typed key array's is a key dtype (``client/prng.py``)
         self.sharding = sharding
         # Weakly typed, as a jax.Array made of a Python scalar: a bfloat16 value times it stays bfloat16.
         self.weak_type = weak_type
@@ -122,7 +123,8 @@ class Array:
 
     @property
     def nbytes(self) -> int:
-        return self.size * self.dtype.itemsize
+        shape, dtype = prng.physical(self.shape, self.dtype)
+        return math.prod(shape) * dtype.itemsize
 
     @property
     def shards(self) -> int:
@@ -131,7 +133,8 @@ class Array:
 
     def spec(self) -> ValueSpec:
         """What it is on the wire (as the program that made it, or the put, described it)."""
-        return ValueSpec(shape=list(self.shape), dtype=self.dtype.name, shards=self.shards, sharding=self.sharding.wire)
+        shape, dtype = prng.physical(self.shape, self.dtype)
+        return ValueSpec(shape=list(shape), dtype=dtype.name, shards=self.shards, sharding=self.sharding.wire)
 
     def _check_alive(self) -> None:
         if self._donated:
@@ -176,7 +179,9 @@ class Array:
         self._check_alive()
         return self._session.ready([self._id])[0]
 
-    def value(self) -> np.ndarray:
+    def value(self) -> Any:
+        """The value, fetched once: a NumPy array (a typed key array's: a key ``jax.Array``, as
+        ``jax.device_get`` gives)."""
         if self._value is None:
             self._check_alive()
             (blocks,) = self._session.fetch([self._id], layouts=[self.layout()])
@@ -184,12 +189,15 @@ class Array:
         return self._value
 
     def layout(self) -> tuple[Layout, np.dtype]:
-        """How the value lies over its devices, and its dtype (what a fetch assembles)."""
-        return self.sharding.layout(self.shape), self.dtype
+        """How the value lies over its devices on the wire, and its dtype there (what a fetch assembles)."""
+        shape, dtype = prng.physical(self.shape, self.dtype)
+        return self.sharding.layout(shape), dtype
 
-    def assemble(self, blocks: list[np.ndarray]) -> np.ndarray:
+    def assemble(self, blocks: list[np.ndarray]) -> Any:
         """The global value from its distinct blocks as the proxy sends them."""
-        return self.sharding.layout(self.shape).assemble(blocks, self.dtype)
+        layout, dtype = self.layout()
+        value = layout.assemble(blocks, dtype)
+        return prng.wrap(value, self.dtype) if prng.is_key(self.dtype) else value
 
     def __jax_array__(self) -> Any:
         """What JAX meets: an input of the computation while ``pw.jit`` traces a function closing over it
@@ -199,6 +207,8 @@ class Array:
         return capture.as_jax(self)
 
     def __array__(self, dtype: Any = None, copy: bool | None = None) -> np.ndarray:
+        if prng.is_key(self.dtype):
+            raise prng.not_numpy(self.dtype)
         value = self.value()
         if dtype is not None and np.dtype(dtype) != value.dtype:
             return value.astype(dtype)

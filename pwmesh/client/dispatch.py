@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 import jax
 import numpy as np
 
+from pwmesh.client import prng
 from pwmesh.client.array import Array
 from pwmesh.client.export import canonical
 from pwmesh.client.tracing import ProgramBuilder, Symbol, TracedProgram, trace
@@ -100,9 +101,15 @@ def execute(traced: TracedProgram, leaves: Sequence[Any], *, sequential: bool = 
             leaves[i].donated_to(traced.donated_to[i])
     outs = []
     weak = traced.out_weak or [False] * len(ids)
-    for buffer_id, v, sharding, weak_type in zip(ids, traced.spec.outputs, traced.out_shardings, weak, strict=True):
+    for i, (buffer_id, v, sharding, weak_type) in enumerate(zip(ids, traced.spec.outputs, traced.out_shardings, weak,
+                                                                strict=True)):
         spec = traced.spec.values[v]
-        outs.append(Array(session, buffer_id, tuple(spec.shape), np.dtype(spec.dtype), sharding, weak_type))
+        key = traced.out_keys.get(i)
+        if key is None:
+            outs.append(Array(session, buffer_id, tuple(spec.shape), np.dtype(spec.dtype), sharding, weak_type))
+        else:  # a typed key array: its data on the wire (``client/prng.py``), without the key's own dimensions
+            shape = tuple(spec.shape[:len(spec.shape) - len(prng.physical((), key)[0])])
+            outs.append(Array(session, buffer_id, shape, key, sharding, weak_type))
     return jax.tree_util.tree_unflatten(traced.out_tree, outs)
 
 

@@ -20,7 +20,7 @@ from jax import export
 from jax.extend import core as jax_core
 from jax.sharding import AbstractMesh, AxisType, NamedSharding, PartitionSpec
 
-from pwmesh.client import capture
+from pwmesh.client import capture, prng
 from pwmesh.client.devices import Slice
 from pwmesh.client.sharding import P, SliceSharding, abstract_mesh, propagation_mesh, resolve, spec_from
 from pwmesh.errors import InvalidArgument
@@ -139,13 +139,17 @@ def _export_jit(traced: TracedFunction, sl: Slice, avals: Sequence[jax.ShapeDtyp
     for i, (leaf, spec) in enumerate(zip(out_leaves, wanted, strict=True)):
         if spec is not None:
             SliceSharding(sl, spec).check(leaf.shape, f"{name}: output {i}")
+    # Typed keys in or out: the module takes and returns their data (``client/prng.py``); what the client
+    # sees of its outputs stays the traced (logical) avals.
+    on_data = prng.physical_function(flat_fn, avals, out_leaves)
+    exported_fn = on_data or flat_fn
+    physical = [prng.physical_aval(a) for a in avals]
     if n == 1:
-        exp = _quiet_export(jax.jit(flat_fn), sl, avals)
+        exp = _quiet_export(jax.jit(exported_fn), sl, physical)
         specs_out = tuple(P() for _ in out_leaves)
         fn_id, serialized = _serialize(exp, False, [1], [], list(donate))
         return ExportedFunction(fn_id, serialized, False, [1], [], list(donate), tuple(P() for _ in avals),
-                                tuple(jax.ShapeDtypeStruct(o.shape, o.dtype, weak_type=o.weak_type) for o in exp.out_avals),
-                                specs_out, out_tree)
+                                _out_avals(exp, out_leaves if on_data else None), specs_out, out_tree)
     # Every output's spec: XLA's choice where none was asked for.
     full = (_propagated(flat_fn, sl, avals, in_specs, wanted) if any(spec is None for spec in wanted)
             else [spec for spec in wanted if spec is not None])
@@ -153,15 +157,20 @@ def _export_jit(traced: TracedFunction, sl: Slice, avals: Sequence[jax.ShapeDtyp
         SliceSharding(sl, spec).check(leaf.shape, f"{name}: output {i} (as XLA shards it)")
     mesh = abstract_mesh(sl)
     sharded = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(mesh, s), weak_type=a.weak_type)
-               for a, s in zip(avals, in_specs, strict=True)]
-    exp = _quiet_export(jax.jit(flat_fn, out_shardings=[NamedSharding(mesh, s) for s in full], keep_unused=True),
-                        sl, sharded)
+               for a, s in zip(physical, in_specs, strict=True)]
+    exp = _quiet_export(jax.jit(exported_fn, out_shardings=[NamedSharding(mesh, s) for s in full],
+                                keep_unused=True), sl, sharded)
     axes = list(sl.axis_names)
     fn_id, serialized = _serialize(exp, True, list(sl.mesh_shape), axes, list(donate))
     return ExportedFunction(fn_id, serialized, True, list(sl.mesh_shape), axes, list(donate), tuple(in_specs),
-                            tuple(jax.ShapeDtypeStruct(o.shape, o.dtype, weak_type=o.weak_type) for o in exp.out_avals),
-                            tuple(full),
-                            out_tree)
+                            _out_avals(exp, out_leaves if on_data else None), tuple(full), out_tree)
+
+
+def _out_avals(exp: export.Exported, logical: Sequence[jax.ShapeDtypeStruct] | None
+               ) -> tuple[jax.ShapeDtypeStruct, ...]:
+    """The outputs as the client sees them: the module's, or (it has typed keys) the traced ones."""
+    outs = logical if logical is not None else exp.out_avals
+    return tuple(jax.ShapeDtypeStruct(o.shape, o.dtype, weak_type=o.weak_type) for o in outs)
 
 
 def _propagated(flat_fn: Callable[..., Any], sl: Slice, avals: Sequence[jax.ShapeDtypeStruct],
@@ -233,6 +242,8 @@ def canonical(value: Any) -> np.ndarray:
                               "arr.filled() to convert the value to a standard numpy array.")
     if isinstance(value, int) and not isinstance(value, bool):
         return _python_int(value)
+    if prng.is_key(getattr(value, "dtype", None)):  # a typed key array travels as its data (``client/prng.py``)
+        return prng.key_data(value)
     arr = np.asarray(value)
     dtype = jax.dtypes.canonicalize_dtype(arr.dtype)
     return arr if arr.dtype == dtype else arr.astype(dtype)
@@ -249,6 +260,8 @@ def _python_int(value: int) -> np.ndarray:
 def host_aval(value: Any) -> jax.ShapeDtypeStruct:
     """The abstract value of a host leaf; weakly typed as in ``jax.jit``: a Python scalar, or a ``jax.Array``
     that is weak itself (``jnp.array(3.0)``)."""
+    if prng.is_key(getattr(value, "dtype", None)):
+        return jax.ShapeDtypeStruct(value.shape, value.dtype)
     python_scalar = isinstance(value, (int, float, complex)) and not isinstance(value, (bool, np.generic))
     weak = python_scalar or (isinstance(value, jax.Array) and value.weak_type)
     arr = canonical(value)

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 import jax
 import numpy as np
 
+from pwmesh.client import prng
 from pwmesh.client.array import Array
 from pwmesh.client.devices import Slice
 from pwmesh.client.export import ExportedFunction, canonical, host_aval
@@ -138,6 +139,7 @@ class ProgramBuilder:
         self.constants: dict[int, np.ndarray] = {}  # inputs captured while tracing (not arguments)
         self.captured: dict[int, Array] = {}  # pw.Arrays functions close over: inputs after the constants
         self.weak: set[int] = set()  # values weakly typed (as JAX's: a Python scalar's, and what they make)
+        self.keys: dict[int, Any] = {}  # values that are typed key arrays: their key dtypes (``client/prng.py``)
         self.donated: dict[int, str] = {}  # value -> the function it was donated to
         self._unfixed: set[int] = set()  # host inputs whose layout their first reader sets
         # Staged tracing (a program with host functions): the call's real arguments, the
@@ -185,7 +187,10 @@ class ProgramBuilder:
                shards: int = 1, ragged: bool = False) -> int:
         wire = sharding.wire if sharding is not None else None
         devices = len(sharding.slice.devices) if sharding is not None else shards
-        self.values.append(ValueSpec(shape=list(shape), dtype=np.dtype(dtype).name, shards=devices, ragged=ragged,
+        if prng.is_key(dtype):  # on the wire, a typed key array is its data (``client/prng.py``)
+            self.keys[len(self.values)] = dtype
+        on_wire, wire_dtype = prng.physical(shape, dtype)
+        self.values.append(ValueSpec(shape=list(on_wire), dtype=wire_dtype.name, shards=devices, ragged=ragged,
                                      sharding=wire))
         v = len(self.values) - 1
         if sharding is not None:
@@ -199,7 +204,7 @@ class ProgramBuilder:
         if aval.weak_type:
             self.weak.add(v)
         self.inputs.append(v)
-        return Symbol(self, v, tuple(aval.shape), np.dtype(aval.dtype), sharding, bool(aval.weak_type))
+        return Symbol(self, v, tuple(aval.shape), prng.dtype_of(aval.dtype), sharding, bool(aval.weak_type))
 
     def _symbol(self, what: str, i: int, leaf: Any, closed_over: bool = False) -> Symbol:
         """A call's argument as a value of this program: a symbol of it, or a constant it captures (a pw.Array
@@ -266,8 +271,8 @@ class ProgramBuilder:
         outs = []
         for aval, spec in zip(exported.out_avals, exported.out_specs, strict=True):
             sharding = SliceSharding(call.slice, spec)
-            v = self._value(tuple(aval.shape), np.dtype(aval.dtype), sharding, ragged=ragged)
-            outs.append(Symbol(self, v, tuple(aval.shape), np.dtype(aval.dtype), sharding, bool(aval.weak_type)))
+            v = self._value(tuple(aval.shape), prng.dtype_of(aval.dtype), sharding, ragged=ragged)
+            outs.append(Symbol(self, v, tuple(aval.shape), prng.dtype_of(aval.dtype), sharding, bool(aval.weak_type)))
             if aval.weak_type:
                 self.weak.add(v)
         self.node_names.append(call.name)
@@ -338,7 +343,8 @@ class ProgramBuilder:
                              [i for i, v in enumerate(self.inputs) if v in self.donated],
                              {i: self.donated[v] for i, v in enumerate(self.inputs) if v in self.donated},
                              list(self.constants.values()), captured=list(self.captured.values()),
-                             out_weak=[v in self.weak for v in outputs])
+                             out_weak=[v in self.weak for v in outputs],
+                             out_keys={i: self.keys[v] for i, v in enumerate(outputs) if v in self.keys})
 
 
 @dataclasses.dataclass
@@ -354,6 +360,7 @@ class TracedProgram:
     program_id: str = ""  # a traced program kept for reuse is registered with the proxy under its digest
     captured: list[Any] = dataclasses.field(default_factory=list)  # inputs after the constants: closed-over pw.Arrays
     out_weak: list[bool] = dataclasses.field(default_factory=list)  # which outputs are weakly typed
+    out_keys: dict[int, Any] = dataclasses.field(default_factory=dict)  # typed key outputs: their key dtypes
 
 
 def leaf_signature(leaf: Any) -> tuple[Any, ...]:
@@ -361,7 +368,8 @@ def leaf_signature(leaf: Any) -> tuple[Any, ...]:
     if isinstance(leaf, Array):
         return ("buffer", leaf.shape, leaf.dtype, leaf.weak_type, leaf.sharding.key)
     aval = host_aval(leaf)
-    return ("host", aval.shape, np.dtype(aval.dtype).name, aval.weak_type)
+    return ("host", aval.shape, str(aval.dtype) if prng.is_key(aval.dtype) else np.dtype(aval.dtype).name,
+            aval.weak_type)
 
 
 def leaf_aval(leaf: Any) -> jax.ShapeDtypeStruct:
