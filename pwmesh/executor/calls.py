@@ -90,32 +90,52 @@ def dispatch_spmd(fn: CompiledFunction, devices: tuple[jax.Device, ...], local: 
             whole = jax.make_array_from_single_device_arrays(aval.shape, sharding, pieces)
         globals_.append(whole)
     leaves = jax.tree_util.tree_leaves(exe(*globals_))
-    return split(leaves, local), leaves
+    return split(leaves, local, exe), leaves
 
 
 # Per output sharding (an executable returns the same objects call after call) and local devices: where each
 # of an output's per-device arrays goes.
 _PLACES: dict[tuple[Any, tuple[jax.Device, ...]], list[int]] = {}
+# Per executable and local devices: each output's sharding and places, as its last call had them. A step's
+# outputs are split every call; looking each leaf's sharding up (hashing a NamedSharding and the devices)
+# was most of the ~40 us a 54-output step spent here: now one lookup a call, and an identity check a leaf.
+_PLANS: dict[tuple[int, tuple[jax.Device, ...]], tuple[Any, list[tuple[Any, list[int]]]]] = {}
 
 
-def split(leaves: list[Any], local: tuple[jax.Device, ...]) -> list[list[Any]]:
-    """Each local device's pieces of global arrays ``leaves``, in ``local`` order.
+def _places(leaf: Any, local: tuple[jax.Device, ...]) -> list[int]:
+    sharding = leaf.sharding
+    places = _PLACES.get((sharding, local))
+    if places is None:
+        order = {d.id: i for i, d in enumerate(local)}
+        try:
+            places = [order[d.id] for d in sharding._addressable_device_assignment]
+        except AttributeError:  # a JAX without it: the public way
+            places = [order[s.device.id] for s in leaf.addressable_shards]
+        if len(_PLACES) > 4096:
+            _PLACES.clear()
+        _PLACES[(sharding, local)] = places
+    return places
+
+
+def split(leaves: list[Any], local: tuple[jax.Device, ...], exe: Any = None) -> list[list[Any]]:
+    """Each local device's pieces of global arrays ``leaves`` (the outputs of executable ``exe``, if given),
+    in ``local`` order.
 
     ``addressable_shards`` makes a Shard, and a sharding, per piece: a 54-output step on 4 devices took
     ~41 us of the loop for that alone (~22 us this way; the pieces are the very same arrays)."""
     result: list[list[Any]] = [[] for _ in local]
-    for leaf in leaves:
-        sharding = leaf.sharding
-        places = _PLACES.get((sharding, local))
-        if places is None:
-            order = {d.id: i for i, d in enumerate(local)}
-            try:
-                places = [order[d.id] for d in sharding._addressable_device_assignment]
-            except AttributeError:  # a JAX without it: the public way
-                places = [order[s.device.id] for s in leaf.addressable_shards]
-            if len(_PLACES) > 4096:
-                _PLACES.clear()
-            _PLACES[(sharding, local)] = places
+    key = (id(exe), local)
+    kept = _PLANS.get(key) if exe is not None else None
+    plan = kept[1] if kept is not None and kept[0] is exe and len(kept[1]) == len(leaves) else None
+    if plan is None:
+        plan = [(leaf.sharding, _places(leaf, local)) for leaf in leaves]
+        if exe is not None:
+            if len(_PLANS) > 1024:
+                _PLANS.clear()
+            _PLANS[key] = (exe, plan)
+    for leaf, (sharding, places) in zip(leaves, plan, strict=True):
+        if leaf.sharding is not sharding:  # not as the last call had it: looked up again
+            places = _places(leaf, local)
         try:
             arrays = leaf._arrays
         except AttributeError:
