@@ -334,7 +334,9 @@ class _Stream:
         inline: list[memoryview] = []
         for frame in frames:
             view = memoryview(frame).cast("B")
-            if self.shared and view.nbytes >= BIG_FRAME_BYTES:
+            # A slot is freed only when its message is acknowledged: a message with more big frames than
+            # there are slots would wait for itself for ever. Those beyond go inline on the stream.
+            if self.shared and view.nbytes >= BIG_FRAME_BYTES and len(slots) < self.plane.max_segments:
                 seg = self._slot(view.nbytes)
                 seg.array[:view.nbytes] = np.frombuffer(view, dtype=np.uint8)
                 slots.append(seg)
