@@ -141,10 +141,11 @@ def test_client_transfer_smoke(tmp_path: Path) -> None:
     data = json.loads((tmp_path / "client_transfer.json").read_text())
     assert data["benchmark"] == "client_transfer" and data["smoke"] is True
     methods = {r["method"] for r in data["results"]}
-    assert methods == {"pw.put (direct)", "np.asarray (direct)", "pw.put (proxy)", "np.asarray (proxy)", "raw TCP",
-                       "shared memory"}
+    assert methods == {"pw.put (direct)", "np.asarray (direct)", "round trip (direct)", "pw.put (proxy)",
+                       "np.asarray (proxy)", "round trip (proxy)", "raw TCP", "shared memory"}
     assert all(r["gbytes_per_second"] > 0 for r in data["results"])
-    assert {"pw.put direct / raw TCP", "np.asarray direct / proxy"} <= data["ratios"]["2 MiB"].keys()
+    assert {"pw.put direct / raw TCP", "np.asarray direct / proxy", "round trip direct / raw TCP"} <= \
+        data["ratios"]["2 MiB"].keys()
 
 
 @pytest.mark.timeout(110)
