@@ -7,17 +7,18 @@ Every test plays both sides of a transfer: producers ``cut`` their local shards 
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from typing import Any
 
 import numpy as np
 import pytest
 
-from pwmesh.dataflow.exchange import Destination, Ragged, assemble, cut, cut_error, destinations
+from pwmesh.dataflow.exchange import Destination, Ragged, assemble, cut, cut_error, destinations, expand
 from pwmesh.dataflow.layout import Layout, block, check_split, plan
 from pwmesh.dataflow.progress import Arrived, Progress
 from pwmesh.errors import DeviceLost, InvalidArgument
-from pwmesh.wire.messages import DataTuple, Emit, ErrorInfo, ShardRun, Site, Target
+from pwmesh.wire.messages import DataTuple, Emit, ErrorInfo, Sharding, ShardRun, Site, Target
 
 SPLITS = [1, 2, 3, 4, 8]
 ROWS = 24
@@ -54,6 +55,9 @@ class DataPlane:
         self.where: dict[str, Destination] = {}
 
     def deliver(self, tuples: list[tuple[Destination, DataTuple]]) -> None:
+        # As an executor receives them: a tuple's copies (replicas on the same executor) are its own.
+        tuples = [(dataclasses.replace(dest, device=each.device), each) for dest, sent in tuples
+                  for each in expand([sent])]
         for dest, t in tuples:
             key = f"{t.prefix}/{t.shard}"
             assert t.device == dest.device
@@ -309,3 +313,30 @@ def test_scatter_of_zero_rows() -> None:
     assert plane.waiting() == 0
     for j in range(2):
         assert plane.value(f"{PREFIX}/{j}").shape == (0, 2)
+
+
+def test_replicas_on_one_executor_travel_once_and_each_gets_its_own_copy() -> None:
+    """A value replicated over two devices of each executor (a sampler's weights): each piece is sent to an
+    executor once, naming the other replica in ``copies``, not once a device (issue #31: weight sync sent
+    twice the bytes); the receiver gives every replica its own array, never one buffer for two devices."""
+    x = np.arange(8 * 2, dtype=np.float32).reshape(8, 2)
+    sites = [site("a", [(0, 0, 1), (1, 1, 1)]), site("b", [(0, 2, 1), (1, 3, 1)])]
+    target = Target(prefix=PREFIX, shards=4, sites=sites, shape=[8, 2], dtype="float32",
+                    sharding=Sharding(mesh=[2, 2], spec=[]))
+    emit = Emit(mode="block", rows=8, src_shards=2, targets=[target], shape=[8, 2],
+                src=Sharding(mesh=[2], spec=[[0]]))
+    tuples = [t for src, part in enumerate(np.split(x, 2)) for t in cut(emit, {src: part})]
+    assert sorted((d.executor_id, t.shard, t.copies) for d, t in tuples) == [
+        ("a", 0, [[1, 1]]), ("a", 0, [[1, 1]]), ("b", 2, [[3, 1]]), ("b", 2, [[3, 1]])]
+    plane = reshard_tuples(tuples)
+    values = [plane.value(f"{PREFIX}/{j}") for j in range(4)]
+    for value in values:
+        np.testing.assert_array_equal(value, x)
+    assert not np.shares_memory(values[0], values[1]) and not np.shares_memory(values[2], values[3])
+
+
+def reshard_tuples(tuples: list[Any]) -> DataPlane:
+    plane = DataPlane()
+    plane.deliver(shuffled(tuples, 0))
+    assert plane.waiting() == 0
+    return plane

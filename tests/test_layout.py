@@ -17,7 +17,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from pwmesh.client.sharding import propagation_mesh, spec_indices
-from pwmesh.dataflow.exchange import Destination, assemble, cut
+from pwmesh.dataflow.exchange import Destination, assemble, cut, expand
 from pwmesh.dataflow.layout import Layout, plan
 from pwmesh.dataflow.progress import Progress
 from pwmesh.errors import InvalidArgument
@@ -109,7 +109,8 @@ def move(a: Layout, b: Layout, x: np.ndarray) -> dict[int, np.ndarray]:
         tuples.extend(cut(emit, {s: block}))
     progress: dict[str, Progress] = {}
     got = {}
-    for dest, t in reversed(tuples):  # arrival order does not matter
+    # As an executor receives them: a tuple's copies are tuples of their own (``expand``).
+    for dest, t in reversed([(d, each) for d, sent in tuples for each in expand([sent])]):  # any order
         box = progress.setdefault(dest.executor_id, Progress())
         done = box.tuple(f"s/v/{t.shard}", t.src, t.seq, t.sources, t)
         done = box.marker(f"s/v/{t.shard}", t.src, t.count, t.sources) or done

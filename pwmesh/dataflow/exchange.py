@@ -17,7 +17,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from pwmesh.dataflow.layout import Layout, block, plan
+from pwmesh.dataflow.layout import Layout, Plan, block, plan
 from pwmesh.errors import InvalidArgument
 from pwmesh.wire.messages import DataTuple, Emit, ErrorInfo, Target
 
@@ -51,6 +51,19 @@ def destinations(target: Target) -> dict[int, Destination]:
     return found
 
 
+def block_plan(emit: Emit, target: Target) -> Plan:
+    """A block emit's moves, replicas spread by destination executor (every one of its devices hears the
+    same source, so each piece goes to an executor once): the same plan on every executor."""
+    src, dst = emit_layouts(emit, target)
+    groups = [-1] * dst.devices
+    for i, site in enumerate(target.sites):
+        for run in site.runs:
+            for k in range(run.count):
+                if 0 <= run.shard + k < dst.devices:
+                    groups[run.shard + k] = i
+    return plan(src, dst, tuple(groups))
+
+
 def emit_layouts(emit: Emit, target: Target) -> tuple[Layout, Layout]:
     """A block emit's source and destination layouts (the fields left out mean leading-axis blocks)."""
     if emit.shape is not None:
@@ -73,16 +86,26 @@ def cut(emit: Emit, local: dict[int, Any],
     if emit.mode == "block":
         (target,) = emit.targets
         dests = destinations(target)
-        moves = plan(*emit_layouts(emit, target))
+        moves = block_plan(emit, target)
         for src, value in local.items():
+            # The same piece for several destination shards of one executor (replicas): one tuple, the
+            # others named in its ``copies``.
+            sent: dict[tuple[Any, ...], DataTuple] = {}
             for piece in moves.sends.get(src, ()):
                 dest = dests.get(piece.dest)
                 if dest is None:  # that shard is already where it is needed
                     continue
-                part = value[piece.source_index()] if np.ndim(value) else value
                 n = len(moves.sources[piece.dest])
-                out.append((dest, _tuple(target, piece.dest, dest, src, n, count=1, seq=0,
-                                         offset=list(piece.offset), array=np.asarray(part))))
+                same = (dest.executor_id, piece.lo, piece.hi, piece.offset, n)
+                first = sent.get(same)
+                if first is not None:
+                    first.copies.append([piece.dest, dest.device])
+                    continue
+                part = value[piece.source_index()] if np.ndim(value) else value
+                t = _tuple(target, piece.dest, dest, src, n, count=1, seq=0, offset=list(piece.offset),
+                           array=np.asarray(part))
+                sent[same] = t
+                out.append((dest, t))
     elif emit.mode == "route":
         assert selectors is not None
         experts = len(emit.targets)
@@ -126,13 +149,27 @@ def cut_error(emit: Emit, local_shards: list[int], error: ErrorInfo) -> list[tup
     for target in emit.targets:
         dests = destinations(target)
         if emit.mode == "block":
-            sends = plan(*emit_layouts(emit, target)).sends
+            sends = block_plan(emit, target).sends
             wanted = {p.dest for src in local_shards for p in sends.get(src, ())}
         else:
             wanted = set(dests)
         for j in sorted(wanted & set(dests)):
             src = emit.source if emit.source >= 0 else (local_shards[0] if local_shards else 0)
             out.append((dests[j], _tuple(target, j, dests[j], src, 1, error=error)))
+    return out
+
+
+def expand(tuples: list[DataTuple]) -> list[DataTuple]:
+    """``tuples`` with each one's ``copies`` as tuples of their own, each with its own copy of the array
+    (never two shards over one buffer: a computation that consumes one must not change the other)."""
+    if not any(t.copies for t in tuples):
+        return tuples
+    out: list[DataTuple] = []
+    for t in tuples:
+        out.append(t)
+        for shard, device in t.copies:
+            out.append(dataclasses.replace(t, shard=shard, device=device, copies=[],
+                                           array=None if t.array is None else t.array.copy()))
     return out
 
 

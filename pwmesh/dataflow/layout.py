@@ -209,8 +209,13 @@ def _covering(length: int, src_blocks: int, dst_blocks: int, q: int) -> range:
 
 
 @functools.lru_cache(maxsize=1024)
-def plan(src: Layout, dst: Layout) -> Plan:
-    """Every piece that moves from ``src`` to ``dst`` (same global shape) and who sends it."""
+def plan(src: Layout, dst: Layout, groups: tuple[int, ...] | None = None) -> Plan:
+    """Every piece that moves from ``src`` to ``dst`` (same global shape) and who sends it.
+
+    A block held by several source devices (replicas) is sent by the destination's own device if it
+    holds it, else by one replica, spread over the destinations; ``groups`` (per destination device, its
+    executor's number; -1: none) spreads by executor instead, so every device of one executor hears the same
+    replica and the sender can send each piece to that executor once (``exchange.cut``)."""
     if src.shape != dst.shape:
         raise InvalidArgument(f"a reshard keeps the shape: {src.shape} is not {dst.shape}")
     sends: dict[int, list[Piece]] = {s: [] for s in range(src.devices)}
@@ -222,7 +227,8 @@ def plan(src: Layout, dst: Layout) -> Plan:
         per_dim = [_covering(n, a, b, qd) for n, a, b, qd in zip(src.shape, src.splits, dst.splits, q, strict=True)]
         for block in itertools.product(*per_dim):
             holders = src.replicas(block)
-            s = j if j in holders else holders[j % len(holders)]
+            spread = groups[j] if groups is not None and groups[j] >= 0 else j
+            s = j if j in holders else holders[spread % len(holders)]
             lo, hi, offset = [], [], []
             for d, (i, qd) in enumerate(zip(block, q, strict=True)):
                 start, stop = i * src_sizes[d], (i + 1) * src_sizes[d]

@@ -27,7 +27,7 @@ import numpy as np
 
 from pwmesh.core.contract import Send, Timer
 from pwmesh.core.ratelimit import RejectedLog
-from pwmesh.dataflow.exchange import Destination, Ragged, assemble, cut, cut_error
+from pwmesh.dataflow.exchange import Destination, Ragged, assemble, cut, cut_error, expand
 from pwmesh.dataflow.plane import DataPlane
 from pwmesh.dataflow.progress import Arrived, Progress, ProgressError
 from pwmesh.dataflow.secure import plane_key
@@ -774,7 +774,7 @@ class Executor(Service):
 
     def _deliver(self, tuples: list[DataTuple]) -> None:
         """Progress tracking per destination shard; a complete one is assembled and stored."""
-        for t in tuples:
+        for t in expand(tuples):
             key = f"{t.prefix}/{t.shard}"
             if self.store.deleted(key):
                 continue  # its run ended (cancelled, freed): a late tuple is dropped

@@ -25,8 +25,7 @@ from collections.abc import Callable
 import numpy as np
 
 from pwmesh.core.contract import Send, Timer
-from pwmesh.dataflow.exchange import destinations, emit_layouts
-from pwmesh.dataflow.layout import plan
+from pwmesh.dataflow.exchange import block_plan, destinations
 from pwmesh.errors import NotFound, PwmeshError
 from pwmesh.executor.queues import DeviceQueues, PartDone, Start
 from pwmesh.executor.state import Admit, Cancelled, CancelWork, Completed, Event, ExecutorState, PartEnded, Received
@@ -304,7 +303,7 @@ class SimExecutor(Node):
             meta: Meta = (tuple(target.shape), target.dtype)
             itemsize = np.dtype(target.dtype).itemsize if target.dtype else 4
             if emit.mode == "block":
-                moves = plan(*emit_layouts(emit, target))
+                moves = block_plan(emit, target)
                 for src in shards:
                     for piece in moves.sends.get(src, ()):
                         dest = dests.get(piece.dest)

@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from pwmesh.dataflow.exchange import Destination, Ragged, assemble, cut
+from pwmesh.dataflow.exchange import Destination, Ragged, assemble, cut, expand
 from pwmesh.dataflow.progress import Progress
 from pwmesh.errors import PwmeshError
 from pwmesh.ir.lower import Lowered, ShardLocation, shard_key, value_layout
@@ -48,7 +48,7 @@ class _Executors:
 
     def deliver(self, tuples: list[tuple[Destination, DataTuple]]) -> None:
         """Each tuple through its destination's ``Progress``; a completed shard is assembled and stored."""
-        for dest, t in tuples:
+        for dest, t in [(dest, each) for dest, sent in tuples for each in expand([sent])]:
             key = f"{t.prefix}/{t.shard}"
             progress = self.progress[dest.executor_id]
             done = None

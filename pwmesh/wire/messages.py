@@ -591,6 +591,9 @@ class DataTuple(Record):
     array: np.ndarray | None = None
     index: np.ndarray | None = None
     error: ErrorInfo | None = None
+    # More destination shards of the same executor that get this very tuple, as [shard, device] each
+    # (replicas of one block): its bytes travel once, and the receiver gives each its own copy.
+    copies: list[list[int]] = dataclasses.field(default_factory=list)
 
 
 @record
