@@ -423,17 +423,7 @@ class Executor(Service):
         if not (len(msg.keys) == len(msg.arrays) == len(msg.devices)):
             raise InvalidArgument("put_shards needs as many keys, devices and arrays")
         nbytes = sum(getattr(a, "nbytes", 0) for a in msg.arrays)
-        if not self.store.memory.fits(nbytes):
-            # A put does not wait: refused whole, each key failed with why (so nothing waits for it), and
-            # what it would have crowded out (another tenant's next computation) runs.
-            memory = self.store.memory
-            exc = ResourceExhausted(
-                f"a put of {format_bytes(nbytes)} does not fit on executor {self.name}: it holds "
-                f"{format_bytes(memory.in_use)} of its {format_bytes(memory.limit_bytes)} memory limit; free "
-                "buffers (del, .delete()) or use more devices")
-            for key in msg.keys:
-                self.store.fail(key, exc)
-            raise exc
+        self.store.refuse_put(msg.keys, nbytes, self.name)
         if nbytes >= HOST_COPY_INLINE_BYTES:
             return self._put_off_loop(msg)
         first: Exception | None = None

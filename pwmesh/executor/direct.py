@@ -24,8 +24,8 @@ import numpy as np
 
 from pwmesh.core.ratelimit import RejectedLog
 from pwmesh.dataflow.plane import DataPlane, Notify
-from pwmesh.errors import InvalidArgument, PwmeshError, ResourceExhausted, Unavailable
-from pwmesh.executor.store import ObjectStore, format_bytes
+from pwmesh.errors import InvalidArgument, PwmeshError, Unavailable
+from pwmesh.executor.store import ObjectStore
 from pwmesh.wire import Envelope
 from pwmesh.wire.codec import dtype_from_name
 from pwmesh.wire.messages import ExpectShards, Ok, PushShards, ShardBatch
@@ -76,15 +76,7 @@ class DirectTransfers:
             raise InvalidArgument(f"a shard of session {msg.session} must be named under it")
         dtype = dtype_from_name(msg.dtype)
         nbytes = sum(int(np.prod(shape, dtype=np.int64)) * dtype.itemsize for shape in msg.shapes)
-        memory = self.store.memory
-        if not memory.fits(nbytes):  # as a put through the proxy: refused whole, each key failed with why
-            exc = ResourceExhausted(
-                f"a put of {format_bytes(nbytes)} does not fit on executor {self.name}: it holds "
-                f"{format_bytes(memory.in_use)} of its {format_bytes(memory.limit_bytes)} memory limit; free "
-                "buffers (del, .delete()) or use more devices")
-            for key in msg.keys:
-                self.store.fail(key, exc)
-            raise exc
+        self.store.refuse_put(msg.keys, nbytes, self.name)  # as a put through the proxy
         self._session(msg.session, msg.data_key)
         for key, device, shape in zip(msg.keys, msg.devices, msg.shapes, strict=True):
             self.expected[key] = Expected(msg.session, device, tuple(shape), dtype)

@@ -295,6 +295,21 @@ class ObjectStore:
         self._whole.pop(buffer_of(key), None)
         self.memory.freed(self._nbytes.pop(key, 0))
 
+    def refuse_put(self, keys: list[str], nbytes: int, executor: str) -> None:
+        """A put of ``nbytes`` under ``keys`` into this store, if it fits; else ``ResourceExhausted``. A put
+        does not wait: refused whole, each key failed with why (so nothing waits for it), and what it would
+        have crowded out (another tenant's next computation) runs."""
+        memory = self.memory
+        if memory.fits(nbytes):
+            return
+        exc = ResourceExhausted(
+            f"a put of {format_bytes(nbytes)} does not fit on executor {executor}: it holds "
+            f"{format_bytes(memory.in_use)} of its {format_bytes(memory.limit_bytes)} memory limit; free "
+            "buffers (del, .delete()) or use more devices")
+        for key in keys:
+            self.fail(key, exc)
+        raise exc
+
     def fail(self, key: str, exc: PwmeshError) -> None:
         if self.deleted(key) or key in self._values:
             return
