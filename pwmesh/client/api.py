@@ -16,6 +16,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from pwmesh.client import array_ops  # noqa: F401 - registers pw.Array's operators (``array.use_operations``)
 from pwmesh.client.array import Array
 from pwmesh.client.devices import Slice, VirtualDevice, VirtualDeviceSet, slice_of
 from pwmesh.client.dispatch import fetch_all

@@ -30,11 +30,20 @@ class DeletedArrayError(RuntimeError, ValueError):
     ``ValueError``, as pwmesh raised before, for code that catches that)."""
 
 
-def _ops() -> Any:
-    """``pwmesh.client.array_ops``, which runs ``pw.jit`` (above this module: imported when first used)."""
-    from pwmesh.client import array_ops  # noqa: PLC0415 - see the docstring
+# ``pwmesh.client.array_ops``, which runs ``pw.jit``: it sits above this module (jit makes pw.Arrays), so it
+# registers itself here when imported (``pwmesh.client.api`` imports it: no array exists without a client).
+_operations: list[Any] = []
 
-    return array_ops
+
+def use_operations(ops: Any) -> None:
+    """Run ``pw.Array``'s operators, indexing and ``astype`` with ``ops`` (``pwmesh.client.array_ops``)."""
+    _operations[:] = [ops]
+
+
+def _ops() -> Any:
+    if not _operations:
+        raise InvalidArgument("pw.Array's operators come with the client library: import pwmesh.client.api")
+    return _operations[0]
 
 
 def _binary(op: Callable[[Any, Any], Any], reflected: bool = False) -> Callable[[Array, Any], Any]:

@@ -12,6 +12,7 @@ While ``pw.jit`` traces a function closing over a ``pw.Array``, the array stands
 
 from __future__ import annotations
 
+import sys
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -19,7 +20,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from pwmesh.client import capture
+from pwmesh.client import array, capture
 from pwmesh.client.array import Array
 from pwmesh.client.devices import Slice
 from pwmesh.client.functions import JitFunction, jit
@@ -118,3 +119,5 @@ def rows(x: Array) -> Any:
         raise TypeError("iteration over a 0-d array")  # as jax.Array's
     return (getitem(x, i) for i in range(x.shape[0]))
 
+
+array.use_operations(sys.modules[__name__])

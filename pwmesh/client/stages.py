@@ -12,15 +12,22 @@ transformation.
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import jax
 
 from pwmesh.client.export import ExportedFunction
 from pwmesh.client.tracing import leaf_aval, with_static
 
-if TYPE_CHECKING:
-    from pwmesh.client.functions import JitFunction
+
+class Jitted(Protocol):
+    """What a stage needs of the ``pw.jit`` function it was lowered from (``functions.JitFunction``)."""
+
+    __name__: str
+    donate_argnums: tuple[int, ...]
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any: ...
+
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,7 +49,7 @@ class ArgInfo:
 class Lowered:
     """``pw.jit(f).lower(*args)``: what ``jax.jit``'s ``Lowered`` is, for a slice."""
 
-    def __init__(self, fn: JitFunction, exported: ExportedFunction, static: tuple[Any, ...], in_tree: Any,
+    def __init__(self, fn: Jitted, exported: ExportedFunction, static: tuple[Any, ...], in_tree: Any,
                  avals: tuple[jax.ShapeDtypeStruct, ...], donated: list[int]) -> None:
         self._fn = fn
         self._static = static
