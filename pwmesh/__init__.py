@@ -29,8 +29,8 @@ from pwmesh.errors import (
 # The API is imported on first use (PEP 562): ``import pwmesh`` stays cheap for the CLI and the
 # daemons, and JAX is loaded only by what needs it.
 _LAZY = {
-    "pwmesh.client.api": ("Client", "connect", "default_client", "disconnect", "get", "make_virtual_device_set",
-                          "put"),
+    "pwmesh.client.api": ("Client", "NamedSharding", "connect", "default_client", "device_put", "disconnect", "get",
+                          "make_virtual_device_set", "put"),
     "pwmesh.client.array": ("Array",),
     "pwmesh.client.devices": ("Slice", "VirtualDevice", "VirtualDeviceSet"),
     "pwmesh.client.functions": ("JitFunction", "MappedFunction", "jit", "pmap"),
@@ -43,7 +43,17 @@ _WHERE = {name: module for module, names in _LAZY.items() for name in names}
 
 if TYPE_CHECKING:  # what static tools see: the same names, imported for real
     from pwmesh import pipeline
-    from pwmesh.client.api import Client, connect, default_client, disconnect, get, make_virtual_device_set, put
+    from pwmesh.client.api import (
+        Client,
+        NamedSharding,
+        connect,
+        default_client,
+        device_put,
+        disconnect,
+        get,
+        make_virtual_device_set,
+        put,
+    )
     from pwmesh.client.array import Array
     from pwmesh.client.devices import Slice, VirtualDevice, VirtualDeviceSet
     from pwmesh.client.functions import JitFunction, MappedFunction, jit, pmap
@@ -84,6 +94,7 @@ __all__ = [
     "LocalCluster",
     "LocalClusterSpec",
     "MappedFunction",
+    "NamedSharding",
     "NotFound",
     "PermissionDenied",
     "Program",
@@ -100,6 +111,7 @@ __all__ = [
     "VirtualDeviceSet",
     "connect",
     "default_client",
+    "device_put",
     "disconnect",
     "get",
     "host",

@@ -21,6 +21,7 @@ from pwmesh.client.array import Array
 from pwmesh.client.devices import Slice, VirtualDevice, VirtualDeviceSet, slice_of
 from pwmesh.client.dispatch import fetch_all
 from pwmesh.client.export import canonical, host_aval
+from pwmesh.client.routing import reshard
 from pwmesh.client.session import Session
 from pwmesh.client.sharding import P, SliceSharding, resolve
 from pwmesh.errors import InvalidArgument
@@ -150,6 +151,15 @@ def disconnect() -> None:
         old.close()
 
 
+NamedSharding = SliceSharding  # JAX's name for it: ``pw.NamedSharding(slice, P(...))``
+
+
+def device_put(value: Any, sharding: SliceSharding) -> Any:
+    """``jax.device_put(value, sharding)`` on the cluster: ``pw.put(value, sharding)``, for a sharding made
+    as JAX's is (``pw.NamedSharding(slice, P(...))``)."""
+    return put(value, sharding)
+
+
 def make_virtual_device_set() -> VirtualDeviceSet:
     return default_client().make_virtual_device_set()
 
@@ -162,17 +172,26 @@ def get(tree: Any) -> Any:
                                                   for leaf in leaves])
 
 
-def put(value: Any, devices: Slice | Sequence[VirtualDevice], spec: Any = None) -> Any:
-    """``value`` (a pytree of host arrays) on ``devices``, each leaf laid out as ``spec`` says (a
-    ``PartitionSpec`` or a pytree prefix of them; ``None``: replicated, as ``pw.jit`` takes host values)."""
-    sl = slice_of(devices)
+def put(value: Any, devices: Slice | Sequence[VirtualDevice] | SliceSharding, spec: Any = None) -> Any:
+    """``value`` (a pytree of host arrays or ``pw.Array``s) on ``devices``, each leaf laid out as ``spec`` says
+    (a ``PartitionSpec`` or a pytree prefix of them; ``None``: replicated, as ``pw.jit`` takes host values), or
+    as ``devices`` says when it is a sharding (``jax.device_put(x, NamedSharding(mesh, spec))``'s form). A
+    ``pw.Array`` laid out so already is returned as it is; one laid out otherwise is resharded there."""
+    if isinstance(devices, SliceSharding):
+        if spec is not None:
+            raise InvalidArgument("pw.put: give a sharding, or devices and a spec, not both")
+        sl, spec = devices.slice, devices.spec
+    else:
+        sl = slice_of(devices)
     session = sl.session
     leaves, treedef = jax.tree_util.tree_flatten(value)
     specs = resolve(spec, value, "pw.put: spec")
     arrays = []
     for i, (leaf, leaf_spec) in enumerate(zip(leaves, specs, strict=True)):
         if isinstance(leaf, Array):
-            raise InvalidArgument(f"pw.put: leaf {i} is a pw.Array already; pw.reshard moves one")
+            wanted = SliceSharding(sl, leaf_spec if leaf_spec is not None else P())
+            arrays.append(leaf if leaf.sharding == wanted else reshard(leaf, devices=sl, spec=wanted.spec))
+            continue
         arr = canonical(leaf)  # a typed key array's: its data (``client/prng.py``)
         aval = host_aval(leaf)
         weak = bool(aval.weak_type or getattr(leaf, "weak_type", False))  # a Python scalar, or a weak jax.Array

@@ -192,11 +192,8 @@ class JitFunction(_Compiled):
         super().__init__(fn, devices)
         self.in_specs = in_specs
         self.out_specs = out_specs
-        self.static_argnums, self.static_argnames = argnums_and_argnames(fn, static_argnums, static_argnames, "static")
-        self.donate_argnums, self.donate_argnames = argnums_and_argnames(fn, donate_argnums, donate_argnames, "donate")
-        clash = set(self.static_argnums) & set(self.donate_argnums)
-        if clash:
-            raise InvalidArgument(f"{self.__name__}: argument(s) {sorted(clash)} are both static and donated")
+        (self.static_argnums, self.static_argnames, self.donate_argnums,
+         self.donate_argnames) = _jit_argnums(fn, static_argnums, static_argnames, donate_argnums, donate_argnames)
         self._share(("jit", in_specs, out_specs, self.static_argnums, self.static_argnames, self.donate_argnums,
                      self.donate_argnames))
 
@@ -324,32 +321,94 @@ class MappedFunction(_Compiled):
         return f"pw.pmap({self.__name__}, slice={self.slice.slice_id}, axis_name={self.axis_name!r})"
 
 
+def _jit_argnums(fn: Callable[..., Any], static_argnums: Any, static_argnames: Any, donate_argnums: Any,
+                 donate_argnames: Any) -> tuple[tuple[int, ...], tuple[str, ...], tuple[int, ...], tuple[str, ...]]:
+    """A ``pw.jit``'s static and donated arguments, inferred and checked as ``jax.jit``'s are."""
+    static, static_names = argnums_and_argnames(fn, static_argnums, static_argnames, "static")
+    donate, donate_names = argnums_and_argnames(fn, donate_argnums, donate_argnames, "donate")
+    clash = set(static) & set(donate)
+    if clash:
+        raise InvalidArgument(f"{getattr(fn, '__name__', 'fn')}: argument(s) {sorted(clash)} are both static and "
+                              "donated")
+    return static, static_names, donate, donate_names
+
+
+class FollowingJit:
+    """``pw.jit(fn)`` without ``devices=``: as ``jax.jit`` follows its committed arguments, it runs on the slice
+    its ``pw.Array`` arguments live on (compiled once per slice: a ``JitFunction`` each)."""
+
+    def __init__(self, fn: Callable[..., Any], options: dict[str, Any]) -> None:
+        if not callable(fn):  # bad arguments are refused now, as jax.jit's are
+            raise TypeError(f"Expected a callable value, got {fn}")
+        _jit_argnums(fn, *(options[k] for k in ("static_argnums", "static_argnames", "donate_argnums",
+                                                "donate_argnames")))
+        functools.update_wrapper(self, fn)
+        self.__name__ = getattr(fn, "__name__", "fn")
+        self._fn = fn
+        self._options = options
+        self._on: dict[int, JitFunction] = {}  # by slice (the JitFunction keeps its slice alive)
+        self._lock = threading.Lock()
+
+    def on(self, args: Sequence[Any], kwargs: dict[str, Any]) -> JitFunction:
+        """The function compiled for the slice ``args`` live on."""
+        slices = {id(leaf.sharding.slice): leaf.sharding.slice for leaf in jax.tree_util.tree_leaves((args, kwargs))
+                  if isinstance(leaf, Array | Symbol) and leaf.sharding is not None}
+        if not slices:
+            raise InvalidArgument(f"pw.jit({self.__name__}) without devices= runs where its pw.Array arguments are, "
+                                  "and none of its arguments is one: give devices=, or put them first (pw.put)")
+        if len(slices) > 1:
+            raise InvalidArgument(f"pw.jit({self.__name__}): its arguments are on {len(slices)} slices "
+                                  f"({', '.join(str(k) for k in sorted(s.slice_id for s in slices.values()))}); as "
+                                  "jax.jit refuses incompatible devices, move them to one (pw.reshard) or give devices=")
+        ((key, sl),) = slices.items()
+        with self._lock:
+            found = self._on.get(key)
+            if found is None:
+                found = self._on[key] = JitFunction(self._fn, sl, **self._options)
+        return found
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.on(args, kwargs)(*args, **kwargs)
+
+    def lower(self, *args: Any, **kwargs: Any) -> Lowered:
+        return self.on(args, kwargs).lower(*args, **kwargs)
+
+    def __get__(self, instance: Any, owner: Any = None) -> Any:
+        return self if instance is None else types.MethodType(self, instance)
+
+
 @overload
-def jit(fn: Callable[..., Any], /, *, devices: Slice | Sequence[VirtualDevice], in_specs: Any = None,
+def jit(fn: Callable[..., Any], /, *, devices: Slice | Sequence[VirtualDevice] | None = None, in_specs: Any = None,
         out_specs: Any = None, static_argnums: int | Iterable[int] | None = None,
         static_argnames: str | Iterable[str] | None = None, donate_argnums: int | Iterable[int] | None = None,
         donate_argnames: str | Iterable[str] | None = None) -> JitFunction: ...
 
 
 @overload
-def jit(fn: None = None, /, *, devices: Slice | Sequence[VirtualDevice], in_specs: Any = None,
+def jit(fn: None = None, /, *, devices: Slice | Sequence[VirtualDevice] | None = None, in_specs: Any = None,
         out_specs: Any = None, static_argnums: int | Iterable[int] | None = None,
         static_argnames: str | Iterable[str] | None = None, donate_argnums: int | Iterable[int] | None = None,
         donate_argnames: str | Iterable[str] | None = None) -> Callable[[Callable[..., Any]], JitFunction]: ...
 
 
-def jit(fn: Callable[..., Any] | None = None, /, *, devices: Slice | Sequence[VirtualDevice], in_specs: Any = None,
-        out_specs: Any = None, static_argnums: int | Iterable[int] | None = None,
+def jit(fn: Callable[..., Any] | None = None, /, *, devices: Slice | Sequence[VirtualDevice] | None = None,
+        in_specs: Any = None, out_specs: Any = None, static_argnums: int | Iterable[int] | None = None,
         static_argnames: str | Iterable[str] | None = None, donate_argnums: int | Iterable[int] | None = None,
         donate_argnames: str | Iterable[str] | None = None) -> Any:
     """``fn`` compiled for ``devices`` (a slice) like ``jax.jit`` with ``NamedSharding``s over its mesh; without
     ``fn``, a decorator that compiles the function it is given so (``@pw.jit(devices=s, static_argnames=...)``).
+    Without ``devices``, it runs on the slice its ``pw.Array`` arguments live on, as ``jax.jit`` follows its
+    committed arguments (``FollowingJit``).
 
     ``in_specs``: a ``PartitionSpec`` for every argument, or a tuple with one entry per positional
     argument (static ones left out), each a pytree prefix of that argument (``None``: the default).
     ``out_specs``: a spec or a pytree prefix of the result. Defaults: see the module docstring."""
     options = dict(in_specs=in_specs, out_specs=out_specs, static_argnums=static_argnums,
                    static_argnames=static_argnames, donate_argnums=donate_argnums, donate_argnames=donate_argnames)
+    if devices is None:
+        if fn is None:
+            return functools.partial(FollowingJit, options=options)
+        return FollowingJit(fn, options)
     if fn is None:
         return functools.partial(JitFunction, devices=devices, **options)
     return JitFunction(fn, devices, **options)

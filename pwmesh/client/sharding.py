@@ -69,7 +69,8 @@ def spec_indices(spec: PartitionSpec, names: Sequence[str], what: str) -> list[l
 
 
 class SliceSharding:
-    """A slice and a ``PartitionSpec`` over its mesh: how a ``pw.Array`` is laid out on the devices."""
+    """A slice and a ``PartitionSpec`` over its mesh: how a ``pw.Array`` is laid out on the devices (JAX's
+    ``NamedSharding(mesh, spec)``, with the slice as the mesh: ``pw.NamedSharding`` is this class)."""
 
     __slots__ = ("slice", "spec", "_wire", "key")
 

@@ -13,7 +13,8 @@ mesh ``(8,) ('batch',)``, then 4-way data and 2-way tensor parallelism on ``(4, 
 
 The tutorial's code is restated here in its own order and names, not copied: the model functions
 below as they are, ``with_jax`` its two training sections, ``with_pwmesh`` the same lines with the
-fewest edits pwmesh needs, each marked ``# pwmesh:``. Both record the loss before training and
+fewest edits pwmesh needs, each marked ``# pwmesh:`` (the meshes; ``jax.jit``, ``jax.device_put`` and
+``NamedSharding`` from ``pw`` instead of ``jax``). Both record the loss before training and
 after every step (not in the tutorial: it prints the loss before and after) and take the sizes as
 arguments (the tutorial's defaults are below; the test uses smaller ones).
 
@@ -143,19 +144,21 @@ def with_jax(layer_sizes=LAYER_SIZES, batch_size=BATCH_SIZE, steps=STEPS) -> dic
 
 
 def with_pwmesh(layer_sizes=LAYER_SIZES, batch_size=BATCH_SIZE, steps=STEPS) -> dict[str, list[float]]:
-    """The same on pwmesh (the default client's cluster: two slices of 8 devices of one island)."""
+    """The same on pwmesh (the default client's cluster: two slices of 8 devices of one island). The edits:
+    the meshes are slices of the cluster; ``jax.jit``, ``jax.device_put`` and ``NamedSharding`` are pw's."""
     losses: dict[str, list[float]] = {"data": [], "data_and_model": []}
+    loss_jit = pw.jit(loss)  # pwmesh: jax.jit (it runs where its arguments are, as jax.jit's does)
+    gradfun = pw.jit(jax.grad(loss))  # pwmesh: jax.jit
 
     params, batch = init_model(jax.random.key(0), layer_sizes, batch_size)
 
     # 8-way batch data parallelism
     mesh = pw.make_virtual_device_set().add_slice(devices=8, mesh={'batch': 8})  # pwmesh: the mesh
-    loss_jit = pw.jit(loss, devices=mesh)  # pwmesh: jax.jit, on the mesh
-    gradfun = pw.jit(jax.grad(loss), devices=mesh)  # pwmesh: jax.jit, on the mesh
-    sharding = P('batch')  # pwmesh: the spec of NamedSharding(mesh, spec)
-    replicated_sharding = P()  # pwmesh: likewise
-    batch = pw.reshard(batch, devices=mesh, spec=sharding)  # pwmesh: jax.device_put
-    params = pw.reshard(params, devices=mesh, spec=replicated_sharding)  # pwmesh: jax.device_put
+
+    sharding = pw.NamedSharding(mesh, P('batch'))  # pwmesh: NamedSharding
+    replicated_sharding = pw.NamedSharding(mesh, P())  # pwmesh: NamedSharding
+    batch = pw.device_put(batch, sharding)  # pwmesh: jax.device_put
+    params = pw.device_put(params, replicated_sharding)  # pwmesh: jax.device_put
     losses["data"].append(float(np.asarray(loss_jit(params, batch))))
 
     for _ in range(steps):
@@ -166,23 +169,22 @@ def with_pwmesh(layer_sizes=LAYER_SIZES, batch_size=BATCH_SIZE, steps=STEPS) -> 
 
     # 4-way batch data parallelism and 2-way model tensor parallelism
     mesh = pw.make_virtual_device_set().add_slice(devices=8, mesh={'batch': 4, 'model': 2})  # pwmesh: the mesh
-    loss_jit = pw.jit(loss, devices=mesh)  # pwmesh: jax.jit, on the new mesh
-    gradfun = pw.jit(jax.grad(loss), devices=mesh)  # pwmesh: jax.jit, on the new mesh
-    batch = pw.reshard(batch, devices=mesh, spec=P('batch', None))  # pwmesh: jax.device_put
-    replicated_sharding = P()  # pwmesh: the spec of NamedSharding(mesh, spec)
+
+    batch = pw.device_put(batch, pw.NamedSharding(mesh, P('batch', None)))  # pwmesh: (the same two names below)
+    replicated_sharding = pw.NamedSharding(mesh, P())
     (W1, b1), (W2, b2), (W3, b3), (W4, b4) = params
 
-    W1 = pw.reshard(W1, devices=mesh, spec=replicated_sharding)  # pwmesh: jax.device_put (the next 7 too)
-    b1 = pw.reshard(b1, devices=mesh, spec=replicated_sharding)
+    W1 = pw.device_put(W1, replicated_sharding)
+    b1 = pw.device_put(b1, replicated_sharding)
 
-    W2 = pw.reshard(W2, devices=mesh, spec=P(None, 'model'))
-    b2 = pw.reshard(b2, devices=mesh, spec=P('model'))
+    W2 = pw.device_put(W2, pw.NamedSharding(mesh, P(None, 'model')))
+    b2 = pw.device_put(b2, pw.NamedSharding(mesh, P('model')))
 
-    W3 = pw.reshard(W3, devices=mesh, spec=P('model', None))
-    b3 = pw.reshard(b3, devices=mesh, spec=replicated_sharding)
+    W3 = pw.device_put(W3, pw.NamedSharding(mesh, P('model', None)))
+    b3 = pw.device_put(b3, replicated_sharding)
 
-    W4 = pw.reshard(W4, devices=mesh, spec=replicated_sharding)
-    b4 = pw.reshard(b4, devices=mesh, spec=replicated_sharding)
+    W4 = pw.device_put(W4, replicated_sharding)
+    b4 = pw.device_put(b4, replicated_sharding)
 
     params = (W1, b1), (W2, b2), (W3, b3), (W4, b4)
     losses["data_and_model"].append(float(np.asarray(loss_jit(params, batch))))

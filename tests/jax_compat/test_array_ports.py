@@ -343,9 +343,6 @@ def test_device_put_and_get(mesh_2x1: pw.Slice) -> None:
 
 
 # api_test.py: APITest.test_device_put_sharding
-@pytest.mark.xfail(strict=True, reason="pwmesh: pw.put of a pw.Array raises pw.InvalidArgument 'pw.put: leaf 0 is a "
-                   "pw.Array already; pw.reshard moves one'; jax.device_put(y, s) of an array already laid out as s "
-                   "returns y itself (and device_put(z) with no sharding returns z)")
 def test_device_put_sharding(mesh_2x1: pw.Slice) -> None:
     s = pw.SliceSharding(mesh_2x1, P("x"))
     x = jnp.arange(2)
