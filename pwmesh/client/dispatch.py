@@ -13,12 +13,17 @@ import numpy as np
 from pwmesh.client import prng
 from pwmesh.client.array import Array
 from pwmesh.client.export import canonical
-from pwmesh.client.tracing import ProgramBuilder, Symbol, TracedProgram, trace
+from pwmesh.client.tracing import NotAValue, ProgramBuilder, Symbol, TracedProgram, trace
 from pwmesh.errors import InvalidArgument
 from pwmesh.wire.messages import ProgramInput, RunProgram, Sharding
 
 if TYPE_CHECKING:
     from pwmesh.client.tracing import ProgramCache
+
+
+class DonatedTwiceError(InvalidArgument, RuntimeError):
+    """A donated ``pw.Array`` passed twice in one call: a ``RuntimeError``, as JAX raises (and the
+    ``InvalidArgument`` pwmesh raised before)."""
 
 
 def _placed(traced: TracedProgram, index: int) -> tuple[int, Sharding] | None:
@@ -68,9 +73,9 @@ def _inputs(traced: TracedProgram, leaves: Sequence[Any], puts: list[int]) -> li
         for i in traced.donated:
             leaf = leaves[i]
             if isinstance(leaf, Array) and passed[id(leaf)] > 1:
-                raise InvalidArgument(f"pw.Array {leaf.buffer_id} is donated to {traced.donated_to[i]} and passed "
-                                      "again in the same call: a donated buffer is consumed by the one call it is "
-                                      "given to")
+                raise DonatedTwiceError(f"pw.Array {leaf.buffer_id} is donated to {traced.donated_to[i]} and "
+                                        "passed again in the same call: a donated buffer is consumed by the one call "
+                                        "it is given to")
     inputs.extend(ProgramInput(array=c) for c in traced.constants)
     for array in traced.captured:
         array._check_alive()
@@ -117,7 +122,12 @@ def call_eagerly(fn: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
     """A compiled function called outside any program: its one-node program, traced once per signature."""
     dyn_args, dyn_kwargs, static = fn.split(args, kwargs)
     cache: ProgramCache = fn.eager
-    traced = cache.get(dyn_args, dyn_kwargs, static)
+    try:
+        traced = cache.get(dyn_args, dyn_kwargs, static)
+    except NotAValue as exc:  # named by its place in the arguments, as jax.jit names it
+        leaves = jax.tree_util.tree_leaves((dyn_args, dyn_kwargs))
+        index = next(i for i, leaf in enumerate(leaves) if leaf is exc.leaf)
+        raise fn.not_a_value(exc.leaf, exc.leaf, index, (dyn_args, dyn_kwargs)) from None
     return execute(traced, jax.tree_util.tree_leaves((dyn_args, dyn_kwargs)))
 
 

@@ -20,13 +20,16 @@ from __future__ import annotations
 
 import functools
 import inspect
+import math
 import threading
 import types
+import warnings
 import weakref
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, overload
 
 import jax
+import numpy as np
 from jax.sharding import AbstractMesh
 
 from pwmesh.client import dispatch
@@ -118,6 +121,23 @@ class _Compiled:
     def split(self, args: Sequence[Any], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any],
                                                                           tuple[Any, ...]]:
         return split_static(self.__name__, args, kwargs, self.static_argnums, self.static_argnames)
+
+    def not_a_value(self, leaf: Any, aval: Any, index: int, tree: Any) -> TypeError:
+        """JAX's error for an argument that is no array (a string, a type, a ``ShapeDtypeStruct`` in a call)."""
+        path, _ = jax.tree_util.tree_flatten_with_path(tree)[0][index]
+        where, rest = path[:2], path[2:]
+        if where[0].idx == 0:  # type: ignore[attr-defined]  # a positional argument: its parameter's name
+            names = [p for p in inspect.signature(self.fn).parameters] if callable(self.fn) else []
+            k = where[1].idx  # type: ignore[attr-defined]
+            name = names[k] if k < len(names) else f"args[{k}]"
+        else:
+            name = str(where[1].key)  # type: ignore[attr-defined]
+        at = name + jax.tree_util.keystr(rest)
+        if isinstance(leaf, jax.ShapeDtypeStruct):
+            return TypeError(f"Argument '{at}' of shape {aval.dtype}[{','.join(map(str, aval.shape))}] of type "
+                             f"{type(leaf)} is not a valid JAX type.")
+        return TypeError(f"Error interpreting argument to {self.fn} as an abstract array. The problematic value is "
+                         f"of type {type(leaf)} and was passed to the function at path {at}.")
 
     def _exported(self, key: tuple[Any, ...], make: Callable[[], ExportedFunction]) -> ExportedFunction:
         with self._lock:
@@ -244,7 +264,7 @@ class JitFunction(_Compiled):
             at += count
         return out
 
-    def bind(self, args: Sequence[Any], kwargs: dict[str, Any]) -> Call:
+    def bind(self, args: Sequence[Any], kwargs: dict[str, Any], ahead_of_time: bool = False) -> Call:
         dyn_args, dyn_kwargs, static = self.split(args, kwargs)
         leaves, in_tree = jax.tree_util.tree_flatten((dyn_args, dyn_kwargs))
         wanted = self._wanted(dyn_args, dyn_kwargs)
@@ -252,6 +272,8 @@ class JitFunction(_Compiled):
         avals = []
         for i, (leaf, spec) in enumerate(zip(leaves, wanted, strict=True)):
             aval = leaf_aval(leaf)
+            if (not ahead_of_time and isinstance(leaf, jax.ShapeDtypeStruct)) or not _an_array_dtype(aval.dtype):
+                raise self.not_a_value(leaf, aval, i, (dyn_args, dyn_kwargs))
             now = leaf.sharding if isinstance(leaf, (Array, Symbol)) else None
             sharding = SliceSharding(self.slice, spec if spec is not None else default_spec(now, self.slice))
             sharding.check(aval.shape, f"{self.__name__}: argument leaf {i}")
@@ -266,9 +288,11 @@ class JitFunction(_Compiled):
             if closed:
                 with self._lock:
                     self._caches.captured[key] = closed
-            return export_jit(traced, self.slice, traced.in_avals,
-                              [*(s.spec for s in shardings), *(self._closed_sharding(a).spec for a in closed)],
-                              self.out_specs, donate, self.__name__)
+            exported = export_jit(traced, self.slice, traced.in_avals,
+                                  [*(s.spec for s in shardings), *(self._closed_sharding(a).spec for a in closed)],
+                                  self.out_specs, donate, self.__name__)
+            _warn_unusable([avals[i] for i in donate], exported.out_avals)
+            return exported
 
         exported = self._exported(key, export)
         with self._lock:
@@ -285,7 +309,7 @@ class JitFunction(_Compiled):
         ``pw.Array``s, ``jax.ShapeDtypeStruct``s or ``jax.core.ShapedArray``s), without running it."""
         dyn_args, dyn_kwargs, static = self.split(args, kwargs)
         in_tree = jax.tree_util.tree_structure((dyn_args, dyn_kwargs))
-        call = self.bind(args, kwargs)
+        call = self.bind(args, kwargs, ahead_of_time=True)
         own = call.leaves[:len(call.leaves) - call.captured]
         return Lowered(self, call.exported, static, in_tree, tuple(map(leaf_aval, own)), call.donate)
 
@@ -319,6 +343,29 @@ class MappedFunction(_Compiled):
 
     def __repr__(self) -> str:
         return f"pw.pmap({self.__name__}, slice={self.slice.slice_id}, axis_name={self.axis_name!r})"
+
+
+def _an_array_dtype(dtype: Any) -> bool:
+    """Whether ``dtype`` is one a JAX array can have (a string's, an object's or a date's is not)."""
+    try:
+        return np.dtype(dtype).kind not in "OUSMm"
+    except TypeError:  # an extended dtype (a typed key's): JAX's own
+        return True
+
+
+def _warn_unusable(donated: Sequence[jax.ShapeDtypeStruct], outputs: Sequence[jax.ShapeDtypeStruct]) -> None:
+    """As ``jax.jit`` warns when it compiles: donated inputs that no output can reuse (none of their dtype and
+    number of elements left: a reshape reuses its input, as XLA aliases it)."""
+    free = [(math.prod(o.shape), str(o.dtype)) for o in outputs]
+    unusable = []
+    for a in donated:
+        want = (math.prod(a.shape), str(a.dtype))
+        if want in free:
+            free.remove(want)
+        else:
+            unusable.append(f"{a.dtype}[{','.join(map(str, a.shape))}]")
+    if unusable:
+        warnings.warn(f"Some donated buffers were not usable: {', '.join(unusable)}.", UserWarning, stacklevel=4)
 
 
 def _jit_argnums(fn: Callable[..., Any], static_argnums: Any, static_argnames: Any, donate_argnums: Any,

@@ -95,6 +95,9 @@ class SliceSharding:
     def check(self, shape: Sequence[int], what: str) -> Layout:
         """The layout of a value of ``shape``; ``InvalidArgument`` (with axis names) if it cannot be made."""
         if len(self.spec) > len(shape):
+            named = [a for entry in self.spec for a in axes_of(entry)]
+            if len(set(named)) != len(named):  # as jax.jit checks: its own DuplicateSpecError, first
+                NamedSharding(abstract_mesh(self.slice), self.spec)
             raise InvalidArgument(f"{what}: {self.spec} has {len(self.spec)} entries but the value has shape "
                                   f"{tuple(shape)}")
         layout = self.layout(shape)

@@ -363,10 +363,21 @@ class TracedProgram:
     out_keys: dict[int, Any] = dataclasses.field(default_factory=dict)  # typed key outputs: their key dtypes
 
 
+class NotAValue(TypeError):
+    """A call's argument is no value (a ``jax.ShapeDtypeStruct``: only ``.lower`` takes one); its caller says
+    which argument, as ``jax.jit`` does."""
+
+    def __init__(self, leaf: Any) -> None:
+        super().__init__(f"{type(leaf)} is not a valid JAX type")
+        self.leaf = leaf
+
+
 def leaf_signature(leaf: Any) -> tuple[Any, ...]:
     """What of an argument leaf a traced program depends on (its cache key)."""
     if isinstance(leaf, Array):
         return ("buffer", leaf.shape, leaf.dtype, leaf.weak_type, leaf.sharding.key)
+    if isinstance(leaf, jax.ShapeDtypeStruct):
+        raise NotAValue(leaf)
     aval = host_aval(leaf)
     return ("host", aval.shape, str(aval.dtype) if prng.is_key(aval.dtype) else np.dtype(aval.dtype).name,
             aval.weak_type)

@@ -276,8 +276,6 @@ def test_donate_argnames_signature_fail(mesh_2x1: pw.Slice) -> None:
 
 
 # api_test.py: JitTest.test_jit_donate_warning_raised
-@pytest.mark.xfail(strict=True, reason="pwmesh: no warning when a donated buffer cannot be reused for an output; "
-                   "jax.jit warns UserWarning 'Some donated buffers were not usable: float32[2], int32[2]'")
 @pytest.mark.parametrize("argnum_type, argnum_val", [("donate_argnums", (0, 1)), ("donate_argnames", ("x", "y"))],
                          ids=["argnums", "argnames"])
 def test_jit_donate_warning_raised(mesh_2x1: pw.Slice, argnum_type, argnum_val) -> None:
@@ -415,9 +413,6 @@ def test_donate_args_info_aot(mesh_2x1: pw.Slice) -> None:
 
 
 # api_test.py: JitTest.test_double_donation
-@pytest.mark.xfail(strict=True, reason="pwmesh: f(x, x) with x donated raises pw.InvalidArgument (a ValueError) 'pw.Array "
-                   "N is donated to add and passed again in the same call' at the call; jax raises JaxRuntimeError "
-                   "(a RuntimeError) 'Attempt to use a buffer that was previously donated in the same call'")
 def test_double_donation(mesh_2x1: pw.Slice) -> None:
     def add(x, y):
         return x + y
@@ -532,10 +527,6 @@ def test_trivial_computations(mesh_2x1: pw.Slice) -> None:
 
 
 # api_test.py: JitTest.test_jit_bad_input
-@pytest.mark.xfail(strict=True, reason="pwmesh: a str argument raises TypeError 'No dtype_to_ir_type handler for dtype: "
-                   "<U3' (from the export; jnp.int32 as argument: '... for dtype: object'); jax.jit raises TypeError "
-                   "'Error interpreting argument to <fn> as an abstract array. The problematic value is of type <class "
-                   "'str'> and was passed to the function at path x.'")
 def test_jit_bad_input(mesh_2x1: pw.Slice) -> None:
     def f(x):
         return x

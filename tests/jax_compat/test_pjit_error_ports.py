@@ -100,12 +100,6 @@ def test_rank_too_low_constraint(mesh_2x1: pw.Slice) -> None:
 
 
 # pjit_test.py: PJitErrorTest.testRepeatedInResources
-@pytest.mark.xfail(strict=True, reason="pwmesh: a spec longer than the value's rank is refused before its duplicate "
-                   "axes are: P('x', 'x') for a value of shape (2,) raises InvalidArgument('<lambda>: argument leaf 0: "
-                   "P('x', 'x') has 2 entries but the value has shape (2,)'), where JAX raises DuplicateSpecError "
-                   "('A single in_shardings specification can map every mesh axis to at most one positional "
-                   "dimension, but P('x', 'x') has duplicate entries for `x`'; not a ValueError); for a value of "
-                   "rank 2 pwmesh raises DuplicateSpecError too")
 def test_repeated_in_resources(mesh_2x1: pw.Slice) -> None:
     x = jnp.arange(2)
     for spec in [P("x", "x"), P("x", ("y", "x"))]:
@@ -116,12 +110,6 @@ def test_repeated_in_resources(mesh_2x1: pw.Slice) -> None:
 
 
 # pjit_test.py: PJitErrorTest.testRepeatedOutResources
-@pytest.mark.xfail(strict=True, reason="pwmesh: a spec longer than the value's rank is refused before its duplicate "
-                   "axes are: P('x', 'x') for a value of shape (2,) raises InvalidArgument('<lambda>: output 0: "
-                   "P('x', 'x') has 2 entries but the value has shape (2,)'), where JAX raises DuplicateSpecError "
-                   "('A single out_shardings specification can map every mesh axis to at most one positional "
-                   "dimension, but P('x', 'x') has duplicate entries for `x`'; not a ValueError); for a value of "
-                   "rank 2 pwmesh raises DuplicateSpecError too")
 def test_repeated_out_resources(mesh_2x1: pw.Slice) -> None:
     x = jnp.arange(2)
     for spec in [P("x", "x"), P("x", ("y", "x"))]:
@@ -219,11 +207,6 @@ def test_in_out_shardings_unconstrained_error(mesh_2x1: pw.Slice) -> None:
 
 
 # pjit_test.py: ArrayPjitTest.test_check_arg_error (a ShapeDtypeStruct is no value to call with)
-@pytest.mark.xfail(strict=True, reason="pwmesh: a jax.ShapeDtypeStruct among the arguments of a call (not of .lower) "
-                   "is taken for an int32[4,2] argument, as .lower takes it, and the call fails only when the value "
-                   "is sent, with TypeError('object arrays cannot be sent'), naming neither the argument nor the "
-                   "cause; jax.jit refuses it up front: TypeError(\"Argument 'x['b']['c']' of shape int32[4,2] of "
-                   "type <class 'jax.ShapeDtypeStruct'> is not a valid JAX type.\")")
 def test_check_arg_error(mesh_2x1: pw.Slice) -> None:
     sds = jax.ShapeDtypeStruct((4, 2), np.int32)
     inp = np.arange(8, dtype=np.int32).reshape(4, 2)
