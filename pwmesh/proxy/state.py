@@ -937,12 +937,18 @@ class ProxyState:
         whole = 0
         for session in self.sessions.values():
             for buf in session.buffers.values():
-                if buf.lost is None or buf.error is not None:
+                # Failed by this loss alone (its run was under way, or its completion still on the way, when
+                # the executor was taken for lost), and made only here: whole again if every shard is here.
+                failed_by_loss = buf.error is not None and buf.error is buf.lost
+                if buf.lost is None or (buf.error is not None and not failed_by_loss):
                     continue
                 here = [i for i, loc in enumerate(buf.locations) if loc.executor_id == got.executor_id]
+                if failed_by_loss and len(here) != len(buf.locations):
+                    continue  # its other executors may never have made their shards (the run was aborted)
                 if (here and all(loc.executor_id not in self.lost for loc in buf.locations)
                         and all(shard_key(session.session_id, buf.name, i) in held for i in here)):
                     buf.lost = None
+                    buf.error = None
                     whole += 1
         doomed = set()
         for key in held:
