@@ -284,8 +284,7 @@ class Executor(Service):
                                plaintext=self.config.data_plane_plaintext or (keys is None and bool(secret)))
         # A test's hook: this executor's data plane refuses every stream, so what is sent to it is lost.
         self.plane.refusing = "PWMESH_TEST_REFUSE_STREAMS" if os.environ.get("PWMESH_TEST_REFUSE_STREAMS") else ""
-        self.direct = DirectTransfers(self.name, self.store, self.plane, self._store_direct, self._on_host,
-                                      lambda coro, name: self.tasks.spawn(coro, name=name))
+        self.direct = DirectTransfers(self.name, self.store, self.plane, self._store_value, self._on_host)
         self.control.start()
         self.peers = Connections(self.ctx, tasks=self.tasks, name=self.name, on_message=self._notified)
         self._sending = 0  # transfers waiting for their shard, or under way
@@ -409,7 +408,6 @@ class Executor(Service):
             else:
                 raise TypeError(f"not an executor action: {action!r}")
 
-
     def _part_done(self, run_id: str, scheduler: str, device_seconds: float) -> None:
         self._handle(PartEnded(run_id, scheduler, device_seconds))
 
@@ -462,12 +460,6 @@ class Executor(Service):
             return
         value = await asyncio.get_running_loop().run_in_executor(self._copies, on_device, array, on)
         self.store.put(key, value, array.nbytes)
-
-    async def _store_direct(self, key: str, device: int, array: np.ndarray) -> None:
-        if array.nbytes >= HOST_COPY_INLINE_BYTES:
-            await self._store_array_off_loop(key, device, array)
-        else:
-            self._store_array(key, device, array)
 
     def _store_array(self, key: str, device: int, array: np.ndarray) -> None:
         self.store.put(key, jax.device_put(array, self._device(device)), array.nbytes)

@@ -17,14 +17,14 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import numpy as np
 
 from pwmesh.core.ratelimit import RejectedLog
 from pwmesh.dataflow.plane import DataPlane, Notify
-from pwmesh.errors import InvalidArgument, PwmeshError, Unavailable
+from pwmesh.errors import InvalidArgument, Unavailable
 from pwmesh.executor.store import ObjectStore
 from pwmesh.wire import Envelope
 from pwmesh.wire.codec import dtype_from_name
@@ -48,15 +48,15 @@ class DirectTransfers:
     ``PushShards``, and of the shards that arrive on a client's stream)."""
 
     def __init__(self, name: str, store: ObjectStore, plane: DataPlane,
-                 store_array: Callable[[str, int, np.ndarray], Awaitable[None]],
-                 on_host: Callable[[Any], Awaitable[Any]],
-                 spawn: Callable[[Coroutine[Any, Any, None], str], Any]) -> None:
+                 store_value: Callable[[str, int, np.ndarray], None],
+                 on_host: Callable[[Any], Awaitable[Any]]) -> None:
+        """``store_value(key, device, array)``: store what arrived on that device, as data from another
+        executor is stored (a big one copied onto the device off the loop; a failure fails the key)."""
         self.name = name
         self.store = store
         self.plane = plane
-        self.store_array = store_array
+        self.store_value = store_value
         self.on_host = on_host
-        self.spawn = spawn
         self.expected: dict[str, Expected] = {}
         self.received_bytes = 0
         self.pushed_bytes = 0
@@ -102,14 +102,7 @@ class DirectTransfers:
             del self.expected[key]
             self.received_bytes += int(array.nbytes)
             if not self.store.deleted(key):
-                self.spawn(self._store(key, device, array), f"direct-put-{key}")
-
-    async def _store(self, key: str, device: int, array: np.ndarray) -> None:
-        try:
-            await self.store_array(key, device, array)
-        except Exception as exc:  # the key gets its failure: nothing waits for it for ever
-            self.store.fail(key, exc if isinstance(exc, PwmeshError) else
-                            Unavailable(f"storing {key} on {self.name}: {type(exc).__name__}: {exc}"))
+                self.store_value(key, device, array)
 
     async def push(self, peer: bytes, env: Envelope) -> Ok:
         """Send shards to a client's data plane once they exist; ``Ok`` once it holds them."""
