@@ -17,7 +17,6 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -132,16 +131,16 @@ class DirectData:
 
     # ------------------------------------------------------------------ put
 
-    def send(self, array: np.ndarray, places: ShardPlaces, shape: Sequence[int], sharding: Sharding | None) -> None:
+    def send(self, array: np.ndarray, places: ShardPlaces, sharding: Sharding | None) -> None:
         """Send ``array``'s shards where ``places`` says; return once every executor holds them."""
-        layout = Layout.of(tuple(shape), sharding, len(places.keys))
+        layout = Layout.of(array.shape, sharding, len(places.keys))
         batches: dict[str, ShardBatch] = {}
         for address, key, device, part in zip(places.addresses, places.keys, places.devices, layout.split(array),
                                               strict=True):
             batch = batches.setdefault(address, ShardBatch(tag="put", keys=[], arrays=[], devices=[]))
             batch.keys.append(key)
             batch.devices.append(device)
-            batch.arrays.append(np.ascontiguousarray(part))
+            batch.arrays.append(part)  # (the codec sends a block that is not contiguous as a contiguous copy)
         done = threading.Condition()
         outcomes: list[str | None] = []
 

@@ -20,6 +20,7 @@ from typing import Any
 
 import numpy as np
 
+from pwmesh.client import prng
 from pwmesh.client.connection import ClientConnection, Declared
 from pwmesh.client.direct import DirectData, direct_min_bytes
 from pwmesh.dataflow.layout import Layout
@@ -56,6 +57,13 @@ MAX_GONE = 4_096  # arrays dropped lately, declared to a restarted proxy (``Sess
 # Donated arrays dropped, released together (``Session.drop_donated``): a run aborted before it consumed one
 # leaves it to its client, whose dropping it frees it; most were consumed, so one message per this many.
 DONATED_RELEASE_BATCH = 256
+
+
+def wire_spec(shape: tuple[int, ...], dtype: Any, sharding: Any) -> ValueSpec:
+    """A ``pw.Array``'s value as the wire has it, from its shape, dtype and ``SliceSharding`` (a typed key
+    array's is its data: ``client/prng.py``)."""
+    shape, dtype = prng.physical(shape, dtype)
+    return ValueSpec(shape=list(shape), dtype=dtype.name, shards=len(sharding.slice.devices), sharding=sharding.wire)
 
 
 class Session:
@@ -115,8 +123,7 @@ class Session:
             arrays = [a for a in list(self._arrays.values()) if not a.is_deleted()]
             registrations = [m for sent in self._registrations.values() for m in sent]
             alive = {a.buffer_id for a in arrays}  # a donated array taken back (``Array._take_back``) is alive
-            gone = [ResumedBuffer(buffer=b, spec=ValueSpec(shape=list(shape), dtype=dtype.name,
-                                                           shards=len(sharding.slice.devices), sharding=sharding.wire))
+            gone = [ResumedBuffer(buffer=b, spec=wire_spec(shape, dtype, sharding))
                     for b, shape, dtype, sharding in list(self._gone) if b not in alive]
         return Declared(buffers=[ResumedBuffer(buffer=a.buffer_id, spec=a.spec()) for a in arrays],
                         slices=list(self._slices), released=gone,
@@ -193,7 +200,7 @@ class Session:
             places = self.conn.request(PutDirect(buffer=buffer_id, slice_id=slice_id, shape=list(array.shape),
                                                  dtype=array.dtype.name, sharding=sharding))
             assert isinstance(places, ShardPlaces)
-            direct.send(array, places, array.shape, sharding)
+            direct.send(array, places, sharding)
         except BaseException:
             self.release(buffer_id)  # no pw.Array holds it: its record (or what reached an executor) is freed
             raise

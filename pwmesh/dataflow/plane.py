@@ -567,9 +567,8 @@ class DataPlane:
         for tag in tags or ():
             if isinstance(tag, Notify):
                 self.loop.call_soon_threadsafe(tag.done, reason or "lost")
-        for tag in delivered or ():
-            if isinstance(tag, Notify):
-                self.loop.call_soon_threadsafe(tag.done, None)
+        for tag in delivered or ():  # the acknowledged batches' ``Notify`` tags (``_ack_loop`` picks them)
+            self.loop.call_soon_threadsafe(tag.done, None)
         if idle and not self._closing:
             self.loop.call_soon_threadsafe(self._mark_idle)
 

@@ -1114,12 +1114,15 @@ class ProxyState:
             session.fail_buffer(msg.buffer, ValueSpec(shape=list(msg.shape), dtype=str(msg.dtype), shards=1), exc)
             raise
         sid = session.session_id
+        key_of_session = data_key(self.data_secret, sid)
         asks: dict[str, ExpectShards] = {}
         places = ShardPlaces(addresses=[], keys=[], devices=[])
         shape = list(layout.shard_shape)
         for key, loc in zip(buf.keys(sid), buf.locations, strict=True):
-            ask = asks.setdefault(loc.control, ExpectShards(session=sid, data_key=data_key(self.data_secret, sid),
-                                                            keys=[], devices=[], shapes=[], dtype=dtype.name))
+            ask = asks.get(loc.control)
+            if ask is None:
+                ask = asks[loc.control] = ExpectShards(session=sid, data_key=key_of_session, keys=[], devices=[],
+                                                       shapes=[], dtype=dtype.name)
             ask.keys.append(key)
             ask.devices.append(loc.device)
             ask.shapes.append(shape)
