@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from pwmesh.client import prng
-from pwmesh.client.session import Session
+from pwmesh.client.session import Session, wire_spec
 from pwmesh.client.sharding import SliceSharding
 from pwmesh.dataflow.layout import Layout
 from pwmesh.errors import InvalidArgument
@@ -142,8 +142,7 @@ class Array:
 
     def spec(self) -> ValueSpec:
         """What it is on the wire (as the program that made it, or the put, described it)."""
-        shape, dtype = prng.physical(self.shape, self.dtype)
-        return ValueSpec(shape=list(shape), dtype=dtype.name, shards=self.shards, sharding=self.sharding.wire)
+        return wire_spec(self.shape, self.dtype, self.sharding)
 
     def _check_alive(self) -> None:
         if self._donated:

@@ -113,8 +113,7 @@ def execute(traced: TracedProgram, leaves: Sequence[Any], *, sequential: bool = 
         if key is None:
             outs.append(Array(session, buffer_id, tuple(spec.shape), np.dtype(spec.dtype), sharding, weak_type))
         else:  # a typed key array: its data on the wire (``client/prng.py``), without the key's own dimensions
-            shape = tuple(spec.shape[:len(spec.shape) - len(prng.physical((), key)[0])])
-            outs.append(Array(session, buffer_id, shape, key, sharding, weak_type))
+            outs.append(Array(session, buffer_id, prng.logical_shape(spec.shape, key), key, sharding, weak_type))
     return jax.tree_util.tree_unflatten(traced.out_tree, outs)
 
 

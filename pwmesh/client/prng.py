@@ -43,6 +43,11 @@ def physical(shape: Sequence[int], dtype: Any) -> tuple[tuple[int, ...], np.dtyp
     return tuple(shape), np.dtype(dtype)
 
 
+def logical_shape(shape: Sequence[int], dtype: Any) -> tuple[int, ...]:
+    """A key array's shape from its data's (``physical``'s inverse): without the key's own dimensions."""
+    return tuple(shape[:len(shape) - len(_impl(dtype).key_shape)])
+
+
 def physical_aval(aval: jax.ShapeDtypeStruct) -> jax.ShapeDtypeStruct:
     if not is_key(aval.dtype):
         return aval

@@ -125,3 +125,13 @@ def test_a_key_array_is_not_a_numpy_array(mesh_2x1: pw.Slice) -> None:
     out = pw.jit(lambda k: k, devices=mesh_2x1)(make_keys())
     with pytest.raises(TypeError, match="key_data"):
         np.asarray(out)
+
+
+# pwmesh's own: a dropped key array is declared to a restarted proxy as it lives on the wire, its data
+def test_a_dropped_key_array_is_declared_as_its_data(mesh_2x1: pw.Slice) -> None:
+    put = pw.put(make_keys(4), mesh_2x1, P("x"))
+    buffer_id = put.buffer_id
+    del put
+    declared = mesh_2x1.session._declare()  # what a resume would send (``ClientConnection.declare``)
+    (gone,) = [r for r in declared.released if r.buffer == buffer_id]
+    assert (gone.spec.shape, gone.spec.dtype) == ([4, 2], "uint32")
