@@ -21,6 +21,8 @@ from jax import export
 from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
 
 from pwmesh.errors import NotFound, PwmeshError
+from pwmesh.executor import runner as runner_module
+from pwmesh.executor.calls import pieces
 from pwmesh.executor.daemon import after_wakeups
 from pwmesh.executor.functions import CompiledFunction, FunctionCache
 from pwmesh.executor.runner import Runner
@@ -315,39 +317,89 @@ async def test_an_spmd_chain_hands_each_output_whole_to_the_next(monkeypatch: py
         return real(*args, **kwargs)
 
     monkeypatch.setattr(jax, "make_array_from_single_device_arrays", counting)
+    cut: list[str] = []
+
+    def cutting(array: jax.Array, local: tuple[jax.Device, ...]) -> list[jax.Array]:
+        cut.append(str(array))
+        return pieces(array, local)
+
+    monkeypatch.setattr(runner_module, "pieces", cutting)
     async with runner() as (r, rec):
         r.functions.register("psum", bytes(_psum_function().serialize()), spmd=True, mesh=[2], axes=["i"])
         for k in range(3):  # the first compiles on a device thread; the others take the quick paths
             assembled.clear()
+            cut.clear()
             r.enqueue_all(f"r{k}", "p", spmd_chain(f"r{k}", 6))
             await rec.part(f"r{k}")
             assert all(w.error is None for w in rec.done), [w.error for w in rec.done]
             last = r.store.values([f"r{k}/v5/0", f"r{k}/v5/1"])
             assert last is not None and [float(a[0]) for a in last] == [6.0, 6.0]
             assert len(assembled) == 1, f"chain {k}: {len(assembled)} inputs assembled, expected the first only"
+            assert len(cut) == 1, f"chain {k}: {len(cut)} outputs cut into pieces, expected the one read (v5)"
             r.store.delete([f"r{k}/v{i}" for i in range(6)])
             shardings = r.functions.get("psum").result().shardings(tuple(r.devices))[0]
-            assert r.store.wholes([f"r{k}/v5"], shardings, [[last[0]], [last[1]]]) == [None], "dropped with its buffer"
+            assert r.store.whole(f"r{k}/v5", shardings[0], (0, 1)) is None, "dropped with its buffer"
 
 
-def test_a_whole_goes_in_only_for_exactly_its_pieces_on_its_devices() -> None:
+def test_a_whole_goes_in_only_over_exactly_its_sharding_and_shards() -> None:
     devices = jax.devices("cpu")[:2]
     sharding = NamedSharding(Mesh(np.array(devices), ("x",)), PartitionSpec("x"))
-    other = NamedSharding(Mesh(np.array(devices[::-1]), ("x",)), PartitionSpec("x"))
-    pieces = [jax.device_put(np.full(1, i, np.float32), d) for i, d in enumerate(devices)]
-    whole = jax.make_array_from_single_device_arrays((2,), sharding, pieces)
-    store = ObjectStore()
-    store.keep_whole("s/b", whole, tuple(pieces), sharding)
-    assert store.wholes(["s/b"], (sharding,), [[pieces[0]], [pieces[1]]]) == [whole]
-    assert store.wholes(["s/a", "s/b"], (sharding, sharding), [[pieces[0], pieces[0]], [pieces[1], pieces[1]]]) == [None, whole]
-    assert store.wholes(["s/b"], (sharding,), [[pieces[1]], [pieces[0]]]) == [None], "other order"
-    assert store.wholes(["s/b"], (other,), [[pieces[0]], [pieces[1]]]) == [None], "other devices"
-    copy = jax.device_put(np.zeros(1, np.float32), devices[0])
-    assert store.wholes(["s/b"], (sharding,), [[copy], [pieces[1]]]) == [None], "an equal value is not its piece"
+    other = NamedSharding(Mesh(np.array(devices), ("x",)), PartitionSpec("x"))  # equal, not the same object
+    whole = jax.device_put(np.arange(2, dtype=np.float32), sharding)
+    store = ObjectStore(pieces)
+    store.put_whole("s/b", whole, sharding, (0, 1), tuple(devices), 4)
+    assert store.whole("s/b", sharding, (0, 1)) is whole
+    assert store.whole("s/a", sharding, (0, 1)) is None, "another buffer"
+    assert store.whole("s/b", sharding, (1, 0)) is None, "other shards (order)"
+    assert store.whole("s/b", other, (0, 1)) is None, "readers' shardings are interned: another object is another layout"
     store.delete(["s/b"])
-    assert store.wholes(["s/b"], (sharding,), [[pieces[0]], [pieces[1]]]) == [None]
-    store.keep_whole("s/b", whole, tuple(pieces), sharding)  # an output landing after its buffer was deleted
-    assert store.wholes(["s/b"], (sharding,), [[pieces[0]], [pieces[1]]]) == [None]
+    assert store.whole("s/b", sharding, (0, 1)) is None
+    store.put_whole("s/b", whole, sharding, (0, 1), tuple(devices), 4)  # an output landing after its buffer was deleted
+    assert store.whole("s/b", sharding, (0, 1)) is None and store.nbytes == 0
+
+
+def test_a_whole_is_cut_into_pieces_only_when_one_is_asked_for() -> None:
+    """SPMD outputs are stored whole: cutting a step's outputs into per-device pieces it never needs
+    was the executor's largest per-step cost. A piece asked for (a per-device reader, a fetch, a
+    transfer, a listing) makes them all, and the bytes are counted once throughout."""
+    devices = jax.devices("cpu")[:2]
+    sharding = NamedSharding(Mesh(np.array(devices), ("x",)), PartitionSpec("x"))
+    cut: list[object] = []
+
+    def counting(array: object, local: tuple[jax.Device, ...]) -> list[object]:
+        cut.append(array)
+        return pieces(array, local)
+
+    store = ObjectStore(counting)
+    whole = jax.device_put(np.arange(4, dtype=np.float32), sharding)
+    store.put_whole("s/b", whole, sharding, (3, 5), tuple(devices), 8)
+    assert (store.nbytes, len(store), cut) == (16, 2, []), "held whole: no piece made"
+    values = store.values(["s/b/5", "s/b/3"])
+    assert values is not None and [v.tolist() for v in values] == [[2.0, 3.0], [0.0, 1.0]]
+    assert [v.devices() for v in values] == [{devices[1]}, {devices[0]}]
+    assert len(cut) == 1 and store.nbytes == 16 and len(store) == 2
+    assert store.whole("s/b", sharding, (3, 5)) is whole, "kept beside its pieces for SPMD readers"
+    store.consume("s/b/3")  # a per-device reader took a piece over: the whole is no longer whole
+    assert store.whole("s/b", sharding, (3, 5)) is None and store.nbytes == 8
+    store.put_whole("s/c", whole, sharding, (3, 5), tuple(devices), 8)
+    store.consume("s/c/3")  # an SPMD reader took the whole over (donated): all its bytes went
+    assert store.nbytes == 8 and store.values(["s/c/5"]) is None and len(cut) == 1
+    store.put_whole("s/d", whole, sharding, (3, 5), tuple(devices), 8)
+    assert sorted(k for k, _, _ in store.held()) == ["s/b/5", "s/d/3", "s/d/5"] and store.nbytes == 24
+    store.delete(["s/b", "s/d"])
+    assert store.nbytes == 0 and len(store) == 0
+
+
+@pytest.mark.asyncio
+async def test_a_receive_posted_before_a_whole_lands_gets_its_piece() -> None:
+    devices = jax.devices("cpu")[:2]
+    sharding = NamedSharding(Mesh(np.array(devices), ("x",)), PartitionSpec("x"))
+    store = ObjectStore(pieces)
+    early = store.get("s/b/1")  # an early fetch, before the computation making it landed
+    whole = jax.device_put(np.arange(2, dtype=np.float32), sharding)
+    store.put_whole("s/b", whole, sharding, (0, 1), tuple(devices), 4)
+    assert early.done() and early.result().tolist() == [1.0]
+    assert store.nbytes == 8 and (await store.get("s/b/0")).tolist() == [0.0]
 
 
 @pytest.mark.asyncio

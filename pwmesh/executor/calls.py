@@ -7,7 +7,7 @@ devices they run on; none knows of queues, runs or the event loop (``runner.Runn
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import numpy as np
@@ -74,14 +74,29 @@ def call_ragged(fn: CompiledFunction, device: jax.Device, args: list[Any]) -> tu
     return [Ragged(np.asarray(out)[:n], rows.index) for out in outs], seconds
 
 
+class Whole(NamedTuple):
+    """An SPMD computation's outputs as it made them: global arrays over its devices, not cut into
+    per-device pieces (the store keeps them so: ``ObjectStore.put_whole``); ``split`` cuts them."""
+
+    leaves: list[Any]
+    exe: Any  # the executable that made them
+    local: tuple[jax.Device, ...]  # this executor's devices among theirs, in its shards' order
+    shardings: tuple[Any, ...]  # each output's, as its function has it (interned: what its readers' inputs are)
+    nbytes: list[int]  # each output's bytes per shard
+
+    def split(self) -> list[list[Any]]:
+        """Each local device's outputs, as a per-device computation's would be."""
+        return split(self.leaves, self.local, self.exe)
+
+
 def dispatch_spmd(fn: CompiledFunction, devices: tuple[jax.Device, ...], local: tuple[jax.Device, ...],
                    per_shard: list[list[Any]], wholes: list[Any | None] | None = None,
-                   donate: tuple[int, ...] = ()) -> tuple[list[list[Any]], list[Any]]:
+                   donate: tuple[int, ...] = ()) -> Whole:
     """Dispatch an SPMD computation over ``devices`` (without waiting for it), given the shards of its
-    ``local`` ones (all of them, unless it spans executors): each local device's outputs, and the outputs
-    whole (global arrays). An input with a whole in ``wholes`` goes in as it is."""
+    ``local`` ones (all of them, unless it spans executors): its outputs whole (global arrays). An input
+    with a whole in ``wholes`` goes in as it is (and needs no pieces in ``per_shard``)."""
     exe = fn.executable(devices, donate)
-    shardings = fn.shardings(devices)[0]
+    shardings, out_shardings = fn.shardings(devices)
     globals_ = []
     for i, (aval, sharding) in enumerate(zip(fn.exported.in_avals, shardings, strict=True)):
         whole = wholes[i] if wholes else None
@@ -89,8 +104,7 @@ def dispatch_spmd(fn: CompiledFunction, devices: tuple[jax.Device, ...], local: 
             pieces = [placed(args[i], d) for args, d in zip(per_shard, local, strict=True)]
             whole = jax.make_array_from_single_device_arrays(aval.shape, sharding, pieces)
         globals_.append(whole)
-    leaves = jax.tree_util.tree_leaves(exe(*globals_))
-    return split(leaves, local, exe), leaves
+    return Whole(jax.tree_util.tree_leaves(exe(*globals_)), exe, local, out_shardings, fn.output_nbytes)
 
 
 # Per output sharding (an executable returns the same objects call after call) and local devices: where each
@@ -145,24 +159,30 @@ def split(leaves: list[Any], local: tuple[jax.Device, ...], exe: Any = None) -> 
     return result
 
 
+def pieces(array: Any, local: tuple[jax.Device, ...]) -> list[Any]:
+    """One global array's pieces on ``local`` devices, in their order (``ObjectStore``'s ``Pieces``)."""
+    return [out for (out,) in split([array], local)]
+
+
 def call_spmd(fn: CompiledFunction, devices: tuple[jax.Device, ...], local: tuple[jax.Device, ...],
                per_shard: list[list[Any]], wholes: list[Any | None] | None = None,
-               donate: tuple[int, ...] = ()) -> tuple[list[list[Any]], list[Any], float]:
+               donate: tuple[int, ...] = ()) -> tuple[Whole, float]:
     """``dispatch_spmd``, waited for: also the seconds it took."""
     fn.executable(devices, donate)  # compiles on first use: not part of its time
     start = time.perf_counter()
-    result, leaves = dispatch_spmd(fn, devices, local, per_shard, wholes, donate)
+    result = dispatch_spmd(fn, devices, local, per_shard, wholes, donate)
     computed(result)
-    return result, leaves, time.perf_counter() - start
+    return result, time.perf_counter() - start
 
 
-def last_outputs(outs: list[list[Any]]) -> list[Any]:
+def last_outputs(outs: list[list[Any]] | Whole) -> list[Any]:
     """One output per device (``outs``: per shard, the arrays one execution made there) that a later
     computation has not consumed (donated). An execution's outputs on a device are computed (or fail)
     together, so one stands for all: a step with 54 outputs on 4 devices waits on 4 arrays, not 216.
-    A device whose outputs were all consumed already has none: what consumed them follows it."""
+    A device whose outputs were all consumed already has none: what consumed them follows it. Outputs
+    kept whole: one global array (over every device) stands for all."""
     found = []
-    for leaves in outs:
+    for leaves in ([outs.leaves] if isinstance(outs, Whole) else outs):
         live = next((leaf for leaf in reversed(leaves) if not leaf.is_deleted()), None)
         if live is not None:
             found.append(live)
@@ -178,7 +198,7 @@ def is_computed(leaf: Any) -> bool:
         raise
 
 
-def computed(outs: list[list[Any]]) -> float:
+def computed(outs: list[list[Any]] | Whole) -> float:
     """Wait until every output (per shard, a list of arrays) is computed; when that was (wall clock).
     Each is waited for directly: jax.block_until_ready's pytree walk costs more than the wait. An output
     consumed meanwhile by a computation it was donated to is not waited for (it cannot be); that one

@@ -48,12 +48,13 @@ import logging
 import time
 import traceback
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 
 from pwmesh.errors import DeviceLost, PwmeshError, RemoteError, ResourceExhausted
 from pwmesh.executor.calls import (
+    Whole,
     call_ragged,
     call_single,
     call_spmd,
@@ -61,12 +62,13 @@ from pwmesh.executor.calls import (
     compiled,
     dispatch_spmd,
     dispatch_together,
+    pieces,
 )
 from pwmesh.executor.functions import CompiledFunction, FunctionCache
 from pwmesh.executor.group import peer_gone
 from pwmesh.executor.queues import DeviceQueues, PartDone, Start
 from pwmesh.executor.state import How, how_to_run, runs_inline
-from pwmesh.executor.store import ObjectStore, format_bytes
+from pwmesh.executor.store import ObjectStore, buffer_of, format_bytes
 from pwmesh.executor.stream import Landed, Landings, Streamed
 from pwmesh.executor.work import Span, Work
 from pwmesh.wire.messages import Computation, Emit
@@ -88,6 +90,26 @@ def as_error(exc: BaseException, context: str) -> PwmeshError:
     return RemoteError(f"{context}: {type(exc).__name__}: {exc}", remote_traceback="".join(traceback.format_exception(exc)))
 
 
+class PendingWhole(NamedTuple):
+    """A streamed SPMD computation's output, handed out whole before it is computed (``Runner._stream``)."""
+
+    array: Any
+    sharding: Any
+    shards: tuple[int, ...]
+    local: tuple[jax.Device, ...]
+
+
+def with_wholes(values: list[Any], wholes: list[Any | None]) -> list[Any]:
+    """One shard's inputs: ``values`` in the places of the inputs that go in whole, None in theirs."""
+    rest = iter(values)
+    return [next(rest) if whole is None else None for whole in wholes]
+
+
+def piece_inputs(inputs: list[str], wholes: list[Any | None] | None) -> list[str]:
+    """The input buffers whose pieces a computation reads: all but those that go in whole."""
+    return inputs if wholes is None else [p for p, w in zip(inputs, wholes, strict=True) if w is None]
+
+
 class Runner:
     def __init__(
         self,
@@ -105,6 +127,7 @@ class Runner:
     ) -> None:
         self.devices = devices
         self.store = store
+        store.pieces = pieces  # SPMD outputs are stored whole (``ObjectStore.put_whole``): how to cut one
         self.functions = functions
         self.host = host
         self.memory = store.memory  # stored bytes are counted by the store, reservations here
@@ -135,6 +158,7 @@ class Runner:
         # Streamed computations: outputs handed out before they are computed, to computations on
         # this executor that follow them (key -> array), and per device those not yet finished.
         self._pending: dict[str, Any] = {}
+        self._pending_wholes: dict[str, PendingWhole] = {}  # buffer -> SPMD output (whole) not yet landed
         self._streaming: list[collections.deque[Work]] = [collections.deque() for _ in devices]
         self._device_free: list[float] = [0.0] * len(devices)  # when its last streamed computation ended
         self._landings: list[Landings | None] = [None] * len(devices)  # started with a device's first stream
@@ -333,7 +357,7 @@ class Runner:
         comp = work.comp
         reserved = 0
         per_shard: list[list[Any]] = []
-        outs: list[list[Any]] | None = None
+        outs: list[list[Any]] | Whole | None = None
         err: PwmeshError | None = None
         await self._room(work, RUN_AHEAD)
         # Wall clock, so the spans of processes on one machine line up. ``start`` stays 0
@@ -350,7 +374,7 @@ class Runner:
                 how = how_to_run(comp, found[0] if found else None, len(found[1]) if found else len(work.devices))
                 # Inline: it runs right on the loop (_call), on computed inputs only; threads: _call too.
                 streamed = found if how is How.STREAM else None
-            per_shard = await self._inputs(work, streamed is not None)
+            per_shard, wholes = await self._inputs(work, fn, streamed is not None)
             if fn is not None:
                 reserved = await self._reserve(work, fn.shard_output_nbytes * len(work.devices))
             if streamed is None or self._mixed(work):
@@ -365,10 +389,10 @@ class Runner:
             if fn is None:  # route: nothing runs, it only emits; identity: its inputs are its outputs
                 outs = per_shard if comp.kind == "identity" else [[] for _ in work.shards]
             elif streamed is not None:
-                self._stream(work, fn, streamed[1], streamed[2], per_shard, (arrived, start), reserved)
+                self._stream(work, fn, streamed[1], streamed[2], per_shard, wholes, (arrived, start), reserved)
                 return
             else:
-                outs = await self._call(work, fn, per_shard)
+                outs = await self._call(work, fn, per_shard, wholes)
         except BaseException as exc:
             if isinstance(exc, asyncio.CancelledError):
                 self.memory.release(reserved)
@@ -379,27 +403,78 @@ class Runner:
                                  f"{gang_label(comp)}: {exc}")
         self._finish(work, arrived, start, per_shard, outs, err, reserved)
 
-    async def _inputs(self, work: Work, streamed: bool) -> list[list[Any]]:
-        """Every local shard's inputs: looked up at once where all are stored (no future each), else
+    async def _inputs(self, work: Work, fn: CompiledFunction | None,
+                      streamed: bool) -> tuple[list[list[Any]], list[Any | None] | None]:
+        """Every local shard's inputs, and (an SPMD call) those that go in whole (``_whole_inputs``: None in
+        their places in the shards'). Looked up at once where all are stored (no future each), else
         waited for one by one (a streamed computation takes outputs still being computed, donated ones
         too: the proxy lets a run consume a buffer only when nothing else reads it, so its producer
         has no emits of it, and stores nothing once it lands consumed)."""
+        wholes = self._whole_inputs(work, fn, streamed)
+        per_shard = self._stored(work, wholes)
+        if per_shard is not None:
+            return per_shard, wholes
+        inputs = piece_inputs(work.comp.inputs, wholes)
         per_shard = []
         for shard in work.shards:
-            keys = [f"{p}/{shard}" for p in work.comp.inputs]
-            values = self.store.values(keys)
+            values = [await self._input(f"{p}/{shard}", work, streamed) for p in inputs]
+            per_shard.append(values if wholes is None else with_wholes(values, wholes))
+        return per_shard, wholes
+
+    def _stored(self, work: Work, wholes: list[Any | None] | None) -> list[list[Any]] | None:
+        """Every local shard's inputs (but those going in whole) if all are stored here, else None."""
+        inputs = piece_inputs(work.comp.inputs, wholes)
+        per_shard = []
+        for shard in work.shards:
+            values = self.store.values([f"{p}/{shard}" for p in inputs])
             if values is None:
-                values = [await self._input(key, work, streamed) for key in keys]
-            per_shard.append(values)
+                return None
+            per_shard.append(values if wholes is None else with_wholes(values, wholes))
         return per_shard
+
+    def _whole_inputs(self, work: Work, fn: CompiledFunction | None, streamed: bool) -> list[Any | None] | None:
+        """An SPMD call's inputs that an SPMD output here is, whole (a global array) over the same devices
+        and layout: they go in as they are, with no piece looked up or assembled (that costs ~0.1-0.3 ms a
+        call). A streamed call takes outputs still being computed too. None: none does (or it is no SPMD
+        call, or one whose values are emitted: emits send pieces)."""
+        comp = work.comp
+        if fn is None or not comp.spmd or comp.emits:
+            return None
+        found = self._runnable(comp, tuple(work.devices))
+        devices = found[1] if found is not None else self._mesh(comp, tuple(work.devices))
+        shardings = fn.shardings(tuple(devices))[0]
+        if len(shardings) != len(comp.inputs):  # a malformed computation: it fails as it is called
+            return None
+        shards = tuple(work.shards)
+        wholes = []
+        for buffer, sharding in zip(comp.inputs, shardings, strict=True):
+            array = self.store.whole(buffer, sharding, shards)
+            if array is None and streamed:
+                pending = self._pending_wholes.get(buffer)
+                if pending is not None and pending.sharding is sharding and pending.shards == shards:
+                    array = pending.array
+            wholes.append(array)
+        return wholes if any(w is not None for w in wholes) else None
 
     async def _input(self, key: str, work: Work, pending: bool) -> Any:
         """An input: the stored value, or (``pending``: for a computation that is streamed too, so
         nothing here waits for it) a streamed computation's output as soon as it is handed out."""
         value = self._pending.get(key) if pending else None
+        if value is None and pending and self._pending_wholes:
+            value = self._pending_piece(key)
         if value is not None:
             return value
         return await self._unless_cancelled(self.store.get(key), work)
+
+    def _pending_piece(self, key: str) -> Any | None:
+        """A piece of a streamed SPMD output, handed out whole and not yet landed: its pieces are made."""
+        buffer = buffer_of(key)
+        pending = self._pending_wholes.get(buffer)
+        if pending is None:
+            return None
+        for shard, piece in zip(pending.shards, pieces(pending.array, pending.local), strict=True):
+            self._pending[f"{buffer}/{shard}"] = piece
+        return self._pending.get(key)
 
     async def _unless_cancelled(self, fut: asyncio.Future[Any], work: Work) -> Any:
         """``await fut``, unless ``work``'s run is cancelled first (then raise the reason)."""
@@ -429,7 +504,8 @@ class Runner:
         return max(self._device_free[d] for d in work.devices)
 
     def _stream(self, work: Work, fn: CompiledFunction, devices: list[jax.Device], exes: list[Any],
-                per_shard: list[list[Any]], times: tuple[float, float], reserved: int) -> None:
+                per_shard: list[list[Any]], wholes: list[Any | None] | None, times: tuple[float, float],
+                reserved: int) -> None:
         """Hand a compiled computation to its devices and return without waiting for it.
 
         As on an accelerator's stream, XLA queues it behind what its devices run now, and
@@ -439,21 +515,26 @@ class Runner:
         computations here that read them at once (``_input``); they land in the store, are
         emitted and reported when a device thread has seen them computed (``_landed``)."""
         comp = work.comp
+        outs: list[list[Any]] | Whole
         try:
             if comp.spmd:
-                outs, wholes = dispatch_spmd(fn, tuple(devices), self._local(work), per_shard,
-                                              self._wholes(work, fn, devices, per_shard), tuple(comp.donate))
-                self._keep_wholes(work, fn, devices, outs, wholes)
+                outs = self._outputs(work, dispatch_spmd(fn, tuple(devices), self._local(work), per_shard, wholes,
+                                                         tuple(comp.donate)))
             else:
                 outs = dispatch_together(exes, devices, per_shard)
-            self._consume(work, per_shard)
+            self._consume(work, per_shard, wholes)
         except Exception as exc:
             err = as_error(exc, f"computation {comp.node} ({comp.fn_id[:12]})")
             self._finish(work, times[0], times[1], per_shard, None, err, reserved)
             return
-        for shard, out in zip(work.shards, outs, strict=True):
-            for prefix, value in zip(comp.outputs, out, strict=False):  # a count mismatch fails in _finish
-                self._pending[f"{prefix}/{shard}"] = value
+        if isinstance(outs, Whole):
+            shards = tuple(work.shards)
+            for prefix, leaf, sharding in zip(comp.outputs, outs.leaves, outs.shardings, strict=False):
+                self._pending_wholes[prefix] = PendingWhole(leaf, sharding, shards, outs.local)
+        else:
+            for shard, out in zip(work.shards, outs, strict=True):
+                for prefix, value in zip(comp.outputs, out, strict=False):  # a count mismatch fails in _finish
+                    self._pending[f"{prefix}/{shard}"] = value
         work.streamed = True
         self._landing[work] = asyncio.get_running_loop().create_future()
         for device in work.devices:
@@ -479,9 +560,13 @@ class Runner:
         for device in work.devices:
             self._streaming[device].remove(work)
         self._running.pop(work, None)
-        for shard in work.shards:
+        if isinstance(streamed.outs, Whole):
             for prefix in comp.outputs:
-                self._pending.pop(f"{prefix}/{shard}", None)
+                self._pending_wholes.pop(prefix, None)
+        if self._pending:  # pieces handed out (an SPMD output's only if one was asked for)
+            for shard in work.shards:
+                for prefix in comp.outputs:
+                    self._pending.pop(f"{prefix}/{shard}", None)
         self._landing.pop(work).set_result(None)
         arrived, start = streamed.times
         # Handed over while its devices were still busy with the computations ahead of it: they
@@ -509,12 +594,10 @@ class Runner:
         # how_to_run's INLINE, its gang and routed-rows cases ruled out above (this runs per computation).
         if not runs_inline(fn, fn.seconds * len(devices)):
             return False
-        per_shard = []
-        for shard in work.shards:
-            values = self.store.values([f"{p}/{shard}" for p in comp.inputs])
-            if values is None:  # not here yet, or failed: the queues wait for it (or report it)
-                return False
-            per_shard.append(values)
+        wholes = self._whole_inputs(work, fn, streamed=False)
+        per_shard = self._stored(work, wholes)
+        if per_shard is None:  # not here yet, or failed: the queues wait for it (or report it)
+            return False
         nbytes = fn.shard_output_nbytes * len(devices)
         if not self.memory.try_reserve(nbytes):
             return False
@@ -523,7 +606,7 @@ class Runner:
         err = None
         self.core.started += 1  # it never reaches the queues' own start
         try:
-            outs = self._call_inline(work, fn, devices, exes, per_shard)
+            outs = self._call_inline(work, fn, devices, exes, per_shard, wholes)
         except Exception as exc:
             err = as_error(exc, f"computation {comp.node} ({comp.fn_id[:12]})")
         self._finish(work, arrived, arrived, per_shard, outs, err, nbytes, fn.output_nbytes)
@@ -562,7 +645,7 @@ class Runner:
         return tuple(self.devices[d] for d in work.devices)
 
     def _finish(self, work: Work, arrived: float, start: float, per_shard: list[list[Any]],
-                outs: list[list[Any]] | None, err: PwmeshError | None, reserved: int,
+                outs: list[list[Any]] | Whole | None, err: PwmeshError | None, reserved: int,
                 nbytes: list[int] | None = None, end: float = 0.0) -> None:
         """Store (or fail) its outputs, give back its reservation, send its emits, report it done."""
         if work.finished:  # given up already (``abandon``): what it made now has nobody to go to
@@ -573,8 +656,12 @@ class Runner:
         self.spans.append(Span(arrived, start or end, end, work.run_id, comp.node, comp.seq, comp.fn_id,
                                tuple(work.devices), "" if err is None else err.message))
         try:
-            for i, shard in enumerate(work.shards):
-                err = self._finish_outputs(work, shard, None if outs is None else outs[i], err, nbytes)
+            if isinstance(outs, Whole) and err is None:
+                err = self._finish_whole(work, outs)
+            else:
+                for i, shard in enumerate(work.shards):
+                    out = None if outs is None or isinstance(outs, Whole) else outs[i]
+                    err = self._finish_outputs(work, shard, out, err, nbytes)
         finally:
             self.memory.release(reserved)  # the outputs are stored bytes now, or failed
         try:
@@ -582,11 +669,12 @@ class Runner:
         finally:
             self._complete(work)
 
-    def _emit_all(self, work: Work, per_shard: list[list[Any]], outs: list[list[Any]] | None,
+    def _emit_all(self, work: Work, per_shard: list[list[Any]], outs: list[list[Any]] | Whole | None,
                   err: PwmeshError | None) -> None:
         """Send the values the computation's emits name (or, if it failed, its failure)."""
         if not work.comp.emits:  # most computations: their consumers run on this executor
             return
+        assert not isinstance(outs, Whole), "a computation with emits has its outputs in pieces (_outputs)"
         if err is not None or outs is None:
             for emit in work.comp.emits:
                 self._emit(work, emit, {}, {}, err or PwmeshError(f"{work.label} produced nothing"))
@@ -598,7 +686,8 @@ class Runner:
                          if emit.selector >= 0}
             self._emit(work, emit, local, selectors, None)
 
-    async def _call(self, work: Work, fn: CompiledFunction, per_shard: list[list[Any]]) -> list[list[Any]]:
+    async def _call(self, work: Work, fn: CompiledFunction, per_shard: list[list[Any]],
+                    wholes: list[Any | None] | None) -> list[list[Any]] | Whole:
         comp = work.comp
         found = self._runnable(comp, tuple(work.devices))
         devices = found[1] if found is not None else self._mesh(comp, tuple(work.devices))
@@ -606,15 +695,15 @@ class Runner:
         # (~0.1-0.5 ms on a busy host) would dominate it. Never a gang: it waits for its peers;
         # nor routed rows: they are padded and cut on the host.
         if found is not None and how_to_run(comp, fn, len(devices)) is How.INLINE:
-            return self._call_inline(work, fn, devices, found[2], per_shard)
+            return self._call_inline(work, fn, devices, found[2], per_shard, wholes)
         self._running[work] = time.time()
         try:
-            return await self._call_on_threads(work, fn, devices, per_shard)
+            return await self._call_on_threads(work, fn, devices, per_shard, wholes)
         finally:
             self._running.pop(work, None)
 
     async def _call_on_threads(self, work: Work, fn: CompiledFunction, devices: list[jax.Device],
-                               per_shard: list[list[Any]]) -> list[list[Any]]:
+                               per_shard: list[list[Any]], wholes: list[Any | None] | None) -> list[list[Any]] | Whole:
         comp = work.comp
         loop = asyncio.get_running_loop()
         donate = tuple(comp.donate)
@@ -622,16 +711,15 @@ class Runner:
             if comp.gang:
                 self._collectives[work] = time.monotonic()
             try:
-                outs, wholes, seconds = await loop.run_in_executor(
+                whole, seconds = await loop.run_in_executor(
                     self.pools[work.devices[-1]], call_spmd, fn, tuple(devices), self._local(work), per_shard,
-                    self._wholes(work, fn, devices, per_shard), donate)
+                    wholes, donate)
             finally:
                 self._collectives.pop(work, None)
-                self._consume(work, per_shard)
-            self._keep_wholes(work, fn, devices, outs, wholes)
+                self._consume(work, per_shard, wholes)
             fn.ran(seconds / len(devices))
             work.device_seconds = seconds * len(devices)
-            return outs
+            return self._outputs(work, whole)
         call = call_ragged if comp.ragged else functools.partial(call_single, donate=donate)
         try:
             results = await asyncio.gather(*(
@@ -644,41 +732,60 @@ class Runner:
         return [r[0] for r in results]
 
     def _call_inline(self, work: Work, fn: CompiledFunction, devices: list[jax.Device], exes: list[Any],
-                     per_shard: list[list[Any]]) -> list[list[Any]]:
+                     per_shard: list[list[Any]], wholes: list[Any | None] | None) -> list[list[Any]] | Whole:
         """Run a compiled computation's shards on this thread, all dispatched before any is waited for."""
+        outs: list[list[Any]] | Whole
         try:
             if work.comp.spmd:
-                outs, wholes, wall = call_spmd(fn, tuple(devices), self._local(work), per_shard,
-                                                self._wholes(work, fn, devices, per_shard), tuple(work.comp.donate))
-                self._keep_wholes(work, fn, devices, outs, wholes)
+                whole, wall = call_spmd(fn, tuple(devices), self._local(work), per_shard, wholes,
+                                        tuple(work.comp.donate))
+                outs = self._outputs(work, whole)
                 work.device_seconds = wall * len(devices)  # every device was busy all along
             else:
                 outs, wall = call_together(exes, devices, per_shard)
                 work.device_seconds = wall
         finally:
-            self._consume(work, per_shard)
+            self._consume(work, per_shard, wholes)
         fn.ran(wall / len(devices))  # ``fn.seconds`` is per shard: how_to_run multiplies it back
         return outs
 
-    def _wholes(self, work: Work, fn: CompiledFunction, devices: list[jax.Device],
-                per_shard: list[list[Any]]) -> list[Any | None]:
-        """An SPMD computation's inputs that some SPMD output here is whole (a global array) on
-        the same devices, as they are: assembling one from its pieces costs ~0.1-0.3 ms a call."""
-        return self.store.wholes(work.comp.inputs, fn.shardings(tuple(devices))[0], per_shard)
+    def _outputs(self, work: Work, whole: Whole) -> list[list[Any]] | Whole:
+        """An SPMD computation's outputs as they are stored: whole, unless it emits any (emits send pieces):
+        then in pieces, each output kept whole beside them for the SPMD computations here that read it."""
+        if not work.comp.emits:
+            return whole
+        shards = tuple(work.shards)
+        for prefix, leaf, sharding in zip(work.comp.outputs, whole.leaves, whole.shardings, strict=False):
+            self.store.keep_whole(prefix, leaf, sharding, shards, whole.local)
+        return whole.split()
 
-    def _keep_wholes(self, work: Work, fn: CompiledFunction, devices: list[jax.Device], outs: list[list[Any]],
-                     wholes: list[Any]) -> None:
-        """Keep an SPMD computation's outputs whole beside their pieces, for SPMD computations that read them."""
-        shardings = fn.shardings(tuple(devices))[1]
-        for i, (prefix, whole, sharding) in enumerate(zip(work.comp.outputs, wholes, shardings, strict=False)):
-            self.store.keep_whole(prefix, whole, tuple(out[i] for out in outs), sharding)
+    def _finish_whole(self, work: Work, whole: Whole) -> PwmeshError | None:
+        """Store an SPMD computation's outputs whole (``ObjectStore.put_whole``): no piece is made."""
+        comp = work.comp
+        if len(whole.leaves) != len(comp.outputs):
+            err = PwmeshError(f"computation {comp.node} produced {len(whole.leaves)} outputs, "
+                              f"expected {len(comp.outputs)}")
+            for shard in work.shards:
+                self._finish_outputs(work, shard, None, err)
+            return err
+        shards = tuple(work.shards)
+        for prefix, leaf, sharding, nbytes in zip(comp.outputs, whole.leaves, whole.shardings, whole.nbytes,
+                                                  strict=True):
+            if not leaf.is_deleted():  # else a computation it was donated to consumed it before it landed
+                self.store.put_whole(prefix, leaf, sharding, shards, whole.local, nbytes)
+        return None
 
-    def _consume(self, work: Work, per_shard: list[list[Any]]) -> None:
+    def _consume(self, work: Work, per_shard: list[list[Any]], wholes: list[Any | None] | None = None) -> None:
         """The donated inputs XLA took over (reused for outputs, or freed) leave the store now: their
         bytes are the outputs' now. One it could not take (placed on another device first, say) stays
         until the proxy deletes it."""
         spmd = work.comp.spmd
         for k in work.comp.donate:
+            whole = wholes[k] if wholes is not None and k < len(wholes) else None
+            if whole is not None:  # it went in whole: taken over as one global array, or not at all
+                if whole.is_deleted():
+                    self.store.consume_whole(work.comp.inputs[k], work.shards)
+                continue
             consumed = None  # one SPMD call took all of an input's pieces or none (one global array)
             for shard, args in zip(work.shards, per_shard, strict=True):
                 value = args[k] if k < len(args) else None

@@ -15,7 +15,8 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-from typing import Any, NamedTuple
+from collections.abc import Callable
+from typing import Any
 
 from pwmesh.errors import NotFound, PwmeshError, ResourceExhausted
 
@@ -147,12 +148,30 @@ class MemoryBudget:
                 waiter.granted.set_result(None)
 
 
-class _Whole(NamedTuple):
-    """An SPMD output as its computation made it: one global array over its devices (see ``keep_whole``)."""
+@dataclasses.dataclass(eq=False, slots=True)
+class _Whole:
+    """An SPMD output as its computation made it: one global array over its devices (``put_whole``).
+
+    Kept whole, its shards' keys have no value of their own and the whole holds their bytes; once a
+    piece is asked for (a fetch, a transfer, a per-device computation), every piece is made and stored
+    under its key (``split``), holding the bytes, and the whole stays beside them for SPMD readers."""
 
     array: Any
-    pieces: tuple[Any, ...]
-    sharding: Any
+    sharding: Any  # the very object its readers' input sharding must be (they are interned)
+    shards: tuple[int, ...]  # its shards here, in ``local``'s order
+    local: tuple[Any, ...]  # this executor's devices it spans
+    shard_nbytes: int
+    split: bool
+
+    @property
+    def nbytes(self) -> int:
+        """The bytes it holds itself: all its shards' while whole, none once split."""
+        return 0 if self.split else self.shard_nbytes * len(self.shards)
+
+
+# How a global array is cut into its pieces on ``local`` devices, in their order (``calls.pieces``):
+# given by the executor, so the store needs no JAX.
+Pieces = Callable[[Any, tuple[Any, ...]], list[Any]]
 
 
 def _retrieve(fut: asyncio.Future[Any]) -> None:
@@ -179,7 +198,8 @@ class ObjectStore:
     somebody waits for before it arrives (a posted receive) or that failed: most values
     are produced and consumed on the fast path without one."""
 
-    def __init__(self) -> None:
+    def __init__(self, pieces: Pieces | None = None) -> None:
+        self.pieces = pieces  # set by whoever puts wholes (the runner)
         self._values: dict[str, Any] = {}
         self._futures: dict[str, asyncio.Future[Any]] = {}  # waited for and not there yet, or failed
         self._nbytes: dict[str, int] = {}
@@ -188,7 +208,7 @@ class ObjectStore:
         # Owners a restarted proxy took back (``fence``): owner -> (the marker of the names it gives, the buffers
         # held when it did). Any other buffer of theirs is dead: it belongs to a run of the proxy before.
         self._fences: dict[str, tuple[str, frozenset[str]]] = {}
-        self._whole: dict[str, _Whole] = {}  # buffers an SPMD computation here produced, whole
+        self._whole: dict[str, _Whole] = {}  # buffers an SPMD computation here produced, whole (``put_whole``)
         self.memory = MemoryBudget()  # its limit is the executor's to set
 
     def _future(self, key: str) -> asyncio.Future[Any]:
@@ -215,6 +235,7 @@ class ObjectStore:
         whose names begin with ``marker`` (the new proxy's; "": none) are kept; returns the keys held now.
         Pending receives of other buffers of the owner fail."""
         prefix = f"{owner}/"
+        self._split_all(prefix)
         held = [k for k in self._values if k.startswith(prefix)]
         self._fences[owner] = (marker, frozenset(buffer_of(k) for k in held))
         for key, fut in list(self._futures.items()):
@@ -227,6 +248,8 @@ class ObjectStore:
         fut = self._futures.get(key)
         if fut is not None:
             return fut
+        if key not in self._values:
+            self._split_for(key)
         if key in self._values:
             fut = asyncio.get_running_loop().create_future()
             fut.set_result(self._values[key])
@@ -241,6 +264,11 @@ class ObjectStore:
     def values(self, keys: list[str]) -> list[Any] | None:
         """The values of ``keys`` if every one is here (not failed, not pending), else None."""
         values = self._values
+        try:
+            return [values[k] for k in keys]
+        except KeyError:
+            if not any([self._split_for(k) for k in keys if k not in values]):
+                return None
         try:
             return [values[k] for k in keys]
         except KeyError:
@@ -266,34 +294,96 @@ class ObjectStore:
         self._nbytes[key] = nbytes
         self.memory.allocated(nbytes)
 
-    def keep_whole(self, buffer: str, whole: Any, pieces: tuple[Any, ...], sharding: Any) -> None:
-        """Keep an SPMD output whole (a global array over ``sharding``'s devices) beside its pieces
-        (its shards here, in ``sharding``'s device order), until the buffer is deleted. It holds no
-        memory of its own: it is the pieces' device buffers."""
-        if not self._dead(buffer):
-            self._whole[buffer] = _Whole(whole, pieces, sharding)
+    def put_whole(self, buffer: str, array: Any, sharding: Any, shards: tuple[int, ...], local: tuple[Any, ...],
+                  shard_nbytes: int) -> None:
+        """Store an SPMD output as its computation made it: one global array over ``sharding``'s devices,
+        whose pieces here are ``buffer``'s ``shards`` on ``local`` devices (in that order), ``shard_nbytes``
+        each. No piece is made until one is asked for (``get``, ``values``, ``held``): an SPMD reader
+        takes it whole (``whole``), and cutting a step's outputs into pieces it never needs was the
+        executor's largest per-step cost (~2.5 us a piece). A receive already posted for a piece gets it now."""
+        if self._dead(buffer):
+            return
+        if buffer in self._whole:  # a confused or hostile peer; the first value stands
+            log.warning("object %s was produced twice; keeping the first", buffer)
+            return
+        waited = buffer in self._by_buffer  # a piece was asked for (or failed) before it came
+        self._by_buffer.setdefault(buffer, [])
+        self._whole[buffer] = _Whole(array, sharding, shards, local, shard_nbytes, split=False)
+        self.memory.allocated(shard_nbytes * len(shards))
+        if waited:
+            self._split(buffer)
 
-    def wholes(self, buffers: list[str], shardings: tuple[Any, ...], per_shard: list[list[Any]]) -> list[Any | None]:
-        """For each input buffer, its whole if it was kept (``keep_whole``) over the same sharding as that
-        input's (``shardings[i]``) and ``per_shard`` holds exactly its pieces, in order (else None)."""
-        found: list[Any | None] = []
-        for i, (buffer, sharding) in enumerate(zip(buffers, shardings, strict=False)):
-            whole = self._whole.get(buffer)
-            if (whole is None or whole.sharding is not sharding or len(whole.pieces) != len(per_shard)
-                    or any(piece is not args[i] for piece, args in zip(whole.pieces, per_shard, strict=True))):
-                found.append(None)
+    def keep_whole(self, buffer: str, array: Any, sharding: Any, shards: tuple[int, ...],
+                   local: tuple[Any, ...]) -> None:
+        """Keep an SPMD output whole beside its pieces, stored already under their keys, for SPMD readers,
+        until the buffer is deleted or a piece consumed. It holds no memory of its own: it is the pieces'."""
+        if not self._dead(buffer) and buffer not in self._whole:
+            self._whole[buffer] = _Whole(array, sharding, shards, local, 0, split=True)
+
+    def whole(self, buffer: str, sharding: Any, shards: tuple[int, ...]) -> Any | None:
+        """``buffer`` as one global array, if it is kept whole over exactly ``sharding`` (the same object)
+        with exactly ``shards`` here, in that order; else None."""
+        whole = self._whole.get(buffer)
+        if whole is None or whole.sharding is not sharding or whole.shards != shards:
+            return None
+        return whole.array
+
+    def _split(self, buffer: str) -> None:
+        """Make a whole's pieces and store each under its key, holding the bytes the whole held."""
+        whole = self._whole[buffer]
+        if whole.split:
+            return
+        assert self.pieces is not None, "a store given wholes is given how to cut them"
+        pieces = self.pieces(whole.array, whole.local)
+        whole.split = True
+        keys = self._by_buffer.setdefault(buffer, [])
+        for shard, piece in zip(whole.shards, pieces, strict=True):
+            key = f"{buffer}/{shard}"
+            fut = self._futures.pop(key, None)
+            if fut is not None:
+                if fut.done():  # it failed before it came: the failure stands
+                    self._futures[key] = fut
+                    self.memory.freed(whole.shard_nbytes)
+                    continue
+                fut.set_result(piece)
             else:
-                found.append(whole.array)
-        return found
+                keys.append(key)
+            self._values[key] = piece
+            self._nbytes[key] = whole.shard_nbytes
+
+    def _split_for(self, key: str) -> bool:
+        """Make the pieces of ``key``'s buffer if it is kept whole only; whether that made ``key``'s."""
+        buffer = buffer_of(key)
+        whole = self._whole.get(buffer)
+        if whole is None or whole.split:
+            return False
+        self._split(buffer)
+        return key in self._values
+
+    def _split_all(self, prefix: str = "") -> None:
+        for buffer in [b for b, w in self._whole.items() if not w.split and b.startswith(prefix)]:
+            self._split(buffer)
 
     def consume(self, key: str) -> None:
         """A computation took this value over (donated: its memory reused or freed): it is gone from here,
         and its bytes with it. The key stays known until the proxy deletes the buffer."""
+        whole = self._whole.pop(buffer_of(key), None)
+        if whole is not None and not whole.split:  # one global array: all its pieces went together
+            self.memory.freed(whole.nbytes)
+            return
         value = self._values.pop(key, None)
         if value is None:
             return
-        self._whole.pop(buffer_of(key), None)
         self.memory.freed(self._nbytes.pop(key, 0))
+
+    def consume_whole(self, buffer: str, shards: list[int]) -> None:
+        """An SPMD computation took over a buffer it read whole (donated): every piece here is gone."""
+        whole = self._whole.pop(buffer, None)
+        if whole is not None and not whole.split:
+            self.memory.freed(whole.nbytes)
+            return
+        for shard in shards:
+            self.consume(f"{buffer}/{shard}")
 
     def refuse_put(self, keys: list[str], nbytes: int, executor: str) -> None:
         """A put of ``nbytes`` under ``keys`` into this store, if it fits; else ``ResourceExhausted``. A put
@@ -311,7 +401,7 @@ class ObjectStore:
         raise exc
 
     def fail(self, key: str, exc: PwmeshError) -> None:
-        if self.deleted(key) or key in self._values:
+        if self.deleted(key) or key in self._values or buffer_of(key) in self._whole:
             return
         fut = self._futures.get(key) or self._future(key)
         if not fut.done():
@@ -323,7 +413,10 @@ class ObjectStore:
         freed = 0
         for buffer in buffers:
             self._deleted.add(buffer)
-            self._whole.pop(buffer, None)
+            whole = self._whole.pop(buffer, None)
+            if whole is not None and not whole.split:
+                removed += len(whole.shards)
+                freed += whole.nbytes
             for key in self._by_buffer.pop(buffer, ()):
                 removed += 1
                 if self._values.pop(key, None) is not None:
@@ -353,7 +446,8 @@ class ObjectStore:
         self._fences.pop(prefix.rstrip("/"), None)
 
     def held(self) -> list[tuple[str, Any, int]]:
-        """(key, value, bytes) of every value here."""
+        """(key, value, bytes) of every value here (wholes are split: each piece is one)."""
+        self._split_all()
         return [(k, v, self._nbytes.get(k, 0)) for k, v in self._values.items()]
 
     def failures(self) -> dict[str, PwmeshError]:
@@ -374,7 +468,8 @@ class ObjectStore:
         self._deleted.update(buffers)
 
     def __len__(self) -> int:
-        return len(self._values) + len(self._futures)  # a key is in one of them at most
+        # A key is in one of them at most, or the piece of a whole not split yet.
+        return len(self._values) + len(self._futures) + sum(len(w.shards) for w in self._whole.values() if not w.split)
 
     @property
     def nbytes(self) -> int:

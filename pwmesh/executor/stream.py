@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-from pwmesh.executor.calls import computed, is_computed, last_outputs
+from pwmesh.executor.calls import Whole, computed, is_computed, last_outputs
 
 if TYPE_CHECKING:
     from pwmesh.executor.functions import CompiledFunction
@@ -29,7 +29,7 @@ class Streamed(NamedTuple):
     work: Work
     fn: CompiledFunction
     per_shard: list[list[Any]]
-    outs: list[list[Any]]
+    outs: list[list[Any]] | Whole  # per shard, or kept whole (an SPMD computation's)
     times: tuple[float, float]  # arrived, start
     reserved: int
 
