@@ -111,6 +111,41 @@ def _controller(report: dict[str, Any], per: float) -> dict[str, Any]:
     }
 
 
+def chain_on_slice(hosts: int, devices_per_host: int, k: int, steps: int, costs: Costs) -> list[dict[str, Any]]:
+    """(a) run: a chain of ``k`` nodes over every device of ``hosts`` hosts, one function per device (pmap)
+    and one SPMD program over the slice (spmd: a gang across every host, its devices sent to each host once,
+    in the first step), ``steps`` steps (the first a warm-up, not counted)."""
+    rows = []
+    for kind in ("pmap", "spmd"):
+        config = SimConfig(islands=1, hosts_per_island=hosts, devices_per_host=devices_per_host, link=costs.link,
+                           cost=costs.cost, charge_cpu=True, **costs.daemons)
+        report, _ = _run(config, Workload(name="chained", steps=steps, k=k, devices=hosts * devices_per_host,
+                                          compute_seconds=costs.op_seconds, spmd=kind == "spmd"))
+        ops = report["proxy"]["messages_out_by_op"]
+        rows.append({"kind": kind, "hosts": hosts, "devices": hosts * devices_per_host, "k": k,
+                     "steps": report["steps"], "computations": report["computations"],
+                     "step_seconds": report["warm_step_seconds_median"],
+                     "register_gang_messages": ops.get("exec.register_gang", 0),
+                     "first_step_proxy_bytes": report["first_step"]["bytes"],
+                     "proxy_bytes_per_step": report["in_steps"]["bytes"] / (steps - 1),
+                     "proxy_messages_per_step": report["in_steps"]["messages"] / (steps - 1),
+                     "sim_wall_seconds": report["wall_seconds"]})
+        print(f"  simulated {kind}: {k} nodes over {hosts * devices_per_host:,} devices, warm step "
+              f"{1e3 * rows[-1]['step_seconds']:.2f} ms, proxy {rows[-1]['proxy_bytes_per_step']:,.0f} bytes a step "
+              f"({rows[-1]['first_step_proxy_bytes']:,.0f} in the first, with {rows[-1]['register_gang_messages']:,} "
+              f"RegisterGang)  ({report['wall_seconds']:.1f} s)", flush=True)
+    return rows
+
+
+def chain_table(rows: list[dict[str, Any]]) -> tuple[list[str], list[list[str]]]:
+    headers = ["node", "hosts", "devices", "nodes", "computations", "warm step ms", "proxy msgs/step",
+               "proxy bytes/step", "first step's proxy bytes", "RegisterGang sent"]
+    return headers, [[r["kind"], f"{r['hosts']:,}", f"{r['devices']:,}", str(r["k"]), f"{r['computations']:,}",
+                      f"{1e3 * r['step_seconds']:.2f}", f"{r['proxy_messages_per_step']:,.0f}",
+                      f"{r['proxy_bytes_per_step']:,.0f}", f"{r['first_step_proxy_bytes']:,.0f}",
+                      f"{r['register_gang_messages']:,}"] for r in rows]
+
+
 def figure5(hosts: tuple[int, ...], devices_per_host: int, k: int, steps: int, costs: Costs) -> dict[str, Any]:
     """(d): computations per second by mode and host count, and the controller's share of the time.
     The first of ``steps`` is a warm-up (lowering, functions sent to the executors): not counted."""

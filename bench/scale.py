@@ -15,9 +15,13 @@ no JAX: each part drives the same pure object the daemon wraps, with a synthetic
     *warm*: the same program again (a cache hit); *cold*: an empty lowering cache (first
     run in a session; functions already registered). CPU is ``time.process_time``, median
     of the repeats. Two kinds of node: ``pmap`` (a function per device, as ``pw.pmap``)
-    and ``spmd`` (one program over the slice, as ``pw.jit``; across executors every
-    computation carries the whole gang). The island scheduler's fan-out of the same run
-    (``IslandOrder.submit``: one ``Enqueue`` per executor) is shown beside it.
+    and ``spmd`` (one program over the slice, as ``pw.jit``; across executors a gang: its
+    devices go to each executor once, in the first run's ``RegisterGang``, and every
+    computation names it by id, so an executor's part is as many bytes at 8,192 devices
+    as at 16). The island scheduler's fan-out of the same run (``IslandOrder.submit``: one
+    ``Enqueue`` per executor) is shown beside it. Then the same chain, both kinds, run on
+    the simulator over the largest slice (``--sim-chain-hosts``: 1,024 hosts x 8, 8,192
+    devices; see ``bench/_scale_sim.py``).
 (b) **Island-scheduler decisions per second** with 1 to 64 clients: ``IslandOrder`` (policy
     ``fair``, window 2, weights 1/2/4/8 in turn among clients sharing executors), each client
     keeping 4 runs queued: the oldest part in flight completes; when its run is done, its client
@@ -78,6 +82,7 @@ from pwmesh.wire.messages import (
     PutBuffer,
     RegisterExecutor,
     RegisterFunction,
+    RegisterGang,
     RegisterProgram,
     RegisterProgramFunction,
     RegisterScheduler,
@@ -110,6 +115,7 @@ class Config:
     proxy_devices: tuple[int, ...] = (2, 8, 32, 128, 512, 1024, 2048, 4096, 8192)
     proxy_warm_repeats: int = 21
     proxy_cold_repeats: int = 5
+    sim_chain_hosts: int = 1024  # (a) on the simulator: the chain over every device of this many hosts
     client_counts: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
     scheduler_decisions: int = 40_000  # runs released per (shape, clients) point
     scheduler_rounds: int = 3  # the median round is reported
@@ -128,7 +134,8 @@ class Config:
     pipeline_stage_seconds: float = 2e-3  # one stage's device time per microbatch
 
 
-SMOKE = Config(proxy_devices=(2, 8, 64), proxy_warm_repeats=3, proxy_cold_repeats=2, client_counts=(1, 16),
+SMOKE = Config(proxy_devices=(2, 8, 64), proxy_warm_repeats=3, proxy_cold_repeats=2, sim_chain_hosts=8,
+               client_counts=(1, 16),
                scheduler_decisions=1000, scheduler_rounds=1, rm_executors=64, rm_slice_sizes=(1, 8, 64),
                rm_background_slices=16, rm_repeats=3, sim_hosts=(16, 32), sim_k=4, pipeline_hosts_per_island=4,
                pipeline_microbatches=4)
@@ -255,6 +262,7 @@ def proxy_point(devices: int, spmd: bool, config: Config) -> dict[str, Any]:
     harness = ProxyHarness(devices, spmd)
     first, _ = harness.dispatch()  # registers the functions (once per proxy) and fills the cache
     setup = [m for m in first if isinstance(m, RegisterFunction)]
+    gangs = [m for m in first if isinstance(m, RegisterGang)]
     (schedule,) = [m for m in first if isinstance(m, ScheduleRun)]
     harness.complete(schedule)
     harness.release()
@@ -293,11 +301,14 @@ def proxy_point(devices: int, spmd: bool, config: Config) -> dict[str, Any]:
         "devices": devices, "executors": executors,
         "messages": len(messages), "message_types": dict(collections.Counter(type(m).__name__ for m in messages)),
         "bytes": nbytes, "bytes_per_executor": nbytes / executors,
+        "part_bytes": max(len(p.computations) for p in schedule.parts),  # an executor's packed computations
         "warm_cpu_us": 1e6 * warm_s, "cold_cpu_us": 1e6 * cold_s,
         "completion_messages_in": len(done), "completion_bytes_in": sum(encoded_bytes(m) for m in done),
         "completion_messages_out": len(frees), "completion_cpu_us": 1e6 * done_s,
         "setup_register_function_messages": len(setup),
         "setup_register_function_bytes": sum(encoded_bytes(m) for m in setup),
+        "setup_register_gang_messages": len(gangs),
+        "setup_register_gang_bytes": sum(encoded_bytes(m) for m in gangs),
         "scheduler_enqueues": len(actions), "scheduler_enqueue_bytes": sum(encoded_bytes(a.message) for a in actions),
         "scheduler_cpu_us": 1e6 * sched_s,
     }
@@ -318,21 +329,18 @@ def proxy_scaling(config: Config) -> dict[str, Any]:
         rows: list[dict[str, Any]] = []
         stopped = None
         for n in config.proxy_devices:
-            if rows and kind == "spmd":
-                # A gang lists every device in every executor's computation: bytes grow as N^2.
-                projected = rows[-1]["bytes"] * (n / rows[-1]["devices"]) ** 2
-                if projected > DEFAULT_LIMITS.max_body_bytes:
-                    stopped = (f"stopped before {n:,} devices: its ScheduleRun would be ~{projected / 2**20:,.0f} MiB "
-                               f"(N^2 from {rows[-1]['bytes'] / 2**20:.1f} MiB at {rows[-1]['devices']:,}), over "
-                               f"the codec's {DEFAULT_LIMITS.max_body_bytes / 2**20:.0f} MiB body limit: the island "
-                               "scheduler would reject it")
-                    print(f"  {kind}: {stopped}", flush=True)
-                    break
             row = proxy_point(n, kind == "spmd", config)
-            print(f"  {kind} N={n:>5}: {row['messages']} messages, {row['bytes']:>10,} bytes, "
-                  f"warm {row['warm_cpu_us']:>9,.0f} us, cold {row['cold_cpu_us']:>10,.0f} us; completions "
-                  f"{row['completion_messages_in']:,} in, {row['completion_cpu_us']:,.0f} us", flush=True)
+            print(f"  {kind} N={n:>5}: {row['messages']} messages, {row['bytes']:>10,} bytes "
+                  f"({row['part_bytes']:,} a part), warm {row['warm_cpu_us']:>9,.0f} us, cold "
+                  f"{row['cold_cpu_us']:>10,.0f} us; completions {row['completion_messages_in']:,} in, "
+                  f"{row['completion_cpu_us']:,.0f} us; first run: {row['setup_register_gang_messages']:,} "
+                  f"RegisterGang ({row['setup_register_gang_bytes']:,} bytes)", flush=True)
             rows.append(row)
+            if row["bytes"] > DEFAULT_LIMITS.max_body_bytes // 2:  # the next would not fit one message
+                stopped = (f"stopped after {n:,} devices: its ScheduleRun is {row['bytes'] / 2**20:,.1f} MiB, half the "
+                           f"codec's {DEFAULT_LIMITS.max_body_bytes / 2**20:.0f} MiB body limit")
+                print(f"  {kind}: {stopped}", flush=True)
+                break
         lo, hi = rows[0], rows[-1]
         ratio = {key: hi[key] / lo[key] if lo[key] else None for key in (
             "messages", "bytes", "warm_cpu_us", "cold_cpu_us", "completion_messages_in", "completion_cpu_us")}
@@ -486,16 +494,18 @@ def placement_time(config: Config) -> list[dict[str, Any]]:
 
 
 def proxy_table(proxy: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
-    headers = ["node", "devices", "executors", "proxy msgs", "proxy bytes", "warm CPU us", "cold CPU us",
-               "NodeDone in", "frees out", "completion CPU us", "1st-run RegisterFunction", "island Enqueues",
-               "Enqueue bytes", "island CPU us"]
+    headers = ["node", "devices", "executors", "proxy msgs", "proxy bytes", "part bytes", "warm CPU us",
+               "cold CPU us", "NodeDone in", "frees out", "completion CPU us", "1st-run RegisterFunction",
+               "1st-run RegisterGang (bytes)", "island Enqueues", "Enqueue bytes", "island CPU us"]
     rows = []
     for kind, data in proxy.items():
         for r in data["rows"]:
             rows.append([kind, f"{r['devices']:,}", f"{r['executors']:,}", str(r["messages"]), f"{r['bytes']:,}",
-                         f"{r['warm_cpu_us']:,.0f}", f"{r['cold_cpu_us']:,.0f}", f"{r['completion_messages_in']:,}",
-                         f"{r['completion_messages_out']:,}", f"{r['completion_cpu_us']:,.0f}",
-                         f"{r['setup_register_function_messages']:,}", f"{r['scheduler_enqueues']:,}",
+                         f"{r['part_bytes']:,}", f"{r['warm_cpu_us']:,.0f}", f"{r['cold_cpu_us']:,.0f}",
+                         f"{r['completion_messages_in']:,}", f"{r['completion_messages_out']:,}",
+                         f"{r['completion_cpu_us']:,.0f}", f"{r['setup_register_function_messages']:,}",
+                         f"{r['setup_register_gang_messages']:,} ({r['setup_register_gang_bytes']:,})",
+                         f"{r['scheduler_enqueues']:,}",
                          f"{r['scheduler_enqueue_bytes']:,}", f"{r['scheduler_cpu_us']:,.0f}"])
     return headers, rows
 
@@ -604,6 +614,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="output directory")
     parser.add_argument("--smoke", action="store_true", help="tiny run (seconds) to check that everything works")
     parser.add_argument("--proxy-devices", default=None, help="comma-separated slice sizes for (a)")
+    parser.add_argument("--sim-chain-hosts", type=int, default=None,
+                        help="hosts of 8 devices the chain of (a) runs over on the simulator")
     parser.add_argument("--clients", default=None, help="comma-separated client counts for (b)")
     parser.add_argument("--decisions", type=int, default=None, help="runs released per point in (b)")
     parser.add_argument("--hosts", default=None, help="comma-separated simulated host counts for (d)")
@@ -623,8 +635,10 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"expected comma-separated integers: {exc}")
     if args.decisions is not None:
         config.scheduler_decisions = args.decisions
+    if args.sim_chain_hosts is not None:
+        config.sim_chain_hosts = args.sim_chain_hosts
     if any(n < 1 for n in (*config.proxy_devices, *config.client_counts, *config.sim_hosts,
-                           config.scheduler_decisions)):
+                           config.scheduler_decisions, config.sim_chain_hosts)):
         parser.error("device, client and host counts and --decisions must be at least 1")
     try:
         costs = _scale_sim.load_costs(args.costs)
@@ -635,6 +649,8 @@ def main(argv: list[str] | None = None) -> int:
     load_at_start = load_average()
     print("(a) the proxy per program: a 3-node chain on a slice of N devices", flush=True)
     proxy = proxy_scaling(config)
+    print(f"(a) run on the simulator over {config.sim_chain_hosts:,} hosts x {DEVICES_PER_EXECUTOR}", flush=True)
+    chain_sim = _scale_sim.chain_on_slice(config.sim_chain_hosts, DEVICES_PER_EXECUTOR, 3, 3, costs)
     print("(b) island-scheduler decisions (fair policy, window 2)", flush=True)
     sched = scheduler_rate(config)
     print(f"(c) RM slice placement at {config.rm_executors * DEVICES_PER_EXECUTOR:,} devices", flush=True)
@@ -654,6 +670,7 @@ def main(argv: list[str] | None = None) -> int:
         "machine": {**machine(load_at_start), "backend": "none: pure cores in one process, no JAX, no sockets"},
         "proxy": proxy,
         "proxy_goal": PROXY_GOAL,
+        "proxy_chain_simulated": chain_sim,
         "scheduler": sched,
         "scheduler_goal_decisions_per_second": DECISIONS_GOAL_PER_SECOND,
         "placement": placement,
@@ -670,6 +687,8 @@ def main(argv: list[str] | None = None) -> int:
         ("(a) the proxy per program (3-node chain, x an existing buffer; the proxy's core: dispatch CPU with the "
          "messages encoded, then the run's completions and the frees they cause)",
          proxy_table(proxy), 1),
+        (f"(a) the same chain run on the simulator over {config.sim_chain_hosts * DEVICES_PER_EXECUTOR:,} devices "
+         "(warm steps; the first sends the functions and the gang)", _scale_sim.chain_table(chain_sim), 1),
         ("(b) island-scheduler decisions per CPU second (fair, window 2)", scheduler_table(sched), 1),
         ("(c) RM slice placement (CPU of ResourceManagerState.handle(AllocateSlice))", placement_table(placement), 0),
         (f"(d) Figure 5 on the simulator: a chain of {config.sim_k} tiny computations over every device "

@@ -24,11 +24,18 @@ The programs are ``dispatch.py``'s ``add`` sequences (the paper's Figure 5): ``-
    2-device slice), ``charge_cpu`` on (the real proxy, scheduler and RM cores' CPU
    counts as their daemons' time), the same workloads; the median step.
 
+4. **Larger**: the same sequences (``--large-lengths``) on a real LocalCluster of 1 island x
+   ``--large-hosts`` executors (16) x 1 CPU device each, the slice spanning all of them (one
+   shard per executor), and on the simulator at that shape with the calibration above, fitted
+   to nothing here: every row a prediction. The cluster's startup (to every executor ready)
+   and its executors' resident memory are reported beside it; on a 2-core machine 16
+   executors share two cores, which the simulator (one host's work per host) does not model.
+
 Reported per row: real, simulated, real/sim; and the worst ratio either way (max of
 r and 1/r). ``calibration_from(path)`` reads the calibrated numbers back (for
 ``bench/scale.py``).
 
-    python bench/sim_check.py              # ~1 minute on a 2-core machine
+    python bench/sim_check.py              # ~30 s on a 2-core machine (16 executors of ~240 MiB each)
     python bench/sim_check.py --smoke      # seconds
 
 Writes ``sim_check.json``, ``sim_check.md`` and ``sim_check.png`` into ``--out``
@@ -41,6 +48,7 @@ import argparse
 import dataclasses
 import functools
 import math
+import os
 import statistics
 import sys
 import time
@@ -76,9 +84,13 @@ class Config:
     jax_calls: int = 300
     loop_lengths: tuple[int, int] = (1, 4096)  # plain JAX fori_loop lengths: the slope is one iteration
     sim_steps: int = 15
+    large_hosts: int = 16  # the larger check: executors of one device each (0: none)
+    large_lengths: tuple[int, ...] = (8, 32)
+    large_rounds: int = 5
 
 
-SMOKE = Config(lengths=(2, 8), rounds=1, warmup=1, pings=20, jax_calls=20, loop_lengths=(1, 256), sim_steps=3)
+SMOKE = Config(lengths=(2, 8), rounds=1, warmup=1, pings=20, jax_calls=20, loop_lengths=(1, 256), sim_steps=3,
+               large_hosts=3, large_lengths=(4,), large_rounds=1)
 
 
 # ------------------------------------------------------------------ real
@@ -176,13 +188,97 @@ def measure_real(config: Config) -> tuple[dict[tuple[str, int], dict[str, Any]],
                  "ping_rtt_best_seconds": min(rtts)}
 
 
+def resident_mib(pid: int) -> float:
+    """A process's resident memory (MiB), from /proc; 0 where there is none."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return 0.0
+
+
+def cpu_seconds(pids: list[int]) -> float:
+    """User + system CPU seconds the processes ``pids`` have used (from /proc; 0 for one that is gone)."""
+    total = 0.0
+    tick = os.sysconf("SC_CLK_TCK")
+    for pid in pids:
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        total += (int(fields[11]) + int(fields[12])) / tick  # utime, stime (fields 14 and 15 of stat)
+    return total
+
+
+def measure_large(config: Config) -> tuple[dict[tuple[str, int], dict[str, Any]], dict[str, Any]]:
+    """{(mode, length): stats} on a LocalCluster of ``large_hosts`` executors x 1 device, the slice over all of
+    them; and the cluster's startup and memory."""
+    hosts = config.large_hosts
+    spec = pw.LocalClusterSpec(islands=1, hosts_per_island=hosts, devices_per_host=1)
+    started = time.perf_counter()
+    with pw.LocalCluster(spec) as cluster, pw.Client(cluster.address, name="bench-sim-check-large") as client:
+        startup = time.perf_counter() - started
+        rss = [resident_mib(c.popen.pid) for c in cluster.children if c.role == "executor"]
+        sl = client.make_virtual_device_set().add_slice(devices=hosts)
+        placement = sorted({d.executor for d in sl.devices})
+        if len(placement) != hosts:
+            raise RuntimeError(f"the larger check spreads the slice over {hosts} executors, got {placement}")
+        x = client.put(np.zeros(hosts, np.float32), sl)
+        one = pw.pmap(step("add"), devices=sl)
+
+        def check_all(value: Any, expected: float) -> None:
+            got = np.asarray(value)
+            if got.shape != (hosts,) or not np.all(got == expected):
+                raise AssertionError(f"sequence returned {got}, expected {expected} on each of {hosts} devices")
+
+        sequences: dict[tuple[str, int], Callable[[], None]] = {}
+        for n in config.large_lengths:
+            fused = pw.pmap(per_device("add", n), devices=sl)
+
+            def chain(v: Any, n: int = n) -> Any:
+                for _ in range(n):
+                    v = one(v)
+                return v
+
+            calls = {"opbyop": functools.partial(chain, x), "chained": functools.partial(pw.program(chain), x),
+                     "fused": functools.partial(fused, x)}
+            for mode, call in calls.items():
+                sequences[mode, n] = lambda call=call, n=n: check_all(call(), float(n))
+        for sequence in sequences.values():
+            for _ in range(config.warmup):
+                sequence()
+        pairs = list(sequences)
+        samples: dict[tuple[str, int], list[float]] = {pair: [] for pair in pairs}
+        # The CPU every process of the run used (the cluster's daemons and this client) per sequence: on a
+        # machine with fewer cores than executors, that over the cores bounds the time from below.
+        pids = [os.getpid(), *(c.popen.pid for c in cluster.children)]
+        cpu: dict[tuple[str, int], list[float]] = {pair: [] for pair in pairs}
+        for r in range(config.large_rounds):
+            shift = r % len(pairs)
+            for pair in pairs[shift:] + pairs[:shift]:
+                before = cpu_seconds(pids)
+                samples[pair].append(timed(sequences[pair]))
+                cpu[pair].append(cpu_seconds(pids) - before)
+        rss_after = [resident_mib(c.popen.pid) for c in cluster.children if c.role == "executor"]
+    out = {pair: {"seconds": statistics.median(got), "best_seconds": min(got), "rounds": got,
+                  "cpu_seconds": statistics.median(cpu[pair])} for pair, got in samples.items()}
+    return out, {"hosts": hosts, "cores": os.cpu_count() or 1, "devices_per_host": 1, "startup_seconds": startup,
+                 "executor_rss_mib_at_start": statistics.median(rss) if rss else 0.0,
+                 "executor_rss_mib_after": statistics.median(rss_after) if rss_after else 0.0,
+                 "executors_rss_mib_total_after": sum(rss_after)}
+
+
 # ------------------------------------------------------------------ simulated
 
 
-def simulate(mode: str, length: int, calibration: dict[str, float], steps: int) -> dict[str, Any]:
-    """One (mode, length) on the simulator at the real cluster's shape; the median step and its figures."""
+def simulate(mode: str, length: int, calibration: dict[str, float], steps: int, hosts: int = HOSTS,
+             devices_per_host: int = DEVICES, devices: int = DEVICES) -> dict[str, Any]:
+    """One (mode, length) on the simulator at a real cluster's shape (default: the calibration's, 2 hosts x 2
+    devices, a slice of 2); the median step and its figures."""
     sim_config = SimConfig(
-        islands=1, hosts_per_island=HOSTS, devices_per_host=DEVICES,
+        islands=1, hosts_per_island=hosts, devices_per_host=devices_per_host,
         link=LinkSpec(latency_seconds=calibration["latency_seconds"]),
         client_send_seconds=calibration["client_send_seconds"],
         cost=CostModel(launch_seconds=calibration["launch_seconds"],
@@ -191,8 +287,8 @@ def simulate(mode: str, length: int, calibration: dict[str, float], steps: int) 
         scheduler_service_seconds=calibration["scheduler_service_seconds"],
         rm_service_seconds=calibration["rm_service_seconds"], charge_cpu=True)
     cluster = SimCluster(sim_config)
-    # The real values are one float32 per device: a slice of 2 devices holding (2, 1).
-    install(cluster, Workload(name=mode, steps=steps, k=length, devices=DEVICES, rows=1, cols=1,
+    # The real values are one float32 per device: a slice of n devices holding (n, 1).
+    install(cluster, Workload(name=mode, steps=steps, k=length, devices=devices, rows=1, cols=1,
                               compute_seconds=calibration["compute_seconds"]))
     report = cluster.run()
     failed = {name: c for name, c in report["clients"].items() if c["failure"] or c["errors"]}
@@ -304,6 +400,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=None)
     parser.add_argument("--warmup", type=int, default=None, help="warm-up sequences per mode and length")
     parser.add_argument("--sim-steps", type=int, default=None, help="simulated steps per row (median)")
+    parser.add_argument("--large-hosts", type=int, default=None,
+                        help="executors (1 device each) of the larger check (16; 0: none)")
+    parser.add_argument("--large-lengths", default=None, help="comma-separated sequence lengths of the larger check")
+    parser.add_argument("--large-rounds", type=int, default=None)
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="output directory")
     parser.add_argument("--smoke", action="store_true", help="tiny run (seconds) to check that everything works")
     args = parser.parse_args(argv)
@@ -311,7 +411,9 @@ def main(argv: list[str] | None = None) -> int:
     config = dataclasses.replace(SMOKE) if args.smoke else Config()
     if args.lengths:
         config.lengths = tuple(sorted({int(n) for n in args.lengths.split(",") if n}))
-    for field in ("rounds", "warmup", "sim_steps"):
+    if args.large_lengths:
+        config.large_lengths = tuple(sorted({int(n) for n in args.large_lengths.split(",") if n}))
+    for field in ("rounds", "warmup", "sim_steps", "large_hosts", "large_rounds"):
         if getattr(args, field) is not None:
             setattr(config, field, getattr(args, field))
     if len(config.lengths) < 2:
@@ -333,6 +435,21 @@ def main(argv: list[str] | None = None) -> int:
             rows.append({"mode": mode, "length": n, "real_seconds": real[mode, n]["seconds"],
                          "real_rounds": real[mode, n]["rounds"], "sim_seconds": sim["seconds"], "ratio": ratio,
                          "calibration": (mode, n) in fitted, "sim": sim})
+    large_rows: list[dict[str, Any]] = []
+    large: dict[str, Any] = {}
+    if config.large_hosts:
+        print(f"larger: a real cluster of {config.large_hosts} executors x 1 device, lengths {config.large_lengths} ...",
+              flush=True)
+        large_real, large = measure_large(config)
+        for mode in MODES:
+            for n in config.large_lengths:
+                sim = simulate(mode, n, calibration, config.sim_steps, hosts=config.large_hosts, devices_per_host=1,
+                               devices=config.large_hosts)
+                ratio = large_real[mode, n]["seconds"] / sim["seconds"]
+                large_rows.append({"mode": mode, "length": n, "real_seconds": large_real[mode, n]["seconds"],
+                                   "real_cpu_seconds": large_real[mode, n]["cpu_seconds"],
+                                   "real_rounds": large_real[mode, n]["rounds"], "sim_seconds": sim["seconds"],
+                                   "ratio": ratio, "calibration": False, "sim": sim})
     predicted = [r for r in rows if not r["calibration"]]
     worst = max(rows, key=lambda r: ratio_spread(r["ratio"]))
     worst_predicted = max(predicted, key=lambda r: ratio_spread(r["ratio"])) if predicted else worst
@@ -352,6 +469,25 @@ def main(argv: list[str] | None = None) -> int:
     print(table(*calibration_table(calibration, SOURCES)))
     print()
     print(summary)
+    large_lines: list[str] = []
+    if large_rows:
+        worst_large = max(large_rows, key=lambda r: ratio_spread(r["ratio"]))
+        large["summary"] = (f"{config.large_hosts} executors x 1 device, the slice over all of them: worst ratio "
+                            f"{worst_large['ratio']:.2f} ({MODE_NAMES[worst_large['mode']]} x {worst_large['length']}); "
+                            f"real and simulated agree within {ratio_spread(worst_large['ratio']):.2f}x on every row "
+                            "(all predictions: the calibration is the small cluster's)")
+        large["startup_line"] = (f"startup {large['startup_seconds']:.1f} s to every daemon ready; executors' resident "
+                                 f"memory {large['executor_rss_mib_at_start']:.0f} MiB each at start, "
+                                 f"{large['executor_rss_mib_after']:.0f} MiB after ({large['executors_rss_mib_total_after']:,.0f} "
+                                 "MiB all together)")
+        large["cpu_line"] = ("CPU all processes used per sequence, over this machine's "
+                             f"{large['cores']} cores (a lower bound on the real time here): " + ", ".join(
+                                 f"{MODE_NAMES[r['mode']]} x {r['length']} {1e3 * r['real_cpu_seconds'] / large['cores']:.1f} ms"
+                                 for r in large_rows))
+        large_lines = [f"larger: {config.large_hosts} executors x 1 device, real (median of rounds) vs simulated:",
+                       table(*rows_table(large_rows)), large["startup_line"], large["cpu_line"], large["summary"]]
+        print()
+        print("\n\n".join(large_lines))
 
     result = {
         "benchmark": "sim_check",
@@ -367,18 +503,22 @@ def main(argv: list[str] | None = None) -> int:
         "worst_spread": ratio_spread(worst["ratio"]),
         "worst_predicted_ratio": worst_predicted["ratio"],
         "summary": summary,
+        "large": {**large, "rows": large_rows},
         "wall_seconds": time.monotonic() - started,
     }
     md = "\n\n".join([
         "seconds per sequence, real (median of rounds) vs simulated (median step):",
         markdown(*rows_table(rows)), measured, "calibration:",
         markdown(*calibration_table(calibration, SOURCES)), summary,
+        *([f"larger: {config.large_hosts} executors x 1 device, real (median of rounds) vs simulated:",
+           markdown(*rows_table(large_rows)), large["startup_line"], large["cpu_line"], large["summary"]]
+          if large_rows else []),
     ]) + "\n"
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "sim_check.md").write_text(md)
     print(f"\nwrote {args.out / 'sim_check.md'}")
     save_results(args.out, "sim_check", result, lambda path: plot(path, rows))
-    return 0 if all(math.isfinite(r["ratio"]) and r["ratio"] > 0 for r in rows) else 1
+    return 0 if all(math.isfinite(r["ratio"]) and r["ratio"] > 0 for r in [*rows, *large_rows]) else 1
 
 
 if __name__ == "__main__":

@@ -274,7 +274,17 @@ def test_scale_smoke(tmp_path: Path) -> None:
             # The proxy's own core ran the chain to its end: one completion per executor (the chain's
             # inner nodes are quiet), and frees for its temporaries.
             assert r["completion_messages_in"] == r["executors"] and r["completion_messages_out"] >= 1
+            # A gang across executors goes once, in the first run (one RegisterGang per executor), not in
+            # the parts: an executor's part is about as many bytes at every size.
+            gang = kind == "spmd" and r["executors"] > 1
+            assert r["setup_register_gang_messages"] == (r["executors"] if gang else 0), r
+            assert r["part_bytes"] < 1024, r
         assert data["proxy"][kind]["ratio"]["messages"] == 1.0
+    chain = {r["kind"]: r for r in data["proxy_chain_simulated"]}
+    assert chain.keys() == {"pmap", "spmd"} and all(r["steps"] == 3 for r in chain.values())
+    assert chain["spmd"]["devices"] == 8 * config["sim_chain_hosts"]
+    assert chain["spmd"]["register_gang_messages"] == config["sim_chain_hosts"]
+    assert chain["spmd"]["proxy_bytes_per_step"] <= 1.1 * chain["pmap"]["proxy_bytes_per_step"], chain
     for shape in ("small", "gang"):
         rows = data["scheduler"][shape]["rows"]
         assert [r["clients"] for r in rows] == config["client_counts"]
@@ -332,6 +342,14 @@ def test_sim_check_smoke(tmp_path: Path) -> None:
     fitted = {(r["mode"], r["length"]) for r in rows if r["calibration"]}
     assert fitted == {(c["mode"], c["length"]) for c in data["calibration_rows"]} and len(fitted) < len(rows)
     assert data["worst_ratio"] in [r["ratio"] for r in rows]
+    # The larger check: a real cluster of one-device executors, the slice over all of them, against the
+    # simulator at that shape (every row a prediction).
+    large = data["large"]
+    assert large["hosts"] == data["config"]["large_hosts"] and large["startup_seconds"] > 0
+    assert {(r["mode"], r["length"]) for r in large["rows"]} == {
+        (m, n) for m in ("opbyop", "chained", "fused") for n in data["config"]["large_lengths"]}
+    assert all(r["real_seconds"] > 0 and r["sim_seconds"] > 0 and not r["calibration"] for r in large["rows"])
+    assert "executors x 1 device" in (tmp_path / "sim_check.md").read_text()
     # What bench/scale.py would read back (in a subprocess: importing sim_check sets XLA_FLAGS for its process).
     read = subprocess.run([sys.executable, "-c", "import json, sys; sys.path.insert(0, sys.argv[1]); "
                            "from sim_check import calibration_from; print(json.dumps(calibration_from(sys.argv[2])))",

@@ -18,6 +18,7 @@ import pytest
 
 from pwmesh.dataflow.layout import Layout
 from pwmesh.errors import InvalidArgument
+from pwmesh.ir.keys import gang_id
 from pwmesh.ir.lower import (
     HostPut,
     Lowered,
@@ -298,7 +299,7 @@ def test_one_computation_per_node_and_executor_whatever_the_shards() -> None:
         assert c.shards() == [(0, first), (1, first + 1)]
         assert c.inputs == [prefix(c.node)] and c.outputs == [prefix(c.node + 1)]
         assert c.emits == [], "every shard is read where it was made"
-        assert c.gang == [], "shards that do not communicate wait for nobody: no gang to join"
+        assert c.gang == "", "shards that do not communicate wait for nobody: no gang to join"
     assert lowered.node_executors == {0: {"a", "b"}, 1: {"a", "b"}}
 
 
@@ -800,16 +801,43 @@ def test_spmd_node_over_executors_of_one_jax_group_names_every_device_of_its_gan
     lowered = run(chain(4, 1, 1), [sl], spmd={"f": True})
     comps = [c for c in computations(lowered) if c.fn_id == "f"]
     assert {c.executor_id for c in comps} == {"a", "b"}
-    mesh = [(g.executor_id, g.device) for g in comps[0].gang]
+    (gang,) = lowered.gangs.values()
+    mesh = [(r.executor_id, r.first + k) for r in gang.message.devices for k in range(r.count)]
     assert mesh == [("a", 0), ("b", 0), ("a", 1), ("b", 1)], "the whole mesh, in shard order, by executor"
-    assert all(c.gang == comps[0].gang for c in comps), "every part names the whole mesh"
+    assert gang.controls == (control("a"), control("b")), "each of its executors is sent it"
+    assert gang.message.gang_id == gang_id(gang.message.devices)
+    assert all(c.gang == gang.message.gang_id for c in comps), "every part names the gang by id, not its devices"
     assert sorted(c.shards() for c in comps) == [[(0, 0), (1, 2)], [(0, 1), (1, 3)]]
+
+
+def test_a_gang_is_named_by_its_devices_so_a_part_does_not_grow_with_them() -> None:
+    """Two programs on one slice name one gang; the same slice remapped names another; and a part's
+    computations are as many bytes at 64 executors as at 2 (the gang goes once, in ``RegisterGang``)."""
+    def lowered_over(executors: int, order: list[str] | None = None) -> Lowered:
+        names = order or [f"e{k:03d}" for k in range(executors)]
+        sl = make_slice(1, [(ex, d) for ex in names for d in range(2)])
+        for d in sl.devices:
+            d.group = "island-1"
+        return run(chain(2 * executors, 1, 1), [sl], spmd={"f": True, "g": True})
+
+    small, big = lowered_over(2), lowered_over(64)
+    assert len(small.gangs) == len(big.gangs) == 1, "one gang per slice, however many nodes use it"
+    assert lowered_over(2).gangs.keys() == small.gangs.keys(), "the same devices: the same id"
+    assert lowered_over(2, ["e001", "e000"]).gangs.keys() != small.gangs.keys(), "other devices: another id"
+    (gang,) = big.gangs.values()
+    assert [(r.executor_id, r.first, r.count) for r in gang.message.devices[:2]] == [("e000", 0, 2), ("e001", 0, 2)]
+
+    def part_bytes(lowered: Lowered) -> int:
+        return max(len(p.computations) for comps in lowered.schedules.values() for p in run_parts(comps))
+
+    assert part_bytes(big) == part_bytes(small)
 
 
 def test_spmd_node_on_one_executor_is_fine() -> None:
     lowered = run(chain(2, 1, 1), [make_slice(1, [("a", 0), ("a", 1)])], spmd={"f": True, "g": True})
     assert [c.runs for c in computations(lowered)] == [[sr(0, 0, 2)]] * 2
-    assert all(c.spmd and c.gang == [] for c in computations(lowered))
+    assert all(c.spmd and c.gang == "" for c in computations(lowered))
+    assert lowered.gangs == {}, "no gang to send"
 
 
 @pytest.mark.parametrize("devices", [1, 4])

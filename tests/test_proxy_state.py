@@ -42,17 +42,20 @@ from pwmesh.proxy.state import (
 from pwmesh.proxy.tenants import TenantLimits, TenantPolicy
 from pwmesh.scheduler.order import IslandOrder
 from pwmesh.wire import Message, encode
+from pwmesh.wire.codec import unpack_records
 from pwmesh.wire.messages import (
     AwaitBuffers,
     BuffersState,
     CancelRun,
     CloseSession,
+    Computation,
     CreateSlice,
     DeleteShards,
     DeviceInfo,
     DrainExecutor,
     Enqueue,
     ExecutorInfo,
+    ExecutorJoined,
     ExecutorLost,
     Fetch,
     ForgetOwner,
@@ -68,6 +71,7 @@ from pwmesh.wire.messages import (
     QueryBuffers,
     RegisterExecutor,
     RegisterFunction,
+    RegisterGang,
     RegisterProgram,
     RegisterProgramFunction,
     RegisterScheduler,
@@ -91,16 +95,18 @@ CLIENT = b"client-1"
 
 
 class World:
-    """An RM core with three executors of two devices on one island, its scheduler's core, and a proxy core."""
+    """An RM core with three executors of two devices on one island, its scheduler's core, and a proxy core.
+    ``group``: the executors' JAX group ("": none), in which an SPMD program may span them."""
 
-    def __init__(self) -> None:
+    def __init__(self, group: str = "") -> None:
         self.now = 0.0
         self.rm = DrivenRM(heartbeat_timeout_seconds=10.0)
         self.rm.ask(RegisterScheduler(info=SchedulerInfo(island=0, address=SCHEDULER, name="sched-0")), 0.0)
         self.controls: dict[str, str] = {}
         for e in range(3):
             info = ExecutorInfo(executor_id=f"ex{e}", island=0, host=f"host{e}", control=f"tcp://ex{e}:7000",
-                                data=f"tcp://ex{e}:7001", devices=[DeviceInfo(index=i) for i in range(2)])
+                                data=f"tcp://ex{e}:7001", devices=[DeviceInfo(index=i) for i in range(2)],
+                                group=group)
             self.rm.ask(RegisterExecutor(info=info), 0.0)
             self.controls[info.control] = info.executor_id
         self.rm.take_notifications()
@@ -138,9 +144,9 @@ class World:
         assert isinstance(created, SliceCreated)
         return opened.session_id, created.slice.slice_id
 
-    def function(self, peer: bytes, slice_id: int, name: bytes) -> str:
-        fn_id = function_id(name, False)
-        assert self.ask(peer, RegisterProgramFunction(fn_id=fn_id, exported=name, slice_id=slice_id, spmd=False)) == Ok()
+    def function(self, peer: bytes, slice_id: int, name: bytes, spmd: bool = False) -> str:
+        fn_id = function_id(name, spmd)
+        assert self.ask(peer, RegisterProgramFunction(fn_id=fn_id, exported=name, slice_id=slice_id, spmd=spmd)) == Ok()
         return fn_id
 
     def executors(self, actions: list[Any], run_id: str | None = None) -> list[NodeDone]:
@@ -242,6 +248,43 @@ def test_a_program_runs_completes_and_its_buffers_are_freed_by_reference(world: 
     assert "Inbound(proxy.run_program from " in line and f"-> {len(again)} actions" in line
     with pytest.raises(NotFound, match="buffer 2 does not exist"):
         world.ask(CLIENT, QueryBuffers(buffers=[2]))
+
+
+def test_a_gang_goes_once_to_each_of_its_executors_and_again_to_a_new_process() -> None:
+    """Issue #30 item 3: an SPMD program spanning executors names its gang by id; the devices go once per
+    executor and slice version (``RegisterGang``), not in every run's parts."""
+    world = World(group="island-0")
+    _, slice_id = world.open()
+    fns = [world.function(CLIENT, slice_id, name, spmd=True) for name in (b"f", b"g")]
+    assert world.ask(CLIENT, PutBuffer(buffer=1, slice_id=slice_id, array=np.ones((8, 2), np.float32))) == Ok()
+    world.handle(Inbound(CLIENT, RegisterProgram(program_id="p", program=chain(fns, slice_id))))
+
+    def run(output: int) -> list[Any]:
+        actions = world.handle(Inbound(CLIENT, RunProgram(inputs=[ProgramInput(buffer=1)], outputs=[output],
+                                                          program_id="p")))
+        for done in world.executors(actions):
+            world.handle(Inbound(b"ex", done))
+        return actions
+
+    first = run(2)
+    gangs = sent(first, RegisterGang)
+    (gang_id,) = {a.message.gang_id for a in gangs}  # both nodes run over the slice: one gang
+    controls = {loc.control for loc in world.proxy.sessions[CLIENT].slices[slice_id].devices}
+    assert sorted(a.to for a in gangs) == sorted(controls), "once to each of its executors"
+    mesh = [(r.executor_id, r.first + k) for r in gangs[0].message.devices for k in range(r.count)]
+    assert mesh == [(d.executor_id, d.device) for d in world.proxy.sessions[CLIENT].slices[slice_id].devices]
+    assert first.index(gangs[-1]) < first.index(sent(first, ScheduleRun)[0]), "sent before the run"
+    (schedule,) = sent(first, ScheduleRun)
+    comps = [c for part in schedule.message.parts
+             for c in unpack_records(part.computations, Computation, "test")]
+    assert comps and all(c.gang == gang_id for c in comps), "the computations carry its id only"
+
+    assert sent(run(3), RegisterGang) == [], "not again for a later run"
+    victim = gangs[0].to
+    world.handle(Notice(ExecutorJoined(executor_id=world.controls[victim], control=victim, island=0,
+                                       group="island-0", fresh=True)))  # a new process there: it knows none
+    again = sent(run(4), RegisterGang)
+    assert [(a.to, a.message.gang_id) for a in again] == [(victim, gang_id)], "again, to the new process only"
 
 
 def test_a_refused_run_fails_its_outputs_with_the_cause(world: World) -> None:

@@ -236,6 +236,18 @@ def test_4_islands_of_256_hosts_run_a_small_workload_in_seconds() -> None:
     assert report["steps"] == 2 and report["real_seconds"] < 20
 
 
+def test_an_spmd_chain_over_every_host_sends_its_gang_once_per_host() -> None:
+    """Issue #30 item 3: one SPMD program over 4 hosts' devices (a gang across them); its devices go to each
+    host once (``RegisterGang``), and its warm steps cost the proxy the bytes a per-device chain's do."""
+    config = SimConfig(islands=1, hosts_per_island=4, devices_per_host=2, cost=COST)
+    spmd = run(config, Workload(name="chained", steps=3, k=4, devices=8, spmd=True))
+    pmap = run(config, Workload(name="chained", steps=3, k=4, devices=8))
+    assert spmd["steps"] == 3 and spmd["computations"] == 3 * 4 * 4  # a computation per host per node
+    assert spmd["proxy"]["messages_out_by_op"]["exec.register_gang"] == 4
+    assert "exec.register_gang" not in pmap["proxy"]["messages_out_by_op"]
+    assert spmd["in_steps"]["bytes"] <= 1.1 * pmap["in_steps"]["bytes"], (spmd["in_steps"], pmap["in_steps"])
+
+
 def test_the_sim_command_prints_the_controller_figures(tmp_path: Path) -> None:
     out = tmp_path / "sim.json"
     result = CliRunner().invoke(main, ["sim", "--islands", "1", "--hosts-per-island", "2", "--devices-per-host", "2",

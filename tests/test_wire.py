@@ -787,7 +787,7 @@ def test_defaults_are_fresh_for_every_decoded_message() -> None:
                                               inputs=[], outputs=[]).to_wire() | {"emits": []})
     body = {"node": 0, "fn_id": "f", "executor_id": "e", "control": "c", "runs": [], "inputs": [], "outputs": []}
     a, b = Computation.from_wire(body), Computation.from_wire(body)
-    assert a.emits == [] and a.emits is not b.emits and a.gang is not b.gang
+    assert a.emits == [] and a.emits is not b.emits and a.donate is not b.donate
     assert (a.kind, a.seq, a.spmd) == ("call", -1, False) and first.emits == []
 
 

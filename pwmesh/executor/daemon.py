@@ -97,6 +97,7 @@ from pwmesh.wire.messages import (
     ReclaimOwner,
     RegisterExecutor,
     RegisterFunction,
+    RegisterGang,
     SendShards,
     ShardValues,
     TraceEvent,
@@ -246,6 +247,7 @@ class Executor(Service):
             self._resume(Path(self.config.resume_from))
         control: dict[type[Message], Handler] = {
             RegisterFunction: self._register_function,
+            RegisterGang: self._register_gang,
             Enqueue: self._enqueue,
             PutShards: self._put,
             SendShards: self._send_shards,
@@ -361,6 +363,12 @@ class Executor(Service):
         assignments = [tuple(devices)] if msg.spmd else [(d,) for d in devices]
         for assignment in assignments:
             self.tasks.spawn(self._warm(fn, assignment), name=f"compile-{msg.fn_id[:8]}")
+        return Ok()
+
+    def _register_gang(self, peer: bytes, env: Envelope) -> Ok:
+        msg = env.message
+        assert isinstance(msg, RegisterGang)
+        self.runner.gangs.register(msg)  # its computations wait for it from now on (``Runner._run``)
         return Ok()
 
     async def _warm(self, fn: Any, devices: tuple[jax.Device, ...]) -> None:
@@ -903,7 +911,7 @@ class Executor(Service):
                 values.append((key, index.get(device, 0), np.asarray(value), nbytes))
         directory = spill.spill_directory(self.name)
         spill.save(spill.Saved(values=values, failures=self.store.failures(), tombstones=self.store.tombstones(),
-                               functions=list(self._registered.values()),
+                               functions=list(self._registered.values()), gangs=self.runner.gangs.saved(),
                                expected_seq=self.state.expected_seq(), requeue=self._requeue), directory)
         assert self.restart is not None
         self.restart += ["--resume-from", str(directory)]
@@ -924,6 +932,8 @@ class Executor(Service):
         for fn in saved.functions:
             self.functions.register(fn.fn_id, fn.exported, fn.spmd, fn.mesh, fn.axes, fn.donate)
             self._registered[fn.fn_id] = fn
+        for gang in saved.gangs:
+            self.runner.gangs.register(gang)
         self.state.expect(saved.expected_seq)
         self._requeue = saved.requeue  # queued once this process serves (``_queue_again``)
         spill.remove(directory)

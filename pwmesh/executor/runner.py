@@ -52,7 +52,7 @@ from typing import Any, NamedTuple
 
 import jax
 
-from pwmesh.errors import DeviceLost, PwmeshError, RemoteError, ResourceExhausted
+from pwmesh.errors import DeviceLost, NotFound, PwmeshError, RemoteError, ResourceExhausted
 from pwmesh.executor.calls import (
     Whole,
     call_ragged,
@@ -65,6 +65,7 @@ from pwmesh.executor.calls import (
     pieces,
 )
 from pwmesh.executor.functions import CompiledFunction, FunctionCache
+from pwmesh.executor.gangs import Gangs
 from pwmesh.executor.group import peer_gone
 from pwmesh.executor.queues import DeviceQueues, PartDone, Start
 from pwmesh.executor.state import How, how_to_run, runs_inline
@@ -76,11 +77,6 @@ from pwmesh.wire.messages import Computation, Emit
 log = logging.getLogger(__name__)
 
 RUN_AHEAD = 4  # computations handed to a device and not yet finished there, at most (see ``Runner._stream``)
-
-
-def gang_label(comp: Computation) -> str:
-    hosts = sorted({g.executor_id for g in comp.gang})
-    return f"{len(comp.gang)} devices of {', '.join(hosts)}"
 
 
 def as_error(exc: BaseException, context: str) -> PwmeshError:
@@ -150,8 +146,8 @@ class Runner:
         self._cancels: dict[Work, asyncio.Future[None]] = {}
         self._landing: dict[Work, asyncio.Future[None]] = {}
         # (fn_id, spmd, devices, donated inputs) -> what the fast path runs, once compiled (functions never change)
-        # (function, SPMD, a gang's (executor, device) pairs or the local device ids, donated inputs) -> found
-        self._ready: dict[tuple[str, bool, tuple[tuple[str, int], ...] | tuple[int, ...], tuple[int, ...]],
+        # (function, SPMD, a gang's id (its mesh's hash) or the local device ids, donated inputs) -> found
+        self._ready: dict[tuple[str, bool, str | tuple[int, ...], tuple[int, ...]],
                           tuple[CompiledFunction, list[jax.Device], list[Any]]] = {}
         self._idle = asyncio.Event()
         self._idle.set()
@@ -165,6 +161,7 @@ class Runner:
         # Every device of this executor's JAX group by (executor, device index): a gang's mesh (set by the
         # executor once it has joined the group).
         self.group_devices: dict[tuple[str, int], jax.Device] = {}
+        self.gangs = Gangs()  # the gangs it was sent (``RegisterGang``), which computations name by id
 
     @property
     def outstanding(self) -> int:
@@ -325,7 +322,7 @@ class Runner:
         for work, since in list(self._collectives.items()):  # in the order they were handed over
             if seen.isdisjoint(work.devices) and now - since >= older_than_seconds:
                 waits.append(f"devices [{','.join(map(str, work.devices))}] have been in {work.label}, a collective "
-                             f"over {gang_label(work.comp)}, for {now - since:.1f} s")
+                             f"over {self._gang_label(work.comp)}, for {now - since:.1f} s")
             seen.update(work.devices)
         return waits
 
@@ -369,6 +366,8 @@ class Runner:
             streamed = None  # what to hand over without waiting for it (see _stream), if that is how it runs
             if comp.kind == "call":
                 fn = await self._unless_cancelled(self.functions.get(comp.fn_id), work)
+                if comp.gang and self.gangs.known(comp.gang) is None:  # its devices may come after it
+                    await self._unless_cancelled(self.gangs.get(comp.gang), work)
                 self._check_fits(work, fn)
                 found = None if comp.ragged or comp.gang else self._runnable(comp, tuple(work.devices))
                 how = how_to_run(comp, found[0] if found else None, len(found[1]) if found else len(work.devices))
@@ -400,7 +399,7 @@ class Runner:
             err = as_error(exc, f"computation {comp.node} ({comp.fn_id[:12] or comp.kind})")
             if comp.gang and peer_gone(exc):
                 err = DeviceLost(f"computation {comp.node} ({comp.fn_id[:12]}) lost a peer in its collectives over "
-                                 f"{gang_label(comp)}: {exc}")
+                                 f"{self._gang_label(comp)}: {exc}")
         self._finish(work, arrived, start, per_shard, outs, err, reserved)
 
     async def _inputs(self, work: Work, fn: CompiledFunction | None,
@@ -616,8 +615,8 @@ class Runner:
                   ) -> tuple[CompiledFunction, list[jax.Device], list[Any]] | None:
         """The function, devices (a gang's: its whole mesh) and executables of a computation, if it is
         registered and compiled for its devices; found once per (function, devices), then remembered."""
-        mesh = tuple((g.executor_id, g.device) for g in comp.gang)
-        key = (comp.fn_id, comp.spmd, mesh or device_ids, tuple(comp.donate))
+        # A gang's id stands for its mesh (the hash of its devices).
+        key = (comp.fn_id, comp.spmd, comp.gang or device_ids, tuple(comp.donate))
         found = self._ready.get(key)
         if found is None:
             entry = self.functions.get(comp.fn_id)
@@ -635,11 +634,18 @@ class Runner:
         """The devices a computation runs over: its local ones, or a gang's every device."""
         if not comp.gang:
             return [self.devices[d] for d in device_ids]
-        missing = [f"{g.executor_id}:{g.device}" for g in comp.gang if (g.executor_id, g.device) not in self.group_devices]
+        gang = self.gangs.known(comp.gang)
+        if gang is None:  # (``_run`` waited for it: forgotten since, among more than the registry keeps)
+            raise NotFound(f"computation {comp.node} runs in gang {comp.gang}, which this executor does not know")
+        missing = [f"{ex}:{d}" for ex, d in gang.mesh if (ex, d) not in self.group_devices]
         if missing:
             raise DeviceLost(f"computation {comp.node} spans devices {', '.join(missing)}, which are not in this "
                              f"executor's JAX group now")
-        return [self.group_devices[g.executor_id, g.device] for g in comp.gang]
+        return [self.group_devices[member] for member in gang.mesh]
+
+    def _gang_label(self, comp: Computation) -> str:
+        gang = self.gangs.known(comp.gang)
+        return gang.label if gang is not None else f"gang {comp.gang}"
 
     def _local(self, work: Work) -> tuple[jax.Device, ...]:
         return tuple(self.devices[d] for d in work.devices)

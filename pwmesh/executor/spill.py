@@ -5,7 +5,7 @@ a new process (the executor ``exec``s itself, keeping its pid, name and addresse
 What must survive is written to a private directory in host memory (``/dev/shm``
 where there is one): every buffer's bytes (moved off the devices and back onto the
 same device index), failures and tombstones (so late tuples and deletes behave as
-before), the registered functions, and the island order's place per scheduler.
+before), the registered functions and gangs, and the island order's place per scheduler.
 In-flight work does not survive a restart into a forming: the executor restarts only once it is
 idle. A restart to take devices back from a runaway computation (``Executor._reclaim``) cannot wait for
 that: the computations it had not completed, but for the runaway's, are saved (``requeue``) and queued
@@ -30,7 +30,7 @@ import numpy as np
 
 from pwmesh.dataflow.exchange import Ragged
 from pwmesh.errors import PwmeshError
-from pwmesh.wire.messages import Computation, ErrorInfo, RegisterFunction
+from pwmesh.wire.messages import Computation, ErrorInfo, RegisterFunction, RegisterGang
 
 
 @dataclasses.dataclass
@@ -42,6 +42,7 @@ class Saved:
     expected_seq: dict[str, int]  # per scheduler source: the next Enqueue to admit
     # Computations to queue again, in order: (run id, proxy, scheduler, computation)
     requeue: list[tuple[str, str, str, Computation]] = dataclasses.field(default_factory=list)
+    gangs: list[RegisterGang] = dataclasses.field(default_factory=list)  # the gangs its computations name
 
 
 def spill_directory(name: str) -> Path:
@@ -76,6 +77,7 @@ def save(saved: Saved, directory: Path) -> None:
         "failures": [[k, ErrorInfo.of(e).to_wire()] for k, e in saved.failures.items()],
         "tombstones": saved.tombstones,
         "functions": [f.to_wire() for f in saved.functions],
+        "gangs": [g.to_wire() for g in saved.gangs],
         "expected_seq": saved.expected_seq,
         "requeue": [[run_id, proxy, scheduler, comp.to_wire()] for run_id, proxy, scheduler, comp in saved.requeue],
     }
@@ -96,6 +98,7 @@ def load(directory: Path) -> Saved:
         failures={k: ErrorInfo.from_wire(e).exception() for k, e in index["failures"]},
         tombstones=list(index["tombstones"]),
         functions=[RegisterFunction.from_wire(f) for f in index["functions"]],
+        gangs=[RegisterGang.from_wire(g) for g in index.get("gangs", [])],
         expected_seq=dict(index["expected_seq"]),
         requeue=[(run_id, proxy, scheduler, Computation.from_wire(comp))
                  for run_id, proxy, scheduler, comp in index.get("requeue", [])],

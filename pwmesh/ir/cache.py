@@ -214,6 +214,7 @@ def _instantiate(template: _Template, owner: str, names: list[str], fresh_name: 
         holders={bare[i]: set(controls) for i, controls in template.holders},
         node_executors=src.node_executors,
         function_sites=src.function_sites,
+        gangs=src.gangs,
         derived=derived,
         parts=parts,
         template=template,

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import hashlib
 
+from pwmesh.wire.records import GangRange
+
 
 def function_id(serialized: bytes, spmd: bool, mesh: list[int] | None = None, axes: list[str] | None = None,
                 donate: list[int] | None = None) -> str:
@@ -11,3 +13,10 @@ def function_id(serialized: bytes, spmd: bool, mesh: list[int] | None = None, ax
     over a mesh of these axes, or one per device; which inputs it may consume)."""
     how = f"{'spmd' if spmd else ''}|{mesh or []}|{axes or []}|{donate or []}".encode()
     return hashlib.sha256(serialized + how).hexdigest()[:32]
+
+
+def gang_id(devices: list[GangRange]) -> str:
+    """A gang's id: the hash of its devices in mesh order, so a slice at one version (the same devices)
+    always names the same gang and a remapped one another, with no registry shared by proxies."""
+    text = ";".join(f"{r.executor_id}:{r.first}:{r.count}" for r in devices)
+    return hashlib.blake2b(text.encode(), digest_size=12).hexdigest()

@@ -28,14 +28,16 @@ import numpy as np
 from pwmesh.dataflow.layout import Layout, check_split
 from pwmesh.errors import InvalidArgument
 from pwmesh.ir.graph import donation_error
+from pwmesh.ir.keys import gang_id
 from pwmesh.wire.codec import dtype_from_name
 from pwmesh.wire.messages import (
     Computation,
     Emit,
-    GangDevice,
+    GangRange,
     NodeSpec,
     PhysicalDevice,
     ProgramSpec,
+    RegisterGang,
     RunPart,
     SendShards,
     Sharding,
@@ -88,11 +90,20 @@ def slice_locations(sl: SliceInfo) -> list[ShardLocation]:
     return [location(d) for d in sl.devices]
 
 
-def cross_host_gang(index: int, devs: list[ShardLocation]) -> list[GangDevice]:
+@dataclasses.dataclass(frozen=True)
+class Gang:
+    """An SPMD node's devices when they span executors: what each of those executors is sent once
+    (``RegisterGang``, by the proxy), so that the node's computations carry only its id."""
+
+    message: RegisterGang
+    controls: tuple[str, ...]  # its executors' control addresses, each sent ``message`` once
+
+
+def cross_host_gang(index: int, devs: list[ShardLocation]) -> Gang | None:
     """An SPMD node's devices, in shard order, when they span several executors (their collectives then
-    join across processes, through the executors' JAX group); [] when they fit one."""
+    join across processes, through the executors' JAX group); None when they fit one."""
     if len({d.executor_id for d in devs}) == 1:
-        return []
+        return None
     groups = {d.group for d in devs}
     if len(groups) != 1 or "" in groups:
         hosts = sorted({f"{d.executor_id} ({d.group or 'no group'})" for d in devs})
@@ -102,7 +113,16 @@ def cross_host_gang(index: int, devs: list[ShardLocation]) -> list[GangDevice]:
             "start the island's scheduler and executors with --collectives (pwmesh up --collectives; "
             "LocalClusterSpec(collectives=True)), use pw.pmap for work that is per device, or ask for a slice "
             "that fits one host")
-    return [GangDevice(executor_id=d.executor_id, device=d.device) for d in devs]
+    ranges: list[GangRange] = []
+    controls: dict[str, None] = {}
+    for d in devs:
+        last = ranges[-1] if ranges else None
+        if last is not None and last.executor_id == d.executor_id and d.device == last.first + last.count:
+            last.count += 1
+        else:
+            ranges.append(GangRange(executor_id=d.executor_id, first=d.device))
+        controls.setdefault(d.control)
+    return Gang(RegisterGang(gang_id=gang_id(ranges), devices=ranges), tuple(controls))
 
 
 def runs_of(pairs: list[tuple[int, int]]) -> list[ShardRun]:
@@ -159,6 +179,7 @@ class Lowered:
     holders: dict[str, set[str]]  # buffer name -> control addresses holding any of its shards
     node_executors: dict[int, set[str]]  # node -> executors that report its completion
     function_sites: dict[str, set[tuple[str, tuple[int, ...]]]]  # fn_id -> {(control, devices)}
+    gangs: dict[str, Gang] = dataclasses.field(default_factory=dict)  # the gangs its computations name, by id
     derived: list[str] = dataclasses.field(default_factory=list)  # buffers lowering made (reshards): temporaries
     # A cached lowering's packed parts per scheduler, with this run's names (see ir.cache): send these;
     # the schedules' computations then name placeholders, not this run's buffers.
@@ -313,6 +334,7 @@ class _Lowering:
         self.placed: set[tuple[str, int, str]] = set()  # (buffer, shard, executor) present or on its way
         self.layouts: dict[tuple[int, Layout, tuple[str, ...]], str] = {}  # (value, layout, executors) -> buffer
         self.bound_emits: dict[tuple[int, str], SendShards] = {}  # (value, holder) -> its sends
+        self.slice_gangs: dict[int, Gang | None] = {}  # slice -> its gang (an SPMD node's), made once
         for v, where in bound.items():
             if len(where) != program.values[v].shards:
                 raise InvalidArgument(f"input value {v} is bound to a buffer with {len(where)} shards, "
@@ -384,7 +406,13 @@ class _Lowering:
         n = len(devs)
         values = self.program.values
         is_spmd = self.spmd[node.fn_id]
-        gang = cross_host_gang(index, devs) if is_spmd else []
+        gang = None
+        if is_spmd:
+            if node.slice_id not in self.slice_gangs:
+                self.slice_gangs[node.slice_id] = cross_host_gang(index, devs)
+            gang = self.slice_gangs[node.slice_id]
+            if gang is not None:
+                self.out.gangs[gang.message.gang_id] = gang
         for v in node.outputs:
             if values[v].shards != n:
                 raise InvalidArgument(f"node {index} runs on {n} devices but its output {v} is split "
@@ -413,7 +441,7 @@ class _Lowering:
         donate = [k for k in node.donate if node.inputs[k] not in self.keep]
         for comp in comps:
             comp.donate = donate
-            comp.gang = gang
+            comp.gang = gang.message.gang_id if gang is not None else ""
         for comp in comps:
             devices = tuple(r.device + k for r in comp.runs for k in range(r.count))
             sites = {(comp.control, devices)} if is_spmd else {(comp.control, (d,)) for d in devices}

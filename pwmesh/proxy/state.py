@@ -212,9 +212,10 @@ class ProxyState:
         self.runs: dict[str, tuple[Session, Run]] = {}
         self.exported: dict[str, RegisterProgramFunction] = {}  # by function id: what executors are sent
         self.registered: set[tuple[str, str, tuple[int, ...]]] = set()  # (fn, control, devices) sent; pruned for a new process there
-        # Cached lowerings whose every function site is in ``registered``: their later runs skip the check,
-        # one set lookup per function per device (~25 ms a run at 2,048 devices and 16 functions). Valid
-        # while ``registered`` only grows: whatever prunes it must clear this too.
+        self.gangs_sent: set[tuple[str, str]] = set()  # (gang id, control) sent (``RegisterGang``); pruned as it is
+        # Cached lowerings whose every function site is in ``registered`` (and gang in ``gangs_sent``): their
+        # later runs skip the check, one set lookup per function per device (~25 ms a run at 2,048 devices
+        # and 16 functions). Valid while those only grow: whatever prunes them must clear this too.
         self.sites_registered: weakref.WeakSet[object] = weakref.WeakSet()
         # Cached lowerings whose packed parts were found to fit one message (they never change).
         self.parts_sized: weakref.WeakSet[object] = weakref.WeakSet()
@@ -746,6 +747,11 @@ class ProxyState:
                         self._send(control, RegisterFunction(fn_id=fn_id, exported=fn.exported, spmd=fn.spmd,
                                                              devices=list(devices), mesh=fn.mesh, axes=fn.axes,
                                                              donate=fn.donate))
+            for gang_id, gang in lowered.gangs.items():  # once per executor and slice version, not per run
+                for control in gang.controls:
+                    if (gang_id, control) not in self.gangs_sent:
+                        self.gangs_sent.add((gang_id, control))
+                        self._send(control, gang.message)
             if lowered.template is not None:
                 self.sites_registered.add(lowered.template)
         for control, batch in host_puts(lowered, binding.host_data).items():
@@ -860,8 +866,9 @@ class ProxyState:
             self.lost_controls.discard(msg.control)
             if was_lost:  # back (from a stall, say): what it still holds may make lost buffers whole again
                 self._out.append(Inventory(msg.control, msg.executor_id))
-            if msg.fresh:  # a new process: it has none of the functions sent to the old one
+            if msg.fresh:  # a new process: it has none of the functions and gangs sent to the old one
                 self.registered = {r for r in self.registered if r[1] != msg.control}
+                self.gangs_sent = {g for g in self.gangs_sent if g[1] != msg.control}
                 self.sites_registered = weakref.WeakSet()
             self._out.append(PeerBack(msg.control))  # and sends what waited for it to restart
         elif isinstance(msg, ExecutorRestarting):

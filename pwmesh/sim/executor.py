@@ -12,7 +12,8 @@ over the network's data plane to the executors that hold the destination shards
 does), and completions go back as the core says (``NodeDone`` to the proxy,
 ``RunPartDone`` to the scheduler). ``PutShards``, ``SendShards``,
 ``FetchShards`` (answered with zeros of the stored shape: real bytes on the wire),
-``DeleteShards``, ``ForgetOwner`` and ``CancelRun`` behave as the real executor's.
+``DeleteShards``, ``ForgetOwner``, ``CancelRun`` and ``RegisterGang`` (a gang computation waits
+for its gang as for its function) behave as the real executor's.
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ from pwmesh.wire.messages import (
     Ok,
     PutShards,
     RegisterFunction,
+    RegisterGang,
     SendShards,
     ShardValues,
 )
@@ -68,6 +70,7 @@ class SimExecutor(Node):
         self.queues = DeviceQueues(devices)
         self.state = ExecutorState(executor_id, log_events=False)
         self.functions: dict[str, FunctionCost] = {}
+        self.gangs: set[str] = set()  # the gangs it was sent (``RegisterGang``), by id
         self.stored: dict[str, Meta] = {}
         self._by_prefix: collections.defaultdict[str, set[str]] = collections.defaultdict(set)  # buffer -> its keys here
         self.failed: dict[str, PwmeshError] = {}
@@ -76,7 +79,7 @@ class SimExecutor(Node):
         self.keep_spans = keep_spans
         self.host_free = 0.0  # the host dispatches one computation at a time
         self._waiters: dict[str, list[Callable[[], None]]] = collections.defaultdict(list)
-        self._fn_waiters: dict[str, list[Callable[[], None]]] = collections.defaultdict(list)
+        self._fn_waiters: dict[str, list[Callable[[], None]]] = collections.defaultdict(list)  # by function or gang
         self._inbox: dict[str, int] = {}  # destination key -> pieces still expected
         self.data_bytes_out = 0
 
@@ -90,6 +93,10 @@ class SimExecutor(Node):
             fn = FunctionCost.from_artifact(msg.exported)
             self.functions[msg.fn_id] = fn
             for wake in self._fn_waiters.pop(msg.fn_id, []):
+                wake()
+        elif isinstance(msg, RegisterGang):
+            self.gangs.add(msg.gang_id)
+            for wake in self._fn_waiters.pop(msg.gang_id, []):
                 wake()
         elif isinstance(msg, PutShards):
             for key, array in zip(msg.keys, msg.arrays, strict=True):
@@ -164,6 +171,9 @@ class SimExecutor(Node):
             return
         if comp.kind == "call" and comp.fn_id not in self.functions:
             self._fn_waiters[comp.fn_id].append(lambda: self._start(work))
+            return
+        if comp.gang and comp.gang not in self.gangs:  # its devices come apart from the run, as a function does
+            self._fn_waiters[comp.gang].append(lambda: self._start(work))
             return
         keys = [f"{p}/{s}" for p in comp.inputs for s in work.shards]
         self._when_ready(keys, lambda: self._begin(work))

@@ -61,6 +61,7 @@ class Workload:
     rows: int = 8
     cols: int = 128
     exported_bytes: int = 4096  # a function artifact's size on the wire
+    spmd: bool = False  # functions are one program over the slice (pw.jit; a gang across hosts), not per device
     stages: int = 4  # pipeline
     microbatches: int = 4
     in_flight: int = 1  # pipeline: steps dispatched ahead of the one awaited
@@ -88,8 +89,8 @@ def function(w: Workload, name: str, seconds: float | None) -> FunctionCost:
 
 def register(fn: FunctionCost, slice_id: int, w: Workload) -> tuple[str, RegisterProgramFunction]:
     exported = fn.artifact(w.exported_bytes)
-    fn_id = function_id(exported, False)
-    return fn_id, RegisterProgramFunction(fn_id=fn_id, exported=exported, slice_id=slice_id, spmd=False)
+    fn_id = function_id(exported, w.spmd)
+    return fn_id, RegisterProgramFunction(fn_id=fn_id, exported=exported, slice_id=slice_id, spmd=w.spmd)
 
 
 def chain(fn_ids: list[str], slice_ids: list[int], spec: ValueSpec) -> ProgramSpec:

@@ -20,7 +20,7 @@ from pwmesh.wire.records import (  # noqa: F401 - re-exported: records travel in
     Emit,
     ErrorInfo,
     ExecutorInfo,
-    GangDevice,
+    GangRange,
     NodeSpec,
     PhysicalDevice,
     ProgramInput,
@@ -382,6 +382,16 @@ class RegisterFunction(Message, op="exec.register_function"):
     mesh: list[int] = dataclasses.field(default_factory=list)  # SPMD: the mesh's axis sizes (empty: one axis)
     axes: list[str] = dataclasses.field(default_factory=list)  # and names, as the function was exported over
     donate: list[int] = dataclasses.field(default_factory=list)  # inputs it may consume (``donate_argnums``)
+
+
+@record
+class RegisterGang(Message, op="exec.register_gang"):
+    """An SPMD gang spanning executors (a slice's devices at one version), named once per executor: the
+    computations that run in it carry only ``gang_id`` (``Computation.gang``), so a part's bytes do not
+    grow with the gang. ``gang_id`` is a hash of ``devices`` (``ir.lower.gang_id``)."""
+
+    gang_id: str
+    devices: list[GangRange]  # its mesh's devices in shard order, as runs per executor
 
 
 @record

@@ -124,12 +124,13 @@ class Sharding(Record):
 
 
 @record
-class GangDevice(Record):
-    """One device of a gang: device ``device`` of executor ``executor_id`` (its JAX id depends on the
-    group's current forming, so a gang names devices by executor)."""
+class GangRange(Record):
+    """Devices ``[first, first + count)`` of executor ``executor_id``, consecutive members of a gang's mesh
+    (a device's JAX id depends on the group's current forming, so a gang names devices by executor)."""
 
     executor_id: str
-    device: int
+    first: int
+    count: int = 1
 
 
 MAX_DEVICES = 1 << 16  # per executor: a device range or shard run beyond this is a bad message, not a big host
@@ -221,9 +222,10 @@ class Computation(Record):
     donate: list[int] = dataclasses.field(default_factory=list)  # inputs whose buffers it may consume (reuse)
     ragged: bool = False  # its inputs are routed rows: padded to the function's capacity, outputs cut back
     seq: int = -1
-    # An SPMD computation spanning executors: all its devices, in shard order (its mesh's devices).
-    # Each executor runs its own shards of it; their collectives join through the JAX group.
-    gang: list[GangDevice] = dataclasses.field(default_factory=list)
+    # An SPMD computation spanning executors: the id of its gang (``RegisterGang``: all its devices, in
+    # shard order, sent to each executor once per slice version); "" for none. Each executor runs its own
+    # shards of it; their collectives join through the JAX group.
+    gang: str = ""
     # None of its outputs is one of the program's: nobody outside its run waits for it, so the executor
     # reports its completion with the end of its part of the run, not at once (a chain of k nodes: one
     # NodeDone per executor, not k).
