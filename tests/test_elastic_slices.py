@@ -17,6 +17,7 @@ from click.testing import CliRunner
 from jax.sharding import PartitionSpec as P
 from rm_driver import DrivenRM
 from test_placement import allocate, started
+from test_readme import block_under
 from test_tenants import key_dirs, keyed, raw, status  # noqa: F401 - fixtures, used by name
 
 import pwmesh as pw
@@ -216,3 +217,21 @@ def test_an_admin_suspends_and_resumes_a_tenant_s_session(keyed: pw.LocalCluster
         np.testing.assert_array_equal(np.asarray(double(a)), np.arange(4.0) * 2.0)
         result = CliRunner().invoke(main, ["resume", session, *admin])
         assert result.exit_code != 0 and "has no suspended slice" in result.output
+
+
+@pytest.mark.timeout(300)
+def test_the_readme_example_runs_on_a_plain_connect(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The README's "Elastic slices" snippet, as written, on the default embedded cluster (its 4-device
+    slice spans two hosts of an island's JAX group)."""
+    monkeypatch.delenv("PWMESH_ADDRESS", raising=False)  # its pw.connect() starts the embedded cluster
+    scope: dict[str, object] = {}
+    try:
+        exec(compile(block_under("## Elastic slices"), "README.md", "exec"), scope)  # noqa: S102
+        sl = scope["sl"]
+        assert isinstance(sl, pw.Slice) and len(sl.devices) == 4 and not sl.suspended
+        w = scope["w"]
+        assert isinstance(w, pw.Array) and w.sharding.slice is sl
+        first = float(np.mean(np.asarray(scope["y"]) ** 2))  # the loss at w = 0
+        assert float(np.asarray(scope["loss"])) < first  # it learns, across the moves
+    finally:
+        pw.disconnect()
