@@ -8,6 +8,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -17,17 +18,33 @@ from click.testing import CliRunner
 from jax.sharding import PartitionSpec as P
 from rm_driver import DrivenRM
 from test_placement import allocate, started
+from test_proxy_state import CLIENT, World, chain, sent
 from test_readme import block_under
 from test_tenants import key_dirs, keyed, raw, status  # noqa: F401 - fixtures, used by name
 
 import pwmesh as pw
 from pwmesh.cli.main import main
+from pwmesh.proxy.state import Ask, FetchEnded, Inbound, Reply, SlicesPlaced
+from pwmesh.wire import Message
 from pwmesh.wire.messages import (
+    BuffersState,
+    DeleteShards,
+    Fetch,
+    Ok,
+    ProgramInput,
+    PutBuffer,
+    QueryBuffers,
     RegrantSlices,
+    ResumeSlices,
     ResumeSuspended,
+    RunProgram,
+    SendShards,
+    Sharding,
     SliceInfo,
+    SlicesChanged,
     SlicesUpdated,
     SuspendSession,
+    SuspendSlices,
     VacateSlices,
 )
 
@@ -74,6 +91,58 @@ def test_a_suspended_slice_is_not_remapped_when_its_host_is_lost() -> None:
     _ask(state, VacateSlices(owner="low", slice_ids=[low.slice_id]))
     assert state.expire(now=100.0)  # every executor silent: lost
     assert state.slices[low.slice_id].suspended and not state.slices[low.slice_id].broken
+
+
+# ----------------------------------------------------------------- the proxy's core
+
+
+def _placed(world: World, peer: bytes, message: Message) -> tuple[SlicesChanged, list[Any]]:
+    """A client's or admin's request whose Ask the RM answers (as the proxy's shell does): the reply, and
+    every action along the way."""
+    actions = world.handle(Inbound(peer, message))
+    (ask,) = [a for a in actions if isinstance(a, Ask)]
+    reply = world.rm.ask(ask.message, world.now)
+    assert isinstance(reply, SlicesUpdated)
+    out = world.handle(SlicesPlaced(ask.peer, reply.slices, ask.reshape))
+    (answer,) = [a for a in out if isinstance(a, Reply)]
+    assert answer.error is None and isinstance(answer.message, SlicesChanged)
+    return answer.message, out
+
+
+def test_the_proxy_refuses_a_suspended_slice_and_copies_its_buffers_when_it_is_reshaped() -> None:
+    world = World()
+    sid, slice_id = world.open(devices=2)
+    assert world.ask(CLIENT, PutBuffer(buffer=1, slice_id=slice_id, array=np.ones((4, 2), np.float32))) == Ok()
+    before = world.proxy.sessions[CLIENT].buffers[1]
+    changed, _ = _placed(world, CLIENT, SuspendSlices(slice_ids=[slice_id]))
+    assert changed.slices[0].suspended and world.proxy.sessions[CLIENT].slices[slice_id].suspended
+    fn = world.function(CLIENT, slice_id, b"f")
+    run = RunProgram(inputs=[ProgramInput(buffer=1)], outputs=[2], program=chain([fn], slice_id, rows=4))
+    with pytest.raises(pw.SliceSuspended, match=f"slice {slice_id} is suspended"):
+        world.ask(CLIENT, run)
+    with pytest.raises(pw.SliceSuspended, match="put was not made"):
+        world.ask(CLIENT, PutBuffer(buffer=3, slice_id=slice_id, array=np.ones((4, 2), np.float32)))
+    with pytest.raises(pw.InvalidArgument, match="does not have 4 devices"):
+        world.ask(CLIENT, ResumeSlices(slice_ids=[slice_id], devices=4, mesh=[2]))
+
+    pinned = world.ask(CLIENT, Fetch(buffer=1))  # a fetch under way: nothing moves under it
+    with pytest.raises(pw.Unavailable, match="still being computed or read"):
+        world.ask(CLIENT, ResumeSlices(slice_ids=[slice_id]))
+    world.handle(FetchEnded(pinned.session_id, pinned.buffer))
+
+    changed, out = _placed(world, CLIENT, ResumeSlices(slice_ids=[slice_id], devices=4, mesh=[4], buffers=[1],
+                                                       shardings=[Sharding(mesh=[4], spec=[[0]])]))
+    assert len(changed.slices[0].devices) == 4 and not changed.slices[0].suspended
+    after = world.proxy.sessions[CLIENT].buffers[1]
+    assert after is not before and after.name != before.name and after.spec.shards == 4
+    assert [loc.executor_id for loc in after.locations] == [d.executor_id for d in changed.slices[0].devices]
+    moves = sent(out, SendShards)  # from each executor holding it, cut to the new layout, under the new name
+    assert {a.to for a in moves} == {loc.control for loc in before.locations}
+    assert all(a.message.emits[0].targets[0].prefix == f"{sid}/{after.name}" for a in moves)
+    deleted = sent(out, DeleteShards)  # the old copies, right behind the sends
+    assert {p for a in deleted for p in a.message.buffers} == {f"{sid}/{before.name}"}
+    assert out.index(deleted[0]) > max(out.index(m) for m in moves)
+    assert world.ask(CLIENT, QueryBuffers(buffers=[1])) == BuffersState(ready=[True])
 
 
 # ----------------------------------------------------------------- real daemons
