@@ -23,6 +23,7 @@ from pwmesh.errors import (
     PwTimeoutError,
     RemoteError,
     ResourceExhausted,
+    SliceSuspended,
     Unavailable,
 )
 
@@ -106,6 +107,7 @@ __all__ = [
     "Router",
     "Slice",
     "SliceSharding",
+    "SliceSuspended",
     "Unavailable",
     "VirtualDevice",
     "VirtualDeviceSet",

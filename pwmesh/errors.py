@@ -91,6 +91,13 @@ class Unavailable(PwmeshError):
     code = "unavailable"
 
 
+class SliceSuspended(Unavailable):
+    """A run or put on a suspended slice (``Slice.suspend``, ``pwmesh suspend``): nothing was run; resume the
+    slice (``Slice.resume``) and call again."""
+
+    code = "slice_suspended"
+
+
 class DeadlineExceeded(PwmeshError):
     """A run went on past its tenant's ``max_run_seconds``: what it had not produced fails with this."""
 
@@ -118,6 +125,7 @@ _BY_CODE: dict[str, type[PwmeshError]] = {
         NotFound,
         NoSession,
         Unavailable,
+        SliceSuspended,
         PermissionDenied,
         DeadlineExceeded,
     )

@@ -31,7 +31,10 @@ from pwmesh.wire.messages import (
     GetStatus,
     HostDrained,
     RecordedEvent,
+    ResumeSuspended,
+    SlicesChanged,
     StatusReply,
+    SuspendSession,
     TraceEvent,
 )
 
@@ -169,6 +172,33 @@ def drain(address: str, host: str, timeout_seconds: float, *, connect_timeout_se
     assert isinstance(reply, HostDrained)
     return (f"{reply.executor_id} drained: {reply.slices} slice(s) and {reply.buffers} buffer(s) moved off it; "
             "it runs nothing new and can be stopped")
+
+
+def suspend(address: str, session: str, *, connect_timeout_seconds: float = 10.0) -> str:
+    """Suspend every slice of ``session`` (an admin's): its devices go to whoever asks next."""
+    reply = _admin_request(address, SuspendSession(session_id=session), connect_timeout_seconds)
+    devices = sum(len(sl.devices) for sl in reply.slices)
+    return (f"session {session} suspended: {len(reply.slices)} slice(s), {devices} device(s) freed; its arrays wait "
+            f"where they are and its runs fail with SliceSuspended until `pwmesh resume {session}`")
+
+
+def resume(address: str, session: str, *, connect_timeout_seconds: float = 10.0) -> str:
+    """Resume ``session``'s suspended slices on whatever devices the resource manager grants now."""
+    reply = _admin_request(address, ResumeSuspended(session_id=session), connect_timeout_seconds)
+    hosts = sorted({d.host or d.executor_id for sl in reply.slices for d in sl.devices})
+    return f"session {session} resumed: {len(reply.slices)} slice(s) on {', '.join(hosts)}"
+
+
+def _admin_request(address: str, message: SuspendSession | ResumeSuspended,
+                   connect_timeout_seconds: float) -> SlicesChanged:
+    conn = ClientConnection(address, name="admin", open_session=False, probe=True,
+                            connect_timeout_seconds=connect_timeout_seconds)
+    try:
+        reply = conn.request(message, timeout_seconds=120.0)
+    finally:
+        conn.close()
+    assert isinstance(reply, SlicesChanged)
+    return reply
 
 
 def table(headers: list[str], rows: list[list[object]], *, right: bool = False) -> str:

@@ -149,6 +149,33 @@ def drain(address: str | None, connect_timeout: float, host: str, timeout_second
 
 @main.command()
 @_connection
+@click.argument("session")
+def suspend(address: str | None, connect_timeout: float, session: str) -> None:
+    """Suspend SESSION's slices to give their devices to another tenant (admins only).
+
+    SESSION is a session id, as `pwmesh status` shows. Its arrays stay where they are (readable);
+    its runs fail with SliceSuspended until `pwmesh resume SESSION`.
+    """
+    from pwmesh.cli import commands  # noqa: PLC0415
+
+    click.echo(commands.suspend(_need(address), session, connect_timeout_seconds=connect_timeout))
+
+
+@main.command()
+@_connection
+@click.argument("session")
+def resume(address: str | None, connect_timeout: float, session: str) -> None:
+    """Resume SESSION's suspended slices on whatever devices are granted now (admins only).
+
+    Its arrays are moved onto them, possibly on other hosts; its client goes on unchanged.
+    """
+    from pwmesh.cli import commands  # noqa: PLC0415
+
+    click.echo(commands.resume(_need(address), session, connect_timeout_seconds=connect_timeout))
+
+
+@main.command()
+@_connection
 @click.option("--out", required=True, type=click.Path(dir_okay=False, writable=True),
               help="Where to write the trace (JSON).")
 @click.option("--last-seconds", type=click.FloatRange(min=0), default=None,

@@ -16,7 +16,10 @@ from typing import Any
 import jax
 import numpy as np
 
-from pwmesh.client import array_ops  # noqa: F401 - registers pw.Array's operators (``array.use_operations``)
+from pwmesh.client import (
+    array_ops,  # noqa: F401 - registers pw.Array's operators (``array.use_operations``)
+    elastic,  # noqa: F401 - registers Slice.suspend/resume/reshape (``devices.use_elastic``)
+)
 from pwmesh.client.array import Array
 from pwmesh.client.devices import Slice, VirtualDevice, VirtualDeviceSet, slice_of
 from pwmesh.client.dispatch import fetch_all
@@ -24,7 +27,7 @@ from pwmesh.client.export import canonical, host_aval
 from pwmesh.client.routing import reshard
 from pwmesh.client.session import Session
 from pwmesh.client.sharding import P, SliceSharding, resolve
-from pwmesh.errors import InvalidArgument
+from pwmesh.errors import InvalidArgument, SliceSuspended
 from pwmesh.service.local_cluster import LocalCluster, LocalClusterSpec
 from pwmesh.wire.messages import StatusReply
 
@@ -183,6 +186,9 @@ def put(value: Any, devices: Slice | Sequence[VirtualDevice] | SliceSharding, sp
         sl, spec = devices.slice, devices.spec
     else:
         sl = slice_of(devices)
+    if sl.suspended:  # (the proxy refuses it too: a slice an admin suspended fails the array on its first read)
+        raise SliceSuspended(f"pw.put: the put was not made: slice {sl.slice_id} is suspended; resume it "
+                             "(slice.resume()) first")
     session = sl.session
     leaves, treedef = jax.tree_util.tree_flatten(value)
     specs = resolve(spec, value, "pw.put: spec")

@@ -19,6 +19,21 @@ from pwmesh.wire.messages import SliceInfo
 
 DEFAULT_AXIS = "x"
 
+# ``pwmesh.client.elastic`` moves a slice's arrays when it is resumed or reshaped: it sits above this module (it
+# needs pw.Array and shardings), so it registers itself here when imported (``pwmesh.client.api`` imports it).
+_elastic: list[Any] = []
+
+
+def use_elastic(impl: Any) -> None:
+    """Suspend, resume and reshape slices with ``impl`` (``pwmesh.client.elastic``)."""
+    _elastic[:] = [impl]
+
+
+def _impl() -> Any:
+    if not _elastic:
+        raise InvalidArgument("elastic slices come with the client library: import pwmesh.client.api")
+    return _elastic[0]
+
 
 @dataclasses.dataclass(frozen=True)
 class VirtualDevice:
@@ -65,14 +80,40 @@ class Slice:
     def __init__(self, session: Session, info: SliceInfo, mesh: dict[str, int]) -> None:
         self.session = session
         self.slice_id = info.slice_id
-        self.island = info.island
         self.mesh = dict(mesh)
+        # How often its mesh changed (``reshape``): what was traced or exported for it before is stale.
+        self.reshapes = 0
+        self._adopt(info)
+
+    def _adopt(self, info: SliceInfo, mesh: dict[str, int] | None = None) -> None:
+        """Where the resource manager put it now (made, resumed, reshaped to ``mesh``)."""
+        if mesh is not None:
+            self.mesh = dict(mesh)
+            self.reshapes += 1
+        self.island = info.island
+        self.suspended = info.suspended
         self.devices = tuple(
             VirtualDevice(info.slice_id, i, d.island, d.host, d.executor_id, d.device, self)
             for i, d in enumerate(info.devices)
         )
         # What its functions are exported for (cpu, cuda, rocm, tpu): its devices', which a remap keeps.
         self.platforms = sorted({d.platform for d in info.devices})
+
+    def suspend(self) -> None:
+        """Give its devices back to the cluster for others; its arrays stay where they are and readable
+        (``pw.get``), but running on it (or putting to it) raises ``pw.SliceSuspended`` until ``resume``."""
+        _impl().suspend(self)
+
+    def resume(self, *, island: int | None = None) -> None:
+        """Take devices again, wherever the resource manager grants them (other hosts, or ``island``), with
+        every live array of it moved there: the same ``pw.Array`` objects, and the same functions, work on."""
+        _impl().resume(self, island)
+
+    def reshape(self, devices: int, *, mesh: Any = None, island: int | None = None) -> None:
+        """Move it, running or suspended, onto ``devices`` devices seen as ``mesh`` (as ``add_slice`` takes it):
+        each live array resharded there (its spec kept where the new mesh has its axes and its dimensions
+        divide, else replicated), the same objects; its ``pw.jit`` functions are exported again for the mesh."""
+        _impl().reshape(self, devices, mesh, island)
 
     @property
     def axis_names(self) -> tuple[str, ...]:
@@ -90,7 +131,9 @@ class Slice:
         return len(self.devices)
 
     def __repr__(self) -> str:
-        return f"Slice(id={self.slice_id}, island={self.island}, devices={len(self.devices)}, mesh={self.mesh})"
+        state = ", suspended" if self.suspended else ""
+        return (f"Slice(id={self.slice_id}, island={self.island}, devices={len(self.devices)}, mesh={self.mesh}"
+                f"{state})")
 
 
 class VirtualDeviceSet:

@@ -40,7 +40,7 @@ from pwmesh.client.export import ExportedFunction, TracedFunction, export_jit, e
 from pwmesh.client.sharding import P, SliceSharding, abstract_mesh, default_spec, is_spec_leaf, resolve
 from pwmesh.client.stages import Lowered
 from pwmesh.client.tracing import Call, ProgramCache, Symbol, current_builder, leaf_aval, split_static, with_static
-from pwmesh.errors import InvalidArgument
+from pwmesh.errors import InvalidArgument, SliceSuspended
 
 # Exports by function, shared by every wrapper of it with the same calling convention on a slice of the same
 # mesh (``jax.jit(f)(x)`` in a loop makes a new wrapper each time, and finds its compiled function in JAX's
@@ -96,6 +96,8 @@ class _Compiled:
         self._lock = threading.Lock()
         self._caches = _Caches()
         self.eager = ProgramCache(_one_call(weakref.ref(self)))
+        self._convention: tuple[Any, ...] | None = None
+        self._reshapes = self.slice.reshapes  # its slice's mesh it was made for (``_follow_slice``)
         self.static_argnums: tuple[int, ...] = ()
         self.static_argnames: tuple[str, ...] = ()
 
@@ -110,6 +112,7 @@ class _Compiled:
     def _share(self, convention: tuple[Any, ...]) -> None:
         """Use the exports of every other wrapper of this function with this calling convention, on a slice
         of this mesh (none shared where the function or the convention cannot key a dictionary)."""
+        self._convention = convention
         key = (self.slice.mesh_shape, self.slice.axis_names, tuple(self.slice.platforms), convention)
         try:
             hash(key)
@@ -117,6 +120,20 @@ class _Compiled:
                 self._caches = _SHARED.setdefault(self.fn, {}).setdefault(key, _Caches())
         except TypeError:
             pass
+
+    def _follow_slice(self) -> None:
+        """Its slice was reshaped (``Slice.reshape``): trace and export for the new mesh. A suspended one runs
+        nothing (``Slice.suspend``)."""
+        if self.slice.suspended:
+            raise SliceSuspended(f"{self.__name__}: slice {self.slice.slice_id} is suspended; resume it "
+                                 "(slice.resume()) and call again")
+        if self._reshapes != self.slice.reshapes:
+            with self._lock:
+                self._reshapes = self.slice.reshapes
+                self._caches = _Caches()
+                self.eager = ProgramCache(_one_call(weakref.ref(self)))
+            if self._convention is not None:
+                self._share(self._convention)
 
     def split(self, args: Sequence[Any], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any],
                                                                           tuple[Any, ...]]:
@@ -194,6 +211,7 @@ class _Compiled:
             return self.fn(*args, **kwargs)
         if any(isinstance(leaf, jax.core.Tracer) for leaf in jax.tree_util.tree_leaves((args, kwargs))):
             return self._traced(args, kwargs)
+        self._follow_slice()
         builder = current_builder()
         if builder is None:
             return dispatch.call_eagerly(self, args, kwargs)

@@ -23,7 +23,7 @@ from pwmesh.client.sharding import P, SliceSharding, default_spec, is_spec_leaf,
 from pwmesh.client.tracing import ProgramCache, Symbol, current_builder
 from pwmesh.errors import InvalidArgument
 
-_reshards: weakref.WeakKeyDictionary[Slice, ProgramCache] = weakref.WeakKeyDictionary()
+_reshards: weakref.WeakKeyDictionary[Slice, tuple[int, ProgramCache]] = weakref.WeakKeyDictionary()
 
 
 def _reshard_one(x: Any, sl: Slice, spec: PartitionSpec | None) -> Any:
@@ -41,10 +41,10 @@ def reshard(x: Any, *, devices: Slice | Sequence[VirtualDevice], spec: Any = Non
     sl = slice_of(devices)
     if current_builder() is not None:
         return _map_with_specs(lambda leaf, s: _reshard_one(leaf, sl, s), x, spec)
-    cache = _reshards.get(sl)
-    if cache is None:
-        cache = _reshards[sl] = ProgramCache(
-            lambda args, kwargs, static: reshard(args[0], devices=sl, spec=_spec_tree(static[0][1])))
+    reshapes, cache = _reshards.get(sl, (-1, None))
+    if cache is None or reshapes != sl.reshapes:  # made for the mesh it had before a ``Slice.reshape``
+        cache = ProgramCache(lambda args, kwargs, static: reshard(args[0], devices=sl, spec=_spec_tree(static[0][1])))
+        _reshards[sl] = (sl.reshapes, cache)
     traced = cache.get((x,), {}, ((0, _spec_key(spec)),))
     return execute(traced, jax.tree_util.tree_leaves(x))
 

@@ -40,12 +40,15 @@ from pwmesh.wire.messages import (
     RegisterProgramFunction,
     ReleaseBuffers,
     ResumedBuffer,
+    ResumeSlices,
     SessionResumed,
     Sharding,
     ShardPlaces,
     SliceCreated,
     SliceInfo,
+    SlicesChanged,
     StatusReply,
+    SuspendSlices,
     TakeBack,
     ValueSpec,
 )
@@ -109,6 +112,11 @@ class Session:
         """``array`` (a ``pw.Array`` of this session) is alive: declared if the session is resumed."""
         with self._lock:  # not while ``_declare`` (the I/O thread) walks them
             self._arrays[array.buffer_id] = array
+
+    def arrays(self) -> list[Any]:
+        """The ``pw.Array``s of this session alive now."""
+        with self._lock:
+            return [a for a in list(self._arrays.values()) if not a.is_deleted()]
 
     def gone(self, array: Any) -> None:
         """``array`` was dropped or donated: declared as such (``ResumeSession.released``) for a while.
@@ -179,6 +187,19 @@ class Session:
         assert isinstance(reply, SliceCreated)
         self._slices.append(reply.slice.slice_id)
         return reply.slice
+
+    def suspend_slices(self, slice_ids: list[int]) -> list[SliceInfo]:
+        reply = self.conn.request(SuspendSlices(slice_ids=slice_ids))
+        assert isinstance(reply, SlicesChanged)
+        return reply.slices
+
+    def resume_slices(self, slice_ids: list[int], *, devices: int = 0, island: int | None = None,
+                      mesh: Sequence[int] = (), buffers: Sequence[int] = (),
+                      shardings: Sequence[Sharding] = ()) -> list[SliceInfo]:
+        reply = self.conn.request(ResumeSlices(slice_ids=slice_ids, devices=devices, island=island, mesh=list(mesh),
+                                               buffers=list(buffers), shardings=list(shardings)))
+        assert isinstance(reply, SlicesChanged)
+        return reply.slices
 
     def _goes_direct(self, nbytes: int) -> DirectData | None:
         """The data plane to move ``nbytes`` over, if a value that big goes direct (``client/direct.py``)."""

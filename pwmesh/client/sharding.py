@@ -79,7 +79,8 @@ class SliceSharding:
         self.spec = spec
         self._wire = Sharding(mesh=list(sl.mesh_shape), spec=spec_indices(spec, sl.axis_names, repr(self)))
         # What a traced program depends on of it (``tracing.leaf_signature``), made once: every call looks it up.
-        self.key = (id(sl), tuple(map(tuple, self._wire.spec)))
+        # A reshaped slice (``Slice.reshape``) is another mesh under the same object: its count is in the key.
+        self.key = (id(sl), sl.reshapes, tuple(map(tuple, self._wire.spec)))
 
     @property
     def mesh(self) -> dict[str, int]:

@@ -61,6 +61,7 @@ from pwmesh.proxy.events import (
     Resolve,
     Send,
     SliceGranted,
+    SlicesPlaced,
     Tick,
     Wait,
     settled,
@@ -114,6 +115,7 @@ from pwmesh.wire.messages import (
     SessionResumed,
     ShardValues,
     SliceAllocated,
+    SlicesUpdated,
     StatusReply,
     TraceEvents,
 )
@@ -231,8 +233,11 @@ class Proxy(Service):
             Ping: self.ping,
         }
         # Clients open sessions and act on their own; completions come from daemons only; an admin drains.
-        access = Access.of(client=[*(op for op in ProxyState.HANDLERS if op not in (NodeDone, DataLost)), GetStatus,
-                                   GetClusterTrace], admin=[DrainHost, GetEvents])
+        # An admin also suspends and resumes other tenants' sessions (``pwmesh suspend``).
+        access = Access.of(client=[*(op for op in ProxyState.HANDLERS
+                                     if op not in (NodeDone, DataLost, *ProxyState.ADMIN_HANDLERS)),
+                                   GetStatus, GetClusterTrace],
+                           admin=[DrainHost, GetEvents, *ProxyState.ADMIN_HANDLERS])
         self.server = Server(self.ctx, self.config.listen, handlers, tasks=self.tasks, name=self.name, access=access)
         self.state = ProxyState(rm=self.config.rm, address=self.server.address, name=self.name,
                                 session_timeout_seconds=self.config.session_timeout_seconds,
@@ -643,6 +648,8 @@ class Proxy(Service):
                 # once, behind it on the same connection; nothing is left that no session holds.
                 self.peers.post(ask.to, ReleaseSlices(owner=msg.owner, requests=[msg.request]))
             raise
+        if isinstance(reply, SlicesUpdated):
+            return self._perform(self.state.handle(SlicesPlaced(ask.peer, reply.slices, ask.reshape), time.monotonic()))
         assert isinstance(reply, SliceAllocated)
         return self._perform(self.state.handle(SliceGranted(ask.peer, reply.slice), time.monotonic()))
 

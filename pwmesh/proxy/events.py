@@ -41,6 +41,16 @@ class SliceGranted:
 
 
 @dataclasses.dataclass(frozen=True)
+class SlicesPlaced:
+    """The RM suspended, resumed or reshaped the slices an ``Ask`` named (``SuspendSlices``, ``ResumeSlices``, an
+    admin's ``SuspendSession``): ``reshape`` is the ``ResumeSlices`` that reshapes one, if it does."""
+
+    peer: bytes
+    slices: list[SliceInfo]
+    reshape: Message | None = None
+
+
+@dataclasses.dataclass(frozen=True)
 class FetchEnded:
     """A fetch that ``Fetching`` started is over, whatever its outcome: unpin the buffer."""
 
@@ -117,7 +127,7 @@ class KeptChecked:
     intact: list[str]
 
 
-Event = (Inbound | Notice | SliceGranted | FetchEnded | Delivered | FunctionChecked | Lowered | Tick | Inherited
+Event = (Inbound | Notice | SliceGranted | SlicesPlaced | FetchEnded | Delivered | FunctionChecked | Lowered | Tick | Inherited
          | Reclaimed | Inventoried | KeptChecked)
 
 # ------------------------------------------------------------------ actions
@@ -144,11 +154,12 @@ class Reply:
 
 @dataclasses.dataclass(frozen=True)
 class Ask:
-    """Send a request to ``to``; its answer comes back as an event (``SliceGranted``)."""
+    """Send a request to ``to``; its answer comes back as an event (``SliceGranted``, ``SlicesPlaced``)."""
 
     to: str
     message: Message
     peer: bytes = b""  # the client it is for
+    reshape: Message | None = None  # handed back in ``SlicesPlaced``
 
 
 @dataclasses.dataclass(frozen=True)

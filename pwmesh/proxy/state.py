@@ -73,6 +73,7 @@ from pwmesh.errors import (
 from pwmesh.ir.cache import MAX_PROGRAM_ID_CHARS
 from pwmesh.ir.keys import function_id
 from pwmesh.ir.lower import location, move_shard, nbytes, shard_key, slice_locations, split_key, value_layout
+from pwmesh.proxy import elastic
 from pwmesh.proxy.events import (  # noqa: F401 - re-exported: tests name them from here too
     Action,
     Ask,
@@ -102,6 +103,7 @@ from pwmesh.proxy.events import (  # noqa: F401 - re-exported: tests name them f
     Resolve,
     Send,
     SliceGranted,
+    SlicesPlaced,
     Tick,
     Wait,
     _summary,
@@ -148,9 +150,12 @@ from pwmesh.wire.messages import (
     RegisterFunction,
     RegisterProgram,
     RegisterProgramFunction,
+    RegrantSlices,
     ReleaseBuffers,
     ReleaseSlices,
     ResumeSession,
+    ResumeSlices,
+    ResumeSuspended,
     RunPart,
     RunProgram,
     SchedulerJoined,
@@ -165,7 +170,11 @@ from pwmesh.wire.messages import (
     SliceCreated,
     SliceInfo,
     SliceRemapped,
+    SlicesChanged,
+    SuspendSession,
+    SuspendSlices,
     TakeBack,
+    VacateSlices,
     ValueSpec,
     WatchCluster,
 )
@@ -261,8 +270,10 @@ class ProxyState:
         RegisterProgram: "_register_program", RunProgram: "_run_program", PutBuffer: "_put_buffer",
         ReleaseBuffers: "_release_buffers", AwaitBuffers: "_await_buffers", QueryBuffers: "_query_buffers",
         Fetch: "_fetch", NodeDone: "_node_done", DataLost: "_data_lost", TakeBack: "_take_back",
-        PutDirect: "_put_direct",
+        PutDirect: "_put_direct", SuspendSlices: "_suspend_slices", ResumeSlices: "_resume_slices",
+        SuspendSession: "_suspend_session", ResumeSuspended: "_resume_suspended",
     }
+    ADMIN_HANDLERS: ClassVar[tuple[type[Message], ...]] = (SuspendSession, ResumeSuspended)  # the shell lets admins only
 
     def handle(self, event: Event, now: float) -> list[Action]:
         """Apply ``event``; return what must happen because of it, in order."""
@@ -283,6 +294,8 @@ class ProxyState:
                 self._notified(event.message)
             elif isinstance(event, SliceGranted):
                 out.append(self._slice_granted(event.peer, event.slice))
+            elif isinstance(event, SlicesPlaced):
+                out.append(self._slices_placed(event))
             elif isinstance(event, FetchEnded):
                 event.buffer.pins -= 1
                 event.buffer.readers -= 1
@@ -559,6 +572,63 @@ class ProxyState:
         session.slices[sl.slice_id] = sl
         return Reply(SliceCreated(slice=sl))
 
+    # ---------------------------------------------------- elastic slices (``proxy/elastic.py``)
+
+    def _suspend_slices(self, peer: bytes, msg: SuspendSlices, now: float) -> Ask:
+        session = self.session(peer)
+        elastic.owned(session, msg.slice_ids)
+        return Ask(self.rm, VacateSlices(owner=session.session_id, slice_ids=list(msg.slice_ids)), peer)
+
+    def _resume_slices(self, peer: bytes, msg: ResumeSlices, now: float) -> Ask:
+        session = self.session(peer)
+        elastic.check_reshape(session, msg)
+        elastic.check_settled(session, elastic.owned(session, msg.slice_ids))
+        return Ask(self.rm, RegrantSlices(owner=session.session_id, slice_ids=list(msg.slice_ids),
+                                          devices=msg.devices, island=msg.island), peer,
+                   reshape=msg if msg.devices else None)
+
+    def _tenant_session(self, session_id: str) -> Session:
+        """An admin's target (the shell let only admins send this)."""
+        session = self._by_id(session_id)
+        if session is None:
+            raise NotFound(f"no live session {session_id!r} (pwmesh status lists them)")
+        if not session.slices:
+            raise InvalidArgument(f"session {session_id} holds no slices")
+        return session
+
+    def _suspend_session(self, peer: bytes, msg: SuspendSession, now: float) -> Ask:
+        session = self._tenant_session(msg.session_id)
+        log.info("an admin (%s) suspends session %s", self._user or "local", session.session_id)
+        return Ask(self.rm, VacateSlices(owner=session.session_id, slice_ids=sorted(session.slices)), peer)
+
+    def _resume_suspended(self, peer: bytes, msg: ResumeSuspended, now: float) -> Ask:
+        session = self._tenant_session(msg.session_id)
+        ids = sorted(sid for sid, sl in session.slices.items() if sl.suspended)
+        if not ids:
+            raise InvalidArgument(f"session {session.session_id} has no suspended slice")
+        elastic.check_settled(session, elastic.owned(session, ids))
+        log.info("an admin (%s) resumes session %s", self._user or "local", session.session_id)
+        return Ask(self.rm, RegrantSlices(owner=session.session_id, slice_ids=ids), peer)
+
+    def _slices_placed(self, event: SlicesPlaced) -> Reply:
+        """The RM suspended or placed anew these slices: adopt them; move the buffers of those that moved."""
+        for sl in event.slices:
+            session = self._by_id(sl.owner)
+            old = session.slices.get(sl.slice_id) if session is not None else None
+            if session is None or old is None:  # its session ended meanwhile (which released it)
+                continue
+            session.slices[sl.slice_id] = sl
+            reshape = event.reshape if isinstance(event.reshape, ResumeSlices) else None
+            if sl.suspended or (reshape is None and old.devices == sl.devices):
+                continue  # suspended, or resumed on the very devices it left: its shards are there
+            sends, old_buffers = elastic.move(session, sl, reshape)
+            for control, send in sends:
+                self._send(control, send)
+            session.hosts |= {d.control for d in sl.devices}
+            self.moved_buffers += len(old_buffers)
+            self._maybe_free(session.session_id, *old_buffers)
+        return Reply(SlicesChanged(slices=event.slices))
+
     def _register_function(self, peer: bytes, msg: RegisterProgramFunction, now: float) -> Reply | None:
         session = self.session(peer)
         if msg.slice_id not in session.slices:
@@ -694,6 +764,7 @@ class ProxyState:
                                     f"{session.owner!r}'s limit (max_nodes {limits.max_nodes})")
         self._check_bytes(session.owner, limits,
                           lambda: sum(nbytes(program.values[v].shape, program.values[v].dtype) for v in program.outputs))
+        elastic.refuse(session, msg, program)
         binding = bind(session, msg, program)
         if self.lower_off_loop_nodes and len(program.nodes) >= self.lower_off_loop_nodes:
             job = session.lowerings.job(msg.program_id, program, owner=session.session_id, names=binding.names,
@@ -1073,6 +1144,8 @@ class ProxyState:
         sl = session.slices.get(slice_id)
         if sl is None:
             raise NotFound(f"slice {slice_id} is not one of this session's slices")
+        if sl.suspended:
+            raise elastic.suspended_error(sl, "the put was not made")
         if buffer_id in session.buffers:
             raise InvalidArgument(f"buffer {buffer_id} already exists")
         n = len(sl.devices)

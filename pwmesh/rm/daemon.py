@@ -32,9 +32,11 @@ from pwmesh.wire.messages import (
     ProxyLost,
     RegisterExecutor,
     RegisterScheduler,
+    RegrantSlices,
     ReleaseSlices,
     SliceRemapped,
     UnregisterExecutor,
+    VacateSlices,
     WatchCluster,
     Watchers,
 )
@@ -66,7 +68,8 @@ class ResourceManager(Service):
         self.watchers: set[bytes] = set()
         handlers: dict[type[Message], Any] = {
             cls: self._handle for cls in (RegisterExecutor, UnregisterExecutor, RegisterScheduler, Heartbeat,
-                                          AllocateSlice, ReleaseSlices, DrainExecutor, GetClusterState, ClaimProxy)}
+                                          AllocateSlice, ReleaseSlices, DrainExecutor, GetClusterState, ClaimProxy,
+                                          VacateSlices, RegrantSlices)}
         handlers[WatchCluster] = self._watch
         handlers[LeavingForGroup] = self._leaving
         handlers[Ping] = self.ping
@@ -102,7 +105,7 @@ class ResourceManager(Service):
                 claims = [name]
             case Heartbeat(name=name) | WatchCluster(name=name) | ClaimProxy(name=name):
                 claims = [name]
-            case AllocateSlice() | ReleaseSlices() | DrainExecutor():
+            case AllocateSlice() | ReleaseSlices() | DrainExecutor() | VacateSlices() | RegrantSlices():
                 proxies = [name for role, name in self.state.known if role == "proxy"]
                 if speaks_for(env.user, "") or any(speaks_for(env.user, p) for p in proxies):
                     return

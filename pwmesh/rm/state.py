@@ -51,6 +51,7 @@ from pwmesh.wire.messages import (
     ProxyLost,
     RegisterExecutor,
     RegisterScheduler,
+    RegrantSlices,
     ReleaseSlices,
     SchedulerInfo,
     SchedulerJoined,
@@ -58,7 +59,9 @@ from pwmesh.wire.messages import (
     SliceAllocated,
     SliceInfo,
     SliceRemapped,
+    SlicesUpdated,
     UnregisterExecutor,
+    VacateSlices,
     WatchCluster,
 )
 
@@ -236,6 +239,10 @@ class ResourceManagerState:
                 if made:
                     self._release(owner, made)
                 return Ok()
+            case VacateSlices(owner=owner, slice_ids=ids):
+                return SlicesUpdated(slices=self._vacate(owner, ids))
+            case RegrantSlices(owner=owner, slice_ids=ids, devices=n, island=island):
+                return SlicesUpdated(slices=self._regrant(owner, ids, n, island))
             case DrainExecutor(executor=name, request=request, cancel=cancel):
                 key = ("drain " + name, request)
                 if cancel:
@@ -411,8 +418,11 @@ class ResourceManagerState:
         return physical
 
     def load(self) -> dict[DeviceRef, int]:
+        """Slices per device (a suspended slice's devices are free: it counts nowhere)."""
         counts: dict[DeviceRef, int] = {}
         for sl in self.slices.values():
+            if sl.suspended:
+                continue
             for d in sl.devices:
                 ref = (d.executor_id, d.device)
                 counts[ref] = counts.get(ref, 0) + 1
@@ -446,7 +456,7 @@ class ResourceManagerState:
         A slice that cannot be fully backed is marked ``broken`` (using it fails clearly)
         and is repaired when capacity returns."""
         for sl in sorted(self.slices.values(), key=lambda s: s.slice_id):
-            if only_broken and not sl.broken:
+            if (only_broken and not sl.broken) or sl.suspended:  # a suspended one is placed anew when resumed
                 continue
             stale = [i for i, d in enumerate(sl.devices) if self._needs_move(d)]
             if not stale:
@@ -489,6 +499,54 @@ class ResourceManagerState:
         sl.broken = ""
         sl.map_version = self.map_version
         self.notifications.append(SliceRemapped(slice=sl, moves=moves, reason=reason))
+
+    def _owned(self, owner: str, ids: list[int]) -> list[SliceInfo]:
+        if not ids:
+            raise InvalidArgument("name at least one slice")
+        found = []
+        for sid in dict.fromkeys(ids):
+            sl = self.slices.get(sid)
+            if sl is None or sl.owner != owner:
+                raise NotFound(f"slice {sid} is not one of {owner}'s")
+            found.append(sl)
+        return found
+
+    def _vacate(self, owner: str, ids: list[int]) -> list[SliceInfo]:
+        """Suspend slices: their devices go to whoever asks next (``load`` skips them); their ids stay theirs."""
+        slices = self._owned(owner, ids)
+        for sl in slices:
+            if not sl.suspended:
+                sl.suspended = True
+                self.map_version += 1
+                sl.map_version = self.map_version
+        return slices
+
+    def _regrant(self, owner: str, ids: list[int], devices: int, island: int | None) -> list[SliceInfo]:
+        """Resume (or reshape) slices: each placed anew, as a new slice would be, as if its old devices were
+        free; all placed, or none (``ResourceExhausted``)."""
+        slices = self._owned(owner, ids)
+        if devices and len(slices) != 1:
+            raise InvalidArgument(f"a reshape names one slice, not {len(slices)}")
+        load = self.load()
+        for sl in slices:
+            if not sl.suspended:
+                for d in sl.devices:
+                    load[(d.executor_id, d.device)] -= 1
+        placed = []
+        for sl in slices:
+            count = devices or len(sl.devices)
+            isl, refs = place(self._usable(sl.kind), load, count, sl.island if island is None else island)
+            if isl not in self.schedulers:
+                raise NotFound(f"island {isl} has devices but no scheduler has registered for it yet")
+            for ref in refs:  # the next slice of this request sees these as taken
+                load[ref] = load.get(ref, 0) + 1
+            placed.append((sl, isl, refs))
+        for sl, isl, refs in placed:
+            self.map_version += 1
+            sl.devices = [self._physical(r) for r in refs]
+            sl.island, sl.scheduler = isl, self.schedulers[isl].address
+            sl.suspended, sl.broken, sl.map_version = False, "", self.map_version
+        return slices
 
     def _release(self, owner: str, ids: list[int] | None) -> None:
         doomed = [sid for sid, sl in self.slices.items() if sl.owner == owner and (ids is None or sid in ids)]

@@ -284,6 +284,30 @@ class ReleaseSlices(Message, op="rm.release_slices"):
 
 
 @record
+class VacateSlices(Message, op="rm.vacate_slices"):
+    """Suspend these slices of ``owner``: their devices are free for others (``SliceInfo.suspended``)."""
+
+    owner: str
+    slice_ids: list[int]
+
+
+@record
+class RegrantSlices(Message, op="rm.regrant_slices"):
+    """Place these slices of ``owner`` anew, keeping their ids: a resume, or a reshape (``devices``: that many
+    devices, for one slice; 0: as many as it had), in its island unless ``island`` is given."""
+
+    owner: str
+    slice_ids: list[int]
+    devices: int = 0
+    island: int | None = None
+
+
+@record
+class SlicesUpdated(Message, op="rm.slices_updated"):
+    slices: list[SliceInfo]
+
+
+@record
 class DrainStarted(Message, op="rm.drain_started"):
     executor_id: str
     control: str
@@ -717,6 +741,47 @@ class CreateSlice(Message, op="proxy.create_slice"):
 @record
 class SliceCreated(Message, op="proxy.slice_created"):
     slice: SliceInfo
+
+
+@record
+class SuspendSlices(Message, op="proxy.suspend_slices"):
+    """Suspend these slices of the session (``Slice.suspend``): their devices are freed for others; their
+    buffers stay readable; runs on them fail with ``SliceSuspended`` until they are resumed."""
+
+    slice_ids: list[int]
+
+
+@record
+class ResumeSlices(Message, op="proxy.resume_slices"):
+    """Put these slices of the session on devices granted anew, their buffers moved there (``Slice.resume``);
+    with ``devices``, one slice reshaped to that many devices (``Slice.reshape``): ``mesh`` its new mesh's
+    sizes, and each live buffer of it (``buffers``) laid out as ``shardings`` says (the others replicated)."""
+
+    slice_ids: list[int]
+    devices: int = 0
+    island: int | None = None
+    mesh: list[int] = dataclasses.field(default_factory=list)
+    buffers: list[int] = dataclasses.field(default_factory=list)
+    shardings: list[Sharding] = dataclasses.field(default_factory=list)
+
+
+@record
+class SuspendSession(Message, op="proxy.suspend_session"):
+    """An admin's: suspend every slice of session ``session_id`` (``pwmesh suspend``)."""
+
+    session_id: str
+
+
+@record
+class ResumeSuspended(Message, op="proxy.resume_suspended"):
+    """An admin's: resume every suspended slice of session ``session_id`` (``pwmesh resume``)."""
+
+    session_id: str
+
+
+@record
+class SlicesChanged(Message, op="proxy.slices_changed"):
+    slices: list[SliceInfo]
 
 
 @record

@@ -90,6 +90,9 @@ class SliceInfo(Record):
     scheduler: str
     broken: str = ""  # why some devices have no live backing (the island cannot replace them)
     kind: str = ""  # the kind of device asked for ("": any), which replacements must be too
+    # Suspended (``Slice.suspend``): its devices count in nobody's load and are never remapped; ``devices`` says
+    # where its shards wait until it is resumed onto devices granted anew.
+    suspended: bool = False
 
 
 @record
