@@ -23,6 +23,8 @@ from test_readme import block_under
 from test_tenants import key_dirs, keyed, raw, status  # noqa: F401 - fixtures, used by name
 
 import pwmesh as pw
+from helpers import eventually
+from pwmesh.cli.commands import fetch_status
 from pwmesh.cli.main import main
 from pwmesh.proxy.state import Ask, FetchEnded, Inbound, Reply, SlicesPlaced
 from pwmesh.wire import Message
@@ -182,6 +184,11 @@ def _timed(call: object) -> float:
     return (time.perf_counter() - start) * 1e3
 
 
+def _device_bytes(address: str, executors: set[str]) -> int:
+    """The bytes the executors hold on their devices (what their memory limits count)."""
+    return sum(s.bytes for s in fetch_status(address).executor_stats if s.executor_id in executors)
+
+
 def test_training_suspended_resumed_elsewhere_and_reshaped_keeps_its_losses(two_hosts: pw.LocalCluster) -> None:
     """The issue's test: a loop suspended (its devices taken by another tenant), resumed on the other host,
     reshaped 4 -> 2 -> 4 devices, with the same ``pw.Array`` and ``pw.jit`` objects throughout, makes the
@@ -202,8 +209,12 @@ def test_training_suspended_resumed_elsewhere_and_reshaped_keeps_its_losses(two_
                 losses.append(float(loss))
 
         run(range(0, 3))
+        held = _device_bytes(two_hosts.address, first_hosts)
+        assert held > 0
         pauses["suspend"] = _timed(sl.suspend)
         assert sl.suspended
+        # Its buffers left the devices for host memory: the devices are free for the next tenant.
+        eventually(lambda: _device_bytes(two_hosts.address, first_hosts) == 0, 20)
         with pytest.raises(pw.SliceSuspended, match=f"slice {sl.slice_id} is suspended"):
             step(w, *_data(3))
         with pytest.raises(pw.SliceSuspended, match="put was not made"):
@@ -254,7 +265,8 @@ def test_reshape_keeps_specs_the_new_mesh_can_hold_and_replicates_the_rest(two_h
 
 
 def test_an_admin_suspends_and_resumes_a_tenant_s_session(keyed: pw.LocalCluster,  # noqa: F811
-                                                          key_dirs: dict[str, Path]) -> None:  # noqa: F811
+                                                          key_dirs: dict[str, Path],  # noqa: F811
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
     """``pwmesh suspend``/``resume``: an admin preempts a tenant; the tenant's runs fail with SliceSuspended
     meanwhile, and go on after, with its arrays. Another tenant's key may not do it."""
     with pw.Client(keyed.address, name="alice", keys=str(key_dirs["alice"])) as alice:
@@ -272,7 +284,11 @@ def test_an_admin_suspends_and_resumes_a_tenant_s_session(keyed: pw.LocalCluster
         finally:
             bob.close()
 
-        admin = ["--address", keyed.address, "--keys", str(key_dirs["root"])]
+        # The admin's keys as the CLI reads them; set here, so that they leave with the test (``--keys`` sets
+        # them in this process's environment for the command's connections, and would leak into later
+        # tests' clusters).
+        monkeypatch.setenv("PWMESH_KEYS", str(key_dirs["root"]))
+        admin = ["--address", keyed.address]
         result = CliRunner().invoke(main, ["suspend", session, *admin])
         assert result.exit_code == 0, result.output
         assert f"session {session} suspended: 1 slice(s), 1 device(s) freed" in result.output

@@ -32,6 +32,11 @@ def placed(value: Any, device: jax.Device) -> Any:
     return jax.device_put(value, device)
 
 
+def to_host(value: Any) -> Any:
+    """A copy of a stored value in host memory (``ObjectStore.to_host``); routed rows are there already."""
+    return np.array(value) if isinstance(value, jax.Array) else value
+
+
 def dispatch_together(exes: list[Any], devices: list[jax.Device], per_shard: list[list[Any]]) -> list[list[Any]]:
     """Dispatch per-device shards (without waiting for them); each device's outputs."""
     return [jax.tree_util.tree_leaves(exe(*[placed(a, d) for a in args]))

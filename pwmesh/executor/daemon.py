@@ -33,6 +33,7 @@ from pwmesh.dataflow.progress import Arrived, Progress, ProgressError
 from pwmesh.dataflow.secure import plane_key
 from pwmesh.errors import DeviceLost, InvalidArgument, PwmeshError, ResourceExhausted, Unavailable
 from pwmesh.executor import spill
+from pwmesh.executor.calls import to_host
 from pwmesh.executor.direct import DirectTransfers
 from pwmesh.executor.functions import FunctionCache
 from pwmesh.executor.group import GroupConfig, group_devices, join
@@ -100,6 +101,7 @@ from pwmesh.wire.messages import (
     RegisterGang,
     SendShards,
     ShardValues,
+    SpillShards,
     TraceEvent,
     TraceEvents,
     TupleBatch,
@@ -255,6 +257,7 @@ class Executor(Service):
             ExpectShards: lambda peer, env: self.direct.expect(peer, env),
             PushShards: lambda peer, env: self.direct.push(peer, env),
             DeleteShards: self._delete,
+            SpillShards: self._spill_shards,
             CancelRun: self._cancel_run,
             ForgetOwner: self._forget_owner,
             ReclaimOwner: self._reclaim_owner,
@@ -654,6 +657,14 @@ class Executor(Service):
         self.store.delete(msg.buffers)
         for buffer in msg.buffers:
             self.progress.forget(f"{buffer}/")
+        return None  # posted by the proxy, which does not wait: no reply
+
+    def _spill_shards(self, peer: bytes, env: Envelope) -> None:
+        msg = env.message
+        assert isinstance(msg, SpillShards)
+        moved = self.store.to_host(msg.buffers, to_host)
+        log.info("moved %d buffers (%s) off the devices into host memory: their slice was suspended",
+                 len(msg.buffers), format_bytes(moved))
         return None  # posted by the proxy, which does not wait: no reply
 
     def _trace(self, peer: bytes, env: Envelope) -> TraceEvents:

@@ -209,6 +209,7 @@ class ObjectStore:
         # held when it did). Any other buffer of theirs is dead: it belongs to a run of the proxy before.
         self._fences: dict[str, tuple[str, frozenset[str]]] = {}
         self._whole: dict[str, _Whole] = {}  # buffers an SPMD computation here produced, whole (``put_whole``)
+        self.host_bytes: dict[str, int] = {}  # keys moved off their devices (``to_host``): their bytes
         self.memory = MemoryBudget()  # its limit is the executor's to set
 
     def _future(self, key: str) -> asyncio.Future[Any]:
@@ -374,7 +375,31 @@ class ObjectStore:
         value = self._values.pop(key, None)
         if value is None:
             return
+        self.host_bytes.pop(key, None)
         self.memory.freed(self._nbytes.pop(key, 0))
+
+    def to_host(self, buffers: list[str], copy: Callable[[Any], Any]) -> int:
+        """Hold every shard here of ``buffers`` as ``copy`` makes it (in host memory) instead of on its device:
+        their bytes leave the device memory account (the device buffers go as nothing else holds them: a
+        computation running now keeps its inputs). Returns the bytes moved."""
+        moved = 0
+        for buffer in buffers:
+            whole = self._whole.get(buffer)
+            if whole is not None:
+                if not whole.split:
+                    self._split(buffer)
+                del self._whole[buffer]  # it is device buffers: its readers take the host pieces now
+            for key in self._by_buffer.get(buffer, ()):
+                value = self._values.get(key)
+                nbytes = self._nbytes.get(key, 0)
+                if value is None or not nbytes:  # not here, or in host memory already
+                    continue
+                self._values[key] = copy(value)
+                self._nbytes[key] = 0
+                self.host_bytes[key] = nbytes
+                moved += nbytes
+        self.memory.freed(moved)
+        return moved
 
     def consume_whole(self, buffer: str, shards: list[int]) -> None:
         """An SPMD computation took over a buffer it read whole (donated): every piece here is gone."""
@@ -419,6 +444,7 @@ class ObjectStore:
                 freed += whole.nbytes
             for key in self._by_buffer.pop(buffer, ()):
                 removed += 1
+                self.host_bytes.pop(key, None)
                 if self._values.pop(key, None) is not None:
                     freed += self._nbytes.pop(key, 0)
                 fut = self._futures.pop(key, None)

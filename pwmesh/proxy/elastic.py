@@ -3,8 +3,9 @@
 The resource manager decides where a slice goes (``VacateSlices``, ``RegrantSlices``); this
 module says what that means for a session's buffers, as pure functions the core calls:
 
-* Suspended, a slice's devices count in nobody's load. Its buffers stay where they are, in their
-  executors' stores (readable: ``pw.get`` works), and nothing new runs or is put on it (``refuse``).
+* Suspended, a slice's devices count in nobody's load. Its buffers leave the devices for their
+  executors' host memory (``spill``: one ``SpillShards`` per holding executor), stay readable
+  (``pw.get`` works), and nothing new runs or is put on it (``refuse``).
 * Resumed or reshaped, the slice keeps its id and gets the devices the resource manager grants.
   Every live buffer of it is copied executor to executor into a buffer of a new name laid out on
   the new devices (one ``SendShards`` per holding executor, as a drain moves shards, but cut to the
@@ -29,6 +30,7 @@ from pwmesh.wire.messages import (
     SendShards,
     Sharding,
     SliceInfo,
+    SpillShards,
     ValueSpec,
 )
 
@@ -96,6 +98,18 @@ def check_settled(session: Session, slices: list[SliceInfo]) -> None:
     if busy:
         raise Unavailable(f"pw.Array {busy[0]} (and {len(busy) - 1} more) of slice {min(ids)} are still being "
                           "computed or read: wait for them (block_until_ready) and ask again")
+
+
+def spill(session: Session, sl: SliceInfo) -> list[tuple[str, SpillShards]]:
+    """The messages (control address, message) that move every buffer of suspended slice ``sl`` off its devices
+    into its executors' host memory, one per holding executor: its devices are others' now."""
+    by_control: dict[str, list[str]] = {}
+    for buf in session.buffers.values():
+        if buf.slice_id != sl.slice_id:
+            continue
+        for control in sorted({loc.control for loc in buf.locations}):
+            by_control.setdefault(control, []).append(f"{session.session_id}/{buf.name}")
+    return [(control, SpillShards(buffers=buffers)) for control, buffers in by_control.items()]
 
 
 def move(session: Session, new: SliceInfo, reshape: ResumeSlices | None) -> tuple[list[tuple[str, SendShards]],

@@ -619,8 +619,12 @@ class ProxyState:
                 continue
             session.slices[sl.slice_id] = sl
             reshape = event.reshape if isinstance(event.reshape, ResumeSlices) else None
-            if sl.suspended or (reshape is None and old.devices == sl.devices):
-                continue  # suspended, or resumed on the very devices it left: its shards are there
+            if sl.suspended:  # its buffers leave its devices, now others', for host memory
+                for control, spill in elastic.spill(session, sl):
+                    self._send(control, spill)
+                continue
+            if reshape is None and old.devices == sl.devices and not old.suspended:
+                continue  # placed anew on the very devices it has: its shards are there
             sends, old_buffers = elastic.move(session, sl, reshape)
             for control, send in sends:
                 self._send(control, send)

@@ -507,6 +507,15 @@ class DeleteShards(Message, op="exec.delete_shards"):
 
 
 @record
+class SpillShards(Message, op="exec.spill_shards"):
+    """Move every shard this executor holds of each buffer (``"<owner>/<buffer>"``) off its devices into host
+    memory: their slice was suspended, its devices given to others (``SuspendSlices``). They stay readable;
+    what reads them on a device copies them there."""
+
+    buffers: list[str]
+
+
+@record
 class GetExecutorStats(Message, op="exec.get_stats"):
     pass
 
