@@ -407,6 +407,8 @@ class ObjectStore:
         if whole is not None and not whole.split:
             self.memory.freed(whole.nbytes)
             return
+        if not self._by_buffer.get(buffer):  # nothing of it here yet (its computation is still streamed)
+            return
         for shard in shards:
             self.consume(f"{buffer}/{shard}")
 
