@@ -52,7 +52,7 @@ import os
 import statistics
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -129,6 +129,29 @@ def measure_jax(config: Config) -> dict[str, float]:
             **{f"loop_{n}_seconds": t for n, t in medians.items()}}
 
 
+def warm_sequences(sl: Any, x: Any, one: Any, lengths: Iterable[int], check: Callable[[Any, float], None],
+                   warmup: int) -> dict[tuple[str, int], Callable[[], None]]:
+    """dispatch.py's three modes over ``sl`` for each length (``one``: the pmapped add, ``x``: its input), each
+    checking its result, run ``warmup`` times already."""
+    sequences: dict[tuple[str, int], Callable[[], None]] = {}
+    for n in lengths:
+        fused = pw.pmap(per_device("add", n), devices=sl)
+
+        def chain(v: Any, n: int = n) -> Any:
+            for _ in range(n):
+                v = one(v)
+            return v
+
+        calls = {"opbyop": functools.partial(chain, x), "chained": functools.partial(pw.program(chain), x),
+                 "fused": functools.partial(fused, x)}
+        for mode, call in calls.items():
+            sequences[mode, n] = lambda call=call, n=n: check(call(), float(n))
+    for sequence in sequences.values():
+        for _ in range(warmup):
+            sequence()
+    return sequences
+
+
 def measure_real(config: Config) -> tuple[dict[tuple[str, int], dict[str, Any]], dict[str, Any]]:
     """{(mode, length): stats} on a LocalCluster as dispatch.py's pwmesh side, and the ping round trip."""
     spec = pw.LocalClusterSpec(islands=1, hosts_per_island=HOSTS, devices_per_host=DEVICES)
@@ -139,22 +162,7 @@ def measure_real(config: Config) -> tuple[dict[tuple[str, int], dict[str, Any]],
             raise RuntimeError(f"dispatch.py's shape packs the slice on one executor, got {placement}")
         x = client.put(np.zeros(DEVICES, np.float32), sl)
         one = pw.pmap(step("add"), devices=sl)
-        sequences: dict[tuple[str, int], Callable[[], None]] = {}
-        for n in config.lengths:
-            fused = pw.pmap(per_device("add", n), devices=sl)
-
-            def chain(v: Any, n: int = n) -> Any:
-                for _ in range(n):
-                    v = one(v)
-                return v
-
-            calls = {"opbyop": functools.partial(chain, x), "chained": functools.partial(pw.program(chain), x),
-                     "fused": functools.partial(fused, x)}
-            for mode, call in calls.items():
-                sequences[mode, n] = lambda call=call, n=n: check(call(), float(n))
-        for sequence in sequences.values():
-            for _ in range(config.warmup):
-                sequence()
+        sequences = warm_sequences(sl, x, one, config.lengths, check, config.warmup)
         pairs = list(sequences)
         samples: dict[tuple[str, int], list[float]] = {pair: [] for pair in pairs}
         for r in range(config.rounds):
@@ -233,22 +241,7 @@ def measure_large(config: Config) -> tuple[dict[tuple[str, int], dict[str, Any]]
             if got.shape != (hosts,) or not np.all(got == expected):
                 raise AssertionError(f"sequence returned {got}, expected {expected} on each of {hosts} devices")
 
-        sequences: dict[tuple[str, int], Callable[[], None]] = {}
-        for n in config.large_lengths:
-            fused = pw.pmap(per_device("add", n), devices=sl)
-
-            def chain(v: Any, n: int = n) -> Any:
-                for _ in range(n):
-                    v = one(v)
-                return v
-
-            calls = {"opbyop": functools.partial(chain, x), "chained": functools.partial(pw.program(chain), x),
-                     "fused": functools.partial(fused, x)}
-            for mode, call in calls.items():
-                sequences[mode, n] = lambda call=call, n=n: check_all(call(), float(n))
-        for sequence in sequences.values():
-            for _ in range(config.warmup):
-                sequence()
+        sequences = warm_sequences(sl, x, one, config.large_lengths, check_all, config.warmup)
         pairs = list(sequences)
         samples: dict[tuple[str, int], list[float]] = {pair: [] for pair in pairs}
         # The CPU every process of the run used (the cluster's daemons and this client) per sequence: on a
