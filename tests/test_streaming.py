@@ -88,7 +88,8 @@ def spy_streams(r: Runner) -> list[tuple[int, bool, bool]]:
     def spy(work: Any, *args: Any) -> None:
         hand_over(work, *args)
         key = f"{work.comp.outputs[0]}/{work.shards[0]}"
-        seen.append((len(r._streaming[work.devices[-1]]), r.store.values([key]) is not None, key in r._pending))
+        seen.append((r.streams.streaming(work.devices[-1]), r.store.values([key]) is not None,
+                     r.streams.piece(key) is not None))
 
     r._stream = spy  # type: ignore[method-assign]
     return seen
@@ -146,7 +147,7 @@ async def test_outputs_land_in_the_store_only_once_computed() -> None:
         await rec.part("r1")
         # When handed over: given out to the computations that follow, not stored (not fetchable) yet.
         assert [(stored, pending) for _, stored, pending in seen] == [(False, True)] * 3
-        assert r._pending == {} and all(not streaming for streaming in r._streaming)
+        assert r.streams.idle
         assert r.store.values([f"r1/v{k}/{i}" for k in range(3) for i in range(2)]) is not None
         assert r.memory.reserved == 0 and r.outstanding == 0
         assert all(w.device_seconds > 0 for w in rec.done if w.run_id == "r1")
@@ -165,7 +166,7 @@ async def test_a_computation_that_cannot_be_handed_over_fails_with_its_consumers
         for key in ("r1/v0/0", "r1/v1/0"):
             with pytest.raises(PwmeshError):
                 await r.store.get(key)
-        assert r._pending == {} and r.memory.reserved == 0
+        assert r.streams.idle and r.memory.reserved == 0
 
 
 @pytest.mark.asyncio
@@ -188,7 +189,7 @@ async def test_a_computation_that_fails_on_its_devices_fails_its_outputs_and_the
             nonlocal doomed
             hand_over(work, *args)
             if work.run_id == "r1" and work.comp.node == 1:
-                doomed = r._pending[f"{work.comp.outputs[0]}/0"]
+                doomed = r.streams.piece(f"{work.comp.outputs[0]}/0")
 
         r._stream = spy  # type: ignore[method-assign]
         monkeypatch.setattr(stream_module, "computed", failing)
@@ -198,7 +199,7 @@ async def test_a_computation_that_fails_on_its_devices_fails_its_outputs_and_the
         assert errors[0] is None and errors[1] is not None and "device lost" in errors[1].message
         with pytest.raises(PwmeshError, match="device lost"):
             await r.store.get("r1/v1/0")
-        assert r._pending == {} and r.memory.reserved == 0
+        assert r.streams.idle and r.memory.reserved == 0
         r.enqueue_all("r2", "p", chain("r2", 2))
         await rec.part("r2")
         assert [w.error for w in rec.done if w.run_id == "r2"] == [None, None]

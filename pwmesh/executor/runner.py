@@ -48,7 +48,7 @@ import logging
 import time
 import traceback
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 
@@ -69,8 +69,8 @@ from pwmesh.executor.gangs import Gangs
 from pwmesh.executor.group import peer_gone
 from pwmesh.executor.queues import DeviceQueues, PartDone, Start
 from pwmesh.executor.state import How, how_to_run, runs_inline
-from pwmesh.executor.store import ObjectStore, buffer_of, format_bytes
-from pwmesh.executor.stream import Landed, Landings, Streamed
+from pwmesh.executor.store import ObjectStore, format_bytes
+from pwmesh.executor.stream import Landed, Streamed, Streams
 from pwmesh.executor.work import Span, Work
 from pwmesh.wire.messages import Computation, Emit
 
@@ -84,15 +84,6 @@ def as_error(exc: BaseException, context: str) -> PwmeshError:
     if isinstance(exc, PwmeshError):
         return exc
     return RemoteError(f"{context}: {type(exc).__name__}: {exc}", remote_traceback="".join(traceback.format_exception(exc)))
-
-
-class PendingWhole(NamedTuple):
-    """A streamed SPMD computation's output, handed out whole before it is computed (``Runner._stream``)."""
-
-    array: Any
-    sharding: Any
-    shards: tuple[int, ...]
-    local: tuple[jax.Device, ...]
 
 
 def with_wholes(values: list[Any], wholes: list[Any | None]) -> list[Any]:
@@ -144,20 +135,13 @@ class Runner:
         # What waits on work, kept here so that ``Work`` stays a plain record: a queued computation's
         # cancellation (set when its run is cancelled), and a streamed one's landing (its outputs computed).
         self._cancels: dict[Work, asyncio.Future[None]] = {}
-        self._landing: dict[Work, asyncio.Future[None]] = {}
         # (fn_id, spmd, devices, donated inputs) -> what the fast path runs, once compiled (functions never change)
         # (function, SPMD, a gang's id (its mesh's hash) or the local device ids, donated inputs) -> found
         self._ready: dict[tuple[str, bool, str | tuple[int, ...], tuple[int, ...]],
                           tuple[CompiledFunction, list[jax.Device], list[Any]]] = {}
         self._idle = asyncio.Event()
         self._idle.set()
-        # Streamed computations: outputs handed out before they are computed, to computations on
-        # this executor that follow them (key -> array), and per device those not yet finished.
-        self._pending: dict[str, Any] = {}
-        self._pending_wholes: dict[str, PendingWhole] = {}  # buffer -> SPMD output (whole) not yet landed
-        self._streaming: list[collections.deque[Work]] = [collections.deque() for _ in devices]
-        self._device_free: list[float] = [0.0] * len(devices)  # when its last streamed computation ended
-        self._landings: list[Landings | None] = [None] * len(devices)  # started with a device's first stream
+        self.streams = Streams(len(devices), self._landed)  # handed to devices, not yet landed (``_stream``)
         # Every device of this executor's JAX group by (executor, device index): a gang's mesh (set by the
         # executor once it has joined the group).
         self.group_devices: dict[tuple[str, int], jax.Device] = {}
@@ -356,7 +340,7 @@ class Runner:
         per_shard: list[list[Any]] = []
         outs: list[list[Any]] | Whole | None = None
         err: PwmeshError | None = None
-        await self._room(work, RUN_AHEAD)
+        await self.streams.room(work, RUN_AHEAD)
         # Wall clock, so the spans of processes on one machine line up. ``start`` stays 0
         # if it fails before it: it then shows as a zero-length span at the failure.
         arrived = time.time()
@@ -376,12 +360,12 @@ class Runner:
             per_shard, wholes = await self._inputs(work, fn, streamed is not None)
             if fn is not None:
                 reserved = await self._reserve(work, fn.shard_output_nbytes * len(work.devices))
-            if streamed is None or self._mixed(work):
+            if streamed is None or self.streams.mixed(work):
                 # A device runs one thing at a time, and what is streamed to it lands in order
                 # (one landing thread a device set): let what is streamed ahead land first.
                 # Its devices reached it only then: that is when its trace's wait begins.
-                await self._room(work, 1)
-                arrived = max(arrived, self._free_since(work))
+                await self.streams.room(work, 1)
+                arrived = max(arrived, self.streams.free_since(work))
             if work.cancelled is not None:  # meanwhile: it must not start (nor consume what it was donated)
                 raise work.cancelled
             start = time.time()
@@ -449,31 +433,17 @@ class Runner:
         for buffer, sharding in zip(comp.inputs, shardings, strict=True):
             array = self.store.whole(buffer, sharding, shards)
             if array is None and streamed:
-                pending = self._pending_wholes.get(buffer)
-                if pending is not None and pending.sharding is sharding and pending.shards == shards:
-                    array = pending.array
+                array = self.streams.whole(buffer, sharding, shards)
             wholes.append(array)
         return wholes if any(w is not None for w in wholes) else None
 
     async def _input(self, key: str, work: Work, pending: bool) -> Any:
         """An input: the stored value, or (``pending``: for a computation that is streamed too, so
         nothing here waits for it) a streamed computation's output as soon as it is handed out."""
-        value = self._pending.get(key) if pending else None
-        if value is None and pending and self._pending_wholes:
-            value = self._pending_piece(key)
+        value = self.streams.piece(key) if pending else None
         if value is not None:
             return value
         return await self._unless_cancelled(self.store.get(key), work)
-
-    def _pending_piece(self, key: str) -> Any | None:
-        """A piece of a streamed SPMD output, handed out whole and not yet landed: its pieces are made."""
-        buffer = buffer_of(key)
-        pending = self._pending_wholes.get(buffer)
-        if pending is None:
-            return None
-        for shard, piece in zip(pending.shards, pieces(pending.array, pending.local), strict=True):
-            self._pending[f"{buffer}/{shard}"] = piece
-        return self._pending.get(key)
 
     async def _unless_cancelled(self, fut: asyncio.Future[Any], work: Work) -> Any:
         """``await fut``, unless ``work``'s run is cancelled first (then raise the reason)."""
@@ -482,25 +452,6 @@ class Runner:
         if not fut.done():
             raise work.cancelled or PwmeshError(f"{work.label} was cancelled")
         return fut.result()
-
-    def _mixed(self, work: Work) -> bool:
-        """Whether computations on other device sets are streamed to any of its devices."""
-        for device in work.devices:
-            streaming = self._streaming[device]
-            if streaming and streaming[-1].devices != work.devices:
-                return True
-        return False
-
-    async def _room(self, work: Work, limit: int) -> None:
-        """Wait until each of its devices has fewer than ``limit`` streamed computations unfinished."""
-        for device in work.devices:
-            streaming = self._streaming[device]
-            while len(streaming) >= limit:
-                await asyncio.shield(self._landing[streaming[0]])
-
-    def _free_since(self, work: Work) -> float:
-        """When the last computation streamed to its devices ended (0.0: none has)."""
-        return max(self._device_free[d] for d in work.devices)
 
     def _stream(self, work: Work, fn: CompiledFunction, devices: list[jax.Device], exes: list[Any],
                 per_shard: list[list[Any]], wholes: list[Any | None] | None, times: tuple[float, float],
@@ -526,24 +477,9 @@ class Runner:
             err = as_error(exc, f"computation {comp.node} ({comp.fn_id[:12]})")
             self._finish(work, times[0], times[1], per_shard, None, err, reserved)
             return
-        if isinstance(outs, Whole):
-            shards = tuple(work.shards)
-            for prefix, leaf, sharding in zip(comp.outputs, outs.leaves, outs.shardings, strict=False):
-                self._pending_wholes[prefix] = PendingWhole(leaf, sharding, shards, outs.local)
-        else:
-            for shard, out in zip(work.shards, outs, strict=True):
-                for prefix, value in zip(comp.outputs, out, strict=False):  # a count mismatch fails in _finish
-                    self._pending[f"{prefix}/{shard}"] = value
         work.streamed = True
-        self._landing[work] = asyncio.get_running_loop().create_future()
-        for device in work.devices:
-            self._streaming[device].append(work)
         self._running.setdefault(work, times[1])
-        device = work.devices[-1]
-        landings = self._landings[device]
-        if landings is None:
-            landings = self._landings[device] = Landings(device, self._landed)
-        landings.put(Streamed(work, fn, per_shard, outs, times, reserved))
+        self.streams.hand_over(Streamed(work, fn, per_shard, outs, times, reserved))
 
     def _landed(self, batch: list[Landed]) -> None:
         """Streamed computations are computed (or failed; ``end`` is when): they finish like any other."""
@@ -556,24 +492,8 @@ class Runner:
     def _land(self, landed: Landed) -> None:
         streamed, end, exc = landed.streamed, landed.end, landed.error
         work, fn, comp = streamed.work, streamed.fn, streamed.work.comp
-        for device in work.devices:
-            self._streaming[device].remove(work)
         self._running.pop(work, None)
-        if isinstance(streamed.outs, Whole):
-            for prefix in comp.outputs:
-                self._pending_wholes.pop(prefix, None)
-        if self._pending:  # pieces handed out (an SPMD output's only if one was asked for)
-            for shard in work.shards:
-                for prefix in comp.outputs:
-                    self._pending.pop(f"{prefix}/{shard}", None)
-        self._landing.pop(work).set_result(None)
-        arrived, start = streamed.times
-        # Handed over while its devices were still busy with the computations ahead of it: they
-        # began it (and waited for anything, as its trace shows) only once those ended.
-        free = self._free_since(work)
-        arrived, begin = max(arrived, free), max(start, free)
-        for device in work.devices:
-            self._device_free[device] = end
+        arrived, begin = self.streams.land(streamed, end)
         err = None if exc is None else as_error(exc, f"computation {comp.node} ({comp.fn_id[:12]})")
         if err is None:
             fn.landed((end - begin) / len(work.devices) if landed.timed else None)
@@ -839,9 +759,7 @@ class Runner:
             task.cancel()
         for pool in self.pools:
             pool.shutdown(wait=False, cancel_futures=True)
-        for landings in self._landings:
-            if landings is not None:
-                landings.close()
+        self.streams.close()
 
 
 def _retrieve(fut: asyncio.Future[Any]) -> None:
