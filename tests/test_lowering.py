@@ -18,7 +18,7 @@ import pytest
 
 from pwmesh.dataflow.layout import Layout
 from pwmesh.errors import InvalidArgument
-from pwmesh.ir.keys import gang_id
+from pwmesh.ir.keys import blockwise_id, gang_id
 from pwmesh.ir.lower import (
     HostPut,
     Lowered,
@@ -784,14 +784,18 @@ def test_one_island_gives_one_schedule_in_program_order() -> None:
 # --------------------------------------------------------------- refusals
 
 
-def test_spmd_node_over_executors_outside_one_jax_group_is_refused() -> None:
-    with pytest.raises(InvalidArgument, match=r"spans several executors \(a \(no group\), b \(no group\)\).*"
-                                              "one JAX group"):
-        run(chain(2, 1, 1), [make_slice(1, [("a", 0), ("b", 0)])], spmd={"f": True})
+def test_spmd_node_over_executors_outside_one_jax_group_runs_by_blocks() -> None:
+    """No group joins their devices: each executor runs its devices' part of the partitioned program alone,
+    as a per-device function derived from the registered SPMD one (``blockwise_id``); no gang."""
     grouped = make_slice(1, [("a", 0), ("b", 0)])
     grouped.devices[0].group, grouped.devices[1].group = "tcp://g1", "tcp://g2"
-    with pytest.raises(InvalidArgument, match="one JAX group"):
-        run(chain(2, 1, 1), [grouped], spmd={"f": True})
+    for sl in (make_slice(1, [("a", 0), ("b", 0)]), grouped):
+        lowered = run(chain(2, 1, 1), [sl], spmd={"f": True, "g": True})
+        comps = lowered.schedules[sl.scheduler]
+        assert [(c.fn_id, c.spmd, c.gang) for c in comps] == [(blockwise_id("f"), False, "")] * 2 + [
+            (blockwise_id("g"), False, "")] * 2
+        assert not lowered.gangs
+        assert lowered.function_sites["f"] == {(control("a"), (0,)), (control("b"), (0,))}
 
 
 def test_spmd_node_over_executors_of_one_jax_group_names_every_device_of_its_gang() -> None:

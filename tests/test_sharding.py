@@ -386,8 +386,27 @@ def test_collectives_over_executors_outside_a_jax_group_are_refused_clearly(clie
     sl = client.make_virtual_device_set().add_slice(devices=4)  # two hosts of two devices each, in no JAX group
     assert len({d.executor for d in sl.devices}) == 2
     total = pw.jit(lambda v: v.sum(), devices=sl, in_specs=P("x"))
-    with pytest.raises(pw.InvalidArgument, match=r"spans several executors .*no group.*one JAX group.*--collectives"):
+    with pytest.raises(pw.InvalidArgument, match=r"several executors that are in no JAX group, and its devices "
+                                                  r"communicate \(all-reduce\).*one JAX group"):
         np.asarray(total(np.arange(8.0, dtype=np.float32)))
+
+
+def test_a_program_whose_devices_need_no_peers_runs_by_blocks_outside_a_jax_group(client: pw.Client) -> None:
+    """Issue #27 item 6: with no JAX group, a pw.jit over executors whose partitioned program needs no
+    collectives runs, each executor its own devices' part; its outputs are read, passed on and donated."""
+    sl = client.make_virtual_device_set().add_slice(devices=4, mesh={"data": 2, "model": 2})
+    assert len({d.executor for d in sl.devices}) == 2
+    x = np.arange(32.0, dtype=np.float32).reshape(8, 4)
+    scale = pw.jit(lambda v: jnp.tanh(v * 2.0 + v.shape[0]), devices=sl, in_specs=P("data", "model"),
+                   out_specs=P("data", "model"))
+    y = scale(x)
+    np.testing.assert_allclose(np.asarray(y), np.tanh(x * 2.0 + 8.0), rtol=1e-6)
+    step = pw.jit(lambda w, v: w - 0.5 * v, devices=sl, in_specs=(P("data", "model"), P("data", "model")),
+                  out_specs=P("data", "model"), donate_argnums=0)
+    w = client.put(np.ones((8, 4), np.float32), sl, P("data", "model"))
+    for _ in range(3):
+        w = step(w, y)
+    np.testing.assert_allclose(np.asarray(w), 1.0 - 1.5 * np.tanh(x * 2.0 + 8.0), rtol=1e-6)
 
 
 def test_pmap_is_as_it_was(wide: Wide) -> None:

@@ -219,6 +219,7 @@ class Executor(Service):
         # Host copies (large puts, arrivals and fetches) and function loads: off the loop, and not behind
         # a device's own thread, which a long computation may hold for minutes.
         self._copies = concurrent.futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="pwmesh-copy")
+        self.functions.executor = self._copies  # an SPMD function run by blocks is derived there (it compiles)
         self._copying = 0  # host copies of arrivals under way (``AwaitIdle`` waits for them)
         self._copied = asyncio.Event()
         self._copied.set()

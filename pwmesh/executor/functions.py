@@ -19,7 +19,9 @@ from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionS
 
 from pwmesh.errors import InvalidArgument
 from pwmesh.executor.artifacts import read
+from pwmesh.executor.blockwise import per_device
 from pwmesh.executor.sandbox import Sandbox
+from pwmesh.ir.keys import BLOCKWISE
 
 # What makes a computation's run time unbounded by its shapes, in its optimized HLO: a loop whose trip
 # count XLA could not work out (a static ``fori_loop`` or ``scan`` has one: ``known_trip_count``), a host
@@ -186,13 +188,23 @@ def load(fn_id: str, serialized: bytes, spmd: bool, mesh: list[int] | None = Non
     return CompiledFunction(fn_id, read(fn_id, serialized), spmd, mesh, axes, donate)
 
 
+def by_blocks(fn: CompiledFunction, fn_id: str) -> CompiledFunction:
+    """SPMD function ``fn`` as the per-device function each device runs on its blocks alone
+    (``blockwise.per_device``: ``InvalidArgument`` if its devices would communicate). Call from a worker thread."""
+    return CompiledFunction(fn_id, per_device(fn.exported, fn.mesh, fn.axes, fn.fn_id), spmd=False,
+                            donate=list(fn.donate))
+
+
 class FunctionCache:
-    """Functions by id; ``get`` waits for a registration that has not arrived yet."""
+    """Functions by id; ``get`` waits for a registration that has not arrived yet. An id ending in
+    ``BLOCKWISE`` names a registered SPMD function run by blocks (``by_blocks``), derived here on first use."""
 
     def __init__(self, sandbox: Sandbox | None = None) -> None:
         self.sandbox = sandbox  # reads each new function first, in a child process (``pwmesh.executor.sandbox``)
+        self.executor: concurrent.futures.Executor | None = None  # where functions are derived (None: the loop's)
         self._functions: dict[str, asyncio.Future[CompiledFunction]] = {}
         self._loading: set[str] = set()  # being deserialized off the loop (``load``)
+        self._deriving: set[asyncio.Task[None]] = set()
 
     def _entry(self, fn_id: str) -> asyncio.Future[CompiledFunction]:
         fut = self._functions.get(fn_id)
@@ -241,7 +253,23 @@ class FunctionCache:
 
     def get(self, fn_id: str) -> asyncio.Future[CompiledFunction]:
         """The function's future: resolved at registration (which may come after the work)."""
+        if fn_id not in self._functions and fn_id.endswith(BLOCKWISE):
+            task = asyncio.get_running_loop().create_task(self._derive(fn_id, self._entry(fn_id)))
+            self._deriving.add(task)
+            task.add_done_callback(self._deriving.discard)
         return self._entry(fn_id)
+
+    async def _derive(self, fn_id: str, fut: asyncio.Future[CompiledFunction]) -> None:
+        """Resolve ``fut`` with its SPMD function run by blocks, once that function is registered."""
+        try:
+            base = await asyncio.shield(self._entry(fn_id.removesuffix(BLOCKWISE)))
+            found: CompiledFunction | InvalidArgument = await asyncio.get_running_loop().run_in_executor(
+                self.executor, by_blocks, base, fn_id)
+        except InvalidArgument as exc:
+            found = exc
+        except Exception as exc:  # a registration that failed otherwise, or a bug: the run fails with it
+            found = InvalidArgument(f"function {fn_id[:12]} could not be run by blocks: {type(exc).__name__}: {exc}")
+        self._settle(fut, found)
 
     def __len__(self) -> int:
         return sum(1 for f in self._functions.values() if f.done())

@@ -15,6 +15,15 @@ def function_id(serialized: bytes, spmd: bool, mesh: list[int] | None = None, ax
     return hashlib.sha256(serialized + how).hexdigest()[:32]
 
 
+BLOCKWISE = "#blocks"  # suffix of a function's id: its devices' part alone (``executor/blockwise.py``)
+
+
+def blockwise_id(fn_id: str) -> str:
+    """The id under which an executor runs SPMD function ``fn_id`` by blocks: each device its own part of the
+    partitioned program, with no JAX group (derived there from ``fn_id``'s registration)."""
+    return fn_id + BLOCKWISE
+
+
 def gang_id(devices: list[GangRange]) -> str:
     """A gang's id: the hash of its devices in mesh order, so a slice at one version (the same devices)
     always names the same gang and a remapped one another, with no registry shared by proxies."""

@@ -28,7 +28,7 @@ import numpy as np
 from pwmesh.dataflow.layout import Layout, check_split
 from pwmesh.errors import InvalidArgument
 from pwmesh.ir.graph import donation_error
-from pwmesh.ir.keys import gang_id
+from pwmesh.ir.keys import blockwise_id, gang_id
 from pwmesh.wire.codec import dtype_from_name
 from pwmesh.wire.messages import (
     Computation,
@@ -99,20 +99,21 @@ class Gang:
     controls: tuple[str, ...]  # its executors' control addresses, each sent ``message`` once
 
 
+# An SPMD node over executors that share no JAX group: each runs its devices' part of the partitioned
+# program alone, as a per-device function (``blockwise_id``), which works when that part needs no
+# peers (no collectives; the executor refuses the function, with why, when it does).
+BLOCKWISE = Gang(RegisterGang(gang_id="", devices=[]), ())
+
+
 def cross_host_gang(index: int, devs: list[ShardLocation]) -> Gang | None:
     """An SPMD node's devices, in shard order, when they span several executors (their collectives then
-    join across processes, through the executors' JAX group); None when they fit one."""
+    join across processes, through the executors' JAX group); None when they fit one; ``BLOCKWISE`` when
+    they span executors in no one JAX group."""
     if len({d.executor_id for d in devs}) == 1:
         return None
     groups = {d.group for d in devs}
     if len(groups) != 1 or "" in groups:
-        hosts = sorted({f"{d.executor_id} ({d.group or 'no group'})" for d in devs})
-        raise InvalidArgument(
-            f"node {index} is one SPMD program (pw.jit) over a slice that spans several executors "
-            f"({', '.join(hosts)}), which run one program together only in one JAX group, collectives or not: "
-            "start the island's scheduler and executors with --collectives (pwmesh up --collectives; "
-            "LocalClusterSpec(collectives=True)), use pw.pmap for work that is per device, or ask for a slice "
-            "that fits one host")
+        return BLOCKWISE
     ranges: list[GangRange] = []
     controls: dict[str, None] = {}
     for d in devs:
@@ -407,11 +408,14 @@ class _Lowering:
         values = self.program.values
         is_spmd = self.spmd[node.fn_id]
         gang = None
+        blockwise = False
         if is_spmd:
             if node.slice_id not in self.slice_gangs:
                 self.slice_gangs[node.slice_id] = cross_host_gang(index, devs)
             gang = self.slice_gangs[node.slice_id]
-            if gang is not None:
+            if gang is BLOCKWISE:
+                gang, blockwise = None, True
+            elif gang is not None:
                 self.out.gangs[gang.message.gang_id] = gang
         for v in node.outputs:
             if values[v].shards != n:
@@ -436,15 +440,17 @@ class _Lowering:
                                           f"it runs on {n}")
                 inputs.append(self.prefix(self.materialize(v, devs, want, f"node {index}")))
         comps = self.computations(index, node, devs, scheduler, kind="call", inputs=inputs,
-                                  outputs=[self.prefix(self.names[v]) for v in node.outputs], spmd=is_spmd,
-                                  ragged=ragged)
+                                  outputs=[self.prefix(self.names[v]) for v in node.outputs],
+                                  spmd=is_spmd and not blockwise, ragged=ragged)
         donate = [k for k in node.donate if node.inputs[k] not in self.keep]
         for comp in comps:
             comp.donate = donate
             comp.gang = gang.message.gang_id if gang is not None else ""
+            if blockwise:
+                comp.fn_id = blockwise_id(node.fn_id)
         for comp in comps:
             devices = tuple(r.device + k for r in comp.runs for k in range(r.count))
-            sites = {(comp.control, devices)} if is_spmd else {(comp.control, (d,)) for d in devices}
+            sites = {(comp.control, devices)} if is_spmd and not blockwise else {(comp.control, (d,)) for d in devices}
             self.out.function_sites.setdefault(node.fn_id, set()).update(sites)
         self.made(index, node.outputs, devs)
 
