@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 import jax
 import jax.numpy as jnp
@@ -428,3 +428,30 @@ async def test_completions_leave_after_the_early_fetch_their_last_output_woke() 
         last_output.set_result(None)  # ... and, in the same turn, its last one
         await asyncio.wait_for(asyncio.gather(fetching, reported.wait()), 5)
         assert sent == expected, defer
+
+
+@pytest.mark.asyncio
+async def test_an_spmd_reader_waits_for_an_input_whole_without_cutting_it() -> None:
+    """A gang's steps run on device threads, so the next step often waits for its inputs: it waits for the
+    buffer (``arrival``), not for its pieces, so the output lands whole and goes in whole."""
+    devices = jax.devices("cpu")[:2]
+    sharding = NamedSharding(Mesh(np.array(devices), ("x",)), PartitionSpec("x"))
+    cut: list[object] = []
+    store = ObjectStore(lambda array, local: cut.append(array) or pieces(array, local))
+    arrived = store.arrival("s/b")
+    assert not arrived.done() and store.arrival("s/b") is arrived
+    store.put_whole("s/b", jax.device_put(np.arange(2, dtype=np.float32), sharding), sharding, (0, 1),
+                    tuple(devices), 4)
+    assert arrived.done() and cut == [] and store.whole("s/b", sharding, (0, 1)) is not None
+    assert store.arrival("s/b").done(), "here already"
+    settles: list[Callable[[ObjectStore], object]] = [
+        lambda st: st.put("s/c/0", np.zeros(1), 4), lambda st: st.fail("s/c/0", PwmeshError("lost")),
+        lambda st: st.delete(["s/c"])]
+    for settle in settles:
+        store = ObjectStore(pieces)
+        arrived = store.arrival("s/c")
+        settle(store)
+        assert arrived.done(), "a piece, a failure or a delete ends the wait: the reader then reads pieces"
+    store = ObjectStore(pieces)
+    store.arrival("s/d")
+    assert store.drop_pending() == 1 and store.deleted("s/d/0"), "a cancelled run's awaited buffer goes"

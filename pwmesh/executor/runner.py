@@ -397,11 +397,24 @@ class Runner:
         per_shard = self._stored(work, wholes)
         if per_shard is not None:
             return per_shard, wholes
+        if fn is not None and work.comp.spmd and not work.comp.emits:  # it may take them whole: wait so
+            for buffer in piece_inputs(work.comp.inputs, wholes):
+                await self._unless_cancelled(self.store.arrival(buffer), work)
+            wholes = self._whole_inputs(work, fn, streamed)
+            per_shard = self._stored(work, wholes)
+            if per_shard is not None:
+                return per_shard, wholes
         inputs = piece_inputs(work.comp.inputs, wholes)
         per_shard = []
         for shard in work.shards:
             values = [await self._input(f"{p}/{shard}", work, streamed) for p in inputs]
             per_shard.append(values if wholes is None else with_wholes(values, wholes))
+        # What it waited for may have landed whole (an SPMD output, made into pieces for the wait): whole
+        # it goes in, as its pieces are not assembled again.
+        landed = self._whole_inputs(work, fn, streamed)
+        if landed is not None:
+            wholes = landed if wholes is None else [w if w is not None else x for w, x in zip(wholes, landed,
+                                                                                                strict=True)]
         return per_shard, wholes
 
     def _stored(self, work: Work, wholes: list[Any | None] | None) -> list[list[Any]] | None:

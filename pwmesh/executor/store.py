@@ -210,6 +210,7 @@ class ObjectStore:
         self._fences: dict[str, tuple[str, frozenset[str]]] = {}
         self._whole: dict[str, _Whole] = {}  # buffers an SPMD computation here produced, whole (``put_whole``)
         self.host_bytes: dict[str, int] = {}  # keys moved off their devices (``to_host``): their bytes
+        self._arrivals: dict[str, asyncio.Future[None]] = {}  # buffers an SPMD reader waits for (``arrival``)
         self.memory = MemoryBudget()  # its limit is the executor's to set
 
     def _future(self, key: str) -> asyncio.Future[Any]:
@@ -294,6 +295,27 @@ class ObjectStore:
         self._values[key] = value
         self._nbytes[key] = nbytes
         self.memory.allocated(nbytes)
+        if self._arrivals:
+            self._arrived(buffer_of(key))
+
+    def arrival(self, buffer: str) -> asyncio.Future[None]:
+        """Done once anything of ``buffer`` is here (an SPMD output whole, a piece, a failure) or it is deleted.
+        An SPMD computation waits so for an input it may take whole: a receive posted for a piece would have
+        the whole cut into pieces as it lands, and the pieces assembled again to go in."""
+        found = self._arrivals.get(buffer)
+        if found is not None:
+            return found
+        fut = asyncio.get_running_loop().create_future()
+        if buffer in self._whole or buffer in self._by_buffer or self._dead(buffer):
+            fut.set_result(None)
+        else:
+            self._arrivals[buffer] = fut
+        return fut
+
+    def _arrived(self, buffer: str) -> None:
+        fut = self._arrivals.pop(buffer, None)
+        if fut is not None and not fut.done():
+            fut.set_result(None)
 
     def put_whole(self, buffer: str, array: Any, sharding: Any, shards: tuple[int, ...], local: tuple[Any, ...],
                   shard_nbytes: int) -> None:
@@ -311,6 +333,7 @@ class ObjectStore:
         self._by_buffer.setdefault(buffer, [])
         self._whole[buffer] = _Whole(array, sharding, shards, local, shard_nbytes, split=False)
         self.memory.allocated(shard_nbytes * len(shards))
+        self._arrived(buffer)
         if waited:
             self._split(buffer)
 
@@ -433,6 +456,8 @@ class ObjectStore:
         fut = self._futures.get(key) or self._future(key)
         if not fut.done():
             fut.set_exception(exc)
+        if self._arrivals:
+            self._arrived(buffer_of(key))
 
     def delete(self, buffers: list[str]) -> int:
         """Delete every shard of ``buffers`` held here; returns how many shards went."""
@@ -440,6 +465,7 @@ class ObjectStore:
         freed = 0
         for buffer in buffers:
             self._deleted.add(buffer)
+            self._arrived(buffer)
             whole = self._whole.pop(buffer, None)
             if whole is not None and not whole.split:
                 removed += len(whole.shards)
@@ -459,7 +485,7 @@ class ObjectStore:
     def drop_pending(self) -> int:
         """Delete the buffers some shard of which was still awaited (their runs were cancelled): what arrives
         for them later is dropped. What is complete stays. Returns how many buffers went."""
-        waiting = sorted({buffer_of(k) for k, fut in self._futures.items() if not fut.done()})
+        waiting = sorted({buffer_of(k) for k, fut in self._futures.items() if not fut.done()} | set(self._arrivals))
         self.delete(waiting)
         return len(waiting)
 
