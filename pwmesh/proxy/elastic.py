@@ -52,6 +52,8 @@ def suspended_error(sl: SliceInfo, what: str) -> SliceSuspended:
 
 def refuse(session: Session, msg: RunProgram, program: ProgramSpec) -> None:
     """``SliceSuspended`` if the run computes on, moves to or reads from a suspended slice."""
+    if not any(sl.suspended for sl in session.slices.values()):  # most runs: nothing to look for in the nodes
+        return                                                     # (a million-node program's would hold the loop)
     for node in program.nodes:
         for sid in (node.slice_id, *node.targets):
             sl = session.slices.get(sid)
