@@ -223,6 +223,7 @@ class ProxyHarness:
         self.session = self.proxy.sessions[CLIENT]
         self.next_output = 1
         self.order = IslandOrder(island=0, scheduler="tcp://sched-0:6100")
+        self.install: InstallTemplate | None = None  # the latest template installed (once per cache)
 
     def handle(self, event: Any) -> list[Any]:
         return self.proxy.handle(event, 0.0)
@@ -243,6 +244,7 @@ class ProxyHarness:
         msg = RunProgram(inputs=[ProgramInput(buffer=0)], outputs=[self.next_output], program_id="chain3")
         self.next_output += 1
         out = [a.message for a in self.handle(Inbound(CLIENT, msg)) if isinstance(a, Send)]
+        self.install = next((m for m in out if isinstance(m, InstallTemplate)), self.install)  # (a new cache's)
         return out, sum(encoded_bytes(m) for m in out)
 
     def complete(self, run_id: str) -> tuple[list[Message], list[Message]]:
@@ -301,6 +303,8 @@ def proxy_point(devices: int, spmd: bool, config: Config) -> dict[str, Any]:
     assert not harness.proxy.runs, "every run finished"
     # The island's side of the same run: one Enqueue per executor.
     order = IslandOrder(island=0, scheduler="tcp://sched-0:6100")
+    assert harness.install is not None
+    install = harness.install  # the warm runs' template
     order.install(install)
     controls = {part.control: part.executor_id for part in install.parts}
     _submit_and_finish(order, schedule, controls)  # the first run carries each executor's part: later ones names
