@@ -74,6 +74,7 @@ from pwmesh.wire.messages import (
     CreateSlice,
     DeviceInfo,
     ExecutorInfo,
+    InstallTemplate,
     NodeDone,
     NodeSpec,
     OpenSession,
@@ -89,6 +90,7 @@ from pwmesh.wire.messages import (
     ReleaseBuffers,
     ReleaseSlices,
     RunProgram,
+    RunTemplate,
     SchedulerInfo,
     ScheduleRun,
     ShardRun,
@@ -221,6 +223,7 @@ class ProxyHarness:
         self.session = self.proxy.sessions[CLIENT]
         self.next_output = 1
         self.order = IslandOrder(island=0, scheduler="tcp://sched-0:6100")
+        self.install: InstallTemplate | None = None  # the latest template installed (once per cache)
 
     def handle(self, event: Any) -> list[Any]:
         return self.proxy.handle(event, 0.0)
@@ -241,13 +244,18 @@ class ProxyHarness:
         msg = RunProgram(inputs=[ProgramInput(buffer=0)], outputs=[self.next_output], program_id="chain3")
         self.next_output += 1
         out = [a.message for a in self.handle(Inbound(CLIENT, msg)) if isinstance(a, Send)]
+        self.install = next((m for m in out if isinstance(m, InstallTemplate)), self.install)  # (a new cache's)
         return out, sum(encoded_bytes(m) for m in out)
 
-    def complete(self, schedule: ScheduleRun) -> tuple[list[Message], list[Message]]:
+    def complete(self, run_id: str) -> tuple[list[Message], list[Message]]:
         """The run's completions, as its executors report them (one NodeDone each: its inner nodes are
         quiet), handed to the core; (the NodeDones, what the core sends because of them)."""
-        done = [NodeDone(run_id=schedule.run_id, nodes=part.nodes, executor_id=part.executor_id)
-                for part in schedule.parts]
+        by_executor: dict[str, list[int]] = {}
+        for node, executors in sorted(self.proxy.runs[run_id][1].pending.items()):
+            for executor_id in sorted(executors):
+                by_executor.setdefault(executor_id, []).append(node)
+        done = [NodeDone(run_id=run_id, nodes=nodes, executor_id=executor_id)
+                for executor_id, nodes in by_executor.items()]
         out = []
         for d in done:
             out += [a.message for a in self.handle(Inbound(b"executor", d)) if isinstance(a, Send)]
@@ -263,8 +271,8 @@ def proxy_point(devices: int, spmd: bool, config: Config) -> dict[str, Any]:
     first, _ = harness.dispatch()  # registers the functions (once per proxy) and fills the cache
     setup = [m for m in first if isinstance(m, RegisterFunction)]
     gangs = [m for m in first if isinstance(m, RegisterGang)]
-    (schedule,) = [m for m in first if isinstance(m, ScheduleRun)]
-    harness.complete(schedule)
+    (install,) = [m for m in first if isinstance(m, InstallTemplate)]  # once per template and island
+    harness.complete(run_of(first).run_id)
     harness.release()
 
     def cold() -> tuple[list[Message], int]:
@@ -278,9 +286,9 @@ def proxy_point(devices: int, spmd: bool, config: Config) -> dict[str, Any]:
             start = time.process_time()
             sent, _ = fn()
             dispatch_s.append(time.process_time() - start)
-            (run,) = [m for m in sent if isinstance(m, ScheduleRun)]
+            run_id = run_of(sent).run_id
             start = time.process_time()
-            harness.complete(run)
+            harness.complete(run_id)
             done_s.append(time.process_time() - start)
             harness.release()
         return statistics.median(dispatch_s), statistics.median(done_s), sent
@@ -288,20 +296,26 @@ def proxy_point(devices: int, spmd: bool, config: Config) -> dict[str, Any]:
     cold_s, _, _ = repeat(cold, config.proxy_cold_repeats)
     warm_s, done_s, messages = repeat(harness.dispatch, config.proxy_warm_repeats)
     assert harness.session.lowerings.hits >= config.proxy_warm_repeats, "the warm runs must hit the cache"
-    (schedule,) = [m for m in messages if isinstance(m, ScheduleRun)]
+    schedule = run_of(messages)
     nbytes = sum(encoded_bytes(m) for m in messages)
     # The run's completions: what the executors send the proxy, and what it sends because of them.
-    done, frees = harness.complete(harness.dispatch()[0][-1])  # (a last run, untimed: its messages counted)
+    done, frees = harness.complete(run_of(harness.dispatch()[0]).run_id)  # (a last run, untimed: counted)
     assert not harness.proxy.runs, "every run finished"
     # The island's side of the same run: one Enqueue per executor.
     order = IslandOrder(island=0, scheduler="tcp://sched-0:6100")
-    sched_s, actions = median_cpu(lambda: _submit_and_finish(order, schedule), config.proxy_warm_repeats)
+    assert harness.install is not None
+    install = harness.install  # the warm runs' template
+    order.install(install)
+    controls = {part.control: part.executor_id for part in install.parts}
+    _submit_and_finish(order, schedule, controls)  # the first run carries each executor's part: later ones names
+    sched_s, actions = median_cpu(lambda: _submit_and_finish(order, schedule, controls), config.proxy_warm_repeats)
     executors = len({d.executor_id for d in harness.slice.devices})
     return {
         "devices": devices, "executors": executors,
         "messages": len(messages), "message_types": dict(collections.Counter(type(m).__name__ for m in messages)),
         "bytes": nbytes, "bytes_per_executor": nbytes / executors,
-        "part_bytes": max(len(p.computations) for p in schedule.parts),  # an executor's packed computations
+        "part_bytes": max(len(p.computations) for p in install.parts),  # an executor's packed computations
+        "install_template_bytes": encoded_bytes(install),  # once per template and island
         "warm_cpu_us": 1e6 * warm_s, "cold_cpu_us": 1e6 * cold_s,
         "completion_messages_in": len(done), "completion_bytes_in": sum(encoded_bytes(m) for m in done),
         "completion_messages_out": len(frees), "completion_cpu_us": 1e6 * done_s,
@@ -314,11 +328,19 @@ def proxy_point(devices: int, spmd: bool, config: Config) -> dict[str, Any]:
     }
 
 
-def _submit_and_finish(order: IslandOrder, run: ScheduleRun | None) -> list[Any]:
+def run_of(sent: list[Message]) -> ScheduleRun | RunTemplate:
+    """The run among what the proxy sent (one island): a run of its installed template, or a whole one."""
+    (run,) = [m for m in sent if isinstance(m, ScheduleRun | RunTemplate)]
+    return run
+
+
+def _submit_and_finish(order: IslandOrder, run: ScheduleRun | RunTemplate | None,
+                       executors: dict[str, str]) -> list[Any]:
+    """``run`` submitted and each of its parts done; ``executors``: control address -> executor."""
     assert run is not None
-    actions = order.submit(run)
-    for part in run.parts:
-        order.part_done(run.run_id, part.executor_id, 0.001)
+    actions = order.submit_template(run) if isinstance(run, RunTemplate) else order.submit(run)
+    for send in actions:
+        order.part_done(run.run_id, executors[send.to], 0.001)
     return actions
 
 

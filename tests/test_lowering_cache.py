@@ -184,7 +184,8 @@ def test_least_recently_used_programs_are_dropped() -> None:
 
 @pytest.mark.parametrize("case", CASES)
 def test_packed_runs_unpack_to_the_fresh_computations(case: str) -> None:
-    """Sent as the template's parts with the run's names, each executor gets what a fresh lowering makes."""
+    """Installed once as the template's parts, then run with the run's names, each executor gets what a fresh
+    lowering makes."""
     program, slices, host_inputs, bound = CASES[case]
     cache = LoweringCache()
     templates: dict[str, PartTemplates] = {}  # one per executor
@@ -202,9 +203,14 @@ def test_packed_runs_unpack_to_the_fresh_computations(case: str) -> None:
             expected = run_parts(fresh.schedules[scheduler])
             assert [(p.executor_id, p.nodes, p.devices) for p in parts] == [
                 (p.executor_id, p.nodes, p.devices) for p in expected]
+            assert cached.run_names is not None and cached.template_id
             for part in parts:
-                got = enqueued(Enqueue(run_id="r", proxy="p", nodes=part.nodes, computations=part.computations,
-                                       names=part.names), templates.setdefault(part.executor_id, PartTemplates()))
+                mine = templates.setdefault(part.executor_id, PartTemplates())
+                first = not mine.holds(cached.template_id)  # the part's bytes come with the first run only
+                got = enqueued(Enqueue(run_id="r", proxy="p", nodes=part.nodes,
+                                       computations=part.computations if first else b"",
+                                       names=cached.run_names[scheduler], template=cached.template_id,
+                                       refs=part.refs if first else []), mine)
                 assert got == [c for c in fresh.schedules[scheduler] if c.executor_id == part.executor_id]
                 sent.append(part.computations)
     assert len(set(sent)) == len(sent) // 3  # every run sends the same bytes

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from test_proxy_state import CLIENT, World, chain, sent
+from test_proxy_state import CLIENT, World, chain, runs_sent, sent
 
 from pwmesh.errors import InvalidArgument, NotFound, PermissionDenied, Unavailable
 from pwmesh.proxy.resume import resume_token
@@ -30,7 +30,6 @@ from pwmesh.wire.messages import (
     ResumedBuffer,
     ResumeSession,
     RunProgram,
-    ScheduleRun,
     SessionOpened,
     SessionResumed,
     ValueSpec,
@@ -120,7 +119,7 @@ def test_a_restarted_proxy_takes_a_session_back_from_the_executors(world: World)
     fns = [world.function(NEW, slice_id, b"f")]
     assert world.handle(Inbound(NEW, RegisterProgram(program_id="p", program=chain(fns, slice_id)))) == []
     actions = world.handle(Inbound(NEW, RunProgram(inputs=[ProgramInput(buffer=7)], outputs=[9], program_id="p")))
-    (schedule,) = sent(actions, ScheduleRun)
+    (schedule,) = runs_sent(actions)  # (the template's run: the proxy before installed none of this one's)
     assert schedule.message.run_id.startswith(f"{sid}:{session.marker}")
     assert session.buffers[9].name.startswith(session.marker)
     with pytest.raises(InvalidArgument, match="never lost"):

@@ -60,6 +60,7 @@ from pwmesh.wire.messages import (
     Fetch,
     ForgetOwner,
     Heartbeat,
+    InstallTemplate,
     NodeDone,
     NodeSpec,
     Ok,
@@ -78,6 +79,7 @@ from pwmesh.wire.messages import (
     ReleaseBuffers,
     ReleaseSlices,
     RunProgram,
+    RunTemplate,
     SchedulerInfo,
     ScheduleRun,
     SendShards,
@@ -157,6 +159,11 @@ class World:
             if isinstance(action, Send) and isinstance(action.message, ScheduleRun):
                 assert action.to == SCHEDULER
                 released += self.order.submit(action.message)
+            elif isinstance(action, Send) and isinstance(action.message, InstallTemplate):
+                self.order.install(action.message)
+            elif isinstance(action, Send) and isinstance(action.message, RunTemplate):
+                assert action.to == SCHEDULER
+                released += self.order.submit_template(action.message)
         while released:  # each part reports to the scheduler too, which may release more
             send = released.pop(0)
             enq, executor_id = send.message, self.controls[send.to]
@@ -173,6 +180,11 @@ def allocated(reply: Message | None) -> SliceInfo:
 
 def sent(actions: list[Any], kind: type[Message]) -> list[Send]:
     return [a for a in actions if isinstance(a, Send) and isinstance(a.message, kind)]
+
+
+def runs_sent(actions: list[Any]) -> list[Send]:
+    """The runs sent to islands' schedulers: whole (``ScheduleRun``) or of an installed template."""
+    return [a for a in actions if isinstance(a, Send) and isinstance(a.message, ScheduleRun | RunTemplate)]
 
 
 def chain(fns: list[str], slice_id: int, rows: int = 8) -> ProgramSpec:
@@ -214,9 +226,10 @@ def test_a_program_runs_completes_and_its_buffers_are_freed_by_reference(world: 
     assert world.handle(Inbound(CLIENT, RegisterProgram(program_id="p", program=program))) == []
 
     actions = world.handle(Inbound(CLIENT, RunProgram(inputs=[ProgramInput(buffer=1)], outputs=[2], program_id="p")))
-    # Each function once per executor site, then one ScheduleRun for the island; all program traffic.
+    # Each function once per executor site, then its template and one run for the island; all program traffic.
     assert len(sent(actions, RegisterFunction)) == 2 * 4  # two functions, on each of the slice's four devices
-    assert len(sent(actions, ScheduleRun)) == 1 and all(a.dispatch for a in actions if isinstance(a, Send))
+    assert len(sent(actions, InstallTemplate)) == 1
+    assert len(sent(actions, RunTemplate)) == 1 and all(a.dispatch for a in actions if isinstance(a, Send))
     assert world.ask(CLIENT, QueryBuffers(buffers=[1, 2])) == BuffersState(ready=[True, False])
     wait = world.ask(CLIENT, AwaitBuffers(buffers=[2]))
     assert isinstance(wait, Wait) and not wait.buffers[0].done
@@ -273,8 +286,8 @@ def test_a_gang_goes_once_to_each_of_its_executors_and_again_to_a_new_process() 
     assert sorted(a.to for a in gangs) == sorted(controls), "once to each of its executors"
     mesh = [(r.executor_id, r.first + k) for r in gangs[0].message.devices for k in range(r.count)]
     assert mesh == [(d.executor_id, d.device) for d in world.proxy.sessions[CLIENT].slices[slice_id].devices]
-    assert first.index(gangs[-1]) < first.index(sent(first, ScheduleRun)[0]), "sent before the run"
-    (schedule,) = sent(first, ScheduleRun)
+    assert first.index(gangs[-1]) < first.index(sent(first, RunTemplate)[0]), "sent before the run"
+    (schedule,) = sent(first, InstallTemplate)
     comps = [c for part in schedule.message.parts
              for c in unpack_records(part.computations, Computation, "test")]
     assert comps and all(c.gang == gang_id for c in comps), "the computations carry its id only"
@@ -501,13 +514,13 @@ def test_a_big_program_is_lowered_off_the_loop_and_then_runs(world: World) -> No
     deferred.job.run()  # the shell's thread
     assert world.handle(Lowered(CLIENT, deferred.session_id, deferred.job)) == []
     actions = world.handle(run)
-    assert len(sent(actions, ScheduleRun)) == 1 and world.proxy.programs == 1
+    assert len(runs_sent(actions)) == 1 and world.proxy.programs == 1
     for done in world.executors(actions):
         world.handle(Inbound(b"", done))
     assert world.ask(CLIENT, AwaitBuffers(buffers=[2])).buffers[0].done
     again = world.handle(Inbound(CLIENT, RunProgram(inputs=[ProgramInput(buffer=2)], outputs=[3],
                                                     program=chain(fns, slice_id), program_id="p")))
-    assert not any(isinstance(a, LowerOffLoop) for a in again) and len(sent(again, ScheduleRun)) == 1
+    assert not any(isinstance(a, LowerOffLoop) for a in again) and len(runs_sent(again)) == 1
 
 
 def test_a_program_that_fails_to_lower_off_the_loop_fails_its_outputs(world: World) -> None:

@@ -49,6 +49,7 @@ from pwmesh.executor.state import (
     ExecutorState,
     Flush,
     Forgotten,
+    Installed,
     Leaving,
     PartEnded,
     Received,
@@ -85,6 +86,7 @@ from pwmesh.wire.messages import (
     GetExecutorStats,
     GetTrace,
     Heartbeat,
+    InstallPart,
     JoinGroup,
     LeavingForGroup,
     ListHeld,
@@ -252,6 +254,7 @@ class Executor(Service):
             RegisterFunction: self._register_function,
             RegisterGang: self._register_gang,
             Enqueue: self._enqueue,
+            InstallPart: self._install_part,
             PutShards: self._put,
             SendShards: self._send_shards,
             FetchShards: self._fetch,
@@ -393,11 +396,19 @@ class Executor(Service):
             self._arrive(msg)
         return None
 
+    def _install_part(self, peer: bytes, env: Envelope) -> None:
+        msg = env.message
+        assert isinstance(msg, InstallPart)
+        self.state.control = self.ctx.advertise(self.control.address)
+        self._handle(Installed(msg))
+
     async def _arrive_late(self, msg: Enqueue, delay: float) -> None:
         await asyncio.sleep(delay)  # test-only: a network that reorders messages
         self._arrive(msg)
 
     def _arrive(self, msg: Enqueue) -> None:
+        if msg.template and not self.state.control:  # named in a NeedTemplate, should it need its part again
+            self.state.control = self.ctx.advertise(self.control.address)
         self._handle(Received(msg))
 
     def _handle(self, event: Event) -> None:
@@ -416,7 +427,11 @@ class Executor(Service):
             elif isinstance(action, CancelWork):
                 self.runner.cancel_run(action.run_id, action.error)
             elif isinstance(action, Timer):
-                after_wakeups(functools.partial(self._handle, action.event))
+                delay = action.at - time.monotonic()
+                if delay > 0:  # a wait given up on (a template's part asked for again)
+                    asyncio.get_running_loop().call_later(delay, self._handle, action.event)
+                else:
+                    after_wakeups(functools.partial(self._handle, action.event))
             else:
                 raise TypeError(f"not an executor action: {action!r}")
 

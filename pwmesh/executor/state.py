@@ -8,6 +8,9 @@ Events:
     ``Received(enqueue)``         an ``Enqueue`` from an island's scheduler, in whatever order the network
                                   gave it: admitted in the island's order (``executor_seq`` per scheduler
                                   instance), the ones that overtook an earlier one held until it comes.
+    ``Installed(part)``           a template's part the executor asked its scheduler for (``InstallPart``),
+                                  or word that the scheduler no longer has it.
+    ``TemplateTimeout(template)`` the wait for that answer is over: what still waits for it fails.
     ``Cancelled(run_id, error)``  the proxy cancelled a run (``CancelRun``): what of it is queued fails, and
                                   what of it arrives later fails at once.
     ``Reclaimed(owner, marker, error)`` a restarted proxy took session ``owner`` back (``ReclaimOwner``): runs
@@ -24,6 +27,8 @@ Events:
 
 Actions:
     ``Send(to, message)``         post a message (``NodeDone`` to a proxy, ``RunPartDone`` to a scheduler).
+    ``Send(scheduler, NeedTemplate)`` a run named a template this executor does not hold: that run, and
+                                  every later one from the same scheduler (the island's order), wait for it.
     ``Admit(enqueue, computations)`` run these (the runner's device queues take them in this order); those
                                   it refuses come back as ``Completed`` with their error.
     ``CancelWork(run_id, error)`` fail what of ``run_id`` is queued or waiting here.
@@ -45,13 +50,14 @@ import itertools
 from typing import Protocol
 
 from pwmesh.core.contract import EventLog, Send, Timer, describe
-from pwmesh.errors import PwmeshError
+from pwmesh.errors import NotFound, PwmeshError
 from pwmesh.executor.store import renamed
-from pwmesh.wire.messages import Computation, Enqueue, ErrorInfo, NodeDone, RunPartDone
+from pwmesh.wire.messages import Computation, Enqueue, ErrorInfo, InstallPart, NeedTemplate, NodeDone, RunPartDone
 from pwmesh.wire.parts import PartTemplates, enqueued
 
 MAX_CANCELLED = 10_000  # cancelled runs remembered (runs are cancelled rarely; the recent ones matter)
 MAX_LOGGED_PART_BYTES = 64 << 10  # a larger Enqueue is logged as a line, not kept (the log keeps 2,000 events)
+TEMPLATE_WAIT_SECONDS = 30.0  # a run waits this long for its template's part from its scheduler, then fails
 INLINE_SECONDS = 1e-3  # computations quicker than this (all shards, recently) run on the event loop, not a device thread
 
 # ------------------------------------------------------------------ how a computation runs
@@ -106,6 +112,16 @@ def how_to_run(comp: Computation, timing: Timing | None, shards: int) -> How:
 @dataclasses.dataclass(slots=True)
 class Received:
     message: Enqueue
+
+
+@dataclasses.dataclass(slots=True)
+class Installed:
+    message: InstallPart
+
+
+@dataclasses.dataclass(slots=True)
+class TemplateTimeout:
+    template_id: str
 
 
 @dataclasses.dataclass(slots=True)
@@ -169,7 +185,7 @@ class Completions:
         return [Completed(self.run_id, self.proxy, node, quiet) for node, quiet in self.done]
 
 
-Event = Received | Cancelled | Reclaimed | Forgotten | Completed | PartEnded | Flush | StartedOver | Leaving
+Event = Received | Installed | TemplateTimeout | Cancelled | Reclaimed | Forgotten | Completed | PartEnded | Flush | StartedOver | Leaving
 
 # ------------------------------------------------------------------ actions
 
@@ -190,7 +206,7 @@ class CancelWork:
 
 Action = Send | Admit | CancelWork | Timer
 
-_KINDS = {Received: "enqueue", Cancelled: "cancel", Reclaimed: "reclaim", Forgotten: "forget",
+_KINDS = {Received: "enqueue", Installed: "install", TemplateTimeout: "template-timeout", Cancelled: "cancel", Reclaimed: "reclaim", Forgotten: "forget",
           Completed: "done", PartEnded: "part-done", Flush: "flush", StartedOver: "start-over", Leaving: "leave"}
 
 
@@ -199,6 +215,12 @@ class ExecutorState:
         self.name = name
         self.ordered = ordered  # False (a test's option): admit in arrival order
         self.templates = PartTemplates()
+        self.control = ""  # where this executor is reached (``NeedTemplate`` names it; set by its shell)
+        self.template_wait_seconds = TEMPLATE_WAIT_SECONDS
+        # Runs of templates asked for (``NeedTemplate``): template -> (source, Enqueue) in arrival order; and
+        # per source the Enqueue that waits, with every later one held behind it (the island's order).
+        self._awaiting: dict[str, list[tuple[str | None, Enqueue]]] = {}
+        self._stalled: dict[str, Enqueue] = {}
         self.events = EventLog() if log_events else None
         self.cancelled: collections.OrderedDict[str, PwmeshError] = collections.OrderedDict()
         # Sessions a restarted proxy took back: owner -> (the new proxy's name marker, what old runs fail with).
@@ -223,9 +245,15 @@ class ExecutorState:
         if type(event) is Completed:
             self._completed_one(event)
         elif isinstance(event, Received):
-            self._arrive(event.message)
+            self._arrive(event.message, now)
         elif isinstance(event, PartEnded):
             self._part_ended(event.run_id, event.scheduler, event.device_seconds)
+        elif isinstance(event, Installed):
+            self._installed(event.message, now)
+        elif isinstance(event, TemplateTimeout):
+            self._fail_waiting(event.template_id, NotFound(
+                f"template {event.template_id}'s part did not come from the island's scheduler within "
+                f"{self.template_wait_seconds:g} s of this executor asking for it (NeedTemplate)"), now)
         elif isinstance(event, Flush):
             self._flush()
         elif isinstance(event, Cancelled):
@@ -238,6 +266,8 @@ class ExecutorState:
             self._held.clear()
             self._expected.clear()
             self._quiet.clear()
+            self._awaiting.clear()
+            self._stalled.clear()
         elif isinstance(event, Leaving):
             for run_id, (proxy, nodes) in self._quiet.items():  # completed here: they go now
                 self._report_later(proxy, run_id, nodes)
@@ -258,7 +288,7 @@ class ExecutorState:
                                                                 [(event.node, event.quiet)]), len(out)))
             else:
                 # Kept as it is, to be replayed; not a large program's part: 2,000 of those would hold gigabytes.
-                kept = (describe(event) if type(event) is Received
+                kept = (describe(event) if isinstance(event, Received | Installed)
                         and len(event.message.computations) > MAX_LOGGED_PART_BYTES else event)
                 entries.append((now, (kind, n), kept, len(out)))  # the id formatted when read
         self._out = []
@@ -267,7 +297,7 @@ class ExecutorState:
     def _stimulus(self) -> str:
         return f"{self._kind}-{self._n}"
 
-    def _send(self, to: str, message: NodeDone | RunPartDone) -> None:
+    def _send(self, to: str, message: NodeDone | RunPartDone | NeedTemplate) -> None:
         self._out.append(Send(to, message, self._stimulus()))
 
     # ---------------------------------------------------------------- admission
@@ -290,22 +320,32 @@ class ExecutorState:
         """Go on from ``expected`` (``expected_seq`` of the process before)."""
         self._expected.update(expected)
 
-    def _arrive(self, msg: Enqueue) -> None:
+    def _arrive(self, msg: Enqueue, now: float) -> None:
         """Admit Enqueues in the island's order: hold any that overtook an earlier one."""
         if not self.ordered or msg.executor_seq < 0:
-            self._admit(msg)
+            self._admit(msg, None, now)
             return
         source = f"{msg.scheduler}|{msg.epoch}"  # a restarted scheduler is a new source
+        self._held.setdefault(source, {})[msg.executor_seq] = msg
+        self._drain(source, now)
+
+    def _drain(self, source: str, now: float) -> None:
+        """Admit what of ``source`` is next in order, until one must wait for its template."""
         held = self._held.setdefault(source, {})
-        held[msg.executor_seq] = msg
         expected = self._expected.get(source, 0)
-        while expected in held:
-            self._admit(held.pop(expected))
+        while expected in held and source not in self._stalled:
+            self._admit(held.pop(expected), source, now)
             expected += 1
         self._expected[source] = expected
 
-    def _admit(self, msg: Enqueue) -> None:
+    def _admit(self, msg: Enqueue, source: str | None, now: float) -> None:
         failed = self.cancelled.get(msg.run_id.split("#", 1)[0]) or self.old_run(msg.run_id)
+        if failed is None and msg.template and not msg.computations and not self.templates.holds(msg.template):
+            if msg.scheduler:  # restarted, or dropped it: ask the scheduler for it again, and wait
+                self._await_template(msg, source, now)
+                return
+            failed = NotFound(f"Enqueue of run {msg.run_id} names template {msg.template}, which this executor "
+                              "does not hold, and no scheduler to ask for it")
         if failed is None:
             try:
                 comps = enqueued(msg, self.templates)
@@ -313,12 +353,65 @@ class ExecutorState:
                 failed = exc
             else:
                 self._out.append(Admit(msg, comps, self._stimulus()))
+                if msg.template and msg.computations and msg.template in self._awaiting:  # (a new scheduler's)
+                    self._go_on(msg.template, now)
                 return
         # The cancellation overtook this Enqueue (they travel different paths), or it was unreadable:
         # fail it at once, and give the scheduler its window slot back.
+        self._fail(msg, failed)
+
+    def _fail(self, msg: Enqueue, error: PwmeshError) -> None:
         self._send(msg.proxy, NodeDone(run_id=msg.run_id, nodes=msg.nodes, executor_id=self.name,
-                                       error=ErrorInfo.of(failed)))
+                                       error=ErrorInfo.of(error)))
         self._part_ended(msg.run_id, msg.scheduler, 0.0)
+
+    # ---------------------------------------------------------------- templates asked for again
+
+    def _await_template(self, msg: Enqueue, source: str | None, now: float) -> None:
+        waiting = self._awaiting.get(msg.template)
+        if waiting is None:
+            waiting = self._awaiting[msg.template] = []
+            self._send(msg.scheduler, NeedTemplate(template_id=msg.template, executor_id=self.name,
+                                                   control=self.control))
+            self._out.append(Timer(now + self.template_wait_seconds, TemplateTimeout(msg.template),
+                                   self._stimulus()))
+        waiting.append((source, msg))
+        if source is not None:
+            self._stalled[source] = msg
+
+    def _installed(self, part: InstallPart, now: float) -> None:
+        """A template's part came again (or word it cannot): what waited for it goes on, in order."""
+        if part.template_id not in self._awaiting:
+            return  # not asked for (or given up on): nothing waits for it
+        if part.missing:
+            self._fail_waiting(part.template_id, NotFound(part.missing), now)
+            return
+        try:
+            self.templates.install(part.template_id, part.nodes, part.computations, part.refs)
+        except PwmeshError as exc:
+            self._fail_waiting(part.template_id, exc, now)
+            return
+        self._go_on(part.template_id, now)
+
+    def _go_on(self, template_id: str, now: float) -> None:
+        """The template is here: what waited for it is admitted, in order."""
+        for source, msg in self._awaiting.pop(template_id, []):
+            self._resume(source, msg, None, now)
+
+    def _fail_waiting(self, template_id: str, error: PwmeshError, now: float) -> None:
+        for source, msg in self._awaiting.pop(template_id, []):
+            self._resume(source, msg, error, now)
+
+    def _resume(self, source: str | None, msg: Enqueue, error: PwmeshError | None, now: float) -> None:
+        """``msg`` waited for its template: admit it (or fail it with ``error``), then what its source held."""
+        if source is not None:
+            self._stalled.pop(source, None)
+        if error is not None:
+            self._fail(msg, error)
+        else:
+            self._admit(msg, source, now)
+        if source is not None:
+            self._drain(source, now)
 
     def _cancel(self, run_id: str, error: PwmeshError) -> None:
         self.cancelled[run_id] = error

@@ -21,6 +21,7 @@ import collections
 import dataclasses
 import functools
 import itertools
+import secrets
 from collections.abc import Callable
 
 from pwmesh.errors import InvalidArgument, PwmeshError
@@ -38,8 +39,11 @@ class _Template:
     lowered: Lowered  # with placeholder names
     placeholders: list[str]  # "<owner>/<placeholder>" of value v, then of each derived buffer
     holders: list[tuple[int, set[str]]]  # (buffer, as an index into placeholders) -> who holds its shards
-    # Per scheduler, its parts packed once, each with the placeholders its "@<k>" stand for (as indices)
-    parts: dict[str, list[tuple[RunPart, list[int]]]]
+    # Per scheduler, its parts packed once (installed there once: ``InstallTemplate``), each part's "@<k>"
+    # standing for the island's names[part.refs[k]]; and those names, as indices into placeholders.
+    parts: dict[str, list[RunPart]]
+    island_names: dict[str, list[int]]
+    template_id: str = dataclasses.field(default_factory=lambda: secrets.token_hex(8))  # unique across proxies
 
     def current(self, slices: dict[int, SliceInfo]) -> bool:
         """Whether every slice it was lowered against is still the one the session holds (no remap since)."""
@@ -162,11 +166,17 @@ def _build(program: ProgramSpec, *, owner: str, host_inputs: set[int], bound: di
     bare = placeholders + lowered.derived
     prefixed = [f"{owner}/{p}" for p in bare]
     index = {p: i for i, p in enumerate(prefixed)}
-    parts = {scheduler: [(part, [index[name] for name in names]) for part, names in referenced_parts(comps)]
-             for scheduler, comps in lowered.schedules.items()}
+    parts: dict[str, list[RunPart]] = {}
+    island_names: dict[str, list[int]] = {}
+    for scheduler, comps in lowered.schedules.items():
+        island: dict[int, int] = {}  # placeholder -> its place in the island's names (first use first)
+        parts[scheduler] = [dataclasses.replace(part, refs=[island.setdefault(index[name], len(island))
+                                                           for name in names])
+                            for part, names in referenced_parts(comps)]
+        island_names[scheduler] = list(island)
     at = {b: i for i, b in enumerate(bare)}
     holders = [(at[b], controls) for b, controls in lowered.holders.items()]
-    return _Template(program, {sid: slices[sid] for sid in used}, lowered, prefixed, holders, parts)
+    return _Template(program, {sid: slices[sid] for sid in used}, lowered, prefixed, holders, parts, island_names)
 
 
 def _check_same_shape(program_id: str, cached: ProgramSpec, sent: ProgramSpec) -> None:
@@ -180,8 +190,9 @@ def _instantiate(template: _Template, owner: str, names: list[str], fresh_name: 
                  packed: bool) -> Lowered:
     """The template with this run's names: fresh records and containers, nothing shared that a run mutates.
 
-    ``packed``: the run is sent as the template's packed parts with its names (``Lowered.parts``), so its
-    computations are not copied (``schedules`` keeps the template's, for their nodes and executors)."""
+    ``packed``: the run is sent as a run of the template installed on its islands (``Lowered.parts``, the
+    same for every run, and ``run_names``, this run's names per island), so its computations are not
+    copied (``schedules`` keeps the template's, for their nodes and executors)."""
     src = template.lowered
     derived = [fresh_name() for _ in src.derived]
     bare = names + derived
@@ -193,17 +204,15 @@ def _instantiate(template: _Template, owner: str, names: list[str], fresh_name: 
         return HostPut(value=p.value, shard=p.shard, location=p.location, key=f"{by_prefix[buffer]}/{shard}",
                        layout=p.layout)
 
+    parts: dict[str, list[RunPart]] | None = None
+    run_names: dict[str, list[str]] | None = None
     if packed:
         schedules = src.schedules
-        parts: dict[str, list[RunPart]] | None = {
-            scheduler: [RunPart(executor_id=part.executor_id, control=part.control, devices=part.devices,
-                                nodes=part.nodes, computations=part.computations, names=[real[i] for i in refs])
-                        for part, refs in mine]
-            for scheduler, mine in template.parts.items()}
+        parts = template.parts
+        run_names = {scheduler: [real[i] for i in island] for scheduler, island in template.island_names.items()}
     else:
         name = by_prefix.__getitem__
         schedules = {s: [renamed(c, name) for c in comps] for s, comps in src.schedules.items()}
-        parts = None
     return Lowered(
         schedules=schedules,
         puts=[put(p) for p in src.puts],
@@ -217,5 +226,7 @@ def _instantiate(template: _Template, owner: str, names: list[str], fresh_name: 
         gangs=src.gangs,
         derived=derived,
         parts=parts,
+        run_names=run_names,
         template=template,
+        template_id=template.template_id,
     )

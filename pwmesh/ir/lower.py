@@ -182,12 +182,15 @@ class Lowered:
     function_sites: dict[str, set[tuple[str, tuple[int, ...]]]]  # fn_id -> {(control, devices)}
     gangs: dict[str, Gang] = dataclasses.field(default_factory=dict)  # the gangs its computations name, by id
     derived: list[str] = dataclasses.field(default_factory=list)  # buffers lowering made (reshards): temporaries
-    # A cached lowering's packed parts per scheduler, with this run's names (see ir.cache): send these;
-    # the schedules' computations then name placeholders, not this run's buffers.
+    # A cached lowering's packed parts per scheduler (see ir.cache), installed there once
+    # (``InstallTemplate``), and this run's names per scheduler (``RunTemplate``); the schedules'
+    # computations then name placeholders, not this run's buffers.
     parts: dict[str, list[RunPart]] | None = None
+    run_names: dict[str, list[str]] | None = None
     # The cached lowering this run was made from (``ir.cache``; None: lowered for this run alone). Its
     # identity lasts as long as the cache keeps it: the proxy remembers per template what it already did.
     template: object | None = dataclasses.field(default=None, compare=False)
+    template_id: str = dataclasses.field(default="", compare=False)  # its id where it is installed
 
 
 def validate(program: ProgramSpec) -> None:

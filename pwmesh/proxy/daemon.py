@@ -117,6 +117,7 @@ from pwmesh.wire.messages import (
     SliceAllocated,
     SlicesUpdated,
     StatusReply,
+    TemplateMissing,
     TraceEvents,
 )
 
@@ -235,7 +236,7 @@ class Proxy(Service):
         # Clients open sessions and act on their own; completions come from daemons only; an admin drains.
         # An admin also suspends and resumes other tenants' sessions (``pwmesh suspend``).
         access = Access.of(client=[*(op for op in ProxyState.HANDLERS
-                                     if op not in (NodeDone, DataLost, *ProxyState.ADMIN_HANDLERS)),
+                                     if op not in (NodeDone, DataLost, TemplateMissing, *ProxyState.ADMIN_HANDLERS)),
                                    GetStatus, GetClusterTrace],
                            admin=[DrainHost, GetEvents, *ProxyState.ADMIN_HANDLERS])
         self.server = Server(self.ctx, self.config.listen, handlers, tasks=self.tasks, name=self.name, access=access)
@@ -386,7 +387,7 @@ class Proxy(Service):
         run) must neither be refused nor overtake the resume. The header's session id decides only this:
         whoever names a session they cannot resume waits for the session timeout, then hears "no session"."""
         if (peer in self.state.sessions or not env.sender
-                or isinstance(env.message, (Heartbeat, ResumeSession, OpenSession, NodeDone, DataLost))
+                or isinstance(env.message, (Heartbeat, ResumeSession, OpenSession, NodeDone, DataLost, TemplateMissing))
                 or not self.state.may_resume(env.sender, time.monotonic())):
             return None
         held = self._held.get(peer)

@@ -15,7 +15,7 @@ import secrets
 from pwmesh.errors import PwmeshError
 from pwmesh.ir.cache import LoweringCache
 from pwmesh.ir.lower import ShardLocation, shard_key
-from pwmesh.wire.messages import Computation, ProgramSpec, SliceInfo, ValueSpec
+from pwmesh.wire.messages import Computation, InstallTemplate, ProgramSpec, RunTemplate, SliceInfo, ValueSpec
 
 
 @dataclasses.dataclass(eq=False)
@@ -82,6 +82,10 @@ class Run:
     held: dict[int, list[tuple[str, Computation]]] = dataclasses.field(default_factory=dict)
     waits_for: dict[int, set[int]] = dataclasses.field(default_factory=dict)
     donated: list[tuple[int, Buffer]] = dataclasses.field(default_factory=list)  # (client id, buffer) it consumes
+    # A run of an installed template: per scheduler what was sent (to send again if the scheduler lacked it).
+    templated: dict[str, tuple[InstallTemplate, RunTemplate]] = dataclasses.field(default_factory=dict)
+    template: object | None = None  # the cached lowering it ran (``ir.cache``)
+    template_retries: int = 0
 
 
 @dataclasses.dataclass(eq=False)

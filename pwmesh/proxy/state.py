@@ -69,6 +69,7 @@ from pwmesh.errors import (
     ProtocolError,
     PwmeshError,
     ResourceExhausted,
+    Unavailable,
 )
 from pwmesh.ir.cache import MAX_PROGRAM_ID_CHARS
 from pwmesh.ir.keys import function_id
@@ -137,6 +138,7 @@ from pwmesh.wire.messages import (
     Fetch,
     ForgetOwner,
     Heartbeat,
+    InstallTemplate,
     NodeDone,
     Ok,
     OpenSession,
@@ -158,6 +160,7 @@ from pwmesh.wire.messages import (
     ResumeSuspended,
     RunPart,
     RunProgram,
+    RunTemplate,
     SchedulerJoined,
     SchedulerLost,
     ScheduleRun,
@@ -174,6 +177,7 @@ from pwmesh.wire.messages import (
     SuspendSession,
     SuspendSlices,
     TakeBack,
+    TemplateMissing,
     VacateSlices,
     ValueSpec,
     WatchCluster,
@@ -187,6 +191,7 @@ log = logging.getLogger(__name__)
 # What one run's computations for one island may pack into: the message limit, less room for the
 # rest of the ScheduleRun (its names and header).
 MAX_PART_BYTES = DEFAULT_LIMITS.max_body_bytes - (1 << 20)
+MAX_TEMPLATE_RETRIES = 3  # a run sent again to a scheduler that lacked its template, at most
 MAX_REFUSED_FUNCTIONS = 1024  # functions the sandbox refused, remembered (the oldest forgotten first)
 MAX_ARRIVING_PROGRAMS = 4  # per session, coming in parts at once (each held until its last part)
 SESSION_ID = re.compile(r"s\d+-[0-9a-f]{6}")  # what ``_open_session`` names sessions
@@ -228,6 +233,11 @@ class ProxyState:
         self.sites_registered: weakref.WeakSet[object] = weakref.WeakSet()
         # Cached lowerings whose packed parts were found to fit one message (they never change).
         self.parts_sized: weakref.WeakSet[object] = weakref.WeakSet()
+        # Cached lowerings installed on islands' schedulers (``InstallTemplate``): template -> {scheduler: the
+        # scheduler's generation then}. A scheduler that (re)joins starts a new generation: installed again.
+        self.templates_installed: weakref.WeakKeyDictionary[object, dict[str, int]] = weakref.WeakKeyDictionary()
+        self.scheduler_generation: collections.Counter[str] = collections.Counter()
+        self.templates_reinstalled = 0  # runs sent again because their scheduler lacked the template
         self.liveness = Liveness(session_timeout_seconds)
         self.policy = TenantPolicy()  # tenants' limits and shares (the shell keeps it as the admin set it)
         self.lost: dict[str, DeviceLost] = {}  # executor id -> why it is gone
@@ -270,6 +280,7 @@ class ProxyState:
         RegisterProgram: "_register_program", RunProgram: "_run_program", PutBuffer: "_put_buffer",
         ReleaseBuffers: "_release_buffers", AwaitBuffers: "_await_buffers", QueryBuffers: "_query_buffers",
         Fetch: "_fetch", NodeDone: "_node_done", DataLost: "_data_lost", TakeBack: "_take_back",
+        TemplateMissing: "_template_missing",
         PutDirect: "_put_direct", SuspendSlices: "_suspend_slices", ResumeSlices: "_resume_slices",
         SuspendSession: "_suspend_session", ResumeSuspended: "_resume_suspended",
     }
@@ -834,10 +845,25 @@ class ProxyState:
         for control, sends in lowered.moves.items():
             for send in sends:  # (cached with the lowering: this run's copy names the run)
                 self._send(control, dataclasses.replace(send, run_id=run_id, proxy=self.address))
-        if parts is not None:
+        templated: dict[str, tuple[InstallTemplate, RunTemplate]] = {}
+        if parts is not None and lowered.run_names is not None:  # an installed template: one message an island
+            installed = self.templates_installed.setdefault(lowered.template, {})
+            for scheduler, mine in parts.items():
+                install = InstallTemplate(template_id=lowered.template_id, parts=mine)
+                templated[scheduler] = sent = (install, RunTemplate(
+                    template_id=lowered.template_id, run_id=run_id, proxy=self.address,
+                    names=lowered.run_names[scheduler], session=session.session_id, weight=session.weight,
+                    priority=session.priority))
+                generation = self.scheduler_generation[scheduler]
+                if installed.get(scheduler) != generation:
+                    installed[scheduler] = generation
+                    self._send(scheduler, install)
+                self._send(scheduler, sent[1])
+        elif parts is not None:
             for scheduler, mine in parts.items():
                 self._schedule(session, run_id, scheduler, mine)
         run = record_run(session, run_id, program, lowered, binding)
+        run.templated, run.template = templated, lowered.template
         if limits.max_run_seconds:
             run.deadline = now + limits.max_run_seconds
         self.runs[run_id] = (session, run)
@@ -888,6 +914,32 @@ class ProxyState:
         self._node_finished(session, run, msg)
         return None
 
+    def _template_missing(self, peer: bytes, msg: TemplateMissing, now: float) -> None:
+        """A scheduler did not hold a run's template (it restarted, or dropped it) and ordered nothing of the
+        run: install it there again and send the run again; after ``MAX_TEMPLATE_RETRIES``, fail the run."""
+        if peer in self.sessions:
+            raise ProtocolError("a scheduler says which templates it lacks, not a client session")
+        found = self.runs.get(msg.run_id)
+        sent = found[1].templated.get(msg.scheduler) if found is not None else None
+        if found is None or sent is None or sent[1].template_id != msg.template_id:
+            return  # ended already (aborted, say), or not a run of ours there
+        session, run = found
+        run.template_retries += 1
+        if run.template_retries > MAX_TEMPLATE_RETRIES:
+            self._abort_run(session, run, Unavailable(
+                f"the scheduler at {msg.scheduler} lost the run's template {msg.template_id} "
+                f"{run.template_retries} times in a row (it keeps restarting, or holds too few templates)"))
+            return
+        self.templates_reinstalled += 1
+        log.info("scheduler %s lacks template %s of run %s: installing it again", msg.scheduler, msg.template_id,
+                 msg.run_id)
+        if run.template is not None:
+            self.templates_installed.setdefault(run.template, {})[msg.scheduler] = \
+                self.scheduler_generation[msg.scheduler]
+        self._dispatching = True
+        self._send(msg.scheduler, sent[0])
+        self._send(msg.scheduler, sent[1])
+
     def _data_lost(self, peer: bytes, msg: DataLost, now: float) -> None:
         found = self._reported_run(peer, msg.run_id, msg.executor_id, "losses")
         if found is not None:  # else it ended already
@@ -936,6 +988,7 @@ class ProxyState:
                     self._abort_run(session, run, err)
         elif isinstance(msg, SchedulerJoined):
             self.lost_schedulers.pop(msg.address, None)
+            self.scheduler_generation[msg.address] += 1  # a new process: it holds no template
         elif isinstance(msg, ExecutorJoined):
             was_lost = self.lost.pop(msg.executor_id, None) is not None
             self.lost_controls.discard(msg.control)

@@ -37,11 +37,14 @@ from pwmesh.wire.messages import (
     GetEvents,
     GetSchedulerStats,
     Heartbeat,
+    InstallTemplate,
     JoinGroup,
+    NeedTemplate,
     Ping,
     PleaseRegister,
     RegisterScheduler,
     RunPartDone,
+    RunTemplate,
     SchedulerInfo,
     SchedulerStats,
     ScheduleRun,
@@ -80,6 +83,9 @@ class Scheduler(Service):
     async def setup(self) -> None:
         handlers: dict[type[Message], Handler] = {
             ScheduleRun: self._schedule,
+            InstallTemplate: self._schedule,
+            RunTemplate: self._schedule,
+            NeedTemplate: self._need_template,
             RunPartDone: self._part_done,
             GetSchedulerStats: self._stats,
             GetEvents: self.events,
@@ -214,8 +220,15 @@ class Scheduler(Service):
             await proc.wait()
 
     def _schedule(self, peer: bytes, env: Envelope) -> None:
-        assert isinstance(env.message, ScheduleRun)
+        assert isinstance(env.message, ScheduleRun | InstallTemplate | RunTemplate)
         self._handle(Received(env.message))
+
+    def _need_template(self, peer: bytes, env: Envelope) -> None:
+        msg = env.message
+        assert isinstance(msg, NeedTemplate)
+        if not speaks_for(env.user, msg.executor_id):
+            raise PermissionDenied(f"the daemon key {env.user!r} cannot ask for {msg.executor_id}'s parts")
+        self._handle(Received(msg))
 
     def _part_done(self, peer: bytes, env: Envelope) -> None:
         msg = env.message

@@ -32,7 +32,8 @@ from typing import NamedTuple
 
 from pwmesh.core.contract import Send
 from pwmesh.errors import InvalidArgument
-from pwmesh.wire.messages import ClientUsage, Enqueue, ScheduleRun
+from pwmesh.scheduler.templates import IslandTemplates, Template
+from pwmesh.wire.messages import ClientUsage, Enqueue, InstallTemplate, RunTemplate, ScheduleRun, TemplateMissing
 from pwmesh.wire.records import MAX_DEVICES
 
 POLICIES = ("fifo", "fair")
@@ -51,9 +52,10 @@ class OrderEntry(NamedTuple):
 
 @dataclasses.dataclass
 class _Pending:
-    run: ScheduleRun
+    run: ScheduleRun | RunTemplate
     arrival: int
     footprint: frozenset[DeviceKey]
+    template: Template | None = None  # a run of an installed template (``RunTemplate``)
 
 
 @dataclasses.dataclass
@@ -110,6 +112,7 @@ class IslandOrder:
         self._ready: list[_Entry] = []
         self._blocked: dict[DeviceKey, list[_Entry]] = {}
         self._stimulus = ""  # the event being handled: the Sends it causes carry its id
+        self.templates = IslandTemplates()  # cached lowerings installed once, run by id (``templates.py``)
 
     # ---------------------------------------------------------------- events
     #
@@ -119,6 +122,33 @@ class IslandOrder:
     def submit(self, run: ScheduleRun, stimulus: str = "") -> list[Send]:
         """Queue a run for its client, then release whatever now fits."""
         self._stimulus = stimulus
+        for part in run.parts:
+            for r in part.devices:
+                if r.first < 0 or not 1 <= r.count <= MAX_DEVICES:
+                    raise InvalidArgument(f"run {run.run_id}: devices [{r.first}, +{r.count}) on {part.executor_id}")
+        footprint = frozenset((part.executor_id, r.first + k) for part in run.parts for r in part.devices
+                              for k in range(r.count))
+        return self._queue(_Pending(run, next(self._arrivals), footprint))
+
+    def install(self, msg: InstallTemplate) -> None:
+        """Keep a template its runs will name (``templates.py``)."""
+        self.templates.install(msg)
+
+    def submit_template(self, run: RunTemplate, stimulus: str = "") -> list[Send]:
+        """Queue a run of an installed template; one of a template not held here is refused whole, and its
+        proxy told (``TemplateMissing``: it installs the template again and sends the run again)."""
+        self._stimulus = stimulus
+        template = self.templates.get(run.template_id)
+        if template is None:
+            return [Send(run.proxy, TemplateMissing(run_id=run.run_id, template_id=run.template_id,
+                                                    scheduler=self.scheduler), stimulus)]
+        if len(run.names) < template.names:
+            raise InvalidArgument(f"run {run.run_id} names {len(run.names)} buffers; template "
+                                  f"{run.template_id} refers to {template.names}")
+        return self._queue(_Pending(run, next(self._arrivals), template.footprint, template))
+
+    def _queue(self, pending: _Pending) -> list[Send]:
+        run = pending.run
         client = self._clients.get(run.session)
         if client is None:
             client = self._clients[run.session] = _Client(run.session, run.weight, run.priority,
@@ -129,13 +159,7 @@ class IslandOrder:
             # Re-entering after idling: start level with the others, with no saved-up credit.
             active = [c.vtime for c in self._clients.values() if c is not client and (c.queue or c.in_flight)]
             client.vtime = max(client.vtime, min(active, default=client.vtime))
-        for part in run.parts:
-            for r in part.devices:
-                if r.first < 0 or not 1 <= r.count <= MAX_DEVICES:
-                    raise InvalidArgument(f"run {run.run_id}: devices [{r.first}, +{r.count}) on {part.executor_id}")
-        footprint = frozenset((part.executor_id, r.first + k) for part in run.parts for r in part.devices
-                              for k in range(r.count))
-        client.queue.append(_Pending(run, next(self._arrivals), footprint))
+        client.queue.append(pending)
         if self.policy == "fair" and self._key(client) != before:  # a new head, or a new priority or vtime
             self._place(client)
         return self._release()
@@ -252,16 +276,33 @@ class IslandOrder:
         actions = []
         seq = self.next_seq
         run_id, session, record = run.run_id, run.session, self.history.append
-        for part in run.parts:
+        template = pending.template
+        if template is None:
+            assert isinstance(run, ScheduleRun)
+            sending, names = run.parts, list[str]()
+        else:
+            assert isinstance(run, RunTemplate)
+            sending, names = template.parts, run.names
+        for part in sending:
             seqs = list(range(seq, seq + len(part.nodes)))
             for s, node in zip(seqs, part.nodes, strict=True):
                 record(OrderEntry(s, run_id, node, part.executor_id, session))
             seq += len(seqs)
             ex = part.executor_id
-            actions.append(Send(part.control, Enqueue(
-                run_id=run_id, proxy=run.proxy, nodes=part.nodes, computations=part.computations, seqs=seqs,
-                names=part.names,
-                scheduler=self.scheduler, executor_seq=self._executor_seq[ex], epoch=self.epoch), self._stimulus))
+            if template is None:
+                enqueue = Enqueue(run_id=run_id, proxy=run.proxy, nodes=part.nodes, computations=part.computations,
+                                  seqs=seqs, names=part.names, scheduler=self.scheduler,
+                                  executor_seq=self._executor_seq[ex], epoch=self.epoch)
+            else:  # the part's bytes go with the first run only; every run carries the island's names
+                first = ex not in template.sent
+                if first:
+                    template.sent.add(ex)
+                enqueue = Enqueue(run_id=run_id, proxy=run.proxy, nodes=part.nodes,
+                                  computations=part.computations if first else b"", seqs=seqs,
+                                  names=names, scheduler=self.scheduler,
+                                  executor_seq=self._executor_seq[ex], epoch=self.epoch,
+                                  template=template.template_id, refs=part.refs if first else [])
+            actions.append(Send(part.control, enqueue, self._stimulus))
             self._executor_seq[ex] += 1
         self.next_seq = seq
         for key in pending.footprint:
@@ -282,8 +323,9 @@ class IslandOrder:
 
     def restart_executor(self, executor_id: str) -> None:
         """A new process runs under ``executor_id``: its Enqueues count from 0 again (the old process's
-        parts were forgotten when it was declared lost)."""
+        parts were forgotten when it was declared lost), and it holds no template's part."""
         self._executor_seq.pop(executor_id, None)
+        self.templates.forget_executor(executor_id)
 
     @property
     def in_flight(self) -> int:

@@ -7,13 +7,16 @@ right after the forming completes. The daemon (``scheduler/daemon.py``) and the 
 (``sim/controller.py``) drive this same core.
 
 Events:
-    ``Received(message)``  ``ScheduleRun`` from a proxy, ``RunPartDone`` from an executor, and the resource
+    ``Received(message)``  ``ScheduleRun``, ``InstallTemplate`` and ``RunTemplate`` from a proxy (``templates.py``),
+                           ``RunPartDone`` and ``NeedTemplate`` from an executor, and the resource
                            manager's notices ``ExecutorJoined`` and ``ExecutorLost`` (the shell does what
                            concerns its connections itself: marking a peer alive or lost, fences).
     ``Tick()``             time passed: a settled membership may start a forming of the group.
 
 Actions (each carrying the id of the event that caused it, ``stimulus``):
     ``Send(control, Enqueue)`` an executor's part of a released run, in the island's order.
+    ``Send(control, InstallPart)`` a template's part an executor asked for again.
+    ``Send(proxy, TemplateMissing)`` a run of a template not held here, refused whole.
     ``Reply(error=...)``   a message refused (a run naming devices that cannot be): the sender is told.
     ``Form``, ``AskAgain``, ``Formed`` (``group.py``) start a forming of the JAX group (a coordinator, then
                            ``JoinGroup`` to each member at ``controls``), ask its slow members again, and
@@ -33,7 +36,15 @@ from pwmesh.errors import PwmeshError
 from pwmesh.scheduler.group import AskAgain, Form, Formed, IslandGroup, Joined, Left
 from pwmesh.scheduler.group import Tick as GroupTick
 from pwmesh.scheduler.order import IslandOrder
-from pwmesh.wire.messages import ExecutorJoined, ExecutorLost, RunPartDone, ScheduleRun
+from pwmesh.wire.messages import (
+    ExecutorJoined,
+    ExecutorLost,
+    InstallTemplate,
+    NeedTemplate,
+    RunPartDone,
+    RunTemplate,
+    ScheduleRun,
+)
 
 MAX_LOGGED_RUN_BYTES = 64 << 10  # a larger ScheduleRun is logged as a line, not kept (the log keeps 2,000 events)
 
@@ -48,7 +59,8 @@ class Tick:
 Event = Received | Tick
 Action = Send | Reply | Form | AskAgain | Formed
 
-_KINDS = {ScheduleRun: "schedule", RunPartDone: "part-done", ExecutorJoined: "joined", ExecutorLost: "lost"}
+_KINDS = {ScheduleRun: "schedule", RunTemplate: "run", InstallTemplate: "install", NeedTemplate: "need",
+          RunPartDone: "part-done", ExecutorJoined: "joined", ExecutorLost: "lost"}
 
 
 class SchedulerState:
@@ -82,8 +94,16 @@ class SchedulerState:
             match message:
                 case RunPartDone(run_id=run_id, executor_id=executor_id, device_seconds=seconds):
                     actions = self._release(self.order.part_done(run_id, executor_id, seconds, stimulus))
+                case RunTemplate():
+                    actions = self._release(self.order.submit_template(message, stimulus))
                 case ScheduleRun():
                     actions = self._release(self.order.submit(message, stimulus))
+                case InstallTemplate():
+                    self.order.install(message)
+                case NeedTemplate():  # not held while the group forms: it orders nothing
+                    control, part = self.order.templates.part_for(message)
+                    if control:
+                        actions = [Send(control, part, stimulus)]
                 case ExecutorJoined(executor_id=executor_id, control=control, island=island, group=group,
                                     group_epoch=epoch, fresh=fresh):
                     if fresh:  # a new process: it expects the island's order from its first Enqueue on
@@ -108,6 +128,9 @@ class SchedulerState:
         run = event.message
         if isinstance(run, ScheduleRun) and sum(len(p.computations) for p in run.parts) > MAX_LOGGED_RUN_BYTES:
             return f"Received(message=ScheduleRun(run_id={run.run_id!r}, session={run.session!r}, " \
+                   f"parts={len(run.parts)}), payload not kept)"
+        if isinstance(run, InstallTemplate) and sum(len(p.computations) for p in run.parts) > MAX_LOGGED_RUN_BYTES:
+            return f"Received(message=InstallTemplate(template_id={run.template_id!r}, " \
                    f"parts={len(run.parts)}), payload not kept)"
         return event
 

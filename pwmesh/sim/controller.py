@@ -21,9 +21,13 @@ from pwmesh.sim.network import Network
 from pwmesh.sim.node import Node
 from pwmesh.wire import Envelope
 from pwmesh.wire.messages import (
+    Enqueue,
     Error,
     ExecutorLost,
+    InstallTemplate,
+    NeedTemplate,
     RunPartDone,
+    RunTemplate,
     ScheduleRun,
     WatchCluster,
 )
@@ -59,8 +63,9 @@ class SimResourceManager(Node):
 
 
 class SimScheduler(Node):
-    """An island scheduler's shell: ``ScheduleRun``, ``RunPartDone`` and the RM's ``ExecutorLost`` into
-    ``SchedulerState``, ``Enqueue`` out."""
+    """An island scheduler's shell: ``ScheduleRun``, ``InstallTemplate``, ``RunTemplate``, ``RunPartDone``,
+    ``NeedTemplate`` and the RM's ``ExecutorLost`` into ``SchedulerState``; ``Enqueue`` (and ``InstallPart``,
+    ``TemplateMissing``) out."""
 
     def __init__(self, address: str, clock: Clock, network: Network, state: SchedulerState, **node: Any) -> None:
         super().__init__(address, clock, network, **node)
@@ -71,7 +76,7 @@ class SimScheduler(Node):
 
     def handle(self, env: Envelope) -> None:
         msg = env.message
-        if not isinstance(msg, ScheduleRun | RunPartDone | ExecutorLost):
+        if not isinstance(msg, ScheduleRun | RunTemplate | InstallTemplate | NeedTemplate | RunPartDone | ExecutorLost):
             return  # the RM's other news concerns the JAX group, which the simulator has none of
         actions = self.core(self.state.handle, Received(msg), self.clock.now)
         runs = set()
@@ -79,8 +84,10 @@ class SimScheduler(Node):
             if isinstance(action, Reply):
                 if action.error is not None:
                     self.post(env.sender, error_message(action.error), reply_to=env.msg_id)
-            elif isinstance(action, Send):
-                runs.add(getattr(action.message, "run_id", ""))
+            elif isinstance(action, Send) and isinstance(action.message, Enqueue):
+                runs.add(action.message.run_id)
                 self.enqueues += 1
+                self.post(action.to, action.message)
+            elif isinstance(action, Send):  # a template's part again, or a run refused for want of its template
                 self.post(action.to, action.message)
         self.decisions += len(runs)

@@ -12,8 +12,9 @@ over the network's data plane to the executors that hold the destination shards
 does), and completions go back as the core says (``NodeDone`` to the proxy,
 ``RunPartDone`` to the scheduler). ``PutShards``, ``SendShards``,
 ``FetchShards`` (answered with zeros of the stored shape: real bytes on the wire),
-``DeleteShards``, ``ForgetOwner``, ``CancelRun`` and ``RegisterGang`` (a gang computation waits
-for its gang as for its function) behave as the real executor's.
+``DeleteShards``, ``ForgetOwner``, ``CancelRun``, ``RegisterGang`` (a gang computation waits
+for its gang as for its function) and ``InstallPart`` (a template's part asked for again) behave
+as the real executor's.
 """
 
 from __future__ import annotations
@@ -29,7 +30,17 @@ from pwmesh.core.contract import Send, Timer
 from pwmesh.dataflow.exchange import block_plan, destinations
 from pwmesh.errors import NotFound, PwmeshError
 from pwmesh.executor.queues import DeviceQueues, PartDone, Start
-from pwmesh.executor.state import Admit, Cancelled, CancelWork, Completed, Event, ExecutorState, PartEnded, Received
+from pwmesh.executor.state import (
+    Admit,
+    Cancelled,
+    CancelWork,
+    Completed,
+    Event,
+    ExecutorState,
+    Installed,
+    PartEnded,
+    Received,
+)
 from pwmesh.executor.work import Work
 from pwmesh.sim.clock import Clock
 from pwmesh.sim.cost import CostModel, FunctionCost
@@ -44,6 +55,7 @@ from pwmesh.wire.messages import (
     Enqueue,
     FetchShards,
     ForgetOwner,
+    InstallPart,
     Ok,
     PutShards,
     RegisterFunction,
@@ -69,6 +81,7 @@ class SimExecutor(Node):
         self.peers = peers  # every executor, by data-plane address (the data plane's routes)
         self.queues = DeviceQueues(devices)
         self.state = ExecutorState(executor_id, log_events=False)
+        self.state.control = control  # named in a NeedTemplate
         self.functions: dict[str, FunctionCost] = {}
         self.gangs: set[str] = set()  # the gangs it was sent (``RegisterGang``), by id
         self.stored: dict[str, Meta] = {}
@@ -89,6 +102,8 @@ class SimExecutor(Node):
         msg = env.message
         if isinstance(msg, Enqueue):
             self._core(Received(msg))
+        elif isinstance(msg, InstallPart):
+            self._core(Installed(msg))
         elif isinstance(msg, RegisterFunction):
             fn = FunctionCost.from_artifact(msg.exported)
             self.functions[msg.fn_id] = fn
@@ -135,8 +150,8 @@ class SimExecutor(Node):
                 self._admit(action.message, action.computations)
             elif isinstance(action, CancelWork):
                 self._cancel(action.run_id, action.error)
-            elif isinstance(action, Timer):  # what completes in one instant leaves together
-                self.clock.after(0.0, functools.partial(self._core, action.event))
+            elif isinstance(action, Timer):  # what completes in one instant leaves together (or a wait's end)
+                self.clock.after(max(0.0, action.at - self.clock.now), functools.partial(self._core, action.event))
             else:
                 raise TypeError(f"not an executor action: {action!r}")
 

@@ -348,6 +348,41 @@ class RunPart(Record):
     # The run's buffer names its computations refer to as "@<k>" (a cached lowering's part, packed once
     # and sent again for every run of its program); empty: they name their buffers themselves.
     names: list[str] = dataclasses.field(default_factory=list)
+    # A part of an installed template (``InstallTemplate``): its "@<k>" stands for the run's
+    # ``RunTemplate.names[refs[k]]``.
+    refs: list[int] = dataclasses.field(default_factory=list)
+
+
+@record
+class InstallTemplate(Message, op="sched.install_template"):
+    """A cached lowering's parts for one island (program x slice version), sent once before its first
+    ``RunTemplate``: the scheduler keeps them to order its runs and hands each executor its part."""
+
+    template_id: str  # random: unique across proxies and their restarts
+    parts: list[RunPart]  # with ``refs``, no ``names``
+
+
+@record
+class RunTemplate(Message, op="sched.run_template"):
+    """A run of an installed template: one small message per island, whatever its executors."""
+
+    template_id: str
+    run_id: str
+    proxy: str
+    names: list[str]  # the run's buffer names its parts refer to (``RunPart.refs``)
+    session: str = ""
+    weight: float = 1.0
+    priority: int = 0
+
+
+@record
+class NeedTemplate(Message, op="sched.need_template"):
+    """An executor was sent a run of a template it does not hold (it restarted, or evicted it): the
+    scheduler sends it its part again (``InstallPart``)."""
+
+    template_id: str
+    executor_id: str
+    control: str  # where the executor is reached (used only if the scheduler no longer has the template)
 
 
 @record
@@ -431,6 +466,22 @@ class Enqueue(Message, op="exec.enqueue"):
     scheduler: str = ""  # where to report RunPartDone
     executor_seq: int = -1  # this executor's n-th Enqueue from that scheduler: restores order
     epoch: str = ""  # the scheduler instance: a restarted scheduler counts from 0 again
+    # A run of an installed template: its id. ``computations`` (with ``refs``) come with the first run
+    # the scheduler sends this executor; later ones carry only ``names`` (``InstallTemplate``).
+    template: str = ""
+    refs: list[int] = dataclasses.field(default_factory=list)
+
+
+@record
+class InstallPart(Message, op="exec.install_part"):
+    """An executor's part of a template, sent again on its ask (``NeedTemplate``); ``missing``: the
+    scheduler no longer has it, and the runs waiting for it fail with that."""
+
+    template_id: str
+    nodes: list[int] = dataclasses.field(default_factory=list)
+    computations: bytes = b""
+    refs: list[int] = dataclasses.field(default_factory=list)
+    missing: str = ""
 
 
 @record
@@ -657,6 +708,16 @@ class NodeDone(Message, op="exec.node_done"):
     nodes: list[int]
     executor_id: str
     error: ErrorInfo | None = None
+
+
+@record
+class TemplateMissing(Message, op="proxy.template_missing"):
+    """An island's scheduler was sent a run of a template it does not hold (it restarted, or evicted it):
+    nothing of the run was ordered there; the proxy installs the template again and sends the run again."""
+
+    run_id: str
+    template_id: str
+    scheduler: str
 
 
 @record

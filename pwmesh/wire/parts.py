@@ -9,6 +9,11 @@ the parts of a cached lowering name their buffers ``"@<k>"``, the k-th of the
 part's ``names``: the proxy packs them once and sends each run the same bytes
 with that run's names; an executor unpacks each such part once (``PartTemplates``)
 and fills in the names per run.
+
+Better still, such a part is *installed*: the island scheduler holds a cached lowering's parts
+(``InstallTemplate``) and sends each executor its part once, with the first run (``Enqueue.template``
+and ``refs``); later runs carry only the template's id and the run's names, the island's whole list,
+of which the part's ``"@<k>"`` is ``names[refs[k]]``. ``PartTemplates`` keeps those by id too.
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ from __future__ import annotations
 import collections
 from collections.abc import Callable, Iterable
 
-from pwmesh.errors import ProtocolError
+from pwmesh.errors import NotFound, ProtocolError
 from pwmesh.wire.codec import pack_records, unpack_records
 from pwmesh.wire.messages import Computation, DeviceRange, Emit, Enqueue, RunPart, Target
 from pwmesh.wire.records import check_runs
@@ -30,6 +35,13 @@ def run_parts(comps: Iterable[Computation]) -> list[RunPart]:
     return [RunPart(executor_id=executor_id, control=mine[0].control, devices=device_ranges(mine),
                     nodes=[c.node for c in mine], computations=pack_records(mine))
             for executor_id, mine in by_executor.items()]
+
+
+def with_names(parts: list[RunPart], names: list[str]) -> list[RunPart]:
+    """An installed template's parts (``refs``) with a run's names (``RunTemplate.names``), each part its own:
+    the run as a ``ScheduleRun`` would carry it."""
+    return [RunPart(executor_id=p.executor_id, control=p.control, devices=p.devices, nodes=p.nodes,
+                    computations=p.computations, names=[names[r] for r in p.refs]) for p in parts]
 
 
 def device_ranges(comps: Iterable[Computation]) -> list[DeviceRange]:
@@ -85,14 +97,58 @@ def checked(comps: list[Computation], msg: Enqueue) -> list[Computation]:
 
 
 class PartTemplates:
-    """An executor's parts of cached lowerings, unpacked once each (by their bytes; the newest ``capacity``)."""
+    """An executor's parts of cached lowerings, unpacked once each: by their bytes (the newest ``capacity``),
+    and those installed by id (``install``; the newest ``installed_capacity``)."""
 
-    def __init__(self, capacity: int = 64) -> None:
+    def __init__(self, capacity: int = 64, installed_capacity: int = 1024) -> None:
         self.capacity = capacity
+        self.installed_capacity = installed_capacity
         self._parts: collections.OrderedDict[bytes, list[Computation]] = collections.OrderedDict()
+        # template id -> its computations (naming "@<k>") and what each k stands for in a run's names
+        self._installed: collections.OrderedDict[str, tuple[list[Computation], list[int]]] = \
+            collections.OrderedDict()
 
     def __len__(self) -> int:
-        return len(self._parts)
+        return len(self._parts) + len(self._installed)
+
+    def holds(self, template_id: str) -> bool:
+        return template_id in self._installed
+
+    def install(self, template_id: str, nodes: list[int], computations: bytes, refs: list[int]) -> None:
+        """Keep a template's part: its computations unpacked and checked once."""
+        where = f"template {template_id}'s part"
+        comps = unpack_records(computations, Computation, where)
+        for comp in comps:
+            check_runs(comp.runs, f"{where}, computation {comp.node}")
+        if [c.node for c in comps] != nodes:
+            raise ProtocolError(f"{where}: its computations are nodes {[c.node for c in comps]}, it names {nodes}")
+        if any(r < 0 for r in refs):
+            raise ProtocolError(f"{where} refers to a negative name")
+        self._installed[template_id] = (comps, list(refs))
+        self._installed.move_to_end(template_id)
+        while len(self._installed) > self.installed_capacity:
+            self._installed.popitem(last=False)
+
+    def instantiated(self, msg: Enqueue) -> list[Computation]:
+        """A run of an installed template (``msg.template``): its computations with the run's names."""
+        found = self._installed.get(msg.template)
+        if found is None:
+            raise NotFound(f"Enqueue of run {msg.run_id} names template {msg.template}, which this executor "
+                           "does not hold")
+        self._installed.move_to_end(msg.template)
+        template, refs = found
+        names = msg.names
+
+        def name(ref: str) -> str:
+            if ref[:1] != "@":
+                return ref
+            k = int(ref[1:]) if ref[1:].isdigit() else -1
+            i = refs[k] if 0 <= k < len(refs) else -1
+            if not 0 <= i < len(names):
+                raise ProtocolError(f"Enqueue of run {msg.run_id} refers to buffer {ref!r}; it names {len(names)}")
+            return names[i]
+
+        return [renamed(c, name) for c in template]
 
     def computations(self, msg: Enqueue) -> list[Computation]:
         """``msg``'s computations with the run's names in place of their references."""
@@ -119,7 +175,12 @@ class PartTemplates:
 
 def enqueued(msg: Enqueue, templates: PartTemplates | None = None) -> list[Computation]:
     """An Enqueue's computations, checked against the nodes it names, with their places in the island order."""
-    if msg.names:
+    if msg.template:
+        templates = templates if templates is not None else PartTemplates(0, 1)
+        if msg.computations:  # the first run of it sent here: its part comes with it
+            templates.install(msg.template, msg.nodes, msg.computations, msg.refs)
+        comps = templates.instantiated(msg)
+    elif msg.names:
         comps = (templates if templates is not None else PartTemplates(0)).computations(msg)
     else:
         comps = checked(unpack_records(msg.computations, Computation, "Enqueue.computations"), msg)
