@@ -34,8 +34,9 @@ def exported(fn: Callable[[Any], Any], spec_in: PartitionSpec, spec_out: Partiti
 
 def test_a_part_that_needs_no_peers_runs_alone_on_one_block_as_the_whole_program_would() -> None:
     spec = PartitionSpec("data", "model")
-    part = per_device(exported(lambda v: jnp.tanh(v * 2.0 + v.shape[0]), spec, spec), MESH, AXES, "f")
-    assert part.nr_devices == 1
+    blocks = per_device(exported(lambda v: jnp.tanh(v * 2.0 + v.shape[0]), spec, spec), MESH, AXES, "f")
+    part = blocks.exported
+    assert part.nr_devices == 1 and not blocks.per_partition
     assert [a.shape for a in part.in_avals] == [(4, 2)] == [a.shape for a in part.out_avals]
     x = np.arange(32.0, dtype=np.float32).reshape(8, 4)
     block = x[4:, 2:]  # device 3's: the global shape (8) stays the program's constant
@@ -43,17 +44,25 @@ def test_a_part_that_needs_no_peers_runs_alone_on_one_block_as_the_whole_program
     np.testing.assert_allclose(np.asarray(out), np.tanh(block * 2.0 + 8.0), rtol=1e-6)
 
 
-@pytest.mark.parametrize(("fn", "spec_in", "spec_out", "what"), [
-    (lambda v: v - v.sum(), PartitionSpec("data", "model"), PartitionSpec("data", "model"), "all-reduce"),
-    (lambda v: v * 3.0, PartitionSpec(), PartitionSpec("data"), "partition-id"),  # which block is mine?
-])
-def test_a_part_that_needs_its_peers_or_its_place_is_refused_naming_why(
-        fn: Callable[[Any], Any], spec_in: PartitionSpec, spec_out: PartitionSpec, what: str) -> None:
-    with pytest.raises(InvalidArgument, match=rf"devices communicate \({what}\).*one JAX group"):
-        per_device(exported(fn, spec_in, spec_out), MESH, AXES, "f")
+def test_a_part_that_asks_its_partition_gets_its_number_as_a_constant() -> None:
+    """A replicated input cut into blocks: each device's part slices out its own (``partition-id``)."""
+    blocks = per_device(exported(lambda v: v * 3.0, PartitionSpec(), PartitionSpec("data")), MESH, AXES, "f")
+    assert blocks.per_partition
+    x = np.arange(32.0, dtype=np.float32).reshape(8, 4)
+    device = jax.devices("cpu")[0]
+    for partition in range(4):  # mesh (data 2, model 2): partitions 0, 1 hold rows 0-3, partitions 2, 3 rows 4-7
+        out = jax.jit(blocks.for_partition(partition).call)(jax.device_put(x, device))
+        rows = slice(0, 4) if partition < 2 else slice(4, 8)
+        np.testing.assert_array_equal(np.asarray(out), x[rows] * 3.0)
+
+
+def test_a_part_that_needs_its_peers_is_refused_naming_why() -> None:
+    with pytest.raises(InvalidArgument, match=r"devices communicate \(all-reduce\).*one JAX group"):
+        per_device(exported(lambda v: v - v.sum(), PartitionSpec("data", "model"), PartitionSpec("data", "model")),
+                   MESH, AXES, "f")
 
 
 def test_communication_is_read_from_the_partitioned_module() -> None:
-    hlo = "%a = f32[2] all-reduce-start(f32[2] %x)\n%b = u32[] partition-id()\n%c = f32[2] add(%a, %a)"
-    assert communication(hlo) == ["all-reduce", "partition-id"]
+    hlo = "%a = f32[2] all-reduce-start(f32[2] %x)\n%b = u32[] partition-id()\n%c = f32[2] collective-permute(%a)"
+    assert communication(hlo) == ["all-reduce", "collective-permute"]
     assert communication("%c = f32[2] add(%a, %a)\n%d = f32[2] sendrecv_like(%c)") == []

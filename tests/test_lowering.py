@@ -792,8 +792,8 @@ def test_spmd_node_over_executors_outside_one_jax_group_runs_by_blocks() -> None
     for sl in (make_slice(1, [("a", 0), ("b", 0)]), grouped):
         lowered = run(chain(2, 1, 1), [sl], spmd={"f": True, "g": True})
         comps = lowered.schedules[sl.scheduler]
-        assert [(c.fn_id, c.spmd, c.gang) for c in comps] == [(blockwise_id("f"), False, "")] * 2 + [
-            (blockwise_id("g"), False, "")] * 2
+        assert [(c.fn_id, c.spmd, c.gang) for c in comps] == [  # a's device 0 runs shard 0, b's shard 1
+            (blockwise_id(f, {0: shard}), False, "") for f in "fg" for shard in (0, 1)]
         assert not lowered.gangs
         assert lowered.function_sites["f"] == {(control("a"), (0,)), (control("b"), (0,))}
 

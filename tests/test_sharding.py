@@ -407,6 +407,9 @@ def test_a_program_whose_devices_need_no_peers_runs_by_blocks_outside_a_jax_grou
     for _ in range(3):
         w = step(w, y)
     np.testing.assert_allclose(np.asarray(w), 1.0 - 1.5 * np.tanh(x * 2.0 + 8.0), rtol=1e-6)
+    # A replicated input cut into blocks: each device's part has its partition's number (partition-id).
+    cut = pw.jit(lambda v: v * 3.0, devices=sl, in_specs=P(), out_specs=P("data"))
+    np.testing.assert_array_equal(np.asarray(cut(x)), x * 3.0)
 
 
 def test_pmap_is_as_it_was(wide: Wide) -> None:

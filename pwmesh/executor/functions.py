@@ -21,7 +21,7 @@ from pwmesh.errors import InvalidArgument
 from pwmesh.executor.artifacts import read
 from pwmesh.executor.blockwise import per_device
 from pwmesh.executor.sandbox import Sandbox
-from pwmesh.ir.keys import BLOCKWISE
+from pwmesh.ir.keys import BLOCKWISE, parse_blockwise
 
 # What makes a computation's run time unbounded by its shapes, in its optimized HLO: a loop whose trip
 # count XLA could not work out (a static ``fori_loop`` or ``scan`` has one: ``known_trip_count``), a host
@@ -79,6 +79,9 @@ class CompiledFunction:
         # Whether nothing in it loops or waits on data (``bounded``): None until it is known, found on a
         # device thread as it is first compiled (reading the compiled module costs ms for a large one).
         self.bounded: bool | None = None
+        # An SPMD function's part run by blocks that asks which partition it is (``by_blocks``): what each
+        # device (its JAX id) runs, its partition's number in it.
+        self.partitions: dict[int, export.Exported] = {}
 
     def ran(self, seconds: float) -> None:
         """Record how long one shard's run took (timed where it was waited for: the loop or a device thread)."""
@@ -164,10 +167,11 @@ class CompiledFunction:
         specs = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s) for a, s in zip(self.exported.in_avals, ins,
                                                                                      strict=True)]
         out_shardings = jax.tree_util.tree_unflatten(self.exported.out_tree, list(outs)) if self.spmd else None
+        exported = self.partitions.get(devices[0].id, self.exported) if self.partitions else self.exported
         with warnings.catch_warnings():
             # Donation is a hint: XLA reuses what it can (on CPU too) and says so for the rest.
             warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
-            exe = jax.jit(self.exported.call, out_shardings=out_shardings,
+            exe = jax.jit(exported.call, out_shardings=out_shardings,
                           donate_argnums=donate).lower(*specs).compile()
         if self.bounded is None:  # known before the executable is: nothing runs inline while it is not
             text = exe.as_text()
@@ -188,20 +192,25 @@ def load(fn_id: str, serialized: bytes, spmd: bool, mesh: list[int] | None = Non
     return CompiledFunction(fn_id, read(fn_id, serialized), spmd, mesh, axes, donate)
 
 
-def by_blocks(fn: CompiledFunction, fn_id: str) -> CompiledFunction:
+def by_blocks(fn: CompiledFunction, fn_id: str, partitions: dict[int, int]) -> CompiledFunction:
     """SPMD function ``fn`` as the per-device function each device runs on its blocks alone
-    (``blockwise.per_device``: ``InvalidArgument`` if its devices would communicate). Call from a worker thread."""
-    return CompiledFunction(fn_id, per_device(fn.exported, fn.mesh, fn.axes, fn.fn_id), spmd=False,
-                            donate=list(fn.donate))
+    (``blockwise.per_device``: ``InvalidArgument`` if its devices would communicate), device ``d`` (its
+    JAX id) running partition ``partitions[d]``. Call from a worker thread."""
+    blocks = per_device(fn.exported, fn.mesh, fn.axes, fn.fn_id)
+    found = CompiledFunction(fn_id, blocks.exported, spmd=False, donate=list(fn.donate))
+    if blocks.per_partition:
+        found.partitions = {d: blocks.for_partition(p) for d, p in partitions.items()}
+    return found
 
 
 class FunctionCache:
-    """Functions by id; ``get`` waits for a registration that has not arrived yet. An id ending in
-    ``BLOCKWISE`` names a registered SPMD function run by blocks (``by_blocks``), derived here on first use."""
+    """Functions by id; ``get`` waits for a registration that has not arrived yet. An id with
+    ``BLOCKWISE`` in it (``blockwise_id``) names a registered SPMD function run by blocks (``by_blocks``), derived here on first use."""
 
     def __init__(self, sandbox: Sandbox | None = None) -> None:
         self.sandbox = sandbox  # reads each new function first, in a child process (``pwmesh.executor.sandbox``)
         self.executor: concurrent.futures.Executor | None = None  # where functions are derived (None: the loop's)
+        self.devices: list[jax.Device] = []  # this executor's, by index (set by the runner): ids' devices
         self._functions: dict[str, asyncio.Future[CompiledFunction]] = {}
         self._loading: set[str] = set()  # being deserialized off the loop (``load``)
         self._deriving: set[asyncio.Task[None]] = set()
@@ -253,7 +262,7 @@ class FunctionCache:
 
     def get(self, fn_id: str) -> asyncio.Future[CompiledFunction]:
         """The function's future: resolved at registration (which may come after the work)."""
-        if fn_id not in self._functions and fn_id.endswith(BLOCKWISE):
+        if fn_id not in self._functions and BLOCKWISE in fn_id:
             task = asyncio.get_running_loop().create_task(self._derive(fn_id, self._entry(fn_id)))
             self._deriving.add(task)
             task.add_done_callback(self._deriving.discard)
@@ -262,9 +271,15 @@ class FunctionCache:
     async def _derive(self, fn_id: str, fut: asyncio.Future[CompiledFunction]) -> None:
         """Resolve ``fut`` with its SPMD function run by blocks, once that function is registered."""
         try:
-            base = await asyncio.shield(self._entry(fn_id.removesuffix(BLOCKWISE)))
+            parsed = parse_blockwise(fn_id)
+            if parsed is None or any(not 0 <= d < len(self.devices) for d in parsed[1]):
+                raise InvalidArgument(f"function id {fn_id[:80]!r} names no function run by blocks on this "
+                                      "executor's devices")
+            base_id, partitions = parsed
+            base = await asyncio.shield(self._entry(base_id))
+            by_id = {self.devices[d].id: p for d, p in partitions.items()}
             found: CompiledFunction | InvalidArgument = await asyncio.get_running_loop().run_in_executor(
-                self.executor, by_blocks, base, fn_id)
+                self.executor, by_blocks, base, fn_id, by_id)
         except InvalidArgument as exc:
             found = exc
         except Exception as exc:  # a registration that failed otherwise, or a bug: the run fails with it

@@ -116,6 +116,7 @@ class Runner:
         self.store = store
         store.pieces = pieces  # SPMD outputs are stored whole (``ObjectStore.put_whole``): how to cut one
         self.functions = functions
+        functions.devices = devices  # a function run by blocks names devices by their index here
         self.host = host
         self.memory = store.memory  # stored bytes are counted by the store, reservations here
         self.memory.limit_bytes = memory_limit_bytes

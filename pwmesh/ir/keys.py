@@ -15,13 +15,25 @@ def function_id(serialized: bytes, spmd: bool, mesh: list[int] | None = None, ax
     return hashlib.sha256(serialized + how).hexdigest()[:32]
 
 
-BLOCKWISE = "#blocks"  # suffix of a function's id: its devices' part alone (``executor/blockwise.py``)
+BLOCKWISE = "#blocks@"  # in a function's id: its devices' part alone (``executor/blockwise.py``)
 
 
-def blockwise_id(fn_id: str) -> str:
+def blockwise_id(fn_id: str, partitions: dict[int, int]) -> str:
     """The id under which an executor runs SPMD function ``fn_id`` by blocks: each device its own part of the
-    partitioned program, with no JAX group (derived there from ``fn_id``'s registration)."""
-    return fn_id + BLOCKWISE
+    partitioned program, with no JAX group (derived there from ``fn_id``'s registration). ``partitions``:
+    each of the executor's devices (its index there) -> the partition (shard) it runs."""
+    return fn_id + BLOCKWISE + ",".join(f"{d}:{p}" for d, p in sorted(partitions.items()))
+
+
+def parse_blockwise(fn_id: str) -> tuple[str, dict[int, int]] | None:
+    """``(fn_id, partitions)`` of a ``blockwise_id``; None for any other id (or a malformed one)."""
+    base, found, pairs = fn_id.partition(BLOCKWISE)
+    if not found:
+        return None
+    try:
+        return base, {int(d): int(p) for d, _, p in (pair.partition(":") for pair in pairs.split(","))}
+    except ValueError:
+        return None
 
 
 def gang_id(devices: list[GangRange]) -> str:

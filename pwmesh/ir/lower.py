@@ -450,7 +450,8 @@ class _Lowering:
             comp.donate = donate
             comp.gang = gang.message.gang_id if gang is not None else ""
             if blockwise:
-                comp.fn_id = blockwise_id(node.fn_id)
+                comp.fn_id = blockwise_id(node.fn_id, {r.device + k: r.shard + k for r in comp.runs
+                                                       for k in range(r.count)})
         for comp in comps:
             devices = tuple(r.device + k for r in comp.runs for k in range(r.count))
             sites = {(comp.control, devices)} if is_spmd and not blockwise else {(comp.control, (d,)) for d in devices}
