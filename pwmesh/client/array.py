@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from pwmesh.client import prng
+from pwmesh.client import prng, subbyte
 from pwmesh.client.session import Session, wire_spec
 from pwmesh.client.sharding import SliceSharding
 from pwmesh.dataflow.layout import Layout
@@ -205,7 +205,9 @@ class Array:
         """The global value from its distinct blocks as the proxy sends them."""
         layout, dtype = self.layout()
         value = layout.assemble(blocks, dtype)
-        return prng.wrap(value, self.dtype) if prng.is_key(self.dtype) else value
+        if prng.is_key(self.dtype):
+            return prng.wrap(value, self.dtype)
+        return subbyte.released(value, self.dtype)  # a sub-byte value comes in its container
 
     def __jax_array__(self) -> Any:
         """What JAX meets: an input of the computation while ``pw.jit`` traces a function closing over it

@@ -20,7 +20,7 @@ from jax import export
 from jax.extend import core as jax_core
 from jax.sharding import AbstractMesh, AxisType, NamedSharding, PartitionSpec
 
-from pwmesh.client import capture, prng
+from pwmesh.client import capture, prng, subbyte
 from pwmesh.client.devices import Slice
 from pwmesh.client.sharding import P, SliceSharding, abstract_mesh, propagation_mesh, resolve, spec_from
 from pwmesh.errors import InvalidArgument
@@ -234,6 +234,14 @@ def _flat_outputs(fn: Callable[..., Any]) -> Callable[..., list[Any]]:
 
 
 def canonical(value: Any) -> np.ndarray:
+    """A host value as it is sent: the array JAX would make of it (``as_jax_would``), a typed key array's data
+    or a sub-byte array in its container (``client/prng.py``, ``client/subbyte.py``)."""
+    if prng.is_key(getattr(value, "dtype", None)):
+        return prng.key_data(value)
+    return subbyte.contained(as_jax_would(value))
+
+
+def as_jax_would(value: Any) -> np.ndarray:
     """A host value as the array JAX would make of it (float64 -> float32 unless x64 is on). A NumPy masked
     array is refused, as JAX refuses it (its mask would be dropped in silence); so is a Python int out of
     the range of JAX's integer type (``OverflowError``, as ``jax.jit`` and ``jax.device_put`` raise)."""
@@ -242,8 +250,6 @@ def canonical(value: Any) -> np.ndarray:
                               "arr.filled() to convert the value to a standard numpy array.")
     if isinstance(value, int) and not isinstance(value, bool):
         return _python_int(value)
-    if prng.is_key(getattr(value, "dtype", None)):  # a typed key array travels as its data (``client/prng.py``)
-        return prng.key_data(value)
     arr = np.asarray(value)
     dtype = jax.dtypes.canonicalize_dtype(arr.dtype)
     return arr if arr.dtype == dtype else arr.astype(dtype)
@@ -264,5 +270,5 @@ def host_aval(value: Any) -> jax.ShapeDtypeStruct:
         return jax.ShapeDtypeStruct(value.shape, value.dtype)
     python_scalar = isinstance(value, (int, float, complex)) and not isinstance(value, (bool, np.generic))
     weak = python_scalar or (isinstance(value, jax.Array) and value.weak_type)
-    arr = canonical(value)
+    arr = as_jax_would(value)
     return jax.ShapeDtypeStruct(arr.shape, arr.dtype, weak_type=weak)
