@@ -76,6 +76,10 @@ class Array:
     # static argument nor a dictionary key.
     __array_priority__ = 100
     __hash__ = None  # type: ignore[assignment]
+    # As an uncommitted jax.Array: pw.jit lays it out as in_specs say (it is resharded on its way in), and
+    # jax.ShapeDtypeStruct.like gives its shape, dtype and weak type, no sharding (its sharding is a slice's,
+    # not a JAX Sharding).
+    _committed = False
 
     # Operators run the jax.numpy operation on its slice (``pwmesh.client.array_ops``); conversions fetch.
     __add__, __radd__ = _binary(operator.add), _binary(operator.add, True)
@@ -215,6 +219,15 @@ class Array:
         from pwmesh.client import capture  # noqa: PLC0415 - JAX is imported only by what traces
 
         return capture.as_jax(self)
+
+    @property
+    def format(self) -> Any:
+        """JAX reads it where one of its own functions is given a pw.Array directly, outside any trace
+        (``jnp.sin(w)``, ``jax.jit(f)(w)``): refused there, as JAX refuses any ``__jax_array__`` object."""
+        raise InvalidArgument("a pw.Array was given to a JAX function directly; as for any __jax_array__ object, "
+                              "convert it first: jnp.asarray(w) inside a pw.jit function, np.asarray(w) to fetch "
+                              "it, jax.ShapeDtypeStruct.like(w) for its type (jax.eval_shape takes that); or run "
+                              "the function with pw.jit")
 
     def __array__(self, dtype: Any = None, copy: bool | None = None) -> np.ndarray:
         if prng.is_key(self.dtype):

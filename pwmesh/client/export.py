@@ -63,27 +63,38 @@ def _quiet_export(jitted: Any, sl: Slice, avals: Sequence[jax.ShapeDtypeStruct])
 
 
 @dataclasses.dataclass(frozen=True)
+class Captured:
+    """Where a traced function's jaxpr takes the ``index``-th ``pw.Array`` it closes over."""
+
+    index: int
+
+
+@dataclasses.dataclass(frozen=True)
 class TracedFunction:
     """A function traced once for one signature. Every later step (asking XLA for the outputs' shardings, the
     export, a call inlined into another trace) replays its jaxpr, never the Python body: the body runs once per
     signature, as under ``jax.jit``."""
 
-    jaxpr: Any  # a ClosedJaxpr: flat inputs (the arguments' leaves, then ``captured``) to flat outputs
-    in_avals: tuple[jax.ShapeDtypeStruct, ...]
+    jaxpr: Any  # a ClosedJaxpr: ``hoisted``, then the arguments' leaves, to flat outputs
+    in_avals: tuple[jax.ShapeDtypeStruct, ...]  # the arguments' leaves, then ``captured``
     out_avals: tuple[jax.ShapeDtypeStruct, ...]
     out_tree: Any
     captured: tuple[Any, ...]  # the pw.Arrays it closes over: its last inputs (``pwmesh.client.capture``)
-    hoisted: tuple[Any, ...] = ()  # tracers of an enclosing trace it closes over: the jaxpr's first inputs
+    # The jaxpr's first inputs: a value of an enclosing trace it closes over, or (``Captured``) a pw.Array.
+    hoisted: tuple[Any, ...] = ()
 
     @property
     def flat(self) -> Callable[..., list[Any]]:
-        """The function again, flat inputs to flat outputs (an artifact holds no user pytree types, optax's
-        states say, which ``jax.export`` cannot serialize: the caller rebuilds the structure it traced)."""
+        """The function again, flat inputs (the arguments' leaves, then the captured arrays) to flat outputs (an
+        artifact holds no user pytree types, optax's states say, which ``jax.export`` cannot serialize: the
+        caller rebuilds the structure it traced)."""
         replay = jax_core.jaxpr_as_fun(self.jaxpr)
         hoisted = self.hoisted
+        own = len(self.in_avals) - len(self.captured)
 
         def flat(*args: Any) -> list[Any]:
-            return list(replay(*hoisted, *args))
+            first = [args[own + h.index] if isinstance(h, Captured) else h for h in hoisted]
+            return list(replay(*first, *args[:own]))
 
         return flat
 
@@ -93,8 +104,9 @@ class TracedFunction:
 
     @property
     def reusable(self) -> bool:
-        """Whether it may serve later calls: not when it closes over a tracer of the trace it was made in."""
-        return not self.hoisted and not any(isinstance(c, jax.core.Tracer) for c in self.jaxpr.consts)
+        """Whether it may serve later calls: not when it closes over a value of the trace it was made in."""
+        return (not any(not isinstance(h, Captured) for h in self.hoisted)
+                and not any(isinstance(c, jax.core.Tracer) for c in self.jaxpr.consts))
 
 
 def _aval(x: Any) -> jax.ShapeDtypeStruct:
@@ -102,15 +114,13 @@ def _aval(x: Any) -> jax.ShapeDtypeStruct:
 
 
 def trace_jit(fn: Callable[..., Any], avals: Sequence[jax.ShapeDtypeStruct]) -> TracedFunction:
-    """``fn(*leaves)`` traced for ``avals``: once, or twice where it closes over ``pw.Array``s (then with each
-    as an input of its own)."""
-    closed, traced = capture.discover(lambda: jax.jit(fn).trace(*avals))
-    if closed:
-        avals = [*avals, *map(_aval, closed)]
-        traced = jax.jit(capture.lifted(fn, closed)).trace(*avals)
+    """``fn(*leaves)`` traced for ``avals``, once: each ``pw.Array`` it closes over an input of its own."""
+    closed, stand_ins, traced = capture.standing_in(lambda: jax.jit(fn).trace(*avals))
+    where = {id(s): Captured(k) for k, s in enumerate(stand_ins)}
+    hoisted = tuple(where.get(id(c), c) for c in traced._consts)  # JAX has no public name for them
     out_leaves, out_tree = jax.tree_util.tree_flatten(traced.out_info)
-    return TracedFunction(traced.jaxpr, tuple(avals), tuple(map(_aval, out_leaves)), out_tree, tuple(closed),
-                          tuple(traced._consts))  # JAX has no public name for them
+    return TracedFunction(traced.jaxpr, (*avals, *map(_aval, closed)), tuple(map(_aval, out_leaves)), out_tree,
+                          tuple(closed), hoisted)
 
 
 def export_jit(fn: Callable[..., Any] | TracedFunction, sl: Slice, avals: Sequence[jax.ShapeDtypeStruct],
