@@ -61,6 +61,20 @@ def _unary(op: Callable[[Any], Any]) -> Callable[[Array], Any]:
     return method
 
 
+def _method(name: str) -> Callable[..., Any]:
+    def method(self: Array, *args: Any, **kwargs: Any) -> Any:
+        return _ops().method(name, self, args, kwargs)
+
+    method.__name__ = name
+    method.__doc__ = f"As ``jax.Array.{name}``: a computation on its slice (a new ``pw.Array``)."
+    return method
+
+
+def _computed(name: str) -> property:
+    return property(lambda self: _ops().method(name, self, None, {}),
+                    doc=f"As ``jax.Array.{name}``: a computation on its slice.")
+
+
 def _scalar(convert: Callable[[Any], Any]) -> Callable[[Array], Any]:
     def method(self: Array) -> Any:
         return convert(self.value())
@@ -103,6 +117,13 @@ class Array:
                                              _unary(operator.invert))
     __bool__, __int__, __float__, __complex__, __index__ = (_scalar(bool), _scalar(int), _scalar(float),
                                                             _scalar(complex), _scalar(operator.index))
+    # jax.Array's methods that compute: each runs as jax.Array's does, on the array's slice.
+    (all, any, argmax, argmin, argsort, clip, conj, cumprod, cumsum, diagonal, dot, flatten, max, mean, min, prod,
+     ravel, repeat, reshape, round, sort, squeeze, std, sum, swapaxes, take, transpose, var) = map(_method, (
+        "all", "any", "argmax", "argmin", "argsort", "clip", "conj", "cumprod", "cumsum", "diagonal", "dot",
+        "flatten", "max", "mean", "min", "prod", "ravel", "repeat", "reshape", "round", "sort", "squeeze", "std",
+        "sum", "swapaxes", "take", "transpose", "var"))
+    T, mT, real, imag = map(_computed, ("T", "mT", "real", "imag"))
 
     def __init__(self, session: Session, buffer_id: int, shape: tuple[int, ...], dtype: np.dtype,
                  sharding: SliceSharding, weak_type: bool = False) -> None:
@@ -268,6 +289,26 @@ class Array:
         result is always a new array)."""
         del copy
         return _ops().astype(self, dtype)
+
+    def copy(self) -> Any:
+        """A new array of the same value, layout and weak type, on the same slice (``jax.Array.copy``)."""
+        return _ops().method("copy", self, (), {})
+
+    def __copy__(self) -> Any:
+        return self.copy()
+
+    def __deepcopy__(self, memo: Any) -> Any:
+        """As ``jax.Array``'s: a copy (its session and slice are shared, not copied)."""
+        del memo
+        return self.copy()
+
+    @property
+    def itemsize(self) -> int:
+        return self.dtype.itemsize
+
+    @property
+    def is_fully_replicated(self) -> bool:
+        return self.sharding.is_fully_replicated
 
     def item(self, *args: Any) -> Any:
         """An element as a Python scalar (fetched), as ``jax.Array.item``."""
