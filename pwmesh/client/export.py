@@ -59,7 +59,16 @@ def _quiet_export(jitted: Any, sl: Slice, avals: Sequence[jax.ShapeDtypeStruct])
     not the user's to see."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
-        return export.export(jitted, platforms=sl.platforms)(*avals)
+        try:
+            return export.export(jitted, platforms=sl.platforms)(*avals)
+        except NotImplementedError as exc:
+            if "host_callbacks" not in str(exc):
+                raise
+            raise InvalidArgument(
+                "the function makes a host callback (jax.debug.print, jax.debug.callback, jax.pure_callback, "
+                "io_callback), which cannot run on the cluster: a function reaches the executors as a jax.export "
+                "artifact, which holds none (and executors run no client Python); return the value and print it "
+                "here") from exc
 
 
 @dataclasses.dataclass(frozen=True)

@@ -308,6 +308,13 @@ class JitFunction(_Compiled):
         """How a pw.Array the function closes over is read: as it lies, on this slice."""
         return SliceSharding(self.slice, default_spec(array.sharding, self.slice))
 
+    def eval_shape(self, *args: Any, **kwargs: Any) -> Any:
+        """The result's shapes and dtypes (``jax.ShapeDtypeStruct``s), as ``jax.jit(...).eval_shape``: traced
+        only (the trace a later call finds), never exported nor run."""
+        dyn_args, dyn_kwargs, static = self.split(args, kwargs)
+        leaves, in_tree = jax.tree_util.tree_flatten((dyn_args, dyn_kwargs))
+        return self._trace(static, in_tree, [leaf_aval(leaf) for leaf in leaves], abstract_mesh(self.slice)).out_shape
+
     def lower(self, *args: Any, **kwargs: Any) -> Lowered:
         """Ahead of time, as ``jax.jit(...).lower``: the function traced and exported for these arguments (values,
         ``pw.Array``s, ``jax.ShapeDtypeStruct``s or ``jax.core.ShapedArray``s), without running it."""
@@ -423,6 +430,9 @@ class FollowingJit:
 
     def lower(self, *args: Any, **kwargs: Any) -> Lowered:
         return self.on(args, kwargs).lower(*args, **kwargs)
+
+    def eval_shape(self, *args: Any, **kwargs: Any) -> Any:
+        return self.on(args, kwargs).eval_shape(*args, **kwargs)
 
     def __get__(self, instance: Any, owner: Any = None) -> Any:
         return self if instance is None else types.MethodType(self, instance)

@@ -291,3 +291,44 @@ def test_eval_shape(mesh_2x1: pw.Slice) -> None:
     assert jax.eval_shape(fun, *map(jax.ShapeDtypeStruct.like, (x, y))).shape == (2, 4)
     out_shape = jax.eval_shape(fun, x, y)
     assert out_shape.shape == (2, 4)
+
+
+# api_test.py: APITest.test_eval_shape_out_shardings (jax.jit(...).eval_shape; the struct's sharding is left out,
+# a pw.Array's being a slice's) and, not upstream, the trace it makes serving the call after it
+def test_eval_shape_out_shardings(mesh_2x1: pw.Slice) -> None:
+    runs = []
+
+    @functools.partial(pw.jit, out_shardings=pw.NamedSharding(mesh_2x1, P()))
+    def f(x):
+        runs.append(None)
+        return x * 2
+
+    inp = np.arange(8)
+    out = f.eval_shape(inp)
+    assert isinstance(out, jax.ShapeDtypeStruct)
+    assert (out.shape, out.dtype) == ((inp * 2).shape, jnp.int32)
+    np.testing.assert_array_equal(np.asarray(f(inp)), inp * 2)
+    assert len(runs) == 1, "traced once: by eval_shape, found by the call"
+
+
+# Not a port (jax.debug.print inside a jitted function, which jax.jit runs printing on the host)
+@pytest.mark.xfail(strict=True, raises=pw.InvalidArgument,
+                   reason="Deliberate: README 'Coming from JAX': a function reaches the executors as a jax.export "
+                   "artifact, which holds no host callback (jax.export cannot serialize one, and executors run no "
+                   "client Python): jax.debug.print, jax.debug.callback, jax.pure_callback and io_callback inside "
+                   "pw.jit are refused, naming them; return the value and print it on the client")
+def test_debug_print_inside(mesh_2x1: pw.Slice, capfd: pytest.CaptureFixture[str]) -> None:
+    def f(x):
+        jax.debug.print("sum {}", x.sum())
+        return x * 2
+
+    out = pw.jit(f, devices=mesh_2x1)(np.arange(4, dtype=np.int32))
+    np.testing.assert_array_equal(np.asarray(out), np.arange(4) * 2)
+    assert "sum 6" in capfd.readouterr().out
+
+
+def test_a_host_callback_is_refused_naming_it(mesh_2x1: pw.Slice) -> None:
+    """Not a port: the refusal above says what and why (jax.export's own NotImplementedError did not)."""
+    for callback in (lambda x: jax.debug.print("{}", x), lambda x: jax.debug.callback(print, x)):
+        with pytest.raises(pw.InvalidArgument, match=r"host callback \(jax.debug.print"):
+            pw.jit(lambda x, cb=callback: (cb(x), x * 2)[1], devices=mesh_2x1)(np.arange(4, dtype=np.int32))
