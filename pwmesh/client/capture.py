@@ -34,8 +34,9 @@ def _aval(array: Array) -> jax_core.ShapedArray:
     return jax_core.ShapedArray(array.shape, array.dtype, weak_type=array.weak_type)
 
 
-# What JAX's abstractification (``jax.typeof``, ``jax.eval_shape``, ``jax.ShapeDtypeStruct.like``) makes of a
-# pw.Array: its shape, dtype and weak type, as of a jax.Array (JAX has no public registry for array types).
+# What JAX's abstractification (``jax.typeof``, ``jax.ShapeDtypeStruct.like``) makes of a pw.Array: its shape,
+# dtype and weak type, as of a jax.Array (JAX has no public registry for array types). Where JAX goes on to read
+# its sharding (``jax.jit(f)(w)``, ``jax.eval_shape(f, w)``), ``pw.Array.format`` refuses it first.
 jax_core.pytype_aval_mappings[Array] = _aval
 
 # What a pw.Array becomes in the trace under way: None outside one (its value).
