@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from pwmesh.client import prng
+from pwmesh.client import prng, subbyte
 from pwmesh.client.session import Session, wire_spec
 from pwmesh.client.sharding import SliceSharding
 from pwmesh.dataflow.layout import Layout
@@ -61,6 +61,20 @@ def _unary(op: Callable[[Any], Any]) -> Callable[[Array], Any]:
     return method
 
 
+def _method(name: str) -> Callable[..., Any]:
+    def method(self: Array, *args: Any, **kwargs: Any) -> Any:
+        return _ops().method(name, self, args, kwargs)
+
+    method.__name__ = name
+    method.__doc__ = f"As ``jax.Array.{name}``: a computation on its slice (a new ``pw.Array``)."
+    return method
+
+
+def _computed(name: str) -> property:
+    return property(lambda self: _ops().method(name, self, None, {}),
+                    doc=f"As ``jax.Array.{name}``: a computation on its slice.")
+
+
 def _scalar(convert: Callable[[Any], Any]) -> Callable[[Array], Any]:
     def method(self: Array) -> Any:
         return convert(self.value())
@@ -76,6 +90,10 @@ class Array:
     # static argument nor a dictionary key.
     __array_priority__ = 100
     __hash__ = None  # type: ignore[assignment]
+    # As an uncommitted jax.Array: pw.jit lays it out as in_specs say (it is resharded on its way in), and
+    # jax.ShapeDtypeStruct.like gives its shape, dtype and weak type, no sharding (its sharding is a slice's,
+    # not a JAX Sharding).
+    _committed = False
 
     # Operators run the jax.numpy operation on its slice (``pwmesh.client.array_ops``); conversions fetch.
     __add__, __radd__ = _binary(operator.add), _binary(operator.add, True)
@@ -99,6 +117,13 @@ class Array:
                                              _unary(operator.invert))
     __bool__, __int__, __float__, __complex__, __index__ = (_scalar(bool), _scalar(int), _scalar(float),
                                                             _scalar(complex), _scalar(operator.index))
+    # jax.Array's methods that compute: each runs as jax.Array's does, on the array's slice.
+    (all, any, argmax, argmin, argsort, clip, conj, cumprod, cumsum, diagonal, dot, flatten, max, mean, min, prod,
+     ravel, repeat, reshape, round, sort, squeeze, std, sum, swapaxes, take, transpose, var) = map(_method, (
+        "all", "any", "argmax", "argmin", "argsort", "clip", "conj", "cumprod", "cumsum", "diagonal", "dot",
+        "flatten", "max", "mean", "min", "prod", "ravel", "repeat", "reshape", "round", "sort", "squeeze", "std",
+        "sum", "swapaxes", "take", "transpose", "var"))
+    T, mT, real, imag = map(_computed, ("T", "mT", "real", "imag"))
 
     def __init__(self, session: Session, buffer_id: int, shape: tuple[int, ...], dtype: np.dtype,
                  sharding: SliceSharding, weak_type: bool = False) -> None:
@@ -205,7 +230,9 @@ class Array:
         """The global value from its distinct blocks as the proxy sends them."""
         layout, dtype = self.layout()
         value = layout.assemble(blocks, dtype)
-        return prng.wrap(value, self.dtype) if prng.is_key(self.dtype) else value
+        if prng.is_key(self.dtype):
+            return prng.wrap(value, self.dtype)
+        return subbyte.released(value, self.dtype)  # a sub-byte value comes in its container
 
     def __jax_array__(self) -> Any:
         """What JAX meets: an input of the computation while ``pw.jit`` traces a function closing over it
@@ -213,6 +240,15 @@ class Array:
         from pwmesh.client import capture  # noqa: PLC0415 - JAX is imported only by what traces
 
         return capture.as_jax(self)
+
+    @property
+    def format(self) -> Any:
+        """JAX reads it where one of its own functions is given a pw.Array directly, outside any trace
+        (``jnp.sin(w)``, ``jax.jit(f)(w)``): refused there, as JAX refuses any ``__jax_array__`` object."""
+        raise InvalidArgument("a pw.Array was given to a JAX function directly; as for any __jax_array__ object, "
+                              "convert it first: jnp.asarray(w) inside a pw.jit function, np.asarray(w) to fetch "
+                              "it, jax.ShapeDtypeStruct.like(w) for its type (jax.eval_shape takes that); or run "
+                              "the function with pw.jit")
 
     def __array__(self, dtype: Any = None, copy: bool | None = None) -> np.ndarray:
         if prng.is_key(self.dtype):
@@ -253,6 +289,26 @@ class Array:
         result is always a new array)."""
         del copy
         return _ops().astype(self, dtype)
+
+    def copy(self) -> Any:
+        """A new array of the same value, layout and weak type, on the same slice (``jax.Array.copy``)."""
+        return _ops().method("copy", self, (), {})
+
+    def __copy__(self) -> Any:
+        return self.copy()
+
+    def __deepcopy__(self, memo: Any) -> Any:
+        """As ``jax.Array``'s: a copy (its session and slice are shared, not copied)."""
+        del memo
+        return self.copy()
+
+    @property
+    def itemsize(self) -> int:
+        return self.dtype.itemsize
+
+    @property
+    def is_fully_replicated(self) -> bool:
+        return self.sharding.is_fully_replicated
 
     def item(self, *args: Any) -> Any:
         """An element as a Python scalar (fetched), as ``jax.Array.item``."""

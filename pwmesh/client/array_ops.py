@@ -70,6 +70,41 @@ def astype(x: Array, dtype: Any) -> Any:
     return f(x, np.dtype(dtype))
 
 
+def _is_array(leaf: Any) -> bool:
+    return isinstance(leaf, (Array, np.ndarray, jax.Array))
+
+
+def _call_method(x: Any, *arrays: Any, name: str, tree: Any, statics: tuple[Any, ...]) -> Any:
+    if tree is None:  # a property (``x.T``)
+        return getattr(x, name)
+    given = iter(arrays)
+    leaves = [next(given) if s is _ARRAY else s[1] for s in statics]
+    args, kwargs = jax.tree_util.tree_unflatten(tree, leaves)
+    return getattr(x, name)(*args, **kwargs)
+
+
+_ARRAY = ("array",)  # where a method's argument leaf is an array: an input of the computation
+
+
+def method(name: str, x: Array, args: tuple[Any, ...] | None, kwargs: dict[str, Any]) -> Any:
+    """``x.name(*args, **kwargs)`` (``args`` None: the property ``x.name``) as ``jax.Array``'s does it, on
+    ``x``'s slice: array arguments are inputs, any other is static (keyed with its type, as ``jax.jit``'s
+    static arguments)."""
+    if capture.active():
+        attr = getattr(x.__jax_array__(), name)
+        return attr if args is None else attr(*args, **kwargs)
+    if args is None:
+        f = _on(x.sharding.slice, _call_method,
+                lambda sl: jit(_call_method, devices=sl, static_argnames=("name", "tree", "statics")))
+        return f(x, name=name, tree=None, statics=())
+    leaves, tree = jax.tree_util.tree_flatten((args, kwargs))
+    statics = tuple(_ARRAY if _is_array(leaf) else (type(leaf), leaf) for leaf in leaves)
+    arrays = [leaf for leaf in leaves if _is_array(leaf)]
+    f = _on(x.sharding.slice, _call_method,
+            lambda sl: jit(_call_method, devices=sl, static_argnames=("name", "tree", "statics")))
+    return f(x, *arrays, name=name, tree=tree, statics=statics)
+
+
 def _index_key(index: Any) -> tuple[tuple[tuple[Any, ...], ...], list[Any]]:
     """An index as a hashable description (slices, integers, ``None``, ``...``) and its array parts,
     which are the computation's inputs."""

@@ -112,7 +112,7 @@ def execute(traced: TracedProgram, leaves: Sequence[Any], *, sequential: bool = 
         key = traced.out_keys.get(i)
         if key is None:
             outs.append(Array(session, buffer_id, tuple(spec.shape), np.dtype(spec.dtype), sharding, weak_type))
-        else:  # a typed key array: its data on the wire (``client/prng.py``), without the key's own dimensions
+        else:  # a typed key array (its data on the wire), or a sub-byte one (its container): ``client/prng.py``
             outs.append(Array(session, buffer_id, prng.logical_shape(spec.shape, key), key, sharding, weak_type))
     return jax.tree_util.tree_unflatten(traced.out_tree, outs)
 

@@ -20,7 +20,7 @@ from jax import export
 from jax.extend import core as jax_core
 from jax.sharding import AbstractMesh, AxisType, NamedSharding, PartitionSpec
 
-from pwmesh.client import capture, prng
+from pwmesh.client import capture, prng, subbyte
 from pwmesh.client.devices import Slice
 from pwmesh.client.sharding import P, SliceSharding, abstract_mesh, propagation_mesh, resolve, spec_from
 from pwmesh.errors import InvalidArgument
@@ -59,7 +59,23 @@ def _quiet_export(jitted: Any, sl: Slice, avals: Sequence[jax.ShapeDtypeStruct])
     not the user's to see."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
-        return export.export(jitted, platforms=sl.platforms)(*avals)
+        try:
+            return export.export(jitted, platforms=sl.platforms)(*avals)
+        except NotImplementedError as exc:
+            if "host_callbacks" not in str(exc):
+                raise
+            raise InvalidArgument(
+                "the function makes a host callback (jax.debug.print, jax.debug.callback, jax.pure_callback, "
+                "io_callback), which cannot run on the cluster: a function reaches the executors as a jax.export "
+                "artifact, which holds none (and executors run no client Python); return the value and print it "
+                "here") from exc
+
+
+@dataclasses.dataclass(frozen=True)
+class Captured:
+    """Where a traced function's jaxpr takes the ``index``-th ``pw.Array`` it closes over."""
+
+    index: int
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,22 +84,26 @@ class TracedFunction:
     export, a call inlined into another trace) replays its jaxpr, never the Python body: the body runs once per
     signature, as under ``jax.jit``."""
 
-    jaxpr: Any  # a ClosedJaxpr: flat inputs (the arguments' leaves, then ``captured``) to flat outputs
-    in_avals: tuple[jax.ShapeDtypeStruct, ...]
+    jaxpr: Any  # a ClosedJaxpr: ``hoisted``, then the arguments' leaves, to flat outputs
+    in_avals: tuple[jax.ShapeDtypeStruct, ...]  # the arguments' leaves, then ``captured``
     out_avals: tuple[jax.ShapeDtypeStruct, ...]
     out_tree: Any
     captured: tuple[Any, ...]  # the pw.Arrays it closes over: its last inputs (``pwmesh.client.capture``)
-    hoisted: tuple[Any, ...] = ()  # tracers of an enclosing trace it closes over: the jaxpr's first inputs
+    # The jaxpr's first inputs: a value of an enclosing trace it closes over, or (``Captured``) a pw.Array.
+    hoisted: tuple[Any, ...] = ()
 
     @property
     def flat(self) -> Callable[..., list[Any]]:
-        """The function again, flat inputs to flat outputs (an artifact holds no user pytree types, optax's
-        states say, which ``jax.export`` cannot serialize: the caller rebuilds the structure it traced)."""
+        """The function again, flat inputs (the arguments' leaves, then the captured arrays) to flat outputs (an
+        artifact holds no user pytree types, optax's states say, which ``jax.export`` cannot serialize: the
+        caller rebuilds the structure it traced)."""
         replay = jax_core.jaxpr_as_fun(self.jaxpr)
         hoisted = self.hoisted
+        own = len(self.in_avals) - len(self.captured)
 
         def flat(*args: Any) -> list[Any]:
-            return list(replay(*hoisted, *args))
+            first = [args[own + h.index] if isinstance(h, Captured) else h for h in hoisted]
+            return list(replay(*first, *args[:own]))
 
         return flat
 
@@ -93,8 +113,9 @@ class TracedFunction:
 
     @property
     def reusable(self) -> bool:
-        """Whether it may serve later calls: not when it closes over a tracer of the trace it was made in."""
-        return not self.hoisted and not any(isinstance(c, jax.core.Tracer) for c in self.jaxpr.consts)
+        """Whether it may serve later calls: not when it closes over a value of the trace it was made in."""
+        return (not any(not isinstance(h, Captured) for h in self.hoisted)
+                and not any(isinstance(c, jax.core.Tracer) for c in self.jaxpr.consts))
 
 
 def _aval(x: Any) -> jax.ShapeDtypeStruct:
@@ -102,15 +123,13 @@ def _aval(x: Any) -> jax.ShapeDtypeStruct:
 
 
 def trace_jit(fn: Callable[..., Any], avals: Sequence[jax.ShapeDtypeStruct]) -> TracedFunction:
-    """``fn(*leaves)`` traced for ``avals``: once, or twice where it closes over ``pw.Array``s (then with each
-    as an input of its own)."""
-    closed, traced = capture.discover(lambda: jax.jit(fn).trace(*avals))
-    if closed:
-        avals = [*avals, *map(_aval, closed)]
-        traced = jax.jit(capture.lifted(fn, closed)).trace(*avals)
+    """``fn(*leaves)`` traced for ``avals``, once: each ``pw.Array`` it closes over an input of its own."""
+    closed, stand_ins, traced = capture.standing_in(lambda: jax.jit(fn).trace(*avals))
+    where = {id(s): Captured(k) for k, s in enumerate(stand_ins)}
+    hoisted = tuple(where.get(id(c), c) for c in traced._consts)  # JAX has no public name for them
     out_leaves, out_tree = jax.tree_util.tree_flatten(traced.out_info)
-    return TracedFunction(traced.jaxpr, tuple(avals), tuple(map(_aval, out_leaves)), out_tree, tuple(closed),
-                          tuple(traced._consts))  # JAX has no public name for them
+    return TracedFunction(traced.jaxpr, (*avals, *map(_aval, closed)), tuple(map(_aval, out_leaves)), out_tree,
+                          tuple(closed), hoisted)
 
 
 def export_jit(fn: Callable[..., Any] | TracedFunction, sl: Slice, avals: Sequence[jax.ShapeDtypeStruct],
@@ -234,6 +253,14 @@ def _flat_outputs(fn: Callable[..., Any]) -> Callable[..., list[Any]]:
 
 
 def canonical(value: Any) -> np.ndarray:
+    """A host value as it is sent: the array JAX would make of it (``as_jax_would``), a typed key array's data
+    or a sub-byte array in its container (``client/prng.py``, ``client/subbyte.py``)."""
+    if prng.is_key(getattr(value, "dtype", None)):
+        return prng.key_data(value)
+    return subbyte.contained(as_jax_would(value))
+
+
+def as_jax_would(value: Any) -> np.ndarray:
     """A host value as the array JAX would make of it (float64 -> float32 unless x64 is on). A NumPy masked
     array is refused, as JAX refuses it (its mask would be dropped in silence); so is a Python int out of
     the range of JAX's integer type (``OverflowError``, as ``jax.jit`` and ``jax.device_put`` raise)."""
@@ -242,8 +269,6 @@ def canonical(value: Any) -> np.ndarray:
                               "arr.filled() to convert the value to a standard numpy array.")
     if isinstance(value, int) and not isinstance(value, bool):
         return _python_int(value)
-    if prng.is_key(getattr(value, "dtype", None)):  # a typed key array travels as its data (``client/prng.py``)
-        return prng.key_data(value)
     arr = np.asarray(value)
     dtype = jax.dtypes.canonicalize_dtype(arr.dtype)
     return arr if arr.dtype == dtype else arr.astype(dtype)
@@ -264,5 +289,5 @@ def host_aval(value: Any) -> jax.ShapeDtypeStruct:
         return jax.ShapeDtypeStruct(value.shape, value.dtype)
     python_scalar = isinstance(value, (int, float, complex)) and not isinstance(value, (bool, np.generic))
     weak = python_scalar or (isinstance(value, jax.Array) and value.weak_type)
-    arr = canonical(value)
+    arr = as_jax_would(value)
     return jax.ShapeDtypeStruct(arr.shape, arr.dtype, weak_type=weak)

@@ -30,6 +30,7 @@ from typing import Any, overload
 
 import jax
 import numpy as np
+from jax._src import core as jax_core  # JAX names the trace under way only privately
 from jax.sharding import AbstractMesh
 
 from pwmesh.client import dispatch
@@ -209,7 +210,10 @@ class _Compiled:
         # As jax.jit under jax.disable_jit(): the Python function, called as it is.
         if jax.config.jax_disable_jit:  # type: ignore[attr-defined]
             return self.fn(*args, **kwargs)
-        if any(isinstance(leaf, jax.core.Tracer) for leaf in jax.tree_util.tree_leaves((args, kwargs))):
+        # Inside a JAX trace (a tracer among its arguments, or none: jax.eval_shape of a function calling it with
+        # ShapeDtypeStructs or constants), it is part of that trace, as a nested jax.jit is.
+        if (not jax_core.trace_ctx.is_top_level()
+                or any(isinstance(leaf, jax.core.Tracer) for leaf in jax.tree_util.tree_leaves((args, kwargs)))):
             return self._traced(args, kwargs)
         self._follow_slice()
         builder = current_builder()
@@ -321,6 +325,13 @@ class JitFunction(_Compiled):
     def _closed_sharding(self, array: Array) -> SliceSharding:
         """How a pw.Array the function closes over is read: as it lies, on this slice."""
         return SliceSharding(self.slice, default_spec(array.sharding, self.slice))
+
+    def eval_shape(self, *args: Any, **kwargs: Any) -> Any:
+        """The result's shapes and dtypes (``jax.ShapeDtypeStruct``s), as ``jax.jit(...).eval_shape``: traced
+        only (the trace a later call finds), never exported nor run."""
+        dyn_args, dyn_kwargs, static = self.split(args, kwargs)
+        leaves, in_tree = jax.tree_util.tree_flatten((dyn_args, dyn_kwargs))
+        return self._trace(static, in_tree, [leaf_aval(leaf) for leaf in leaves], abstract_mesh(self.slice)).out_shape
 
     def lower(self, *args: Any, **kwargs: Any) -> Lowered:
         """Ahead of time, as ``jax.jit(...).lower``: the function traced and exported for these arguments (values,
@@ -438,6 +449,9 @@ class FollowingJit:
     def lower(self, *args: Any, **kwargs: Any) -> Lowered:
         return self.on(args, kwargs).lower(*args, **kwargs)
 
+    def eval_shape(self, *args: Any, **kwargs: Any) -> Any:
+        return self.on(args, kwargs).eval_shape(*args, **kwargs)
+
     def __get__(self, instance: Any, owner: Any = None) -> Any:
         return self if instance is None else types.MethodType(self, instance)
 
@@ -446,20 +460,22 @@ class FollowingJit:
 def jit(fn: Callable[..., Any], /, *, devices: Slice | Sequence[VirtualDevice] | None = None, in_specs: Any = None,
         out_specs: Any = None, static_argnums: int | Iterable[int] | None = None,
         static_argnames: str | Iterable[str] | None = None, donate_argnums: int | Iterable[int] | None = None,
-        donate_argnames: str | Iterable[str] | None = None) -> JitFunction: ...
+        donate_argnames: str | Iterable[str] | None = None, in_shardings: Any = None,
+        out_shardings: Any = None) -> JitFunction: ...
 
 
 @overload
 def jit(fn: None = None, /, *, devices: Slice | Sequence[VirtualDevice] | None = None, in_specs: Any = None,
         out_specs: Any = None, static_argnums: int | Iterable[int] | None = None,
         static_argnames: str | Iterable[str] | None = None, donate_argnums: int | Iterable[int] | None = None,
-        donate_argnames: str | Iterable[str] | None = None) -> Callable[[Callable[..., Any]], JitFunction]: ...
+        donate_argnames: str | Iterable[str] | None = None, in_shardings: Any = None,
+        out_shardings: Any = None) -> Callable[[Callable[..., Any]], JitFunction]: ...
 
 
 def jit(fn: Callable[..., Any] | None = None, /, *, devices: Slice | Sequence[VirtualDevice] | None = None,
         in_specs: Any = None, out_specs: Any = None, static_argnums: int | Iterable[int] | None = None,
         static_argnames: str | Iterable[str] | None = None, donate_argnums: int | Iterable[int] | None = None,
-        donate_argnames: str | Iterable[str] | None = None) -> Any:
+        donate_argnames: str | Iterable[str] | None = None, in_shardings: Any = None, out_shardings: Any = None) -> Any:
     """``fn`` compiled for ``devices`` (a slice) like ``jax.jit`` with ``NamedSharding``s over its mesh; without
     ``fn``, a decorator that compiles the function it is given so (``@pw.jit(devices=s, static_argnames=...)``).
     Without ``devices``, it runs on the slice its ``pw.Array`` arguments live on, as ``jax.jit`` follows its
@@ -467,7 +483,11 @@ def jit(fn: Callable[..., Any] | None = None, /, *, devices: Slice | Sequence[Vi
 
     ``in_specs``: a ``PartitionSpec`` for every argument, or a tuple with one entry per positional
     argument (static ones left out), each a pytree prefix of that argument (``None``: the default).
-    ``out_specs``: a spec or a pytree prefix of the result. Defaults: see the module docstring."""
+    ``out_specs``: a spec or a pytree prefix of the result. Defaults: see the module docstring.
+
+    ``in_shardings`` / ``out_shardings``: ``jax.jit``'s names, taken as it takes them: the same prefixes with
+    ``pw.NamedSharding``s (or ``PartitionSpec``s) as leaves; the slice they name is ``devices``."""
+    devices, in_specs, out_specs = _from_shardings(devices, in_specs, out_specs, in_shardings, out_shardings)
     options = dict(in_specs=in_specs, out_specs=out_specs, static_argnums=static_argnums,
                    static_argnames=static_argnames, donate_argnums=donate_argnums, donate_argnames=donate_argnames)
     if devices is None:
@@ -477,6 +497,41 @@ def jit(fn: Callable[..., Any] | None = None, /, *, devices: Slice | Sequence[Vi
     if fn is None:
         return functools.partial(JitFunction, devices=devices, **options)
     return JitFunction(fn, devices, **options)
+
+
+def _from_shardings(devices: Any, in_specs: Any, out_specs: Any, in_shardings: Any,
+                    out_shardings: Any) -> tuple[Any, Any, Any]:
+    """``jax.jit``'s ``in_shardings``/``out_shardings`` as ``devices``, ``in_specs`` and ``out_specs``."""
+    slices: dict[int, Slice] = {}
+
+    def spec_of(leaf: Any) -> Any:
+        if isinstance(leaf, SliceSharding):
+            slices.setdefault(id(leaf.slice), leaf.slice)
+            return leaf.spec
+        if leaf is None or isinstance(leaf, P):
+            return leaf
+        raise InvalidArgument(f"pw.jit: a sharding is a pw.NamedSharding (or a PartitionSpec over the slice's "
+                              f"mesh), got {type(leaf).__name__} {leaf!r}")
+
+    def specs(given: Any, also: Any, name: str) -> Any:
+        if given is None:
+            return also
+        if also is not None:
+            raise InvalidArgument(f"pw.jit: give {name}_shardings or {name}_specs, not both")
+        return jax.tree_util.tree_map(spec_of, given, is_leaf=lambda x: x is None or isinstance(x, (P, SliceSharding)))
+
+    in_specs = specs(in_shardings, in_specs, "in")
+    out_specs = specs(out_shardings, out_specs, "out")
+    if len(slices) > 1:
+        raise InvalidArgument(f"pw.jit: its shardings name {len(slices)} slices; as jax.jit refuses shardings over "
+                              "different devices, give shardings of one slice")
+    if slices:
+        (named,) = slices.values()
+        if devices is None:
+            return named, in_specs, out_specs
+        if slice_of(devices) is not named:
+            raise InvalidArgument(f"pw.jit: its shardings are on slice {named.slice_id}, devices= is another")
+    return devices, in_specs, out_specs
 
 
 def pmap(fn: Callable[..., Any], *, devices: Slice | Sequence[VirtualDevice],

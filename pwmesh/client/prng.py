@@ -6,7 +6,8 @@ So the client keeps two views of a value: the *logical* one the user and JAX see
 sees (shape ``(4, 2)``, ``uint32``: the program's values, the proxy, the executors' stores). The exported
 module takes and returns key data and wraps and unwraps it inside (``physical_function``), so the executors
 run it unchanged; a key ``pw.Array`` fetched is wrapped again (``pw.get`` gives a key ``jax.Array``, and
-``np.asarray`` refuses it, as JAX's does).
+``np.asarray`` refuses it, as JAX's does). A sub-byte value (``int4``) has two views too: its physical one is
+its byte-wide container's (``client/subbyte.py``).
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ from typing import Any
 import jax
 import jax.numpy
 import numpy as np
+
+from pwmesh.client import subbyte
 
 
 def is_key(dtype: Any) -> bool:
@@ -36,20 +39,30 @@ def _impl(dtype: Any) -> Any:
     return dtype._impl  # JAX names a key dtype's implementation only privately (its PRNGImpl)
 
 
+def repacked(dtype: Any) -> bool:
+    """Whether a value of ``dtype`` is another on the wire: a typed key array (its data), a sub-byte one (its
+    container)."""
+    return is_key(dtype) or subbyte.container(dtype) is not None
+
+
 def physical(shape: Sequence[int], dtype: Any) -> tuple[tuple[int, ...], np.dtype[Any]]:
-    """The shape and dtype a value has on the wire: a key array's are its key data's."""
+    """The shape and dtype a value has on the wire: a key array's are its key data's, a sub-byte value's its
+    container's."""
     if is_key(dtype):
         return (*shape, *_impl(dtype).key_shape), np.dtype(np.uint32)
-    return tuple(shape), np.dtype(dtype)
+    return tuple(shape), subbyte.container(dtype) or np.dtype(dtype)
 
 
 def logical_shape(shape: Sequence[int], dtype: Any) -> tuple[int, ...]:
-    """A key array's shape from its data's (``physical``'s inverse): without the key's own dimensions."""
+    """A value's shape from its physical one (``physical``'s inverse): a key array's without the key's own
+    dimensions."""
+    if not is_key(dtype):
+        return tuple(shape)
     return tuple(shape[:len(shape) - len(_impl(dtype).key_shape)])
 
 
 def physical_aval(aval: jax.ShapeDtypeStruct) -> jax.ShapeDtypeStruct:
-    if not is_key(aval.dtype):
+    if not repacked(aval.dtype):
         return aval
     shape, dtype = physical(aval.shape, aval.dtype)
     return jax.ShapeDtypeStruct(shape, dtype, sharding=aval.sharding)
@@ -67,17 +80,25 @@ def wrap(data: np.ndarray, dtype: Any) -> jax.Array:
 
 def physical_function(flat_fn: Callable[..., list[Any]], in_avals: Sequence[jax.ShapeDtypeStruct],
                       out_avals: Sequence[jax.ShapeDtypeStruct]) -> Callable[..., list[Any]] | None:
-    """``flat_fn`` taking and returning key data where it takes and returns keys (None: it has no key)."""
-    keyed_in = [is_key(a.dtype) for a in in_avals]
-    keyed_out = [is_key(a.dtype) for a in out_avals]
-    if not (any(keyed_in) or any(keyed_out)):
+    """``flat_fn`` taking and returning physical values (``physical``) where it takes and returns others: key
+    data for keys, containers for sub-byte values (None: it has neither)."""
+    if not any(repacked(a.dtype) for a in (*in_avals, *out_avals)):
         return None
 
+    def logical(x: Any, aval: jax.ShapeDtypeStruct) -> Any:
+        if is_key(aval.dtype):
+            return jax.random.wrap_key_data(x, impl=_impl(aval.dtype).name)
+        return x.astype(aval.dtype) if subbyte.container(aval.dtype) is not None else x
+
+    def on_wire(x: Any, aval: jax.ShapeDtypeStruct) -> Any:
+        if is_key(aval.dtype):
+            return jax.random.key_data(x)
+        holder = subbyte.container(aval.dtype)
+        return x if holder is None else x.astype(holder)
+
     def on_data(*args: Any) -> list[Any]:
-        keys = [jax.random.wrap_key_data(x, impl=_impl(a.dtype).name) if k else x
-                for x, a, k in zip(args, in_avals, keyed_in, strict=True)]
-        outs = flat_fn(*keys)
-        return [jax.random.key_data(o) if k else o for o, k in zip(outs, keyed_out, strict=True)]
+        outs = flat_fn(*[logical(x, a) for x, a in zip(args, in_avals, strict=True)])
+        return [on_wire(o, a) for o, a in zip(outs, out_avals, strict=True)]
 
     return on_data
 

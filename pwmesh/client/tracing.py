@@ -139,7 +139,7 @@ class ProgramBuilder:
         self.constants: dict[int, np.ndarray] = {}  # inputs captured while tracing (not arguments)
         self.captured: dict[int, Array] = {}  # pw.Arrays functions close over: inputs after the constants
         self.weak: set[int] = set()  # values weakly typed (as JAX's: a Python scalar's, and what they make)
-        self.keys: dict[int, Any] = {}  # values that are typed key arrays: their key dtypes (``client/prng.py``)
+        self.keys: dict[int, Any] = {}  # values other on the wire (typed keys, int4): their dtypes (``prng.py``)
         self.donated: dict[int, str] = {}  # value -> the function it was donated to
         self._unfixed: set[int] = set()  # host inputs whose layout their first reader sets
         # Staged tracing (a program with host functions): the call's real arguments, the
@@ -187,7 +187,7 @@ class ProgramBuilder:
                shards: int = 1, ragged: bool = False) -> int:
         wire = sharding.wire if sharding is not None else None
         devices = len(sharding.slice.devices) if sharding is not None else shards
-        if prng.is_key(dtype):  # on the wire, a typed key array is its data (``client/prng.py``)
+        if prng.repacked(dtype):  # on the wire, a typed key array is its data, an int4 one int8 (``prng.py``)
             self.keys[len(self.values)] = dtype
         on_wire, wire_dtype = prng.physical(shape, dtype)
         self.values.append(ValueSpec(shape=list(on_wire), dtype=wire_dtype.name, shards=devices, ragged=ragged,
@@ -360,7 +360,7 @@ class TracedProgram:
     program_id: str = ""  # a traced program kept for reuse is registered with the proxy under its digest
     captured: list[Any] = dataclasses.field(default_factory=list)  # inputs after the constants: closed-over pw.Arrays
     out_weak: list[bool] = dataclasses.field(default_factory=list)  # which outputs are weakly typed
-    out_keys: dict[int, Any] = dataclasses.field(default_factory=dict)  # typed key outputs: their key dtypes
+    out_keys: dict[int, Any] = dataclasses.field(default_factory=dict)  # outputs other on the wire: their dtypes
 
 
 class NotAValue(TypeError):

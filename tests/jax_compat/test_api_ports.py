@@ -1196,16 +1196,37 @@ def test_jit_custom_floats(mesh_2x1: pw.Slice, dtype) -> None:
     np.testing.assert_array_equal(np.asarray(out), np.asarray(f(x)))
 
 
-# Not a port (test_jit_custom_floats' case for a 4-bit integer, which jax.jit takes)
-@pytest.mark.xfail(strict=True, reason="pwmesh: an int4 argument fails on the executor: pw.jit(lambda x: x + 1, "
-                   "devices=s)(jnp.ones((), jnp.int4)) raises pw.RemoteError 'ValueError: Computation was compiled for "
-                   "input layouts that disagree with the layouts of arguments passed to it' (a sub-byte element size); "
-                   "jax.jit gives int4 2 (pw.put of int4 works)")
-def test_jit_int4_argument(mesh_2x1: pw.Slice) -> None:
-    x = jnp.ones((), dtype=jnp.int4)
+SUB_BYTE = [jnp.int4, jnp.uint4, jnp.int2, jnp.uint2, jnp.float4_e2m1fn]
+
+
+# Not a port (test_jit_custom_floats' case for the sub-byte dtypes, which jax.jit takes): an argument, its result
+# passed on to another call, fetched
+@pytest.mark.parametrize("dtype", SUB_BYTE, ids=lambda d: np.dtype(d).name)
+def test_jit_sub_byte_argument(mesh_2x1: pw.Slice, dtype) -> None:
+    x = jnp.ones((), dtype=dtype)
     out = pw.jit(lambda x: x + 1, devices=mesh_2x1)(x)
-    assert out.dtype == jnp.int4
+    assert out.dtype == dtype
     np.testing.assert_array_equal(np.asarray(out), np.asarray(x + 1))
+    again = pw.jit(lambda x: x - 1, devices=mesh_2x1)(out)
+    assert again.dtype == dtype
+    np.testing.assert_array_equal(np.asarray(again), np.asarray(x))
+
+
+# Not a port (array_test.py: JaxArrayTest.test_shards_have_correct_dtype's put and fetch, for the sub-byte dtypes,
+# sharded; and a computation reading the value put, as jax.device_put then jax.jit)
+@pytest.mark.parametrize("dtype", SUB_BYTE, ids=lambda d: np.dtype(d).name)
+def test_put_sub_byte_sharded(mesh_2x1: pw.Slice, dtype) -> None:
+    values = np.array([0, 1, 2, 3, 1, 0, 3, 2], dtype=dtype).reshape(4, 2)
+    x = pw.put(values, mesh_2x1, P("x"))
+    assert x.dtype == dtype
+    fetched = np.asarray(x)
+    assert fetched.dtype == dtype
+    np.testing.assert_array_equal(fetched, values)
+    total = pw.jit(lambda v: (v * v).sum(axis=0, dtype=jnp.float32), devices=mesh_2x1)(x)
+    np.testing.assert_array_equal(np.asarray(total), jax.jit(lambda v: (v * v).sum(axis=0, dtype=jnp.float32))(values))
+    cast = x.astype(jnp.float32)
+    np.testing.assert_array_equal(np.asarray(cast), values.astype(np.float32))
+    assert np.asarray(pw.get(pw.put(values, mesh_2x1))).dtype == dtype
 
 
 # api_test.py: NamedCallTest.test_integer_overflow (its funcs that apply to pw.jit's host arguments)

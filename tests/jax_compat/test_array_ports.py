@@ -278,10 +278,9 @@ def test_shards_have_correct_dtype(mesh_2x1: pw.Slice, dtype) -> None:
     assert np.asarray(x) == np.ones((), dtype)
 
 
-# array_test.py: JaxArrayTest.test_sds_like (its first cases: a weakly typed value, a strong one)
-@pytest.mark.xfail(strict=True, reason="pwmesh: jax.ShapeDtypeStruct.like(pw_array) raises ValueError 'Triggering "
-                   "__jax_array__() during abstractification is no longer supported' (a pw.Array has shape, dtype, "
-                   "weak_type and sharding, but no aval, and its sharding is not a jax Sharding)")
+# array_test.py: JaxArrayTest.test_sds_like (its first cases: a weakly typed value, a strong one; then a sharded
+# one and a typed key, and the struct given to .lower, as upstream gives it to jax.jit(...).lower). As of an
+# uncommitted jax.Array, the struct has no sharding: a pw.Array's is a slice's, not a JAX Sharding.
 def test_sds_like(mesh_2x1: pw.Slice) -> None:
     x = pw.put(jnp.array(1.0), mesh_2x1)
     out = jax.ShapeDtypeStruct.like(x)
@@ -292,6 +291,17 @@ def test_sds_like(mesh_2x1: pw.Slice) -> None:
     out = jax.ShapeDtypeStruct.like(x)
     assert not out.weak_type
     assert out.shape == ()
+
+    x = pw.put(np.arange(8, dtype=np.int32).reshape(4, 2), mesh_2x1, P("x"))
+    out = jax.ShapeDtypeStruct.like(x)
+    assert (out.shape, out.dtype, out.sharding) == ((4, 2), np.int32, None)
+    assert jax.typeof(x) == jax.typeof(jnp.zeros((4, 2), np.int32))
+    lowered = pw.jit(lambda v: v * 2, devices=mesh_2x1, in_specs=P("x")).lower(out)
+    assert lowered.out_info.shape == (4, 2)
+
+    key = jax.ShapeDtypeStruct.like(pw.put(jax.random.key(0), mesh_2x1))
+    assert key.dtype == jax.random.key(0).dtype
+    assert x._value is None, "its type is known without fetching it"
 
 
 # array_test.py: ShardingTest.test_shard_shape (on the 2 x 2 slice; the expectation is jax's for that mesh)
