@@ -40,6 +40,14 @@ def use_operations(ops: Any) -> None:
     _operations[:] = [ops]
 
 
+_capture: list[Callable[[Any], Any]] = []
+
+
+def use_capture(as_jax: Callable[[Any], Any]) -> None:
+    """Give JAX ``as_jax(array)`` where it meets a ``pw.Array`` (``pwmesh.client.capture``)."""
+    _capture[:] = [as_jax]
+
+
 def _ops() -> Any:
     if not _operations:
         raise InvalidArgument("pw.Array's operators come with the client library: import pwmesh.client.api")
@@ -237,9 +245,9 @@ class Array:
     def __jax_array__(self) -> Any:
         """What JAX meets: an input of the computation while ``pw.jit`` traces a function closing over it
         (``pwmesh.client.capture``), else its value."""
-        from pwmesh.client import capture  # noqa: PLC0415 - JAX is imported only by what traces
-
-        return capture.as_jax(self)
+        if not _capture:
+            raise InvalidArgument("pw.Array meets JAX through the client library: import pwmesh.client.api")
+        return _capture[0](self)
 
     @property
     def format(self) -> Any:

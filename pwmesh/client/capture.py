@@ -25,7 +25,7 @@ import numpy as np
 from jax._src import core as jax_core
 from jax._src.lax import lax as lax_internal
 
-from pwmesh.client.array import Array
+from pwmesh.client.array import Array, use_capture
 
 T = TypeVar("T")
 
@@ -94,3 +94,6 @@ def placeholder(shape: tuple[int, ...], dtype: Any, weak: bool = False) -> Any:
     zeros = jnp.zeros(shape, dtype)
     # Weakly typed as the array is (a bfloat16 value times it stays bfloat16): JAX has no public way to say so.
     return lax_internal._convert_element_type(zeros, np.dtype(dtype), weak_type=True) if weak else zeros
+
+
+use_capture(as_jax)
