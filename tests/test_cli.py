@@ -60,7 +60,9 @@ def test_debug_events_dumps_each_daemons_latest_events(cluster: pw.LocalCluster,
     assert "enqueue-" in ran and "Received(message=exec.enqueue(run_id=" in ran and "done-" in ran
     assert "Inbound(proxy.run_program" in events("proxy")
     ordered = events(scheduler)
-    assert "schedule-" in ordered and "Received(message=sched.schedule_run(run_id=" in ordered
+    # A program with an id runs by its template: installed once, then run by name (issue #30 item 1).
+    assert "install-" in ordered and "Received(message=sched.install_template(" in ordered
+    assert "run-" in ordered and "Received(message=sched.run_template(" in ordered
     assert "part-done-" in ordered and "Received(message=sched.run_part_done(run_id=" in ordered
     assert "Received(message=rm.allocate_slice" in events("rm")
     unknown = CliRunner().invoke(main, ["debug", "events", "nosuch", "--address", cluster.address])
