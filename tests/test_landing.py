@@ -11,11 +11,12 @@ import jax
 import numpy as np
 import pytest
 
-from pwmesh.dataflow.exchange import Landing, assemble, expand, in_place, landings
+from pwmesh.dataflow.exchange import Landing, assemble, cut, expand, in_place, landings
 from pwmesh.dataflow.plane import BufferPool
+from pwmesh.dataflow.progress import Arrived, Progress
 from pwmesh.executor.landing import land
 from pwmesh.wire import codec
-from pwmesh.wire.messages import DataTuple, TupleBatch
+from pwmesh.wire.messages import DataTuple, Emit, Sharding, ShardRun, Site, Target, TupleBatch
 
 SHAPE = [64, 32]
 
@@ -141,3 +142,33 @@ def test_the_pool_keeps_buffers_up_to_its_byte_budget() -> None:
     del held
     again = [pool.take(1 << 20) for _ in range(3)]
     assert {a.ctypes.data for a in again} == addresses
+
+
+def test_column_blocks_all_on_one_executor_are_gathered_there_and_kept_as_they_arrive() -> None:
+    """A weight split by columns over a trainer's 2x2 mesh, all on one executor, to a replicated sampler on
+    two devices of another: one whole block crosses (named for both replicas), with the other source's
+    marker; the receiver keeps that block as it is, for both devices."""
+    x = np.arange(64 * 32, dtype=np.float32).reshape(SHAPE)
+    shards = {0: x[:, :16], 1: x[:, 16:], 2: x[:, :16], 3: x[:, 16:]}  # (data, model) row-major
+    sampler = Site(executor_id="b", data="tcp://b:2", host="b", runs=[ShardRun(device=0, shard=0, count=2)])
+    target = Target(prefix="s/v", shards=2, sites=[sampler], shape=SHAPE, dtype="float32",
+                    sharding=Sharding(mesh=[2], spec=[[], []]))
+    emit = Emit(mode="block", rows=64, src_shards=4, targets=[target], shape=SHAPE,
+                src=Sharding(mesh=[2, 2], spec=[[], [1]]))
+    pool = BufferPool()
+    sent = [t for _, t in cut(emit, shards, take=pool.take)]
+    data = [t for t in sent if t.array is not None]
+    assert len(data) == 1 and data[0].array.shape == tuple(SHAPE) and data[0].copies == [[1, 1]]
+    assert sorted((t.src, t.count) for t in sent) == [(0, 1), (1, 0)]
+    arrived = expand(through_the_wire(sent, pool), share=True)
+    progress, done = Progress(), []
+    for t in arrived:
+        key = f"s/v/{t.shard}"
+        got = progress.tuple(key, t.src, t.seq, t.sources, t) if t.seq >= 0 else None
+        got = progress.marker(key, t.src, t.count, t.sources) or got
+        if isinstance(got, Arrived):
+            done.append((key, t.device, got.payloads, t))
+    (landing,) = landings(done)
+    value = assemble(landing.payloads, landing.last, take=pool.take, whole=landing.whole)
+    np.testing.assert_array_equal(value, x)
+    assert value is landing.payloads[0].array  # kept as it arrived: no copy on this side

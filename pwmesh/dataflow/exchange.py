@@ -19,7 +19,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from pwmesh.dataflow.layout import Layout, Plan, block, plan
+from pwmesh.dataflow.layout import Layout, Piece, Plan, block, plan
 from pwmesh.errors import InvalidArgument
 from pwmesh.wire.messages import DataTuple, Emit, ErrorInfo, Target
 
@@ -80,22 +80,26 @@ def _tuple(target: Target, shard: int, dest: Destination, src: int, n_sources: i
                      shape=list(target.shape), dtype=target.dtype, **fields)
 
 
-def cut(emit: Emit, local: dict[int, Any],
-        selectors: dict[int, np.ndarray] | None = None) -> list[tuple[Destination, DataTuple]]:
+def cut(emit: Emit, local: dict[int, Any], selectors: dict[int, np.ndarray] | None = None, *,
+        take: Callable[[int], np.ndarray] | None = None) -> list[tuple[Destination, DataTuple]]:
     """The tuples (each with its destination) for ``local`` — this executor's shards of the emitted
-    value, ``{shard: host array or Ragged}`` — and, for ``route``, each shard's expert ids."""
+    value, ``{shard: host array or Ragged}`` — and, for ``route``, each shard's expert ids.
+    ``take(nbytes)``: where blocks gathered here are made (a writable uint8 buffer; default fresh memory)."""
     out: list[tuple[Destination, DataTuple]] = []
     if emit.mode == "block":
         (target,) = emit.targets
         dests = destinations(target)
         moves = block_plan(emit, target)
+        gathered = _gather(target, dests, moves, local, take)
+        out.extend(gathered)
+        whole = {t.shard for _, t in gathered} | {shard for _, t in gathered for shard, _ in t.copies}
         for src, value in local.items():
             # The same piece for several destination shards of one executor (replicas): one tuple, the
             # others named in its ``copies``.
             sent: dict[tuple[Any, ...], DataTuple] = {}
             for piece in moves.sends.get(src, ()):
                 dest = dests.get(piece.dest)
-                if dest is None:  # that shard is already where it is needed
+                if dest is None or piece.dest in whole:  # already where it is needed, or gathered here
                     continue
                 n = len(moves.sources[piece.dest])
                 same = (dest.executor_id, piece.lo, piece.hi, piece.offset, n)
@@ -145,6 +149,45 @@ def cut(emit: Emit, local: dict[int, Any],
                     out.append((dest, _tuple(target, j, dest, emit.source, emit.src_shards, count=0)))
     else:
         raise InvalidArgument(f"unknown emit mode {emit.mode!r}")
+    return out
+
+
+def _gather(target: Target, dests: dict[int, Destination], moves: Plan, local: dict[int, Any],
+            take: Callable[[int], np.ndarray] | None) -> list[tuple[Destination, DataTuple]]:
+    """Destination shards whose every piece this executor sends, in pieces that are not whole rows (a
+    column-split weight going to a replicated one): gathered here into one block each and sent whole,
+    which the receiver keeps as it is, the other sources sending their markers alone. As many copies
+    as the receiver would make, made here instead, and one tuple instead of several."""
+    shape = tuple(target.shape)
+    if not shape:
+        return []
+    by_dest: dict[int, list[tuple[int, Piece]]] = {}
+    for src in local:
+        for piece in moves.sends.get(src, ()):
+            by_dest.setdefault(piece.dest, []).append((src, piece))
+    out: list[tuple[Destination, DataTuple]] = []
+    made: dict[tuple[Any, ...], list[DataTuple]] = {}  # (executor, pieces) -> its tuples (replicas: copies)
+    dtype = np.dtype(target.dtype)
+    for j, pieces in sorted(by_dest.items()):
+        dest = dests.get(j)
+        if (dest is None or len(pieces) < 2 or len(pieces) != len(moves.sources[j])
+                or all(p.hi[d] - p.lo[d] == shape[d] for _, p in pieces for d in range(1, len(shape)))):
+            continue  # not all here, one piece already, or whole rows (the receiver takes them in place)
+        same = (dest.executor_id, tuple((src, p.lo, p.hi, p.offset) for src, p in pieces))
+        if same in made:
+            for t in made[same]:
+                t.copies.append([j, dest.device])
+            continue
+        value = np.empty(shape, dtype) if take is None else take(math.prod(shape) * dtype.itemsize).view(
+            dtype).reshape(shape)
+        for src, p in pieces:
+            value[p.dest_index()] = local[src][p.source_index()]
+        n = len(pieces)
+        (first, _), *others = sorted(pieces)
+        tuples = [_tuple(target, j, dest, first, n, count=1, seq=0, array=value),
+                  *(_tuple(target, j, dest, src, n, count=0) for src, _ in others)]
+        made[same] = tuples
+        out.extend((dest, t) for t in tuples)
     return out
 
 

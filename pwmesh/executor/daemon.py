@@ -750,7 +750,8 @@ class Executor(Service):
     def _emit_values(self, emit: Emit, local: dict[int, Any], selectors: dict[int, Any],
                      run: tuple[str, str] | None = None) -> None:
         host = {shard: v if isinstance(v, Ragged) else np.asarray(v) for shard, v in local.items()}
-        self._send_tuples(cut(emit, host, {shard: np.asarray(v) for shard, v in selectors.items()}), run)
+        self._send_tuples(cut(emit, host, {shard: np.asarray(v) for shard, v in selectors.items()},
+                              take=self.plane.pool.take), run)
 
     def _send_tuples(self, tuples: list[tuple[Destination, DataTuple]], run: tuple[str, str] | None = None) -> None:
         """One batch per destination executor; ours are delivered here without a socket. ``run`` (its
@@ -812,8 +813,20 @@ class Executor(Service):
                 for key, _ in shards:
                     self.store.fail(key, as_error(exc, f"assembling {key}"))
                 return
-            for i, (key, device) in enumerate(shards):
-                self._store_value(key, device, value if i == 0 or isinstance(value, Ragged) else value.copy())
+            if isinstance(value, Ragged) or len(shards) == 1:
+                self._store_value(shards[0][0], shards[0][1], value)
+                return
+            # Replicas: one device_put for all (JAX adopts host memory as immutable: they may share it).
+            live = [(key, device) for key, device in shards if not self._refused(key, value.nbytes)
+                    and not self.store.deleted(key)]
+            try:
+                arrays = jax.device_put([value] * len(live), [self._device(device) for _, device in live])
+            except Exception as exc:
+                for key, _ in live:
+                    self.store.fail(key, as_error(exc, f"storing {key}"))
+                return
+            for (key, _), array in zip(live, arrays, strict=True):
+                self.store.put(key, array, value.nbytes)
             return
         live = [(key, device) for key, device in shards if not self.store.deleted(key)]
         if not live or self._refused(live[0][0], landing.nbytes * len(live)):
