@@ -172,3 +172,26 @@ def test_column_blocks_all_on_one_executor_are_gathered_there_and_kept_as_they_a
     value = assemble(landing.payloads, landing.last, take=pool.take, whole=landing.whole)
     np.testing.assert_array_equal(value, x)
     assert value is landing.payloads[0].array  # kept as it arrived: no copy on this side
+
+
+def test_a_block_gathered_for_several_executors_is_gathered_once() -> None:
+    """Fan-out (one trainer, two sampler hosts): the sender gathers the block once, not once a receiver."""
+    x = np.arange(64 * 32, dtype=np.float32).reshape(SHAPE)
+    shards = {0: x[:, :16], 1: x[:, 16:]}
+    sites = [Site(executor_id=ex, data=f"tcp://{ex}:2", host=ex, runs=[ShardRun(device=0, shard=k, count=1)])
+             for k, ex in enumerate("ab")]
+    target = Target(prefix="s/v", shards=2, sites=sites, shape=SHAPE, dtype="float32",
+                    sharding=Sharding(mesh=[2], spec=[[], []]))
+    emit = Emit(mode="block", rows=64, src_shards=2, targets=[target], shape=SHAPE,
+                src=Sharding(mesh=[2], spec=[[], [0]]))
+    taken: list[int] = []
+
+    def take(nbytes: int) -> np.ndarray:
+        taken.append(nbytes)
+        return np.empty(nbytes, np.uint8)
+
+    sent = cut(emit, shards, take=take)
+    data = [(dest.executor_id, t) for dest, t in sent if t.array is not None]
+    assert [ex for ex, _ in data] == ["a", "b"] and data[0][1].array is data[1][1].array
+    assert taken == [x.nbytes]
+    np.testing.assert_array_equal(data[0][1].array, x)

@@ -167,26 +167,30 @@ def _gather(target: Target, dests: dict[int, Destination], moves: Plan, local: d
             by_dest.setdefault(piece.dest, []).append((src, piece))
     out: list[tuple[Destination, DataTuple]] = []
     made: dict[tuple[Any, ...], list[DataTuple]] = {}  # (executor, pieces) -> its tuples (replicas: copies)
+    blocks: dict[tuple[Any, ...], np.ndarray] = {}  # pieces -> their block, gathered once for every executor
     dtype = np.dtype(target.dtype)
     for j, pieces in sorted(by_dest.items()):
         dest = dests.get(j)
         if (dest is None or len(pieces) < 2 or len(pieces) != len(moves.sources[j])
                 or all(p.hi[d] - p.lo[d] == shape[d] for _, p in pieces for d in range(1, len(shape)))):
             continue  # not all here, one piece already, or whole rows (the receiver takes them in place)
-        same = (dest.executor_id, tuple((src, p.lo, p.hi, p.offset) for src, p in pieces))
-        if same in made:
-            for t in made[same]:
+        which = tuple((src, p.lo, p.hi, p.offset) for src, p in pieces)
+        if (dest.executor_id, which) in made:
+            for t in made[dest.executor_id, which]:
                 t.copies.append([j, dest.device])
             continue
-        value = np.empty(shape, dtype) if take is None else take(math.prod(shape) * dtype.itemsize).view(
-            dtype).reshape(shape)
-        for src, p in pieces:
-            value[p.dest_index()] = local[src][p.source_index()]
+        value = blocks.get(which)
+        if value is None:  # read, never written, by every executor's tuple (and adopted as immutable here)
+            value = np.empty(shape, dtype) if take is None else take(math.prod(shape) * dtype.itemsize).view(
+                dtype).reshape(shape)
+            for src, p in pieces:
+                value[p.dest_index()] = local[src][p.source_index()]
+            blocks[which] = value
         n = len(pieces)
         (first, _), *others = sorted(pieces)
         tuples = [_tuple(target, j, dest, first, n, count=1, seq=0, array=value),
                   *(_tuple(target, j, dest, src, n, count=0) for src, _ in others)]
-        made[same] = tuples
+        made[dest.executor_id, which] = tuples
         out.extend((dest, t) for t in tuples)
     return out
 
