@@ -133,15 +133,19 @@ def test_landings_group_only_shards_with_the_very_same_arrays() -> None:
     assert [landing.shards for landing in out] == [[("s/v/0", 0), ("s/v/1", 1)], [("s/w/0", 0)]]
 
 
-def test_the_pool_keeps_buffers_up_to_its_byte_budget() -> None:
-    """Buffers come back for reuse once released, up to ``keep_bytes`` of them (faulted in already)."""
+def test_the_pool_keeps_buffers_up_to_its_byte_budget_the_oldest_making_room() -> None:
+    """Buffers come back for reuse once released, up to ``keep_bytes`` of them (faulted in already); past
+    that, the ones handed out longest ago (values held for good) stop being kept, for the newest."""
     pool = BufferPool(keep_bytes=3 << 20)
-    held = [pool.take(1 << 20) for _ in range(4)]
+    stored = [pool.take(1 << 20) for _ in range(3)]  # held for good, as a store holds its values
     assert pool.kept_bytes == 3 << 20
-    addresses = {h.ctypes.data for h in held[:3]}
-    del held
-    again = [pool.take(1 << 20) for _ in range(3)]
-    assert {a.ctypes.data for a in again} == addresses
+    churn = [pool.take(1 << 20) for _ in range(2)]  # a sync's buffers: the two oldest stop being kept
+    assert pool.kept_bytes == 3 << 20
+    addresses = {c.ctypes.data for c in churn}
+    del churn
+    again = [pool.take(1 << 20) for _ in range(2)]
+    assert {a.ctypes.data for a in again} == addresses  # reused, not made afresh
+    assert pool.kept_bytes == 3 << 20 and len(stored) == 3
 
 
 def test_column_blocks_all_on_one_executor_are_gathered_there_and_kept_as_they_arrive() -> None:

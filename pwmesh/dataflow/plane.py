@@ -155,9 +155,10 @@ class BufferPool:
     """Page-aligned receive buffers, reused once nothing refers to them (JAX may adopt one as a
     device buffer; it then lives as long as that array). Sizes are rounded up to powers of two.
 
-    Up to ``keep_bytes`` of them are kept, faulted in, once their users let go: a fresh buffer's
-    page faults cost more than filling it (a weight sync lands hundreds of MiB in dozens of buffers
-    every step; with a few kept, most faulted in afresh every time)."""
+    Up to ``keep_bytes`` of them are kept, faulted in, for reuse once their users let go: a fresh
+    buffer's page faults cost more than filling it (a weight sync lands hundreds of MiB in dozens of
+    buffers every step). Past that, the buffers handed out longest ago make room (values stored for
+    good, say: they are no longer kept, and their memory goes with them) for those in use now."""
 
     def __init__(self, keep_bytes: int = 1 << 30, keep_per_size: int = 256) -> None:
         self._lock = threading.Lock()
@@ -165,6 +166,8 @@ class BufferPool:
         self._keep_bytes = keep_bytes
         self._keep = keep_per_size  # and no more of a size: ``take`` looks through them
         self.kept_bytes = 0
+        self._taken: dict[int, int] = {}  # id of a kept buffer -> when it was last handed out (a count)
+        self._clock = 0
 
     @staticmethod
     def _size(nbytes: int) -> int:
@@ -174,18 +177,41 @@ class BufferPool:
         """A writable uint8 view of ``nbytes`` bytes, page-aligned."""
         size = self._size(nbytes)
         with self._lock:
+            self._clock += 1
             for raw in self._buffers[size]:
                 # Ours: the list, getrefcount's argument and the loop variable. More: someone holds a view.
                 if sys.getrefcount(raw) <= 3:
+                    self._taken[id(raw)] = self._clock
                     return raw[:nbytes]
             mapped = mmap.mmap(-1, size)
             if hasattr(mmap, "MADV_HUGEPAGE"):  # 2 MiB pages: a fresh 64 MiB buffer faults 32 times, not 16k
                 mapped.madvise(mmap.MADV_HUGEPAGE)
             raw = np.frombuffer(mapped, dtype=np.uint8)
-            if self.kept_bytes + size <= self._keep_bytes and len(self._buffers[size]) < self._keep:
+            if size <= self._keep_bytes and len(self._buffers[size]) < self._keep:
+                self._make_room(self.kept_bytes + size - self._keep_bytes)
                 self._buffers[size].append(raw)
+                self._taken[id(raw)] = self._clock
                 self.kept_bytes += size
             return raw[:nbytes]
+
+    def _make_room(self, nbytes: int) -> None:
+        """Keep ``nbytes`` fewer: the buffers handed out longest ago go first."""
+        if nbytes <= 0:
+            return
+        oldest = sorted((self._taken[id(raw)], size, i) for size, kept in self._buffers.items()
+                        for i, raw in enumerate(kept))
+        going: dict[int, set[int]] = collections.defaultdict(set)
+        for _, size, i in oldest:
+            if nbytes <= 0:
+                break
+            going[size].add(i)
+            nbytes -= size
+        for size, indices in going.items():
+            kept = self._buffers[size]
+            for i in indices:
+                del self._taken[id(kept[i])]
+            self._buffers[size] = [raw for i, raw in enumerate(kept) if i not in indices]
+            self.kept_bytes -= size * len(indices)
 
 
 class _Segment:
