@@ -13,16 +13,16 @@ Against:
 - **plane**: pwmesh's data plane with one array of the tree's size, one device to one device
   (island 0's executor to island 1's), by ``pw.reshard``: the plane's own bandwidth, with one
   dispatch and one completion;
-- **reshard 1 device**: the same tree onto a sampler of one device: each block crosses once
-  (to 2 devices on one executor, each crosses twice: one tuple per destination device);
+- **reshard 1 device**: the same tree onto a sampler of one device (each block lands once; for 2
+  devices on one executor it also crosses once, and both devices adopt the one host buffer);
 - **round trip**: what a client without executor-to-executor moves does: ``fetch`` the tree
   to the client, then ``put`` it on the sampler.
 
 Every transfer is timed from the call until every destination buffer is ready; GB/s is the
-tree's bytes (1e9) over that time, whatever crosses the wire (a replicated destination of 2
-devices on one executor receives every block twice: ``wire_bytes`` says what the data plane
-counted). The executors run with ``--no-shared-memory`` (the path between hosts: TCP) unless
-``--shm``. The synced tree is fetched once and compared with what was put: equal, leaf by leaf.
+tree's bytes (1e9) over that time; ``wire_bytes`` says what the data plane counted (each block
+crosses once per destination executor, whatever its number of devices there). The executors
+run with ``--no-shared-memory`` (the path between hosts: TCP) unless ``--shm``. The synced tree
+is fetched once and compared with what was put: equal, leaf by leaf.
 
     python bench/weight_sync.py            # ~1 minute on 2 cores
     python bench/weight_sync.py --smoke    # seconds: a tree of a few MiB

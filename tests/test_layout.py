@@ -100,19 +100,22 @@ def spread(layout: Layout) -> Target:
                   sharding=Sharding(mesh=list(layout.mesh), spec=[list(axes) for axes in layout.spec]))
 
 
-def move(a: Layout, b: Layout, x: np.ndarray) -> dict[int, np.ndarray]:
-    """``x``, laid out as ``a``, cut by every source and delivered (in reverse) to ``b``'s destinations."""
+def move(a: Layout, b: Layout, x: np.ndarray, *, together: bool = False) -> dict[int, np.ndarray]:
+    """``x``, laid out as ``a``, cut by every source and delivered (in reverse) to ``b``'s destinations;
+    ``together``: all the sources on one executor, cutting at once (it gathers what it can send whole)."""
     emit = Emit(mode="block", rows=x.shape[0], src_shards=a.devices, targets=[spread(b)], shape=list(x.shape),
                 src=Sharding(mesh=list(a.mesh), spec=[list(axes) for axes in a.spec]))
     tuples: list[tuple[Destination, object]] = []
-    for s, block in enumerate(a.split(x)):  # every source device cuts its own block
+    if together:
+        tuples.extend(cut(emit, dict(enumerate(a.split(x)))))
+    for s, block in enumerate(a.split(x) if not together else []):  # every source device cuts its own block
         tuples.extend(cut(emit, {s: block}))
     progress: dict[str, Progress] = {}
     got = {}
     # As an executor receives them: a tuple's copies are tuples of their own (``expand``).
     for dest, t in reversed([(d, each) for d, sent in tuples for each in expand([sent])]):  # any order
         box = progress.setdefault(dest.executor_id, Progress())
-        done = box.tuple(f"s/v/{t.shard}", t.src, t.seq, t.sources, t)
+        done = box.tuple(f"s/v/{t.shard}", t.src, t.seq, t.sources, t) if t.seq >= 0 else None  # (a marker alone)
         done = box.marker(f"s/v/{t.shard}", t.src, t.count, t.sources) or done
         if done is not None:
             got[t.shard] = assemble(done.payloads, t)
@@ -126,6 +129,19 @@ def test_every_pair_of_layouts_moves_through_the_data_plane(src: tuple[tuple[str
     a, b = layout_of(*src), layout_of(*dst)
     x = np.arange(np.prod(SHAPE), dtype=np.float32).reshape(SHAPE)
     got = move(a, b, x)
+    assert sorted(got) == list(range(b.devices))
+    for j, value in got.items():
+        np.testing.assert_array_equal(value, x[b.index(j)])
+
+
+@pytest.mark.parametrize(("src", "dst"), PAIRS, ids=[f"{label(a)}->{label(b)}" for a, b in PAIRS])
+def test_every_pair_of_layouts_moves_from_one_executor(src: tuple[tuple[str, ...], tuple[int, ...], P],
+                                                       dst: tuple[tuple[str, ...], tuple[int, ...], P]) -> None:
+    """A source all on one executor (a trainer's host) gathers a destination's column blocks itself and
+    sends them whole, with the other sources' markers: every destination still gets exactly its block."""
+    a, b = layout_of(*src), layout_of(*dst)
+    x = np.arange(np.prod(SHAPE), dtype=np.float32).reshape(SHAPE)
+    got = move(a, b, x, together=True)
     assert sorted(got) == list(range(b.devices))
     for j, value in got.items():
         np.testing.assert_array_equal(value, x[b.index(j)])

@@ -13,11 +13,13 @@ Pure numpy: no sockets, no JAX.
 from __future__ import annotations
 
 import dataclasses
+import math
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import numpy as np
 
-from pwmesh.dataflow.layout import Layout, Plan, block, plan
+from pwmesh.dataflow.layout import Layout, Piece, Plan, block, plan
 from pwmesh.errors import InvalidArgument
 from pwmesh.wire.messages import DataTuple, Emit, ErrorInfo, Target
 
@@ -78,22 +80,26 @@ def _tuple(target: Target, shard: int, dest: Destination, src: int, n_sources: i
                      shape=list(target.shape), dtype=target.dtype, **fields)
 
 
-def cut(emit: Emit, local: dict[int, Any],
-        selectors: dict[int, np.ndarray] | None = None) -> list[tuple[Destination, DataTuple]]:
+def cut(emit: Emit, local: dict[int, Any], selectors: dict[int, np.ndarray] | None = None, *,
+        take: Callable[[int], np.ndarray] | None = None) -> list[tuple[Destination, DataTuple]]:
     """The tuples (each with its destination) for ``local`` — this executor's shards of the emitted
-    value, ``{shard: host array or Ragged}`` — and, for ``route``, each shard's expert ids."""
+    value, ``{shard: host array or Ragged}`` — and, for ``route``, each shard's expert ids.
+    ``take(nbytes)``: where blocks gathered here are made (a writable uint8 buffer; default fresh memory)."""
     out: list[tuple[Destination, DataTuple]] = []
     if emit.mode == "block":
         (target,) = emit.targets
         dests = destinations(target)
         moves = block_plan(emit, target)
+        gathered = _gather(target, dests, moves, local, take)
+        out.extend(gathered)
+        whole = {t.shard for _, t in gathered} | {shard for _, t in gathered for shard, _ in t.copies}
         for src, value in local.items():
             # The same piece for several destination shards of one executor (replicas): one tuple, the
             # others named in its ``copies``.
             sent: dict[tuple[Any, ...], DataTuple] = {}
             for piece in moves.sends.get(src, ()):
                 dest = dests.get(piece.dest)
-                if dest is None:  # that shard is already where it is needed
+                if dest is None or piece.dest in whole:  # already where it is needed, or gathered here
                     continue
                 n = len(moves.sources[piece.dest])
                 same = (dest.executor_id, piece.lo, piece.hi, piece.offset, n)
@@ -106,6 +112,9 @@ def cut(emit: Emit, local: dict[int, Any],
                            array=np.asarray(part))
                 sent[same] = t
                 out.append((dest, t))
+        # In each destination's order, by place: a shard's row blocks then travel in row order, and arrive
+        # back to back as in the value itself (``in_place``).
+        out.sort(key=lambda sent: (sent[1].shard, sent[1].offset))
     elif emit.mode == "route":
         assert selectors is not None
         experts = len(emit.targets)
@@ -143,6 +152,49 @@ def cut(emit: Emit, local: dict[int, Any],
     return out
 
 
+def _gather(target: Target, dests: dict[int, Destination], moves: Plan, local: dict[int, Any],
+            take: Callable[[int], np.ndarray] | None) -> list[tuple[Destination, DataTuple]]:
+    """Destination shards whose every piece this executor sends, in pieces that are not whole rows (a
+    column-split weight going to a replicated one): gathered here into one block each and sent whole,
+    which the receiver keeps as it is, the other sources sending their markers alone. As many copies
+    as the receiver would make, made here instead, and one tuple instead of several."""
+    shape = tuple(target.shape)
+    if not shape:
+        return []
+    by_dest: dict[int, list[tuple[int, Piece]]] = {}
+    for src in local:
+        for piece in moves.sends.get(src, ()):
+            by_dest.setdefault(piece.dest, []).append((src, piece))
+    out: list[tuple[Destination, DataTuple]] = []
+    made: dict[tuple[Any, ...], list[DataTuple]] = {}  # (executor, pieces) -> its tuples (replicas: copies)
+    blocks: dict[tuple[Any, ...], np.ndarray] = {}  # pieces -> their block, gathered once for every executor
+    dtype = np.dtype(target.dtype)
+    for j, pieces in sorted(by_dest.items()):
+        dest = dests.get(j)
+        if (dest is None or len(pieces) < 2 or len(pieces) != len(moves.sources[j])
+                or all(p.hi[d] - p.lo[d] == shape[d] for _, p in pieces for d in range(1, len(shape)))):
+            continue  # not all here, one piece already, or whole rows (the receiver takes them in place)
+        which = tuple((src, p.lo, p.hi, p.offset) for src, p in pieces)
+        if (dest.executor_id, which) in made:
+            for t in made[dest.executor_id, which]:
+                t.copies.append([j, dest.device])
+            continue
+        value = blocks.get(which)
+        if value is None:  # read, never written, by every executor's tuple (and adopted as immutable here)
+            value = np.empty(shape, dtype) if take is None else take(math.prod(shape) * dtype.itemsize).view(
+                dtype).reshape(shape)
+            for src, p in pieces:
+                value[p.dest_index()] = local[src][p.source_index()]
+            blocks[which] = value
+        n = len(pieces)
+        (first, _), *others = sorted(pieces)
+        tuples = [_tuple(target, j, dest, first, n, count=1, seq=0, array=value),
+                  *(_tuple(target, j, dest, src, n, count=0) for src, _ in others)]
+        made[dest.executor_id, which] = tuples
+        out.extend((dest, t) for t in tuples)
+    return out
+
+
 def cut_error(emit: Emit, local_shards: list[int], error: ErrorInfo) -> list[tuple[Destination, DataTuple]]:
     """Error tuples to every destination ``local_shards`` would have sent to: they fail, not wait."""
     out = []
@@ -159,13 +211,25 @@ def cut_error(emit: Emit, local_shards: list[int], error: ErrorInfo) -> list[tup
     return out
 
 
-def expand(tuples: list[DataTuple]) -> list[DataTuple]:
+def expand(tuples: list[DataTuple], *, share: bool = False) -> list[DataTuple]:
     """``tuples`` with each one's ``copies`` as tuples of their own, each with its own copy of the array
-    (never two shards over one buffer: a computation that consumes one must not change the other)."""
+    (never two shards over one buffer: a computation that consumes one must not change the other).
+
+    ``share``: the copies share the array instead (no copy here), and each of them, the original too,
+    names in ``copies`` every shard that shares it; ``landings`` then assembles each value once and
+    ``Landing.whole`` says whether the array may be kept as it is."""
     if not any(t.copies for t in tuples):
         return tuples
     out: list[DataTuple] = []
     for t in tuples:
+        if not t.copies:
+            out.append(t)
+            continue
+        if share:
+            sharers = [[t.shard, t.device], *t.copies]
+            out.append(dataclasses.replace(t, copies=sharers))
+            out.extend(dataclasses.replace(t, shard=shard, device=device, copies=sharers) for shard, device in t.copies)
+            continue
         out.append(t)
         for shard, device in t.copies:
             out.append(dataclasses.replace(t, shard=shard, device=device, copies=[],
@@ -173,9 +237,58 @@ def expand(tuples: list[DataTuple]) -> list[DataTuple]:
     return out
 
 
-def assemble(tuples: list[DataTuple], last: DataTuple) -> np.ndarray | Ragged:
+@dataclasses.dataclass(slots=True)
+class Landing:
+    """One value that arrived for one or more destination shards of an executor: ``shards`` is each one's
+    (key, device); all of them get the same value, assembled once from ``payloads`` (replicas of one
+    block, ``expand(share=True)``), each device its own buffer."""
+
+    shards: list[tuple[str, int]]
+    payloads: list[DataTuple]
+    last: DataTuple
+
+    @property
+    def nbytes(self) -> int:
+        """One copy's bytes (of a block; routed rows count what arrived)."""
+        if self.last.ragged:
+            return sum(t.array.nbytes + (0 if t.index is None else t.index.nbytes)
+                       for t in self.payloads if t.array is not None)
+        return math.prod(self.last.shape) * np.dtype(self.last.dtype).itemsize
+
+    @property
+    def whole(self) -> bool:
+        """May a payload that is the whole value be kept as it is: no destination shard outside this
+        landing shares its array."""
+        return all(not t.copies or len(t.copies) <= len(self.shards) for t in self.payloads)
+
+
+def landings(arrived: list[tuple[str, int, list[DataTuple], DataTuple]]) -> list[Landing]:
+    """Destination shards completed together — each ``(key, device, payloads, last)`` — as landings:
+    shards whose payloads are the very same arrays (replicas) share one."""
+    out: list[Landing] = []
+    by_arrays: dict[tuple[Any, ...], Landing] = {}
+    for key, device, payloads, last in arrived:
+        if last.ragged or not any(t.copies for t in payloads):
+            out.append(Landing([(key, device)], payloads, last))
+            continue
+        same = (tuple(id(t.array) for t in payloads), tuple(last.shape), last.dtype)
+        landing = by_arrays.get(same)
+        if landing is None:
+            landing = by_arrays[same] = Landing([(key, device)], payloads, last)
+            out.append(landing)
+        else:
+            landing.shards.append((key, device))
+    return out
+
+
+def assemble(tuples: list[DataTuple], last: DataTuple, *, take: Callable[[int], np.ndarray] | None = None,
+             whole: bool = True) -> np.ndarray | Ragged:
     """One destination shard's value from its tuples (``Progress`` order: by producer, then sequence);
-    ``last`` is whatever completed it (a tuple or a marker: it may have had no tuples at all)."""
+    ``last`` is whatever completed it (a tuple or a marker: it may have had no tuples at all).
+
+    ``take(nbytes)``: where a block's value is assembled (a writable uint8 buffer, e.g. a pooled one,
+    already faulted in and aligned: JAX on CPU adopts it as it is); by default fresh memory. ``whole``:
+    a payload that is the whole value may be returned as it is (not when another shard shares it)."""
     first = last
     shape, dtype = tuple(first.shape), np.dtype(first.dtype)
     data = [t for t in tuples if t.array is not None]
@@ -183,10 +296,19 @@ def assemble(tuples: list[DataTuple], last: DataTuple) -> np.ndarray | Ragged:
         if not data:
             return Ragged(np.zeros((0, *shape[1:]), dtype), np.zeros((0,), np.int32))
         return Ragged(np.concatenate([t.array for t in data]), np.concatenate([t.index for t in data]))
-    if (len(data) == 1 and data[0].index is None and not any(data[0].offset)
-            and (whole := data[0].array) is not None and whole.shape == shape):
-        return whole  # a whole shard moved as it is
-    out = np.zeros(shape, dtype)
+    if (whole and len(data) == 1 and data[0].index is None and not any(data[0].offset)
+            and (array := data[0].array) is not None and array.shape == shape):
+        return array  # a whole shard moved as it is
+    if whole and (rows := in_place(data, shape, dtype)) is not None:
+        return rows
+    size = math.prod(shape)
+    if take is None:
+        out = np.zeros(shape, dtype)
+    else:
+        out = take(size * dtype.itemsize).view(dtype).reshape(shape)
+        # Blocks that tile the shard (a plan's pieces never overlap) write every element; rows may not.
+        if any(t.index is not None for t in data) or sum(t.array.size for t in data if t.array is not None) != size:
+            out.fill(0)
     base = first.shard * shape[0] if shape else 0
     for t in data:
         assert t.array is not None
@@ -196,3 +318,40 @@ def assemble(tuples: list[DataTuple], last: DataTuple) -> np.ndarray | Ragged:
             offset = t.offset or [0] * len(shape)
             out[tuple(slice(o, o + n) for o, n in zip(offset, t.array.shape, strict=True))] = t.array
     return out
+
+
+def in_place(data: list[DataTuple], shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray | None:
+    """The value, if ``data``'s blocks are whole rows that already lie back to back, in row order, in one
+    buffer (one message's frames, as the data plane reads them): a view of that buffer, no copy."""
+    if len(data) < 2 or not shape:
+        return None
+    blocks = sorted(data, key=lambda t: t.offset[0] if t.offset else 0)
+    row_bytes = math.prod(shape[1:]) * dtype.itemsize
+    first = blocks[0].array
+    assert first is not None
+    root = _root(first)
+    if root is None:
+        return None
+    start = first.__array_interface__["data"][0]
+    rows = 0
+    for t in blocks:
+        a = t.array
+        assert a is not None
+        if (t.index is not None or a.dtype != dtype or tuple(a.shape[1:]) != shape[1:] or any(t.offset[1:])
+                or (t.offset[0] if t.offset else 0) != rows or not a.flags.c_contiguous
+                or a.__array_interface__["data"][0] != start + rows * row_bytes or _root(a) is not root):
+            return None
+        rows += a.shape[0]
+    if rows != shape[0]:
+        return None
+    offset = start - root.__array_interface__["data"][0]
+    return np.ndarray(shape, dtype, buffer=root, offset=offset)
+
+
+def _root(a: np.ndarray) -> np.ndarray | None:
+    """The ndarray at the bottom of ``a``'s views (the one that holds the memory's owner), if any."""
+    while True:
+        base = a.base.obj if isinstance(a.base, memoryview) else a.base  # the codec reads frames by memoryview
+        if not isinstance(base, np.ndarray):
+            return a if base is not None else None
+        a = base

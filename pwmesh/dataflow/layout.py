@@ -221,14 +221,20 @@ def plan(src: Layout, dst: Layout, groups: tuple[int, ...] | None = None) -> Pla
     sends: dict[int, list[Piece]] = {s: [] for s in range(src.devices)}
     sources: dict[int, list[int]] = {}
     src_sizes, dst_sizes = src.shard_shape, dst.shard_shape
+    # An executor's devices all prefer its first one's own replica: one sender for all of them.
+    first: dict[int, int] = {}
+    for j, g in enumerate(groups or ()):
+        first.setdefault(g, j)
     for j in range(dst.devices):
         q = dst.block(j)
         heard = []
+        grouped = groups is not None and groups[j] >= 0
+        own = first[groups[j]] if groups is not None and grouped else j
         per_dim = [_covering(n, a, b, qd) for n, a, b, qd in zip(src.shape, src.splits, dst.splits, q, strict=True)]
         for block in itertools.product(*per_dim):
             holders = src.replicas(block)
-            spread = groups[j] if groups is not None and groups[j] >= 0 else j
-            s = j if j in holders else holders[spread % len(holders)]
+            spread = groups[j] if groups is not None and grouped else j
+            s = own if own in holders else holders[spread % len(holders)]
             lo, hi, offset = [], [], []
             for d, (i, qd) in enumerate(zip(block, q, strict=True)):
                 start, stop = i * src_sizes[d], (i + 1) * src_sizes[d]

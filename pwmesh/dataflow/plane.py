@@ -146,14 +146,28 @@ def recv_bytes(sock: socket.socket, n: int) -> bytes:
     return bytes(buf)
 
 
+def _aligned(nbytes: int) -> int:
+    """``nbytes`` rounded up to 64 (what JAX on CPU needs to adopt a buffer without a copy)."""
+    return (nbytes + 63) & ~63
+
+
 class BufferPool:
     """Page-aligned receive buffers, reused once nothing refers to them (JAX may adopt one as a
-    device buffer; it then lives as long as that array). Sizes are rounded up to powers of two."""
+    device buffer; it then lives as long as that array). Sizes are rounded up to powers of two.
 
-    def __init__(self, keep_per_size: int = 16) -> None:
+    Up to ``keep_bytes`` of them are kept, faulted in, for reuse once their users let go: a fresh
+    buffer's page faults cost more than filling it (a weight sync lands hundreds of MiB in dozens of
+    buffers every step). Past that, the buffers handed out longest ago make room (values stored for
+    good, say: they are no longer kept, and their memory goes with them) for those in use now."""
+
+    def __init__(self, keep_bytes: int = 1 << 30, keep_per_size: int = 256) -> None:
         self._lock = threading.Lock()
         self._buffers: dict[int, list[np.ndarray]] = collections.defaultdict(list)
-        self._keep = keep_per_size
+        self._keep_bytes = keep_bytes
+        self._keep = keep_per_size  # and no more of a size: ``take`` looks through them
+        self.kept_bytes = 0
+        self._taken: dict[int, int] = {}  # id of a kept buffer -> when it was last handed out (a count)
+        self._clock = 0
 
     @staticmethod
     def _size(nbytes: int) -> int:
@@ -163,17 +177,41 @@ class BufferPool:
         """A writable uint8 view of ``nbytes`` bytes, page-aligned."""
         size = self._size(nbytes)
         with self._lock:
+            self._clock += 1
             for raw in self._buffers[size]:
                 # Ours: the list, getrefcount's argument and the loop variable. More: someone holds a view.
                 if sys.getrefcount(raw) <= 3:
+                    self._taken[id(raw)] = self._clock
                     return raw[:nbytes]
             mapped = mmap.mmap(-1, size)
             if hasattr(mmap, "MADV_HUGEPAGE"):  # 2 MiB pages: a fresh 64 MiB buffer faults 32 times, not 16k
                 mapped.madvise(mmap.MADV_HUGEPAGE)
             raw = np.frombuffer(mapped, dtype=np.uint8)
-            if len(self._buffers[size]) < self._keep:
+            if size <= self._keep_bytes and len(self._buffers[size]) < self._keep:
+                self._make_room(self.kept_bytes + size - self._keep_bytes)
                 self._buffers[size].append(raw)
+                self._taken[id(raw)] = self._clock
+                self.kept_bytes += size
             return raw[:nbytes]
+
+    def _make_room(self, nbytes: int) -> None:
+        """Keep ``nbytes`` fewer: the buffers handed out longest ago go first."""
+        if nbytes <= 0:
+            return
+        oldest = sorted((self._taken[id(raw)], size, i) for size, kept in self._buffers.items()
+                        for i, raw in enumerate(kept))
+        going: dict[int, set[int]] = collections.defaultdict(set)
+        for _, size, i in oldest:
+            if nbytes <= 0:
+                break
+            going[size].add(i)
+            nbytes -= size
+        for size, indices in going.items():
+            kept = self._buffers[size]
+            for i in indices:
+                del self._taken[id(kept[i])]
+            self._buffers[size] = [raw for i, raw in enumerate(kept) if i not in indices]
+            self.kept_bytes -= size * len(indices)
 
 
 class _Segment:
@@ -751,6 +789,8 @@ class DataPlane:
         if declared > limits.max_header_bytes + limits.max_body_bytes + limits.max_buffer_bytes:
             raise StreamError(f"a message of {declared} bytes")
         frames: list[Any] = []
+        place = self._placer([entry[1] for entry in preamble if entry[1] >= BIG_FRAME_BYTES
+                              and (entry[0] == INLINE or self.copy_shared)])
         for kind, nbytes, name, offset in preamble:
             if kind == SHARED:
                 if name not in segments:
@@ -761,19 +801,19 @@ class DataPlane:
                 if not self.copy_shared:  # a view: acknowledged (the slot reused) once the callback is done
                     frames.append(source[offset:offset + nbytes])
                     continue
-                buf = self.pool.take(nbytes)
+                buf = place(nbytes)
                 np.copyto(buf, source[offset:offset + nbytes])
                 frames.append(buf)
             elif seal is not None and nbytes >= BIG_FRAME_BYTES:
                 sealed = self.pool.take(nbytes + TAG_BYTES)
                 _recv_exactly(sock, sealed.data)
-                buf = self.pool.take(nbytes)
+                buf = place(nbytes)
                 seal.open_into(sealed, buf)
                 frames.append(buf)
             elif seal is not None:
                 frames.append(seal.open(recv_bytes(sock, nbytes + TAG_BYTES)))
             elif nbytes >= BIG_FRAME_BYTES:
-                buf = self.pool.take(nbytes)
+                buf = place(nbytes)
                 _recv_exactly(sock, buf.data)
                 frames.append(buf)
             else:
@@ -781,6 +821,22 @@ class DataPlane:
         for kind, nbytes, _, _ in preamble:
             counted[kind] += nbytes
         return frames
+
+    def _placer(self, sizes: list[int]) -> Callable[[int], np.ndarray]:
+        """Where a message's big frames (of ``sizes``, in order) are read: back to back in one pooled buffer,
+        each at a 64-byte boundary. Blocks of one value that are whole rows in row order (a row-split
+        weight's pieces) then lie as in the value itself, and ``assemble`` takes them as they are."""
+        if len(sizes) < 2:
+            return self.pool.take
+        block = self.pool.take(sum(_aligned(n) for n in sizes))
+        at = 0
+
+        def place(nbytes: int) -> np.ndarray:
+            nonlocal at
+            buf = block[at:at + nbytes]
+            at += _aligned(nbytes)
+            return buf
+        return place
 
     def close(self, *, keep_listener: bool = False) -> None:
         """``keep_listener``: leave the listener open, for the process an exec starts next to take over

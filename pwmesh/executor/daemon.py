@@ -27,7 +27,7 @@ import numpy as np
 
 from pwmesh.core.contract import Send, Timer
 from pwmesh.core.ratelimit import RejectedLog
-from pwmesh.dataflow.exchange import Destination, Ragged, assemble, cut, cut_error, expand
+from pwmesh.dataflow.exchange import Destination, Landing, Ragged, assemble, cut, cut_error, expand, landings
 from pwmesh.dataflow.plane import DataPlane
 from pwmesh.dataflow.progress import Arrived, Progress, ProgressError
 from pwmesh.dataflow.secure import plane_key
@@ -37,6 +37,7 @@ from pwmesh.executor.calls import to_host
 from pwmesh.executor.direct import DirectTransfers
 from pwmesh.executor.functions import FunctionCache
 from pwmesh.executor.group import GroupConfig, group_devices, join
+from pwmesh.executor.landing import land
 from pwmesh.executor.runner import Runner, as_error
 from pwmesh.executor.sandbox import Sandbox
 from pwmesh.executor.state import (
@@ -765,7 +766,8 @@ class Executor(Service):
     def _emit_values(self, emit: Emit, local: dict[int, Any], selectors: dict[int, Any],
                      run: tuple[str, str] | None = None) -> None:
         host = {shard: v if isinstance(v, Ragged) else np.asarray(v) for shard, v in local.items()}
-        self._send_tuples(cut(emit, host, {shard: np.asarray(v) for shard, v in selectors.items()}), run)
+        self._send_tuples(cut(emit, host, {shard: np.asarray(v) for shard, v in selectors.items()},
+                              take=self.plane.pool.take), run)
 
     def _send_tuples(self, tuples: list[tuple[Destination, DataTuple]], run: tuple[str, str] | None = None) -> None:
         """One batch per destination executor; ours are delivered here without a socket. ``run`` (its
@@ -790,8 +792,10 @@ class Executor(Service):
         self._deliver(batch.tuples)
 
     def _deliver(self, tuples: list[DataTuple]) -> None:
-        """Progress tracking per destination shard; a complete one is assembled and stored."""
-        for t in expand(tuples):
+        """Progress tracking per destination shard; the complete ones are assembled and stored (replicas
+        that arrived as one tuple: assembled once, ``landings``)."""
+        arrived: list[tuple[str, int, list[DataTuple], DataTuple]] = []
+        for t in expand(tuples, share=True):
             key = f"{t.prefix}/{t.shard}"
             if self.store.deleted(key):
                 continue  # its run ended (cancelled, freed): a late tuple is dropped
@@ -810,16 +814,74 @@ class Executor(Service):
                 self._dropped_log.warning(t.src, "dropped a tuple: %s", exc)
                 continue
             if isinstance(done, Arrived):
-                self._store_value(key, t.device, assemble(done.payloads, t))
+                arrived.append((key, t.device, done.payloads, t))
+        for landing in landings(arrived):
+            self._land(landing)
+
+    def _land(self, landing: Landing) -> None:
+        """A value that arrived for one or more destination shards here: small ones (and routed rows)
+        assembled and stored now; big ones assembled and put on their devices on a host-copy thread."""
+        shards = landing.shards
+        if landing.last.ragged or landing.nbytes * len(shards) < HOST_COPY_INLINE_BYTES:
+            try:
+                value = assemble(landing.payloads, landing.last, whole=landing.whole)
+            except Exception as exc:
+                for key, _ in shards:
+                    self.store.fail(key, as_error(exc, f"assembling {key}"))
+                return
+            if isinstance(value, Ragged) or len(shards) == 1:
+                self._store_value(shards[0][0], shards[0][1], value)
+                return
+            # Replicas: one device_put for all (JAX adopts host memory as immutable: they may share it).
+            live = [(key, device) for key, device in shards if not self._refused(key, value.nbytes)
+                    and not self.store.deleted(key)]
+            try:
+                arrays = jax.device_put([value] * len(live), [self._device(device) for _, device in live])
+            except Exception as exc:
+                for key, _ in live:
+                    self.store.fail(key, as_error(exc, f"storing {key}"))
+                return
+            for (key, _), array in zip(live, arrays, strict=True):
+                self.store.put(key, array, value.nbytes)
+            return
+        live = [(key, device) for key, device in shards if not self.store.deleted(key)]
+        if not live or self._refused(live[0][0], landing.nbytes * len(live)):
+            for key, _ in live[1:]:
+                self._refused(key, landing.nbytes * len(live))
+            return
+        self._copying += 1
+        self._copied.clear()
+        self.tasks.spawn(self._land_off_loop(dataclasses.replace(landing, shards=live)), name=f"land-{live[0][0]}")
+
+    async def _land_off_loop(self, landing: Landing) -> None:
+        try:
+            devices = [self._device(device) for _, device in landing.shards]
+            values = await asyncio.get_running_loop().run_in_executor(
+                self._copies, land, landing, devices, self.plane.pool.take)
+            for (key, _), value in zip(landing.shards, values, strict=True):
+                self.store.put(key, value, landing.nbytes)
+        except Exception as exc:
+            for key, _ in landing.shards:
+                self.store.fail(key, as_error(exc, f"storing {key}"))
+        finally:
+            self._copying -= 1
+            if self._copying == 0:
+                self._copied.set()
+
+    def _refused(self, key: str, nbytes: int) -> bool:
+        """Does data of ``nbytes`` arriving for ``key`` not fit here? Then ``key`` fails with the cause,
+        for whatever reads it (as a put that does not fit is refused)."""
+        memory = self.store.memory
+        if not memory.limit_bytes or memory.fits(nbytes) or self.store.deleted(key):
+            return False
+        self.store.fail(key, ResourceExhausted(
+            f"data arriving for {key.rpartition('/')[0]} ({format_bytes(nbytes)}) does not fit on "
+            f"executor {self.name}: {format_bytes(memory.in_use)} of its {format_bytes(memory.limit_bytes)} "
+            "memory limit are held; free arrays there, or give it more memory"))
+        return True
 
     def _store_value(self, key: str, device: int, value: np.ndarray | Ragged) -> None:
-        memory = self.store.memory
-        if memory.limit_bytes and not memory.fits(value.nbytes) and not self.store.deleted(key):
-            # As a put that does not fit: refused, with the cause for whatever reads it (it once counted only).
-            self.store.fail(key, ResourceExhausted(
-                f"data arriving for {key.rpartition('/')[0]} ({format_bytes(value.nbytes)}) does not fit on "
-                f"executor {self.name}: {format_bytes(memory.in_use)} of its {format_bytes(memory.limit_bytes)} "
-                "memory limit are held; free arrays there, or give it more memory"))
+        if self._refused(key, value.nbytes):
             return
         if isinstance(value, Ragged):  # routed rows stay on the host until their expert pads them
             self.store.put(key, value, value.nbytes)
