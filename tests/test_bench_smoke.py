@@ -203,6 +203,7 @@ def test_train_smoke(tmp_path: Path) -> None:
 
 
 @pytest.mark.timeout(170)
+@pytest.mark.long  # 26 s in CI, which keeps well under 15 minutes: the RL loop itself is test_rl's
 def test_rl_smoke(tmp_path: Path) -> None:
     # Four runs of 8 steps, each compiling its sampler and trainer, one of them in a process of its own:
     # ~40 s on 2 idle cores, twice that when the machine is busy.
@@ -234,6 +235,7 @@ def test_weight_sync_smoke(tmp_path: Path) -> None:
     check_plot(tmp_path / "weight_sync.png")
 
 
+@pytest.mark.long  # 38 s in CI, which keeps well under 15 minutes: the pipeline itself is test_pipeline's
 @pytest.mark.timeout(260)
 def test_pipeline_smoke(tmp_path: Path) -> None:
     # Three clusters (1, 2 and 4 islands), each compiling four stages: ~90 s on 2 idle cores (measured at
