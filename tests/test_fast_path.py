@@ -288,7 +288,7 @@ async def test_a_computation_that_cannot_be_enqueued_fails_alone() -> None:
         assert [w.comp.node for w in rec.done] == [0, 1]
 
 
-def _psum_function() -> export.Exported:
+def psum_function() -> export.Exported:
     """An SPMD function over 2 devices (``psum(v) / 2 + 1`` per block), exported as the client does."""
     mesh = AbstractMesh((2,), ("i",))
     spec = PartitionSpec("i")
@@ -325,7 +325,7 @@ async def test_an_spmd_chain_hands_each_output_whole_to_the_next(monkeypatch: py
 
     monkeypatch.setattr(runner_module, "pieces", cutting)
     async with runner() as (r, rec):
-        r.functions.register("psum", bytes(_psum_function().serialize()), spmd=True, mesh=[2], axes=["i"])
+        r.functions.register("psum", bytes(psum_function().serialize()), spmd=True, mesh=[2], axes=["i"])
         for k in range(3):  # the first compiles on a device thread; the others take the quick paths
             assembled.clear()
             cut.clear()

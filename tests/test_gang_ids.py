@@ -11,11 +11,9 @@ import contextlib
 from collections.abc import AsyncIterator
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax import export
-from jax.sharding import AbstractMesh, NamedSharding, PartitionSpec
+from test_fast_path import psum_function
 
 from pwmesh.errors import InvalidArgument, NotFound
 from pwmesh.executor.functions import FunctionCache
@@ -74,15 +72,6 @@ async def test_a_computation_waits_for_its_gang_and_fails_if_it_never_comes() ->
 # ------------------------------------------------------------------ the runner
 
 
-def _psum_function() -> export.Exported:
-    """An SPMD function over 2 devices (``psum(v) / 2 + 1`` per block), exported as the client does."""
-    mesh = AbstractMesh((2,), ("i",))
-    spec = PartitionSpec("i")
-    mapped = jax.shard_map(lambda b: jax.lax.psum(b, "i") / 2 + 1.0, mesh=mesh, in_specs=spec, out_specs=spec)
-    arg = jax.ShapeDtypeStruct((2,), jnp.float32, sharding=NamedSharding(mesh, spec))
-    return export.export(jax.jit(mapped), platforms=["cpu"])(arg)
-
-
 @contextlib.asynccontextmanager
 async def runner(wait_seconds: float) -> AsyncIterator[tuple[Runner, asyncio.Queue[Work]]]:
     """A runner of two CPU devices, which its JAX group knows as ("e", 0) and ("e", 1)."""
@@ -92,7 +81,7 @@ async def runner(wait_seconds: float) -> AsyncIterator[tuple[Runner, asyncio.Que
     r = Runner(devices, ObjectStore(), FunctionCache(), emit=lambda *_: None, done=done.put_nowait)
     r.gangs.wait_seconds = wait_seconds
     r.group_devices = {("e", i): d for i, d in enumerate(devices)}
-    r.functions.register("psum", bytes(_psum_function().serialize()), spmd=True, mesh=[2], axes=["i"])
+    r.functions.register("psum", bytes(psum_function().serialize()), spmd=True, mesh=[2], axes=["i"])
     for i, d in enumerate(devices):
         r.store.put(f"x/{i}", jax.device_put(np.full(1, float(i), np.float32), d), 4)
     try:

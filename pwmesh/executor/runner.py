@@ -410,12 +410,6 @@ class Runner:
         for shard in work.shards:
             values = [await self._input(f"{p}/{shard}", work, streamed) for p in inputs]
             per_shard.append(values if wholes is None else with_wholes(values, wholes))
-        # What it waited for may have landed whole (an SPMD output, made into pieces for the wait): whole
-        # it goes in, as its pieces are not assembled again.
-        landed = self._whole_inputs(work, fn, streamed)
-        if landed is not None:
-            wholes = landed if wholes is None else [w if w is not None else x for w, x in zip(wholes, landed,
-                                                                                                strict=True)]
         return per_shard, wholes
 
     def _stored(self, work: Work, wholes: list[Any | None] | None) -> list[list[Any]] | None:

@@ -209,7 +209,6 @@ class ObjectStore:
         # held when it did). Any other buffer of theirs is dead: it belongs to a run of the proxy before.
         self._fences: dict[str, tuple[str, frozenset[str]]] = {}
         self._whole: dict[str, _Whole] = {}  # buffers an SPMD computation here produced, whole (``put_whole``)
-        self.host_bytes: dict[str, int] = {}  # keys moved off their devices (``to_host``): their bytes
         self._arrivals: dict[str, asyncio.Future[None]] = {}  # buffers an SPMD reader waits for (``arrival``)
         self.memory = MemoryBudget()  # its limit is the executor's to set
 
@@ -398,7 +397,6 @@ class ObjectStore:
         value = self._values.pop(key, None)
         if value is None:
             return
-        self.host_bytes.pop(key, None)
         self.memory.freed(self._nbytes.pop(key, 0))
 
     def to_host(self, buffers: list[str], copy: Callable[[Any], Any]) -> int:
@@ -418,8 +416,7 @@ class ObjectStore:
                 if value is None or not nbytes:  # not here, or in host memory already
                     continue
                 self._values[key] = copy(value)
-                self._nbytes[key] = 0
-                self.host_bytes[key] = nbytes
+                self._nbytes[key] = 0  # out of the device memory account
                 moved += nbytes
         self.memory.freed(moved)
         return moved
@@ -472,7 +469,6 @@ class ObjectStore:
                 freed += whole.nbytes
             for key in self._by_buffer.pop(buffer, ()):
                 removed += 1
-                self.host_bytes.pop(key, None)
                 if self._values.pop(key, None) is not None:
                     freed += self._nbytes.pop(key, 0)
                 fut = self._futures.pop(key, None)

@@ -18,6 +18,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from pwmesh.executor.calls import Whole, computed, is_computed, last_outputs, pieces
+from pwmesh.executor.store import buffer_of
 
 if TYPE_CHECKING:
     from pwmesh.executor.functions import CompiledFunction
@@ -164,7 +165,7 @@ class Streams:
         """An output not yet computed, if one is handed out under ``key`` (an SPMD output's pieces are made)."""
         value = self._pieces.get(key)
         if value is None and self._wholes:
-            buffer = key.rpartition("/")[0]
+            buffer = buffer_of(key)
             pending = self._wholes.get(buffer)
             if pending is not None:
                 for shard, piece in zip(pending.shards, pieces(pending.array, pending.local), strict=True):
