@@ -455,3 +455,22 @@ async def test_an_spmd_reader_waits_for_an_input_whole_without_cutting_it() -> N
     store = ObjectStore(pieces)
     store.arrival("s/d")
     assert store.drop_pending() == 1 and store.deleted("s/d/0"), "a cancelled run's awaited buffer goes"
+
+
+@pytest.mark.parametrize("fast", [True, False], ids=["jax-internal", "public"])
+@pytest.mark.parametrize("value", [
+    np.arange(12, dtype=np.int32).reshape(3, 4), np.float32(2.5) * np.ones((2, 3), np.float32),
+    np.array(True), np.zeros((0, 5), np.float32), np.arange(4, dtype=jnp.bfloat16),
+], ids=["int32", "float32", "bool-scalar", "empty", "bfloat16"])
+def test_a_put_copies_onto_the_device_what_device_put_would(monkeypatch, fast, value):
+    """``copied_to`` (a put's small arrays) gives what ``jax.device_put`` gives: the same values, dtype,
+    shape, device and strong type, through JAX's internal batched copy or, without it, the public call."""
+    from pwmesh.executor import calls
+    if not fast:
+        monkeypatch.setattr(calls, "_batched_device_put", None)
+    device = jax.devices()[-1]
+    got = calls.copied_to(value, jax.sharding.SingleDeviceSharding(device))
+    want = jax.device_put(value, device)
+    assert (got.dtype, got.shape, got.weak_type, got.devices()) == (want.dtype, want.shape, want.weak_type, {device})
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    assert got.committed

@@ -33,7 +33,7 @@ from pwmesh.dataflow.progress import Arrived, Progress, ProgressError
 from pwmesh.dataflow.secure import plane_key
 from pwmesh.errors import DeviceLost, InvalidArgument, PwmeshError, ResourceExhausted, Unavailable
 from pwmesh.executor import spill
-from pwmesh.executor.calls import to_host
+from pwmesh.executor.calls import copied_to, to_host
 from pwmesh.executor.direct import DirectTransfers
 from pwmesh.executor.functions import FunctionCache
 from pwmesh.executor.group import GroupConfig, group_devices, join
@@ -211,6 +211,7 @@ class Executor(Service):
                 f"XLA_FLAGS=--xla_force_host_platform_device_count={config.devices}"
             )
         self.devices = local[: config.devices]
+        self._singles: dict[int, jax.sharding.SingleDeviceSharding] = {}  # ``_single``'s
         self.store = ObjectStore()
         self.restart: list[str] | None = None  # set when leaving to restart into a new forming: the arguments
         self._joining: JoinGroup | None = None
@@ -452,6 +453,8 @@ class Executor(Service):
         self.store.refuse_put(msg.keys, nbytes, self.name)
         if nbytes >= HOST_COPY_INLINE_BYTES:
             return self._put_off_loop(msg)
+        if self._store_arrays(msg.keys, msg.devices, msg.arrays):
+            return Ok()
         first: Exception | None = None
         for key, device, array in zip(msg.keys, msg.devices, msg.arrays, strict=True):
             try:
@@ -490,7 +493,29 @@ class Executor(Service):
         self.store.put(key, value, array.nbytes)
 
     def _store_array(self, key: str, device: int, array: np.ndarray) -> None:
-        self.store.put(key, jax.device_put(array, self._device(device)), array.nbytes)
+        if not self._store_arrays([key], [device], [array]):
+            self.store.put(key, jax.device_put(array, self._device(device)), array.nbytes)
+
+    def _store_arrays(self, keys: list[str], devices: list[int], arrays: list[np.ndarray]) -> bool:
+        """Small arrays copied onto their devices (``_single``) and stored. False (nothing stored) if one
+        is not a plain array in JAX's canonical dtype or names no device here: the caller stores them one
+        by one through ``device_put``, so each key gets its own value or error."""
+        places = []
+        for device, array in zip(devices, arrays, strict=True):
+            if (type(array) is not np.ndarray or array.dtype != jax.dtypes.canonicalize_dtype(array.dtype)
+                    or not 0 <= device < len(self.devices)):
+                return False
+            places.append(self._single(device))
+        for key, sharding, array in zip(keys, places, arrays, strict=True):
+            self.store.put(key, copied_to(array, sharding), array.nbytes)
+        return True
+
+    def _single(self, device: int) -> jax.sharding.SingleDeviceSharding:
+        """Device ``device``'s sharding, made once (``copied_to`` copies onto it)."""
+        found = self._singles.get(device)
+        if found is None:
+            found = self._singles[device] = jax.sharding.SingleDeviceSharding(self._device(device))
+        return found
 
     def _send_shards(self, peer: bytes, env: Envelope) -> Ok:
         msg = env.message
