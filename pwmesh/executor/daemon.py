@@ -731,7 +731,8 @@ class Executor(Service):
                              loop_lag_max_seconds=self.loop_lag.max_seconds,
                              loop_stalls=[[wall, seconds] for wall, seconds in self.loop_lag.recent],
                              direct_received_bytes=self.direct.received_bytes,
-                             direct_pushed_bytes=self.direct.pushed_bytes)
+                             direct_pushed_bytes=self.direct.pushed_bytes,
+                             tombstones=self.store.tombstone_count())
 
     def collect(self) -> list[Metric]:
         core, memory = self.runner.core, self.runner.memory

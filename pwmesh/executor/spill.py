@@ -37,7 +37,7 @@ from pwmesh.wire.messages import Computation, ErrorInfo, RegisterFunction, Regis
 class Saved:
     values: list[tuple[str, int, np.ndarray | Ragged, int]]  # key, device index, value on the host, bytes counted
     failures: dict[str, PwmeshError]
-    tombstones: list[str]
+    tombstones: list[Any]  # ObjectStore.tombstones()
     functions: list[RegisterFunction]
     expected_seq: dict[str, int]  # per scheduler source: the next Enqueue to admit
     # Computations to queue again, in order: (run id, proxy, scheduler, computation)

@@ -2,9 +2,10 @@
 
 ``get`` on a key that has not arrived yet posts a receive: it returns the future
 that a later ``put`` (a local computation, or the data plane) resolves. Keys are
-never reused, so every deleted key is remembered (``_deleted``, dropped per owner
-when its session ends): a late arrival for it is dropped instead of leaking, and
-a late ``get`` fails at once instead of waiting for a value that never comes.
+never reused, so every deleted buffer is remembered (``_deleted``, ``Tombstones``, in
+memory that does not grow with the session; dropped per owner when its session ends):
+a late arrival for it is dropped instead of leaking, and a late ``get`` fails at once
+instead of waiting for a value that never comes.
 
 The store also keeps the host's memory account (``MemoryBudget``): what it holds,
 what running computations have reserved for their outputs, and who waits for room.
@@ -19,6 +20,7 @@ from collections.abc import Callable
 from typing import Any
 
 from pwmesh.errors import NotFound, PwmeshError, ResourceExhausted
+from pwmesh.executor.tombstones import Tombstones
 
 
 def format_bytes(nbytes: int) -> str:
@@ -204,7 +206,10 @@ class ObjectStore:
         self._futures: dict[str, asyncio.Future[Any]] = {}  # waited for and not there yet, or failed
         self._nbytes: dict[str, int] = {}
         self._by_buffer: dict[str, list[str]] = {}
-        self._deleted: set[str] = set()  # buffers
+        self._deleted = Tombstones()  # buffers
+        # Buffers whose every shard here came whole from one SPMD computation here: once deleted, nothing of
+        # them can arrive any more, so their tombstones need not outlive the recent ones (``Tombstones``).
+        self._complete: set[str] = set()
         # Owners a restarted proxy took back (``fence``): owner -> (the marker of the names it gives, the buffers
         # held when it did). Any other buffer of theirs is dead: it belongs to a run of the proxy before.
         self._fences: dict[str, tuple[str, frozenset[str]]] = {}
@@ -222,8 +227,11 @@ class ObjectStore:
     def deleted(self, key: str) -> bool:
         return self._dead(buffer_of(key))
 
-    def _dead(self, buffer: str) -> bool:
-        if buffer in self._deleted:
+    def _dead(self, buffer: str, recently: bool = False) -> bool:
+        """Whether ``buffer`` was deleted (or fenced off). ``recently``: among the newest deletes only, which is
+        a dictionary lookup (an older one may cost parsing its name): enough for a computation's outputs here,
+        which are deleted before they land only by a cancelled run's delete, sent as the run was cancelled."""
+        if self._deleted.recently(buffer) if recently else buffer in self._deleted:
             return True
         if not self._fences:
             return False
@@ -282,9 +290,13 @@ class ObjectStore:
         fut = self._futures.pop(key, None)
         if fut is None:
             buffer = buffer_of(key)  # once: checked against the tombstones, then indexed
-            if self._dead(buffer):
+            keys = self._by_buffer.get(buffer)
+            # A later piece of a buffer is checked only against fences: deleting a buffer drops its pieces.
+            if (keys is None or self._fences) and self._dead(buffer):
                 return
-            self._by_buffer.setdefault(buffer, []).append(key)
+            if keys is None:
+                keys = self._by_buffer[buffer] = []
+            keys.append(key)
         elif fut.done():  # it failed (or a receive of a deleted key); the failure stands
             self._futures[key] = fut
             log.warning("object %s arrived after it failed; keeping the failure", key)
@@ -323,7 +335,7 @@ class ObjectStore:
         each. No piece is made until one is asked for (``get``, ``values``, ``held``): an SPMD reader
         takes it whole (``whole``), and cutting a step's outputs into pieces it never needs was the
         executor's largest per-step cost (~2.5 us a piece). A receive already posted for a piece gets it now."""
-        if self._dead(buffer):
+        if self._dead(buffer, recently=True):
             return
         if buffer in self._whole:  # a confused or hostile peer; the first value stands
             log.warning("object %s was produced twice; keeping the first", buffer)
@@ -331,6 +343,8 @@ class ObjectStore:
         waited = buffer in self._by_buffer  # a piece was asked for (or failed) before it came
         self._by_buffer.setdefault(buffer, [])
         self._whole[buffer] = _Whole(array, sharding, shards, local, shard_nbytes, split=False)
+        if not waited:
+            self._complete.add(buffer)
         self.memory.allocated(shard_nbytes * len(shards))
         self._arrived(buffer)
         if waited:
@@ -340,7 +354,7 @@ class ObjectStore:
                    local: tuple[Any, ...]) -> None:
         """Keep an SPMD output whole beside its pieces, stored already under their keys, for SPMD readers,
         until the buffer is deleted or a piece consumed. It holds no memory of its own: it is the pieces'."""
-        if not self._dead(buffer) and buffer not in self._whole:
+        if not self._dead(buffer, recently=True) and buffer not in self._whole:
             self._whole[buffer] = _Whole(array, sharding, shards, local, 0, split=True)
 
     def whole(self, buffer: str, sharding: Any, shards: tuple[int, ...]) -> Any | None:
@@ -460,8 +474,13 @@ class ObjectStore:
         """Delete every shard of ``buffers`` held here; returns how many shards went."""
         removed = 0
         freed = 0
+        complete = self._complete
         for buffer in buffers:
-            self._deleted.add(buffer)
+            if buffer in complete:
+                complete.discard(buffer)
+                self._deleted.add(buffer, True)
+            else:
+                self._deleted.add(buffer)
             self._arrived(buffer)
             whole = self._whole.pop(buffer, None)
             if whole is not None and not whole.split:
@@ -492,7 +511,8 @@ class ObjectStore:
 
     def forget_owner(self, prefix: str) -> None:
         """Drop the tombstones of an owner (a closed session): its buffers never come again."""
-        self._deleted = {k for k in self._deleted if not k.startswith(prefix)}
+        self._deleted.forget(prefix)
+        self._complete = {k for k in self._complete if not k.startswith(prefix)}
         self._fences.pop(prefix.rstrip("/"), None)
 
     def held(self) -> list[tuple[str, Any, int]]:
@@ -510,12 +530,17 @@ class ObjectStore:
                     out[key] = exc
         return out
 
-    def tombstones(self) -> list[str]:
-        return sorted(self._deleted)
+    def tombstones(self) -> list[Any]:
+        """The tombstones, to keep across a restart of this executor (``bury`` takes them)."""
+        return self._deleted.export()
 
-    def bury(self, buffers: list[str]) -> None:
-        """Mark ``buffers`` deleted (tombstones kept across a restart of this executor)."""
-        self._deleted.update(buffers)
+    def bury(self, tombstones: list[Any]) -> None:
+        """Mark deleted what ``tombstones`` names (a list of buffers, or what ``tombstones`` gave)."""
+        self._deleted.restore(tombstones)
+
+    def tombstone_count(self) -> int:
+        """Entries the tombstones hold (names and ranges): what their memory grows with."""
+        return len(self._deleted)
 
     def __len__(self) -> int:
         # A key is in one of them at most, or the piece of a whole not split yet.

@@ -600,6 +600,7 @@ class ExecutorStats(Message, op="exec.stats"):
     loop_stalls: list[list[float]] = dataclasses.field(default_factory=list)  # recent [wall clock, seconds] held
     direct_received_bytes: int = 0  # clients' direct puts stored here (``executor/direct.py``)
     direct_pushed_bytes: int = 0  # clients' direct fetches delivered from here
+    tombstones: int = 0  # entries remembering deleted buffers (names and ranges): bounded, not one a buffer
 
 
 @record
