@@ -145,6 +145,7 @@ def _report(trainer: Trainer, config: lm.Config, step: int, start: int, steps: i
     if len(losses) - len(reported) >= log_every + IN_FLIGHT or last:
         upto = len(losses) if last else len(losses) - IN_FLIGHT
         fresh = [float(v) for v in trainer.fetch(losses[len(reported):upto])]
+        losses[len(reported):upto] = fresh  # the arrays go: a long run holds no device value a step
         now = time.perf_counter()
         bar.update(len(reported) + len(fresh), fresh[-1], config.tokens_per_step * len(fresh) / (now - shown))
         reported += fresh
