@@ -215,3 +215,15 @@ def test_packed_runs_unpack_to_the_fresh_computations(case: str) -> None:
                 sent.append(part.computations)
     assert len(set(sent)) == len(sent) // 3  # every run sends the same bytes
     assert all(len(t) == 1 for t in templates.values())
+
+
+def test_equal_locations_are_one_object() -> None:
+    """A run's lowering is looked up by its inputs' locations: equal ones are one object, so the lookup
+    compares them by identity (a dataclass ``__eq__`` for each of a step's ~600 was most of its cost)."""
+    from pwmesh.ir.lower import location
+    from pwmesh.wire.records import PhysicalDevice
+    a = PhysicalDevice(executor_id="e0", control="tcp://c:1", data="tcp://d:1", device=3, island=0, host="h0")
+    b = PhysicalDevice(executor_id="e0", control="tcp://c:1", data="tcp://d:1", device=3, island=0, host="h0")
+    c = PhysicalDevice(executor_id="e0", control="tcp://c:1", data="tcp://d:1", device=2, island=0, host="h0")
+    assert location(a) is location(b) and location(a) == location(b)
+    assert location(c) is not location(a) and location(c) != location(a)

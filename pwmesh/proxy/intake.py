@@ -46,6 +46,7 @@ def bind(session: Session, msg: RunProgram, program: ProgramSpec) -> Binding:
     temporaries: list[Buffer] = []
     donated_values = {node.inputs[k] for node in program.nodes for k in node.donate}
     donated: dict[int, tuple[int, Buffer]] = {}
+    donated_ids: set[int] = set()  # of their buffers (a training step donates ~100: no quadratic check)
     for v, inp in zip(program.inputs, msg.inputs, strict=True):
         spec = program.values[v]
         if inp.buffer is not None:
@@ -69,8 +70,9 @@ def bind(session: Session, msg: RunProgram, program: ProgramSpec) -> Binding:
             names[v], bound[v] = buf.name, buf.locations
             pinned.append(buf)
             if v in donated_values:
-                if any(other is buf for _, other in donated.values()):
+                if id(buf) in donated_ids:
                     raise InvalidArgument(f"buffer {inp.buffer} is donated twice in one run")
+                donated_ids.add(id(buf))
                 donated[v] = (inp.buffer, buf)
         elif inp.array is not None:
             if list(inp.array.shape) != spec.shape or inp.array.dtype.name != spec.dtype:
