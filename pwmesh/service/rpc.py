@@ -6,7 +6,8 @@ task in the service's task group lives (stopping the group stops receiving);
 sending never waits. A handler returns a reply ``Message`` (or ``None`` for no
 reply), synchronously or as a coroutine; a coroutine handler runs as its own
 owned task so one slow request never stalls the socket. Exceptions become
-``Error`` replies carrying the code and the remote traceback.
+``Error`` replies carrying the code and the remote traceback. A message a
+``Connection`` posted (a negative id: nobody waits for its answer) gets none.
 """
 
 from __future__ import annotations
@@ -215,12 +216,14 @@ class Server:
             result = handler(peer, env)
         except Exception as exc:  # a handler bug must not kill the socket
             self._log_failure(peer, env, exc)
-            self.post(peer, error_reply(exc), reply_to=env.msg_id)
+            if env.msg_id >= 0:
+                self.post(peer, error_reply(exc), reply_to=env.msg_id)
             return
         if result is None:
             return
         if isinstance(result, Message):
-            self.post(peer, result, reply_to=env.msg_id)
+            if env.msg_id >= 0:  # a post's answer would be read by nobody (~60 us a step on each side)
+                self.post(peer, result, reply_to=env.msg_id)
         elif inspect.isawaitable(result):
             self._tasks.spawn(self._finish(peer, env, result), name=f"{self._name}.{env.message.op}")
 
@@ -246,7 +249,7 @@ class Server:
         except Exception as exc:
             self._log_failure(peer, env, exc)
             reply = error_reply(exc)
-        if reply is not None:
+        if reply is not None and env.msg_id >= 0:
             self.post(peer, reply, reply_to=env.msg_id)
 
 
@@ -287,7 +290,7 @@ class Connection:
     def post(self, message: Message) -> int:
         """Send ``message`` without waiting; posted messages leave in the order posted. Returns its bytes."""
         self._posted += 1
-        frames = encode(message, msg_id=next_id(), sender=self._name)
+        frames = encode(message, msg_id=-next_id(), sender=self._name)  # negative: no answer wanted
         self.sent[message.op] += 1
         self._send(frames)
         return sum(memoryview(f).nbytes for f in frames)
