@@ -1230,7 +1230,9 @@ class ProxyState:
         """Delete the freeable ``bufs`` wherever they are held: one message per island (``FreeShards`` to the
         scheduler of the buffer's slice, which sends each executor its ``DeleteShards``), or per executor
         where no live scheduler is known (an ended session's buffers, a lost island)."""
-        by_island: dict[str, dict[str, list[str]]] = {}  # scheduler ("": none) -> control -> prefixes
+        # scheduler ("": none) -> the executors holding alike buffers -> those buffers. A run's buffers are
+        # mostly held by the same executors: one group, each name and control once (not a name per holder).
+        by_island: dict[str, dict[frozenset[str], list[str]]] = {}
         for buf in bufs:
             if not buf.freeable:
                 continue
@@ -1239,21 +1241,20 @@ class ProxyState:
                     session = self._by_id(session_id) or Session(session_id, "", b"")
                 sl = session.slices.get(buf.slice_id) if buf.slice_id is not None else None
                 island = sl.scheduler if sl is not None and sl.scheduler not in self.lost_schedulers else ""
-                mine = by_island.setdefault(island, {})
-                for control in buf.holders:
-                    if control not in self.lost_controls:  # gone: what it held died with it
-                        mine.setdefault(control, []).append(f"{session_id}/{buf.name}")
+                holders = frozenset(buf.holders - self.lost_controls if self.lost_controls else buf.holders)
+                by_island.setdefault(island, {}).setdefault(holders, []).append(f"{session_id}/{buf.name}")
             buf.holders = set()
-        for island, by_holder in by_island.items():
-            if not island or len(by_holder) == 1:
+        for island, alike in by_island.items():
+            if not island or (len(alike) == 1 and len(next(iter(alike))) == 1):
+                by_holder: dict[str, list[str]] = {}
+                for holders, prefixes in alike.items():
+                    for control in holders:
+                        by_holder.setdefault(control, []).extend(prefixes)
                 for control, prefixes in by_holder.items():
                     self._send(control, DeleteShards(buffers=prefixes))
                 continue
-            alike: dict[tuple[str, ...], list[str]] = {}  # executors that drop the same buffers: one group
-            for control, prefixes in by_holder.items():
-                alike.setdefault(tuple(prefixes), []).append(control)
-            self._send(island, FreeShards(groups=[FreeGroup(buffers=list(prefixes), controls=controls)
-                                                  for prefixes, controls in alike.items()]))
+            self._send(island, FreeShards(groups=[FreeGroup(buffers=prefixes, controls=list(holders))
+                                                  for holders, prefixes in alike.items() if holders]))
 
     def _put_buffer(self, peer: bytes, msg: PutBuffer, now: float) -> Reply:
         session = self.session(peer)
