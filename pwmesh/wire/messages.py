@@ -481,7 +481,7 @@ class Enqueue(Message, op="exec.enqueue"):
     computations: bytes  # list[Computation], packed; decoded by the executor only
     seqs: list[int] = dataclasses.field(default_factory=list)  # each computation's place in the island order
     names: list[str] = dataclasses.field(default_factory=list)  # RunPart.names: what "@<k>" stands for
-    scheduler: str = ""  # where to report RunPartDone
+    scheduler: str = ""  # where to report the part's completions (NodeDone, RunPartDone); "": to ``proxy``
     executor_seq: int = -1  # this executor's n-th Enqueue from that scheduler: restores order
     epoch: str = ""  # the scheduler instance: a restarted scheduler counts from 0 again
     # A run of an installed template: its id. ``computations`` (with ``refs``) come with the first run
@@ -570,7 +570,8 @@ class ShardValues(Message, op="exec.shard_values"):
 
 @record
 class DeleteShards(Message, op="exec.delete_shards"):
-    """Delete every shard this executor holds of each buffer (``"<owner>/<buffer>"``)."""
+    """Delete every shard this executor holds of each buffer (``"<owner>/<buffer>"``): sent by the island's
+    scheduler for the proxy (``FreeShards``), or by the proxy itself (a buffer of no live island)."""
 
     buffers: list[str]
 
