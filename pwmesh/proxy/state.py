@@ -1230,9 +1230,10 @@ class ProxyState:
         """Delete the freeable ``bufs`` wherever they are held: one message per island (``FreeShards`` to the
         scheduler of the buffer's slice, which sends each executor its ``DeleteShards``), or per executor
         where no live scheduler is known (an ended session's buffers, a lost island)."""
-        # scheduler ("": none) -> the executors holding alike buffers -> those buffers. A run's buffers are
-        # mostly held by the same executors: one group, each name and control once (not a name per holder).
-        by_island: dict[str, dict[frozenset[str], list[str]]] = {}
+        # scheduler ("": none) -> [(executors holding alike buffers, those buffers)]. A run's buffers are mostly
+        # held by the same executors: one group, each name and control once (not a name per holder). Found
+        # by comparing sets (a few groups at most), not hashing each buffer's 1,000 holders.
+        by_island: dict[str, list[tuple[set[str], list[str]]]] = {}
         for buf in bufs:
             if not buf.freeable:
                 continue
@@ -1241,20 +1242,27 @@ class ProxyState:
                     session = self._by_id(session_id) or Session(session_id, "", b"")
                 sl = session.slices.get(buf.slice_id) if buf.slice_id is not None else None
                 island = sl.scheduler if sl is not None and sl.scheduler not in self.lost_schedulers else ""
-                holders = frozenset(buf.holders - self.lost_controls if self.lost_controls else buf.holders)
-                by_island.setdefault(island, {}).setdefault(holders, []).append(f"{session_id}/{buf.name}")
+                holders = buf.holders - self.lost_controls if self.lost_controls else buf.holders
+                groups = by_island.setdefault(island, [])
+                prefix = f"{session_id}/{buf.name}"
+                for held_by, prefixes in groups:
+                    if held_by == holders:
+                        prefixes.append(prefix)
+                        break
+                else:
+                    groups.append((holders, [prefix]))
             buf.holders = set()
-        for island, alike in by_island.items():
-            if not island or (len(alike) == 1 and len(next(iter(alike))) == 1):
+        for island, groups in by_island.items():
+            if not island or (len(groups) == 1 and len(groups[0][0]) == 1):
                 by_holder: dict[str, list[str]] = {}
-                for holders, prefixes in alike.items():
+                for holders, prefixes in groups:
                     for control in holders:
                         by_holder.setdefault(control, []).extend(prefixes)
                 for control, prefixes in by_holder.items():
                     self._send(control, DeleteShards(buffers=prefixes))
                 continue
             self._send(island, FreeShards(groups=[FreeGroup(buffers=prefixes, controls=list(holders))
-                                                  for holders, prefixes in alike.items() if holders]))
+                                                  for holders, prefixes in groups if holders]))
 
     def _put_buffer(self, peer: bytes, msg: PutBuffer, now: float) -> Reply:
         session = self.session(peer)
