@@ -8,6 +8,7 @@ from __future__ import annotations
 import signal
 from collections.abc import Callable, Iterator
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -15,6 +16,8 @@ import pytest
 import pwmesh as pw
 from helpers import eventually, slow_then_after
 from pwmesh.cli.commands import debug_events, fetch_status
+from pwmesh.client.connection import ClientConnection
+from pwmesh.wire.messages import DrainHost, HostDrained
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -174,3 +177,44 @@ def test_a_scheduler_restart_mid_run_neither_loses_nor_doubles_a_completion(frag
         np.testing.assert_allclose(np.asarray(y2), np.asarray(x2) + 1.0)
         (session,) = [s for s in fetch_status(address).sessions if s.name == "restart"]
         assert session.programs == 0, "no run is left waiting for a completion"
+
+
+def _spin(x):
+    # ``x`` loops of real work (a loop of ~0.3 ms each on one CPU core): each device its own count.
+    m = jnp.full((192, 192), 0.01, jnp.float32)
+    v = jnp.full((192, 192), 0.5, jnp.float32)
+    return x + 0.0 * jax.lax.fori_loop(0, x.astype(jnp.int32)[0], lambda i, a: jnp.tanh(a @ m), v).sum()
+
+
+def test_a_host_drained_while_its_reports_are_on_their_way_fails_no_run() -> None:
+    """A host is drained and stopped while runs over it and another host are under way: it ends its parts
+    quickly and reports each to the island's scheduler as it goes, and leaves (after a barrier proving those
+    reports arrived) while the other host still works on the same runs. The scheduler, told of the leaving after
+    the reports, fails no run whose part there had ended (the proxy, which hears per island now, no longer
+    judges that itself): every run completes with its value, once, and the slice goes on where it moved."""
+    spec = pw.LocalClusterSpec(islands=1, hosts_per_island=3, devices_per_host=1)
+    with pw.LocalCluster(spec) as cluster, pw.Client(cluster.address, name="drain") as client:
+        sl = client.make_virtual_device_set().add_slice(devices=2)
+        slow_host, quick_host = (d.executor for d in sl.devices)
+        assert slow_host != quick_host
+        step = pw.pmap(_spin, devices=sl)
+        np.testing.assert_array_equal(np.asarray(step(np.array([[1.0], [1.0]]))), [[1.0], [1.0]])  # compiled
+        work = np.array([[3000.0], [1.0]])  # a second on the slow host a run, nothing on the quick one
+        outs = [step(work + k) for k in range(5)]
+        conn = ClientConnection(cluster.address, name="operator", open_session=False)
+        try:  # its slices move off it (the runs' outputs too); then it is stopped, and leaves gracefully
+            drained = conn.request(DrainHost(executor=quick_host), timeout_seconds=120.0)
+        finally:
+            conn.close()
+        assert isinstance(drained, HostDrained) and drained.executor_id == quick_host
+        leaving = cluster.child(quick_host).popen
+        leaving.send_signal(signal.SIGTERM)
+        assert leaving.wait(timeout=60) == 0
+        gone = fetch_status(cluster.address)
+        assert [e.alive for e in gone.cluster.executors if e.executor_id == quick_host] == [False]
+        assert any(s.executor_id == slow_host and s.outstanding for s in gone.executor_stats), "the test's premise"
+        for k, out in enumerate(outs):
+            np.testing.assert_array_equal(np.asarray(out), work + k)
+        np.testing.assert_array_equal(np.asarray(step(np.array([[1.0], [2.0]]))), [[1.0], [2.0]])
+        (session,) = [s for s in fetch_status(cluster.address).sessions if s.name == "drain"]
+        assert session.programs == 0
