@@ -82,8 +82,8 @@ def default_client(cluster: pw.LocalCluster) -> Iterator[pw.Client]:
 
 @pytest.fixture
 def objects(cluster: pw.LocalCluster) -> Callable[[], dict[str, int]]:
-    """Live objects per executor. A status request leaves the proxy behind every delete
-    posted before it on the same executor connections, so it observes them: no waiting."""
+    """Live objects per executor. Deletes go from the proxy through the islands' schedulers (``FreeShards``),
+    so a status request may overtake them: compare with ``eventually``."""
     return lambda: {s.executor_id: s.objects for s in fetch_status(cluster.address).executor_stats}
 
 

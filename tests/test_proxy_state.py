@@ -59,6 +59,7 @@ from pwmesh.wire.messages import (
     ExecutorLost,
     Fetch,
     ForgetOwner,
+    FreeShards,
     Heartbeat,
     InstallTemplate,
     NodeDone,
@@ -173,6 +174,12 @@ class World:
         return done
 
 
+def freed_buffers(actions: list[Any]) -> set[str]:
+    """The buffers ``actions`` delete: per executor (``DeleteShards``) or per island (``FreeShards``)."""
+    return ({p for a in sent(actions, DeleteShards) for p in a.message.buffers}
+            | {p for a in sent(actions, FreeShards) for g in a.message.groups for p in g.buffers})
+
+
 def allocated(reply: Message | None) -> SliceInfo:
     assert isinstance(reply, SliceAllocated), reply
     return reply.slice
@@ -242,7 +249,12 @@ def test_a_program_runs_completes_and_its_buffers_are_freed_by_reference(world: 
     resolved = [a.buffer for a in last if isinstance(a, Resolve)]
     assert wait.buffers[0] in resolved and settled(wait.buffers) is None
     assert not world.proxy.runs  # finished: the intermediate value is deleted, the output kept
-    assert sent(last, DeleteShards)
+    # One message to the island's scheduler, which sends each executor holding it its DeleteShards.
+    (free,) = sent(last, FreeShards)
+    assert free.to == SCHEDULER and not sent(last, DeleteShards)
+    (group,) = free.message.groups
+    assert len(group.buffers) == 1 and group.buffers[0].startswith(f"{sid}/")
+    assert len(group.controls) == 2 and set(group.controls) <= set(world.controls)
     assert world.ask(CLIENT, QueryBuffers(buffers=[2])) == BuffersState(ready=[True])
 
     fetching = world.ask(CLIENT, Fetch(buffer=2))
@@ -250,7 +262,7 @@ def test_a_program_runs_completes_and_its_buffers_are_freed_by_reference(world: 
     assert [key for _, key in sources(sid, fetching.buffer)] == fetching.buffer.keys(sid)
     assert world.handle(Inbound(CLIENT, ReleaseBuffers(buffers=[2]))) == []  # pinned by the fetch: kept
     freed = world.handle(FetchEnded(fetching.session_id, fetching.buffer))
-    assert {p for a in sent(freed, DeleteShards) for p in a.message.buffers} == {f"{sid}/{fetching.buffer.name}"}
+    assert freed_buffers(freed) == {f"{sid}/{fetching.buffer.name}"}
 
     again = world.handle(Inbound(CLIENT, RunProgram(inputs=[ProgramInput(buffer=1)], outputs=[3], program_id="p")))
     assert not sent(again, RegisterFunction)  # registered once per site, for every later run

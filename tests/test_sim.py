@@ -26,6 +26,7 @@ from pwmesh.sim.workloads import Workload, install
 from pwmesh.wire import Envelope, encode
 from pwmesh.wire.messages import (
     Computation,
+    IslandDone,
     NodeDone,
     OpenSession,
     Ping,
@@ -121,12 +122,17 @@ def test_a_chain_takes_its_modelled_time_on_one_device() -> None:
     k, t = 8, 1e-3
     clock, proxy, ex, sched = chain_on_one_executor(k, t)
     clock.run()
-    done = [env.message for _, env in proxy.got if isinstance(env.message, NodeDone)]
+    # The executor reports to its scheduler; the proxy hears of the run once, from the island (#30 item 2).
+    assert not [env for _, env in proxy.got if isinstance(env.message, NodeDone)]
+    # Every node here is an output (none is quiet): each is told as it completes, once.
+    done = [env.message for _, env in proxy.got if isinstance(env.message, IslandDone)]
     assert sorted(n for d in done for n in d.nodes) == list(range(k))
+    assert all(d.run_id == "r1" and d.error is None for d in done)
     per = t + COST.launch_seconds + COST.host_overhead_seconds
     first_start, last_end = ex.spans[0][0], ex.spans[-1][1]
     assert last_end - first_start == pytest.approx(k * per - COST.host_overhead_seconds)
-    assert clock.now == pytest.approx(k * per + 3 * 10e-6, rel=0.01)  # plus the proxy->scheduler->executor->proxy hops
+    # plus the proxy->scheduler->executor->scheduler->proxy hops
+    assert clock.now == pytest.approx(k * per + 4 * 10e-6, rel=0.01)
     assert sched.decisions == 1 and sched.order.in_flight == 0  # RunPartDone came back
     assert ex.stored["o/b8/0"] == ((4, 4), "float32")
 

@@ -91,7 +91,6 @@ from pwmesh.wire.messages import (
     JoinGroup,
     LeavingForGroup,
     ListHeld,
-    NodeDone,
     Ok,
     OwnedShards,
     Ping,
@@ -425,7 +424,7 @@ class Executor(Service):
             elif isinstance(action, Admit):
                 msg = action.message
                 for comp, exc in self.runner.enqueue_all(msg.run_id, msg.proxy, action.computations, msg.scheduler):
-                    self._handle(Completed(msg.run_id, msg.proxy, comp.node, error=exc))
+                    self._handle(Completed(msg.run_id, msg.proxy, comp.node, error=exc, scheduler=msg.scheduler))
             elif isinstance(action, CancelWork):
                 self.runner.cancel_run(action.run_id, action.error)
             elif isinstance(action, Timer):
@@ -643,8 +642,7 @@ class Executor(Service):
                 comps.append(requeue[i][3])
                 i += 1
             for comp, exc in self.runner.enqueue_all(run_id, proxy, comps, scheduler):
-                self.peers.post(proxy, NodeDone(run_id=run_id, nodes=[comp.node], executor_id=self.name,
-                                                error=ErrorInfo.of(exc)))
+                self._handle(Completed(run_id, proxy, comp.node, error=exc, scheduler=scheduler))
 
     def _forget_owner(self, peer: bytes, env: Envelope) -> None:
         msg = env.message
@@ -938,7 +936,7 @@ class Executor(Service):
         The batch leaves after the replies its outputs woke: an early fetch of the value a chain
         just made goes first, so the proxy forwards it before it takes the chain's completion
         (~0.5 ms for 128 nodes) and frees the chain's buffers (more again, here)."""
-        self._handle(Completed(work.run_id, work.proxy, work.comp.node, work.comp.quiet, work.error))
+        self._handle(Completed(work.run_id, work.proxy, work.comp.node, work.comp.quiet, work.error, work.scheduler))
 
     # ------------------------------------------------------------ the JAX group
 

@@ -16,8 +16,9 @@ Events:
     ``Reclaimed(owner, marker, error)`` a restarted proxy took session ``owner`` back (``ReclaimOwner``): runs
                                   the proxy before sent (names without ``marker``) are cancelled, now and later.
     ``Forgotten(owner)``          the session ended for good (``ForgetOwner``).
-    ``Completed(run_id, proxy, node, quiet, error)`` a computation of a run completed (or failed, or was
-                                  refused as it was admitted).
+    ``Completed(run_id, proxy, node, quiet, error, scheduler)`` a computation of a run completed (or
+                                  failed, or was refused as it was admitted); ``scheduler``: the one that
+                                  sent its part (its completions are reported there).
     ``PartEnded(run_id, scheduler, device_seconds)`` every computation of a run admitted here completed.
     ``Flush()``                   the wake-ups of this instant ran: batched completions leave.
     ``StartedOver()``             the executor was declared lost and starts over as a new one: the island's
@@ -26,7 +27,8 @@ Events:
                                   held here leaves now, quiet ones too.
 
 Actions:
-    ``Send(to, message)``         post a message (``NodeDone`` to a proxy, ``RunPartDone`` to a scheduler).
+    ``Send(to, message)``         post a message (``NodeDone`` and ``RunPartDone`` to a scheduler; ``NodeDone``
+                                  to the proxy for a part that came with no scheduler).
     ``Send(scheduler, NeedTemplate)`` a run named a template this executor does not hold: that run, and
                                   every later one from the same scheduler (the island's order), wait for it.
     ``Admit(enqueue, computations)`` run these (the runner's device queues take them in this order); those
@@ -34,11 +36,14 @@ Actions:
     ``CancelWork(run_id, error)`` fail what of ``run_id`` is queued or waiting here.
     ``Timer(now, Flush())``       hand the core ``Flush`` once this instant's wake-ups have run.
 
-Completions are batched: a computation that fails is reported at once; the others of one run, per
-proxy, leave together after the loop's wake-ups (a chain that ran in one go is one ``NodeDone``), and
-a *quiet* one (nobody outside its run waits for it) leaves with its part's end. A part's
-``RunPartDone`` leaves after the completions it follows, so the scheduler never frees a slot for a
-run whose results the proxy has not heard of.
+Completions go to the island's scheduler that sent the part (``scheduler/completions.py`` tells the
+proxy once per run per island): a computation that fails is reported at once (``NodeDone`` with its
+error); one someone outside its run may wait for (not *quiet*: a program's output) leaves with the others
+of its run after the loop's wake-ups; and the part's ``RunPartDone`` stands for every completion of the
+part not reported before, so a *quiet* one is never sent on its own, nor an output that completed in the
+same turn as its part's end (a chained run: one message per executor). What is reported before it leaves
+first, on the same connection, so the scheduler counts each once and in order. A part that came with no
+scheduler (a test's) reports to its proxy as before: quiet completions with its end.
 """
 
 from __future__ import annotations
@@ -149,6 +154,7 @@ class Completed:
     node: int
     quiet: bool = False
     error: PwmeshError | None = None
+    scheduler: str = ""  # where the part came from: its completions go there ("": to ``proxy``)
 
 
 @dataclasses.dataclass(slots=True)
@@ -180,9 +186,10 @@ class Completions:
     run_id: str
     proxy: str
     done: list[tuple[int, bool]]
+    scheduler: str = ""
 
     def expand(self) -> list[Completed]:
-        return [Completed(self.run_id, self.proxy, node, quiet) for node, quiet in self.done]
+        return [Completed(self.run_id, self.proxy, node, quiet, scheduler=self.scheduler) for node, quiet in self.done]
 
 
 Event = Received | Installed | TemplateTimeout | Cancelled | Reclaimed | Forgotten | Completed | PartEnded | Flush | StartedOver | Leaving
@@ -227,9 +234,10 @@ class ExecutorState:
         self.reclaimed: dict[str, tuple[str, PwmeshError]] = {}
         self._held: dict[str, dict[int, Enqueue]] = {}  # per source: Enqueues that overtook an earlier one
         self._expected: dict[str, int] = {}  # per source: the next executor_seq to admit
-        self._completed: dict[tuple[str, str], list[int]] = {}  # (proxy, run) -> nodes, leaving at Flush
+        self._completed: dict[tuple[str, str], list[int]] = {}  # (scheduler or proxy, run) -> nodes, leaving at Flush
         self._parts_done: list[tuple[str, RunPartDone]] = []  # (scheduler, message), leaving after those
-        self._quiet: dict[str, tuple[str, list[int]]] = {}  # run -> (proxy, quiet nodes done): at its part's end
+        # run -> (proxy, quiet nodes done): at its part's end (a part with no scheduler only)
+        self._quiet: dict[str, tuple[str, list[int]]] = {}
         self._flushing = False  # a Flush is asked for
         self._out: list[Action] = []
         self._kind, self._n = "", 0  # the event being handled: its stimulus id is "<kind>-<n>" (``_stimulus``)
@@ -281,11 +289,13 @@ class ExecutorState:
                 # One per computation: a run's successive ones are kept as one entry (appending an object per
                 # computation cost ~2.5 us of ~60 in bench/dispatch.py's Chained), expanded again to replay.
                 last = entries[-1][2] if entries else None
-                if type(last) is Completions and last.run_id == event.run_id and last.proxy == event.proxy:
+                if (type(last) is Completions and last.run_id == event.run_id and last.proxy == event.proxy
+                        and last.scheduler == event.scheduler):
                     last.done.append((event.node, event.quiet))
                 else:
                     entries.append((now, (kind, n), Completions(event.run_id, event.proxy,
-                                                                [(event.node, event.quiet)]), len(out)))
+                                                                [(event.node, event.quiet)], event.scheduler),
+                                    len(out)))
             else:
                 # Kept as it is, to be replayed; not a large program's part: 2,000 of those would hold gigabytes.
                 kept = (describe(event) if isinstance(event, Received | Installed)
@@ -361,8 +371,8 @@ class ExecutorState:
         self._fail(msg, failed)
 
     def _fail(self, msg: Enqueue, error: PwmeshError) -> None:
-        self._send(msg.proxy, NodeDone(run_id=msg.run_id, nodes=msg.nodes, executor_id=self.name,
-                                       error=ErrorInfo.of(error)))
+        self._send(msg.scheduler or msg.proxy, NodeDone(run_id=msg.run_id, nodes=msg.nodes, executor_id=self.name,
+                                                        error=ErrorInfo.of(error)))
         self._part_ended(msg.run_id, msg.scheduler, 0.0)
 
     # ---------------------------------------------------------------- templates asked for again
@@ -422,14 +432,16 @@ class ExecutorState:
     # ---------------------------------------------------------------- reporting
 
     def _completed_one(self, done: Completed) -> None:
-        if done.error is not None:
-            self._send(done.proxy, NodeDone(run_id=done.run_id, nodes=[done.node], executor_id=self.name,
-                                            error=ErrorInfo.of(done.error)))
+        to = done.scheduler or done.proxy
+        if done.error is not None:  # at once, its cause as it is (the scheduler forwards it unchanged)
+            self._send(to, NodeDone(run_id=done.run_id, nodes=[done.node], executor_id=self.name,
+                                    error=ErrorInfo.of(done.error)))
             return
-        if done.quiet:  # nobody outside the run waits for it: it goes with the part's end
-            self._quiet.setdefault(done.run_id, (done.proxy, []))[1].append(done.node)
+        if done.quiet:  # nobody outside the run waits for it: the part's end stands for it
+            if not done.scheduler:  # (reported to the proxy with the part's end)
+                self._quiet.setdefault(done.run_id, (done.proxy, []))[1].append(done.node)
             return
-        self._report_later(done.proxy, done.run_id, [done.node])
+        self._report_later(to, done.run_id, [done.node])
 
     def _report_later(self, proxy: str, run_id: str, nodes: list[int]) -> None:
         """Add ``nodes`` to the completions that leave together after this instant's wake-ups."""
@@ -440,10 +452,12 @@ class ExecutorState:
 
     def _part_ended(self, run_id: str, scheduler: str, device_seconds: float) -> None:
         quiet = self._quiet.pop(run_id, None)
-        if quiet is not None:  # the part's quiet completions leave with its end, before its RunPartDone
+        if quiet is not None:  # the part's quiet completions leave with its end (a part with no scheduler)
             self._report_later(quiet[0], run_id, quiet[1])
         if not scheduler:
             return
+        # Its outputs that completed this turn need no message of their own: the part's end stands for them.
+        self._completed.pop((scheduler, run_id), None)
         done = RunPartDone(run_id=run_id, executor_id=self.name, device_seconds=device_seconds)
         if self._completed:  # leave together with the completions (one I/O-thread wake-up for both)
             self._parts_done.append((scheduler, done))

@@ -8,7 +8,8 @@ sends what the core says to, and holds the futures of the requests that wait (an
 ``RunProgram`` is handled synchronously from validation to the last posted message: the
 output buffers exist before the handler returns, so a ``Fetch`` sent right behind it always
 finds them, and a run's messages leave in order. The client does not wait for the run:
-dispatch is asynchronous; completion arrives as ``NodeDone`` from the executors.
+dispatch is asynchronous; completion arrives as ``IslandDone`` from the islands' schedulers (one per run
+per island: the executors report to their scheduler).
 """
 
 from __future__ import annotations
@@ -97,6 +98,7 @@ from pwmesh.wire.messages import (
     GetTrace,
     Heartbeat,
     HostDrained,
+    IslandDone,
     ListHeld,
     NodeDone,
     Ok,
@@ -236,7 +238,8 @@ class Proxy(Service):
         # Clients open sessions and act on their own; completions come from daemons only; an admin drains.
         # An admin also suspends and resumes other tenants' sessions (``pwmesh suspend``).
         access = Access.of(client=[*(op for op in ProxyState.HANDLERS
-                                     if op not in (NodeDone, DataLost, TemplateMissing, *ProxyState.ADMIN_HANDLERS)),
+                                     if op not in (NodeDone, IslandDone, DataLost, TemplateMissing,
+                                                   *ProxyState.ADMIN_HANDLERS)),
                                    GetStatus, GetClusterTrace],
                            admin=[DrainHost, GetEvents, *ProxyState.ADMIN_HANDLERS])
         self.server = Server(self.ctx, self.config.listen, handlers, tasks=self.tasks, name=self.name, access=access)
@@ -387,7 +390,8 @@ class Proxy(Service):
         run) must neither be refused nor overtake the resume. The header's session id decides only this:
         whoever names a session they cannot resume waits for the session timeout, then hears "no session"."""
         if (peer in self.state.sessions or not env.sender
-                or isinstance(env.message, (Heartbeat, ResumeSession, OpenSession, NodeDone, DataLost, TemplateMissing))
+                or isinstance(env.message, (Heartbeat, ResumeSession, OpenSession, NodeDone, IslandDone, DataLost,
+                                            TemplateMissing))
                 or not self.state.may_resume(env.sender, time.monotonic())):
             return None
         held = self._held.get(peer)

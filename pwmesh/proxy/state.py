@@ -8,7 +8,9 @@ same core over its in-memory network in virtual time. A buffer's readiness is st
 
 Events:
     ``Inbound(peer, message)``   a message a peer sent on the proxy's own socket: a client's
-                                 request or post, an executor's ``NodeDone``.
+                                 request or post, an island scheduler's ``IslandDone`` (what the
+                                 island's executors reported of a run: ``scheduler/completions.py``), an
+                                 executor's ``NodeDone`` (a part sent with no scheduler).
     ``Notice(message)``          an unsolicited message on the proxy's connection to the RM
                                  (``ExecutorLost``, ``SliceRemapped``, ``SchedulerLost``...).
     ``SliceGranted(peer, slice)`` the RM's answer to the ``Ask`` a ``CreateSlice`` produced.
@@ -137,8 +139,11 @@ from pwmesh.wire.messages import (
     Fence,
     Fetch,
     ForgetOwner,
+    FreeGroup,
+    FreeShards,
     Heartbeat,
     InstallTemplate,
+    IslandDone,
     NodeDone,
     Ok,
     OpenSession,
@@ -279,7 +284,8 @@ class ProxyState:
         CreateSlice: "_create_slice", RegisterProgramFunction: "_register_function",
         RegisterProgram: "_register_program", RunProgram: "_run_program", PutBuffer: "_put_buffer",
         ReleaseBuffers: "_release_buffers", AwaitBuffers: "_await_buffers", QueryBuffers: "_query_buffers",
-        Fetch: "_fetch", NodeDone: "_node_done", DataLost: "_data_lost", TakeBack: "_take_back",
+        Fetch: "_fetch", NodeDone: "_node_done", IslandDone: "_island_done", DataLost: "_data_lost",
+        TakeBack: "_take_back",
         TemplateMissing: "_template_missing",
         PutDirect: "_put_direct", SuspendSlices: "_suspend_slices", ResumeSlices: "_resume_slices",
         SuspendSession: "_suspend_session", ResumeSuspended: "_resume_suspended",
@@ -914,6 +920,49 @@ class ProxyState:
         self._node_finished(session, run, msg)
         return None
 
+    def _island_done(self, peer: bytes, msg: IslandDone, now: float) -> None:
+        """An island's scheduler reports a run's computations there: the nodes listed completed on every
+        executor of the island (each reported once: ``scheduler/completions.py``); with ``error``, they failed
+        on ``executor_id`` (the island's message that ends them follows); ``lost``: the run cannot finish."""
+        if peer in self.sessions:
+            raise ProtocolError("an island's completions come from its scheduler, not from client sessions")
+        found = self.runs.get(msg.run_id.split("#", 1)[0])
+        if found is None:
+            return None  # ended already (aborted, say): nothing waits for it
+        session, run = found
+        if msg.scheduler not in run.schedulers:
+            self._peer_log.warning(("unexpected", msg.scheduler), "completions of run %s from %s, which it did not "
+                                   "go through", msg.run_id, msg.scheduler)
+            return None
+        self._dispatching = True
+        if msg.error is not None or msg.lost:
+            err = msg.error.exception() if msg.error is not None else DeviceLost(
+                f"executor {msg.executor_id} left before it ended its part of the run")
+            if msg.lost:
+                self._abort_run(session, run, err)
+                return None
+            for node in msg.nodes:  # (the first outcome of a buffer stays: the island's end resolves no more)
+                if node in run.pending:
+                    for buf in run.outputs_of.get(node, []):
+                        self._resolve(buf, err)
+            return None
+        finished = False
+        for node in msg.nodes:
+            if run.pending.pop(node, None) is None:
+                continue  # told before (each node once: a report sent twice changes nothing)
+            for buf in run.outputs_of.get(node, []):
+                self._resolve(buf, None)
+            if run.held:
+                for waits in run.waits_for.values():
+                    waits.discard(node)
+            finished = True
+        if finished:
+            if run.held:
+                self._release_nodes(session, run)
+            if not run.pending:
+                self._finish_run(session, run)
+        return None
+
     def _template_missing(self, peer: bytes, msg: TemplateMissing, now: float) -> None:
         """A scheduler did not hold a run's template (it restarted, or dropped it) and ordered nothing of the
         run: install it there again and send the run again; after ``MAX_TEMPLATE_RETRIES``, fail the run."""
@@ -1095,13 +1144,16 @@ class ProxyState:
         log.info("executor %s is back holding %d objects: %d buffers taken for lost are whole again, %d buffers "
                  "nobody holds any more deleted", got.executor_id, len(held), whole, len(doomed))
 
-    @staticmethod
-    def _needs(run: Run, lost: ExecutorLost) -> bool:
+    def _needs(self, run: Run, lost: ExecutorLost) -> bool:
         """Whether ``run`` can no longer finish without ``lost``. A drained executor flushed
         everything it sent, so only its unfinished work matters; after a crash, data it
         sent may never have arrived, so any run it took part in is failed."""
         if not lost.graceful:
             return lost.control in run.executors
+        if run.schedulers and not any(s in self.lost_schedulers for s in run.schedulers):
+            # Its islands' schedulers tell (``IslandDone(lost=True)``): they heard its reports before it left,
+            # and ``pending`` here is per island, not per executor.
+            return False
         return any(lost.executor_id in waiting for waiting in run.pending.values())
 
     def _abort_run(self, session: Session, run: Run, err: PwmeshError) -> None:
@@ -1169,22 +1221,48 @@ class ProxyState:
             buf.readers -= 1
         for buf in run.read_inside:
             buf.read_by_its_run = False
-        self._maybe_free(session.session_id, *run.pinned, *run.outputs, *run.temporaries)
+        self._maybe_free(session.session_id, *run.pinned, *run.outputs, *run.temporaries, session=session)
         self._forget_if_done(session)
 
     # ------------------------------------------------------------------ buffers
 
-    def _maybe_free(self, session_id: str, *bufs: Buffer) -> None:
-        """Delete the freeable ``bufs`` wherever they are held: one message per executor."""
-        by_holder: dict[str, list[str]] = {}
+    def _maybe_free(self, session_id: str, *bufs: Buffer, session: Session | None = None) -> None:
+        """Delete the freeable ``bufs`` wherever they are held: one message per island (``FreeShards`` to the
+        scheduler of the buffer's slice, which sends each executor its ``DeleteShards``), or per executor
+        where no live scheduler is known (an ended session's buffers, a lost island)."""
+        # scheduler ("": none) -> [(executors holding alike buffers, those buffers)]. A run's buffers are mostly
+        # held by the same executors: one group, each name and control once (not a name per holder). Found
+        # by comparing sets (a few groups at most), not hashing each buffer's 1,000 holders.
+        by_island: dict[str, list[tuple[set[str], list[str]]]] = {}
         for buf in bufs:
             if not buf.freeable:
                 continue
-            for control in buf.holders:  # (``_send`` drops what is for a lost executor)
-                by_holder.setdefault(control, []).append(f"{session_id}/{buf.name}")
+            if buf.holders:
+                if session is None:
+                    session = self._by_id(session_id) or Session(session_id, "", b"")
+                sl = session.slices.get(buf.slice_id) if buf.slice_id is not None else None
+                island = sl.scheduler if sl is not None and sl.scheduler not in self.lost_schedulers else ""
+                holders = buf.holders - self.lost_controls if self.lost_controls else buf.holders
+                groups = by_island.setdefault(island, [])
+                prefix = f"{session_id}/{buf.name}"
+                for held_by, prefixes in groups:
+                    if held_by == holders:
+                        prefixes.append(prefix)
+                        break
+                else:
+                    groups.append((holders, [prefix]))
             buf.holders = set()
-        for control, prefixes in by_holder.items():
-            self._send(control, DeleteShards(buffers=prefixes))
+        for island, groups in by_island.items():
+            if not island or (len(groups) == 1 and len(groups[0][0]) == 1):
+                by_holder: dict[str, list[str]] = {}
+                for holders, prefixes in groups:
+                    for control in holders:
+                        by_holder.setdefault(control, []).extend(prefixes)
+                for control, prefixes in by_holder.items():
+                    self._send(control, DeleteShards(buffers=prefixes))
+                continue
+            self._send(island, FreeShards(groups=[FreeGroup(buffers=prefixes, controls=list(holders))
+                                                  for holders, prefixes in groups if holders]))
 
     def _put_buffer(self, peer: bytes, msg: PutBuffer, now: float) -> Reply:
         session = self.session(peer)

@@ -1,7 +1,9 @@
 """``pwmesh-scheduler --island N``: the asyncio shell around ``SchedulerState`` (``IslandOrder`` and, with
 ``--collectives``, ``IslandGroup``: it serves the island's JAX group, each forming's coordinator a child
 process of its own). Messages and ticks become events for the core; its actions become messages, and
-coordinators started and stopped."""
+coordinators started and stopped. Executors report their parts' completions here (``NodeDone``,
+``RunPartDone``: each checked against the sender's key) and the core tells the proxy once per run
+(``IslandDone``); the proxy's frees for the island come as one ``FreeShards``, sent on per executor."""
 
 from __future__ import annotations
 
@@ -33,6 +35,7 @@ from pwmesh.wire.messages import (
     ExecutorLost,
     ExecutorRestarting,
     Fence,
+    FreeShards,
     GetClusterState,
     GetEvents,
     GetSchedulerStats,
@@ -40,6 +43,7 @@ from pwmesh.wire.messages import (
     InstallTemplate,
     JoinGroup,
     NeedTemplate,
+    NodeDone,
     Ping,
     PleaseRegister,
     RegisterScheduler,
@@ -87,6 +91,8 @@ class Scheduler(Service):
             RunTemplate: self._schedule,
             NeedTemplate: self._need_template,
             RunPartDone: self._part_done,
+            NodeDone: self._part_done,
+            FreeShards: self._schedule,
             GetSchedulerStats: self._stats,
             GetEvents: self.events,
             Ping: self.ping,
@@ -220,7 +226,7 @@ class Scheduler(Service):
             await proc.wait()
 
     def _schedule(self, peer: bytes, env: Envelope) -> None:
-        assert isinstance(env.message, ScheduleRun | InstallTemplate | RunTemplate)
+        assert isinstance(env.message, ScheduleRun | InstallTemplate | RunTemplate | FreeShards)
         self._handle(Received(env.message))
 
     def _need_template(self, peer: bytes, env: Envelope) -> None:
@@ -232,7 +238,7 @@ class Scheduler(Service):
 
     def _part_done(self, peer: bytes, env: Envelope) -> None:
         msg = env.message
-        assert isinstance(msg, RunPartDone)
+        assert isinstance(msg, RunPartDone | NodeDone)
         if not speaks_for(env.user, msg.executor_id):
             raise PermissionDenied(f"the daemon key {env.user!r} cannot report {msg.executor_id}'s parts done")
         self._handle(Received(msg))

@@ -113,6 +113,9 @@ class IslandOrder:
         self._blocked: dict[DeviceKey, list[_Entry]] = {}
         self._stimulus = ""  # the event being handled: the Sends it causes carry its id
         self.templates = IslandTemplates()  # cached lowerings installed once, run by id (``templates.py``)
+        # Runs sequenced since ``SchedulerState`` last looked: (run id, proxy, executor -> its nodes, every
+        # node or None); it counts their completions (``completions.py``). None: not kept (the order alone).
+        self.sequenced: list[tuple[str, str, dict[str, list[int]], list[int] | None]] | None = None
 
     # ---------------------------------------------------------------- events
     #
@@ -280,9 +283,13 @@ class IslandOrder:
         if template is None:
             assert isinstance(run, ScheduleRun)
             sending, names = run.parts, list[str]()
+            if self.sequenced is not None:
+                self.sequenced.append((run_id, run.proxy, {p.executor_id: p.nodes for p in run.parts}, None))
         else:
             assert isinstance(run, RunTemplate)
             sending, names = template.parts, run.names
+            if self.sequenced is not None:
+                self.sequenced.append((run_id, run.proxy, template.executor_nodes, template.nodes))
         for part in sending:
             seqs = list(range(seq, seq + len(part.nodes)))
             for s, node in zip(seqs, part.nodes, strict=True):

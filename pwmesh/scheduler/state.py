@@ -7,16 +7,20 @@ right after the forming completes. The daemon (``scheduler/daemon.py``) and the 
 (``sim/controller.py``) drive this same core.
 
 Events:
-    ``Received(message)``  ``ScheduleRun``, ``InstallTemplate`` and ``RunTemplate`` from a proxy (``templates.py``),
-                           ``RunPartDone`` and ``NeedTemplate`` from an executor, and the resource
-                           manager's notices ``ExecutorJoined`` and ``ExecutorLost`` (the shell does what
-                           concerns its connections itself: marking a peer alive or lost, fences).
+    ``Received(message)``  ``ScheduleRun``, ``InstallTemplate``, ``RunTemplate`` and ``FreeShards`` from a proxy
+                           (``templates.py``), ``NodeDone``, ``RunPartDone`` and ``NeedTemplate`` from an
+                           executor, and the resource manager's notices ``ExecutorJoined`` and ``ExecutorLost``
+                           (the shell does what concerns its connections itself: marking a peer alive or
+                           lost, fences).
     ``Tick()``             time passed: a settled membership may start a forming of the group.
 
 Actions (each carrying the id of the event that caused it, ``stimulus``):
     ``Send(control, Enqueue)`` an executor's part of a released run, in the island's order.
     ``Send(control, InstallPart)`` a template's part an executor asked for again.
     ``Send(proxy, TemplateMissing)`` a run of a template not held here, refused whole.
+    ``Send(proxy, IslandDone)`` what the island's executors reported of a run (``completions.py``): one
+                           message when every part has ended; a failure at once; an output early.
+    ``Send(control, DeleteShards)`` the proxy's frees for the island (``FreeShards``), one per executor.
     ``Reply(error=...)``   a message refused (a run naming devices that cannot be): the sender is told.
     ``Form``, ``AskAgain``, ``Formed`` (``group.py``) start a forming of the JAX group (a coordinator, then
                            ``JoinGroup`` to each member at ``controls``), ask its slow members again, and
@@ -33,14 +37,19 @@ import dataclasses
 
 from pwmesh.core.contract import EventLog, Received, Reply, Send
 from pwmesh.errors import PwmeshError
+from pwmesh.scheduler.completions import IslandCompletions
 from pwmesh.scheduler.group import AskAgain, Form, Formed, IslandGroup, Joined, Left
 from pwmesh.scheduler.group import Tick as GroupTick
 from pwmesh.scheduler.order import IslandOrder
 from pwmesh.wire.messages import (
+    DeleteShards,
     ExecutorJoined,
     ExecutorLost,
+    FreeShards,
     InstallTemplate,
+    IslandDone,
     NeedTemplate,
+    NodeDone,
     RunPartDone,
     RunTemplate,
     ScheduleRun,
@@ -60,7 +69,8 @@ Event = Received | Tick
 Action = Send | Reply | Form | AskAgain | Formed
 
 _KINDS = {ScheduleRun: "schedule", RunTemplate: "run", InstallTemplate: "install", NeedTemplate: "need",
-          RunPartDone: "part-done", ExecutorJoined: "joined", ExecutorLost: "lost"}
+          RunPartDone: "part-done", NodeDone: "node-done", FreeShards: "free", ExecutorJoined: "joined",
+          ExecutorLost: "lost"}
 
 
 class SchedulerState:
@@ -70,6 +80,8 @@ class SchedulerState:
         self.controls: dict[str, str] = {}  # the group's members: executor -> control address
         self.events = EventLog()
         self._held: list[Send] = []  # the island's work while its group forms, in order
+        self.completions = IslandCompletions(order.scheduler)  # what executors reported, for the proxies
+        order.sequenced = []
 
     @property
     def island(self) -> int:
@@ -93,7 +105,13 @@ class SchedulerState:
         try:
             match message:
                 case RunPartDone(run_id=run_id, executor_id=executor_id, device_seconds=seconds):
-                    actions = self._release(self.order.part_done(run_id, executor_id, seconds, stimulus))
+                    actions = self._told(self.completions.part_done(run_id, executor_id), stimulus)
+                    actions += self._release(self.order.part_done(run_id, executor_id, seconds, stimulus))
+                case NodeDone():
+                    actions = self._told(self.completions.node_done(message), stimulus)
+                case FreeShards(groups=groups):  # not held while the group forms: frees order nothing
+                    actions = [Send(control, DeleteShards(buffers=group.buffers), stimulus)
+                               for group in groups for control in group.controls]
                 case RunTemplate():
                     actions = self._release(self.order.submit_template(message, stimulus))
                 case ScheduleRun():
@@ -106,13 +124,17 @@ class SchedulerState:
                         actions = [Send(control, part, stimulus)]
                 case ExecutorJoined(executor_id=executor_id, control=control, island=island, group=group,
                                     group_epoch=epoch, fresh=fresh):
+                    self.completions.executor_joined(executor_id)
                     if fresh:  # a new process: it expects the island's order from its first Enqueue on
                         self.order.restart_executor(executor_id)
                     if self.group is not None and island == self.island and group:
                         self.controls[executor_id] = control
                         actions = self._group(self.group.handle(Joined(executor_id, epoch), now), stimulus)
-                case ExecutorLost(executor_id=executor_id):
-                    actions = self._release(self.order.forget_executor(executor_id, stimulus))
+                case ExecutorLost(executor_id=executor_id, host=host, reason=reason):
+                    # Its parts not ended fail their runs (a drained one ended what it reported first).
+                    actions = self._told(self.completions.executor_lost(
+                        executor_id, f"executor {executor_id} on host {host} is gone ({reason})"), stimulus)
+                    actions += self._release(self.order.forget_executor(executor_id, stimulus))
                     if self.group is not None:
                         actions += self._group(self.group.handle(Left(executor_id), now), stimulus)
                 case _:
@@ -134,12 +156,24 @@ class SchedulerState:
                    f"parts={len(run.parts)}), payload not kept)"
         return event
 
+    def _told(self, reports: list[tuple[str, IslandDone]], stimulus: str) -> list[Action]:
+        return [Send(proxy, done, stimulus) for proxy, done in reports]
+
     def _release(self, sends: list[Send]) -> list[Action]:
-        """The order's Enqueues: now, or held (in order) while the island's JAX group forms."""
+        """The order's Enqueues: now, or held (in order) while the island's JAX group forms. The runs they
+        sequenced are counted for their completions from now (a part sequenced for a lost executor fails)."""
+        actions: list[Action] = []
+        sequenced = self.order.sequenced
+        if sequenced:
+            stimulus = sends[0].stimulus if sends else ""
+            for run_id, proxy, parts, nodes in sequenced:
+                actions += self._told(self.completions.start(run_id, proxy, parts, nodes), stimulus)
+            sequenced.clear()
         if self.group is not None and (self._held or self.group.holding):
             self._held.extend(sends)  # sent, in order, once the group has formed
-            return []
-        return list(sends)
+            return actions
+        actions.extend(sends)
+        return actions
 
     def _group(self, group_actions: list[Form | AskAgain | Formed], stimulus: str) -> list[Action]:
         actions: list[Action] = []

@@ -32,6 +32,9 @@ class Template:
     footprint: frozenset[DeviceKey]  # every (executor, device) its runs use
     names: int  # how many names a run must carry (its parts' refs point below)
     sent: set[str] = dataclasses.field(default_factory=set)  # executors sent their part
+    # Executor -> its nodes, and every node in order: what its runs' completions are counted by (``completions.py``).
+    executor_nodes: dict[str, list[int]] = dataclasses.field(default_factory=dict)
+    nodes: list[int] = dataclasses.field(default_factory=list)
 
     @classmethod
     def of(cls, msg: InstallTemplate) -> Template:
@@ -52,7 +55,9 @@ class Template:
         footprint = frozenset((part.executor_id, r.first + k) for part in msg.parts for r in part.devices
                               for k in range(r.count))
         names = max((r + 1 for part in msg.parts for r in part.refs), default=0)
-        return cls(msg.template_id, list(msg.parts), footprint, names)
+        executor_nodes = {part.executor_id: list(part.nodes) for part in msg.parts}
+        nodes = sorted({n for part in msg.parts for n in part.nodes})
+        return cls(msg.template_id, list(msg.parts), footprint, names, executor_nodes=executor_nodes, nodes=nodes)
 
 
 class IslandTemplates:

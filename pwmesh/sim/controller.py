@@ -24,8 +24,10 @@ from pwmesh.wire.messages import (
     Enqueue,
     Error,
     ExecutorLost,
+    FreeShards,
     InstallTemplate,
     NeedTemplate,
+    NodeDone,
     RunPartDone,
     RunTemplate,
     ScheduleRun,
@@ -63,9 +65,10 @@ class SimResourceManager(Node):
 
 
 class SimScheduler(Node):
-    """An island scheduler's shell: ``ScheduleRun``, ``InstallTemplate``, ``RunTemplate``, ``RunPartDone``,
-    ``NeedTemplate`` and the RM's ``ExecutorLost`` into ``SchedulerState``; ``Enqueue`` (and ``InstallPart``,
-    ``TemplateMissing``) out."""
+    """An island scheduler's shell: ``ScheduleRun``, ``InstallTemplate``, ``RunTemplate``, ``FreeShards``,
+    ``NodeDone``, ``RunPartDone``, ``NeedTemplate`` and the RM's ``ExecutorLost`` into ``SchedulerState``;
+    ``Enqueue`` (and ``InstallPart``, ``TemplateMissing``, the proxy's ``IslandDone``, the executors'
+    ``DeleteShards``) out."""
 
     def __init__(self, address: str, clock: Clock, network: Network, state: SchedulerState, **node: Any) -> None:
         super().__init__(address, clock, network, **node)
@@ -76,7 +79,8 @@ class SimScheduler(Node):
 
     def handle(self, env: Envelope) -> None:
         msg = env.message
-        if not isinstance(msg, ScheduleRun | RunTemplate | InstallTemplate | NeedTemplate | RunPartDone | ExecutorLost):
+        if not isinstance(msg, ScheduleRun | RunTemplate | InstallTemplate | NeedTemplate | RunPartDone | NodeDone
+                          | FreeShards | ExecutorLost):
             return  # the RM's other news concerns the JAX group, which the simulator has none of
         actions = self.core(self.state.handle, Received(msg), self.clock.now)
         runs = set()

@@ -9,8 +9,8 @@ function, then takes the host's overhead and its devices' time from the cost mod
 (``sim.cost``); its outputs are stored as shapes (no data), its ``Emit``s move bytes
 over the network's data plane to the executors that hold the destination shards
 (per destination, the sources it will hear from are counted, as progress tracking
-does), and completions go back as the core says (``NodeDone`` to the proxy,
-``RunPartDone`` to the scheduler). ``PutShards``, ``SendShards``,
+does), and completions go back as the core says (``NodeDone`` and ``RunPartDone`` to the island's
+scheduler, which tells the proxy once per run: ``IslandDone``). ``PutShards``, ``SendShards``,
 ``FetchShards`` (answered with zeros of the stored shape: real bytes on the wire),
 ``DeleteShards``, ``ForgetOwner``, ``CancelRun``, ``RegisterGang`` (a gang computation waits
 for its gang as for its function) and ``InstallPart`` (a template's part asked for again) behave
@@ -252,7 +252,7 @@ class SimExecutor(Node):
                     if peer is not None:
                         key = f"{target.prefix}/{j}"
                         self.network.transfer(self.data, dest.data, 64, functools.partial(peer._store_failed, key, error))
-        self._core(Completed(work.run_id, work.proxy, work.comp.node, error=error))
+        self._core(Completed(work.run_id, work.proxy, work.comp.node, error=error, scheduler=work.scheduler))
         if not work.finished:
             starts = self.queues.release(work)
             self._act(starts)
@@ -268,7 +268,7 @@ class SimExecutor(Node):
     # ------------------------------------------------------------ completions
 
     def _completed_node(self, work: Work) -> None:
-        self._core(Completed(work.run_id, work.proxy, work.comp.node, work.comp.quiet))
+        self._core(Completed(work.run_id, work.proxy, work.comp.node, work.comp.quiet, scheduler=work.scheduler))
 
     def _part_done(self, done: PartDone) -> None:
         self._core(PartEnded(done.run_id, done.scheduler, done.device_seconds))

@@ -17,7 +17,7 @@ from pwmesh.core.contract import Received, Send
 from pwmesh.errors import InvalidArgument
 from pwmesh.scheduler.order import IslandOrder
 from pwmesh.scheduler.state import Action, SchedulerState
-from pwmesh.wire.messages import Computation, Enqueue, RunPartDone, ScheduleRun, ShardRun
+from pwmesh.wire.messages import Computation, Enqueue, IslandDone, RunPartDone, ScheduleRun, ShardRun
 from pwmesh.wire.parts import run_parts
 
 MakeRun = Callable[[str, str, float, int], ScheduleRun]  # (run_id, session, weight, priority) -> the run
@@ -63,7 +63,10 @@ def saturate(order: IslandOrder, clients: Mapping[str, tuple[float, int]], steps
 
     def send(actions: list[Action]) -> None:
         for a in actions:
-            assert isinstance(a, Send) and isinstance(a.message, Enqueue), a
+            assert isinstance(a, Send), a
+            if isinstance(a.message, IslandDone):  # the run's completion, for its proxy: none here
+                continue
+            assert isinstance(a.message, Enqueue), a
             in_flight.append((a.message.run_id, executor_of[a.message.run_id][a.to]))
 
     def submit(session: str) -> None:

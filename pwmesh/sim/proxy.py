@@ -1,7 +1,7 @@
 """The proxy in the simulator: ``proxy.state.ProxyState`` behind a thin shell.
 
 The shell turns what arrives into the core's events (a client's request or post, an
-executor's ``NodeDone``: ``Inbound``; the RM's news: ``Notice``; the RM's answer to an
+island scheduler's ``IslandDone``: ``Inbound``; the RM's news: ``Notice``; the RM's answer to an
 ``Ask``: ``SliceGranted``) and the core's actions into messages on the network. It
 keeps what the daemon keeps outside the core: the requests that wait (``Wait``,
 ``Fetching``, an ``Ask``) and the posts held for a restarting executor.

@@ -399,11 +399,29 @@ class ScheduleRun(Message, op="sched.schedule_run"):
 
 @record
 class RunPartDone(Message, op="sched.run_part_done"):
-    """An executor finished its part of a run: frees the run's window slots, charges its client."""
+    """An executor finished its part of a run: frees the run's window slots, charges its client. It stands
+    for every computation of the part: those not reported before (``NodeDone``) completed. The scheduler
+    reports the run to its proxy once every executor of the island with a part has sent this (``IslandDone``)."""
 
     run_id: str
     executor_id: str
     device_seconds: float
+
+
+@record
+class FreeGroup(Record):
+    """Buffers (``"<owner>/<buffer>"``) to delete on every executor at ``controls``."""
+
+    buffers: list[str]
+    controls: list[str]
+
+
+@record
+class FreeShards(Message, op="sched.free_shards"):
+    """The proxy's frees for one island, in one message: the scheduler sends each executor named its
+    ``DeleteShards`` (executors that drop alike buffers share a group: the names travel once)."""
+
+    groups: list[FreeGroup]
 
 
 @record
@@ -463,7 +481,7 @@ class Enqueue(Message, op="exec.enqueue"):
     computations: bytes  # list[Computation], packed; decoded by the executor only
     seqs: list[int] = dataclasses.field(default_factory=list)  # each computation's place in the island order
     names: list[str] = dataclasses.field(default_factory=list)  # RunPart.names: what "@<k>" stands for
-    scheduler: str = ""  # where to report RunPartDone
+    scheduler: str = ""  # where to report the part's completions (NodeDone, RunPartDone); "": to ``proxy``
     executor_seq: int = -1  # this executor's n-th Enqueue from that scheduler: restores order
     epoch: str = ""  # the scheduler instance: a restarted scheduler counts from 0 again
     # A run of an installed template: its id. ``computations`` (with ``refs``) come with the first run
@@ -552,7 +570,8 @@ class ShardValues(Message, op="exec.shard_values"):
 
 @record
 class DeleteShards(Message, op="exec.delete_shards"):
-    """Delete every shard this executor holds of each buffer (``"<owner>/<buffer>"``)."""
+    """Delete every shard this executor holds of each buffer (``"<owner>/<buffer>"``): sent by the island's
+    scheduler for the proxy (``FreeShards``), or by the proxy itself (a buffer of no live island)."""
 
     buffers: list[str]
 
@@ -702,13 +721,33 @@ class TupleBatch(Message, op="data.tuples"):
 class NodeDone(Message, op="exec.node_done"):
     """Computations of one run that completed on an executor, all alike: done, or failed with ``error``.
 
-    An executor reports what completed in one turn of its loop together (a chain that runs
-    at once is one message, not one per node)."""
+    Sent to the island's scheduler that sent the part (to the proxy only for a part that came with no
+    scheduler): failures at once, and completions someone outside the run may wait for (the program's
+    outputs: ``Computation.quiet`` false) after the loop's turn, unless the part ended in the same turn
+    (its ``RunPartDone`` stands for them). The scheduler forwards failures to the proxy unchanged
+    (``IslandDone.error``), and the rest once every executor of the island completed the node."""
 
     run_id: str
     nodes: list[int]
     executor_id: str
     error: ErrorInfo | None = None
+
+
+@record
+class IslandDone(Message, op="proxy.island_done"):
+    """An island's scheduler reports computations of a run to its proxy: one message per run per island
+    once every executor with a part of it there has ended it (``RunPartDone``), listing the nodes not
+    reported before; earlier, a node someone may wait for (a program output) once every executor of the
+    island completed it; and at once, a failure an executor reported (``NodeDone.error``), ``executor_id``
+    and ``error`` as the executor sent them. ``lost``: ``executor_id`` left the cluster (drained) before
+    it ended its part: the run cannot finish (the proxy aborts it with ``error``)."""
+
+    run_id: str
+    scheduler: str
+    nodes: list[int]
+    executor_id: str = ""  # a failure's executor
+    error: ErrorInfo | None = None
+    lost: bool = False
 
 
 @record
