@@ -101,6 +101,47 @@ def test_released_buffers_leave_no_objects(cluster: pw.LocalCluster, objects: Ca
     eventually(lambda: objects() == before, 10)
 
 
+def test_dropped_arrays_are_freed_together_and_never_forgotten(cluster: pw.LocalCluster,
+                                                              objects: Callable[[], dict[str, int]],
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """An array garbage-collected is freed with others (one ``ReleaseBuffers`` for many, not one a drop):
+    ahead of the session's next message, so that message sees them freed; and, if the session sends
+    nothing more, by its next heartbeat. ``delete()`` frees at once."""
+    from pwmesh.client import connection
+
+    releases: list[int] = []  # the ReleaseBuffers this process sends, and how many buffers each names
+    encode = connection.encode
+
+    def counting(message, **kwargs):
+        if isinstance(message, connection.ReleaseBuffers):
+            releases.append(len(message.buffers))
+        return encode(message, **kwargs)
+
+    monkeypatch.setattr(connection, "encode", counting)
+    before = objects()
+    with pw.Client(cluster.address, name="drops") as c:
+        sl = c.make_virtual_device_set().add_slice(devices=2, island=0)
+        double = pw.jit(lambda x: x * 2.0, devices=sl)
+        arrays = [double(np.full(2, float(i), np.float32)) for i in range(connection.RELEASE_BATCH // 2)]
+        np.testing.assert_array_equal(np.asarray(arrays[-1]), np.full(2, 2.0 * (len(arrays) - 1)))
+        made = sum(objects().values()) - sum(before.values())
+        assert made > 0
+        dropped = len(arrays)
+        del arrays  # fewer than a batch: held back...
+        assert c.status().sessions, "...until this request, which they go ahead of"
+        eventually(lambda: objects() == before, 10)
+        assert sum(releases) == dropped and len(releases) <= 2, f"{dropped} drops said in {releases}"
+        more = [double(np.ones(2, np.float32)) for _ in range(3)]
+        np.asarray(more[-1])
+        del more  # and with nothing sent after them, the next heartbeat takes them
+        eventually(lambda: objects() == before, 10)
+        kept = c.put(np.ones(2, np.float32), sl)
+        assert sum(objects().values()) > sum(before.values())
+        kept.delete()
+        eventually(lambda: objects() == before, 10)
+    pw.disconnect()
+
+
 def test_value_split_mismatch_is_a_clear_error(client: pw.Client) -> None:
     devs = client.make_virtual_device_set()
     two, four = devs.add_slice(devices=2), devs.add_slice(devices=4)

@@ -266,15 +266,16 @@ class Array:
             return value.astype(dtype)
         return value.copy() if copy else value
 
-    def delete(self) -> None:
-        """Free the buffer on the cluster now (also happens when the array is garbage-collected)."""
+    def delete(self, now: bool = True) -> None:
+        """Free the buffer on the cluster now (also happens, batched with others, when the array is
+        garbage-collected)."""
         if self._donated:  # kept for us only if its run was aborted first (``_take_back``)
             self._session.drop_donated(self._id)
             self._donated = ""
         elif not self._deleted:
             self._deleted = True
             self._session.gone(self)
-            self._session.release(self._id)
+            self._session.release(self._id, now)
 
     def is_deleted(self) -> bool:
         """Whether its buffer is gone: deleted (``delete``) or donated to a call, as ``jax.Array.is_deleted``."""
@@ -282,7 +283,7 @@ class Array:
 
     def __del__(self) -> None:
         try:
-            self.delete()
+            self.delete(now=False)
         except Exception:  # interpreter shutdown or a closed connection: nothing left to free
             pass
 

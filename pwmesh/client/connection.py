@@ -60,6 +60,7 @@ from pwmesh.wire.messages import (
     QueryBuffers,
     RegisterProgram,
     RegisterProgramFunction,
+    ReleaseBuffers,
     ResumedBuffer,
     ResumeSession,
     SessionOpened,
@@ -67,6 +68,9 @@ from pwmesh.wire.messages import (
 )
 
 log = logging.getLogger(__name__)
+
+RELEASE_BATCH = 64  # dropped buffers said together (``ClientConnection.release``)
+_NOTHING = Ping()  # ``submit``'s marker: send only the releases that wait
 
 
 @dataclasses.dataclass
@@ -128,6 +132,9 @@ class ClientConnection:
         # Messages not yet handed to the socket, in order: refused (high-water mark), or posted
         # from ``__del__`` while this thread was inside a socket call. Guarded by ``_lock``.
         self._backlog: collections.deque[list[Any]] = collections.deque()
+        # Buffers dropped (``release``) and not yet said so: they leave in one ``ReleaseBuffers`` ahead of the
+        # next message, at the next heartbeat, or once ``RELEASE_BATCH`` wait. Guarded by ``_lock``.
+        self._released: list[int] = []
         self._in_socket = False  # this lock holder is inside a (multipart) socket call
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
@@ -225,8 +232,33 @@ class ClientConnection:
             self._beat_sent = 0.0
         return True
 
+    def release(self, buffer_ids: list[int]) -> None:
+        """Say that the client dropped these buffers, together with others: a message each (~40-80 us here,
+        and as much in the proxy) was a training loop's largest client cost after the step itself. They go
+        ahead of the next message sent (so it sees them freed), or at the next heartbeat, or once
+        ``RELEASE_BATCH`` wait."""
+        with self._lock:
+            self._released.extend(buffer_ids)
+            if len(self._released) < RELEASE_BATCH:
+                return
+        self.submit(_NOTHING, expect_reply=False)
+
+    def _take_released(self) -> list[Any] | None:
+        """The frames of a ``ReleaseBuffers`` of what waits, if anything does (lock held)."""
+        if not self._released:
+            return None
+        released, self._released = self._released, []
+        return [b"", *encode(ReleaseBuffers(buffers=released), msg_id=next_id(), sender=self.session_id)]
+
     def submit(self, message: Message, *, expect_reply: bool = True) -> concurrent.futures.Future[Message] | None:
         """Send ``message`` (from this thread, now); the reply's future if one is expected."""
+        if message is _NOTHING:  # only what ``release`` holds
+            with self._lock:
+                frames = self._take_released()
+                if frames is not None and not self._closing.is_set() and self._lost is None:
+                    self._backlog.append(frames)
+                    self._wake()
+            return None
         msg_id = next_id()
         frames = [b"", *encode(message, msg_id=msg_id, sender=self.session_id)]
         fut: concurrent.futures.Future[Message] | None = None
@@ -243,6 +275,10 @@ class ClientConnection:
                     self._waiting_since = time.monotonic()
                 self._pending[msg_id] = fut
                 self._requests[msg_id] = message
+            released = self._take_released()
+            if released is not None:  # ahead of this message, in the same order
+                if self._in_socket or self._backlog or not self._send_now(released):
+                    self._backlog.append(released)
             if self._in_socket or self._backlog:  # re-entered mid-call, or behind earlier messages
                 self._backlog.append(frames)
                 self._wake()
@@ -322,6 +358,9 @@ class ClientConnection:
                     self._beats.add(beat_id)
                     self._beat_sent = self._beat_sent or now
                     with self._lock:  # ``_service`` sends it and then looks at the socket, as every send must
+                        released = self._take_released()
+                        if released is not None:
+                            self._backlog.append(released)
                         self._backlog.append([b"", *encode(probe, msg_id=beat_id, sender=self.session_id)])
                 if self._service():
                     last_reply = time.monotonic()

@@ -264,9 +264,15 @@ class Session:
         assert isinstance(reply, BuffersState)
         return reply.ready
 
-    def release(self, buffer_id: int) -> None:
-        if not self.conn.closed:
+    def release(self, buffer_id: int, now: bool = True) -> None:
+        """Free buffer ``buffer_id`` on the cluster: at once, or (``now`` false: it was garbage-collected) together
+        with other drops, ahead of this session's next message or heartbeat (``ClientConnection.release``)."""
+        if self.conn.closed:
+            return
+        if now:
             self.conn.post(ReleaseBuffers(buffers=[buffer_id]))
+        else:
+            self.conn.release([buffer_id])
 
     def take_back(self, buffer_id: int) -> None:
         """Take back buffer ``buffer_id``, donated to a run that was aborted before it consumed it; raises
