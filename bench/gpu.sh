@@ -9,8 +9,9 @@
 #
 #   bench/gpu.sh OUTDIR                  # on a machine with a GPU; fails at once without one
 #   PWMESH_GPU_SH_QUICK=1 bench/gpu.sh OUTDIR   # ~5 minutes: fewer steps, rounds and sizes
-#   bench/gpu.sh --cpu-dry-run OUTDIR    # the same steps on CPU, tiny sizes (~40 s on 2 cores); also
-#                                        # PWMESH_GPU_SH_CPU=1. CI runs only this (tests/test_bench_smoke.py).
+#   bench/gpu.sh --cpu-dry-run OUTDIR    # the same steps on CPU, tiny sizes, side by side (quicker on 2
+#                                        # cores); also PWMESH_GPU_SH_CPU=1. CI runs only this
+#                                        # (tests/test_bench_smoke.py).
 #
 # Needs pwmesh's dependencies (pyproject.toml) in the python3 it runs (or $PYTHON): `pip install -e .` of
 # this repository, or wheels. The device machines' image has JAX with CUDA, msgpack, uvloop, click,
@@ -85,26 +86,44 @@ fi
 
 declare -A STATUS
 run() {  # run NAME BUDGET_S ARGS...: one benchmark under its budget; a failure is recorded, the next runs
-    local name=$1 budget=$2 started=$SECONDS rc=0
+    local name=$1 budget=$2 started=$SECONDS rc=0 status
     shift 2
     echo
     echo "=== $name (at most ${budget} s): $PY bench/$name.py --platform $PLATFORM $* --out $OUT"
     timeout --kill-after=5 "$budget" "$PY" "bench/$name.py" --platform "$PLATFORM" "$@" --out "$OUT" || rc=$?
     if [[ $rc == 0 ]]; then
-        STATUS[$name]="ok, $((SECONDS - started)) s"
+        status="ok, $((SECONDS - started)) s"
     elif [[ $rc == 124 || $rc == 137 ]]; then
-        STATUS[$name]="stopped at its budget of $budget s"
+        status="stopped at its budget of $budget s"
     else
-        STATUS[$name]="failed (exit $rc) after $((SECONDS - started)) s"
+        status="failed (exit $rc) after $((SECONDS - started)) s"
     fi
-    echo "=== $name: ${STATUS[$name]}"
+    echo "$status" >"$OUT/.$name.status"
+    echo "=== $name: $status"
 }
 
 # A result file left from an earlier run must not pass for this one's.
-rm -f "$OUT"/{train,dispatch,min_compute}.{json,png} "$OUT/dispatch.md" "$OUT/summary.txt"
-run train "$TRAIN_S" "${TRAIN_ARGS[@]}"
-run dispatch "$DISPATCH_S" "${DISPATCH_ARGS[@]}"
-run min_compute "$MIN_S" "${MIN_ARGS[@]}"
+rm -f "$OUT"/{train,dispatch,min_compute}.{json,png} "$OUT/dispatch.md" "$OUT/summary.txt" "$OUT"/.*.status
+if [[ $DRY == 1 ]]; then
+    # Side by side: on CPU they share nothing but the cores, and the dry run checks steps, not speed (the
+    # three one after another spent most of CI's ~20 s starting processes and clusters, one at a time).
+    # Each one's output is printed whole when it ends.
+    for name in train dispatch min_compute; do
+        args_var="${name^^}_ARGS[@]" budget_var="${name^^}_S"
+        [[ $name == min_compute ]] && args_var="MIN_ARGS[@]" budget_var="MIN_S"
+        run "$name" "${!budget_var}" "${!args_var}" >"$OUT/.$name.log" 2>&1 &
+    done
+    wait
+    for name in train dispatch min_compute; do cat "$OUT/.$name.log" && rm -f "$OUT/.$name.log"; done
+else
+    run train "$TRAIN_S" "${TRAIN_ARGS[@]}"
+    run dispatch "$DISPATCH_S" "${DISPATCH_ARGS[@]}"
+    run min_compute "$MIN_S" "${MIN_ARGS[@]}"
+fi
+for name in train dispatch min_compute; do
+    STATUS[$name]=$(cat "$OUT/.$name.status" 2>/dev/null || echo "did not run")
+    rm -f "$OUT/.$name.status"
+done
 
 echo
 STATUS_TEXT="train: ${STATUS[train]}; dispatch: ${STATUS[dispatch]}; min_compute: ${STATUS[min_compute]}; \

@@ -380,8 +380,9 @@ def test_startup_smoke(tmp_path: Path) -> None:
 
 @pytest.mark.timeout(200)
 def test_gpu_sh_cpu_dry_run(tmp_path: Path) -> None:
-    # bench/gpu.sh's steps on CPU with tiny sizes (~40 s on 2 cores): the one-device flags it gives the three
-    # benchmarks (--platform, --mesh 1x1, --devices 1, layout single), its budgets and its summary.
+    # bench/gpu.sh's steps on CPU with tiny sizes, the three benchmarks side by side:
+    # the one-device flags it gives them (--platform, --mesh 1x1, --devices 1, layout single), its budgets,
+    # each one's status and its summary.
     env = {k: v for k, v in os.environ.items() if k != "PWMESH_ADDRESS"}
     proc = subprocess.run(["bash", str(BENCH / "gpu.sh"), "--cpu-dry-run", str(tmp_path)],
                           env={**env, "PYTHON": sys.executable}, capture_output=True, text=True, timeout=190)
@@ -397,4 +398,6 @@ def test_gpu_sh_cpu_dry_run(tmp_path: Path) -> None:
     summary = (tmp_path / "summary.txt").read_text()
     assert "pwmesh/JAX" in summary and summary.count("\ndispatch ") == 6 and "single n=32:" in summary
     assert "bench/gpu.sh: done" in proc.stdout
+    assert "train: ok, " in summary and "dispatch: ok, " in summary and "min_compute: ok, " in summary
+    assert not list(tmp_path.glob(".*")), "its status and log files are removed"
     check_plot(tmp_path / "train.png")

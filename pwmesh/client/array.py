@@ -277,6 +277,12 @@ class Array:
             self._session.gone(self)
             self._session.release(self._id, now)
 
+    @property
+    def donated(self) -> bool:
+        """Whether it was donated to a call (and not taken back since): gone, unless that call's run is aborted
+        before it consumes it."""
+        return bool(self._donated)
+
     def is_deleted(self) -> bool:
         """Whether its buffer is gone: deleted (``delete``) or donated to a call, as ``jax.Array.is_deleted``."""
         return self._deleted or bool(self._donated)

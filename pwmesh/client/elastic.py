@@ -22,9 +22,10 @@ from pwmesh.errors import InvalidArgument, PwmeshError
 from pwmesh.wire.messages import Sharding
 
 
-def arrays_on(sl: Slice) -> list[Array]:
-    """The live ``pw.Array``s laid out on ``sl``."""
-    return [a for a in sl.session.arrays() if isinstance(a, Array) and a.sharding.slice is sl]
+def arrays_on(sl: Slice, *, donated: bool = False) -> list[Array]:
+    """The live ``pw.Array``s laid out on ``sl`` (``donated``: and those donated to a call, which the cluster
+    gives back if that call's run was aborted before it consumed them: they move with the slice too)."""
+    return [a for a in sl.session.arrays(donated=donated) if isinstance(a, Array) and a.sharding.slice is sl]
 
 
 def _settle(sl: Slice, arrays: list[Array]) -> None:
@@ -62,12 +63,12 @@ def reshape(sl: Slice, devices: int, mesh: Any, island: int | None) -> None:
     if not isinstance(devices, int) or isinstance(devices, bool) or devices < 1:
         raise InvalidArgument(f"a slice has a positive number of devices, got {devices!r}")
     axes = mesh_axes(mesh, devices)
-    arrays = arrays_on(sl)
+    arrays = arrays_on(sl, donated=True)  # one given back later lies as the others do
     specs = [kept_spec(a, axes) for a in arrays]
     sizes = list(axes.values())
     shardings = [Sharding(mesh=sizes, spec=spec_indices(spec, tuple(axes), f"pw.Array {a.buffer_id}"))
                  for a, spec in zip(arrays, specs, strict=True)]
-    _settle(sl, arrays)
+    _settle(sl, [a for a in arrays if not a.donated])
     (info,) = sl.session.resume_slices([sl.slice_id], devices=devices, island=island, mesh=sizes,
                                        buffers=[a.buffer_id for a in arrays], shardings=shardings)
     sl._adopt(info, axes)

@@ -113,10 +113,11 @@ class Session:
         with self._lock:  # not while ``_declare`` (the I/O thread) walks them
             self._arrays[array.buffer_id] = array
 
-    def arrays(self) -> list[Any]:
-        """The ``pw.Array``s of this session alive now."""
+    def arrays(self, *, donated: bool = False) -> list[Any]:
+        """The ``pw.Array``s of this session alive now (``donated``: and those donated to a call, which the
+        cluster gives back if that call's run is aborted before it consumes them)."""
         with self._lock:
-            return [a for a in list(self._arrays.values()) if not a.is_deleted()]
+            return [a for a in list(self._arrays.values()) if not a.is_deleted() or (donated and a.donated)]
 
     def gone(self, array: Any) -> None:
         """``array`` was dropped or donated: declared as such (``ResumeSession.released``) for a while.

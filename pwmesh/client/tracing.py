@@ -344,7 +344,9 @@ class ProgramBuilder:
                              {i: self.donated[v] for i, v in enumerate(self.inputs) if v in self.donated},
                              list(self.constants.values()), captured=list(self.captured.values()),
                              out_weak=[v in self.weak for v in outputs],
-                             out_keys={i: self.keys[v] for i, v in enumerate(outputs) if v in self.keys})
+                             out_keys={i: self.keys[v] for i, v in enumerate(outputs) if v in self.keys},
+                             meshes=tuple({id(sh.slice): (sh.slice, sh.slice.reshapes)
+                                           for sh in self.shardings.values()}.values()))
 
 
 @dataclasses.dataclass
@@ -361,6 +363,13 @@ class TracedProgram:
     captured: list[Any] = dataclasses.field(default_factory=list)  # inputs after the constants: closed-over pw.Arrays
     out_weak: list[bool] = dataclasses.field(default_factory=list)  # which outputs are weakly typed
     out_keys: dict[int, Any] = dataclasses.field(default_factory=dict)  # outputs other on the wire: their dtypes
+    # The slices it runs on, each with its ``reshapes`` when it was traced: a reshape since makes it stale.
+    meshes: tuple[tuple[Any, int], ...] = ()
+
+    @property
+    def stale(self) -> bool:
+        """Whether a slice it runs on was reshaped since it was traced (its exports are for the old mesh)."""
+        return any(sl.reshapes != reshapes for sl, reshapes in self.meshes)
 
 
 class NotAValue(TypeError):
@@ -432,7 +441,8 @@ class ProgramCache:
         key = (in_tree, static, tuple(leaf_signature(leaf) for leaf in leaves))
         with self._lock:
             traced = self._traced.get(key)
-        if traced is None:
+        # Arrays' signatures name their slices' reshapes; host data's do not, so a trace is checked for them.
+        if traced is None or traced.stale:
             traced = trace_program(lambda *a, **k: self.fn(a, k, static), args, kwargs)
             traced.program_id = hashlib.sha256(pack_records([traced.spec])).hexdigest()
             with self._lock:

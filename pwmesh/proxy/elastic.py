@@ -13,6 +13,8 @@ module says what that means for a session's buffers, as pure functions the core 
   ``pw.Array`` stays the same object. The old copies are deleted right behind (an executor looks
   up what it sends when the ``SendShards`` arrives). New names, because old and new devices may share
   an executor, where a shard key can be held once only.
+* Both count the buffers a run was given (donated) and aborted before it consumed them: its client's
+  to take back (``Session.returnable``), so they leave the devices and move with the slice as well.
 
 A resume or reshape waits for nothing: it is refused while a run or a fetch still pins a buffer
 of the slice (the client library waits for its arrays first).
@@ -87,7 +89,7 @@ def check_reshape(session: Session, msg: ResumeSlices) -> None:
         if sharding.mesh != msg.mesh:
             raise InvalidArgument(f"a buffer's sharding is over mesh {sharding.mesh}, not the new mesh {msg.mesh}")
     for cid, sharding in zip(msg.buffers, msg.shardings, strict=True):
-        buf = session.buffers.get(cid)
+        buf = session.buffers.get(cid) or session.returnable.get(cid)
         if buf is not None:
             value_layout(ValueSpec(shape=list(buf.spec.shape), dtype=buf.spec.dtype, shards=msg.devices,
                                    sharding=sharding)).check(f"pw.Array {cid} on {msg.devices} devices")
@@ -106,7 +108,7 @@ def spill(session: Session, sl: SliceInfo) -> list[tuple[str, SpillShards]]:
     """The messages (control address, message) that move every buffer of suspended slice ``sl`` off its devices
     into its executors' host memory, one per holding executor: its devices are others' now."""
     by_control: dict[str, list[str]] = {}
-    for buf in session.buffers.values():
+    for buf in [*session.buffers.values(), *session.returnable.values()]:
         if buf.slice_id != sl.slice_id:
             continue
         for control in sorted({loc.control for loc in buf.locations}):
@@ -125,33 +127,35 @@ def move(session: Session, new: SliceInfo, reshape: ResumeSlices | None) -> tupl
     holders = {loc.control for loc in locations}
     sends: list[tuple[str, SendShards]] = []
     old: list[Buffer] = []
-    for cid, buf in list(session.buffers.items()):
-        if buf.slice_id != new.slice_id:
-            continue
-        sharding = buf.spec.sharding
-        if reshape is not None:  # a buffer the client did not lay out (dropped meanwhile): replicated
-            sharding = layouts.get(cid, Sharding(mesh=list(reshape.mesh), spec=[]))
-        spec = ValueSpec(shape=list(buf.spec.shape), dtype=buf.spec.dtype, shards=len(locations), sharding=sharding)
-        copy = Buffer.new(session.buffer_name(cid), spec, client_ref=True)
-        copy.slice_id = new.slice_id
-        failure = buf.error or buf.lost
-        if failure is not None or not buf.locations:
-            copy.resolve(failure)  # failed it stays, with its cause
-            copy.lost = buf.lost
-        else:
-            emit = block_emit(buf.spec, f"{session.session_id}/{copy.name}", value_layout(spec), sites)
-            by_holder: dict[str, list[tuple[int, int]]] = {}
-            control: dict[str, str] = {}
-            for i, loc in enumerate(buf.locations):
-                by_holder.setdefault(loc.executor_id, []).append((loc.device, i))
-                control[loc.executor_id] = loc.control
-            for executor_id, pairs in by_holder.items():
-                sends.append((control[executor_id], SendShards(prefix=f"{session.session_id}/{buf.name}",
-                                                               runs=runs_of(pairs), emits=[emit])))
-            copy.locations = list(locations)
-            copy.holders = set(holders)
-            copy.resolve(None)  # its executors wait for the shards' arrival before they use or send them
-        session.buffers[cid] = copy
-        buf.client_ref = False
-        old.append(buf)
+    for held in (session.buffers, session.returnable):  # the client's, and those it may take back
+        for cid, buf in list(held.items()):
+            if buf.slice_id != new.slice_id:
+                continue
+            sharding = buf.spec.sharding
+            if reshape is not None:  # a buffer the client did not lay out (dropped meanwhile): replicated
+                sharding = layouts.get(cid, Sharding(mesh=list(reshape.mesh), spec=[]))
+            spec = ValueSpec(shape=list(buf.spec.shape), dtype=buf.spec.dtype, shards=len(locations),
+                             sharding=sharding)
+            copy = Buffer.new(session.buffer_name(cid), spec, client_ref=buf.client_ref)
+            copy.slice_id = new.slice_id
+            failure = buf.error or buf.lost
+            if failure is not None or not buf.locations:
+                copy.resolve(failure)  # failed it stays, with its cause
+                copy.lost = buf.lost
+            else:
+                emit = block_emit(buf.spec, f"{session.session_id}/{copy.name}", value_layout(spec), sites)
+                by_holder: dict[str, list[tuple[int, int]]] = {}
+                control: dict[str, str] = {}
+                for i, loc in enumerate(buf.locations):
+                    by_holder.setdefault(loc.executor_id, []).append((loc.device, i))
+                    control[loc.executor_id] = loc.control
+                for executor_id, pairs in by_holder.items():
+                    sends.append((control[executor_id], SendShards(prefix=f"{session.session_id}/{buf.name}",
+                                                                   runs=runs_of(pairs), emits=[emit])))
+                copy.locations = list(locations)
+                copy.holders = set(holders)
+                copy.resolve(None)  # its executors wait for the shards' arrival before they use or send them
+            held[cid] = copy
+            buf.client_ref = False
+            old.append(buf)
     return sends, old

@@ -86,6 +86,13 @@ def long_loop(x: jax.Array, n: jax.Array) -> jax.Array:
     return jax.lax.fori_loop(0, n, lambda i, v: jnp.sin(v) * 0.999 + 0.001, x)
 
 
+# How long the computation caught by the restart runs: well past a restart (about a second here, a few on a
+# loaded 2-core machine; the test checks it is still running once the new proxy is up), and short, since the
+# next program on its device waits for it.
+LOOP_SECONDS = 8.0
+CALIBRATION_STEPS = 2**22
+
+
 def test_a_value_being_computed_at_the_restart_fails_with_unavailable_naming_it() -> None:
     with pw.LocalCluster(spec()) as cluster, pw.Client(cluster.address, name="a") as client:
         sl = client.make_virtual_device_set().add_slice(devices=1)
@@ -93,9 +100,17 @@ def test_a_value_being_computed_at_the_restart_fails_with_unavailable_naming_it(
         x = client.put(np.ones((1, 8), np.float32), sl)
         done = fn(x, np.full(1, 1, np.int32))
         np.asarray(done)
-        running = fn(x, np.full(1, 2**31 - 1, np.int32))  # minutes: still running when the proxy comes back
-        eventually(lambda: any(st.running for st in fetch_status(cluster.address).executor_stats), 30)
+        start = time.monotonic()
+        np.asarray(fn(x, np.full(1, CALIBRATION_STEPS, np.int32)))  # steps a second here (the call's overhead too)
+        steps = min(2**31 - 1, int(CALIBRATION_STEPS * LOOP_SECONDS / (time.monotonic() - start)))
+        running = fn(x, np.full(1, steps, np.int32))
+
+        def executing() -> bool:
+            return any(st.running for st in fetch_status(cluster.address).executor_stats)
+
+        eventually(executing, 30)
         kill_proxy(cluster, 0.0)
+        assert executing(), f"the {steps}-step loop ended before the new proxy was up: raise LOOP_SECONDS"
         with pytest.raises(pw.Unavailable, match="restarted"):
             np.asarray(running)
         np.testing.assert_allclose(np.asarray(fn(x, np.full(1, 1, np.int32))), np.asarray(done))

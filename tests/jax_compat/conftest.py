@@ -6,13 +6,39 @@ in one JAX group holding half each (an SPMD computation then spans two processes
 
 from __future__ import annotations
 
+import tempfile
 from collections.abc import Iterator
 
+import jax
 import pytest
+from jax._src import compilation_cache
 
 import pwmesh as pw
 
 LAYOUTS = ["one-executor", "two-executors-one-group"]
+
+
+@pytest.fixture(scope="package", autouse=True)
+def compiled_once_for_both_layouts() -> Iterator[None]:
+    """JAX's persistent compilation cache, in this process only, while these cases run: ``pw.jit`` compiles each
+    function here once to learn the layout XLA gives its outputs (``client/export.py``, ``_propagated``), the
+    same module on either layout (the same mesh shape), so a case's second layout finds what its first
+    compiled (about a tenth of the package's CPU time). The cache is the package's own temporary folder, and
+    is switched off again at its end: other tests compile as before. The executors are not affected."""
+    keys = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs",
+            "jax_persistent_cache_min_entry_size_bytes")
+    before = {key: getattr(jax.config, key) for key in keys}
+    with tempfile.TemporaryDirectory(prefix="pwmesh-jax-compat-cache-") as folder:
+        compilation_cache.reset_cache()
+        jax.config.update("jax_compilation_cache_dir", folder)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+        jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+        try:
+            yield
+        finally:
+            for key, value in before.items():
+                jax.config.update(key, value)
+            compilation_cache.reset_cache()
 
 
 def _cluster(layout: str, devices: int) -> pw.LocalCluster:
