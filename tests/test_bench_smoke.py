@@ -202,6 +202,17 @@ def test_train_smoke(tmp_path: Path) -> None:
     check_plot(tmp_path / "train.png")
 
 
+@pytest.mark.long  # ~30 s (a cluster and plain JAX's process, each compiling the model): what it drives is test_train's
+def test_step_cpu_smoke(tmp_path: Path) -> None:
+    run_smoke("step_cpu.py", tmp_path)
+    data = json.loads((tmp_path / "step_cpu.json").read_text())
+    assert data["benchmark"] == "step_cpu" and data["smoke"] is True and data["preset"] == "tiny"
+    assert data["jax"]["wall_ms"] > 0 and data["pwmesh"]["wall_ms"] > 0 and data["ratio"] > 0
+    for role in ("client", "proxy", "scheduler", "executor"):
+        assert data["pwmesh"][f"{role}_cpu_ms"] >= 0, role
+    assert 0 < data["pwmesh"]["executor_main_thread_cpu_ms"] <= data["pwmesh"]["executor_cpu_ms"]
+
+
 @pytest.mark.timeout(170)
 @pytest.mark.long  # 26 s in CI, which keeps well under 15 minutes: the RL loop itself is test_rl's
 def test_rl_smoke(tmp_path: Path) -> None:
