@@ -279,9 +279,9 @@ def test_copy_and_deepcopy(mesh_2x1: pw.Slice) -> None:
 
 # api_test.py: APITest.test_eval_shape (its arguments pw.Arrays, as optax's init(params) meets them)
 @pytest.mark.xfail(strict=True, raises=pw.InvalidArgument, reason=(
-    "pwmesh: jax.eval_shape(f, w) of a pw.Array itself is refused (InvalidArgument naming pw.jit and the "
-    "conversions), because with JAX 0.10 it cannot be accepted without jax.jit(f)(w) failing with a bare "
-    "AssertionError. Both go through pjit.convert_to_metaty, which reads the argument's own .format, .sharding "
+    "Deliberate: README 'Coming from JAX': jax.eval_shape(f, w) of a pw.Array itself is refused (InvalidArgument "
+    "naming pw.jit, the conversions and jax.ShapeDtypeStruct.like), so that jax.jit(f)(w) is refused as clearly: "
+    "with JAX 0.10 accepting the one makes the other fail with a bare AssertionError. Both go through pjit.convert_to_metaty, which reads the argument's own .format, .sharding "
     "and ._committed (pytype_aval_mappings, which pwmesh fills, gives only the aval); eval_shape stops there "
     "(Traced.out_info reads the jaxpr's avals), the call goes on to _resolve_in_shardings -> "
     "finalize_arg_sharding, which asserts, with no message, that an uncommitted argument's sharding is a "
