@@ -950,18 +950,27 @@ class ProxyState:
         for node in msg.nodes:
             if run.pending.pop(node, None) is None:
                 continue  # told before (each node once: a report sent twice changes nothing)
-            for buf in run.outputs_of.get(node, []):
-                self._resolve(buf, None)
-            if run.held:
-                for waits in run.waits_for.values():
-                    waits.discard(node)
+            self._node_ended(run, node)
             finished = True
         if finished:
-            if run.held:
-                self._release_nodes(session, run)
-            if not run.pending:
-                self._finish_run(session, run)
+            self._nodes_ended(session, run)
         return None
+
+    def _node_ended(self, run: Run, node: int) -> None:
+        """``node`` of ``run`` is done everywhere (no longer pending): its outputs resolve, what waits for it
+        is told."""
+        for buf in run.outputs_of.get(node, []):
+            self._resolve(buf, None)
+        if run.held:
+            for waits in run.waits_for.values():
+                waits.discard(node)
+
+    def _nodes_ended(self, session: Session, run: Run) -> None:
+        """After ``_node_ended`` of some of ``run``'s nodes: release the held ones now free; the run may be over."""
+        if run.held:
+            self._release_nodes(session, run)
+        if not run.pending:
+            self._finish_run(session, run)
 
     def _template_missing(self, peer: bytes, msg: TemplateMissing, now: float) -> None:
         """A scheduler did not hold a run's template (it restarted, or dropped it) and ordered nothing of the
@@ -1009,17 +1018,10 @@ class ProxyState:
                     self._resolve(buf, node_error)
             if not waiting:
                 del run.pending[node]
-                for buf in run.outputs_of.get(node, []):
-                    self._resolve(buf, None)
-                if run.held:
-                    for waits in run.waits_for.values():
-                        waits.discard(node)
+                self._node_ended(run, node)
                 finished = True
         if finished:
-            if run.held:
-                self._release_nodes(session, run)
-            if not run.pending:
-                self._finish_run(session, run)
+            self._nodes_ended(session, run)
 
     # ------------------------------------------------------- the RM's notices
 
