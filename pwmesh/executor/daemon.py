@@ -89,6 +89,7 @@ from pwmesh.wire.messages import (
     Heartbeat,
     InstallPart,
     JoinGroup,
+    LandingReport,
     LeavingForGroup,
     ListHeld,
     NodeDone,
@@ -118,6 +119,7 @@ log = logging.getLogger(__name__)
 # Host copies at least this big (a put, an arrival, a fetch) are made on a thread, not the event loop:
 # a 256 MiB device_put holds its caller ~240 ms here, during which nothing else is served.
 HOST_COPY_INLINE_BYTES = 1 << 20
+MAX_REPORTS_REMEMBERED = 4096  # reshard outputs reported landed, remembered so that each is reported once
 
 
 def on_device(array: np.ndarray, device: jax.Device) -> jax.Array:
@@ -224,6 +226,8 @@ class Executor(Service):
         self._copies = concurrent.futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="pwmesh-copy")
         self.functions.executor = self._copies  # an SPMD function run by blocks is derived there (it compiles)
         self._copying = 0  # host copies of arrivals under way (``AwaitIdle`` waits for them)
+        # (run, node, prefix) of the reshard outputs whose landing here is reported (``_report_when_landed``)
+        self._reporting: collections.OrderedDict[tuple[str, int, str], None] = collections.OrderedDict()
         self._copied = asyncio.Event()
         self._copied.set()
         self._lost_reported = 0  # data-plane batches lost that an AwaitIdle has reported
@@ -514,7 +518,7 @@ class Executor(Service):
                 local = {shard: await fut for shard, fut in futures.items()}
             except PwmeshError as exc:
                 for emit in emits:
-                    self._send_tuples(cut_error(emit, list(futures), ErrorInfo.of(exc)), run)
+                    self._send_tuples(cut_error(emit, list(futures), ErrorInfo.of(exc), run), run)
             else:
                 for emit in emits:
                     self._emit_values(emit, local, {}, run)
@@ -754,20 +758,20 @@ class Executor(Service):
         """A computation's values leave as its emits say (or, if it failed, its failure does)."""
         run = (work.proxy, work.run_id)
         if err is not None:
-            self._send_tuples(cut_error(emit, work.shards, ErrorInfo.of(err)), run)
+            self._send_tuples(cut_error(emit, work.shards, ErrorInfo.of(err), run), run)
             return
         try:
             self._emit_values(emit, local, selectors, run)
         except PwmeshError as exc:  # e.g. an expert id out of range: the destinations fail with it
             if work.error is None:
                 work.error = exc
-            self._send_tuples(cut_error(emit, work.shards, ErrorInfo.of(exc)), run)
+            self._send_tuples(cut_error(emit, work.shards, ErrorInfo.of(exc), run), run)
 
     def _emit_values(self, emit: Emit, local: dict[int, Any], selectors: dict[int, Any],
                      run: tuple[str, str] | None = None) -> None:
         host = {shard: v if isinstance(v, Ragged) else np.asarray(v) for shard, v in local.items()}
         self._send_tuples(cut(emit, host, {shard: np.asarray(v) for shard, v in selectors.items()},
-                              take=self.plane.pool.take), run)
+                              take=self.plane.pool.take, here=self.name, run=run), run)
 
     def _send_tuples(self, tuples: list[tuple[Destination, DataTuple]], run: tuple[str, str] | None = None) -> None:
         """One batch per destination executor; ours are delivered here without a socket. ``run`` (its
@@ -799,6 +803,8 @@ class Executor(Service):
             key = f"{t.prefix}/{t.shard}"
             if self.store.deleted(key):
                 continue  # its run ended (cancelled, freed): a late tuple is dropped
+            if t.report is not None:
+                self._report_when_landed(t.prefix, t.report)
             try:
                 if t.error is not None:
                     failed = self.progress.fail(key, t.error.exception())
@@ -817,6 +823,29 @@ class Executor(Service):
                 arrived.append((key, t.device, done.payloads, t))
         for landing in landings(arrived):
             self._land(landing)
+
+    def _report_when_landed(self, prefix: str, report: LandingReport) -> None:
+        """A reshard node's output lands here with no computation of its own: once every shard of it here
+        is stored (or has failed), its node is reported done (or failed), once."""
+        seen = (report.run_id, report.node, prefix)
+        if seen in self._reporting:
+            return
+        self._reporting[seen] = None
+        while len(self._reporting) > MAX_REPORTS_REMEMBERED:  # a tuple sent again must not report twice
+            self._reporting.popitem(last=False)
+        keys = [f"{prefix}/{shard}" for shard in report.shards]
+        self.tasks.spawn(self._report_landed(keys, report), name=f"landed-{prefix}")
+
+    async def _report_landed(self, keys: list[str], report: LandingReport) -> None:
+        error: PwmeshError | None = None
+        for key in keys:
+            try:
+                await self.store.get(key)
+            except PwmeshError as exc:
+                error = error or exc
+        if error is not None and all(self.store.deleted(key) for key in keys):
+            return  # its run ended (cancelled, freed) before it landed: nobody waits for it
+        self._handle(Completed(report.run_id, report.proxy, report.node, False, error))
 
     def _land(self, landing: Landing) -> None:
         """A value that arrived for one or more destination shards here: small ones (and routed rows)
