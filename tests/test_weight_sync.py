@@ -84,6 +84,9 @@ def test_a_block_gathered_for_another_executor_is_sent_from_its_pieces(shape: tu
     views = list(data.array.views())
     assert sum(v.nbytes for v in views) == x.nbytes and len(views) == 2 * shape[0]
     assert all(any(np.shares_memory(np.frombuffer(v, np.uint8), s) for s in shards.values()) for v in views)
+    assert b"".join(views) == x.tobytes()  # what the socket's writes send
+    np.testing.assert_array_equal(codec.Gather.into(data.array, np.empty(x.nbytes, np.uint8)).view(np.float32),
+                                  x.reshape(-1))  # view by view, as any ``Gather``
 
 
 def test_a_block_also_wanted_here_or_too_small_is_gathered_in_memory() -> None:

@@ -281,6 +281,18 @@ class Gathered(Gather):
             bands.append((lo, hi, [run for _, run in here]))
         return cls(shape, dtype, bands)
 
+    def into(self, out: np.ndarray) -> np.ndarray:
+        """One strided copy per piece and band of rows (not one per row: a shared-memory slot, a sealed
+        stream)."""
+        row = math.prod(self.shape[1:]) * self.dtype.itemsize
+        for lo, hi, runs in self.bands:
+            at = lo * row
+            for mv, start, stride, n in runs:
+                source = np.ndarray((hi - lo, n), np.uint8, buffer=mv, offset=start, strides=(stride, 1))
+                np.copyto(np.ndarray((hi - lo, n), np.uint8, buffer=out, offset=at, strides=(row, 1)), source)
+                at += n
+        return out
+
     def views(self) -> Iterator[memoryview]:
         for lo, hi, runs in self.bands:
             for r in range(hi - lo):
