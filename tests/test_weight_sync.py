@@ -23,16 +23,25 @@ from pwmesh.dataflow.exchange import SEND_GATHERED_BYTES, Gathered, cut, cut_err
 from pwmesh.dataflow.layout import Layout, plan
 from pwmesh.dataflow.plane import DataPlane, recv_bytes, send_views
 from pwmesh.ir.lower import Lowered, ShardLocation, lower
+from pwmesh.sim.client import Call, Post, Script, SimClient
+from pwmesh.sim.cluster import SimCluster, SimConfig
 from pwmesh.sim.play import play
 from pwmesh.wire import codec
 from pwmesh.wire.messages import (
+    AwaitBuffers,
+    CreateSlice,
     DataTuple,
     Emit,
     ErrorInfo,
     LandingReport,
     NodeSpec,
+    OpenSession,
     PhysicalDevice,
+    ProgramInput,
     ProgramSpec,
+    PutBuffer,
+    RegisterProgram,
+    RunProgram,
     Sharding,
     ShardRun,
     Site,
@@ -296,3 +305,50 @@ def test_a_megatron_tree_reaches_a_replicated_sampler_on_another_island(two_isla
             np.testing.assert_array_equal(value, want)
         for a in leaves:
             a.delete()
+
+
+@pytest.mark.timeout(120)
+def test_a_reshard_that_cannot_land_fails_its_node_and_the_next_one_lands() -> None:
+    """No computation waits for the landing: the destination executor itself reports the node failed
+    (here its memory limit refuses the value), and the client hears the cause."""
+    spec = pw.LocalClusterSpec(islands=2, hosts_per_island=1, devices_per_host=4, memory_limit_bytes=4 << 20)
+    with pw.LocalCluster(spec) as cluster, pw.Client(cluster.address, name="test-weight-sync-refused") as client:
+        devs = client.make_virtual_device_set()
+        trainer = devs.add_slice(devices=4, island=0, mesh={"data": 2, "model": 2})
+        sampler = devs.add_slice(devices=2, island=1, mesh={"data": 2})
+        big = np.arange(768 * 1024, dtype=np.float32).reshape(768, 1024)  # 3 MiB: 6 MiB as 2 replicas
+        on_trainer = client.put(big, trainer, spec=P("data", "model"))
+        refused = pw.reshard(on_trainer, devices=sampler, spec=P())
+        with pytest.raises(pw.ResourceExhausted, match="does not fit"):
+            client.fetch([refused], timeout_seconds=60)
+        small = big[:64]
+        fits = pw.reshard(client.put(small, trainer, spec=P("data", "model")), devices=sampler, spec=P())
+        (got,) = client.fetch([fits], timeout_seconds=60)
+        np.testing.assert_array_equal(got, small)
+
+
+def test_the_simulator_reports_a_landed_reshard_too() -> None:
+    """The simulated executors report a reshard node with no computation as the real ones do: a weight sync
+    every step from one island's slice to another's, awaited each time, with no computation at all."""
+    cluster = SimCluster(SimConfig(islands=2, hosts_per_island=1, devices_per_host=2))
+    rows = ValueSpec(shape=[16, 8], dtype="float32", shards=2)
+    whole = ValueSpec(shape=[16, 8], dtype="float32", shards=2, sharding=Sharding(mesh=[2], spec=[]))
+    synced: list[int] = []
+
+    def script(client: SimClient) -> Script:
+        yield Call(OpenSession(name="sync"))
+        trainer = (yield Call(CreateSlice(devices=2, island=0))).slice.slice_id
+        sampler = (yield Call(CreateSlice(devices=2, island=1))).slice.slice_id
+        program = ProgramSpec(values=[rows, whole], inputs=[0], outputs=[1], nodes=[
+            NodeSpec(kind="reshard", fn_id="", slice_id=sampler, inputs=[0], outputs=[1])])
+        yield Post(RegisterProgram(program_id="sync", program=program))
+        yield Call(PutBuffer(buffer=0, slice_id=trainer, array=np.zeros((16, 8), np.float32)))
+        for step in range(3):
+            yield Post(RunProgram(inputs=[ProgramInput(buffer=0)], outputs=[1 + step], program_id="sync"))
+            yield Call(AwaitBuffers(buffers=[1 + step]))
+            synced.append(1 + step)
+
+    client = cluster.add_client("sync", script)
+    report = cluster.run(until=30.0)
+    assert client.failure is None and synced == [1, 2, 3]
+    assert report["computations"] == 0 and report["data_plane_bytes"] > 0
