@@ -22,9 +22,7 @@ Every transfer is timed from the call until every destination buffer is ready; G
 tree's bytes (1e9) over that time; ``wire_bytes`` says what the data plane counted (each block
 crosses once per destination executor, whatever its number of devices there); ``daemon CPU s`` is
 the CPU time (user + system) the cluster's daemons used over a transfer, a figure a busy machine
-moves far less than the times. The pwmesh methods run interleaved, one transfer of each in turn,
-so that other jobs' load weighs on each alike; ``reshard/plane paired`` is the median, over those
-turns, of the plane's time over the reshard's. The executors run with ``--no-shared-memory``
+moves far less than the times. The executors run with ``--no-shared-memory``
 (the path between hosts: TCP) unless ``--shm``. The synced tree is fetched once and compared
 with what was put: equal, leaf by leaf.
 
@@ -217,36 +215,31 @@ def run(config: Config, smoke: bool) -> dict[str, Any]:
         print(f"synced tree equals what was put: {equal}", flush=True)
         samples: dict[str, list[float]] = {m: [] for m in METHODS}
         cpu: dict[str, list[float]] = {m: [] for m in METHODS}
+        sent: dict[str, list[float]] = {m: [] for m in METHODS}
         makers = {"plane": setup.plane, "reshard": setup.reshard, "reshard 1 device": setup.reshard_to_one,
                   "round trip": setup.round_trip}
-        sent = {}
-        for method, make in makers.items():  # warm-up, and what crosses the wire
-            before = wire_bytes(setup.cluster)
-            for _ in range(config.warmup):
-                timed(setup, make)
-            sent[method] = (wire_bytes(setup.cluster) - before) / max(1, config.warmup)
-        pairs: list[float] = []  # reshard's GB/s over the plane's, transfer by transfer (one right after the other)
         with Peers() as peers:
             for r in range(config.rounds):
                 order = METHODS if r % 2 == 0 else tuple(reversed(METHODS))
-                raw = measure_shm if config.shared_memory else measure_tcp  # the path the executors' plane takes
-                samples["tcp"] += raw(setup.bytes, config.repeats, peers=peers,
-                                      warmup=config.warmup)["samples_seconds"]
-                # Interleaved, one transfer of each method in turn: a load that comes and goes (other jobs on
-                # the machine) weighs on every method alike.
-                for _ in range(config.repeats):
-                    this: dict[str, float] = {}
-                    for method in order:
-                        if method == "tcp":
-                            continue
+                for method in order:
+                    if method == "tcp":  # the raw path the executors' plane takes: a socket, or /dev/shm
+                        raw = measure_shm if config.shared_memory else measure_tcp
+                        samples["tcp"] += raw(setup.bytes, config.repeats, peers=peers,
+                                              warmup=config.warmup)["samples_seconds"]
+                        continue
+                    # A method's transfers one after the other (interleaving them would measure a cold plane:
+                    # the other methods' buffers push its 256 MiB receive buffer out of the executor's pool).
+                    before = wire_bytes(setup.cluster)
+                    for i in range(config.warmup + config.repeats):
                         seconds, used = timed(setup, makers[method])
-                        this[method] = seconds
-                        samples[method].append(seconds)
-                        cpu[method].append(used)
-                    pairs.append(this["plane"] / this["reshard"])
+                        if i >= config.warmup:
+                            samples[method].append(seconds)
+                            cpu[method].append(used)
+                    sent[method].append((wire_bytes(setup.cluster) - before) / (config.warmup + config.repeats))
                 print(f"  round {r + 1}/{config.rounds}: " + ", ".join(
                     f"{m} {setup.bytes / statistics.median(samples[m]) / 1e9:.2f} GB/s" for m in METHODS), flush=True)
-        rows = [summarize(m, setup.bytes, samples[m], sent.get(m), cpu[m]) for m in METHODS]
+        rows = [summarize(m, setup.bytes, samples[m], statistics.median(sent[m]) if sent[m] else None, cpu[m])
+                for m in METHODS]
     finally:
         setup.close()
     by = {r["method"]: r["gbytes_per_second"] for r in rows}
@@ -261,9 +254,7 @@ def run(config: Config, smoke: bool) -> dict[str, Any]:
         "results": rows,
         "ratios": {"reshard/plane": by["reshard"] / by["plane"], "reshard/tcp": by["reshard"] / by["tcp"],
                    "reshard 1 device/plane": by["reshard 1 device"] / by["plane"],
-                   "reshard/round trip": by["reshard"] / by["round trip"], "plane/tcp": by["plane"] / by["tcp"],
-                   # The median over pairs of transfers made one right after the other: steadier on a busy machine.
-                   "reshard/plane paired": statistics.median(pairs)},
+                   "reshard/round trip": by["reshard"] / by["round trip"], "plane/tcp": by["plane"] / by["tcp"]},
         "wall_seconds": time.monotonic() - started,
     }
 
