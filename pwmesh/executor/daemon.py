@@ -228,6 +228,8 @@ class Executor(Service):
         self._copying = 0  # host copies of arrivals under way (``AwaitIdle`` waits for them)
         # (run, node, prefix) of the reshard outputs whose landing here is reported (``_report_when_landed``)
         self._reporting: collections.OrderedDict[tuple[str, int, str], None] = collections.OrderedDict()
+        self._landing: dict[tuple[str, str], int] = {}  # (proxy, run) -> its reshard outputs still landing here
+        self._landed: dict[tuple[str, str], list[int]] = {}  # (proxy, run) -> its nodes landed, not yet reported
         self._copied = asyncio.Event()
         self._copied.set()
         self._lost_reported = 0  # data-plane batches lost that an AwaitIdle has reported
@@ -834,18 +836,35 @@ class Executor(Service):
         while len(self._reporting) > MAX_REPORTS_REMEMBERED:  # a tuple sent again must not report twice
             self._reporting.popitem(last=False)
         keys = [f"{prefix}/{shard}" for shard in report.shards]
+        run = (report.proxy, report.run_id)
+        self._landing[run] = self._landing.get(run, 0) + 1
         self.tasks.spawn(self._report_landed(keys, report), name=f"landed-{prefix}")
 
     async def _report_landed(self, keys: list[str], report: LandingReport) -> None:
-        error: PwmeshError | None = None
-        for key in keys:
-            try:
-                await self.store.get(key)
-            except PwmeshError as exc:
-                error = error or exc
-        if error is not None and all(self.store.deleted(key) for key in keys):
-            return  # its run ended (cancelled, freed) before it landed: nobody waits for it
-        self._handle(Completed(report.run_id, report.proxy, report.node, False, error))
+        """Nodes of one run that landed while others of it were landing here are reported together, once
+        none is left (a weight sync of 65 arrays: a few completions, not 65); a failure at once."""
+        run = (report.proxy, report.run_id)
+        try:
+            error: PwmeshError | None = None
+            for key in keys:
+                try:
+                    await self.store.get(key)
+                except PwmeshError as exc:
+                    error = error or exc
+            if error is not None and all(self.store.deleted(key) for key in keys):
+                return  # its run ended (cancelled, freed) before it landed: nobody waits for it
+            if error is not None:
+                self._handle(Completed(report.run_id, report.proxy, report.node, False, error))
+            else:
+                self._landed.setdefault(run, []).append(report.node)
+        finally:
+            left = self._landing[run] - 1
+            if left:
+                self._landing[run] = left
+            else:
+                del self._landing[run]
+                for node in self._landed.pop(run, ()):  # one instant: one NodeDone (``_report_later``)
+                    self._handle(Completed(report.run_id, report.proxy, node, False))
 
     def _land(self, landing: Landing) -> None:
         """A value that arrived for one or more destination shards here: small ones (and routed rows)
