@@ -22,6 +22,7 @@ import pwmesh as pw
 from pwmesh.dataflow.exchange import SEND_GATHERED_BYTES, Gathered, cut, cut_error
 from pwmesh.dataflow.layout import Layout, plan
 from pwmesh.dataflow.plane import DataPlane, recv_bytes, send_views
+from pwmesh.dataflow.secure import plane_key
 from pwmesh.ir.lower import Lowered, ShardLocation, lower
 from pwmesh.sim.client import Call, Post, Script, SimClient
 from pwmesh.sim.cluster import SimCluster, SimConfig
@@ -147,9 +148,11 @@ def test_send_views_writes_every_byte_in_order_across_iov_max() -> None:
         b.close()
 
 
-@pytest.mark.parametrize("shared_memory", [False, True], ids=["tcp", "shm"])
-def test_a_gathered_block_crosses_a_real_data_plane(shared_memory: bool) -> None:
-    """The receiver gets one contiguous array, as for an ndarray, by either path (sealed or not)."""
+@pytest.mark.parametrize(("shared_memory", "key"), [(False, None), (True, None), (False, plane_key(b"s" * 40))],
+                         ids=["tcp", "shm", "sealed"])
+def test_a_gathered_block_crosses_a_real_data_plane(shared_memory: bool, key: bytes | None) -> None:
+    """The receiver gets one contiguous array, as for an ndarray, by every path: the socket's writes
+    gather it, or it is gathered into a shared-memory slot, or into a buffer to seal."""
     x = np.arange(512 * 256, dtype=np.float32).reshape(512, 256)
     sent = cut(column_emit([512, 256], 1), trainer_shards(x, 1), here="a")
     assert any(isinstance(t.array, Gathered) for _, t in sent)
@@ -160,8 +163,8 @@ def test_a_gathered_block_crosses_a_real_data_plane(shared_memory: bool) -> None
         got.append(batch)
         arrived.set()
 
-    receiver = DataPlane(None, on_batch, shared_memory=shared_memory)
-    sender = DataPlane(None, lambda b: None, shared_memory=shared_memory)
+    receiver = DataPlane(None, on_batch, shared_memory=shared_memory, key=key)
+    sender = DataPlane(None, lambda b: None, shared_memory=shared_memory, key=key)
     try:
         sender.send(receiver.address, TupleBatch(tuples=[t for _, t in sent]))
         assert arrived.wait(30), "the batch never arrived"
