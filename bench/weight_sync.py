@@ -20,9 +20,11 @@ Against:
 
 Every transfer is timed from the call until every destination buffer is ready; GB/s is the
 tree's bytes (1e9) over that time; ``wire_bytes`` says what the data plane counted (each block
-crosses once per destination executor, whatever its number of devices there). The executors
-run with ``--no-shared-memory`` (the path between hosts: TCP) unless ``--shm``. The synced tree
-is fetched once and compared with what was put: equal, leaf by leaf.
+crosses once per destination executor, whatever its number of devices there); ``daemon CPU s`` is
+the CPU time (user + system) the cluster's daemons used over a transfer, a figure a busy machine
+moves far less than the times. The executors run with ``--no-shared-memory``
+(the path between hosts: TCP) unless ``--shm``. The synced tree is fetched once and compared
+with what was put: equal, leaf by leaf.
 
     python bench/weight_sync.py            # ~1 minute on 2 cores
     python bench/weight_sync.py --smoke    # seconds: a tree of a few MiB
@@ -37,6 +39,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
+import os
 import statistics
 import sys
 import time
@@ -152,19 +155,32 @@ class Setup:
         self.cluster.stop()
 
 
-def timed(setup: Setup, make: Any, repeats: int, warmup: int) -> tuple[list[float], float]:
-    """Seconds of each timed transfer (call to every destination buffer ready), and the data plane's bytes
-    sent per transfer."""
-    seconds = []
-    sent_before = wire_bytes(setup.cluster)
-    for i in range(warmup + repeats):
-        start = time.perf_counter()
-        out = make()
-        setup.ready(out)
-        if i >= warmup:
-            seconds.append(time.perf_counter() - start)
-        setup.free(out)
-    return seconds, (wire_bytes(setup.cluster) - sent_before) / (warmup + repeats)
+def cpu_seconds(cluster: pw.LocalCluster) -> float:
+    """CPU seconds (user + system) the cluster's daemons have used so far: what a transfer costs the
+    machine, which a loaded machine changes far less than its time."""
+    tick = os.sysconf("SC_CLK_TCK")
+    total = 0.0
+    for child in cluster.children:
+        try:
+            with open(f"/proc/{child.popen.pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:  # not Linux, or gone
+            continue
+        total += (int(fields[11]) + int(fields[12])) / tick  # utime, stime
+    return total
+
+
+def timed(setup: Setup, make: Any) -> tuple[float, float]:
+    """One timed transfer (call to every destination buffer ready): its seconds, and the daemons' CPU
+    seconds over it."""
+    cpu = cpu_seconds(setup.cluster)
+    start = time.perf_counter()
+    out = make()
+    setup.ready(out)
+    seconds = time.perf_counter() - start
+    used = cpu_seconds(setup.cluster) - cpu
+    setup.free(out)
+    return seconds, used
 
 
 def check(setup: Setup) -> bool:
@@ -178,11 +194,12 @@ def check(setup: Setup) -> bool:
     return equal
 
 
-def summarize(method: str, total: int, seconds: list[float], sent: float | None) -> dict[str, Any]:
+def summarize(method: str, total: int, seconds: list[float], sent: float | None, cpu: list[float]) -> dict[str, Any]:
     median = statistics.median(seconds)
     return {"method": method, "bytes": total, "transfers": len(seconds), "seconds_median": median,
             "seconds_best": min(seconds), "gbytes_per_second": total / median / 1e9,
-            "gbytes_per_second_best": total / min(seconds) / 1e9, "wire_bytes_per_transfer": sent}
+            "gbytes_per_second_best": total / min(seconds) / 1e9, "wire_bytes_per_transfer": sent,
+            "daemon_cpu_seconds_median": statistics.median(cpu) if cpu else None}
 
 
 def run(config: Config, smoke: bool) -> dict[str, Any]:
@@ -197,7 +214,10 @@ def run(config: Config, smoke: bool) -> dict[str, Any]:
         equal = check(setup)
         print(f"synced tree equals what was put: {equal}", flush=True)
         samples: dict[str, list[float]] = {m: [] for m in METHODS}
+        cpu: dict[str, list[float]] = {m: [] for m in METHODS}
         sent: dict[str, list[float]] = {m: [] for m in METHODS}
+        makers = {"plane": setup.plane, "reshard": setup.reshard, "reshard 1 device": setup.reshard_to_one,
+                  "round trip": setup.round_trip}
         with Peers() as peers:
             for r in range(config.rounds):
                 order = METHODS if r % 2 == 0 else tuple(reversed(METHODS))
@@ -207,14 +227,18 @@ def run(config: Config, smoke: bool) -> dict[str, Any]:
                         samples["tcp"] += raw(setup.bytes, config.repeats, peers=peers,
                                               warmup=config.warmup)["samples_seconds"]
                         continue
-                    make = {"plane": setup.plane, "reshard": setup.reshard, "reshard 1 device": setup.reshard_to_one,
-                            "round trip": setup.round_trip}[method]
-                    seconds, wire = timed(setup, make, config.repeats, config.warmup)
-                    samples[method] += seconds
-                    sent[method].append(wire)
+                    # A method's transfers one after the other (interleaving them would measure a cold plane:
+                    # the other methods' buffers push its 256 MiB receive buffer out of the executor's pool).
+                    before = wire_bytes(setup.cluster)
+                    for i in range(config.warmup + config.repeats):
+                        seconds, used = timed(setup, makers[method])
+                        if i >= config.warmup:
+                            samples[method].append(seconds)
+                            cpu[method].append(used)
+                    sent[method].append((wire_bytes(setup.cluster) - before) / (config.warmup + config.repeats))
                 print(f"  round {r + 1}/{config.rounds}: " + ", ".join(
                     f"{m} {setup.bytes / statistics.median(samples[m]) / 1e9:.2f} GB/s" for m in METHODS), flush=True)
-        rows = [summarize(m, setup.bytes, samples[m], statistics.median(sent[m]) if sent[m] else None)
+        rows = [summarize(m, setup.bytes, samples[m], statistics.median(sent[m]) if sent[m] else None, cpu[m])
                 for m in METHODS]
     finally:
         setup.close()
@@ -272,10 +296,11 @@ def main(argv: list[str] | None = None) -> int:
     config.shared_memory = args.shm
     result = run(config, args.smoke)
     print()
-    print(table(["method", "MiB", "median s", "GB/s", "best GB/s", "wire MiB"],
+    print(table(["method", "MiB", "median s", "GB/s", "best GB/s", "wire MiB", "daemon CPU s"],
                 [[r["method"], f"{r['bytes'] / MiB:.1f}", f"{r['seconds_median']:.3f}",
                   f"{r['gbytes_per_second']:.2f}", f"{r['gbytes_per_second_best']:.2f}",
-                  "" if r["wire_bytes_per_transfer"] is None else f"{r['wire_bytes_per_transfer'] / MiB:.1f}"]
+                  "" if r["wire_bytes_per_transfer"] is None else f"{r['wire_bytes_per_transfer'] / MiB:.1f}",
+                  "" if r["daemon_cpu_seconds_median"] is None else f"{r['daemon_cpu_seconds_median']:.3f}"]
                  for r in result["results"]]))
     print()
     print(", ".join(f"{k} {v:.2f}x" for k, v in result["ratios"].items()))

@@ -13,15 +13,17 @@ Pure numpy: no sockets, no JAX.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
 import numpy as np
 
 from pwmesh.dataflow.layout import Layout, Piece, Plan, block, plan
 from pwmesh.errors import InvalidArgument
-from pwmesh.wire.messages import DataTuple, Emit, ErrorInfo, Target
+from pwmesh.wire.codec import Gather
+from pwmesh.wire.messages import DataTuple, Emit, ErrorInfo, LandingReport, Target
 
 
 class Ragged(NamedTuple):
@@ -33,6 +35,10 @@ class Ragged(NamedTuple):
     @property
     def nbytes(self) -> int:
         return int(self.array.nbytes + self.index.nbytes)
+
+# A block gathered for other executors alone is sent from its pieces from this size on (``Gathered``);
+# a smaller one is copied (its rows would be many tiny writes).
+SEND_GATHERED_BYTES = 64 << 10
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -81,16 +87,48 @@ def _tuple(target: Target, shard: int, dest: Destination, src: int, n_sources: i
 
 
 def cut(emit: Emit, local: dict[int, Any], selectors: dict[int, np.ndarray] | None = None, *,
-        take: Callable[[int], np.ndarray] | None = None) -> list[tuple[Destination, DataTuple]]:
+        take: Callable[[int], np.ndarray] | None = None, here: str | None = None,
+        run: tuple[str, str] | None = None) -> list[tuple[Destination, DataTuple]]:
     """The tuples (each with its destination) for ``local`` — this executor's shards of the emitted
     value, ``{shard: host array or Ragged}`` — and, for ``route``, each shard's expert ids.
-    ``take(nbytes)``: where blocks gathered here are made (a writable uint8 buffer; default fresh memory)."""
+    ``take(nbytes)``: where blocks gathered here are made (a writable uint8 buffer; default fresh memory).
+    ``here``: the cutting executor's id; a block gathered only for other executors is then never made in
+    memory but sent from its pieces (``Gathered``: the data plane's writes gather it), where it can be.
+    ``run`` (its proxy, its id): the run that sends them; a reshard node's output (``Target.node``) asks
+    each destination executor to report that node of it done (``LandingReport``)."""
+    return _stamp(_cut(emit, local, selectors, take, here), emit.targets, run)
+
+
+def _stamp(out: list[tuple[Destination, DataTuple]], targets: list[Target],
+           run: tuple[str, str] | None) -> list[tuple[Destination, DataTuple]]:
+    """Each tuple for a reshard node's output says whom its executor reports the node to, and when: once
+    every shard of it there is stored."""
+    reporting = {target.prefix: target for target in targets if target.node >= 0}
+    if not reporting or run is None:
+        return out
+    made: dict[tuple[str, str], LandingReport] = {}
+    for dest, t in out:
+        target = reporting.get(t.prefix)
+        if target is None:
+            continue
+        report = made.get((t.prefix, dest.executor_id))
+        if report is None:
+            shards = [r.shard + k for site in target.sites if site.executor_id == dest.executor_id
+                      for r in site.runs for k in range(r.count)]
+            report = made[t.prefix, dest.executor_id] = LandingReport(proxy=run[0], run_id=run[1],
+                                                                      node=target.node, shards=shards)
+        t.report = report
+    return out
+
+
+def _cut(emit: Emit, local: dict[int, Any], selectors: dict[int, np.ndarray] | None,
+         take: Callable[[int], np.ndarray] | None, here: str | None) -> list[tuple[Destination, DataTuple]]:
     out: list[tuple[Destination, DataTuple]] = []
     if emit.mode == "block":
         (target,) = emit.targets
         dests = destinations(target)
         moves = block_plan(emit, target)
-        gathered = _gather(target, dests, moves, local, take)
+        gathered = _gather(target, dests, moves, local, take, here)
         out.extend(gathered)
         whole = {t.shard for _, t in gathered} | {shard for _, t in gathered for shard, _ in t.copies}
         for src, value in local.items():
@@ -153,11 +191,13 @@ def cut(emit: Emit, local: dict[int, Any], selectors: dict[int, np.ndarray] | No
 
 
 def _gather(target: Target, dests: dict[int, Destination], moves: Plan, local: dict[int, Any],
-            take: Callable[[int], np.ndarray] | None) -> list[tuple[Destination, DataTuple]]:
+            take: Callable[[int], np.ndarray] | None, here: str | None) -> list[tuple[Destination, DataTuple]]:
     """Destination shards whose every piece this executor sends, in pieces that are not whole rows (a
     column-split weight going to a replicated one): gathered here into one block each and sent whole,
     which the receiver keeps as it is, the other sources sending their markers alone. As many copies
-    as the receiver would make, made here instead, and one tuple instead of several."""
+    as the receiver would make, made here instead, and one tuple instead of several. Where only other
+    executors want the block (``here``) and its pieces are rows of their sources' rows, no copy is made
+    at all: the socket's writes gather it (``Gathered``)."""
     shape = tuple(target.shape)
     if not shape:
         return []
@@ -167,25 +207,33 @@ def _gather(target: Target, dests: dict[int, Destination], moves: Plan, local: d
             by_dest.setdefault(piece.dest, []).append((src, piece))
     out: list[tuple[Destination, DataTuple]] = []
     made: dict[tuple[Any, ...], list[DataTuple]] = {}  # (executor, pieces) -> its tuples (replicas: copies)
-    blocks: dict[tuple[Any, ...], np.ndarray] = {}  # pieces -> their block, gathered once for every executor
+    blocks: dict[tuple[Any, ...], Any] = {}  # pieces -> their block (an array or ``Gathered``), made once for all
     dtype = np.dtype(target.dtype)
+    wanted: dict[tuple[Any, ...], set[str]] = {}  # pieces -> the executors that want their block
+    chosen: list[tuple[int, Destination, list[tuple[int, Piece]], tuple[Any, ...]]] = []
     for j, pieces in sorted(by_dest.items()):
         dest = dests.get(j)
         if (dest is None or len(pieces) < 2 or len(pieces) != len(moves.sources[j])
                 or all(p.hi[d] - p.lo[d] == shape[d] for _, p in pieces for d in range(1, len(shape)))):
             continue  # not all here, one piece already, or whole rows (the receiver takes them in place)
         which = tuple((src, p.lo, p.hi, p.offset) for src, p in pieces)
+        wanted.setdefault(which, set()).add(dest.executor_id)
+        chosen.append((j, dest, pieces, which))
+    nbytes = math.prod(shape) * dtype.itemsize
+    for j, dest, pieces, which in chosen:
         if (dest.executor_id, which) in made:
             for t in made[dest.executor_id, which]:
                 t.copies.append([j, dest.device])
             continue
-        value = blocks.get(which)
+        value: Any = blocks.get(which)
+        if value is None and here is not None and here not in wanted[which] and nbytes >= SEND_GATHERED_BYTES:
+            value = Gathered.of(shape, dtype, [(local[src], p) for src, p in pieces])
         if value is None:  # read, never written, by every executor's tuple (and adopted as immutable here)
-            value = np.empty(shape, dtype) if take is None else take(math.prod(shape) * dtype.itemsize).view(
+            value = np.empty(shape, dtype) if take is None else take(nbytes).view(
                 dtype).reshape(shape)
             for src, p in pieces:
                 value[p.dest_index()] = local[src][p.source_index()]
-            blocks[which] = value
+        blocks[which] = value
         n = len(pieces)
         (first, _), *others = sorted(pieces)
         tuples = [_tuple(target, j, dest, first, n, count=1, seq=0, array=value),
@@ -195,8 +243,68 @@ def _gather(target: Target, dests: dict[int, Destination], moves: Plan, local: d
     return out
 
 
-def cut_error(emit: Emit, local_shards: list[int], error: ErrorInfo) -> list[tuple[Destination, DataTuple]]:
-    """Error tuples to every destination ``local_shards`` would have sent to: they fail, not wait."""
+class Gathered(Gather):
+    """A destination block whose pieces are runs of their sources' rows (a column-split weight's blocks):
+    sent as its rows' pieces in the block's order, never copied into one buffer (``Gather``)."""
+
+    def __init__(self, shape: tuple[int, ...], dtype: np.dtype,
+                 bands: list[tuple[int, int, list[tuple[memoryview, int, int, int]]]]) -> None:
+        super().__init__(shape, dtype)
+        # Per band of the block's rows [lo, hi): each piece there, in column order, as (its source's
+        # bytes, where its first row's run starts, the source's row stride, the run's length).
+        self.bands = bands
+
+    @classmethod
+    def of(cls, shape: tuple[int, ...], dtype: np.dtype, pieces: list[tuple[Any, Piece]]) -> Gathered | None:
+        """The block of ``shape`` that ``pieces`` (each with its source block) tile, if each piece is a run of
+        whole rows' parts: every piece spans the block beyond its second dimension, and its source is a
+        C-contiguous array of ``dtype`` (else None: it is gathered by a copy)."""
+        if len(shape) < 2:
+            return None
+        runs: list[tuple[int, int, int, tuple[memoryview, int, int, int]]] = []
+        for source, p in pieces:
+            if (not isinstance(source, np.ndarray) or source.dtype != dtype or source.ndim != len(shape)
+                    or not source.flags.c_contiguous
+                    or any(p.lo[d] != 0 or p.hi[d] != shape[d] or source.shape[d] != shape[d] or p.offset[d]
+                           for d in range(2, len(shape)))):
+                return None
+            stride = source.strides[0] if source.shape[0] > 1 else source.nbytes
+            inner = math.prod(shape[2:]) * dtype.itemsize  # bytes per column
+            rows = source.reshape(-1).view(np.uint8).data if source.size else memoryview(b"")
+            runs.append((p.offset[0], p.offset[0] + p.hi[0] - p.lo[0], p.offset[1],
+                         (rows, p.lo[0] * stride + p.lo[1] * inner, stride, (p.hi[1] - p.lo[1]) * inner)))
+        edges = sorted({lo for lo, _, _, _ in runs} | {hi for _, hi, _, _ in runs})
+        bands = []
+        for lo, hi in itertools.pairwise(edges):
+            here = sorted((col, (mv, start + (lo - top) * stride, stride, n))
+                          for top, bottom, col, (mv, start, stride, n) in runs if top <= lo < bottom)
+            bands.append((lo, hi, [run for _, run in here]))
+        return cls(shape, dtype, bands)
+
+    def into(self, out: np.ndarray) -> np.ndarray:
+        """One strided copy per piece and band of rows (not one per row: a shared-memory slot, a sealed
+        stream)."""
+        row = math.prod(self.shape[1:]) * self.dtype.itemsize
+        for lo, hi, runs in self.bands:
+            at = lo * row
+            for mv, start, stride, n in runs:
+                source = np.ndarray((hi - lo, n), np.uint8, buffer=mv, offset=start, strides=(stride, 1))
+                np.copyto(np.ndarray((hi - lo, n), np.uint8, buffer=out, offset=at, strides=(row, 1)), source)
+                at += n
+        return out
+
+    def views(self) -> Iterator[memoryview]:
+        for lo, hi, runs in self.bands:
+            for r in range(hi - lo):
+                for mv, start, stride, n in runs:
+                    at = start + r * stride
+                    yield mv[at:at + n]
+
+
+def cut_error(emit: Emit, local_shards: list[int], error: ErrorInfo,
+              run: tuple[str, str] | None = None) -> list[tuple[Destination, DataTuple]]:
+    """Error tuples to every destination ``local_shards`` would have sent to: they fail, not wait (a reshard
+    node's output reports its node failed: ``run`` as for ``cut``)."""
     out = []
     for target in emit.targets:
         dests = destinations(target)
@@ -208,7 +316,7 @@ def cut_error(emit: Emit, local_shards: list[int], error: ErrorInfo) -> list[tup
         for j in sorted(wanted & set(dests)):
             src = emit.source if emit.source >= 0 else (local_shards[0] if local_shards else 0)
             out.append((dests[j], _tuple(target, j, dests[j], src, 1, error=error)))
-    return out
+    return _stamp(out, emit.targets, run)
 
 
 def expand(tuples: list[DataTuple], *, share: bool = False) -> list[DataTuple]:

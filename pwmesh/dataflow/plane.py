@@ -29,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import itertools
 import logging
 import mmap
 import os
@@ -40,7 +41,7 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import msgpack
@@ -60,6 +61,7 @@ BIG_FRAME_BYTES = 64 << 10  # frames at least this big go through pooled buffers
 _LEN = struct.Struct("!I")
 _ACK = struct.Struct("!Q")
 MAX_PREAMBLE_BYTES = 1 << 20
+_IOV_MAX = min(1024, os.sysconf("SC_IOV_MAX")) if hasattr(os, "sysconf") else 1024  # buffers a sendmsg may take
 # A batch whose stream broke before it was acknowledged is sent again on a new stream, after these waits;
 # once they are spent it is lost, loudly (``DataPlane.lost``), never counted delivered.
 RETRY_DELAYS_SECONDS = (0.05, 0.25, 1.0)
@@ -137,6 +139,25 @@ def _recv_exactly(sock: socket.socket, view: memoryview) -> None:
         if got == 0:
             raise ConnectionError("peer closed the stream")
         view = view[got:]
+
+
+def send_views(sock: socket.socket, views: Iterator[memoryview]) -> None:
+    """Every byte of ``views``, in order: up to ``IOV_MAX`` of them a ``sendmsg`` (the kernel gathers them;
+    no copy into one buffer here)."""
+    while True:
+        chunk = list(itertools.islice(views, _IOV_MAX))
+        if not chunk:
+            return
+        total = sum(v.nbytes for v in chunk)
+        sent = sock.sendmsg(chunk)
+        if sent == total:
+            continue
+        for view in chunk:  # a short write (a signal, a timeout): the rest one view at a time
+            if sent >= view.nbytes:
+                sent -= view.nbytes
+                continue
+            sock.sendall(view[sent:])
+            sent = 0
 
 
 def recv_bytes(sock: socket.socket, n: int) -> bytes:
@@ -369,26 +390,33 @@ class _Stream:
 
     def _write(self, sock: socket.socket, frames: list[Any], slots: list[_Segment]) -> None:
         preamble: list[list[Any]] = []
-        inline: list[memoryview] = []
+        inline: list[memoryview | codec.Gather] = []
+        seal = self.seal
         for frame in frames:
-            view = memoryview(frame).cast("B")
+            view = frame if isinstance(frame, codec.Gather) else memoryview(frame).cast("B")
             # A slot is freed only when its message is acknowledged: a message with more big frames than
             # there are slots would wait for itself for ever. Those beyond go inline on the stream.
             if self.shared and view.nbytes >= BIG_FRAME_BYTES and len(slots) < self.plane.max_segments:
                 seg = self._slot(view.nbytes)
-                seg.array[:view.nbytes] = np.frombuffer(view, dtype=np.uint8)
+                if isinstance(view, codec.Gather):
+                    view.into(seg.array[:view.nbytes])  # gathered straight into the slot
+                else:
+                    seg.array[:view.nbytes] = np.frombuffer(view, dtype=np.uint8)
                 slots.append(seg)
                 preamble.append([SHARED, view.nbytes, seg.name, 0])
             else:
+                if isinstance(view, codec.Gather) and seal is not None:  # sealing reads one buffer
+                    view = view.into(self.plane.pool.take(view.nbytes)).data
                 preamble.append([INLINE, view.nbytes, "", 0])
                 inline.append(view)
         head = msgpack.packb(preamble)
-        seal = self.seal
         if seal is not None:
             head = seal.seal(head)
         sock.sendall(_LEN.pack(len(head)) + head)
         for view in inline:
-            if seal is None:
+            if isinstance(view, codec.Gather):
+                send_views(sock, view.views())
+            elif seal is None:
                 sock.sendall(view)
             elif view.nbytes >= BIG_FRAME_BYTES:
                 out = self.plane.pool.take(view.nbytes + TAG_BYTES)  # warm, reused once sent

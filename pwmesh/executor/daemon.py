@@ -89,6 +89,7 @@ from pwmesh.wire.messages import (
     Heartbeat,
     InstallPart,
     JoinGroup,
+    LandingReport,
     LeavingForGroup,
     ListHeld,
     Ok,
@@ -117,6 +118,7 @@ log = logging.getLogger(__name__)
 # Host copies at least this big (a put, an arrival, a fetch) are made on a thread, not the event loop:
 # a 256 MiB device_put holds its caller ~240 ms here, during which nothing else is served.
 HOST_COPY_INLINE_BYTES = 1 << 20
+MAX_REPORTS_REMEMBERED = 4096  # reshard outputs reported landed, remembered so that each is reported once
 
 
 def on_device(array: np.ndarray, device: jax.Device) -> jax.Array:
@@ -224,6 +226,10 @@ class Executor(Service):
         self._copies = concurrent.futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="pwmesh-copy")
         self.functions.executor = self._copies  # an SPMD function run by blocks is derived there (it compiles)
         self._copying = 0  # host copies of arrivals under way (``AwaitIdle`` waits for them)
+        # (run, node, prefix) of the reshard outputs whose landing here is reported (``_report_when_landed``)
+        self._reporting: collections.OrderedDict[tuple[str, int, str], None] = collections.OrderedDict()
+        self._landing: dict[tuple[str, str], int] = {}  # (proxy, run) -> its reshard outputs still landing here
+        self._landed: dict[tuple[str, str], list[int]] = {}  # (proxy, run) -> its nodes landed, not yet reported
         self._copied = asyncio.Event()
         self._copied.set()
         self._lost_reported = 0  # data-plane batches lost that an AwaitIdle has reported
@@ -538,7 +544,7 @@ class Executor(Service):
                 local = {shard: await fut for shard, fut in futures.items()}
             except PwmeshError as exc:
                 for emit in emits:
-                    self._send_tuples(cut_error(emit, list(futures), ErrorInfo.of(exc)), run)
+                    self._send_tuples(cut_error(emit, list(futures), ErrorInfo.of(exc), run), run)
             else:
                 for emit in emits:
                     self._emit_values(emit, local, {}, run)
@@ -778,20 +784,20 @@ class Executor(Service):
         """A computation's values leave as its emits say (or, if it failed, its failure does)."""
         run = (work.proxy, work.run_id)
         if err is not None:
-            self._send_tuples(cut_error(emit, work.shards, ErrorInfo.of(err)), run)
+            self._send_tuples(cut_error(emit, work.shards, ErrorInfo.of(err), run), run)
             return
         try:
             self._emit_values(emit, local, selectors, run)
         except PwmeshError as exc:  # e.g. an expert id out of range: the destinations fail with it
             if work.error is None:
                 work.error = exc
-            self._send_tuples(cut_error(emit, work.shards, ErrorInfo.of(exc)), run)
+            self._send_tuples(cut_error(emit, work.shards, ErrorInfo.of(exc), run), run)
 
     def _emit_values(self, emit: Emit, local: dict[int, Any], selectors: dict[int, Any],
                      run: tuple[str, str] | None = None) -> None:
         host = {shard: v if isinstance(v, Ragged) else np.asarray(v) for shard, v in local.items()}
         self._send_tuples(cut(emit, host, {shard: np.asarray(v) for shard, v in selectors.items()},
-                              take=self.plane.pool.take), run)
+                              take=self.plane.pool.take, here=self.name, run=run), run)
 
     def _send_tuples(self, tuples: list[tuple[Destination, DataTuple]], run: tuple[str, str] | None = None) -> None:
         """One batch per destination executor; ours are delivered here without a socket. ``run`` (its
@@ -823,6 +829,8 @@ class Executor(Service):
             key = f"{t.prefix}/{t.shard}"
             if self.store.deleted(key):
                 continue  # its run ended (cancelled, freed): a late tuple is dropped
+            if t.report is not None:
+                self._report_when_landed(t.prefix, t.report)
             try:
                 if t.error is not None:
                     failed = self.progress.fail(key, t.error.exception())
@@ -841,6 +849,46 @@ class Executor(Service):
                 arrived.append((key, t.device, done.payloads, t))
         for landing in landings(arrived):
             self._land(landing)
+
+    def _report_when_landed(self, prefix: str, report: LandingReport) -> None:
+        """A reshard node's output lands here with no computation of its own: once every shard of it here
+        is stored (or has failed), its node is reported done (or failed), once."""
+        seen = (report.run_id, report.node, prefix)
+        if seen in self._reporting:
+            return
+        self._reporting[seen] = None
+        while len(self._reporting) > MAX_REPORTS_REMEMBERED:  # a tuple sent again must not report twice
+            self._reporting.popitem(last=False)
+        keys = [f"{prefix}/{shard}" for shard in report.shards]
+        run = (report.proxy, report.run_id)
+        self._landing[run] = self._landing.get(run, 0) + 1
+        self.tasks.spawn(self._report_landed(keys, report), name=f"landed-{prefix}")
+
+    async def _report_landed(self, keys: list[str], report: LandingReport) -> None:
+        """Nodes of one run that landed while others of it were landing here are reported together, once
+        none is left (a weight sync of 65 arrays: a few completions, not 65); a failure at once."""
+        run = (report.proxy, report.run_id)
+        try:
+            error: PwmeshError | None = None
+            for key in keys:
+                try:
+                    await self.store.get(key)
+                except PwmeshError as exc:
+                    error = error or exc
+            if error is not None and all(self.store.deleted(key) for key in keys):
+                return  # its run ended (cancelled, freed) before it landed: nobody waits for it
+            if error is not None:
+                self._handle(Completed(report.run_id, report.proxy, report.node, False, error))
+            else:
+                self._landed.setdefault(run, []).append(report.node)
+        finally:
+            left = self._landing[run] - 1
+            if left:
+                self._landing[run] = left
+            else:
+                del self._landing[run]
+                for node in self._landed.pop(run, ()):  # one instant: one NodeDone (``_report_later``)
+                    self._handle(Completed(report.run_id, report.proxy, node, False))
 
     def _land(self, landing: Landing) -> None:
         """A value that arrived for one or more destination shards here: small ones (and routed rows)

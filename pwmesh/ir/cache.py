@@ -225,6 +225,7 @@ def _instantiate(template: _Template, owner: str, names: list[str], fresh_name: 
         function_sites=src.function_sites,
         gangs=src.gangs,
         derived=derived,
+        landing=src.landing,
         parts=parts,
         run_names=run_names,
         template=template,

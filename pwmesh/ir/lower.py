@@ -12,7 +12,10 @@ elsewhere than where it was made â€” on another executor, or in another layout â
 its producer (or the executor that holds it) gets an ``Emit``: send your shards
 onward as shard-tagged tuples, and the consumers' progress tracking says when they
 are complete (``pwmesh.dataflow``). A value read in another layout than its own is
-resharded into a derived buffer of its own, freed with the run's temporaries.
+resharded into a derived buffer of its own, freed with the run's temporaries. A reshard node
+whose every block moves (a weight sync) has no computation at all: the blocks land straight
+under its output's name, and each destination executor reports the node done once its shards
+are stored (``Target.node``).
 Routed values (``ragged``) go from a route node to one expert each and come back
 through a combine node (mixture-of-experts).
 """
@@ -195,6 +198,9 @@ class Lowered:
     function_sites: dict[str, set[tuple[str, tuple[int, ...]]]]  # fn_id -> {(control, devices)}
     gangs: dict[str, Gang] = dataclasses.field(default_factory=dict)  # the gangs its computations name, by id
     derived: list[str] = dataclasses.field(default_factory=list)  # buffers lowering made (reshards): temporaries
+    # The executors (control addresses) that report reshard nodes landed with no computation (``Target.node``):
+    # the run needs them as it needs those its computations run on.
+    landing: set[str] = dataclasses.field(default_factory=set)
     # A cached lowering's packed parts per scheduler (see ir.cache), installed there once
     # (``InstallTemplate``), and this run's names per scheduler (``RunTemplate``); the schedules'
     # computations then name placeholders, not this run's buffers.
@@ -352,6 +358,7 @@ class _Lowering:
         self.layouts: dict[tuple[int, Layout, tuple[str, ...]], str] = {}  # (value, layout, executors) -> buffer
         self.bound_emits: dict[tuple[int, str], SendShards] = {}  # (value, holder) -> its sends
         self.slice_gangs: dict[int, Gang | None] = {}  # slice -> its gang (an SPMD node's), made once
+        self.landed: set[int] = set()  # values reshard nodes land with no computation (``land``)
         for v, where in bound.items():
             if len(where) != program.values[v].shards:
                 raise InvalidArgument(f"input value {v} is bound to a buffer with {len(where)} shards, "
@@ -386,9 +393,10 @@ class _Lowering:
                     check_split(self.program.values[w].shape, len(devs), f"reshard node {index} reads value {v} "
                                 f"on {len(devs)} devices")
                 want = value_layout(self.program.values[w])
-                inputs = [self.prefix(self.materialize(v, devs, want, f"reshard node {index}"))]
-                self.computations(index, node, devs, sl.scheduler, kind="identity", inputs=inputs,
-                                  outputs=[self.prefix(self.names[w]) for w in node.outputs])
+                if not self.land(index, v, w, devs, want):
+                    inputs = [self.prefix(self.materialize(v, devs, want, f"reshard node {index}"))]
+                    self.computations(index, node, devs, sl.scheduler, kind="identity", inputs=inputs,
+                                      outputs=[self.prefix(self.names[w]) for w in node.outputs])
                 self.made(index, node.outputs, devs)
             else:
                 self.combine(index, node, devs, sl.scheduler)
@@ -529,6 +537,29 @@ class _Lowering:
                           outputs=[self.prefix(self.names[y])])
         self.made(index, node.outputs, devs)
 
+    def land(self, index: int, v: int, w: int, devs: list[ShardLocation], want: Layout) -> bool:
+        """Reshard node ``index`` (``v`` to ``w`` on ``devs``, laid out as ``want``) with no computation, where
+        every shard of ``w`` must move: ``v``'s blocks land straight under ``w``'s name, and each executor of
+        ``devs`` reports the node done once its shards are stored (``Target.node``). Not for a host input (put
+        where it is read), nor where the blocks are there already or copied there for another reader (a
+        computation stores them under ``w``'s name)."""
+        spec = self.program.values[v]
+        if v in self.host_inputs or self.layouts.get(layout_key(v, want, devs)) is not None:
+            return False
+        want.check(f"reshard node {index} reads value {v} on {len(devs)} devices")
+        same = value_layout(spec).same_blocks(want)
+        name = self.names[v]
+        missing = any((name, j, dev.executor_id) not in self.placed for j, dev in enumerate(devs))
+        if same and (v in self.producer or not missing):
+            return False
+        emit = block_emit(spec, self.prefix(self.names[w]), want, sites_of(devs))
+        emit.targets[0].node = index
+        self.emit_from(v, emit)
+        self.out.node_executors[index] = {dev.executor_id for dev in devs}
+        self.out.landing.update(dev.control for dev in devs)
+        self.landed.add(w)
+        return True
+
     def made(self, index: int, outputs: list[int], devs: list[ShardLocation]) -> None:
         for v in outputs:
             self.loc[v] = devs
@@ -585,7 +616,7 @@ class _Lowering:
     def emit_from(self, v: int, emit: Emit) -> None:
         """Attach ``emit`` to whatever holds ``v``'s shards: its producer's computations, or the holders."""
         made_by = self.producer.get(v)
-        if made_by is not None:
+        if made_by is not None and v not in self.landed:  # (a landed reshard's output has no computation)
             outputs = self.program.nodes[made_by].outputs
             for (i, _), comp in self.comps.items():
                 if i == made_by:

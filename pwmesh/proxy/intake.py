@@ -107,7 +107,7 @@ def record_run(session: Session, run_id: str, program: ProgramSpec, lowered: Low
     names, outputs, pinned, temporaries = binding.names, binding.outputs, binding.pinned, binding.temporaries
     run = Run(run_id=run_id, pending={n: set(ex) for n, ex in lowered.node_executors.items()},
               outputs_of={}, pinned=pinned, temporaries=temporaries,
-              executors={c.control for comps in lowered.schedules.values() for c in comps},
+              executors={c.control for comps in lowered.schedules.values() for c in comps} | lowered.landing,
               schedulers=set(lowered.schedules))
     for buf in pinned:
         buf.pins += 1

@@ -62,6 +62,7 @@ from pwmesh.wire.messages import (
     RegisterGang,
     SendShards,
     ShardValues,
+    Target,
 )
 
 Meta = tuple[tuple[int, ...], str]  # a stored shard: its shape and dtype (the simulator keeps no data)
@@ -92,6 +93,7 @@ class SimExecutor(Node):
         self.keep_spans = keep_spans
         self.host_free = 0.0  # the host dispatches one computation at a time
         self._waiters: dict[str, list[Callable[[], None]]] = collections.defaultdict(list)
+        self._reporting: set[tuple[str, int, str]] = set()  # (run, node, prefix): reshards landed with no computation
         self._fn_waiters: dict[str, list[Callable[[], None]]] = collections.defaultdict(list)  # by function or gang
         self._inbox: dict[str, int] = {}  # destination key -> pieces still expected
         self.data_bytes_out = 0
@@ -119,9 +121,10 @@ class SimExecutor(Node):
         elif isinstance(msg, SendShards):
             shards = [r.shard + k for r in msg.runs for k in range(r.count)]
             keys = [f"{msg.prefix}/{s}" for s in shards]
-            def send(emits: list[Emit] = msg.emits, prefix: str = msg.prefix) -> None:
+            def send(emits: list[Emit] = msg.emits, prefix: str = msg.prefix,
+                     run: tuple[str, str] = (msg.proxy, msg.run_id)) -> None:
                 for e in emits:
-                    self._emit(e, shards, {s: self.stored.get(f"{prefix}/{s}") for s in shards})
+                    self._emit(e, shards, {s: self.stored.get(f"{prefix}/{s}") for s in shards}, run)
 
             self._when_ready(keys, send)
         elif isinstance(msg, FetchShards):
@@ -224,7 +227,8 @@ class SimExecutor(Node):
                 slot = emit.slot
                 names = [*comp.inputs, *comp.outputs]
                 prefix = names[slot] if 0 <= slot < len(names) else ""
-                self._emit(emit, work.shards, {s: self.stored.get(f"{prefix}/{s}") for s in work.shards})
+                self._emit(emit, work.shards, {s: self.stored.get(f"{prefix}/{s}") for s in work.shards},
+                           (work.proxy, work.run_id))
             self._completed_node(work)
         self._act(starts)
         self._act(self.queues.complete(work))
@@ -319,8 +323,31 @@ class SimExecutor(Node):
         self._inbox.pop(key, None)
         self._store(key, meta)
 
-    def _emit(self, emit: Emit, shards: list[int], local: dict[int, Meta | None]) -> None:
+    def _report_when_landed(self, target: Target, run: tuple[str, str]) -> None:
+        """A reshard node's output lands here with no computation: report the node once its shards are here
+        (as the executor does: ``Target.node``)."""
+        seen = (run[1], target.node, target.prefix)
+        if seen in self._reporting:
+            return
+        self._reporting.add(seen)
+        keys = [f"{target.prefix}/{r.shard + k}" for site in target.sites if site.executor_id == self.executor_id
+                for r in site.runs for k in range(r.count)]
+
+        def report() -> None:
+            error = next((self.failed[k] for k in keys if k in self.failed), None)
+            self._core(Completed(run[1], run[0], target.node, False, error))
+
+        self._when_ready(keys, report)
+
+    def _emit(self, emit: Emit, shards: list[int], local: dict[int, Meta | None],
+              run: tuple[str, str] | None = None) -> None:
         """Send a value's local shards as ``emit`` says: per destination executor, one transfer of the bytes."""
+        for target in emit.targets:
+            if target.node >= 0 and run is not None:
+                for site in target.sites:
+                    peer = self.peers.get(site.data)
+                    if peer is not None:
+                        peer._report_when_landed(target, run)
         batches: dict[str, list[tuple[str, int, Meta]]] = {}
         nbytes: collections.Counter[str] = collections.Counter()
         for target in emit.targets:

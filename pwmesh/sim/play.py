@@ -24,7 +24,7 @@ from pwmesh.dataflow.exchange import Destination, Ragged, assemble, cut, expand
 from pwmesh.dataflow.progress import Progress
 from pwmesh.errors import PwmeshError
 from pwmesh.ir.lower import Lowered, ShardLocation, shard_key, value_layout
-from pwmesh.wire.messages import DataTuple, ProgramSpec
+from pwmesh.wire.messages import DataTuple, ProgramSpec, SendShards
 
 Function = Callable[[np.ndarray], np.ndarray]  # row-wise: routed rows go through it as a plain array
 
@@ -87,17 +87,33 @@ def play(program: ProgramSpec, lowered: Lowered, functions: Mapping[str, Functio
         if put.value not in host:
             raise PlayError(f"host input {put.value} is put on {put.location.executor_id} but has no value to play")
         executors.store[put.location.executor_id][put.key] = put.layout.split(host[put.value])[put.shard]
+    for where in lowered.produced.values():  # a reshard node's output lands with no computation; its holder
+        for w in where:  # sends it on
+            holders.setdefault(w.control, w.executor_id)
+    moves: list[tuple[str, SendShards]] = []
     for address, sends in lowered.moves.items():
         if address not in holders:
             raise PlayError(f"moves are sent from {address}, which holds no bound shard")
-        ex = holders[address]
-        for send in sends:
-            local = {s: executors.read(ex, f"{send.prefix}/{s}", f"a move from {ex}")
-                     for r in send.runs for s in range(r.shard, r.shard + r.count)}
-            for emit in send.emits:
-                executors.deliver(cut(emit, local))
+        moves.extend((holders[address], send) for send in sends)
+
+    def move() -> None:
+        """Every move whose shards are there (an executor waits for what it is asked to send)."""
+        while True:
+            ready = [(ex, send) for ex, send in moves if all(
+                f"{send.prefix}/{s}" in executors.store[ex] for r in send.runs for s in range(r.shard, r.shard + r.count))]
+            if not ready:
+                return
+            for ex, send in ready:
+                moves.remove((ex, send))
+                local = {s: executors.read(ex, f"{send.prefix}/{s}", f"a move from {ex}")
+                         for r in send.runs for s in range(r.shard, r.shard + r.count)}
+                for emit in send.emits:
+                    executors.deliver(cut(emit, local))
+
     computations = sorted((c for comps in lowered.schedules.values() for c in comps), key=lambda c: c.node)
+    move()
     for c in computations:  # program order: a node's inputs were all made (and sent) before it
+        move()
         ex = c.executor_id
         reader = f"node {c.node}"
         shards = [s for _, s in c.shards()]
@@ -122,6 +138,9 @@ def play(program: ProgramSpec, lowered: Lowered, functions: Mapping[str, Functio
         slots = ins + outs
         for emit in c.emits:
             executors.deliver(cut(emit, slots[emit.slot], slots[emit.selector] if emit.selector >= 0 else None))
+    move()
+    if moves:
+        raise PlayError(f"moves never sent, their shards never there: {[send.prefix for _, send in moves]}")
     waiting = {ex: p.pending() for ex, p in executors.progress.items() if len(p)}
     if waiting:
         raise PlayError(f"destinations left waiting for more: {waiting}")

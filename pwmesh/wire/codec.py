@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import msgpack
@@ -52,6 +52,37 @@ class FrameError(ProtocolError):
         self.reason = reason
 
 
+class Gather:
+    """An array sent from pieces of other arrays, never gathered in memory: its frame is ``views()``'s
+    bytes back to back (the data plane writes them with scatter-gather ``sendmsg``, or copies them
+    straight into a shared-memory slot); the receiver gets one contiguous array of ``shape``, as for
+    an ndarray. A subclass says where the pieces are (``pwmesh.dataflow.exchange.Gathered``)."""
+
+    def __init__(self, shape: tuple[int, ...], dtype: np.dtype) -> None:
+        self.shape = tuple(shape)
+        self.dtype = np.dtype(dtype)
+        self.nbytes = math.prod(self.shape) * self.dtype.itemsize
+
+    def views(self) -> Iterator[memoryview]:
+        """The frame's bytes, in order, as byte views of the pieces' memory (``nbytes`` in all)."""
+        raise NotImplementedError
+
+    def into(self, out: np.ndarray) -> np.ndarray:
+        """The frame's bytes copied into ``out`` (a writable uint8 array of ``nbytes``); returns ``out``."""
+        at = 0
+        for view in self.views():
+            out[at:at + view.nbytes] = np.frombuffer(view, np.uint8)
+            at += view.nbytes
+        if at != self.nbytes:
+            raise ValueError(f"a gathered frame of {at} bytes, {self.nbytes} expected")
+        return out
+
+
+def frame_nbytes(frame: Any) -> int:
+    """A frame's size: bytes, a buffer, or a ``Gather``."""
+    return frame.nbytes if isinstance(frame, Gather) else memoryview(frame).nbytes
+
+
 @dataclasses.dataclass(slots=True)
 class Envelope:
     """A decoded message and the header fields around it."""
@@ -87,10 +118,15 @@ def dtype_from_name(name: str) -> np.dtype:
 
 
 def encode(message: Message, *, msg_id: int, reply_to: int | None = None, sender: str = "") -> list[Any]:
-    """Frames for ``message``: ``[header, body, *buffers]`` (buffers are not copied)."""
+    """Frames for ``message``: ``[header, body, *buffers]`` (buffers are not copied; a ``Gather`` stays one,
+    for the data plane to write: only it sends messages that hold one)."""
     buffers: list[Any] = []
 
     def default(obj: Any) -> Any:
+        if isinstance(obj, Gather):  # its bytes go as they are: native-endian, C order, like an ndarray's
+            buffers.append(obj)
+            return msgpack.ExtType(_ARRAY_EXT, msgpack.packb([len(buffers) - 1, _dtype_name(obj.dtype),
+                                                              list(obj.shape)]))
         if isinstance(obj, np.ndarray):
             if obj.dtype.hasobject:
                 raise TypeError("object arrays cannot be sent")
@@ -114,7 +150,7 @@ def encode(message: Message, *, msg_id: int, reply_to: int | None = None, sender
     # to be dropped (a run waiting on it would wait for ever).
     limits = DEFAULT_LIMITS
     if len(body) > limits.max_body_bytes or len(buffers) > limits.max_buffers or any(
-            memoryview(b).nbytes > limits.max_buffer_bytes for b in buffers):
+            frame_nbytes(b) > limits.max_buffer_bytes for b in buffers):
         raise ProtocolError(f"{message.op} would be {len(body)} bytes and {len(buffers)} buffers, over what a "
                             f"message may carry ({limits.max_body_bytes} bytes, {limits.max_buffers} buffers of "
                             f"{limits.max_buffer_bytes} bytes each): it was not sent")

@@ -682,6 +682,17 @@ class CancelRun(Message, op="exec.cancel_run"):
 
 
 @record
+class LandingReport(Record):
+    """A tuple's destination executor reports ``node`` of ``run_id`` done to ``proxy`` once its ``shards`` of
+    the tuple's value are stored (a reshard node that lands its output with no computation: ``Target.node``)."""
+
+    proxy: str
+    run_id: str
+    node: int
+    shards: list[int]
+
+
+@record
 class DataTuple(Record):
     """One shard-tagged tuple and/or progress marker, for shard ``shard`` of ``prefix``.
 
@@ -708,6 +719,7 @@ class DataTuple(Record):
     # More destination shards of the same executor that get this very tuple, as [shard, device] each
     # (replicas of one block): its bytes travel once, and the receiver gives each its own copy.
     copies: list[list[int]] = dataclasses.field(default_factory=list)
+    report: LandingReport | None = None  # who to tell once the value has landed here (a reshard node's output)
 
 
 @record

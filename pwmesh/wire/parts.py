@@ -69,7 +69,7 @@ def renamed_emit(emit: Emit, name: Callable[[str], str]) -> Emit:
     return Emit(mode=emit.mode, rows=emit.rows, src_shards=emit.src_shards, slot=emit.slot, selector=emit.selector,
                 source=emit.source, shape=emit.shape, src=emit.src,
                 targets=[Target(prefix=name(t.prefix), shards=t.shards, sites=t.sites, shape=t.shape, dtype=t.dtype,
-                                sharding=t.sharding) for t in emit.targets])
+                                sharding=t.sharding, node=t.node) for t in emit.targets])
 
 
 def referenced_parts(comps: Iterable[Computation]) -> list[tuple[RunPart, list[str]]]:

@@ -179,6 +179,9 @@ class Target(Record):
     shape: list[int]  # one destination shard's shape (for a ragged value: its capacity)
     dtype: str
     sharding: Sharding | None = None  # its layout (None: ``shards`` equal blocks along the leading axis)
+    # The reshard node (>= 0) whose output this is, landed straight under its name with no computation
+    # of its own: each destination executor reports the node done once its shards of it are stored.
+    node: int = -1
 
 
 @record
