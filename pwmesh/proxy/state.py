@@ -113,6 +113,7 @@ from pwmesh.proxy.events import (  # noqa: F401 - re-exported: tests name them f
     settled,
     sources,
 )
+from pwmesh.proxy.frees import KeptFrees
 from pwmesh.proxy.intake import bind, host_puts, record_run
 from pwmesh.proxy.resume import Orphan, adopt, data_key, resume_token, slice_controls, token_matches
 from pwmesh.proxy.session import Buffer, Run, Session
@@ -258,6 +259,7 @@ class ProxyState:
         self._orphan_slices: dict[str, list[SliceInfo]] = {}  # sessions being resumed: the slices they had
         self._reclaiming: dict[str, Reclaim] = {}  # sessions being resumed: what was asked of the executors
         self.lost_schedulers: dict[str, DeviceLost] = {}  # address -> why: runs there cannot be ordered
+        self.frees = KeptFrees()  # frees sent to schedulers not known fanned out: sent again if one is lost
         self.programs = 0
         self.dispatch_messages = 0  # Send actions of program traffic, ever (the shell adds their bytes)
         self._session_ids = itertools.count(1)
@@ -361,6 +363,8 @@ class ProxyState:
         self._out.append(Send(to, message, self._dispatching, self._stimulus))
         if self._dispatching:
             self.dispatch_messages += 1
+        if self.frees.kept and type(message) in (RunTemplate, ScheduleRun):  # its report confirms earlier frees
+            self.frees.run_sent(to, message.run_id)  # type: ignore[attr-defined]
 
     def _resolve(self, buf: Buffer, error: PwmeshError | None) -> None:
         if buf.resolve(error):
@@ -926,6 +930,7 @@ class ProxyState:
         on ``executor_id`` (the island's message that ends them follows); ``lost``: the run cannot finish."""
         if peer in self.sessions:
             raise ProtocolError("an island's completions come from its scheduler, not from client sessions")
+        self.frees.heard(msg.scheduler, msg.run_id)
         found = self.runs.get(msg.run_id.split("#", 1)[0])
         if found is None:
             return None  # ended already (aborted, say): nothing waits for it
@@ -1035,6 +1040,10 @@ class ProxyState:
             for session, run in list(self.runs.values()):
                 if msg.address in run.schedulers:
                     self._abort_run(session, run, err)
+            # Frees it may not have fanned out (in flight when it died): to each executor now (deletes are
+            # idempotent; its executors still hold those buffers otherwise, until their session ends).
+            for control, buffers in self.frees.lost(msg.address).items():
+                self._send(control, DeleteShards(buffers=buffers))
         elif isinstance(msg, SchedulerJoined):
             self.lost_schedulers.pop(msg.address, None)
             self.scheduler_generation[msg.address] += 1  # a new process: it holds no template
@@ -1261,8 +1270,10 @@ class ProxyState:
                 for control, prefixes in by_holder.items():
                     self._send(control, DeleteShards(buffers=prefixes))
                 continue
-            self._send(island, FreeShards(groups=[FreeGroup(buffers=prefixes, controls=list(holders))
-                                                  for holders, prefixes in groups if holders]))
+            free = FreeShards(groups=[FreeGroup(buffers=prefixes, controls=list(holders))
+                                      for holders, prefixes in groups if holders])
+            self._send(island, free)
+            self.frees.sent(island, free)  # until the scheduler is known to have read it
 
     def _put_buffer(self, peer: bytes, msg: PutBuffer, now: float) -> Reply:
         session = self.session(peer)
