@@ -12,10 +12,15 @@ The pure-core cases drive the proxy's core event by event; the last two use real
 
 from __future__ import annotations
 
+import logging
+import re
 import signal
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from test_island_completions import island
@@ -23,13 +28,21 @@ from test_proxy_state import CLIENT, SCHEDULER, World, chain
 
 import pwmesh as pw
 from helpers import eventually
-from pwmesh.proxy.state import Inbound, Notice
+from pwmesh.cli.commands import fetch_status
+from pwmesh.client.connection import ClientConnection
+from pwmesh.errors import PermissionDenied, PwmeshError
+from pwmesh.proxy.state import Inbound, Notice, Reply, settled
 from pwmesh.proxy.state import Send as ProxySend
 from pwmesh.scheduler.order import IslandOrder
 from pwmesh.scheduler.state import SchedulerState
+from pwmesh.service import keys as cluster_keys
 from pwmesh.wire.messages import (
+    AwaitBuffers,
     DeleteShards,
+    ErrorInfo,
     FreeShards,
+    GetEvents,
+    IslandDone,
     Ok,
     ProgramInput,
     PutBuffer,
@@ -93,6 +106,39 @@ def test_a_report_on_a_later_run_shows_the_scheduler_read_the_frees_before_it() 
     assert resent == {b for f in kept for g in f.groups for b in g.buffers}, "only what came after the run"
 
 
+def test_an_islands_report_from_another_daemons_key_is_refused_logged_and_changes_nothing(
+        caplog: pytest.LogCaptureFixture) -> None:
+    world = World()
+    sid, slice_id = world.open()
+    fns = [world.function(CLIENT, slice_id, name) for name in (b"f", b"g")]
+    assert world.ask(CLIENT, PutBuffer(buffer=1, slice_id=slice_id, array=np.ones((8, 2), np.float32))) == Ok()
+    assert world.handle(Inbound(CLIENT, RegisterProgram(program_id="p", program=chain(fns, slice_id)))) == []
+    world.handle(Inbound(CLIENT, RunProgram(inputs=[ProgramInput(buffer=1)], outputs=[2], program_id="p")))
+    (run_id,) = world.proxy.runs
+    wait = world.ask(CLIENT, AwaitBuffers(buffers=[2]))
+    forged = [IslandDone(run_id=run_id, scheduler=SCHEDULER, nodes=[0, 1]),
+              IslandDone(run_id=run_id, scheduler=SCHEDULER, nodes=[1], executor_id="ex0",
+                         error=ErrorInfo.of(PwmeshError("forged"))),
+              IslandDone(run_id=run_id, scheduler=SCHEDULER, nodes=[0, 1], lost=True)]
+    with caplog.at_level(logging.WARNING, logger="pwmesh.proxy.state"):
+        for message in forged:  # the scheduler serves with the cluster's key: "rogue", a host's, is not it
+            (reply,) = world.handle(Inbound(b"rogue", message, user="rogue"))
+            assert isinstance(reply, Reply) and isinstance(reply.error, PermissionDenied)
+            assert "'rogue' cannot report for the scheduler at" in str(reply.error)
+    assert [r for r in caplog.records if "refused completions of run" in r.getMessage()], "logged"
+    assert len(caplog.records) == 1, "rate-limited: one line per key"
+    assert run_id in world.proxy.runs and settled(wait.buffers) is None, "nothing changed"
+    # A scheduler serving with a key of its own: only that key speaks for it.
+    own = cluster_keys.keyed(SCHEDULER, b"rJ1ahg.%JvYAU)o/c3]tMP9U6=fP:}w7oH[G*0Mu")
+    world.proxy.key_holder = lambda public: "sched-host" if public == cluster_keys.unkeyed(own)[1] else None
+    for user, allowed in (("rogue", False), ("sched-host", True), ("cluster", True)):
+        out = world.handle(Inbound(b"peer", IslandDone(run_id="s9-000000:1-x", scheduler=own, nodes=[0]), user=user))
+        assert (out == []) is allowed, (user, out)
+    # From the scheduler's own key the report counts.
+    world.handle(Inbound(b"scheduler", IslandDone(run_id=run_id, scheduler=SCHEDULER, nodes=[0, 1])))
+    assert not world.proxy.runs and settled(wait.buffers) is None and wait.buffers[0].done
+
+
 # ------------------------------------------------------------------ real daemons
 
 HEARTBEAT_TIMEOUT_SECONDS = 2.0
@@ -135,3 +181,56 @@ def test_buffers_freed_while_the_scheduler_dies_are_deleted_without_closing_the_
             except pw.DeviceLost:
                 return False
         eventually(runs, 30)
+
+
+@pytest.fixture(scope="module")
+def key_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    cluster = cluster_keys.init(tmp_path_factory.mktemp("island-keys") / "cluster")
+    return {"cluster": cluster, "alice": cluster_keys.add_client(cluster, "alice"),
+            "root": cluster_keys.add_client(cluster, "root", admin=True),
+            "rogue": cluster_keys.add_daemon(cluster, "rogue")}
+
+
+def slow(x):
+    # A second or more of real work on one CPU core.
+    m = jnp.full((192, 192), 0.01, jnp.float32)
+    v = jnp.full((192, 192), 0.5, jnp.float32) * x
+    return jax.lax.fori_loop(0, 3000, lambda i, a: jnp.tanh(a @ m), v).sum()[None]
+
+
+def eventually_run_id(scheduler: str, root: Path) -> str:
+    """The id of the first run the island's scheduler receives (as its event log shows it)."""
+    found: list[str] = []
+    admin = ClientConnection(scheduler, name="root", open_session=False, keys=str(root))
+
+    def received() -> bool:
+        lines = admin.request(GetEvents(limit=0), timeout_seconds=10.0).lines
+        found[:] = [m for line in lines for m in re.findall(r"run_id='([^'#]+)'", line)]
+        return bool(found)
+    try:
+        eventually(received, 60)
+    finally:
+        admin.close()
+    return found[0]
+
+
+def test_a_forged_island_report_from_another_daemons_key_is_refused(key_dirs: dict[str, Path]) -> None:
+    spec = pw.LocalClusterSpec(islands=1, hosts_per_island=1, devices_per_host=1, keys=str(key_dirs["cluster"]),
+                               daemon_keys=True)
+    with pw.LocalCluster(spec) as hosts, pw.Client(hosts.address, name="alice", keys=str(key_dirs["alice"])) as alice:
+        sl = alice.make_virtual_device_set().add_slice(devices=1)
+        y = pw.pmap(slow, devices=sl)(np.ones(1, np.float32))  # seconds of work: the run is in flight
+        (scheduler,) = fetch_status(hosts.address, keys=str(key_dirs["root"])).cluster.schedulers
+        run_id = eventually_run_id(scheduler.address, key_dirs["root"])
+        rogue = ClientConnection(hosts.address, name="rogue", open_session=False, keys=str(key_dirs["rogue"]))
+        try:
+            cause = ErrorInfo.of(PwmeshError("forged by rogue"))
+            for forged in (IslandDone(run_id=run_id, scheduler=scheduler.address, nodes=[0], executor_id="x",
+                                      error=cause),
+                           IslandDone(run_id=run_id, scheduler=scheduler.address, nodes=[0], lost=True, error=cause)):
+                with pytest.raises(pw.PermissionDenied, match="'rogue' cannot report for the scheduler"):
+                    rogue.request(forged, timeout_seconds=10.0)
+        finally:
+            rogue.close()
+        # Nothing changed: the run finishes with its own value.
+        assert np.asarray(y).shape == (1, 1) and np.isfinite(np.asarray(y)).all()
