@@ -10,8 +10,10 @@ no JAX: each part drives the same pure object the daemon wraps, with a synthetic
     parameters), ``w`` returned. The harness drives the proxy's own core
     (``proxy/state.py::ProxyState``, what the daemon runs short of its sockets): the
     ``RunProgram``, every message it sends encoded with the wire codec; then the run's
-    completions as its executors report them (one ``NodeDone`` each: the chain's inner
-    nodes are quiet) and what the proxy sends because of them (the temporaries' frees).
+    completion as the island's scheduler tells it (one ``IslandDone`` per run per island,
+    made by the scheduler's own completions core from each executor's ``RunPartDone``: the
+    chain's inner nodes are quiet) and what the proxy sends because of it (the temporaries'
+    frees, one ``FreeShards`` per island).
     *warm*: the same program again (a cache hit); *cold*: an empty lowering cache (first
     run in a session; functions already registered). CPU is ``time.process_time``, median
     of the repeats. Two kinds of node: ``pmap`` (a function per device, as ``pw.pmap``)
@@ -66,6 +68,7 @@ from pwmesh.ir.cache import LoweringCache
 from pwmesh.ir.keys import function_id
 from pwmesh.proxy.state import Ask, Inbound, ProxyState, Reply, Send, SliceGranted
 from pwmesh.rm.state import ResourceManagerState
+from pwmesh.scheduler.completions import IslandCompletions
 from pwmesh.scheduler.order import IslandOrder
 from pwmesh.wire import DEFAULT_LIMITS, Message, encode
 from pwmesh.wire.messages import (
@@ -75,7 +78,7 @@ from pwmesh.wire.messages import (
     DeviceInfo,
     ExecutorInfo,
     InstallTemplate,
-    NodeDone,
+    IslandDone,
     NodeSpec,
     OpenSession,
     ProgramInput,
@@ -224,6 +227,7 @@ class ProxyHarness:
         self.next_output = 1
         self.order = IslandOrder(island=0, scheduler="tcp://sched-0:6100")
         self.install: InstallTemplate | None = None  # the latest template installed (once per cache)
+        self.island_reports = 0  # executors' RunPartDone to the island's scheduler, ever
 
     def handle(self, event: Any) -> list[Any]:
         return self.proxy.handle(event, 0.0)
@@ -247,19 +251,32 @@ class ProxyHarness:
         self.install = next((m for m in out if isinstance(m, InstallTemplate)), self.install)  # (a new cache's)
         return out, sum(encoded_bytes(m) for m in out)
 
-    def complete(self, run_id: str) -> tuple[list[Message], list[Message]]:
-        """The run's completions, as its executors report them (one NodeDone each: its inner nodes are
-        quiet), handed to the core; (the NodeDones, what the core sends because of them)."""
-        by_executor: dict[str, list[int]] = {}
-        for node, executors in sorted(self.proxy.runs[run_id][1].pending.items()):
+    def island_done(self, run_id: str) -> list[IslandDone]:
+        """What the island's scheduler tells the proxy of the run, as the real cluster does (not timed): its
+        completions core (``scheduler/completions.py``) counts each executor's ``RunPartDone`` (the chain's
+        inner nodes are quiet) and makes one ``IslandDone`` per run per island."""
+        run = self.proxy.runs[run_id][1]
+        (scheduler,) = run.schedulers  # one island
+        parts: dict[str, list[int]] = {}
+        for node, executors in sorted(run.pending.items()):
             for executor_id in sorted(executors):
-                by_executor.setdefault(executor_id, []).append(node)
-        done = [NodeDone(run_id=run_id, nodes=nodes, executor_id=executor_id)
-                for executor_id, nodes in by_executor.items()]
+                parts.setdefault(executor_id, []).append(node)
+        island = IslandCompletions(scheduler)
+        assert island.start(run_id, self.proxy.address, parts) == []
+        told = []
+        for executor_id in parts:
+            self.island_reports += 1  # RunPartDone(run_id, executor_id): to the scheduler, not to the proxy
+            told += [done for _, done in island.part_done(run_id, executor_id)]
+        return told
+
+    def complete(self, run_id: str, told: list[IslandDone] | None = None) -> tuple[list[Message], list[Message]]:
+        """The island's report of the run (``told``, else made now) handed to the proxy's core; (what the
+        island's scheduler sent the proxy, what the core sends because of it)."""
+        done = self.island_done(run_id) if told is None else told
         out = []
         for d in done:
-            out += [a.message for a in self.handle(Inbound(b"executor", d)) if isinstance(a, Send)]
-        return done, out
+            out += [a.message for a in self.handle(Inbound(b"scheduler", d)) if isinstance(a, Send)]
+        return list(done), out
 
     def release(self) -> None:
         """The client drops the run's output (not timed): every repeat starts from the same session."""
@@ -287,8 +304,9 @@ def proxy_point(devices: int, spmd: bool, config: Config) -> dict[str, Any]:
             sent, _ = fn()
             dispatch_s.append(time.process_time() - start)
             run_id = run_of(sent).run_id
+            told = harness.island_done(run_id)  # (the scheduler's work: not the proxy's CPU)
             start = time.process_time()
-            harness.complete(run_id)
+            harness.complete(run_id, told)
             done_s.append(time.process_time() - start)
             harness.release()
         return statistics.median(dispatch_s), statistics.median(done_s), sent
@@ -298,8 +316,11 @@ def proxy_point(devices: int, spmd: bool, config: Config) -> dict[str, Any]:
     assert harness.session.lowerings.hits >= config.proxy_warm_repeats, "the warm runs must hit the cache"
     schedule = run_of(messages)
     nbytes = sum(encoded_bytes(m) for m in messages)
-    # The run's completions: what the executors send the proxy, and what it sends because of them.
+    # The run's completion: what the island's scheduler sends the proxy, and what it sends because of it;
+    # the executors' reports go to the scheduler (one RunPartDone each).
+    reports = harness.island_reports
     done, frees = harness.complete(run_of(harness.dispatch()[0]).run_id)  # (a last run, untimed: counted)
+    reports = harness.island_reports - reports
     assert not harness.proxy.runs, "every run finished"
     # The island's side of the same run: one Enqueue per executor.
     order = IslandOrder(island=0, scheduler="tcp://sched-0:6100")
@@ -318,6 +339,7 @@ def proxy_point(devices: int, spmd: bool, config: Config) -> dict[str, Any]:
         "install_template_bytes": encoded_bytes(install),  # once per template and island
         "warm_cpu_us": 1e6 * warm_s, "cold_cpu_us": 1e6 * cold_s,
         "completion_messages_in": len(done), "completion_bytes_in": sum(encoded_bytes(m) for m in done),
+        "island_reports_in": reports,  # the executors' RunPartDone, to the island's scheduler
         "completion_messages_out": len(frees), "completion_cpu_us": 1e6 * done_s,
         "setup_register_function_messages": len(setup),
         "setup_register_function_bytes": sum(encoded_bytes(m) for m in setup),
@@ -517,7 +539,7 @@ def placement_time(config: Config) -> list[dict[str, Any]]:
 
 def proxy_table(proxy: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
     headers = ["node", "devices", "executors", "proxy msgs", "proxy bytes", "part bytes", "warm CPU us",
-               "cold CPU us", "NodeDone in", "frees out", "completion CPU us", "1st-run RegisterFunction",
+               "cold CPU us", "IslandDone in", "frees out", "completion CPU us", "1st-run RegisterFunction",
                "1st-run RegisterGang (bytes)", "island Enqueues", "Enqueue bytes", "island CPU us"]
     rows = []
     for kind, data in proxy.items():
@@ -707,7 +729,8 @@ def main(argv: list[str] | None = None) -> int:
     }
     sections = [
         ("(a) the proxy per program (3-node chain, x an existing buffer; the proxy's core: dispatch CPU with the "
-         "messages encoded, then the run's completions and the frees they cause)",
+         "messages encoded, then the run's completion as its island's scheduler tells it, one IslandDone, and the "
+         "frees it causes)",
          proxy_table(proxy), 1),
         (f"(a) the same chain run on the simulator over {config.sim_chain_hosts * DEVICES_PER_EXECUTOR:,} devices "
          "(warm steps; the first sends the functions and the gang)", _scale_sim.chain_table(chain_sim), 1),

@@ -249,6 +249,7 @@ class Proxy(Service):
                                 lower_off_loop_nodes=self.config.lower_off_loop_nodes,
                                 secret=session_secret(self.config, self.ctx.keys))
         self.event_log = self.state.events
+        self.state.key_holder = lambda public: getattr(self.ctx.whose(public), "name", None)
         if not self.state.secret:
             log.info("no session secret (--session-secret-file, or --keys): sessions end if this proxy restarts")
         sandboxed = self.config.sandbox_functions

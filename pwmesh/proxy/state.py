@@ -113,11 +113,12 @@ from pwmesh.proxy.events import (  # noqa: F401 - re-exported: tests name them f
     settled,
     sources,
 )
+from pwmesh.proxy.frees import KeptFrees
 from pwmesh.proxy.intake import bind, host_puts, record_run
 from pwmesh.proxy.resume import Orphan, adopt, data_key, resume_token, slice_controls, token_matches
 from pwmesh.proxy.session import Buffer, Run, Session
 from pwmesh.proxy.tenants import TenantLimits, TenantPolicy
-from pwmesh.service.keys import LOCAL, speaks_for
+from pwmesh.service.keys import LOCAL, speaks_for, unkeyed
 from pwmesh.wire import DEFAULT_LIMITS, Message
 from pwmesh.wire.codec import dtype_from_name
 from pwmesh.wire.messages import (
@@ -258,6 +259,10 @@ class ProxyState:
         self._orphan_slices: dict[str, list[SliceInfo]] = {}  # sessions being resumed: the slices they had
         self._reclaiming: dict[str, Reclaim] = {}  # sessions being resumed: what was asked of the executors
         self.lost_schedulers: dict[str, DeviceLost] = {}  # address -> why: runs there cannot be ordered
+        self.frees = KeptFrees()  # frees sent to schedulers not known fanned out: sent again if one is lost
+        # Whose daemon key a public key (z85) is, by name (the shell's authorized keys; None: nobody's, or no
+        # keys): an island's reports are taken only from the key its scheduler's address advertises.
+        self.key_holder: Callable[[bytes], str | None] = lambda public: None
         self.programs = 0
         self.dispatch_messages = 0  # Send actions of program traffic, ever (the shell adds their bytes)
         self._session_ids = itertools.count(1)
@@ -361,6 +366,8 @@ class ProxyState:
         self._out.append(Send(to, message, self._dispatching, self._stimulus))
         if self._dispatching:
             self.dispatch_messages += 1
+        if self.frees.kept and type(message) in (RunTemplate, ScheduleRun):  # its report confirms earlier frees
+            self.frees.run_sent(to, message.run_id)  # type: ignore[attr-defined]
 
     def _resolve(self, buf: Buffer, error: PwmeshError | None) -> None:
         if buf.resolve(error):
@@ -926,6 +933,8 @@ class ProxyState:
         on ``executor_id`` (the island's message that ends them follows); ``lost``: the run cannot finish."""
         if peer in self.sessions:
             raise ProtocolError("an island's completions come from its scheduler, not from client sessions")
+        self._check_scheduler_key(msg)
+        self.frees.heard(msg.scheduler, msg.run_id)
         found = self.runs.get(msg.run_id.split("#", 1)[0])
         if found is None:
             return None  # ended already (aborted, say): nothing waits for it
@@ -971,6 +980,22 @@ class ProxyState:
             self._release_nodes(session, run)
         if not run.pending:
             self._finish_run(session, run)
+
+    def _check_scheduler_key(self, msg: IslandDone) -> None:
+        """Refuse (and log, rate-limited) an island's report from any key but the one its scheduler's address
+        advertises (``keys.keyed``; an address with none, or the cluster's, is the cluster's own daemons'):
+        a daemon host's key must not finish, fail or abort another island's runs."""
+        try:
+            _, public = unkeyed(msg.scheduler)
+        except InvalidArgument:
+            public = None
+        holder = (self.key_holder(public) or "?") if public is not None else ""
+        if speaks_for(self._user, holder):
+            return
+        self._peer_log.warning(("forged", self._user), "refused completions of run %s as the scheduler at %s from "
+                               "the daemon key %r (that scheduler's key is %r's)", msg.run_id, msg.scheduler,
+                               self._user, holder or "the cluster")
+        raise PermissionDenied(f"the daemon key {self._user!r} cannot report for the scheduler at {msg.scheduler}")
 
     def _template_missing(self, peer: bytes, msg: TemplateMissing, now: float) -> None:
         """A scheduler did not hold a run's template (it restarted, or dropped it) and ordered nothing of the
@@ -1037,6 +1062,10 @@ class ProxyState:
             for session, run in list(self.runs.values()):
                 if msg.address in run.schedulers:
                     self._abort_run(session, run, err)
+            # Frees it may not have fanned out (in flight when it died): to each executor now (deletes are
+            # idempotent; its executors still hold those buffers otherwise, until their session ends).
+            for control, buffers in self.frees.lost(msg.address).items():
+                self._send(control, DeleteShards(buffers=buffers))
         elif isinstance(msg, SchedulerJoined):
             self.lost_schedulers.pop(msg.address, None)
             self.scheduler_generation[msg.address] += 1  # a new process: it holds no template
@@ -1263,8 +1292,10 @@ class ProxyState:
                 for control, prefixes in by_holder.items():
                     self._send(control, DeleteShards(buffers=prefixes))
                 continue
-            self._send(island, FreeShards(groups=[FreeGroup(buffers=prefixes, controls=list(holders))
-                                                  for holders, prefixes in groups if holders]))
+            free = FreeShards(groups=[FreeGroup(buffers=prefixes, controls=list(holders))
+                                      for holders, prefixes in groups if holders])
+            self._send(island, free)
+            self.frees.sent(island, free)  # until the scheduler is known to have read it
 
     def _put_buffer(self, peer: bytes, msg: PutBuffer, now: float) -> Reply:
         session = self.session(peer)
