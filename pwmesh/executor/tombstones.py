@@ -26,6 +26,7 @@ thousands of deletes ago, where data in flight lives seconds) is forgotten, so t
 from __future__ import annotations
 
 import bisect
+import collections
 from typing import Any
 
 RECENT = 1 << 16  # names kept as they are: the newest deletes, which late arrivals and reads race
@@ -104,17 +105,19 @@ class Tombstones:
 
     def __init__(self, recent: int = RECENT) -> None:
         self.recent = recent
-        self._recent: dict[str, bool] = {}  # name -> complete, oldest first
+        # Oldest first. OrderedDicts: a plain dict drained from the front scans the slots its deletes left
+        # (~12 us a pop at this size, against ~1 for an OrderedDict's ``popitem(last=False)``).
+        self._recent: collections.OrderedDict[str, bool] = collections.OrderedDict()  # name -> complete
         self._ranges: dict[str, Ranges] = {}  # stem -> its deleted numbers, once they aged
-        self._other: dict[str, None] = {}  # aged names of no proxy's form, oldest first
+        self._other: collections.OrderedDict[str, None] = collections.OrderedDict()  # aged names of no proxy's form
 
     def add(self, buffer: str, complete: bool = False) -> None:
         """``buffer`` was deleted; ``complete``: nothing of it can arrive any more (see the module)."""
         recent = self._recent
         recent[buffer] = complete
         if len(recent) > self.recent:
-            old = next(iter(recent))
-            if not recent.pop(old):
+            old, was_complete = recent.popitem(last=False)
+            if not was_complete:
                 self._age(old)
 
     def update(self, buffers: list[str]) -> None:
@@ -126,7 +129,7 @@ class Tombstones:
         if parsed is None:
             self._other[buffer] = None
             if len(self._other) > self.recent:
-                del self._other[next(iter(self._other))]
+                self._other.popitem(last=False)
             return
         stem, n = parsed
         ranges = self._ranges.get(stem)
@@ -153,8 +156,8 @@ class Tombstones:
 
     def forget(self, prefix: str) -> None:
         """Drop the tombstones of the buffers whose names begin with ``prefix`` (an owner's)."""
-        self._recent = {k: v for k, v in self._recent.items() if not k.startswith(prefix)}
-        self._other = {k: None for k in self._other if not k.startswith(prefix)}
+        self._recent = collections.OrderedDict((k, v) for k, v in self._recent.items() if not k.startswith(prefix))
+        self._other = collections.OrderedDict((k, None) for k in self._other if not k.startswith(prefix))
         self._ranges = {k: v for k, v in self._ranges.items() if not k.startswith(prefix)}
 
     def __len__(self) -> int:
