@@ -184,6 +184,7 @@ def test_one_executor_quick_calls_then_a_long_one(one: pw.LocalCluster) -> None:
         quick_then_long(one.address, lambda x, n: fn(x, np.full(2, n, np.int32)), lanes=2)
 
 
+@pytest.mark.long  # ~24 s: the tests beside it run the same sequence at a 2 s heartbeat, on one and two executors
 def test_two_executors_without_a_group_at_the_issues_timings() -> None:
     """As reported: default heartbeats (10 s), a call of about 18 s, on two executors."""
     global HEARTBEAT, LONG
