@@ -397,3 +397,44 @@ def test_a_reply_that_lands_just_before_a_heartbeat_is_not_hidden_by_it() -> Non
             assert isinstance(conn.wait(fut, "ping", timeout_seconds=10.0), Pong)
         finally:
             conn.close(timeout_seconds=0.5)
+
+
+
+@pytest.mark.asyncio
+@pytest.mark.timeout(30)
+async def test_merged_posts_leave_as_one_at_the_end_of_the_turn_and_keep_the_order() -> None:
+    """``post_merged``: a turn's messages of one type to a peer leave as one message as the turn ends; any other
+    message sent there first sends them, so the peer receives everything in the order it was sent. (A real
+    server and connection on loopback, in this process.)"""
+    from pwmesh.service.rpc import Connections, Server
+    from pwmesh.service.tasks import TaskGroup
+    from pwmesh.service.transport import Context
+    from pwmesh.wire import Envelope
+    from pwmesh.wire.messages import DeleteShards, Ping
+
+    def merge(a: DeleteShards, b: DeleteShards) -> DeleteShards:
+        return DeleteShards(buffers=a.buffers + b.buffers)
+
+    got: list[tuple[str, list[str]]] = []
+    arrived = asyncio.Event()
+
+    def on(peer: bytes, env: Envelope) -> None:
+        got.append((env.message.op, list(getattr(env.message, "buffers", []))))
+        if isinstance(env.message, Ping):
+            arrived.set()
+
+    ctx, tasks = Context(), TaskGroup()
+    server = Server(ctx, "tcp://127.0.0.1:0", {DeleteShards: on, Ping: on}, tasks=tasks, name="peer")
+    server.start()
+    conns = Connections(ctx, tasks=tasks, name="sender")
+    try:
+        conns.post_merged(server.address, DeleteShards(buffers=["s/a"]), merge)
+        conns.post_merged(server.address, DeleteShards(buffers=["s/b"]), merge)
+        await asyncio.sleep(0)  # the turn ends: the two leave as one
+        conns.post_merged(server.address, DeleteShards(buffers=["s/c"]), merge)
+        conns.post(server.address, Ping())  # sends the waiting one first
+        await asyncio.wait_for(arrived.wait(), 10)
+        assert got == [("exec.delete_shards", ["s/a", "s/b"]), ("exec.delete_shards", ["s/c"]), ("ping", [])]
+    finally:
+        await tasks.stop()
+        ctx.close()

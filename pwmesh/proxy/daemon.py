@@ -84,6 +84,7 @@ from pwmesh.wire.messages import (
     ClusterStateReply,
     ClusterTrace,
     DataLost,
+    DeleteShards,
     DrainExecutor,
     DrainHost,
     DrainStarted,
@@ -129,6 +130,11 @@ DELIVER_TIMEOUT_SECONDS = 600.0  # a put's bytes count in flight at most this lo
 EARLY_FETCH_TIMEOUT_SECONDS = 7 * 24 * 3600.0  # a fetch sent before its value exists waits as long as it computes
 # Messages held per connection for a session not resumed yet (``Proxy._hold``): past this, "no session".
 MAX_HELD_MESSAGES = 10_000
+
+
+def merged_deletes(earlier: DeleteShards, later: DeleteShards) -> DeleteShards:
+    """Two frees for one executor as one (``Connection.post_merged``)."""
+    return DeleteShards(buffers=earlier.buffers + later.buffers)
 
 
 def _ignored() -> asyncio.Future[Any]:
@@ -562,6 +568,9 @@ class Proxy(Service):
         error: PwmeshError | None = None
         for action in actions:
             if isinstance(action, Send):
+                if isinstance(action.message, DeleteShards):  # a turn's frees: one message an executor
+                    self.peers.post_merged(action.to, action.message, merged_deletes)
+                    continue
                 before = self.peers.sent_bytes
                 self.peers.post(action.to, action.message)
                 if action.dispatch:

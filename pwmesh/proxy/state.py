@@ -1386,11 +1386,13 @@ class ProxyState:
         session = self._own(peer)
         if session is None:
             return None
+        released = []
         for cid in msg.buffers:
             buf = session.buffers.pop(cid, None) or session.returnable.pop(cid, None)
             if buf is not None:
                 buf.client_ref = False
-                self._maybe_free(session.session_id, buf)
+                released.append(buf)
+        self._maybe_free(session.session_id, *released)  # one message an executor (or island), not one a buffer
         return None
 
     def _take_back(self, peer: bytes, msg: TakeBack, now: float) -> Reply:

@@ -285,10 +285,32 @@ class Connection:
         self._posted = 0
         self._delivered = 0
         self._held: list[list[Any]] | None = None  # while held (see ``hold``): what waits to be sent
+        self._deferred: Message | None = None  # ``post_merged``'s, until this turn of the loop ends
         tasks.spawn(_receive_until_cancelled(self._sock, self._received), name=f"{name}->{address}.recv")
+
+    def post_merged(self, message: Message, merge: Callable[[Any, Any], Message]) -> None:
+        """Post ``message`` as this turn of the event loop ends, merged (``merge(earlier, later)``) with the
+        others of its type posted so meanwhile: a proxy's frees of one turn (a run's end, a fetch's, a
+        client's releases) leave as one ``DeleteShards``, not one each. Whatever else is sent here first
+        sends it, so what this peer receives keeps the order it was sent in."""
+        deferred = self._deferred
+        if deferred is not None:
+            if type(deferred) is type(message):
+                self._deferred = merge(deferred, message)
+                return
+            self._send_deferred()
+        self._deferred = message
+        asyncio.get_running_loop().call_soon(self._send_deferred)
+
+    def _send_deferred(self) -> None:
+        message, self._deferred = self._deferred, None
+        if message is not None:
+            self.post(message)
 
     def post(self, message: Message) -> int:
         """Send ``message`` without waiting; posted messages leave in the order posted. Returns its bytes."""
+        if self._deferred is not None:
+            self._send_deferred()
         self._posted += 1
         frames = encode(message, msg_id=-next_id(), sender=self._name)  # negative: no answer wanted
         self.sent[message.op] += 1
@@ -309,6 +331,8 @@ class Connection:
     def release(self, *, drop: bool = False) -> None:
         """Send, in order, what ``hold`` kept (or, with ``drop``, forget it: the peer is gone)."""
         held, self._held = self._held, None
+        if drop:
+            self._deferred = None
         for frames in held or ():
             if not drop:
                 self._sock.send_nowait(frames)
@@ -320,6 +344,8 @@ class Connection:
 
     async def flush(self) -> None:
         """Wait until everything posted so far has been handed to the socket."""
+        if self._deferred is not None:
+            self._send_deferred()
         await self._sock.wait_sent()
 
     async def request(self, message: Message, *, timeout_seconds: float) -> Message:
@@ -330,6 +356,8 @@ class Connection:
         timer = loop.call_later(timeout_seconds, self._expire, fut, message.op, timeout_seconds)
         try:
             # The same ordered pipe as post(): a request never overtakes what was posted before it.
+            if self._deferred is not None:
+                self._send_deferred()
             self._posted += 1
             upto = self._posted
             self._send(encode(message, msg_id=msg_id, sender=self._name))
@@ -460,6 +488,14 @@ class Connections:
             log.debug("%s: dropped %s for %s, which is gone", self._name, message.op, address)
             return
         self.sent_bytes += self.get(address).post(message)
+        self.sent_messages += 1
+
+    def post_merged(self, address: str, message: Message, merge: Callable[[Any, Any], Message]) -> None:
+        """``Connection.post_merged`` to ``address`` (dropped if it is gone)."""
+        if address in self.lost:
+            log.debug("%s: dropped %s for %s, which is gone", self._name, message.op, address)
+            return
+        self.get(address).post_merged(message, merge)
         self.sent_messages += 1
 
     def fence(self, address: str, message: Message) -> None:
