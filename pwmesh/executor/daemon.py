@@ -92,6 +92,7 @@ from pwmesh.wire.messages import (
     LandingReport,
     LeavingForGroup,
     ListHeld,
+    Move,
     Ok,
     OwnedShards,
     Ping,
@@ -102,6 +103,7 @@ from pwmesh.wire.messages import (
     RegisterExecutor,
     RegisterFunction,
     RegisterGang,
+    SendMoves,
     SendShards,
     ShardValues,
     SpillShards,
@@ -118,6 +120,9 @@ log = logging.getLogger(__name__)
 # Host copies at least this big (a put, an arrival, a fetch) are made on a thread, not the event loop:
 # a 256 MiB device_put holds its caller ~240 ms here, during which nothing else is served.
 HOST_COPY_INLINE_BYTES = 1 << 20
+# A move's tuples to one destination are batched up to this many bytes (fewer messages, each still small
+# enough that the receiver lands one while the next is on its way).
+MOVE_BATCH_BYTES = 16 << 20
 MAX_REPORTS_REMEMBERED = 4096  # reshard outputs reported landed, remembered so that each is reported once
 
 
@@ -264,6 +269,7 @@ class Executor(Service):
             InstallPart: self._install_part,
             PutShards: self._put,
             SendShards: self._send_shards,
+            SendMoves: self._send_moves,
             FetchShards: self._fetch,
             ExpectShards: lambda peer, env: self.direct.expect(peer, env),
             PushShards: lambda peer, env: self.direct.push(peer, env),
@@ -526,29 +532,56 @@ class Executor(Service):
         msg = env.message
         assert isinstance(msg, SendShards)
         check_runs(msg.runs, f"SendShards of {msg.prefix!r}")
-        shards = [r.shard + k for r in msg.runs for k in range(r.count)]
+        self._send_moves_of([Move(prefix=msg.prefix, runs=msg.runs, emits=msg.emits)], msg.proxy, msg.run_id)
+        return Ok()
+
+    def _send_moves(self, peer: bytes, env: Envelope) -> Ok:
+        msg = env.message
+        assert isinstance(msg, SendMoves)
+        for move in msg.moves:  # all checked before any is sent
+            check_runs(move.runs, f"SendMoves of {move.prefix!r}")
+        self._send_moves_of(msg.moves, msg.proxy, msg.run_id)
+        return Ok()
+
+    def _send_moves_of(self, moves: list[Move], proxy: str, run_id: str) -> None:
+        """Send ``moves`` (a run's, if ``run_id``), in order, by one task."""
         # Counted and looked up now, not when the task first runs: ``AwaitIdle`` right
         # behind must see it, and a delete right behind must not turn the lookup into
         # a wait for a key that will never come again.
-        values = {shard: self.store.get(f"{msg.prefix}/{shard}") for shard in shards}
+        looked_up = [(move.emits, {shard: self.store.get(f"{move.prefix}/{shard}")
+                                   for r in move.runs for shard in range(r.shard, r.shard + r.count)})
+                     for move in moves]
         self._sending += 1
         self._sent.clear()
-        run = (msg.proxy, msg.run_id) if msg.run_id else None
-        self.tasks.spawn(self._send_when_ready(msg.emits, values, run), name=f"send-{msg.prefix}")
-        return Ok()
+        run = (proxy, run_id) if run_id else None
+        name = f"send-{moves[0].prefix}" if len(moves) == 1 else f"send-{len(moves)}-of-{run_id}"
+        self.tasks.spawn(self._send_when_ready(looked_up, run), name=name)
 
-    async def _send_when_ready(self, emits: list[Emit], futures: dict[int, asyncio.Future[Any]],
+    async def _send_when_ready(self, moves: list[tuple[list[Emit], dict[int, asyncio.Future[Any]]]],
                                run: tuple[str, str] | None) -> None:
+        """Each move's tuples once its shards are here, those of consecutive moves to one destination in one
+        batch of up to ``MOVE_BATCH_BYTES`` (a weight sync: ~15 batches, not 65); what is cut leaves
+        before a wait for a shard not yet here."""
+        pending: list[tuple[Destination, DataTuple]] = []
+        size = 0
         try:
-            try:
-                local = {shard: await fut for shard, fut in futures.items()}
-            except PwmeshError as exc:
-                for emit in emits:
-                    self._send_tuples(cut_error(emit, list(futures), ErrorInfo.of(exc), run), run)
-            else:
-                for emit in emits:
-                    self._emit_values(emit, local, {}, run)
+            for emits, futures in moves:
+                if pending and not all(fut.done() for fut in futures.values()):
+                    self._send_tuples(pending, run)
+                    pending, size = [], 0
+                try:
+                    local = {shard: await fut for shard, fut in futures.items()}
+                    tuples = [t for emit in emits for t in self._cut_values(emit, local, {}, run)]
+                except PwmeshError as exc:  # a shard lost, an emit that cannot be cut: its destinations fail
+                    tuples = [t for emit in emits for t in cut_error(emit, list(futures), ErrorInfo.of(exc), run)]
+                pending += tuples
+                size += sum(t.array.nbytes for _, t in tuples if t.array is not None)
+                if size >= MOVE_BATCH_BYTES:
+                    self._send_tuples(pending, run)
+                    pending, size = [], 0
         finally:
+            if pending:  # (what was cut goes, whatever failed after it)
+                self._send_tuples(pending, run)
             self._sending -= 1
             if self._sending == 0:
                 self._sent.set()
@@ -795,9 +828,13 @@ class Executor(Service):
 
     def _emit_values(self, emit: Emit, local: dict[int, Any], selectors: dict[int, Any],
                      run: tuple[str, str] | None = None) -> None:
+        self._send_tuples(self._cut_values(emit, local, selectors, run), run)
+
+    def _cut_values(self, emit: Emit, local: dict[int, Any], selectors: dict[int, Any],
+                    run: tuple[str, str] | None) -> list[tuple[Destination, DataTuple]]:
         host = {shard: v if isinstance(v, Ragged) else np.asarray(v) for shard, v in local.items()}
-        self._send_tuples(cut(emit, host, {shard: np.asarray(v) for shard, v in selectors.items()},
-                              take=self.plane.pool.take, here=self.name, run=run), run)
+        return cut(emit, host, {shard: np.asarray(v) for shard, v in selectors.items()},
+                   take=self.plane.pool.take, here=self.name, run=run)
 
     def _send_tuples(self, tuples: list[tuple[Destination, DataTuple]], run: tuple[str, str] | None = None) -> None:
         """One batch per destination executor; ours are delivered here without a socket. ``run`` (its
