@@ -1,6 +1,7 @@
 """A run's moves from one executor travel as one message (issue #31 item 2): the proxy sends each holder
 executor one ``SendMoves`` per run, all of that run's moves for it, not a ``SendShards`` per array; the
-executor sends them in one pass, the tuples for each destination batched across arrays.
+executor sends them in one pass, the tuples for each destination batched across arrays; the receiver
+lands a batch's arrays in one hop to its host-copy thread (``land_all``).
 
 Real daemons (two islands of two executors each, real sockets, real JAX on CPU devices); what the
 executors received is read from their metrics (``pwmesh_messages_received_total`` by op).
@@ -18,7 +19,11 @@ from jax.sharding import PartitionSpec as P
 from prometheus_client.parser import text_string_to_metric_families
 
 import pwmesh as pw
+from pwmesh.dataflow.exchange import Landing
+from pwmesh.dataflow.plane import BufferPool
 from pwmesh.executor.daemon import MOVE_BATCH_BYTES
+from pwmesh.executor.landing import land_all
+from pwmesh.wire.messages import DataTuple
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -129,3 +134,26 @@ def test_a_leaf_that_cannot_land_fails_alone_among_the_moves_of_its_message() ->
         np.testing.assert_array_equal(got[1], small["b"])
         after = received(cluster, "exec.send_moves")
         assert sum(after.values()) - sum(before.values()) == 1
+
+
+def test_one_hop_lands_each_value_of_a_batch_or_returns_its_own_failure() -> None:
+    """``land_all``, as the receiver's host-copy thread runs it for a batch's arrays (real JAX, CPU
+    devices): a value that cannot be assembled is returned as its error, and the others of the batch
+    land on their devices all the same."""
+    def whole(prefix: str, array: np.ndarray, shape: list[int]) -> Landing:
+        t = DataTuple(prefix=prefix, shard=0, device=0, src=0, sources=1, shape=shape, dtype="float32",
+                      count=1, seq=0, array=array)
+        return Landing([(f"{prefix}/0", 0)], [t], t)
+
+    x = np.arange(16, dtype=np.float32).reshape(4, 4)
+    y = np.ones((8, 4), np.float32)
+    devices = jax.devices("cpu")[:1]
+    landed = land_all([(whole("s/x", x, [4, 4]), devices), (whole("s/bad", np.ones((5, 5), np.float32), [4, 4]),
+                                                            devices), (whole("s/y", y, [8, 4]), devices)],
+                      BufferPool().take)
+    assert isinstance(landed[1], ValueError) and "broadcast" in str(landed[1])
+    assert not isinstance(landed[0], Exception) and not isinstance(landed[2], Exception)
+    (first,), (third,) = landed[0], landed[2]
+    assert first.devices() == {devices[0]} and third.devices() == {devices[0]}
+    np.testing.assert_array_equal(np.asarray(first), x)
+    np.testing.assert_array_equal(np.asarray(third), y)
