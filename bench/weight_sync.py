@@ -1,7 +1,7 @@
 """Weight sync: a model-sized pytree moved from a trainer's mesh to a sampler's (issue #31 item 2).
 
 What an RL loop (``pwmesh/examples/rl.py``) does every step, at the size of a real model: the
-parameters of ``pwmesh.examples.lm``'s Transformer (default ~240 MiB of float32 in ~45 arrays),
+parameters of ``pwmesh.examples.lm``'s Transformer (default ~240 MiB of float32 in 65 arrays),
 laid out Megatron-style on a trainer slice of 4 devices ``{"data": 2, "model": 2}`` on island 0,
 are moved by one ``pw.reshard(tree, devices=sampler, spec=P())`` onto a sampler slice of 2
 devices ``{"data": 2}`` on island 1 (replicated: data-parallel sampling), executor to executor.

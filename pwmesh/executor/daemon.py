@@ -37,7 +37,7 @@ from pwmesh.executor.calls import copied_to, to_host
 from pwmesh.executor.direct import DirectTransfers
 from pwmesh.executor.functions import FunctionCache
 from pwmesh.executor.group import GroupConfig, group_devices, join
-from pwmesh.executor.landing import land
+from pwmesh.executor.landing import land_all
 from pwmesh.executor.runner import Runner, as_error
 from pwmesh.executor.sandbox import Sandbox
 from pwmesh.executor.state import (
@@ -92,6 +92,7 @@ from pwmesh.wire.messages import (
     LandingReport,
     LeavingForGroup,
     ListHeld,
+    Move,
     Ok,
     OwnedShards,
     Ping,
@@ -102,6 +103,7 @@ from pwmesh.wire.messages import (
     RegisterExecutor,
     RegisterFunction,
     RegisterGang,
+    SendMoves,
     SendShards,
     ShardValues,
     SpillShards,
@@ -118,6 +120,9 @@ log = logging.getLogger(__name__)
 # Host copies at least this big (a put, an arrival, a fetch) are made on a thread, not the event loop:
 # a 256 MiB device_put holds its caller ~240 ms here, during which nothing else is served.
 HOST_COPY_INLINE_BYTES = 1 << 20
+# A move's tuples to one destination are batched up to this many bytes (fewer messages, each still small
+# enough that the receiver lands one while the next is on its way).
+MOVE_BATCH_BYTES = 16 << 20
 MAX_REPORTS_REMEMBERED = 4096  # reshard outputs reported landed, remembered so that each is reported once
 
 
@@ -264,6 +269,7 @@ class Executor(Service):
             InstallPart: self._install_part,
             PutShards: self._put,
             SendShards: self._send_shards,
+            SendMoves: self._send_moves,
             FetchShards: self._fetch,
             ExpectShards: lambda peer, env: self.direct.expect(peer, env),
             PushShards: lambda peer, env: self.direct.push(peer, env),
@@ -526,29 +532,56 @@ class Executor(Service):
         msg = env.message
         assert isinstance(msg, SendShards)
         check_runs(msg.runs, f"SendShards of {msg.prefix!r}")
-        shards = [r.shard + k for r in msg.runs for k in range(r.count)]
+        self._send_moves_of([Move(prefix=msg.prefix, runs=msg.runs, emits=msg.emits)], msg.proxy, msg.run_id)
+        return Ok()
+
+    def _send_moves(self, peer: bytes, env: Envelope) -> Ok:
+        msg = env.message
+        assert isinstance(msg, SendMoves)
+        for move in msg.moves:  # all checked before any is sent
+            check_runs(move.runs, f"SendMoves of {move.prefix!r}")
+        self._send_moves_of(msg.moves, msg.proxy, msg.run_id)
+        return Ok()
+
+    def _send_moves_of(self, moves: list[Move], proxy: str, run_id: str) -> None:
+        """Send ``moves`` (a run's, if ``run_id``), in order, by one task."""
         # Counted and looked up now, not when the task first runs: ``AwaitIdle`` right
         # behind must see it, and a delete right behind must not turn the lookup into
         # a wait for a key that will never come again.
-        values = {shard: self.store.get(f"{msg.prefix}/{shard}") for shard in shards}
+        looked_up = [(move.emits, {shard: self.store.get(f"{move.prefix}/{shard}")
+                                   for r in move.runs for shard in range(r.shard, r.shard + r.count)})
+                     for move in moves]
         self._sending += 1
         self._sent.clear()
-        run = (msg.proxy, msg.run_id) if msg.run_id else None
-        self.tasks.spawn(self._send_when_ready(msg.emits, values, run), name=f"send-{msg.prefix}")
-        return Ok()
+        run = (proxy, run_id) if run_id else None
+        name = f"send-{moves[0].prefix}" if len(moves) == 1 else f"send-{len(moves)}-of-{run_id}"
+        self.tasks.spawn(self._send_when_ready(looked_up, run), name=name)
 
-    async def _send_when_ready(self, emits: list[Emit], futures: dict[int, asyncio.Future[Any]],
+    async def _send_when_ready(self, moves: list[tuple[list[Emit], dict[int, asyncio.Future[Any]]]],
                                run: tuple[str, str] | None) -> None:
+        """Each move's tuples once its shards are here, those of consecutive moves to one destination in one
+        batch of up to ``MOVE_BATCH_BYTES`` (a weight sync: ~15 batches, not 65); what is cut leaves
+        before a wait for a shard not yet here."""
+        pending: list[tuple[Destination, DataTuple]] = []
+        size = 0
         try:
-            try:
-                local = {shard: await fut for shard, fut in futures.items()}
-            except PwmeshError as exc:
-                for emit in emits:
-                    self._send_tuples(cut_error(emit, list(futures), ErrorInfo.of(exc), run), run)
-            else:
-                for emit in emits:
-                    self._emit_values(emit, local, {}, run)
+            for emits, futures in moves:
+                if pending and not all(fut.done() for fut in futures.values()):
+                    self._send_tuples(pending, run)
+                    pending, size = [], 0
+                try:
+                    local = {shard: await fut for shard, fut in futures.items()}
+                    tuples = [t for emit in emits for t in self._cut_values(emit, local, {}, run)]
+                except PwmeshError as exc:  # a shard lost, an emit that cannot be cut: its destinations fail
+                    tuples = [t for emit in emits for t in cut_error(emit, list(futures), ErrorInfo.of(exc), run)]
+                pending += tuples
+                size += sum(t.array.nbytes for _, t in tuples if t.array is not None)
+                if size >= MOVE_BATCH_BYTES:
+                    self._send_tuples(pending, run)
+                    pending, size = [], 0
         finally:
+            if pending:  # (what was cut goes, whatever failed after it)
+                self._send_tuples(pending, run)
             self._sending -= 1
             if self._sending == 0:
                 self._sent.set()
@@ -795,9 +828,13 @@ class Executor(Service):
 
     def _emit_values(self, emit: Emit, local: dict[int, Any], selectors: dict[int, Any],
                      run: tuple[str, str] | None = None) -> None:
+        self._send_tuples(self._cut_values(emit, local, selectors, run), run)
+
+    def _cut_values(self, emit: Emit, local: dict[int, Any], selectors: dict[int, Any],
+                    run: tuple[str, str] | None) -> list[tuple[Destination, DataTuple]]:
         host = {shard: v if isinstance(v, Ragged) else np.asarray(v) for shard, v in local.items()}
-        self._send_tuples(cut(emit, host, {shard: np.asarray(v) for shard, v in selectors.items()},
-                              take=self.plane.pool.take, here=self.name, run=run), run)
+        return cut(emit, host, {shard: np.asarray(v) for shard, v in selectors.items()},
+                   take=self.plane.pool.take, here=self.name, run=run)
 
     def _send_tuples(self, tuples: list[tuple[Destination, DataTuple]], run: tuple[str, str] | None = None) -> None:
         """One batch per destination executor; ours are delivered here without a socket. ``run`` (its
@@ -825,12 +862,13 @@ class Executor(Service):
         """Progress tracking per destination shard; the complete ones are assembled and stored (replicas
         that arrived as one tuple: assembled once, ``landings``)."""
         arrived: list[tuple[str, int, list[DataTuple], DataTuple]] = []
+        reports: list[tuple[list[str], LandingReport]] = []
         for t in expand(tuples, share=True):
             key = f"{t.prefix}/{t.shard}"
             if self.store.deleted(key):
                 continue  # its run ended (cancelled, freed): a late tuple is dropped
             if t.report is not None:
-                self._report_when_landed(t.prefix, t.report)
+                self._report_when_landed(t.prefix, t.report, reports)
             try:
                 if t.error is not None:
                     failed = self.progress.fail(key, t.error.exception())
@@ -847,12 +885,19 @@ class Executor(Service):
                 continue
             if isinstance(done, Arrived):
                 arrived.append((key, t.device, done.payloads, t))
-        for landing in landings(arrived):
-            self._land(landing)
+        off_loop = [big for big in map(self._land, landings(arrived)) if big is not None]
+        if off_loop:  # one hop to a host-copy thread for all of them (a batch of a weight sync's arrays)
+            self._copying += 1
+            self._copied.clear()
+            self.tasks.spawn(self._land_off_loop(off_loop), name=f"land-{off_loop[0].shards[0][0]}")
+        if reports:  # one task watches the batch's landed reshard nodes
+            self.tasks.spawn(self._report_landed(reports), name=f"landed-{reports[0][0][0]}")
 
-    def _report_when_landed(self, prefix: str, report: LandingReport) -> None:
+    def _report_when_landed(self, prefix: str, report: LandingReport,
+                            reports: list[tuple[list[str], LandingReport]]) -> None:
         """A reshard node's output lands here with no computation of its own: once every shard of it here
-        is stored (or has failed), its node is reported done (or failed), once."""
+        is stored (or has failed), its node is reported done (or failed), once (added to ``reports``, for
+        ``_report_landed``)."""
         seen = (report.run_id, report.node, prefix)
         if seen in self._reporting:
             return
@@ -862,11 +907,20 @@ class Executor(Service):
         keys = [f"{prefix}/{shard}" for shard in report.shards]
         run = (report.proxy, report.run_id)
         self._landing[run] = self._landing.get(run, 0) + 1
-        self.tasks.spawn(self._report_landed(keys, report), name=f"landed-{prefix}")
+        reports.append((keys, report))
 
-    async def _report_landed(self, keys: list[str], report: LandingReport) -> None:
-        """Nodes of one run that landed while others of it were landing here are reported together, once
-        none is left (a weight sync of 65 arrays: a few completions, not 65); a failure at once."""
+    async def _report_landed(self, reports: list[tuple[list[str], LandingReport]]) -> None:
+        """Each of ``reports``' nodes once its shards here are stored, in order (one task for a batch's,
+        not one each). Nodes of one run that landed while others of it were landing here are reported
+        together, once none is left (a weight sync of 65 arrays: a few completions, not 65); a failure as
+        soon as the reports ahead of it in the batch are settled."""
+        for keys, report in reports:
+            try:
+                await self._report_one(keys, report)
+            except Exception:  # not this one's fault: the others are still reported
+                log.exception("reporting node %d of run %s", report.node, report.run_id)
+
+    async def _report_one(self, keys: list[str], report: LandingReport) -> None:
         run = (report.proxy, report.run_id)
         try:
             error: PwmeshError | None = None
@@ -890,9 +944,10 @@ class Executor(Service):
                 for node in self._landed.pop(run, ()):  # one instant: one NodeDone (``_report_later``)
                     self._handle(Completed(report.run_id, report.proxy, node, False))
 
-    def _land(self, landing: Landing) -> None:
+    def _land(self, landing: Landing) -> Landing | None:
         """A value that arrived for one or more destination shards here: small ones (and routed rows)
-        assembled and stored now; big ones assembled and put on their devices on a host-copy thread."""
+        assembled and stored now; big ones returned (those of its live shards), to be assembled and put
+        on their devices on a host-copy thread (``_land_off_loop``)."""
         shards = landing.shards
         if landing.last.ragged or landing.nbytes * len(shards) < HOST_COPY_INLINE_BYTES:
             try:
@@ -900,10 +955,10 @@ class Executor(Service):
             except Exception as exc:
                 for key, _ in shards:
                     self.store.fail(key, as_error(exc, f"assembling {key}"))
-                return
+                return None
             if isinstance(value, Ragged) or len(shards) == 1:
                 self._store_value(shards[0][0], shards[0][1], value)
-                return
+                return None
             # Replicas: one device_put for all (JAX adopts host memory as immutable: they may share it).
             live = [(key, device) for key, device in shards if not self._refused(key, value.nbytes)
                     and not self.store.deleted(key)]
@@ -912,29 +967,33 @@ class Executor(Service):
             except Exception as exc:
                 for key, _ in live:
                     self.store.fail(key, as_error(exc, f"storing {key}"))
-                return
+                return None
             for (key, _), array in zip(live, arrays, strict=True):
                 self.store.put(key, array, value.nbytes)
-            return
+            return None
         live = [(key, device) for key, device in shards if not self.store.deleted(key)]
         if not live or self._refused(live[0][0], landing.nbytes * len(live)):
             for key, _ in live[1:]:
                 self._refused(key, landing.nbytes * len(live))
-            return
-        self._copying += 1
-        self._copied.clear()
-        self.tasks.spawn(self._land_off_loop(dataclasses.replace(landing, shards=live)), name=f"land-{live[0][0]}")
+            return None
+        return dataclasses.replace(landing, shards=live) if len(live) < len(shards) else landing
 
-    async def _land_off_loop(self, landing: Landing) -> None:
+    async def _land_off_loop(self, landings: list[Landing]) -> None:
         try:
-            devices = [self._device(device) for _, device in landing.shards]
-            values = await asyncio.get_running_loop().run_in_executor(
-                self._copies, land, landing, devices, self.plane.pool.take)
-            for (key, _), value in zip(landing.shards, values, strict=True):
-                self.store.put(key, value, landing.nbytes)
+            work = [(landing, [self._device(device) for _, device in landing.shards]) for landing in landings]
+            landed = await asyncio.get_running_loop().run_in_executor(self._copies, land_all, work,
+                                                                      self.plane.pool.take)
+            for landing, values in zip(landings, landed, strict=True):
+                if isinstance(values, Exception):
+                    for key, _ in landing.shards:
+                        self.store.fail(key, as_error(values, f"storing {key}"))
+                    continue
+                for (key, _), value in zip(landing.shards, values, strict=True):
+                    self.store.put(key, value, landing.nbytes)
         except Exception as exc:
-            for key, _ in landing.shards:
-                self.store.fail(key, as_error(exc, f"storing {key}"))
+            for landing in landings:
+                for key, _ in landing.shards:
+                    self.store.fail(key, as_error(exc, f"storing {key}"))
         finally:
             self._copying -= 1
             if self._copying == 0:

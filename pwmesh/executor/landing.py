@@ -33,3 +33,16 @@ def land(landing: Landing, devices: list[jax.Device], take: Callable[[int], np.n
     value = assemble(landing.payloads, landing.last, take=take, whole=landing.whole)
     assert not isinstance(value, Ragged), "routed rows land on the host, one shard each"
     return [put_on(value, device) for device in devices]
+
+
+def land_all(work: list[tuple[Landing, list[jax.Device]]],
+             take: Callable[[int], np.ndarray]) -> list[list[jax.Array] | Exception]:
+    """Each landing's values on its devices (``land``), in order, or what failed it: the arrays of one
+    batch landed in one hop to a host-copy thread."""
+    out: list[list[jax.Array] | Exception] = []
+    for landing, devices in work:
+        try:
+            out.append(land(landing, devices, take))
+        except Exception as exc:
+            out.append(exc)
+    return out

@@ -47,7 +47,6 @@ Actions:
 from __future__ import annotations
 
 import collections
-import dataclasses
 import gc
 import itertools
 import logging
@@ -145,6 +144,7 @@ from pwmesh.wire.messages import (
     Heartbeat,
     InstallTemplate,
     IslandDone,
+    Move,
     NodeDone,
     Ok,
     OpenSession,
@@ -170,6 +170,7 @@ from pwmesh.wire.messages import (
     SchedulerJoined,
     SchedulerLost,
     ScheduleRun,
+    SendMoves,
     SendShards,
     SessionOpened,
     SessionResumed,
@@ -855,9 +856,9 @@ class ProxyState:
                 self.sites_registered.add(lowered.template)
         for control, batch in host_puts(lowered, binding.host_data).items():
             self._send(control, batch)
-        for control, sends in lowered.moves.items():
-            for send in sends:  # (cached with the lowering: this run's copy names the run)
-                self._send(control, dataclasses.replace(send, run_id=run_id, proxy=self.address))
+        for control, sends in lowered.moves.items():  # one message a holder, its moves together
+            self._send(control, SendMoves(moves=[Move(prefix=s.prefix, runs=s.runs, emits=s.emits) for s in sends],
+                                          run_id=run_id, proxy=self.address))
         templated: dict[str, tuple[InstallTemplate, RunTemplate]] = {}
         if parts is not None and lowered.run_names is not None:  # an installed template: one message an island
             installed = self.templates_installed.setdefault(lowered.template, {})

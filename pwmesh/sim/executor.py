@@ -56,10 +56,12 @@ from pwmesh.wire.messages import (
     FetchShards,
     ForgetOwner,
     InstallPart,
+    Move,
     Ok,
     PutShards,
     RegisterFunction,
     RegisterGang,
+    SendMoves,
     SendShards,
     ShardValues,
     Target,
@@ -119,14 +121,10 @@ class SimExecutor(Node):
             for key, array in zip(msg.keys, msg.arrays, strict=True):
                 self._store(key, (tuple(array.shape), array.dtype.name))
         elif isinstance(msg, SendShards):
-            shards = [r.shard + k for r in msg.runs for k in range(r.count)]
-            keys = [f"{msg.prefix}/{s}" for s in shards]
-            def send(emits: list[Emit] = msg.emits, prefix: str = msg.prefix,
-                     run: tuple[str, str] = (msg.proxy, msg.run_id)) -> None:
-                for e in emits:
-                    self._emit(e, shards, {s: self.stored.get(f"{prefix}/{s}") for s in shards}, run)
-
-            self._when_ready(keys, send)
+            self._send(Move(prefix=msg.prefix, runs=msg.runs, emits=msg.emits), (msg.proxy, msg.run_id))
+        elif isinstance(msg, SendMoves):  # each move as it is ready (the daemon batches their bytes; none here)
+            for move in msg.moves:
+                self._send(move, (msg.proxy, msg.run_id))
         elif isinstance(msg, FetchShards):
             self._when_ready(msg.keys, lambda: self.post(env.sender, ShardValues(arrays=[
                 np.zeros(*self.stored[k]) if k in self.stored else np.zeros((0,), np.float32) for k in msg.keys]),
@@ -278,6 +276,16 @@ class SimExecutor(Node):
         self._core(PartEnded(done.run_id, done.scheduler, done.device_seconds))
 
     # ------------------------------------------------------------ the store and the data plane
+
+    def _send(self, move: Move, run: tuple[str, str]) -> None:
+        """Send ``move``'s shards, as its emits say, once they are all here."""
+        shards = [r.shard + k for r in move.runs for k in range(r.count)]
+
+        def send() -> None:
+            for e in move.emits:
+                self._emit(e, shards, {s: self.stored.get(f"{move.prefix}/{s}") for s in shards}, run)
+
+        self._when_ready([f"{move.prefix}/{s}" for s in shards], send)
 
     def _when_ready(self, keys: list[str], then: Callable[[], object]) -> None:
         """Run ``then`` once every key is stored or failed (a posted receive)."""

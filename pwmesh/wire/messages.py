@@ -521,6 +521,26 @@ class SendShards(Message, op="exec.send_shards"):
 
 
 @record
+class Move(Record):
+    """One buffer's part of a ``SendMoves``: this executor's shards ``runs`` of ``prefix``, sent as ``emits`` say."""
+
+    prefix: str
+    runs: list[ShardRun]
+    emits: list[Emit]
+
+
+@record
+class SendMoves(Message, op="exec.send_moves"):
+    """A run's moves from this executor, every buffer of it in one message (a weight sync of 65 arrays: one,
+    not 65 ``SendShards``): sent in one pass, the tuples for each destination batched across buffers. The
+    run fails if what it sends is lost (``DataLost`` to ``proxy``)."""
+
+    moves: list[Move]
+    run_id: str
+    proxy: str
+
+
+@record
 class FetchShards(Message, op="exec.fetch_shards"):
     keys: list[str]
 
