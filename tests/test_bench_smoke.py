@@ -43,6 +43,7 @@ def check_plot(path: Path) -> None:
 
 
 @pytest.mark.timeout(110)
+@pytest.mark.long  # ~13 s in CI: weighted sharing itself is test_tenants' and test_scheduler_order's
 def test_multitenancy_smoke(tmp_path: Path) -> None:
     proc = run_smoke("multitenancy.py", tmp_path)
     data = json.loads((tmp_path / "multitenancy.json").read_text())
@@ -340,6 +341,7 @@ def test_scale_smoke(tmp_path: Path) -> None:
 
 
 @pytest.mark.timeout(90)
+@pytest.mark.long  # ~10 s in CI: the simulator's agreement with its cores is test_sim's and test_sim_play's
 def test_sim_check_smoke(tmp_path: Path) -> None:
     run_smoke("sim_check.py", tmp_path, timeout_seconds=80)
     data = json.loads((tmp_path / "sim_check.json").read_text())
@@ -384,6 +386,7 @@ def test_liveness_smoke(tmp_path: Path) -> None:
     assert data["baseline"]["seconds"] > 0
 
 
+@pytest.mark.long  # ~10 s in CI (two clusters started): forming groups is test_group's
 def test_startup_smoke(tmp_path: Path) -> None:
     run_smoke("startup.py", tmp_path)
     data = json.loads((tmp_path / "startup.json").read_text())
@@ -392,6 +395,7 @@ def test_startup_smoke(tmp_path: Path) -> None:
 
 
 @pytest.mark.timeout(200)
+@pytest.mark.long  # ~16-30 s in CI: its three benchmarks each have their smoke test above
 def test_gpu_sh_cpu_dry_run(tmp_path: Path) -> None:
     # bench/gpu.sh's steps on CPU with tiny sizes, the three benchmarks side by side:
     # the one-device flags it gives them (--platform, --mesh 1x1, --devices 1, layout single), its budgets,
