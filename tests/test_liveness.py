@@ -38,7 +38,7 @@ from pwmesh.executor.functions import CompiledFunction, bounded
 from pwmesh.executor.state import runs_inline
 
 HEARTBEAT = 2.0  # seconds: a host silent for this long is declared lost
-LONG = 5 * HEARTBEAT  # the long call: this many seconds at least
+LONG = 3 * HEARTBEAT  # the long call: this many seconds at least (three heartbeat timeouts)
 # Loop wake-ups later than this fail the test. The computations here would hold it for LONG; the
 # bound is loose for a loaded 2-core machine (the executors' own stalls are measured in bench/).
 LOOP_BOUND = 1.0
