@@ -34,10 +34,28 @@ _CAPTURE = """
 import signal, socket, sys
 out = open(sys.argv[1], "wb")
 sock = socket.socket(socket.AF_PACKET, socket.SOCK_RAW, socket.htons(3))  # ETH_P_ALL
-signal.signal(signal.SIGTERM, lambda *_: (out.close(), sys.exit(0)))
+# Room for a burst while this loop waits for a core: with the default (~200 KiB) the kernel drops frames
+# of a fast transfer on a busy machine, and the capture misses bytes that crossed.
+try:
+    sock.setsockopt(socket.SOL_SOCKET, 33, 256 << 20)  # SO_RCVBUFFORCE (root: past rmem_max)
+except OSError:
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 256 << 20)
+stopping = []
+signal.signal(signal.SIGTERM, lambda *_: stopping.append(True))
+sock.settimeout(0.05)
 print("capturing", flush=True)
+while not stopping:
+    try:
+        out.write(sock.recv(65536))
+    except (TimeoutError, InterruptedError):
+        pass
+sock.setblocking(False)  # what crossed before the stop and is not read yet is still the capture's
 while True:
-    out.write(sock.recv(65536))
+    try:
+        out.write(sock.recv(65536))
+    except BlockingIOError:
+        break
+out.close()
 """
 
 
