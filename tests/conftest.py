@@ -22,7 +22,15 @@ import jax
 import pytest
 
 import pwmesh as pw
-from helpers import Resources, check_no_leaks, check_released, held, start_zmq_garbage_collector, track_zmq_contexts
+from helpers import (
+    HEARTBEAT_TIMEOUT_SECONDS,
+    Resources,
+    check_no_leaks,
+    check_released,
+    held,
+    start_zmq_garbage_collector,
+    track_zmq_contexts,
+)
 from pwmesh.cli.commands import fetch_status
 
 # The leak-check tests run pytest on small suites of their own.
@@ -49,6 +57,16 @@ WIDE = pw.LocalClusterSpec(islands=2, hosts_per_island=1, devices_per_host=8)
 def no_keys_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     """The developer's ``$PWMESH_KEYS`` never reaches a test (one that needs keys says which)."""
     monkeypatch.delenv("PWMESH_KEYS", raising=False)
+
+
+@pytest.fixture
+def fragile() -> Iterator[pw.LocalCluster]:
+    """A cluster of its own, one island of 2 hosts x 1 device, with short heartbeats: for tests that kill,
+    stop or drain its daemons."""
+    spec = pw.LocalClusterSpec(islands=1, hosts_per_island=2, devices_per_host=1,
+                               heartbeat_timeout_seconds=HEARTBEAT_TIMEOUT_SECONDS)
+    with pw.LocalCluster(spec) as c:
+        yield c
 
 
 @pytest.fixture(scope="session")
@@ -92,7 +110,7 @@ def objects(cluster: pw.LocalCluster) -> Callable[[], dict[str, int]]:
 # The fixtures above that are, or hold a session on, a cluster. A fixture that depends on
 # one, or whose code starts a ``LocalCluster`` (itself or through a function of its
 # module), is a cluster fixture too; so is a test whose own code starts one.
-CLUSTER_FIXTURES = frozenset({"cluster", "wide_cluster", "client", "default_client", "objects"})
+CLUSTER_FIXTURES = frozenset({"cluster", "wide_cluster", "client", "default_client", "objects", "fragile"})
 CLUSTER_NAMES = frozenset({"LocalCluster", "LocalClusterSpec"})
 
 

@@ -119,6 +119,8 @@ def slow_then_after(client: pw.Client, address: str) -> tuple[Any, pw.Slice, pw.
 
 # A cluster's daemons drain before they exit and a client's I/O thread finishes its last
 # poll: on a busy 2-core machine that can take seconds. Only a real leak waits this long.
+# The ``fragile`` cluster's (conftest): a lost host is written off within a test's patience.
+HEARTBEAT_TIMEOUT_SECONDS = 2.0
 LEAK_GRACE_SECONDS = 15.0
 # How often file descriptors and contexts (which signal nothing when released) are looked at again.
 LEAK_RECHECK_SECONDS = 0.05

@@ -6,27 +6,16 @@ from __future__ import annotations
 import signal
 import threading
 import time
-from collections.abc import Iterator
 
 import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
 import pwmesh as pw
-from helpers import eventually, slow, slow_then_after
+from helpers import HEARTBEAT_TIMEOUT_SECONDS, eventually, slow, slow_then_after
 from pwmesh.cli.commands import fetch_status
 from pwmesh.client.connection import ClientConnection
 from pwmesh.wire.messages import DrainHost
-
-HEARTBEAT_TIMEOUT_SECONDS = 2.0
-
-
-@pytest.fixture
-def fragile() -> Iterator[pw.LocalCluster]:
-    spec = pw.LocalClusterSpec(islands=1, hosts_per_island=2, devices_per_host=1,
-                               heartbeat_timeout_seconds=HEARTBEAT_TIMEOUT_SECONDS)
-    with pw.LocalCluster(spec) as c:
-        yield c
 
 
 def test_executor_killed_mid_program(fragile: pw.LocalCluster) -> None:

@@ -15,7 +15,6 @@ from __future__ import annotations
 import logging
 import re
 import signal
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +26,7 @@ from test_island_completions import island
 from test_proxy_state import CLIENT, SCHEDULER, World, chain
 
 import pwmesh as pw
-from helpers import eventually
+from helpers import HEARTBEAT_TIMEOUT_SECONDS, eventually
 from pwmesh.cli.commands import fetch_status
 from pwmesh.client.connection import ClientConnection
 from pwmesh.errors import PermissionDenied, PwmeshError
@@ -141,15 +140,6 @@ def test_an_islands_report_from_another_daemons_key_is_refused_logged_and_change
 
 # ------------------------------------------------------------------ real daemons
 
-HEARTBEAT_TIMEOUT_SECONDS = 2.0
-
-
-@pytest.fixture
-def fragile() -> Iterator[pw.LocalCluster]:
-    spec = pw.LocalClusterSpec(islands=1, hosts_per_island=2, devices_per_host=1,
-                               heartbeat_timeout_seconds=HEARTBEAT_TIMEOUT_SECONDS)
-    with pw.LocalCluster(spec) as c:
-        yield c
 
 
 def test_buffers_freed_while_the_scheduler_dies_are_deleted_without_closing_the_session(

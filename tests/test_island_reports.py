@@ -130,15 +130,6 @@ def test_frees_reach_every_executor_through_the_islands_scheduler(two_islands: p
         assert all(n > m for n, m in zip(after, frees, strict=True)), "each island's frees came as FreeShards"
 
 
-HEARTBEAT_TIMEOUT_SECONDS = 2.0
-
-
-@pytest.fixture
-def fragile() -> Iterator[pw.LocalCluster]:
-    spec = pw.LocalClusterSpec(islands=1, hosts_per_island=2, devices_per_host=1,
-                               heartbeat_timeout_seconds=HEARTBEAT_TIMEOUT_SECONDS)
-    with pw.LocalCluster(spec) as c:
-        yield c
 
 
 def test_a_scheduler_restart_mid_run_neither_loses_nor_doubles_a_completion(fragile: pw.LocalCluster) -> None:
