@@ -70,7 +70,6 @@ from pwmesh.wire.messages import (
 log = logging.getLogger(__name__)
 
 RELEASE_BATCH = 64  # dropped buffers said together (``ClientConnection.release``)
-_NOTHING = Ping()  # ``submit``'s marker: send only the releases that wait
 
 
 @dataclasses.dataclass
@@ -241,7 +240,11 @@ class ClientConnection:
             self._released.extend(buffer_ids)
             if len(self._released) < RELEASE_BATCH:
                 return
-        self.submit(_NOTHING, expect_reply=False)
+            # To the I/O thread: this may run in ``__del__``, inside a socket call of this thread's.
+            frames = self._take_released()
+            if frames is not None and not self._closing.is_set() and self._lost is None:
+                self._backlog.append(frames)
+                self._wake()
 
     def _take_released(self) -> list[Any] | None:
         """The frames of a ``ReleaseBuffers`` of what waits, if anything does (lock held)."""
@@ -252,13 +255,6 @@ class ClientConnection:
 
     def submit(self, message: Message, *, expect_reply: bool = True) -> concurrent.futures.Future[Message] | None:
         """Send ``message`` (from this thread, now); the reply's future if one is expected."""
-        if message is _NOTHING:  # only what ``release`` holds
-            with self._lock:
-                frames = self._take_released()
-                if frames is not None and not self._closing.is_set() and self._lost is None:
-                    self._backlog.append(frames)
-                    self._wake()
-            return None
         msg_id = next_id()
         frames = [b"", *encode(message, msg_id=msg_id, sender=self.session_id)]
         fut: concurrent.futures.Future[Message] | None = None

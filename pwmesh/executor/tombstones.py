@@ -31,7 +31,6 @@ from typing import Any
 
 RECENT = 1 << 16  # names kept as they are: the newest deletes, which late arrivals and reads race
 MAX_RANGES = 50_000  # a stem's newest ranges kept (two ints each)
-_DIGITS = "0123456789"
 
 
 def parse(buffer: str) -> tuple[str, int] | None:
@@ -119,10 +118,6 @@ class Tombstones:
             old, was_complete = recent.popitem(last=False)
             if not was_complete:
                 self._age(old)
-
-    def update(self, buffers: list[str]) -> None:
-        for buffer in buffers:
-            self.add(buffer)
 
     def _age(self, buffer: str) -> None:
         parsed = parse(buffer)
