@@ -92,6 +92,34 @@ def ping_status(address: str) -> str:
     return reply.status
 
 
+def out_of_memory(x):
+    """Materialises 4 TiB on the executor: XLA fails at run time (RESOURCE_EXHAUSTED), on the remote host."""
+    return x + jnp.sort(jnp.arange(2**40, dtype=jnp.float32))[:1]
+
+
+def fails_across_islands(client: pw.Client) -> tuple[pw.Slice, pw.Array]:
+    """A program whose node on island 0 runs out of memory (``out_of_memory`` on both of its devices) and whose
+    node on island 1 reads that: both outputs fail with the cause and its remote traceback (asserted here).
+    Returns island 0's slice and the downstream output."""
+    devs = client.make_virtual_device_set()
+    s0, s1 = devs.add_slice(devices=2, island=0), devs.add_slice(devices=2, island=1)
+    bad = pw.pmap(out_of_memory, devices=s0)
+    after = pw.pmap(lambda x: x * 2.0, devices=s1)
+
+    @pw.program
+    def f(v):
+        x = bad(v)
+        return x, after(x)
+
+    x, y = f(np.array([1.0, 2.0]))
+    for arr in (x, y):  # the downstream node on the other island fails too, with the cause
+        with pytest.raises(pw.RemoteError) as info:
+            np.asarray(arr)
+        assert "RESOURCE_EXHAUSTED" in str(info.value)
+        assert "Remote traceback" in str(info.value) and info.value.remote_traceback
+    return s0, y
+
+
 def slow_then_after(client: pw.Client, address: str) -> tuple[Any, pw.Slice, pw.Slice, pw.Array, pw.Array]:
     """``x = slow(v)`` on host0 feeds ``after(x)`` on host1 in one program; returns
     ``(program, on0, on1, x, y)`` once host0 reports it is computing."""

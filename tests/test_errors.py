@@ -6,7 +6,6 @@ import socket
 import struct
 import time
 
-import jax.numpy as jnp
 import msgpack
 import numpy as np
 import pytest
@@ -14,6 +13,7 @@ import zmq
 from jax.sharding import PartitionSpec as P
 
 import pwmesh as pw
+from helpers import fails_across_islands, out_of_memory
 from pwmesh.wire import PROTOCOL_VERSION, decode, encode
 from pwmesh.wire.messages import Error, Ping, Pong, PutBuffer
 
@@ -28,28 +28,8 @@ def test_connecting_to_a_dead_address_fails_fast() -> None:
     assert time.monotonic() - start < 5.0
 
 
-def _out_of_memory(x):
-    # Materialises 4 TiB on the executor: XLA fails at run time, on the remote host.
-    return x + jnp.sort(jnp.arange(2**40, dtype=jnp.float32))[:1]
-
-
 def test_remote_failure_reaches_client_with_traceback(client: pw.Client) -> None:
-    devs = client.make_virtual_device_set()
-    s0, s1 = devs.add_slice(devices=2, island=0), devs.add_slice(devices=2, island=1)
-    bad = pw.pmap(_out_of_memory, devices=s0)
-    after = pw.pmap(lambda x: x * 2.0, devices=s1)
-
-    @pw.program
-    def f(v):
-        x = bad(v)
-        return x, after(x)
-
-    x, y = f(np.array([1.0, 2.0]))
-    for arr in (x, y):  # the downstream node on the other island fails too, with the cause
-        with pytest.raises(pw.RemoteError) as info:
-            np.asarray(arr)
-        assert "RESOURCE_EXHAUSTED" in str(info.value)
-        assert "Remote traceback" in str(info.value) and info.value.remote_traceback
+    s0, y = fails_across_islands(client)
     with pytest.raises(pw.RemoteError):
         y.block_until_ready()
     # The session and the executors keep serving.
@@ -171,7 +151,7 @@ def test_a_failed_value_fails_whatever_reads_it_with_its_cause(client: pw.Client
     and remote traceback, never a message about the value's missing shards."""
     devs = client.make_virtual_device_set()
     s0, s1 = devs.add_slice(devices=2, island=0), devs.add_slice(devices=2, island=1)
-    x = pw.pmap(_out_of_memory, devices=s0)(np.array([1.0, 2.0]))
+    x = pw.pmap(out_of_memory, devices=s0)(np.array([1.0, 2.0]))
     with pytest.raises(pw.RemoteError) as info:
         np.asarray(x)  # fetch
     cause = info.value

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import pwmesh as pw
-from helpers import eventually, slow_then_after
+from helpers import eventually, fails_across_islands, slow_then_after
 from pwmesh.cli.commands import debug_events, fetch_status
 from pwmesh.client.connection import ClientConnection
 from pwmesh.wire.messages import DrainHost, HostDrained
@@ -71,31 +71,11 @@ def test_a_program_across_two_islands_completes_and_the_proxy_hears_of_it_per_is
         assert 2 * runs <= told <= 2 * runs * 2
 
 
-def _fails(x):
-    # Materialises 4 TiB on the executor: XLA fails at run time, on the remote host.
-    return x + jnp.sort(jnp.arange(2**40, dtype=jnp.float32))[:1]
-
-
 def test_a_failed_computation_reaches_the_caller_with_its_cause_through_the_islands_scheduler(
         two_islands: pw.LocalCluster) -> None:
     address = two_islands.address
     with pw.Client(address, name="failing") as client:
-        devs = client.make_virtual_device_set()
-        s0, s1 = devs.add_slice(devices=2, island=0), devs.add_slice(devices=2, island=1)
-        bad = pw.pmap(_fails, devices=s0)  # fails on both executors of island 0
-        after = pw.pmap(lambda x: x * 2.0, devices=s1)
-
-        @pw.program
-        def f(v):
-            x = bad(v)
-            return x, after(x)
-
-        x, y = f(np.array([1.0, 2.0]))
-        for arr in (x, y):  # the downstream node on the other island fails too, with the cause
-            with pytest.raises(pw.RemoteError) as info:
-                np.asarray(arr)
-            assert "RESOURCE_EXHAUSTED" in str(info.value)
-            assert "Remote traceback" in str(info.value) and info.value.remote_traceback
+        s0, _ = fails_across_islands(client)  # fails on both executors of island 0, and downstream on island 1
         assert event_count(address, "proxy", "exec.node_done") == 0  # it came through the scheduler
         ok = pw.pmap(lambda v: v + 1.0, devices=s0)  # the island goes on serving
         np.testing.assert_array_equal(np.asarray(ok(np.array([1.0, 2.0]))), [2.0, 3.0])
