@@ -22,6 +22,7 @@ from pwmesh.proxy.state import (
     Ask,
     FetchEnded,
     Fetching,
+    FetchingAll,
     Inbound,
     Inventoried,
     Inventory,
@@ -58,6 +59,7 @@ from pwmesh.wire.messages import (
     ExecutorJoined,
     ExecutorLost,
     Fetch,
+    FetchBuffers,
     ForgetOwner,
     FreeShards,
     Heartbeat,
@@ -125,7 +127,7 @@ class World:
         asks = [a for a in actions if isinstance(a, Ask)]
         for ask in asks:  # the shell's part: the RM answers, and the answer goes back in
             actions = self.handle(SliceGranted(ask.peer, allocated(self.rm.ask(ask.message, self.now))))
-        replies = [a for a in actions if isinstance(a, Reply | Wait | Fetching)]
+        replies = [a for a in actions if isinstance(a, Reply | Wait | Fetching | FetchingAll)]
         assert len(replies) <= 1, actions
         if replies and isinstance(replies[0], Reply):
             if replies[0].error is not None:
@@ -577,3 +579,26 @@ def test_a_program_in_parts_is_assembled_in_order_and_checked_against_max_nodes_
         world.ask(CLIENT, RunProgram(inputs=[ProgramInput(array=np.ones((8, 2), np.float32))], outputs=[9],
                                      program_id="big"))
     assert not world.proxy.sessions[CLIENT].arriving, "nothing held of what was refused"
+
+
+def test_one_fetch_of_several_buffers_pins_them_all_or_none() -> None:
+    """``FetchBuffers`` (``pw.get`` of many small values): every buffer is looked up before any is pinned, so a
+    request naming one that does not exist fails whole and leaves the others as they were."""
+    world = World()
+    _, slice_id = world.open()
+    for cid in (1, 2):
+        assert world.ask(CLIENT, PutBuffer(buffer=cid, slice_id=slice_id, array=np.full((8, 2), cid, np.float32))) == Ok()
+    session = world.proxy.sessions[CLIENT]
+    with pytest.raises(NotFound, match="buffer 9 does not exist"):
+        world.ask(CLIENT, FetchBuffers(buffers=[1, 9, 2]))
+    assert [session.buffers[cid].pins for cid in (1, 2)] == [0, 0]
+    with pytest.raises(InvalidArgument, match="names no buffer"):
+        world.ask(CLIENT, FetchBuffers(buffers=[]))
+
+    both = world.ask(CLIENT, FetchBuffers(buffers=[2, 1]))
+    assert isinstance(both, FetchingAll)
+    assert [f.buffer for f in both.fetches] == [session.buffers[2], session.buffers[1]]
+    assert world.handle(Inbound(CLIENT, ReleaseBuffers(buffers=[1, 2]))) == []  # pinned by the fetch: kept
+    freed = world.handle(FetchEnded(both.fetches[0].session_id, both.fetches[0].buffer))
+    freed += world.handle(FetchEnded(both.fetches[1].session_id, both.fetches[1].buffer))
+    assert freed_buffers(freed) == {f"{both.fetches[0].session_id}/{f.buffer.name}" for f in both.fetches}

@@ -53,6 +53,7 @@ from pwmesh.wire.messages import (
     CloseSession,
     Error,
     Fetch,
+    FetchBuffers,
     GetStatus,
     Heartbeat,
     OpenSession,
@@ -89,7 +90,7 @@ _POLLOUT = int(zmq.POLLOUT)
 # While messages wait in the backlog, the I/O thread retries at least this often.
 BACKLOG_RETRY_SECONDS = 0.05
 # Requests that only read: sent again to a proxy that restarted before answering them (the rest fail).
-REPLAYABLE = (AwaitBuffers, QueryBuffers, Fetch, GetStatus, Ping)
+REPLAYABLE = (AwaitBuffers, QueryBuffers, Fetch, FetchBuffers, GetStatus, Ping)
 
 
 class ClientConnection:

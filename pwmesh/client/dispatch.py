@@ -131,7 +131,7 @@ def call_eagerly(fn: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
 
 
 def fetch_all(leaves: Sequence[Any]) -> None:
-    """Fetch every ``pw.Array`` among ``leaves`` not fetched yet, in parallel (one request per buffer)."""
+    """Fetch every ``pw.Array`` among ``leaves`` not fetched yet, in parallel (small ones in one request)."""
     arrays = [leaf for leaf in leaves if isinstance(leaf, Array) and leaf._value is None]
     by_session: dict[int, list[Array]] = {}
     for arr in arrays:

@@ -28,8 +28,10 @@ from pwmesh.wire.messages import (
     AwaitBuffers,
     BuffersState,
     BufferValue,
+    BufferValues,
     CreateSlice,
     Fetch,
+    FetchBuffers,
     GetStatus,
     Message,
     ProgramSpec,
@@ -56,6 +58,10 @@ from pwmesh.wire.messages import (
 # Values and nodes a program's registration carries per message (``register_program``): ~0.8 MB, decoded
 # by the proxy in ~40 ms between other clients' messages (10,000 a part let their round trips reach 0.67 s).
 PROGRAM_PART_ITEMS = 4_000
+# Small values fetched together (``FetchBuffers``): at most this many a request, blocks in all, and bytes.
+FETCH_TOGETHER_BUFFERS = 256
+FETCH_TOGETHER_BLOCKS = 2_048  # (a message carries at most 4,096 arrays)
+FETCH_TOGETHER_BYTES = 16 << 20
 MAX_GONE = 4_096  # arrays dropped lately, declared to a restarted proxy (``Session.gone``)
 # Donated arrays dropped, released together (``Session.drop_donated``): a run aborted before it consumed one
 # leaves it to its client, whose dropping it frees it; most were consumed, so one message per this many.
@@ -231,25 +237,56 @@ class Session:
               layouts: Sequence[tuple[Layout, np.dtype[Any]]] = ()) -> list[list[np.ndarray]]:
         """Each buffer's distinct blocks (fetched in parallel); ``PwTimeoutError`` past the timeout. A buffer
         laid out as ``layouts`` says, if it is big, is pushed to this session's data plane by the executors
-        (direct), and comes back assembled (``Assembled``)."""
+        (direct), and comes back assembled (``Assembled``); small ones go together, up to
+        ``FETCH_TOGETHER_BUFFERS`` (or ``FETCH_TOGETHER_BYTES``) a request (``FetchBuffers``)."""
         sizes = [math.prod(layout.shape) * dtype.itemsize for layout, dtype in layouts] or [0] * len(buffer_ids)
         direct = self._goes_direct(max(sizes, default=-1))
         tags = [direct.expect(*layouts[i]) if direct is not None and size >= self.direct_min_bytes else ""
                 for i, size in enumerate(sizes)]
         try:
-            futures = [self.conn.submit(Fetch(buffer=b, to=direct.address if tag and direct else "", tag=tag))
-                       for b, tag in zip(buffer_ids, tags, strict=True)]
+            # Each request: the buffers (indices) it fetches. Small values of known layout go together.
+            requests: list[tuple[list[int], Any]] = []
+            together: list[int] = []
+            blocks_together = bytes_together = 0
+
+            def flush() -> None:
+                nonlocal together, blocks_together, bytes_together
+                if len(together) == 1:
+                    requests.append((together, self.conn.submit(Fetch(buffer=buffer_ids[together[0]]))))
+                elif together:
+                    requests.append((together, self.conn.submit(
+                        FetchBuffers(buffers=[buffer_ids[i] for i in together]))))
+                together, blocks_together, bytes_together = [], 0, 0
+
+            for i, (b, tag) in enumerate(zip(buffer_ids, tags, strict=True)):
+                if tag or not layouts:
+                    requests.append(([i], self.conn.submit(Fetch(buffer=b, to=direct.address if tag and direct
+                                                                   else "", tag=tag))))
+                    continue
+                n = len(layouts[i][0].distinct())
+                if together and (len(together) >= FETCH_TOGETHER_BUFFERS or blocks_together + n > FETCH_TOGETHER_BLOCKS
+                                 or bytes_together + sizes[i] > FETCH_TOGETHER_BYTES):
+                    flush()
+                together.append(i)
+                blocks_together += n
+                bytes_together += sizes[i]
+            flush()
             deadline = None if timeout_seconds is None else time.monotonic() + timeout_seconds
-            blocks = []
-            for fut, tag in zip(futures, tags, strict=True):
+            blocks: list[Any] = [None] * len(buffer_ids)
+            for indices, fut in requests:
                 assert fut is not None
                 remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
                 reply = self.conn.wait(fut, "fetch", remaining)
+                if isinstance(reply, BufferValues):
+                    for i, shards in zip(indices, reply.shards, strict=True):
+                        blocks[i] = shards
+                    continue
                 assert isinstance(reply, BufferValue)
+                tag = tags[indices[0]]
                 if reply.pushed and direct is not None:
-                    blocks.append(direct.blocks(tag, reply.pushed, deadline))
+                    blocks[indices[0]] = direct.blocks(tag, reply.pushed, deadline)
                 else:
-                    blocks.append(reply.shards)
+                    blocks[indices[0]] = reply.shards
             return blocks
         finally:
             if direct is not None:

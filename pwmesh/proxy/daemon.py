@@ -45,6 +45,7 @@ from pwmesh.proxy.events import (
     FencePeer,
     FetchEnded,
     Fetching,
+    FetchingAll,
     FunctionChecked,
     Inbound,
     Inherited,
@@ -80,6 +81,7 @@ from pwmesh.wire.messages import (
     AllocateSlice,
     AwaitIdle,
     BufferValue,
+    BufferValues,
     ClaimProxy,
     ClusterStateReply,
     ClusterTrace,
@@ -585,6 +587,8 @@ class Proxy(Service):
                 answer = self._await_buffers(action.buffers)
             elif isinstance(action, Fetching):
                 answer = self._fetch(action)
+            elif isinstance(action, FetchingAll):
+                answer = self._fetch_all(action)
             elif isinstance(action, Expecting):
                 answer = self._expect(action)
             elif isinstance(action, Ask):
@@ -702,12 +706,28 @@ class Proxy(Service):
                 failed = settled([buf])
                 if failed is not None:
                     raise failed
-                shards = await self._fetch_shards(fetching, self.config.fetch_timeout_seconds)
+                shards = await self._fetch_one(fetching, self.config.fetch_timeout_seconds)
         finally:
             self._perform(self.state.handle(FetchEnded(sid, buf, fetching.owner, fetching.nbytes), time.monotonic()))
         if fetching.to:  # pushed to the client's data plane: the answer says how many blocks
             return BufferValue(shards=[], pushed=len(shards))
         return BufferValue(shards=shards)
+
+    async def _fetch_all(self, many: FetchingAll) -> BufferValues:
+        """A ``FetchBuffers``: every buffer done (else the first failure, in order), then each executor asked
+        once for all of their shards it holds."""
+        try:
+            for fetching in many.fetches:
+                await self._until_done(fetching.buffer)
+            failed = settled([fetching.buffer for fetching in many.fetches])
+            if failed is not None:
+                raise failed
+            shards = await self._fetch_shards(many.fetches, self.config.fetch_timeout_seconds)
+        finally:
+            now = time.monotonic()
+            for f in many.fetches:
+                self._perform(self.state.handle(FetchEnded(f.session_id, f.buffer, f.owner, f.nbytes), now))
+        return BufferValues(shards=shards)
 
     async def _fetch_early(self, fetching: Fetching) -> list[Any] | None:
         """Fetch a buffer still being computed: ask its executors now, not once it is done.
@@ -719,7 +739,7 @@ class Proxy(Service):
         is complete without the values: the caller reports its failure, or (it was moved
         meanwhile, say) fetches it the ordinary way."""
         buf = fetching.buffer
-        early = asyncio.ensure_future(self._fetch_shards(fetching, EARLY_FETCH_TIMEOUT_SECONDS))
+        early = asyncio.ensure_future(self._fetch_one(fetching, EARLY_FETCH_TIMEOUT_SECONDS))
         done = asyncio.ensure_future(self._until_done(buf))
         try:
             await asyncio.wait((done, early), return_when=asyncio.FIRST_COMPLETED)
@@ -737,18 +757,24 @@ class Proxy(Service):
             elif not early.cancelled():
                 early.exception()  # retrieved: a failure here was reported another way
 
-    async def _fetch_shards(self, fetching: Fetching, timeout_seconds: float) -> list[Any]:
-        """One shard of each distinct block (``sources``): replicas are not fetched twice. A direct fetch
-        (``fetching.to``): each executor pushes its blocks to the client instead (``PushShards``)."""
-        wanted = sources(fetching.session_id, fetching.buffer)
+    async def _fetch_one(self, fetching: Fetching, timeout_seconds: float) -> list[Any]:
+        return (await self._fetch_shards([fetching], timeout_seconds))[0]
+
+    async def _fetch_shards(self, fetches: list[Fetching], timeout_seconds: float) -> list[list[Any]]:
+        """Each buffer's one shard of each distinct block (``sources``): replicas are not fetched twice; each
+        executor is asked once for all of its shards. A direct fetch (one buffer, ``fetching.to``): each
+        executor pushes its blocks to the client instead (``PushShards``)."""
+        fetching = fetches[0]
+        assert not fetching.to or len(fetches) == 1
+        wanted = [(b, control, key) for b, f in enumerate(fetches) for control, key in sources(f.session_id, f.buffer)]
         by_executor: dict[str, list[int]] = {}
-        for k, (control, _) in enumerate(wanted):
+        for k, (_, control, _) in enumerate(wanted):
             by_executor.setdefault(control, []).append(k)
         shards: list[Any] = [None] * len(wanted)
 
         async def fetch_from(control: str, indices: list[int]) -> None:
             deadline = time.monotonic() + timeout_seconds
-            keys = [wanted[k][1] for k in indices]
+            keys = [wanted[k][2] for k in indices]
             request: Message = FetchShards(keys=keys) if not fetching.to else PushShards(
                 session=fetching.session_id, data_key=fetching.data_key, to=fetching.to, tag=fetching.tag,
                 keys=keys, indices=indices)
@@ -767,7 +793,10 @@ class Proxy(Service):
                 shards[k] = arr
 
         await asyncio.gather(*(fetch_from(c, idx) for c, idx in by_executor.items()))
-        return shards
+        per_buffer: list[list[Any]] = [[] for _ in fetches]
+        for (b, _, _), shard in zip(wanted, shards, strict=True):
+            per_buffer[b].append(shard)
+        return per_buffer
 
     # ------------------------------------------------------------ requests of the shell alone
 

@@ -185,6 +185,14 @@ class Fetching:
 
 
 @dataclasses.dataclass(frozen=True)
+class FetchingAll:
+    """Fetch every buffer's values (``FetchBuffers``) once all are done, one ``FetchShards`` an executor;
+    then a ``FetchEnded`` for each."""
+
+    fetches: list[Fetching]
+
+
+@dataclasses.dataclass(frozen=True)
 class Expecting:
     """A direct put: ask each executor to expect its shards (``ExpectShards``, by control address), then
     answer ``reply`` (where the client sends them); the first refusal is the answer instead."""
@@ -284,7 +292,7 @@ class CheckKept:
     asks: dict[str, list[str]]
 
 
-Action = (Send | Reply | Ask | Wait | Fetching | Expecting | Resolve | PeerLost | PeerBack | FencePeer | LowerOffLoop | Reclaim
+Action = (Send | Reply | Ask | Wait | Fetching | FetchingAll | Expecting | Resolve | PeerLost | PeerBack | FencePeer | LowerOffLoop | Reclaim
           | Inventory | CheckKept | CheckFunction | Deliver)
 
 

@@ -32,6 +32,8 @@ Actions:
                                  with ``then=Fetching``).
     ``Fetching(buffer, keys)``   fetch these shard keys (by executor control address, in
                                  ``Layout.distinct()`` order); send ``FetchEnded`` when done.
+    ``FetchingAll(fetches)``     a ``FetchBuffers``: each ``Fetching`` once all are done, one request an
+                                 executor; a ``FetchEnded`` for each.
     ``Resolve(buffer)``          ``buffer`` just became done (ready, or failed with ``buffer.error``).
     ``PeerLost(control, error)`` the executor at ``control`` is gone: fail what waits on it.
     ``PeerBack(control)``        it is back (restarted): send what waited for it.
@@ -88,6 +90,7 @@ from pwmesh.proxy.events import (  # noqa: F401 - re-exported: tests name them f
     FencePeer,
     FetchEnded,
     Fetching,
+    FetchingAll,
     FunctionChecked,
     Inbound,
     Inherited,
@@ -138,6 +141,7 @@ from pwmesh.wire.messages import (
     ExpectShards,
     Fence,
     Fetch,
+    FetchBuffers,
     ForgetOwner,
     FreeGroup,
     FreeShards,
@@ -200,6 +204,7 @@ log = logging.getLogger(__name__)
 MAX_PART_BYTES = DEFAULT_LIMITS.max_body_bytes - (1 << 20)
 MAX_TEMPLATE_RETRIES = 3  # a run sent again to a scheduler that lacked its template, at most
 MAX_REFUSED_FUNCTIONS = 1024  # functions the sandbox refused, remembered (the oldest forgotten first)
+MAX_FETCH_BUFFERS = 1024  # buffers one ``FetchBuffers`` may name (its answer: at most 4,096 blocks in all)
 MAX_ARRIVING_PROGRAMS = 4  # per session, coming in parts at once (each held until its last part)
 SESSION_ID = re.compile(r"s\d+-[0-9a-f]{6}")  # what ``_open_session`` names sessions
 UNKNOWN_VALUE = ValueSpec(shape=[], dtype="float32", shards=1)  # a failed output of a program never seen
@@ -290,7 +295,7 @@ class ProxyState:
         CreateSlice: "_create_slice", RegisterProgramFunction: "_register_function",
         RegisterProgram: "_register_program", RunProgram: "_run_program", PutBuffer: "_put_buffer",
         ReleaseBuffers: "_release_buffers", AwaitBuffers: "_await_buffers", QueryBuffers: "_query_buffers",
-        Fetch: "_fetch", NodeDone: "_node_done", IslandDone: "_island_done", DataLost: "_data_lost",
+        Fetch: "_fetch", FetchBuffers: "_fetch_buffers", NodeDone: "_node_done", IslandDone: "_island_done", DataLost: "_data_lost",
         TakeBack: "_take_back",
         TemplateMissing: "_template_missing",
         PutDirect: "_put_direct", SuspendSlices: "_suspend_slices", ResumeSlices: "_resume_slices",
@@ -1441,3 +1446,22 @@ class ProxyState:
         sid = session.session_id
         return Fetching(sid, buf, session.owner, size, to=msg.to, tag=msg.tag,
                         data_key=data_key(self.data_secret, sid) if msg.to else b"")
+
+    def _fetch_buffers(self, peer: bytes, msg: FetchBuffers, now: float) -> FetchingAll:
+        """``Fetch`` of several buffers at once: every one looked up (and the bytes checked) before any is pinned."""
+        session = self.session(peer)
+        if not msg.buffers:
+            raise InvalidArgument("FetchBuffers names no buffer")
+        if len(msg.buffers) > MAX_FETCH_BUFFERS:
+            raise InvalidArgument(f"FetchBuffers names {len(msg.buffers)} buffers, over {MAX_FETCH_BUFFERS}: "
+                                  "send several")
+        bufs = [self.buffer(session, cid) for cid in msg.buffers]
+        sizes = [0 if buf.error is not None else nbytes(buf.spec.shape, buf.spec.dtype) for buf in bufs]
+        self._check_in_flight(session.owner, sum(sizes), "a fetch")
+        fetches = []
+        for buf, size in zip(bufs, sizes, strict=True):
+            self.in_flight[session.owner] += size
+            buf.pins += 1
+            buf.readers += 1
+            fetches.append(Fetching(session.session_id, buf, session.owner, size))
+        return FetchingAll(fetches)

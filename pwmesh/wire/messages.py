@@ -1057,6 +1057,20 @@ class BufferValue(Message, op="proxy.buffer_value"):
 
 
 @record
+class FetchBuffers(Message, op="proxy.fetch_buffers"):
+    """Several buffers' values in one request (``pw.get`` of many small arrays: a training loop's losses):
+    ``BufferValues`` once every one is computed, or the first failure among them. The proxy asks each
+    executor once for all of their shards it holds."""
+
+    buffers: list[int]
+
+
+@record
+class BufferValues(Message, op="proxy.buffer_values"):
+    shards: list[list[np.ndarray]]  # per buffer, as ``FetchBuffers`` lists them: ``BufferValue.shards``
+
+
+@record
 class ReleaseBuffers(Message, op="proxy.release_buffers"):
     buffers: list[int]
 
