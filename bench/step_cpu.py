@@ -15,6 +15,7 @@ costs what. ``train_lm``'s model trains ``--steps`` steps of ``--preset`` (after
     python bench/step_cpu.py                 # about a minute: tiny, 1,500 steps
     python bench/step_cpu.py --preset small --steps 300
     python bench/step_cpu.py --smoke         # seconds
+    python bench/step_cpu.py --platform cuda # one GPU (a 1x1 mesh): the executor and plain JAX on it
 
 Writes ``step_cpu.json`` into ``--out`` (default: bench/results). Linux only (``/proc``).
 """
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import subprocess
 import sys
@@ -31,10 +33,10 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import DEFAULT_OUT, load_average, machine, table, write_json  # noqa: E402
+from _common import DEFAULT_OUT, load_average, machine, share_accelerator, table, write_json  # noqa: E402
 
 WARMUP = 50
-DEVICES = 4
+DEVICES = 4  # on CPU: a 2x2 mesh (train_lm's); on an accelerator one device, a 1x1 mesh
 
 
 def cpu_seconds(pid: int, tid: int | None = None) -> float:
@@ -44,31 +46,38 @@ def cpu_seconds(pid: int, tid: int | None = None) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def reference(preset: str, steps: int, warmup: int) -> dict[str, float]:
-    """Plain JAX, in this process (started with 4 CPU devices): wall and CPU per step."""
+def mesh_of(platform: str) -> dict[str, int]:
+    return {"data": 2, "model": 2} if platform == "cpu" else {"data": 1, "model": 1}
+
+
+def reference(preset: str, steps: int, warmup: int, platform: str) -> dict[str, float]:
+    """Plain JAX, in this process (on CPU started with 4 devices): wall and CPU per step."""
     import jax
 
-    jax.config.update("jax_platforms", "cpu")
+    jax.config.update("jax_platforms", platform)
     from pwmesh.examples import lm, train_lm
 
     config = lm.PRESETS[preset]
     optimizer = lm.make_optimizer(config)
-    trainer = train_lm.jax_trainer(config, optimizer)
+    trainer = train_lm.jax_trainer(config, optimizer, mesh_of(platform))
     train_lm.train(config, warmup, trainer, optimizer, progress=False)
     cpu, wall = time.process_time(), time.perf_counter()
     train_lm.train(config, steps, trainer, optimizer, progress=False)
     return {"wall_ms": (time.perf_counter() - wall) / steps * 1e3, "cpu_ms": (time.process_time() - cpu) / steps * 1e3}
 
 
-def pwmesh_step(preset: str, steps: int, warmup: int) -> dict[str, float]:
-    """pwmesh on a local cluster of one executor with 4 CPU devices: wall and each process's CPU per step."""
+def pwmesh_step(preset: str, steps: int, warmup: int, platform: str) -> dict[str, float]:
+    """pwmesh on a local cluster of one executor (4 CPU devices, or one of ``platform``'s): wall and each
+    process's CPU per step."""
     import jax
 
-    jax.config.update("jax_platforms", "cpu")
+    jax.config.update("jax_platforms", "cpu")  # this process only traces: the devices are the executor's
     import pwmesh as pw
     from pwmesh.examples import lm, train_lm
 
-    spec = pw.LocalClusterSpec(islands=1, hosts_per_island=1, devices_per_host=DEVICES)
+    mesh = mesh_of(platform)
+    spec = pw.LocalClusterSpec(islands=1, hosts_per_island=1, devices_per_host=math.prod(mesh.values()),
+                               platform=platform)
     with pw.LocalCluster(spec) as cluster:
         pids = {child.role: child.popen.pid for child in cluster.children if child.role != "rm"}
         pids["client"] = os.getpid()
@@ -76,7 +85,7 @@ def pwmesh_step(preset: str, steps: int, warmup: int) -> dict[str, float]:
         try:
             config = lm.PRESETS[preset]
             optimizer = lm.make_optimizer(config)
-            trainer = train_lm.pwmesh_trainer(config, optimizer)
+            trainer = train_lm.pwmesh_trainer(config, optimizer, mesh)
             train_lm.train(config, warmup, trainer, optimizer, progress=False)
             executor = pids["executor"]
             before = {role: cpu_seconds(pid) for role, pid in pids.items()}
@@ -98,29 +107,34 @@ def main() -> None:
     parser.add_argument("--preset", default="tiny")
     parser.add_argument("--steps", type=int, default=1500)
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    parser.add_argument("--platform", default="cpu", help="the executor's and plain JAX's devices (cuda: one GPU)")
     parser.add_argument("--smoke", action="store_true", help="a few steps: checks the paths, measures nothing")
     parser.add_argument("--reference", action="store_true", help=argparse.SUPPRESS)  # plain JAX's own process
     args = parser.parse_args()
     steps, warmup = (20, 5) if args.smoke else (args.steps, WARMUP)
     if args.reference:
-        print(json.dumps(reference(args.preset, steps, warmup)))
+        print(json.dumps(reference(args.preset, steps, warmup, args.platform)))
         return
     load = load_average()
-    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={DEVICES}", JAX_PLATFORMS="cpu")
-    done = subprocess.run([sys.executable, __file__, "--reference", "--preset", args.preset, "--steps", str(args.steps)]
-                          + (["--smoke"] if args.smoke else []), env=env, capture_output=True, text=True, check=True)
+    share_accelerator(args.platform)
+    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={DEVICES}", JAX_PLATFORMS=args.platform)
+    done = subprocess.run([sys.executable, __file__, "--reference", "--preset", args.preset, "--steps", str(args.steps),
+                           "--platform", args.platform] + (["--smoke"] if args.smoke else []),
+                          env=env, capture_output=True, text=True)
+    if done.returncode:
+        raise SystemExit(f"plain JAX's run failed:\n{done.stderr[-3000:]}")
     jax_step = json.loads(done.stdout.strip().splitlines()[-1])
-    mine = pwmesh_step(args.preset, steps, warmup)
+    mine = pwmesh_step(args.preset, steps, warmup, args.platform)
     controller = sum(mine[f"{role}_cpu_ms"] for role in ("client", "proxy", "scheduler"))
     rows = [["plain JAX (one process)", f"{jax_step['wall_ms']:.2f}", f"{jax_step['cpu_ms']:.2f}"],
             ["pwmesh, all processes", f"{mine['wall_ms']:.2f}", f"{controller + mine['executor_cpu_ms']:.2f}"]]
     rows += [[f"  {role}", "", f"{mine[f'{role}_cpu_ms']:.2f}"] for role in ("client", "proxy", "scheduler", "executor")]
     rows.append(["    executor's main thread", "", f"{mine['executor_main_thread_cpu_ms']:.2f}"])
-    print(f"\n{args.preset}: {steps} steps after {warmup} of warm-up, ms per step\n")
+    print(f"\n{args.preset} on {args.platform}: {steps} steps after {warmup} of warm-up, ms per step\n")
     print(table(["", "wall", "CPU"], rows))
     result: dict[str, Any] = {
         "benchmark": "step_cpu", "smoke": args.smoke, "preset": args.preset, "steps": steps,
-        "machine": machine(load), "jax": jax_step, "pwmesh": mine,
+        "machine": machine(load, args.platform), "jax": jax_step, "pwmesh": mine,
         "ratio": jax_step["wall_ms"] / mine["wall_ms"],
         "controller_cpu_ms": controller,
         "executor_own_cpu_ms": mine["executor_cpu_ms"] - jax_step["cpu_ms"],

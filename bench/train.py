@@ -43,9 +43,6 @@ from pathlib import Path
 from typing import Any
 
 import jax
-import numpy as np
-from jax.sharding import Mesh, NamedSharding
-from jax.sharding import PartitionSpec as P
 
 import pwmesh as pw
 from pwmesh.examples import lm, train_lm
@@ -105,16 +102,7 @@ def reference(preset: str, steps: int, mesh: dict[str, int], out: str) -> None:
     """``train_lm --reference`` (``jax_trainer``) over ``mesh`` of this process's first devices."""
     config = lm.PRESETS[preset]
     optimizer = lm.make_optimizer(config)
-    devices = lm.local_devices(math.prod(mesh.values()), "--mesh")
-    jax_mesh = Mesh(np.array(devices).reshape(tuple(mesh.values())), tuple(mesh))
-
-    def named(specs: Any) -> Any:
-        return jax.tree_util.tree_map(lambda s: NamedSharding(jax_mesh, s), specs, is_leaf=lambda x: isinstance(x, P))
-
-    pspecs, ospecs = named(lm.param_specs(config)), named(lm.opt_state_specs(config, optimizer))
-    step = jax.jit(lm.make_train_step(config, optimizer), in_shardings=(pspecs, ospecs, named(lm.batch_spec())),
-                   out_shardings=(pspecs, ospecs, named(P())), donate_argnums=(0, 1))
-    trainer = train_lm.Trainer(step, lambda tree, specs: jax.device_put(tree, named(specs)), jax.device_get)
+    trainer = train_lm.jax_trainer(config, optimizer, mesh)
     result = train_lm.train(config, steps, trainer, optimizer, progress=False)
     Path(out).write_text(json.dumps(dataclasses.asdict(result)) + "\n")
 
@@ -122,14 +110,7 @@ def reference(preset: str, steps: int, mesh: dict[str, int], out: str) -> None:
 def pwmesh_run(preset: str, steps: int, mesh: dict[str, int]) -> dict[str, Any]:
     config = lm.PRESETS[preset]
     optimizer = lm.make_optimizer(config)
-    if mesh == train_lm.MESH:
-        trainer = train_lm.pwmesh_trainer(config, optimizer)
-    else:  # train_lm.pwmesh_trainer over another mesh
-        sl = pw.make_virtual_device_set().add_slice(devices=math.prod(mesh.values()), mesh=mesh)
-        pspecs, ospecs = lm.param_specs(config), lm.opt_state_specs(config, optimizer)
-        step = pw.jit(lm.make_train_step(config, optimizer), devices=sl, in_specs=(pspecs, ospecs, lm.batch_spec()),
-                      out_specs=(pspecs, ospecs, P()), donate_argnums=(0, 1))
-        trainer = train_lm.Trainer(step, lambda tree, specs: pw.put(tree, devices=sl, spec=specs), pw.get)
+    trainer = train_lm.pwmesh_trainer(config, optimizer, mesh)
     result = train_lm.train(config, steps, trainer, optimizer, progress=False)
     return dataclasses.asdict(result)
 

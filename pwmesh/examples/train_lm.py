@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import signal
 import sys
 import tempfile
@@ -64,17 +65,20 @@ class Trainer:
     fetch: Callable[[Any], Any]  # device tree -> host tree (numpy)
 
 
-def pwmesh_trainer(config: lm.Config, optimizer: Any) -> Trainer:
-    sl = pw.make_virtual_device_set().add_slice(devices=4, mesh=MESH)  # over several hosts: their JAX group
+def pwmesh_trainer(config: lm.Config, optimizer: Any, mesh: dict[str, int] = MESH) -> Trainer:
+    """``lm``'s step as one ``pw.jit`` over a slice shaped ``mesh`` (over several hosts: their JAX group)."""
+    sl = pw.make_virtual_device_set().add_slice(devices=math.prod(mesh.values()), mesh=mesh)
     pspecs, ospecs = lm.param_specs(config), lm.opt_state_specs(config, optimizer)
     step = pw.jit(lm.make_train_step(config, optimizer), devices=sl, in_specs=(pspecs, ospecs, lm.batch_spec()),
                   out_specs=(pspecs, ospecs, P()), donate_argnums=(0, 1))
     return Trainer(step, lambda tree, specs: pw.put(tree, devices=sl, spec=specs), pw.get)
 
 
-def jax_trainer(config: lm.Config, optimizer: Any) -> Trainer:
-    """The same step under plain ``jax.jit`` in this process, with the same shardings."""
-    mesh = Mesh(np.array(lm.local_devices(4, "--reference")).reshape(2, 2), tuple(MESH))
+def jax_trainer(config: lm.Config, optimizer: Any, axes: dict[str, int] = MESH) -> Trainer:
+    """The same step under plain ``jax.jit`` in this process, with the same shardings (``axes``: the mesh, over
+    this process's first devices)."""
+    devices = lm.local_devices(math.prod(axes.values()), "--reference")
+    mesh = Mesh(np.array(devices).reshape(tuple(axes.values())), tuple(axes))
 
     def named(specs: Any) -> Any:
         return jax.tree_util.tree_map(lambda s: NamedSharding(mesh, s), specs, is_leaf=lambda x: isinstance(x, P))
