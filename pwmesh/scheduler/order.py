@@ -102,7 +102,10 @@ class IslandOrder:
         self.window = window
         self.scheduler = scheduler
         self.next_seq = 0
-        self.history: collections.deque[OrderEntry] = collections.deque(maxlen=history)
+        # The order's newest ``history`` computations, kept a run at a time (``history`` expands them):
+        # (first seq, run id, session, its parts' (executor, nodes)), runs with no computation left out.
+        self._history: collections.deque[tuple[int, str, str, list[tuple[str, list[int]]]]] = \
+            collections.deque(maxlen=history)
         self.max_clients = 256  # idle clients beyond this many are forgotten
         # This instance: executors restart their count with a new one (given: a replay of its events).
         self.epoch = epoch or secrets.token_hex(4)
@@ -290,7 +293,9 @@ class IslandOrder:
         run = pending.run
         actions = []
         seq = self.next_seq
-        run_id, session, record = run.run_id, run.session, self.history.append
+        run_id, session = run.run_id, run.session
+        placed: list[tuple[str, list[int]]] = []
+        executor_seq = self._executor_seq
         template = pending.template
         if template is None:
             assert isinstance(run, ScheduleRun)
@@ -303,15 +308,14 @@ class IslandOrder:
             if self.sequenced is not None:
                 self.sequenced.append((run_id, run.proxy, template.executor_nodes, template.nodes))
         for part in sending:
-            seqs = list(range(seq, seq + len(part.nodes)))
-            for s, node in zip(seqs, part.nodes, strict=True):
-                record(OrderEntry(s, run_id, node, part.executor_id, session))
+            ex, nodes = part.executor_id, part.nodes
+            seqs = list(range(seq, seq + len(nodes)))
+            placed.append((ex, nodes))
             seq += len(seqs)
-            ex = part.executor_id
             if template is None:
                 enqueue = Enqueue(run_id=run_id, proxy=run.proxy, nodes=part.nodes, computations=part.computations,
                                   seqs=seqs, names=part.names, scheduler=self.scheduler,
-                                  executor_seq=self._executor_seq[ex], epoch=self.epoch)
+                                  executor_seq=executor_seq[ex], epoch=self.epoch)
             else:  # the part's bytes go with the first run only; every run carries the island's names
                 first = ex not in template.sent
                 if first:
@@ -319,10 +323,12 @@ class IslandOrder:
                 enqueue = Enqueue(run_id=run_id, proxy=run.proxy, nodes=part.nodes,
                                   computations=part.computations if first else b"", seqs=seqs,
                                   names=names, scheduler=self.scheduler,
-                                  executor_seq=self._executor_seq[ex], epoch=self.epoch,
+                                  executor_seq=executor_seq[ex], epoch=self.epoch,
                                   template=template.template_id, refs=part.refs if first else [])
             actions.append(Send(part.control, enqueue, self._stimulus))
-            self._executor_seq[ex] += 1
+            executor_seq[ex] += 1
+        if seq > self.next_seq:
+            self._history.append((self.next_seq, run_id, session, placed))
         self.next_seq = seq
         shape = pending.shape
         for cell in shape.cells:
@@ -346,6 +352,17 @@ class IslandOrder:
         parts were forgotten when it was declared lost), and it holds no template's part."""
         self._executor_seq.pop(executor_id, None)
         self.templates.forget_executor(executor_id)
+
+    @property
+    def history(self) -> collections.deque[OrderEntry]:
+        """The newest computations sequenced (at most the ``history`` given), oldest first."""
+        entries: collections.deque[OrderEntry] = collections.deque(maxlen=self._history.maxlen)
+        for seq, run_id, session, placed in self._history:
+            for executor_id, nodes in placed:
+                for node in nodes:
+                    entries.append(OrderEntry(seq, run_id, node, executor_id, session))
+                    seq += 1
+        return entries
 
     @property
     def busy(self) -> Mapping[DeviceKey, int]:
