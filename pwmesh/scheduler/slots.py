@@ -40,16 +40,21 @@ class Cell:
 
 
 class Shape:
-    """A footprint, interned: its devices once, as cells (in all, and by executor)."""
+    """A footprint, interned, as cells (in all, and by executor): its devices are the cells' (each is
+    kept once, in its cell, however many footprints hold it)."""
 
-    __slots__ = ("key", "devices", "cells", "by_executor", "users")
+    __slots__ = ("key", "cells", "by_executor", "users")
 
-    def __init__(self, key: Hashable, devices: frozenset[DeviceKey]) -> None:
+    def __init__(self, key: Hashable) -> None:
         self.key = key
-        self.devices = devices
         self.cells: list[Cell] = []
         self.by_executor: dict[str, list[Cell]] = {}
         self.users = 0  # runs queued or in flight with this footprint
+
+    @property
+    def devices(self) -> frozenset[DeviceKey]:
+        """Every (executor, device) it holds (built when asked: for checks, not for the order's work)."""
+        return frozenset().union(*(cell.devices for cell in self.cells))
 
     def add(self, cell: Cell) -> None:
         self.cells.append(cell)
@@ -92,7 +97,7 @@ class Slots:
                         del self._cells[device]
 
     def _intern(self, key: Hashable, devices: frozenset[DeviceKey]) -> Shape:
-        shape = Shape(key, devices)
+        shape = Shape(key)
         touched: dict[Cell, list[DeviceKey]] = {}
         fresh: dict[str, list[DeviceKey]] = {}
         for device in devices:
