@@ -3,9 +3,10 @@ island scheduler's core (``scheduler/state.py``: ``SchedulerState.handle`` is th
 simulator use; this is its policy, as ``rm/placement.py`` is the resource manager's).
 
 Runs wait in one queue per client. Whenever every device a client's next run
-touches has a free slot (at most ``window`` runs in flight per device), the
-policy may release it; a released run is sequenced at once and whole: each of
-its computations gets the next island sequence number, and each executor gets
+touches has a free slot (at most ``window`` runs in flight per device; counted
+once per cell of devices the runs use together, ``slots.py``), the policy may
+release it; a released run is sequenced at once and whole: each of its
+computations gets the next island sequence number, and each executor gets
 its part as one ``Enqueue`` carrying that executor's own running count, so it
 can restore the order even if messages arrive out of order. Because sequencing
 is atomic per run, every device sees the same relative order of all gang
