@@ -44,6 +44,7 @@ no JAX: each part drives the same pure object the daemon wraps, with a synthetic
 
     python bench/scale.py            # ~10 minutes on a 2-core machine
     python bench/scale.py --smoke    # seconds
+    python bench/scale.py --scheduler-only    # (b) alone, ~1 minute; writes scale_scheduler.json
 
 Writes ``scale.json``, ``scale.md``, ``scale.png`` (a-c) and ``scale_sim.png`` (d, e) into
 ``--out`` (default: bench/results).
@@ -106,7 +107,16 @@ from pwmesh.wire.parts import run_parts
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _scale_sim  # noqa: E402
-from _common import DEFAULT_OUT, load_average, machine, pyplot, save_figure, save_results, table  # noqa: E402
+from _common import (  # noqa: E402
+    DEFAULT_OUT,
+    load_average,
+    machine,
+    pyplot,
+    save_figure,
+    save_results,
+    table,
+    write_json,
+)
 
 DEVICES_PER_EXECUTOR = 8
 PROXY_GOAL = "flat: the same messages, bytes and CPU per program at 8,192 devices as at 2"
@@ -500,6 +510,20 @@ def scheduler_rate(config: Config) -> dict[str, Any]:
     return out
 
 
+def scheduler_only(out: Path, config: Config, smoke: bool) -> int:
+    """(b) alone (``--scheduler-only``): its table printed, ``scale_scheduler.json`` written."""
+    load_at_start = load_average()
+    print("(b) island-scheduler decisions (fair policy, window 2)", flush=True)
+    sched = scheduler_rate(config)
+    print(f"\n(b) island-scheduler decisions per CPU second (fair, window 2):\n{table(*scheduler_table(sched))}")
+    path = out / "scale_scheduler.json"
+    write_json(path, {"benchmark": "scale (b)", "smoke": smoke, "config": dataclasses.asdict(config),
+                      "load_average": [load_at_start, load_average()], "scheduler": sched,
+                      "scheduler_goal_decisions_per_second": DECISIONS_GOAL_PER_SECOND})
+    print(f"\nwrote {path}")
+    return 0
+
+
 # ------------------------------------------------------------------ (c) RM slice placement
 
 
@@ -662,6 +686,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="hosts of 8 devices the chain of (a) runs over on the simulator")
     parser.add_argument("--clients", default=None, help="comma-separated client counts for (b)")
     parser.add_argument("--decisions", type=int, default=None, help="runs released per point in (b)")
+    parser.add_argument("--scheduler-only", action="store_true",
+                        help="run (b) alone and write scale_scheduler.json (scale.json and scale.md are left as they are)")
     parser.add_argument("--hosts", default=None, help="comma-separated simulated host counts for (d)")
     parser.add_argument("--costs", type=Path, default=None,
                         help="sim_check.json whose calibration sets the simulated executors' costs "
@@ -684,6 +710,8 @@ def main(argv: list[str] | None = None) -> int:
     if any(n < 1 for n in (*config.proxy_devices, *config.client_counts, *config.sim_hosts,
                            config.scheduler_decisions, config.sim_chain_hosts)):
         parser.error("device, client and host counts and --decisions must be at least 1")
+    if args.scheduler_only:
+        return scheduler_only(args.out, config, args.smoke)
     try:
         costs = _scale_sim.load_costs(args.costs)
     except (OSError, ValueError) as exc:

@@ -3,9 +3,10 @@ island scheduler's core (``scheduler/state.py``: ``SchedulerState.handle`` is th
 simulator use; this is its policy, as ``rm/placement.py`` is the resource manager's).
 
 Runs wait in one queue per client. Whenever every device a client's next run
-touches has a free slot (at most ``window`` runs in flight per device), the
-policy may release it; a released run is sequenced at once and whole: each of
-its computations gets the next island sequence number, and each executor gets
+touches has a free slot (at most ``window`` runs in flight per device; counted
+once per cell of devices the runs use together, ``slots.py``), the policy may
+release it; a released run is sequenced at once and whole: each of its
+computations gets the next island sequence number, and each executor gets
 its part as one ``Enqueue`` carrying that executor's own running count, so it
 can restore the order even if messages arrive out of order. Because sequencing
 is atomic per run, every device sees the same relative order of all gang
@@ -28,16 +29,17 @@ import dataclasses
 import heapq
 import itertools
 import secrets
+from collections.abc import Mapping
 from typing import NamedTuple
 
 from pwmesh.core.contract import Send
 from pwmesh.errors import InvalidArgument
+from pwmesh.scheduler.slots import Cell, DeviceKey, Shape, Slots
 from pwmesh.scheduler.templates import IslandTemplates, Template
 from pwmesh.wire.messages import ClientUsage, Enqueue, InstallTemplate, RunTemplate, ScheduleRun, TemplateMissing
 from pwmesh.wire.records import MAX_DEVICES
 
 POLICIES = ("fifo", "fair")
-DeviceKey = tuple[str, int]  # (executor_id, device)
 
 
 class OrderEntry(NamedTuple):
@@ -54,8 +56,13 @@ class OrderEntry(NamedTuple):
 class _Pending:
     run: ScheduleRun | RunTemplate
     arrival: int
-    footprint: frozenset[DeviceKey]
+    shape: Shape  # its footprint, as cells of devices counted together (``slots.py``)
     template: Template | None = None  # a run of an installed template (``RunTemplate``)
+
+    @property
+    def footprint(self) -> frozenset[DeviceKey]:
+        """Every (executor, device) the run uses."""
+        return self.shape.devices
 
 
 @dataclasses.dataclass
@@ -72,15 +79,16 @@ class _Client:
     version: int = 0  # bumped when its place in the policy order changes: older heap entries are stale
 
 
-# A client waiting in the fair order: (policy key, order, version, tiebreak, client, the device whose
+# A client waiting in the fair order: (policy key, order, version, tiebreak, client, the cell whose
 # freed slot woke it, if one did).
-_Entry = tuple[tuple[float, ...], int, int, int, _Client, "DeviceKey | None"]
+_Entry = tuple[tuple[float, ...], int, int, int, _Client, "Cell | None"]
 
 
 @dataclasses.dataclass
 class _InFlight:
     client: _Client
-    parts: dict[str, list[DeviceKey]]  # executor -> devices it holds
+    shape: Shape
+    parts: dict[str, list[Cell]]  # executor -> the cells it holds (until it reports)
 
 
 class IslandOrder:
@@ -95,11 +103,14 @@ class IslandOrder:
         self.window = window
         self.scheduler = scheduler
         self.next_seq = 0
-        self.history: collections.deque[OrderEntry] = collections.deque(maxlen=history)
+        # The order's newest ``history`` computations, kept a run at a time (``history`` expands them):
+        # (first seq, run id, session, its parts' (executor, nodes)), runs with no computation left out.
+        self._history: collections.deque[tuple[int, str, str, list[tuple[str, list[int]]]]] = \
+            collections.deque(maxlen=history)
         self.max_clients = 256  # idle clients beyond this many are forgotten
         # This instance: executors restart their count with a new one (given: a replay of its events).
         self.epoch = epoch or secrets.token_hex(4)
-        self.busy: collections.Counter[DeviceKey] = collections.Counter()
+        self.slots = Slots()  # runs in flight per device, counted per cell (``slots.py``)
         self._executor_seq: collections.Counter[str] = collections.Counter()
         self._clients: dict[str, _Client] = {}
         self._in_flight: dict[str, _InFlight] = {}
@@ -107,10 +118,9 @@ class IslandOrder:
         self._joined = itertools.count()  # clients' ``order``
         self._ties = itertools.count()
         # The fair order, kept between events: waiting clients not known to be blocked (empty after each
-        # release pass), and per device at its window the clients whose head it blocks, in policy order.
-        # A completion wakes only the best of those its freed slot may let through, not every waiting client.
+        # release pass), and per cell at its window the clients whose head it blocks, in policy order
+        # (``Cell.blocked``). A completion wakes only the best of those its freed slot may let through.
         self._ready: list[_Entry] = []
-        self._blocked: dict[DeviceKey, list[_Entry]] = {}
         self._stimulus = ""  # the event being handled: the Sends it causes carry its id
         self.templates = IslandTemplates()  # cached lowerings installed once, run by id (``templates.py``)
         # Runs sequenced since ``SchedulerState`` last looked: (run id, proxy, executor -> its nodes, every
@@ -129,9 +139,11 @@ class IslandOrder:
             for r in part.devices:
                 if r.first < 0 or not 1 <= r.count <= MAX_DEVICES:
                     raise InvalidArgument(f"run {run.run_id}: devices [{r.first}, +{r.count}) on {part.executor_id}")
-        footprint = frozenset((part.executor_id, r.first + k) for part in run.parts for r in part.devices
-                              for k in range(r.count))
-        return self._queue(_Pending(run, next(self._arrivals), footprint))
+        # Runs of one program name the same ranges: the footprint is built once, when first seen.
+        key = tuple([(part.executor_id, r.first, r.count) for part in run.parts for r in part.devices])
+        shape = self.slots.take(key, lambda: frozenset((ex, first + k) for ex, first, count in key
+                                                       for k in range(count)))
+        return self._queue(_Pending(run, next(self._arrivals), shape))
 
     def install(self, msg: InstallTemplate) -> None:
         """Keep a template its runs will name (``templates.py``)."""
@@ -148,7 +160,9 @@ class IslandOrder:
         if len(run.names) < template.names:
             raise InvalidArgument(f"run {run.run_id} names {len(run.names)} buffers; template "
                                   f"{run.template_id} refers to {template.names}")
-        return self._queue(_Pending(run, next(self._arrivals), template.footprint, template))
+        footprint = template.footprint
+        return self._queue(_Pending(run, next(self._arrivals), self.slots.take(footprint, lambda: footprint),
+                                    template))
 
     def _queue(self, pending: _Pending) -> list[Send]:
         run = pending.run
@@ -171,23 +185,25 @@ class IslandOrder:
         """An executor finished its part of a run: free its slots, charge the client."""
         self._stimulus = stimulus
         flight = self._in_flight.get(run_id)
-        if flight is None or executor_id not in flight.parts:
+        if flight is None:
             return []
-        freed = flight.parts.pop(executor_id)
-        for key in freed:
-            self.busy[key] -= 1
-            if self.busy[key] <= 0:
-                del self.busy[key]
+        freed = flight.parts.pop(executor_id, None)
+        if freed is None:
+            return []
+        for cell in freed:
+            cell.busy -= 1
         client = flight.client
         client.device_seconds += device_seconds
         client.vtime += device_seconds / client.weight
         if self.policy == "fair":
-            for key in freed:
-                self._wake(key)
+            for cell in freed:
+                if cell.blocked:
+                    self._wake(cell)
             if client.queue and device_seconds:
                 self._place(client)  # its virtual time moved
         if not flight.parts:
             del self._in_flight[run_id]
+            self.slots.drop(flight.shape)
             client.in_flight -= 1
             self._forget_idle()
         return self._release()
@@ -208,12 +224,15 @@ class IslandOrder:
             return (client.queue[0].arrival,)
         return (-client.priority, client.vtime, client.queue[0].arrival)
 
-    def _blocker(self, pending: _Pending) -> DeviceKey | None:
-        """A device of ``pending``'s footprint with no free slot (None: it fits)."""
-        busy, window = self.busy, self.window
-        return next((key for key in pending.footprint if busy[key] >= window), None)
+    def _blocker(self, pending: _Pending) -> Cell | None:
+        """A cell of ``pending``'s footprint with no free slot (None: it fits)."""
+        window = self.window
+        for cell in pending.shape.cells:
+            if cell.busy >= window:
+                return cell
+        return None
 
-    def _entry(self, client: _Client, woken_by: DeviceKey | None = None) -> _Entry:
+    def _entry(self, client: _Client, woken_by: Cell | None = None) -> _Entry:
         return (self._key(client), client.order, client.version, next(self._ties), client, woken_by)
 
     def _place(self, client: _Client) -> None:
@@ -221,19 +240,17 @@ class IslandOrder:
         client.version += 1
         heapq.heappush(self._ready, self._entry(client))
 
-    def _wake(self, key: DeviceKey) -> None:
-        """A slot of ``key`` may be free: let the best client its window blocks be considered again."""
-        blocked = self._blocked.get(key)
-        if self.busy[key] >= self.window:
+    def _wake(self, cell: Cell) -> None:
+        """A slot of ``cell`` may be free: let the best client its window blocks be considered again."""
+        if cell.busy >= self.window:
             return
+        blocked = cell.blocked
         while blocked:
             entry = heapq.heappop(blocked)
             client = entry[4]
             if entry[2] == client.version and client.queue:
-                heapq.heappush(self._ready, (*entry[:5], key))
+                heapq.heappush(self._ready, (*entry[:5], cell))
                 break
-        if not blocked:
-            self._blocked.pop(key, None)
 
     def _release(self) -> list[Send]:
         """Release head runs in policy order while any fits (work-conserving)."""
@@ -250,7 +267,7 @@ class IslandOrder:
             if version == client.version and client.queue:
                 blocker = self._blocker(client.queue[0])
                 if blocker is not None:
-                    heapq.heappush(self._blocked.setdefault(blocker, []), (*entry[:5], None))
+                    heapq.heappush(blocker.blocked, (*entry[:5], None))
                 else:
                     actions.extend(self._sequence(client, client.queue.popleft()))
                     if client.queue:
@@ -275,10 +292,11 @@ class IslandOrder:
 
     def _sequence(self, client: _Client, pending: _Pending) -> list[Send]:
         run = pending.run
-        parts: dict[str, list[DeviceKey]] = {}
         actions = []
         seq = self.next_seq
-        run_id, session, record = run.run_id, run.session, self.history.append
+        run_id, session = run.run_id, run.session
+        placed: list[tuple[str, list[int]]] = []
+        executor_seq = self._executor_seq
         template = pending.template
         if template is None:
             assert isinstance(run, ScheduleRun)
@@ -291,15 +309,14 @@ class IslandOrder:
             if self.sequenced is not None:
                 self.sequenced.append((run_id, run.proxy, template.executor_nodes, template.nodes))
         for part in sending:
-            seqs = list(range(seq, seq + len(part.nodes)))
-            for s, node in zip(seqs, part.nodes, strict=True):
-                record(OrderEntry(s, run_id, node, part.executor_id, session))
+            ex, nodes = part.executor_id, part.nodes
+            seqs = list(range(seq, seq + len(nodes)))
+            placed.append((ex, nodes))
             seq += len(seqs)
-            ex = part.executor_id
             if template is None:
                 enqueue = Enqueue(run_id=run_id, proxy=run.proxy, nodes=part.nodes, computations=part.computations,
                                   seqs=seqs, names=part.names, scheduler=self.scheduler,
-                                  executor_seq=self._executor_seq[ex], epoch=self.epoch)
+                                  executor_seq=executor_seq[ex], epoch=self.epoch)
             else:  # the part's bytes go with the first run only; every run carries the island's names
                 first = ex not in template.sent
                 if first:
@@ -307,15 +324,18 @@ class IslandOrder:
                 enqueue = Enqueue(run_id=run_id, proxy=run.proxy, nodes=part.nodes,
                                   computations=part.computations if first else b"", seqs=seqs,
                                   names=names, scheduler=self.scheduler,
-                                  executor_seq=self._executor_seq[ex], epoch=self.epoch,
+                                  executor_seq=executor_seq[ex], epoch=self.epoch,
                                   template=template.template_id, refs=part.refs if first else [])
             actions.append(Send(part.control, enqueue, self._stimulus))
-            self._executor_seq[ex] += 1
+            executor_seq[ex] += 1
+        if seq > self.next_seq:
+            self._history.append((self.next_seq, run_id, session, placed))
         self.next_seq = seq
-        for key in pending.footprint:
-            self.busy[key] += 1
-            parts.setdefault(key[0], []).append(key)
-        self._in_flight[run.run_id] = _InFlight(client, parts)
+        shape = pending.shape
+        for cell in shape.cells:
+            cell.busy += 1
+        # The lists are the shape's own: a cell split later (``slots.py``) is held and freed with them.
+        self._in_flight[run.run_id] = _InFlight(client, shape, dict(shape.by_executor))
         client.in_flight += 1
         client.runs += 1
         return actions
@@ -333,6 +353,22 @@ class IslandOrder:
         parts were forgotten when it was declared lost), and it holds no template's part."""
         self._executor_seq.pop(executor_id, None)
         self.templates.forget_executor(executor_id)
+
+    @property
+    def history(self) -> collections.deque[OrderEntry]:
+        """The newest computations sequenced (at most the ``history`` given), oldest first."""
+        entries: collections.deque[OrderEntry] = collections.deque(maxlen=self._history.maxlen)
+        for seq, run_id, session, placed in self._history:
+            for executor_id, nodes in placed:
+                for node in nodes:
+                    entries.append(OrderEntry(seq, run_id, node, executor_id, session))
+                    seq += 1
+        return entries
+
+    @property
+    def busy(self) -> Mapping[DeviceKey, int]:
+        """Runs in flight per (executor, device): a read-only view (a device with none reads 0)."""
+        return self.slots.busy()
 
     @property
     def in_flight(self) -> int:
