@@ -740,7 +740,7 @@ class Runner:
                 value = outs[i]
                 if isinstance(value, jax.Array) and value.is_deleted():
                     continue  # a computation it was donated to consumed it before it landed: nothing to keep
-                self.store.put(key, value, value.nbytes if nbytes is None else nbytes[i])
+                self.store.put(key, value, value.nbytes if nbytes is None else nbytes[i], computed=True)
             else:
                 self.store.fail(key, err)
         if err is not None and work.error is None:

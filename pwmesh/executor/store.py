@@ -207,8 +207,9 @@ class ObjectStore:
         self._nbytes: dict[str, int] = {}
         self._by_buffer: dict[str, list[str]] = {}
         self._deleted = Tombstones()  # buffers
-        # Buffers whose every shard here came whole from one SPMD computation here: once deleted, nothing of
-        # them can arrive any more, so their tombstones need not outlive the recent ones (``Tombstones``).
+        # Buffers whose every shard here came from one computation here (whole from an SPMD one, or a piece a
+        # device from another): once deleted, nothing of them can arrive any more, so their tombstones need
+        # not outlive the recent ones (``Tombstones``): a training step's ~100 deletes parse no name.
         self._complete: set[str] = set()
         # Owners a restarted proxy took back (``fence``): owner -> (the marker of the names it gives, the buffers
         # held when it did). Any other buffer of theirs is dead: it belongs to a run of the proxy before.
@@ -283,7 +284,9 @@ class ObjectStore:
         except KeyError:
             return None
 
-    def put(self, key: str, value: Any, nbytes: int) -> None:
+    def put(self, key: str, value: Any, nbytes: int, computed: bool = False) -> None:
+        """Store ``key``'s value (``nbytes`` of device memory). ``computed``: a computation here made it, and
+        made every shard of its buffer this executor holds (see ``_complete``)."""
         if key in self._values:  # a confused or hostile peer; the first value stands
             log.warning("object %s was produced twice; keeping the first", key)
             return
@@ -296,6 +299,8 @@ class ObjectStore:
                 return
             if keys is None:
                 keys = self._by_buffer[buffer] = []
+                if computed:
+                    self._complete.add(buffer)
             keys.append(key)
         elif fut.done():  # it failed (or a receive of a deleted key); the failure stands
             self._futures[key] = fut
