@@ -101,6 +101,32 @@ def test_a_reference_without_its_name_is_refused(ref: str, names: list[str], mat
         enqueued(through_the_wire(part), PartTemplates())
 
 
+@pytest.mark.parametrize(("refs", "names", "match"), [
+    ([0, 1], ["x", "y"], None),
+    ([0, 5], ["x", "y"], r"refers to buffer '@1'; it names 2"),
+    ([0], ["x", "y"], r"refers to buffer '@1'; it names 2"),
+])
+def test_an_installed_templates_runs_fill_in_their_names_or_are_refused(refs: list[int], names: list[str],
+                                                                     match: str | None) -> None:
+    """A template's part (installed once) resolves its "@<k>" to indices once; each run only indexes its names,
+    and a reference past them is refused as the uninstalled path refuses it."""
+    c = comp(0, "a", (0, 1))
+    c.inputs, c.outputs = ["@0", "kept"], ["@1"]
+    (part,) = run_parts([c])
+    templates = PartTemplates()
+    first = Enqueue(run_id="r", proxy="p", nodes=[0], computations=part.computations, names=names, template="t",
+                    refs=refs)
+    if match is not None:
+        with pytest.raises(ProtocolError, match=match):
+            enqueued(first, templates)
+        return
+    (done,) = enqueued(first, templates)
+    assert (done.inputs, done.outputs) == (["x", "kept"], ["y"])
+    again = Enqueue(run_id="r2", proxy="p", nodes=[0], computations=b"", names=["u", "v"], template="t")
+    (done,) = enqueued(again, templates)
+    assert (done.inputs, done.outputs) == (["u", "kept"], ["v"])
+
+
 @pytest.mark.parametrize("device, count", [(0, 2**62), (0, 0), (0, -1), (-1, 1), (1 << 16, 1)])
 def test_a_shard_run_no_executor_could_hold_is_refused_before_it_is_expanded(device: int, count: int) -> None:
     """Found by fuzzing: an executor expanded a ShardRun of count 2^62 into a list until memory ran out."""

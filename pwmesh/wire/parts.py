@@ -26,6 +26,8 @@ from pwmesh.wire.codec import pack_records, unpack_records
 from pwmesh.wire.messages import Computation, DeviceRange, Emit, Enqueue, RunPart, Target
 from pwmesh.wire.records import check_runs
 
+_Plan = tuple[list[int | str], list[int | str]]  # a template computation's inputs and outputs: name indices
+
 
 def run_parts(comps: Iterable[Computation]) -> list[RunPart]:
     """One part per executor, its computations in the order given."""
@@ -104,8 +106,9 @@ class PartTemplates:
         self.capacity = capacity
         self.installed_capacity = installed_capacity
         self._parts: collections.OrderedDict[bytes, list[Computation]] = collections.OrderedDict()
-        # template id -> its computations (naming "@<k>") and what each k stands for in a run's names
-        self._installed: collections.OrderedDict[str, tuple[list[Computation], list[int]]] = \
+        # template id -> its computations (naming "@<k>"), what each k stands for in a run's names, and each
+        # computation's inputs and outputs as indices into a run's names (or the name itself), worked out once
+        self._installed: collections.OrderedDict[str, tuple[list[Computation], list[int], list[_Plan]]] = \
             collections.OrderedDict()
 
     def __len__(self) -> int:
@@ -124,7 +127,15 @@ class PartTemplates:
             raise ProtocolError(f"{where}: its computations are nodes {[c.node for c in comps]}, it names {nodes}")
         if any(r < 0 for r in refs):
             raise ProtocolError(f"{where} refers to a negative name")
-        self._installed[template_id] = (comps, list(refs))
+
+        def plan(ref: str) -> int | str:
+            if ref[:1] != "@":
+                return ref
+            k = int(ref[1:]) if ref[1:].isdigit() else -1
+            return refs[k] if 0 <= k < len(refs) else -1  # -1: no name (refused at the run, as it names it)
+
+        plans = [([plan(p) for p in c.inputs], [plan(p) for p in c.outputs]) for c in comps]
+        self._installed[template_id] = (comps, list(refs), plans)
         self._installed.move_to_end(template_id)
         while len(self._installed) > self.installed_capacity:
             self._installed.popitem(last=False)
@@ -136,7 +147,7 @@ class PartTemplates:
             raise NotFound(f"Enqueue of run {msg.run_id} names template {msg.template}, which this executor "
                            "does not hold")
         self._installed.move_to_end(msg.template)
-        template, refs = found
+        template, refs, plans = found
         names = msg.names
 
         def name(ref: str) -> str:
@@ -148,7 +159,21 @@ class PartTemplates:
                 raise ProtocolError(f"Enqueue of run {msg.run_id} refers to buffer {ref!r}; it names {len(names)}")
             return names[i]
 
-        return [renamed(c, name) for c in template]
+        out = []
+        for c, (ins, outs) in zip(template, plans, strict=True):
+            try:  # (a training step's ~220 names: indexing, not parsing "@<k>" a name a run)
+                inputs = [names[x] if type(x) is int and x >= 0 else x for x in ins]
+                outputs = [names[x] if type(x) is int and x >= 0 else x for x in outs]
+            except IndexError:
+                inputs = outputs = []
+            if -1 in inputs or -1 in outputs or len(inputs) != len(ins) or len(outputs) != len(outs):
+                return [renamed(c, name) for c in template]  # refused there, with the name it refers to
+            out.append(Computation(
+                node=c.node, fn_id=c.fn_id, executor_id=c.executor_id, control=c.control, runs=c.runs,
+                inputs=inputs, outputs=outputs,  # type: ignore[arg-type]
+                emits=[renamed_emit(e, name) for e in c.emits] if c.emits else [], spmd=c.spmd, kind=c.kind,
+                ragged=c.ragged, seq=c.seq, gang=c.gang, donate=c.donate, quiet=c.quiet))
+        return out
 
     def computations(self, msg: Enqueue) -> list[Computation]:
         """``msg``'s computations with the run's names in place of their references."""
