@@ -713,20 +713,21 @@ class Runner:
         """The donated inputs XLA took over (reused for outputs, or freed) leave the store now: their
         bytes are the outputs' now. One it could not take (placed on another device first, say) stays
         until the proxy deletes it."""
-        spmd = work.comp.spmd
+        spmd, inputs, consume = work.comp.spmd, work.comp.inputs, self.store.consume
         for k in work.comp.donate:
             whole = wholes[k] if wholes is not None and k < len(wholes) else None
             if whole is not None:  # it went in whole: taken over as one global array, or not at all
                 if whole.is_deleted():
-                    self.store.consume_whole(work.comp.inputs[k], work.shards)
+                    self.store.consume_whole(inputs[k], work.shards)
                 continue
             consumed = None  # one SPMD call took all of an input's pieces or none (one global array)
+            buffer = inputs[k]
             for shard, args in zip(work.shards, per_shard, strict=True):
                 value = args[k] if k < len(args) else None
                 if consumed is None or not spmd:
                     consumed = isinstance(value, jax.Array) and value.is_deleted()
                 if consumed:
-                    self.store.consume(f"{work.comp.inputs[k]}/{shard}")
+                    consume(f"{buffer}/{shard}", buffer)
 
     def _finish_outputs(self, work: Work, shard: int, outs: list[Any] | None, err: PwmeshError | None,
                         nbytes: list[int] | None = None) -> PwmeshError | None:
