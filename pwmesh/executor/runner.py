@@ -322,6 +322,8 @@ class Runner:
         """Wait until ``nbytes`` fit, then hold them for ``work``'s outputs; returns what it holds."""
         if work.cancelled is not None and not self.memory.fits(nbytes):
             raise work.cancelled
+        if self.memory.try_reserve(nbytes):  # it fits, nobody waits ahead: no timer, no task (~5% of a chain)
+            return nbytes
         try:
             await asyncio.wait_for(self.memory.reserve(nbytes, owner=work), self.memory_wait_seconds)
         except TimeoutError:
@@ -385,7 +387,9 @@ class Runner:
             if comp.gang and peer_gone(exc):
                 err = DeviceLost(f"computation {comp.node} ({comp.fn_id[:12]}) lost a peer in its collectives over "
                                  f"{self._gang_label(comp)}: {exc}")
-        self._finish(work, arrived, start, per_shard, outs, err, reserved)
+        # Each output's bytes as its function says (as a streamed one's): asking each array costs ~3 us.
+        nbytes = fn.output_nbytes if fn is not None and not comp.ragged else None
+        self._finish(work, arrived, start, per_shard, outs, err, reserved, nbytes)
 
     async def _inputs(self, work: Work, fn: CompiledFunction | None,
                       streamed: bool) -> tuple[list[list[Any]], list[Any | None] | None]:
