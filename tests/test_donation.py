@@ -159,7 +159,7 @@ async def test_a_streamed_chain_consumes_outputs_still_being_computed(monkeypatc
     # Every step must be streamed. The estimate that decides "inline or streamed" (tested in
     # test_fast_path.py) put a later step inline in fresh-clone CI: ``_slow_update`` takes ~1.6 ms a
     # shard here, and a quicker CPU, or a landing timed low, brings it under the inline threshold.
-    monkeypatch.setattr(executor_state, "runs_inline", lambda timing, seconds: False)
+    monkeypatch.setattr(executor_state, "runs_inline", lambda timing, seconds, asynchronous=False: False)
     r, rec = await _runner()
     r.functions.register("slow", _slow_update(), spmd=True, mesh=[2], axes=["x"], donate=[0])
     async with device_loops(r):

@@ -113,7 +113,7 @@ async def test_a_slow_chain_is_handed_over_ahead_but_at_most_run_ahead_deep(monk
         # load the estimate that decides "inline or streamed" can be timed too low from a landing seen
         # late (the landing thread descheduled), and a later step then ran inline: 7 of 8 streamed
         # (fresh-clone CI, 2 cores). That decision has tests of its own (test_fast_path.py).
-        monkeypatch.setattr(executor_state, "runs_inline", lambda timing, seconds: False)
+        monkeypatch.setattr(executor_state, "runs_inline", lambda timing, seconds, asynchronous=False: False)
         seen = spy_streams(r)
         spied = r._stream
 

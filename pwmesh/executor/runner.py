@@ -113,6 +113,8 @@ class Runner:
         trace_spans: int = 100_000,
     ) -> None:
         self.devices = devices
+        # An accelerator's devices compute while the loop goes on: nothing runs inline there (``runs_inline``).
+        self.asynchronous = any(d.platform != "cpu" for d in devices)
         self.store = store
         store.pieces = pieces  # SPMD outputs are stored whole (``ObjectStore.put_whole``): how to cut one
         self.functions = functions
@@ -357,7 +359,8 @@ class Runner:
                     await self._unless_cancelled(self.gangs.get(comp.gang), work)
                 self._check_fits(work, fn)
                 found = None if comp.ragged or comp.gang else self._runnable(comp, tuple(work.devices))
-                how = how_to_run(comp, found[0] if found else None, len(found[1]) if found else len(work.devices))
+                how = how_to_run(comp, found[0] if found else None, len(found[1]) if found else len(work.devices),
+                                 self.asynchronous)
                 # Inline: it runs right on the loop (_call), on computed inputs only; threads: _call too.
                 streamed = found if how is How.STREAM else None
             per_shard, wholes = await self._inputs(work, fn, streamed is not None)
@@ -523,7 +526,7 @@ class Runner:
             return False
         fn, devices, exes = found
         # how_to_run's INLINE, its gang and routed-rows cases ruled out above (this runs per computation).
-        if not runs_inline(fn, fn.seconds * len(devices)):
+        if not runs_inline(fn, fn.seconds * len(devices), self.asynchronous):
             return False
         wholes = self._whole_inputs(work, fn, streamed=False)
         per_shard = self._stored(work, wholes)
@@ -632,7 +635,7 @@ class Runner:
         # A quick computation runs right here, on the loop: the hop to a device thread and back
         # (~0.1-0.5 ms on a busy host) would dominate it. Never a gang: it waits for its peers;
         # nor routed rows: they are padded and cut on the host.
-        if found is not None and how_to_run(comp, fn, len(devices)) is How.INLINE:
+        if found is not None and how_to_run(comp, fn, len(devices), self.asynchronous) is How.INLINE:
             return self._call_inline(work, fn, devices, found[2], per_shard, wholes)
         self._running[work] = time.time()
         try:

@@ -82,21 +82,25 @@ class How(enum.Enum):
     THREAD = "thread"  # on its devices' threads, waited for there
 
 
-def runs_inline(timing: Timing, seconds: float) -> bool:
+def runs_inline(timing: Timing, seconds: float, asynchronous: bool = False) -> bool:
     """Whether a computation expected to take ``seconds`` (all its shards) is quick enough to run
     right on the loop (held at most INLINE_SECONDS), rather than hop to device threads and back.
 
     Only a bounded function ever does: one that loops may take any time on its next inputs, whatever
     it took before. Timed on threads, a function looks slower than it is (they contend for the
-    interpreter), so one that might be quick enough goes inline every 16th run, to be timed there."""
-    if timing.bounded is not True:
+    interpreter), so one that might be quick enough goes inline every 16th run, to be timed there.
+    Never on devices that compute ``asynchronous``ly (an accelerator): the loop would wait out the
+    device's time doing nothing, when it could take the next computations meanwhile (streamed: handed
+    to the device, landed by a thread). On a GPU a tiny training step held the loop ~0.7 ms a step."""
+    if asynchronous or timing.bounded is not True:
         return False
     return seconds < INLINE_SECONDS or (seconds < 2 * INLINE_SECONDS and timing.runs % 16 == 0)
 
 
-def how_to_run(comp: Computation, timing: Timing | None, shards: int) -> How:
+def how_to_run(comp: Computation, timing: Timing | None, shards: int, asynchronous: bool = False) -> How:
     """How a computation of a registered function runs, over ``shards`` device pieces (a gang's whole mesh),
-    given what was measured of it (``timing``; None: not compiled for these devices yet).
+    given what was measured of it (``timing``; None: not compiled for these devices yet), on devices that
+    compute ``asynchronous``ly or not (``runs_inline``).
 
     A gang runs on its device thread: handing it to XLA may wait there for its peers, and the loop must
     go on serving the other devices. So do routed rows (padded and cut on the host), what is not
@@ -104,7 +108,7 @@ def how_to_run(comp: Computation, timing: Timing | None, shards: int) -> How:
     that hands it over). The rest is streamed, or runs inline if it is quick."""
     if comp.gang or comp.ragged or timing is None or timing.bounded is not True:
         return How.THREAD
-    if runs_inline(timing, timing.seconds * shards):
+    if runs_inline(timing, timing.seconds * shards, asynchronous):
         return How.INLINE
     return How.STREAM
 
