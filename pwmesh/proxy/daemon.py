@@ -700,13 +700,7 @@ class Proxy(Service):
     async def _fetch(self, fetching: Fetching) -> BufferValue:
         sid, buf = fetching.session_id, fetching.buffer
         try:
-            shards = None if buf.done else await self._fetch_early(fetching)
-            if shards is None:
-                await self._until_done(buf)
-                failed = settled([buf])
-                if failed is not None:
-                    raise failed
-                shards = await self._fetch_one(fetching, self.config.fetch_timeout_seconds)
+            (shards,) = await self._fetch_values([fetching])
         finally:
             self._perform(self.state.handle(FetchEnded(sid, buf, fetching.owner, fetching.nbytes), time.monotonic()))
         if fetching.to:  # pushed to the client's data plane: the answer says how many blocks
@@ -714,39 +708,51 @@ class Proxy(Service):
         return BufferValue(shards=shards)
 
     async def _fetch_all(self, many: FetchingAll) -> BufferValues:
-        """A ``FetchBuffers``: every buffer done (else the first failure, in order), then each executor asked
-        once for all of their shards it holds."""
+        """A ``FetchBuffers``: as ``Fetch``, every buffer at once, each executor asked once for all of their
+        shards it holds."""
         try:
-            for fetching in many.fetches:
-                await self._until_done(fetching.buffer)
-            failed = settled([fetching.buffer for fetching in many.fetches])
-            if failed is not None:
-                raise failed
-            shards = await self._fetch_shards(many.fetches, self.config.fetch_timeout_seconds)
+            shards = await self._fetch_values(many.fetches)
         finally:
             now = time.monotonic()
             for f in many.fetches:
                 self._perform(self.state.handle(FetchEnded(f.session_id, f.buffer, f.owner, f.nbytes), now))
         return BufferValues(shards=shards)
 
-    async def _fetch_early(self, fetching: Fetching) -> list[Any] | None:
-        """Fetch a buffer still being computed: ask its executors now, not once it is done.
+    async def _fetch_values(self, fetches: list[Fetching]) -> list[list[Any]]:
+        """Each buffer's shards: asked for at once if one is still being computed (``_fetch_early``), else
+        once every one is done; the first failure among them, in order, is raised."""
+        buffers = [f.buffer for f in fetches]
+        shards = None if all(b.done for b in buffers) else await self._fetch_early(fetches)
+        if shards is None:
+            await self._until_all_done(buffers)
+            failed = settled(buffers)
+            if failed is not None:
+                raise failed
+            shards = await self._fetch_shards(fetches, self.config.fetch_timeout_seconds)
+        return shards
 
-        ``FetchShards`` waits there for a shard not made yet (a posted receive), so the value
-        comes back as soon as it exists: two hops sooner than waiting for the completion
-        first (executor -> proxy, then proxy -> executor). No timeout while it computes (a
-        lost executor, a cancelled run or a failed node ends the wait). None once the buffer
-        is complete without the values: the caller reports its failure, or (it was moved
-        meanwhile, say) fetches it the ordinary way."""
-        buf = fetching.buffer
-        early = asyncio.ensure_future(self._fetch_one(fetching, EARLY_FETCH_TIMEOUT_SECONDS))
-        done = asyncio.ensure_future(self._until_done(buf))
+    async def _until_all_done(self, buffers: list[Buffer]) -> None:
+        for buf in buffers:
+            await self._until_done(buf)
+
+    async def _fetch_early(self, fetches: list[Fetching]) -> list[list[Any]] | None:
+        """Fetch buffers still being computed: ask their executors now, not once they are done.
+
+        ``FetchShards`` waits there for a shard not made yet (a posted receive), so the values
+        come back as soon as they exist: two hops sooner than waiting for the completion
+        first (executor -> proxy, then proxy -> executor). No timeout while they compute (a
+        lost executor, a cancelled run or a failed node ends the wait). None once the buffers
+        are complete without the values: the caller reports a failure, or (one was moved
+        meanwhile, say) fetches them the ordinary way."""
+        buffers = [f.buffer for f in fetches]
+        early = asyncio.ensure_future(self._fetch_shards(fetches, EARLY_FETCH_TIMEOUT_SECONDS))
+        done = asyncio.ensure_future(self._until_all_done(buffers))
         try:
             await asyncio.wait((done, early), return_when=asyncio.FIRST_COMPLETED)
             if early.done() and early.exception() is None:
                 return early.result()
             await done  # complete, successfully or not (the caller reports which)
-            if settled([buf]) is None:
+            if settled(buffers) is None:
                 with contextlib.suppress(PwmeshError):
                     return await early
             return None
@@ -756,9 +762,6 @@ class Proxy(Service):
                 early.cancel()
             elif not early.cancelled():
                 early.exception()  # retrieved: a failure here was reported another way
-
-    async def _fetch_one(self, fetching: Fetching, timeout_seconds: float) -> list[Any]:
-        return (await self._fetch_shards([fetching], timeout_seconds))[0]
 
     async def _fetch_shards(self, fetches: list[Fetching], timeout_seconds: float) -> list[list[Any]]:
         """Each buffer's one shard of each distinct block (``sources``): replicas are not fetched twice; each
