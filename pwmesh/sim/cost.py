@@ -80,11 +80,15 @@ class CostModel:
     device_memory_bytes_per_second: float = 1e12
     launch_seconds: float = 5e-6  # per computation per device: the kernel launch
     host_overhead_seconds: float = 20e-6  # per computation on an executor, before its devices start
+    # Per message a fan-out head relays (``executor/fanout.py``): each child's part it sends on, each report
+    # it takes in or sends up. What the daemon's loop spends on one small control message (decode or encode
+    # with the real codec and a zmq send, ~4-8 us in CPython), on the host's one dispatch loop.
+    relay_seconds: float = 6e-6
 
     def __post_init__(self) -> None:
         if min(self.device_flops_per_second, self.device_memory_bytes_per_second) <= 0:
             raise InvalidArgument("device speeds must be positive")
-        if min(self.launch_seconds, self.host_overhead_seconds) < 0:
+        if min(self.launch_seconds, self.host_overhead_seconds, self.relay_seconds) < 0:
             raise InvalidArgument("overheads cannot be negative")
 
     def shard_seconds(self, fn: FunctionCost) -> float:

@@ -29,6 +29,7 @@ import numpy as np
 from pwmesh.core.contract import Send, Timer
 from pwmesh.dataflow.exchange import block_plan, destinations
 from pwmesh.errors import NotFound, PwmeshError
+from pwmesh.executor.fanout import FanOutRelay
 from pwmesh.executor.queues import DeviceQueues, PartDone, Start
 from pwmesh.executor.state import (
     Admit,
@@ -46,24 +47,29 @@ from pwmesh.sim.clock import Clock
 from pwmesh.sim.cost import CostModel, FunctionCost
 from pwmesh.sim.network import Network
 from pwmesh.sim.node import Node
-from pwmesh.wire import Envelope
+from pwmesh.wire import Envelope, Message
 from pwmesh.wire.messages import (
     CancelRun,
     Computation,
     DeleteShards,
     Emit,
     Enqueue,
+    FanOut,
     FetchShards,
     ForgetOwner,
     InstallPart,
     Move,
+    NodeDone,
     Ok,
+    PartsDone,
     PutShards,
     RegisterFunction,
     RegisterGang,
+    RunPartDone,
     SendMoves,
     SendShards,
     ShardValues,
+    SubtreeLost,
     Target,
 )
 
@@ -83,6 +89,7 @@ class SimExecutor(Node):
         self.cost = cost
         self.peers = peers  # every executor, by data-plane address (the data plane's routes)
         self.queues = DeviceQueues(devices)
+        self.relay = FanOutRelay(executor_id)  # the large runs' subtrees it heads (``executor/fanout.py``)
         self.state = ExecutorState(executor_id, log_events=False)
         self.state.control = control  # named in a NeedTemplate
         self.functions: dict[str, FunctionCost] = {}
@@ -106,6 +113,12 @@ class SimExecutor(Node):
         msg = env.message
         if isinstance(msg, Enqueue):
             self._core(Received(msg))
+        elif isinstance(msg, FanOut):  # the head of a large run's subtree: its children's parts on, then its own
+            own, sends = self.relay.fan_out(msg)
+            self._relay(sends, 1)
+            self._core(Received(own))
+        elif isinstance(msg, RunPartDone | NodeDone | PartsDone | SubtreeLost):
+            self._relay(self.relay.handle(msg), 1)
         elif isinstance(msg, InstallPart):
             self._core(Installed(msg))
         elif isinstance(msg, RegisterFunction):
@@ -159,15 +172,26 @@ class SimExecutor(Node):
     def _admit(self, msg: Enqueue, comps: list[Computation]) -> None:
         self.queues.admitting(msg.run_id)
         starts: list[Start] = []
+        to = msg.report or msg.scheduler  # where its completions go: a fan-out head's, or the scheduler
         for comp in comps:
             shards = comp.shards()
-            work = Work(run_id=msg.run_id, proxy=msg.proxy, scheduler=msg.scheduler, comp=comp,
+            work = Work(run_id=msg.run_id, proxy=msg.proxy, scheduler=to, comp=comp,
                         devices=[d for d, _ in shards], shards=[s for _, s in shards])
             work.queued = True
             self.queues.add(work)
             starts += self.queues.queue(work)
         self._act(starts)
-        self._act(self.queues.admitted(msg.run_id, msg.scheduler))
+        self._act(self.queues.admitted(msg.run_id, to))
+
+    def _relay(self, sends: list[tuple[str, Message]], taken: int) -> None:
+        """A fan-out head's messages, each ``relay_seconds`` of the host's loop (as is each of ``taken``
+        received), posted in order as the loop gets to them."""
+        cost = self.cost.relay_seconds
+        at = max(self.clock.now, self.host_free) + cost * taken
+        for to, message in sends:
+            at += cost
+            self.clock.at(at, functools.partial(self.post, to, message))
+        self.host_free = at
 
     # ------------------------------------------------------------ computations
 
