@@ -26,6 +26,7 @@ from pwmesh.wire.messages import (
     Enqueue,
     ErrorInfo,
     ExecutorLost,
+    ExecutorRestarting,
     FanOut,
     IslandDone,
     Message,
@@ -195,3 +196,15 @@ def test_real_daemons_run_through_a_tree_and_a_killed_head_fails_its_subtrees_ru
                 np.asarray(out)
         (session,) = [s for s in fetch_status(cluster.address).sessions if s.name == "tree"]
         assert session.programs == 0, "no run is left waiting for a completion"
+
+
+def test_a_head_restarting_into_a_group_forming_fails_its_subtree_naming_it_but_not_its_own_part() -> None:
+    state = core(2)
+    sends = run_over_all(state)
+    first = next(s.message for s in sends if isinstance(s.message, FanOut))
+    head = first.executors[0]
+    actions = state.handle(Received(ExecutorRestarting(executor_id=head, control=f"tcp://{head}:1", epoch=3)), 0.0)
+    (told,) = [a.message for a in actions if isinstance(a, Send) and isinstance(a.message, IslandDone)]
+    assert told.lost and told.executor_id == head and "restarted" in (told.error.message if told.error else "")
+    assert set(told.nodes) == {EXECUTORS.index(e) for e in first.executors[1:]}  # its own part goes on
+    assert state.completions.running("r1")

@@ -145,6 +145,7 @@ class Scheduler(Service):
                 self.peers.fence(env.message.control, Fence(epoch=env.message.epoch))
             except PwmeshError as exc:  # an address nothing can connect to: nothing to fence
                 self._notice_log.warning(env.message.op, "notice %s not applied: %s", env.message.op, exc)
+            self._handle(Received(env.message))  # the fan-out subtrees it heads (``tree.py``)
         elif isinstance(env.message, ExecutorLost):
             lost = env.message
             self.peers.mark_lost(lost.control, DeviceLost(f"executor {lost.executor_id} is gone ({lost.reason})"))

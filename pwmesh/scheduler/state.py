@@ -9,13 +9,16 @@ right after the forming completes. The daemon (``scheduler/daemon.py``) and the 
 Events:
     ``Received(message)``  ``ScheduleRun``, ``InstallTemplate``, ``RunTemplate`` and ``FreeShards`` from a proxy
                            (``templates.py``), ``NodeDone``, ``RunPartDone`` and ``NeedTemplate`` from an
-                           executor, and the resource manager's notices ``ExecutorJoined`` and ``ExecutorLost``
+                           executor, ``PartsDone`` from a fan-out head (``tree.py``), and the resource
+                           manager's notices ``ExecutorJoined``, ``ExecutorLost`` and ``ExecutorRestarting``
                            (the shell does what concerns its connections itself: marking a peer alive or
                            lost, fences).
     ``Tick()``             time passed: a settled membership may start a forming of the group.
 
 Actions (each carrying the id of the event that caused it, ``stimulus``):
-    ``Send(control, Enqueue)`` an executor's part of a released run, in the island's order.
+    ``Send(control, Enqueue)`` an executor's part of a released run, in the island's order; a run over more
+                           than ``fanout`` executors as ``Send(head, FanOut)``, one per subtree (``tree.py``).
+    ``Send(head, SubtreeLost)`` an executor below a fan-out head is gone: what did its subtree report?
     ``Send(control, InstallPart)`` a template's part an executor asked for again.
     ``Send(proxy, TemplateMissing)`` a run of a template not held here, refused whole.
     ``Send(proxy, IslandDone)`` what the island's executors reported of a run (``completions.py``): one
@@ -47,6 +50,7 @@ from pwmesh.wire.messages import (
     Enqueue,
     ExecutorJoined,
     ExecutorLost,
+    ExecutorRestarting,
     FreeShards,
     InstallTemplate,
     IslandDone,
@@ -74,7 +78,7 @@ Action = Send | Reply | Form | AskAgain | Formed
 
 _KINDS = {ScheduleRun: "schedule", RunTemplate: "run", InstallTemplate: "install", NeedTemplate: "need",
           RunPartDone: "part-done", PartsDone: "parts-done", NodeDone: "node-done", FreeShards: "free", ExecutorJoined: "joined",
-          ExecutorLost: "lost"}
+          ExecutorLost: "lost", ExecutorRestarting: "restarting"}
 
 
 class SchedulerState:
@@ -157,6 +161,12 @@ class SchedulerState:
                         actions += self._tree_lost(executor_id, why, stimulus)
                     if self.group is not None:
                         actions += self._group(self.group.handle(Left(executor_id), now), stimulus)
+                case ExecutorRestarting(executor_id=executor_id):
+                    # Its work goes on in its next process, but not what it held as a fan-out head: the
+                    # subtrees it heads fail, naming it (their reports reach a process that never sent them).
+                    if self.trees:
+                        actions = self._tree_lost(executor_id, f"executor {executor_id} restarted (a JAX group "
+                                                  "forming) while heading a fan-out subtree of the run", stimulus)
                 case _:
                     raise TypeError(f"the scheduler's core does not handle {message.op}")
         except PwmeshError as exc:  # refused (a run naming devices that cannot be): nothing changed
