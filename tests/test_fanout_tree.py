@@ -208,3 +208,33 @@ def test_a_head_restarting_into_a_group_forming_fails_its_subtree_naming_it_but_
     assert told.lost and told.executor_id == head and "restarted" in (told.error.message if told.error else "")
     assert set(told.nodes) == {EXECUTORS.index(e) for e in first.executors[1:]}  # its own part goes on
     assert state.completions.running("r1")
+
+
+# ------------------------------------------------------------------ the simulator
+
+
+@pytest.mark.parametrize("name", ["chained", "opbyop"])
+def test_the_simulator_runs_wide_programs_through_the_same_tree_with_the_same_results(
+        name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """20 hosts, width 4: every run goes through heads; it computes what the direct sends do, and the
+    scheduler sends at most 4 messages a run and hears 2 per head, not 20 each way."""
+    from pwmesh.sim.cluster import SimCluster, SimConfig
+    from pwmesh.sim.workloads import Workload, install
+
+    reports = {}
+    traffic = {}
+    for width in ("4", "1000"):
+        monkeypatch.setenv("PWMESH_FANOUT", width)
+        cluster = SimCluster(SimConfig(islands=1, hosts_per_island=20, devices_per_host=2))
+        install(cluster, Workload(name=name, steps=2, k=4, devices=40, compute_seconds=1e-4))
+        reports[width] = cluster.run()
+        assert all(c["failure"] is None and c["errors"] == 0 for c in reports[width]["clients"].values())
+        (sched,) = [a for a in cluster.network.received if "scheduler" in a]
+        traffic[width] = (cluster.network.sent[sched].by_op, cluster.network.received[sched].by_op)
+    assert reports["4"]["computations"] == reports["1000"]["computations"] > 0
+    sent, received = traffic["4"]
+    runs = received["sched.run_template"] + received["sched.schedule_run"]
+    assert sent["exec.fan_out"] == 4 * runs and sent["exec.enqueue"] == 0
+    assert received["sched.parts_done"] == 4 * runs and received["sched.run_part_done"] == 4 * runs
+    direct_sent, direct_received = traffic["1000"]
+    assert direct_sent["exec.enqueue"] == 20 * runs and direct_received["sched.run_part_done"] == 20 * runs

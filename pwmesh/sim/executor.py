@@ -115,7 +115,7 @@ class SimExecutor(Node):
             self._core(Received(msg))
         elif isinstance(msg, FanOut):  # the head of a large run's subtree: its children's parts on, then its own
             own, sends = self.relay.fan_out(msg)
-            self._relay(sends, 1)
+            self._relay(sends, len(msg.parts))  # the codec decoded every part of its subtree
             self._core(Received(own))
         elif isinstance(msg, RunPartDone | NodeDone | PartsDone | SubtreeLost):
             self._relay(self.relay.handle(msg), 1)
@@ -184,12 +184,12 @@ class SimExecutor(Node):
         self._act(self.queues.admitted(msg.run_id, to))
 
     def _relay(self, sends: list[tuple[str, Message]], taken: int) -> None:
-        """A fan-out head's messages, each ``relay_seconds`` of the host's loop (as is each of ``taken``
-        received), posted in order as the loop gets to them."""
+        """A fan-out head's messages, ``relay_seconds`` of the host's loop per part each carries (a report:
+        one), after ``taken`` parts received; posted in order as the loop gets to them."""
         cost = self.cost.relay_seconds
         at = max(self.clock.now, self.host_free) + cost * taken
         for to, message in sends:
-            at += cost
+            at += cost * (len(message.parts) if isinstance(message, FanOut) else 1)
             self.clock.at(at, functools.partial(self.post, to, message))
         self.host_free = at
 
