@@ -238,3 +238,18 @@ def test_the_simulator_runs_wide_programs_through_the_same_tree_with_the_same_re
     assert received["sched.parts_done"] == 4 * runs and received["sched.run_part_done"] == 4 * runs
     direct_sent, direct_received = traffic["1000"]
     assert direct_sent["exec.enqueue"] == 20 * runs and direct_received["sched.run_part_done"] == 20 * runs
+
+
+def test_the_simulator_can_charge_a_controllers_codec_per_message() -> None:
+    """``charge_codec``: each controller daemon's busy time includes the real CPU of decoding what it handles
+    and encoding what it sends (its shell's per-message work), counted apart from its core's."""
+    from pwmesh.sim.cluster import SimCluster, SimConfig
+    from pwmesh.sim.workloads import Workload, install
+
+    cluster = SimCluster(SimConfig(islands=1, hosts_per_island=4, devices_per_host=2, charge_codec=True))
+    install(cluster, Workload(name="chained", steps=2, k=4, devices=8, compute_seconds=1e-4))
+    report = cluster.run()
+    assert all(c["failure"] is None and c["errors"] == 0 for c in report["clients"].values())
+    (sched,) = cluster.schedulers
+    assert sched.codec_seconds > 0 and cluster.proxy.codec_seconds > 0
+    assert sched.cpu_seconds > 0 and sched.busy_seconds >= sched.codec_seconds  # (charge_cpu off: codec alone)
