@@ -17,17 +17,19 @@ import pwmesh as pw
 from helpers import HEARTBEAT_TIMEOUT_SECONDS, eventually
 from pwmesh.cli.commands import debug_events, fetch_status
 from pwmesh.core.contract import Received, Send
-from pwmesh.executor.fanout import FanOutRelay
+from pwmesh.executor.fanout import FanOutRelay, split_frees
 from pwmesh.scheduler.order import IslandOrder
 from pwmesh.scheduler.state import SchedulerState
-from pwmesh.scheduler.tree import fanout_width
+from pwmesh.scheduler.tree import fanout_width, frees
 from pwmesh.sim.island import schedule_run
 from pwmesh.wire.messages import (
+    DeleteShards,
     Enqueue,
     ErrorInfo,
     ExecutorLost,
     ExecutorRestarting,
     FanOut,
+    FanOutFrees,
     IslandDone,
     Message,
     NodeDone,
@@ -151,6 +153,23 @@ def test_a_dead_leaf_under_a_head_is_asked_of_the_head_and_what_it_had_still_cou
             answer += relays[to.removeprefix("tcp://").removesuffix(":1")].handle(msg)
 
 
+def test_frees_of_many_executors_go_through_heads_and_reach_every_one_once() -> None:
+    controls = [f"tcp://e{i}:1" for i in range(23)]
+    sends = frees(["o/b1", "o/b2"], controls, 4, last=lambda c: c == "tcp://e0:1")  # e0 is gone: not a head
+    assert len(sends) == 4 and "tcp://e0:1" not in [s.to for s in sends if isinstance(s.message, FanOutFrees)]
+    reached: list[str] = []
+    pending: list[tuple[str, Message]] = [(s.to, s.message) for s in sends]
+    while pending:
+        to, msg = pending.pop()
+        reached.append(to)
+        if isinstance(msg, FanOutFrees):
+            assert msg.controls[0] == to
+            pending += split_frees(msg)
+        else:
+            assert isinstance(msg, DeleteShards) and msg.buffers == ["o/b1", "o/b2"]
+    assert sorted(reached) == sorted(controls)
+
+
 def test_the_fanout_width_is_checked() -> None:
     assert fanout_width(16) == 16
     with pytest.raises(pw.InvalidArgument):
@@ -181,6 +200,13 @@ def test_real_daemons_run_through_a_tree_and_a_killed_head_fails_its_subtrees_ru
         ones = np.ones((4, 1))
         for k in range(3):
             np.testing.assert_array_equal(np.asarray(step(ones + k)), ones + k)
+        # Frees of buffers on all 4 executors go through the tree (FanOutFrees): each executor drops its shard.
+        held = {st.executor_id: st.objects for st in fetch_status(cluster.address).executor_stats}
+        out = step(ones)
+        np.testing.assert_array_equal(np.asarray(out), ones)
+        del out
+        eventually(lambda: {st.executor_id: st.objects for st in fetch_status(cluster.address).executor_stats}
+                   == held, 30)
         events = debug_events(cluster.address, "scheduler-0", 0)
         assert "parts-done-" in events, "the heads reported their subtrees (PartsDone)"
         # The first head (the slice's first executor) dies while the executor below it computes for seconds.
@@ -236,6 +262,8 @@ def test_the_simulator_runs_wide_programs_through_the_same_tree_with_the_same_re
     runs = received["sched.run_template"] + received["sched.schedule_run"]
     assert sent["exec.fan_out"] == 4 * runs and sent["exec.enqueue"] == 0
     assert received["sched.parts_done"] == 4 * runs and received["sched.run_part_done"] == 4 * runs
+    # The island's frees of each run's temporaries (on every executor) go through the tree too.
+    assert sent["exec.fan_out_frees"] > 0 and sent["exec.delete_shards"] == 0
     direct_sent, direct_received = traffic["1000"]
     assert direct_sent["exec.enqueue"] == 20 * runs and direct_received["sched.run_part_done"] == 20 * runs
 

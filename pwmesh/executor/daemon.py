@@ -35,7 +35,7 @@ from pwmesh.errors import DeviceLost, InvalidArgument, PermissionDenied, PwmeshE
 from pwmesh.executor import spill
 from pwmesh.executor.calls import copied_to, to_host
 from pwmesh.executor.direct import DirectTransfers
-from pwmesh.executor.fanout import FanOutRelay
+from pwmesh.executor.fanout import FanOutRelay, split_frees
 from pwmesh.executor.functions import FunctionCache
 from pwmesh.executor.group import GroupConfig, group_devices, join
 from pwmesh.executor.landing import land_all
@@ -82,6 +82,7 @@ from pwmesh.wire.messages import (
     ExecutorStats,
     ExpectShards,
     FanOut,
+    FanOutFrees,
     Fence,
     FetchShards,
     ForgetOwner,
@@ -274,6 +275,7 @@ class Executor(Service):
             RegisterGang: self._register_gang,
             Enqueue: self._enqueue,
             FanOut: self._fan_out,
+            FanOutFrees: self._fan_out_frees,
             RunPartDone: self._relay_report,
             NodeDone: self._relay_report,
             PartsDone: self._relay_report,
@@ -433,6 +435,13 @@ class Executor(Service):
         for to, message in sends:
             self.peers.post(to, message)
         self._take(own)
+
+    def _fan_out_frees(self, peer: bytes, env: Envelope) -> None:
+        msg = env.message
+        assert isinstance(msg, FanOutFrees)
+        for to, message in split_frees(msg):
+            self.peers.post(to, message)
+        self._delete(peer, dataclasses.replace(env, message=DeleteShards(buffers=msg.buffers)))
 
     def _relay_report(self, peer: bytes, env: Envelope) -> None:
         """What a child of a fan-out subtree this executor heads reported, or the scheduler's word that one is gone."""

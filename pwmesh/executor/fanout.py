@@ -13,6 +13,9 @@ When an executor below is gone, the scheduler asks its head (``SubtreeLost``): t
 it and sends up, at once, everything it holds of the run (``lost`` set); a head above that receives such
 an answer sends everything it holds up with it, so the scheduler learns every end that was on its way
 before it fails the rest, naming the executor gone: a completion is never lost nor counted twice.
+
+The island's frees of many executors come the same way (``FanOutFrees``: ``split_frees``), with nothing
+coming back.
 """
 
 from __future__ import annotations
@@ -20,7 +23,17 @@ from __future__ import annotations
 import collections
 import dataclasses
 
-from pwmesh.wire.messages import Enqueue, FanOut, Message, NodeDone, PartsDone, RunPartDone, SubtreeLost
+from pwmesh.wire.messages import (
+    DeleteShards,
+    Enqueue,
+    FanOut,
+    FanOutFrees,
+    Message,
+    NodeDone,
+    PartsDone,
+    RunPartDone,
+    SubtreeLost,
+)
 
 MAX_RUNS = 4096  # runs a head waits on at once (the oldest forgotten: its scheduler restarted, say)
 
@@ -33,6 +46,21 @@ class _Pending:
     waiting: collections.Counter[str]  # child -> reports still due (a head child: its own part and its subtree)
     ended: list[str] = dataclasses.field(default_factory=list)
     seconds: float = 0.0
+
+
+def split_frees(msg: FanOutFrees) -> Out:
+    """What a head of the island's frees sends each child subtree (it deletes ``msg.buffers`` itself)."""
+    out: Out = []
+    i, n = 1, len(msg.controls)
+    while i < n:
+        size = max(1, msg.sizes[i])
+        if size == 1:
+            out.append((msg.controls[i], DeleteShards(buffers=msg.buffers)))
+        else:
+            out.append((msg.controls[i], FanOutFrees(buffers=msg.buffers, controls=msg.controls[i:i + size],
+                                                     sizes=msg.sizes[i:i + size])))
+        i += size
+    return out
 
 
 class FanOutRelay:

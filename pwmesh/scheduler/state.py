@@ -23,7 +23,8 @@ Actions (each carrying the id of the event that caused it, ``stimulus``):
     ``Send(proxy, TemplateMissing)`` a run of a template not held here, refused whole.
     ``Send(proxy, IslandDone)`` what the island's executors reported of a run (``completions.py``): one
                            message when every part has ended; a failure at once; an output early.
-    ``Send(control, DeleteShards)`` the proxy's frees for the island (``FreeShards``), one per executor.
+    ``Send(control, DeleteShards)`` the proxy's frees for the island (``FreeShards``), one per executor (more
+                           than ``fanout`` executors: ``FanOutFrees`` to each subtree's head).
     ``Reply(error=...)``   a message refused (a run naming devices that cannot be): the sender is told.
     ``Form``, ``AskAgain``, ``Formed`` (``group.py``) start a forming of the JAX group (a coordinator, then
                            ``JoinGroup`` to each member at ``controls``), ask its slow members again, and
@@ -44,7 +45,7 @@ from pwmesh.scheduler.completions import IslandCompletions
 from pwmesh.scheduler.group import AskAgain, Form, Formed, IslandGroup, Joined, Left
 from pwmesh.scheduler.group import Tick as GroupTick
 from pwmesh.scheduler.order import IslandOrder
-from pwmesh.scheduler.tree import RunTree, build, fanout_width
+from pwmesh.scheduler.tree import RunTree, build, fanout_width, frees
 from pwmesh.wire.messages import (
     DeleteShards,
     Enqueue,
@@ -126,8 +127,12 @@ class SchedulerState:
                 case NodeDone():
                     actions = self._told(self.completions.node_done(message), stimulus)
                 case FreeShards(groups=groups):  # not held while the group forms: frees order nothing
-                    actions = [Send(control, DeleteShards(buffers=group.buffers), stimulus)
-                               for group in groups for control in group.controls]
+                    for group in groups:  # one DeleteShards an executor, or through a tree (``tree.py``)
+                        if len(group.controls) > self.fanout:
+                            actions += frees(group.buffers, group.controls, self.fanout, stimulus, self._gone)
+                        else:
+                            actions += [Send(control, DeleteShards(buffers=group.buffers), stimulus)
+                                        for control in group.controls]
                 case RunTemplate():
                     actions = self._release(self.order.submit_template(message, stimulus))
                 case ScheduleRun():
@@ -273,6 +278,9 @@ class SchedulerState:
                 out += tree_sends
             i = j
         return out
+
+    def _gone(self, control: str) -> bool:
+        return self._executor_of.get(control, "") in self.completions.lost
 
     def _told(self, reports: list[tuple[str, IslandDone]], stimulus: str) -> list[Action]:
         return [Send(proxy, done, stimulus) for proxy, done in reports]

@@ -23,7 +23,7 @@ from collections.abc import Callable, Iterator
 
 from pwmesh.core.contract import Send
 from pwmesh.errors import InvalidArgument
-from pwmesh.wire.messages import Enqueue, FanOut
+from pwmesh.wire.messages import DeleteShards, Enqueue, FanOut, FanOutFrees
 
 FANOUT_ENV = "PWMESH_FANOUT"
 DEFAULT_FANOUT = 16  # a run over more executors than this goes through a tree
@@ -72,6 +72,44 @@ class RunTree:
 
     def heads(self) -> Iterator[str]:
         return (ex for ex, size in zip(self.executors, self.sizes, strict=True) if size > 1)
+
+
+def preorder(n: int, width: int) -> tuple[list[int], list[int]]:
+    """Items ``0..n-1`` as a forest of at most ``width`` subtrees, each head's children cut the same way:
+    the items in preorder (here: their own order) and each one's subtree size."""
+    sizes = [1] * n
+
+    def forest(lo: int, hi: int) -> None:
+        count = hi - lo
+        chunks = min(width, count)
+        for c in range(chunks):
+            a, b = lo + count * c // chunks, lo + count * (c + 1) // chunks
+            sizes[a] = b - a
+            if b - a > 1:
+                forest(a + 1, b)
+
+    forest(0, n)
+    return list(range(n)), sizes
+
+
+def frees(buffers: list[str], controls: list[str], width: int, stimulus: str = "",
+          last: Callable[[str], bool] = lambda _: False) -> list[Send]:
+    """The island's frees of ``buffers`` on every executor at ``controls``, as at most ``width`` sends: a
+    ``FanOutFrees`` to each subtree's head (a subtree of one: its ``DeleteShards``). Controls ``last``
+    says are gone are put last, so they are leaves (a head gone would take its subtree's frees with it)."""
+    controls = sorted(controls, key=last)  # (stable: the rest keep their order)
+    _, sizes = preorder(len(controls), width)
+    out: list[Send] = []
+    i = 0
+    while i < len(controls):
+        size = sizes[i]
+        if size == 1:
+            out.append(Send(controls[i], DeleteShards(buffers=buffers), stimulus))
+        else:
+            out.append(Send(controls[i], FanOutFrees(buffers=buffers, controls=controls[i:i + size],
+                                                     sizes=sizes[i:i + size]), stimulus))
+        i += size
+    return out
 
 
 def build(run_id: str, sends: list[Send], executor_of: Callable[[str], str], width: int, scheduler: str,

@@ -29,7 +29,7 @@ import numpy as np
 from pwmesh.core.contract import Send, Timer
 from pwmesh.dataflow.exchange import block_plan, destinations
 from pwmesh.errors import NotFound, PwmeshError
-from pwmesh.executor.fanout import FanOutRelay
+from pwmesh.executor.fanout import FanOutRelay, split_frees
 from pwmesh.executor.queues import DeviceQueues, PartDone, Start
 from pwmesh.executor.state import (
     Admit,
@@ -55,6 +55,7 @@ from pwmesh.wire.messages import (
     Emit,
     Enqueue,
     FanOut,
+    FanOutFrees,
     FetchShards,
     ForgetOwner,
     InstallPart,
@@ -117,6 +118,9 @@ class SimExecutor(Node):
             own, sends = self.relay.fan_out(msg)
             self._relay(sends, len(msg.parts))  # the codec decoded every part of its subtree
             self._core(Received(own))
+        elif isinstance(msg, FanOutFrees):  # the island's frees for a subtree it heads: on, then its own
+            self._relay(split_frees(msg), 1)
+            self._delete(msg.buffers)
         elif isinstance(msg, RunPartDone | NodeDone | PartsDone | SubtreeLost):
             self._relay(self.relay.handle(msg), 1)
         elif isinstance(msg, InstallPart):
@@ -143,11 +147,7 @@ class SimExecutor(Node):
                 np.zeros(*self.stored[k]) if k in self.stored else np.zeros((0,), np.float32) for k in msg.keys]),
                 reply_to=env.msg_id))
         elif isinstance(msg, DeleteShards):
-            for prefix in msg.buffers:
-                self.tombstones.add(prefix)
-                for key in self._by_prefix.pop(prefix, ()):
-                    self.stored.pop(key, None)
-                    self.failed.pop(key, None)
+            self._delete(msg.buffers)
         elif isinstance(msg, ForgetOwner):
             self.tombstones = {t for t in self.tombstones if not t.startswith(msg.prefix)}
         elif isinstance(msg, CancelRun):
@@ -182,6 +182,13 @@ class SimExecutor(Node):
             starts += self.queues.queue(work)
         self._act(starts)
         self._act(self.queues.admitted(msg.run_id, to))
+
+    def _delete(self, buffers: list[str]) -> None:
+        for prefix in buffers:
+            self.tombstones.add(prefix)
+            for key in self._by_prefix.pop(prefix, ()):
+                self.stored.pop(key, None)
+                self.failed.pop(key, None)
 
     def _relay(self, sends: list[tuple[str, Message]], taken: int) -> None:
         """A fan-out head's messages, ``relay_seconds`` of the host's loop per part each carries (a report:

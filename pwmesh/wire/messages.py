@@ -528,6 +528,17 @@ class PartsDone(Message, op="sched.parts_done"):
 
 
 @record
+class FanOutFrees(Message, op="exec.fan_out_frees"):
+    """The island's frees (``FreeShards``) for a subtree of executors wider than the fan-out width: the
+    receiver (``controls[0]``) deletes ``buffers`` and sends each child subtree its slice (``sizes`` as in
+    ``FanOut``; a leaf gets a ``DeleteShards``)."""
+
+    buffers: list[str]
+    controls: list[str]
+    sizes: list[int]
+
+
+@record
 class SubtreeLost(Message, op="exec.subtree_lost"):
     """The scheduler to a fan-out head: ``executor_id`` below it is gone; stop waiting for its subtree in
     ``run_ids`` and say what of it had ended (``PartsDone`` with ``lost``)."""
