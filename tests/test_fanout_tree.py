@@ -187,8 +187,12 @@ def _spin(x):
     return x + 0.0 * jax.lax.fori_loop(0, x.astype(jnp.int32)[0], lambda i, a: jnp.tanh(a @ m), v).sum()
 
 
+@pytest.mark.parametrize("killed", ["head", "leaf"])
 def test_real_daemons_run_through_a_tree_and_a_killed_head_fails_its_subtrees_runs_naming_it(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+        killed: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``head``: the first subtree's head dies while the executor below it computes (the scheduler fails
+    the subtree at once); ``leaf``: that executor itself dies (its head is asked, ``SubtreeLost``, and
+    answers with what it had)."""
     monkeypatch.setenv("PWMESH_FANOUT", "2")  # 4 executors: two heads of two
     spec = pw.LocalClusterSpec(islands=1, hosts_per_island=4, devices_per_host=1,
                                heartbeat_timeout_seconds=HEARTBEAT_TIMEOUT_SECONDS)
@@ -209,16 +213,17 @@ def test_real_daemons_run_through_a_tree_and_a_killed_head_fails_its_subtrees_ru
                    == held, 30)
         events = debug_events(cluster.address, "scheduler-0", 0)
         assert "parts-done-" in events, "the heads reported their subtrees (PartsDone)"
-        # The first head (the slice's first executor) dies while the executor below it computes for seconds.
+        # The first head (the slice's first executor) or the executor below it, which computes for seconds, dies.
         work = np.array([[1.0], [3000.0], [1.0], [1.0]])
         outs = [step(work + k) for k in range(2)]
         eventually(lambda: any(s.executor_id == hosts[1] and s.outstanding
                                for s in fetch_status(cluster.address).executor_stats), 30)
-        head = cluster.child(hosts[0]).popen
-        head.send_signal(signal.SIGKILL)
-        head.wait(timeout=30)
+        gone = hosts[0] if killed == "head" else hosts[1]
+        process = cluster.child(gone).popen
+        process.send_signal(signal.SIGKILL)
+        process.wait(timeout=30)
         for out in outs:
-            with pytest.raises(pw.DeviceLost, match=hosts[0]):
+            with pytest.raises(pw.DeviceLost, match=gone):
                 np.asarray(out)
         (session,) = [s for s in fetch_status(cluster.address).sessions if s.name == "tree"]
         assert session.programs == 0, "no run is left waiting for a completion"
