@@ -71,17 +71,22 @@ from pwmesh.proxy.state import Ask, Inbound, ProxyState, Reply, Send, SliceGrant
 from pwmesh.rm.state import ResourceManagerState
 from pwmesh.scheduler.completions import IslandCompletions
 from pwmesh.scheduler.order import IslandOrder
+from pwmesh.scheduler.state import SchedulerState
+from pwmesh.scheduler.tree import fanout_width
 from pwmesh.wire import DEFAULT_LIMITS, Message, encode
 from pwmesh.wire.messages import (
     AllocateSlice,
     Computation,
     CreateSlice,
     DeviceInfo,
+    Enqueue,
     ExecutorInfo,
+    FanOut,
     InstallTemplate,
     IslandDone,
     NodeSpec,
     OpenSession,
+    PartsDone,
     ProgramInput,
     ProgramSpec,
     PutBuffer,
@@ -93,6 +98,7 @@ from pwmesh.wire.messages import (
     RegisterScheduler,
     ReleaseBuffers,
     ReleaseSlices,
+    RunPartDone,
     RunProgram,
     RunTemplate,
     SchedulerInfo,
@@ -332,14 +338,20 @@ def proxy_point(devices: int, spmd: bool, config: Config) -> dict[str, Any]:
     done, frees = harness.complete(run_of(harness.dispatch()[0]).run_id)  # (a last run, untimed: counted)
     reports = harness.island_reports - reports
     assert not harness.proxy.runs, "every run finished"
-    # The island's side of the same run: one Enqueue per executor.
-    order = IslandOrder(island=0, scheduler="tcp://sched-0:6100")
+    # The island's side of the same run (the scheduler's core, ``SchedulerState``): one Enqueue per executor
+    # sent directly, or (more executors than the fan-out width) one FanOut per subtree head (``tree.py``).
     assert harness.install is not None
     install = harness.install  # the warm runs' template
-    order.install(install)
     controls = {part.control: part.executor_id for part in install.parts}
-    _submit_and_finish(order, schedule, controls)  # the first run carries each executor's part: later ones names
-    sched_s, actions = median_cpu(lambda: _submit_and_finish(order, schedule, controls), config.proxy_warm_repeats)
+    island: dict[str, Any] = {}
+    for how, width in (("direct", 1 << 30), ("tree", fanout_width())):
+        core = SchedulerState(IslandOrder(island=0, scheduler="tcp://sched-0:6100"), fanout=width)
+        core.handle(contract.Received(install), 0.0)
+        _submit_and_finish(core, schedule, controls)  # the first run carries each executor's part: later ones names
+        sched_s, (actions, reports_in) = median_cpu(lambda core=core: _submit_and_finish(core, schedule, controls),
+                                                    config.proxy_warm_repeats)
+        island[how] = {"sends": len(actions), "bytes": sum(encoded_bytes(a.message) for a in actions),
+                       "reports_in": reports_in, "cpu_us": 1e6 * sched_s}
     executors = len({d.executor_id for d in harness.slice.devices})
     return {
         "devices": devices, "executors": executors,
@@ -355,8 +367,11 @@ def proxy_point(devices: int, spmd: bool, config: Config) -> dict[str, Any]:
         "setup_register_function_bytes": sum(encoded_bytes(m) for m in setup),
         "setup_register_gang_messages": len(gangs),
         "setup_register_gang_bytes": sum(encoded_bytes(m) for m in gangs),
-        "scheduler_enqueues": len(actions), "scheduler_enqueue_bytes": sum(encoded_bytes(a.message) for a in actions),
-        "scheduler_cpu_us": 1e6 * sched_s,
+        # The island scheduler's sends per run (Enqueue, or FanOut to subtree heads), their bytes, the reports it
+        # takes in (RunPartDone, PartsDone) and its core's CPU: through the tree, and directly (the tree off).
+        "scheduler_enqueues": island["tree"]["sends"], "scheduler_enqueue_bytes": island["tree"]["bytes"],
+        "scheduler_reports_in": island["tree"]["reports_in"], "scheduler_cpu_us": island["tree"]["cpu_us"],
+        "scheduler_direct": island["direct"], "scheduler_fanout": fanout_width(),
     }
 
 
@@ -366,14 +381,25 @@ def run_of(sent: list[Message]) -> ScheduleRun | RunTemplate:
     return run
 
 
-def _submit_and_finish(order: IslandOrder, run: ScheduleRun | RunTemplate | None,
-                       executors: dict[str, str]) -> list[Any]:
-    """``run`` submitted and each of its parts done; ``executors``: control address -> executor."""
+def _submit_and_finish(core: SchedulerState, run: ScheduleRun | RunTemplate | None,
+                       executors: dict[str, str]) -> tuple[list[Any], int]:
+    """``run`` submitted and each of its parts reported done as the executors would (a subtree head: its own
+    part's ``RunPartDone`` and its subtree's ``PartsDone``); ``executors``: control address -> executor.
+    Returns the scheduler's sends of the run and how many reports it took in."""
     assert run is not None
-    actions = order.submit_template(run) if isinstance(run, RunTemplate) else order.submit(run)
-    for send in actions:
-        order.part_done(run.run_id, executors[send.to], 0.001)
-    return actions
+    sends = [a for a in core.handle(contract.Received(run), 0.0)
+             if isinstance(a, contract.Send) and isinstance(a.message, Enqueue | FanOut)]
+    reports: list[Message] = []
+    for send in sends:
+        if isinstance(send.message, FanOut):
+            head, *below = send.message.executors
+            reports += [RunPartDone(run_id=run.run_id, executor_id=head, device_seconds=0.001),
+                        PartsDone(run_id=run.run_id, head=head, ended=below, device_seconds=0.001 * len(below))]
+        else:
+            reports.append(RunPartDone(run_id=run.run_id, executor_id=executors[send.to], device_seconds=0.001))
+    for report in reports:
+        core.handle(contract.Received(report), 0.0)
+    return sends, len(reports)
 
 
 def proxy_scaling(config: Config) -> dict[str, Any]:
@@ -564,7 +590,8 @@ def placement_time(config: Config) -> list[dict[str, Any]]:
 def proxy_table(proxy: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
     headers = ["node", "devices", "executors", "proxy msgs", "proxy bytes", "part bytes", "warm CPU us",
                "cold CPU us", "IslandDone in", "frees out", "completion CPU us", "1st-run RegisterFunction",
-               "1st-run RegisterGang (bytes)", "island Enqueues", "Enqueue bytes", "island CPU us"]
+               "1st-run RegisterGang (bytes)", "island sends (direct)", "island send bytes", "island reports in (direct)",
+               "island CPU us (direct)"]
     rows = []
     for kind, data in proxy.items():
         for r in data["rows"]:
@@ -573,8 +600,10 @@ def proxy_table(proxy: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
                          f"{r['completion_messages_in']:,}", f"{r['completion_messages_out']:,}",
                          f"{r['completion_cpu_us']:,.0f}", f"{r['setup_register_function_messages']:,}",
                          f"{r['setup_register_gang_messages']:,} ({r['setup_register_gang_bytes']:,})",
-                         f"{r['scheduler_enqueues']:,}",
-                         f"{r['scheduler_enqueue_bytes']:,}", f"{r['scheduler_cpu_us']:,.0f}"])
+                         f"{r['scheduler_enqueues']:,} ({r['scheduler_direct']['sends']:,})",
+                         f"{r['scheduler_enqueue_bytes']:,}",
+                         f"{r['scheduler_reports_in']:,} ({r['scheduler_direct']['reports_in']:,})",
+                         f"{r['scheduler_cpu_us']:,.0f} ({r['scheduler_direct']['cpu_us']:,.0f})"])
     return headers, rows
 
 

@@ -31,10 +31,11 @@ from pwmesh.dataflow.exchange import Destination, Landing, Ragged, assemble, cut
 from pwmesh.dataflow.plane import DataPlane
 from pwmesh.dataflow.progress import Arrived, Progress, ProgressError
 from pwmesh.dataflow.secure import plane_key
-from pwmesh.errors import DeviceLost, InvalidArgument, PwmeshError, ResourceExhausted, Unavailable
+from pwmesh.errors import DeviceLost, InvalidArgument, PermissionDenied, PwmeshError, ResourceExhausted, Unavailable
 from pwmesh.executor import spill
 from pwmesh.executor.calls import copied_to, to_host
 from pwmesh.executor.direct import DirectTransfers
+from pwmesh.executor.fanout import FanOutRelay, split_frees
 from pwmesh.executor.functions import FunctionCache
 from pwmesh.executor.group import GroupConfig, group_devices, join
 from pwmesh.executor.landing import land_all
@@ -61,7 +62,7 @@ from pwmesh.executor.store import ObjectStore, buffer_of, format_bytes
 from pwmesh.executor.work import Work
 from pwmesh.ir.keys import function_id
 from pwmesh.service.heartbeat import LoopLag, every
-from pwmesh.service.keys import PLANE_SECRET_ENV, Security
+from pwmesh.service.keys import PLANE_SECRET_ENV, Security, speaks_for
 from pwmesh.service.lifecycle import Service, Status
 from pwmesh.service.metrics import Metric, counter, gauge, listen_host, merged, wire_metrics
 from pwmesh.service.rpc import Access, Beats, Connections, Handler, Server, wait_for_peer
@@ -80,6 +81,8 @@ from pwmesh.wire.messages import (
     ExecutorInfo,
     ExecutorStats,
     ExpectShards,
+    FanOut,
+    FanOutFrees,
     Fence,
     FetchShards,
     ForgetOwner,
@@ -93,8 +96,10 @@ from pwmesh.wire.messages import (
     LeavingForGroup,
     ListHeld,
     Move,
+    NodeDone,
     Ok,
     OwnedShards,
+    PartsDone,
     Ping,
     PleaseRegister,
     PushShards,
@@ -103,10 +108,12 @@ from pwmesh.wire.messages import (
     RegisterExecutor,
     RegisterFunction,
     RegisterGang,
+    RunPartDone,
     SendMoves,
     SendShards,
     ShardValues,
     SpillShards,
+    SubtreeLost,
     TraceEvent,
     TraceEvents,
     TupleBatch,
@@ -262,10 +269,17 @@ class Executor(Service):
             self.runner.group_devices = group_devices(self.name, self.devices, self.config.group_members)
         if self.config.resume_from:
             self._resume(Path(self.config.resume_from))
+        self.relay = FanOutRelay(self.name)  # the large runs' subtrees this executor heads
         control: dict[type[Message], Handler] = {
             RegisterFunction: self._register_function,
             RegisterGang: self._register_gang,
             Enqueue: self._enqueue,
+            FanOut: self._fan_out,
+            FanOutFrees: self._fan_out_frees,
+            RunPartDone: self._relay_report,
+            NodeDone: self._relay_report,
+            PartsDone: self._relay_report,
+            SubtreeLost: self._relay_report,
             InstallPart: self._install_part,
             PutShards: self._put,
             SendShards: self._send_shards,
@@ -402,12 +416,41 @@ class Executor(Service):
     def _enqueue(self, peer: bytes, env: Envelope) -> None:
         msg = env.message
         assert isinstance(msg, Enqueue)
+        self._take(msg)
+
+    def _take(self, msg: Enqueue) -> None:
         if self.config.test_enqueue_jitter_seconds > 0:
             delay = self._jitter.uniform(0, self.config.test_enqueue_jitter_seconds)
             self.tasks.spawn(self._arrive_late(msg, delay), name=f"jitter-{msg.run_id}")
         else:
             self._arrive(msg)
         return None
+
+    def _fan_out(self, peer: bytes, env: Envelope) -> None:
+        """A large run's parts for the subtree this executor heads (``executor/fanout.py``): each child's
+        message on, then its own part."""
+        msg = env.message
+        assert isinstance(msg, FanOut)
+        own, sends = self.relay.fan_out(msg)
+        for to, message in sends:
+            self.peers.post(to, message)
+        self._take(own)
+
+    def _fan_out_frees(self, peer: bytes, env: Envelope) -> None:
+        msg = env.message
+        assert isinstance(msg, FanOutFrees)
+        for to, message in split_frees(msg):
+            self.peers.post(to, message)
+        self._delete(peer, dataclasses.replace(env, message=DeleteShards(buffers=msg.buffers)))
+
+    def _relay_report(self, peer: bytes, env: Envelope) -> None:
+        """What a child of a fan-out subtree this executor heads reported, or the scheduler's word that one is gone."""
+        msg = env.message
+        who = msg.head if isinstance(msg, PartsDone) else getattr(msg, "executor_id", "")
+        if not isinstance(msg, SubtreeLost) and not speaks_for(env.user, who):
+            raise PermissionDenied(f"the daemon key {env.user!r} cannot report for {who}")
+        for to, message in self.relay.handle(msg):
+            self.peers.post(to, message)
 
     def _install_part(self, peer: bytes, env: Envelope) -> None:
         msg = env.message
@@ -435,8 +478,9 @@ class Executor(Service):
                 self.peers.post(action.to, action.message)
             elif isinstance(action, Admit):
                 msg = action.message
-                for comp, exc in self.runner.enqueue_all(msg.run_id, msg.proxy, action.computations, msg.scheduler):
-                    self._handle(Completed(msg.run_id, msg.proxy, comp.node, error=exc, scheduler=msg.scheduler))
+                to = msg.report or msg.scheduler  # where its completions go: a fan-out head's, or the scheduler
+                for comp, exc in self.runner.enqueue_all(msg.run_id, msg.proxy, action.computations, to):
+                    self._handle(Completed(msg.run_id, msg.proxy, comp.node, error=exc, scheduler=to))
             elif isinstance(action, CancelWork):
                 self.runner.cancel_run(action.run_id, action.error)
             elif isinstance(action, Timer):

@@ -375,9 +375,10 @@ class ExecutorState:
         self._fail(msg, failed)
 
     def _fail(self, msg: Enqueue, error: PwmeshError) -> None:
-        self._send(msg.scheduler or msg.proxy, NodeDone(run_id=msg.run_id, nodes=msg.nodes, executor_id=self.name,
-                                                        error=ErrorInfo.of(error)))
-        self._part_ended(msg.run_id, msg.scheduler, 0.0)
+        to = msg.report or msg.scheduler  # (a fan-out head's, if it came through one)
+        self._send(to or msg.proxy, NodeDone(run_id=msg.run_id, nodes=msg.nodes, executor_id=self.name,
+                                             error=ErrorInfo.of(error)))
+        self._part_ended(msg.run_id, to, 0.0)
 
     # ---------------------------------------------------------------- templates asked for again
 

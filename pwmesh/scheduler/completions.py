@@ -28,7 +28,7 @@ executor's process, a retry) never doubles a completion.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Container, Mapping
 
 from pwmesh.errors import DeviceLost
 from pwmesh.wire.messages import ErrorInfo, IslandDone, NodeDone
@@ -112,15 +112,35 @@ class IslandCompletions:
                     ready.append(node)
         return self._early(run_id, run, ready)
 
-    def executor_lost(self, executor_id: str, why: str) -> list[tuple[str, IslandDone]]:
-        """``executor_id`` left: every part of it not ended fails its run (and counts as ended)."""
+    def executor_lost(self, executor_id: str, why: str, spare: Container[str] = ()) -> list[tuple[str, IslandDone]]:
+        """``executor_id`` left: every part of it not ended fails its run (and counts as ended), but in the runs
+        ``spare`` names (it reported through a fan-out head, which is asked what it had: ``lose_parts``)."""
         self.lost[executor_id] = why
         while len(self.lost) > MAX_LOST:
             del self.lost[next(iter(self.lost))]
         out: list[tuple[str, IslandDone]] = []
         for run_id, run in list(self._runs.items()):
-            if executor_id in run.left:
+            if executor_id in run.left and run_id not in spare:
                 out += self._lose(run_id, run, executor_id, why)
+        return out
+
+    def running(self, run_id: str) -> bool:
+        return run_id in self._runs
+
+    def lose_parts(self, run_id: str, executors: list[str], named: str, why: str) -> list[tuple[str, IslandDone]]:
+        """The parts of ``executors`` not ended will never report (their reports came through ``named``, a
+        fan-out head that is gone): the proxy is told once, naming it, and they count as ended."""
+        run = self._runs.get(run_id)
+        if run is None:
+            return []
+        gone = [e for e in executors if e in run.left]
+        if not gone:
+            return []
+        nodes = sorted({n for e in gone for n in run.parts[e] if n not in run.told})
+        out = [(run.proxy, IslandDone(run_id=run_id, scheduler=self.scheduler, nodes=nodes, executor_id=named,
+                                      error=ErrorInfo.of(DeviceLost(why)), lost=True))]
+        for e in gone:
+            out += self.part_done(run_id, e)
         return out
 
     def executor_joined(self, executor_id: str) -> None:

@@ -44,6 +44,7 @@ from pwmesh.wire.messages import (
     JoinGroup,
     NeedTemplate,
     NodeDone,
+    PartsDone,
     Ping,
     PleaseRegister,
     RegisterScheduler,
@@ -69,6 +70,8 @@ class SchedulerConfig:
     collectives: bool = False  # form the island's JAX group of its --collectives executors
     security: Security = dataclasses.field(default_factory=Security)  # --keys, --insecure
     metrics_port: int | None = None  # Prometheus metrics over HTTP (0: a free port; None: none)
+    # A run over more executors than this goes out through a tree of them (``tree.py``; None: $PWMESH_FANOUT or 16).
+    fanout: int | None = None
 
 
 log = logging.getLogger(__name__)
@@ -92,6 +95,7 @@ class Scheduler(Service):
             NeedTemplate: self._need_template,
             RunPartDone: self._part_done,
             NodeDone: self._part_done,
+            PartsDone: self._parts_done,
             FreeShards: self._schedule,
             GetSchedulerStats: self._stats,
             GetEvents: self.events,
@@ -102,7 +106,7 @@ class Scheduler(Service):
         self.order = IslandOrder(self.config.island, policy=self.config.policy, window=self.config.window,
                                  scheduler=self.ctx.advertise(self.server.address))
         self.group = IslandGroup() if self.config.collectives else None
-        self.state = SchedulerState(self.order, self.group)
+        self.state = SchedulerState(self.order, self.group, self.config.fanout)
         self.event_log = self.state.events
         self._coordinators: dict[int, asyncio.subprocess.Process] = {}  # forming -> its coordinator
         self._addresses: dict[int, str] = {}  # forming -> its coordinator's address
@@ -141,6 +145,7 @@ class Scheduler(Service):
                 self.peers.fence(env.message.control, Fence(epoch=env.message.epoch))
             except PwmeshError as exc:  # an address nothing can connect to: nothing to fence
                 self._notice_log.warning(env.message.op, "notice %s not applied: %s", env.message.op, exc)
+            self._handle(Received(env.message))  # the fan-out subtrees it heads (``tree.py``)
         elif isinstance(env.message, ExecutorLost):
             lost = env.message
             self.peers.mark_lost(lost.control, DeviceLost(f"executor {lost.executor_id} is gone ({lost.reason})"))
@@ -241,6 +246,13 @@ class Scheduler(Service):
         assert isinstance(msg, RunPartDone | NodeDone)
         if not speaks_for(env.user, msg.executor_id):
             raise PermissionDenied(f"the daemon key {env.user!r} cannot report {msg.executor_id}'s parts done")
+        self._handle(Received(msg))
+
+    def _parts_done(self, peer: bytes, env: Envelope) -> None:
+        msg = env.message
+        assert isinstance(msg, PartsDone)
+        if not speaks_for(env.user, msg.head):  # and the core takes from a head only what its subtree reported
+            raise PermissionDenied(f"the daemon key {env.user!r} cannot report for fan-out head {msg.head}")
         self._handle(Received(msg))
 
     def _stats(self, peer: bytes, env: Envelope) -> SchedulerStats:

@@ -9,18 +9,22 @@ right after the forming completes. The daemon (``scheduler/daemon.py``) and the 
 Events:
     ``Received(message)``  ``ScheduleRun``, ``InstallTemplate``, ``RunTemplate`` and ``FreeShards`` from a proxy
                            (``templates.py``), ``NodeDone``, ``RunPartDone`` and ``NeedTemplate`` from an
-                           executor, and the resource manager's notices ``ExecutorJoined`` and ``ExecutorLost``
+                           executor, ``PartsDone`` from a fan-out head (``tree.py``), and the resource
+                           manager's notices ``ExecutorJoined``, ``ExecutorLost`` and ``ExecutorRestarting``
                            (the shell does what concerns its connections itself: marking a peer alive or
                            lost, fences).
     ``Tick()``             time passed: a settled membership may start a forming of the group.
 
 Actions (each carrying the id of the event that caused it, ``stimulus``):
-    ``Send(control, Enqueue)`` an executor's part of a released run, in the island's order.
+    ``Send(control, Enqueue)`` an executor's part of a released run, in the island's order; a run over more
+                           than ``fanout`` executors as ``Send(head, FanOut)``, one per subtree (``tree.py``).
+    ``Send(head, SubtreeLost)`` an executor below a fan-out head is gone: what did its subtree report?
     ``Send(control, InstallPart)`` a template's part an executor asked for again.
     ``Send(proxy, TemplateMissing)`` a run of a template not held here, refused whole.
     ``Send(proxy, IslandDone)`` what the island's executors reported of a run (``completions.py``): one
                            message when every part has ended; a failure at once; an output early.
-    ``Send(control, DeleteShards)`` the proxy's frees for the island (``FreeShards``), one per executor.
+    ``Send(control, DeleteShards)`` the proxy's frees for the island (``FreeShards``), one per executor (more
+                           than ``fanout`` executors: ``FanOutFrees`` to each subtree's head).
     ``Reply(error=...)``   a message refused (a run naming devices that cannot be): the sender is told.
     ``Form``, ``AskAgain``, ``Formed`` (``group.py``) start a forming of the JAX group (a coordinator, then
                            ``JoinGroup`` to each member at ``controls``), ask its slow members again, and
@@ -41,18 +45,23 @@ from pwmesh.scheduler.completions import IslandCompletions
 from pwmesh.scheduler.group import AskAgain, Form, Formed, IslandGroup, Joined, Left
 from pwmesh.scheduler.group import Tick as GroupTick
 from pwmesh.scheduler.order import IslandOrder
+from pwmesh.scheduler.tree import RunTree, build, fanout_width, frees
 from pwmesh.wire.messages import (
     DeleteShards,
+    Enqueue,
     ExecutorJoined,
     ExecutorLost,
+    ExecutorRestarting,
     FreeShards,
     InstallTemplate,
     IslandDone,
     NeedTemplate,
     NodeDone,
+    PartsDone,
     RunPartDone,
     RunTemplate,
     ScheduleRun,
+    SubtreeLost,
 )
 
 MAX_LOGGED_RUN_BYTES = 64 << 10  # a larger ScheduleRun is logged as a line, not kept (the log keeps 2,000 events)
@@ -69,13 +78,17 @@ Event = Received | Tick
 Action = Send | Reply | Form | AskAgain | Formed
 
 _KINDS = {ScheduleRun: "schedule", RunTemplate: "run", InstallTemplate: "install", NeedTemplate: "need",
-          RunPartDone: "part-done", NodeDone: "node-done", FreeShards: "free", ExecutorJoined: "joined",
-          ExecutorLost: "lost"}
+          RunPartDone: "part-done", PartsDone: "parts-done", NodeDone: "node-done", FreeShards: "free", ExecutorJoined: "joined",
+          ExecutorLost: "lost", ExecutorRestarting: "restarting"}
 
 
 class SchedulerState:
-    def __init__(self, order: IslandOrder, group: IslandGroup | None = None) -> None:
+    def __init__(self, order: IslandOrder, group: IslandGroup | None = None, fanout: int | None = None) -> None:
         self.order = order
+        # A run over more executors than this goes out through a tree of them (``tree.py``).
+        self.fanout = fanout_width(fanout)
+        self.trees: dict[str, RunTree] = {}  # runs in flight that went through a tree
+        self._executor_of: dict[str, str] = {}  # control address -> executor (the runs' parts name both)
         self.group = group  # None: the island's executors form no JAX group
         self.controls: dict[str, str] = {}  # the group's members: executor -> control address
         self.events = EventLog()
@@ -107,17 +120,29 @@ class SchedulerState:
                 case RunPartDone(run_id=run_id, executor_id=executor_id, device_seconds=seconds):
                     actions = self._told(self.completions.part_done(run_id, executor_id), stimulus)
                     actions += self._release(self.order.part_done(run_id, executor_id, seconds, stimulus))
+                    if self.trees and run_id in self.trees and not self.completions.running(run_id):
+                        del self.trees[run_id]
+                case PartsDone():
+                    actions = self._parts_done(message, stimulus)
                 case NodeDone():
                     actions = self._told(self.completions.node_done(message), stimulus)
                 case FreeShards(groups=groups):  # not held while the group forms: frees order nothing
-                    actions = [Send(control, DeleteShards(buffers=group.buffers), stimulus)
-                               for group in groups for control in group.controls]
+                    for group in groups:  # one DeleteShards an executor, or through a tree (``tree.py``)
+                        if len(group.controls) > self.fanout:
+                            actions += frees(group.buffers, group.controls, self.fanout, stimulus, self._gone)
+                        else:
+                            actions += [Send(control, DeleteShards(buffers=group.buffers), stimulus)
+                                        for control in group.controls]
                 case RunTemplate():
                     actions = self._release(self.order.submit_template(message, stimulus))
                 case ScheduleRun():
+                    if len(message.parts) > self.fanout:
+                        self._executor_of.update((p.control, p.executor_id) for p in message.parts)
                     actions = self._release(self.order.submit(message, stimulus))
                 case InstallTemplate():
                     self.order.install(message)
+                    if len(message.parts) > self.fanout:
+                        self._executor_of.update((p.control, p.executor_id) for p in message.parts)
                 case NeedTemplate():  # not held while the group forms: it orders nothing
                     control, part = self.order.templates.part_for(message)
                     if control:
@@ -132,11 +157,21 @@ class SchedulerState:
                         actions = self._group(self.group.handle(Joined(executor_id, epoch), now), stimulus)
                 case ExecutorLost(executor_id=executor_id, host=host, reason=reason):
                     # Its parts not ended fail their runs (a drained one ended what it reported first).
-                    actions = self._told(self.completions.executor_lost(
-                        executor_id, f"executor {executor_id} on host {host} is gone ({reason})"), stimulus)
+                    why = f"executor {executor_id} on host {host} is gone ({reason})"
+                    # A part that reported through a fan-out head waits for the head's word (``_tree_lost``).
+                    spare = {r for r, tree in self.trees.items() if tree.parent(executor_id)} if self.trees else ()
+                    actions = self._told(self.completions.executor_lost(executor_id, why, spare), stimulus)
                     actions += self._release(self.order.forget_executor(executor_id, stimulus))
+                    if self.trees:
+                        actions += self._tree_lost(executor_id, why, stimulus)
                     if self.group is not None:
                         actions += self._group(self.group.handle(Left(executor_id), now), stimulus)
+                case ExecutorRestarting(executor_id=executor_id):
+                    # Its work goes on in its next process, but not what it held as a fan-out head: the
+                    # subtrees it heads fail, naming it (their reports reach a process that never sent them).
+                    if self.trees:
+                        actions = self._tree_lost(executor_id, f"executor {executor_id} restarted (a JAX group "
+                                                  "forming) while heading a fan-out subtree of the run", stimulus)
                 case _:
                     raise TypeError(f"the scheduler's core does not handle {message.op}")
         except PwmeshError as exc:  # refused (a run naming devices that cannot be): nothing changed
@@ -156,6 +191,97 @@ class SchedulerState:
                    f"parts={len(run.parts)}), payload not kept)"
         return event
 
+    # ------------------------------------------------------------ fan-out trees
+
+    def _parts_done(self, msg: PartsDone, stimulus: str) -> list[Action]:
+        """A top-level head's report of its subtree (``executor/fanout.py``): what it names of its own subtree
+        counts; what the subtree of an executor gone below it (``lost``) did not report never will."""
+        run_id = msg.run_id
+        tree = self.trees.get(run_id)
+        if tree is None:
+            return []  # ended, or sequenced by an earlier instance of this scheduler
+        mine = tree.reports_for
+        actions: list[Action] = []
+        for report in msg.reports:
+            if report.run_id == run_id and mine(msg.head, report.executor_id):
+                actions += self._told(self.completions.node_done(report), stimulus)
+        sends: list[Send] = []
+        seconds = msg.device_seconds  # the subtree's sum, charged once
+        for executor_id in msg.ended:
+            if mine(msg.head, executor_id):
+                actions += self._told(self.completions.part_done(run_id, executor_id), stimulus)
+                sends += self.order.part_done(run_id, executor_id, seconds, stimulus)
+                seconds = 0.0
+        if msg.lost and mine(msg.head, msg.lost):  # the head's answer to SubtreeLost: the rest never comes
+            actions += self._lose_below(run_id, tree, msg.lost, f"executor {msg.lost} is gone", stimulus, sends,
+                                        itself=True)
+        actions += self._release(sends)
+        if not self.completions.running(run_id):
+            self.trees.pop(run_id, None)
+        return actions
+
+    def _lose_below(self, run_id: str, tree: RunTree, gone: str, why: str, stimulus: str,
+                    sends: list[Send], itself: bool = False) -> list[Action]:
+        """``gone``'s subtree of run ``run_id`` reported through it (and, ``itself``, its own part through its
+        head): what of it has not ended fails, naming it."""
+        below = tree.below(gone)
+        if itself:
+            below = [gone, *below]
+        actions = self._told(self.completions.lose_parts(
+            run_id, below, gone, f"{why}; the run's parts on {len(below)} executors reported through it"), stimulus)
+        for executor_id in below:
+            sends += self.order.part_done(run_id, executor_id, 0.0, stimulus)
+        return actions
+
+    def _tree_lost(self, executor_id: str, why: str, stimulus: str) -> list[Action]:
+        """``executor_id`` is gone: in each tree it is in, what reported through it is lost if it reported to
+        the scheduler; else its head is asked what of its subtree it had (``SubtreeLost``)."""
+        actions: list[Action] = []
+        sends: list[Send] = []
+        ask: dict[str, list[str]] = {}  # head control -> runs
+        for run_id, tree in list(self.trees.items()):
+            if executor_id not in tree.index:
+                continue
+            parent = tree.parent(executor_id)
+            if parent is None:
+                actions += self._lose_below(run_id, tree, executor_id, why, stimulus, sends)
+            elif parent[0] not in self.completions.lost:  # (a head gone answers nothing: its own loss covers this)
+                ask.setdefault(parent[1], []).append(run_id)
+            if not self.completions.running(run_id):
+                del self.trees[run_id]
+        actions += self._release(sends)
+        actions += [Send(control, SubtreeLost(executor_id=executor_id, run_ids=runs), stimulus)
+                    for control, runs in ask.items()]
+        return actions
+
+    def _trees(self, sends: list[Send]) -> list[Send]:
+        """Each run over more than ``fanout`` executors as a tree's sends (``tree.py``); the rest as they are."""
+        out: list[Send] = []
+        i, n = 0, len(sends)
+        executor_of, lost = self._executor_of.__getitem__, self.completions.lost.__contains__
+        while i < n:
+            message = sends[i].message
+            if not isinstance(message, Enqueue):
+                out.append(sends[i])
+                i += 1
+                continue
+            run_id = message.run_id
+            j = i + 1
+            while j < n and isinstance(m := sends[j].message, Enqueue) and m.run_id == run_id:
+                j += 1
+            if j - i <= self.fanout:
+                out += sends[i:j]
+            else:
+                tree_sends, tree = build(run_id, sends[i:j], executor_of, self.fanout, self.order.scheduler, lost)
+                if self.completions.running(run_id):
+                    self.trees[run_id] = tree
+                out += tree_sends
+            i = j
+        return out
+
+    def _gone(self, control: str) -> bool:
+        return self._executor_of.get(control, "") in self.completions.lost
+
     def _told(self, reports: list[tuple[str, IslandDone]], stimulus: str) -> list[Action]:
         return [Send(proxy, done, stimulus) for proxy, done in reports]
 
@@ -169,6 +295,8 @@ class SchedulerState:
             for run_id, proxy, parts, nodes in sequenced:
                 actions += self._told(self.completions.start(run_id, proxy, parts, nodes), stimulus)
             sequenced.clear()
+        if len(sends) > self.fanout:
+            sends = self._trees(sends)
         if self.group is not None and (self._held or self.group.holding):
             self._held.extend(sends)  # sent, in order, once the group has formed
             return actions

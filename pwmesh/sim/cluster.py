@@ -54,6 +54,9 @@ class SimConfig:
     scheduler_service_seconds: float = 0.0
     rm_service_seconds: float = 0.0
     charge_cpu: bool = False
+    # And the real CPU of the wire codec on every message a controller daemon receives or sends (its shell's
+    # work per message, which the cores' CPU leaves out): a daemon that sends or hears per host pays it per host.
+    charge_codec: bool = False
     client_send_seconds: float = 0.0  # each client's own time per message it sends (see sim.client)
     collectives: bool = True  # each island's executors in one JAX group: an SPMD slice may span hosts
     keep_spans: bool = False  # executors record (start, end, run, node, devices) of every computation
@@ -75,7 +78,7 @@ class SimCluster:
         self.config = config = config or SimConfig()
         self.clock = Clock()
         self.network = Network(self.clock, config.link, seed=config.seed)
-        node = {"charge_cpu": config.charge_cpu}
+        node = {"charge_cpu": config.charge_cpu, "charge_codec": config.charge_codec}
         self.rm = SimResourceManager(RM, self.clock, self.network, ResourceManagerState(),
                                      service_seconds=config.rm_service_seconds, **node)
         self.schedulers: list[SimScheduler] = []

@@ -24,10 +24,12 @@ from pwmesh.wire.messages import (
     Enqueue,
     Error,
     ExecutorLost,
+    FanOut,
     FreeShards,
     InstallTemplate,
     NeedTemplate,
     NodeDone,
+    PartsDone,
     RunPartDone,
     RunTemplate,
     ScheduleRun,
@@ -80,7 +82,7 @@ class SimScheduler(Node):
     def handle(self, env: Envelope) -> None:
         msg = env.message
         if not isinstance(msg, ScheduleRun | RunTemplate | InstallTemplate | NeedTemplate | RunPartDone | NodeDone
-                          | FreeShards | ExecutorLost):
+                          | PartsDone | FreeShards | ExecutorLost):
             return  # the RM's other news concerns the JAX group, which the simulator has none of
         actions = self.core(self.state.handle, Received(msg), self.clock.now)
         runs = set()
@@ -88,9 +90,9 @@ class SimScheduler(Node):
             if isinstance(action, Reply):
                 if action.error is not None:
                     self.post(env.sender, error_message(action.error), reply_to=env.msg_id)
-            elif isinstance(action, Send) and isinstance(action.message, Enqueue):
+            elif isinstance(action, Send) and isinstance(action.message, Enqueue | FanOut):
                 runs.add(action.message.run_id)
-                self.enqueues += 1
+                self.enqueues += 1 if isinstance(action.message, Enqueue) else len(action.message.parts)
                 self.post(action.to, action.message)
             elif isinstance(action, Send):  # a template's part again, or a run refused for want of its template
                 self.post(action.to, action.message)

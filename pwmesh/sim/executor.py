@@ -29,6 +29,7 @@ import numpy as np
 from pwmesh.core.contract import Send, Timer
 from pwmesh.dataflow.exchange import block_plan, destinations
 from pwmesh.errors import NotFound, PwmeshError
+from pwmesh.executor.fanout import FanOutRelay, split_frees
 from pwmesh.executor.queues import DeviceQueues, PartDone, Start
 from pwmesh.executor.state import (
     Admit,
@@ -46,24 +47,30 @@ from pwmesh.sim.clock import Clock
 from pwmesh.sim.cost import CostModel, FunctionCost
 from pwmesh.sim.network import Network
 from pwmesh.sim.node import Node
-from pwmesh.wire import Envelope
+from pwmesh.wire import Envelope, Message
 from pwmesh.wire.messages import (
     CancelRun,
     Computation,
     DeleteShards,
     Emit,
     Enqueue,
+    FanOut,
+    FanOutFrees,
     FetchShards,
     ForgetOwner,
     InstallPart,
     Move,
+    NodeDone,
     Ok,
+    PartsDone,
     PutShards,
     RegisterFunction,
     RegisterGang,
+    RunPartDone,
     SendMoves,
     SendShards,
     ShardValues,
+    SubtreeLost,
     Target,
 )
 
@@ -83,6 +90,7 @@ class SimExecutor(Node):
         self.cost = cost
         self.peers = peers  # every executor, by data-plane address (the data plane's routes)
         self.queues = DeviceQueues(devices)
+        self.relay = FanOutRelay(executor_id)  # the large runs' subtrees it heads (``executor/fanout.py``)
         self.state = ExecutorState(executor_id, log_events=False)
         self.state.control = control  # named in a NeedTemplate
         self.functions: dict[str, FunctionCost] = {}
@@ -106,6 +114,15 @@ class SimExecutor(Node):
         msg = env.message
         if isinstance(msg, Enqueue):
             self._core(Received(msg))
+        elif isinstance(msg, FanOut):  # the head of a large run's subtree: its children's parts on, then its own
+            own, sends = self.relay.fan_out(msg)
+            self._relay(sends, len(msg.parts))  # the codec decoded every part of its subtree
+            self._core(Received(own))
+        elif isinstance(msg, FanOutFrees):  # the island's frees for a subtree it heads: on, then its own
+            self._relay(split_frees(msg), 1)
+            self._delete(msg.buffers)
+        elif isinstance(msg, RunPartDone | NodeDone | PartsDone | SubtreeLost):
+            self._relay(self.relay.handle(msg), 1)
         elif isinstance(msg, InstallPart):
             self._core(Installed(msg))
         elif isinstance(msg, RegisterFunction):
@@ -130,11 +147,7 @@ class SimExecutor(Node):
                 np.zeros(*self.stored[k]) if k in self.stored else np.zeros((0,), np.float32) for k in msg.keys]),
                 reply_to=env.msg_id))
         elif isinstance(msg, DeleteShards):
-            for prefix in msg.buffers:
-                self.tombstones.add(prefix)
-                for key in self._by_prefix.pop(prefix, ()):
-                    self.stored.pop(key, None)
-                    self.failed.pop(key, None)
+            self._delete(msg.buffers)
         elif isinstance(msg, ForgetOwner):
             self.tombstones = {t for t in self.tombstones if not t.startswith(msg.prefix)}
         elif isinstance(msg, CancelRun):
@@ -159,15 +172,33 @@ class SimExecutor(Node):
     def _admit(self, msg: Enqueue, comps: list[Computation]) -> None:
         self.queues.admitting(msg.run_id)
         starts: list[Start] = []
+        to = msg.report or msg.scheduler  # where its completions go: a fan-out head's, or the scheduler
         for comp in comps:
             shards = comp.shards()
-            work = Work(run_id=msg.run_id, proxy=msg.proxy, scheduler=msg.scheduler, comp=comp,
+            work = Work(run_id=msg.run_id, proxy=msg.proxy, scheduler=to, comp=comp,
                         devices=[d for d, _ in shards], shards=[s for _, s in shards])
             work.queued = True
             self.queues.add(work)
             starts += self.queues.queue(work)
         self._act(starts)
-        self._act(self.queues.admitted(msg.run_id, msg.scheduler))
+        self._act(self.queues.admitted(msg.run_id, to))
+
+    def _delete(self, buffers: list[str]) -> None:
+        for prefix in buffers:
+            self.tombstones.add(prefix)
+            for key in self._by_prefix.pop(prefix, ()):
+                self.stored.pop(key, None)
+                self.failed.pop(key, None)
+
+    def _relay(self, sends: list[tuple[str, Message]], taken: int) -> None:
+        """A fan-out head's messages, ``relay_seconds`` of the host's loop per part each carries (a report:
+        one), after ``taken`` parts received; posted in order as the loop gets to them."""
+        cost = self.cost.relay_seconds
+        at = max(self.clock.now, self.host_free) + cost * taken
+        for to, message in sends:
+            at += cost * (len(message.parts) if isinstance(message, FanOut) else 1)
+            self.clock.at(at, functools.partial(self.post, to, message))
+        self.host_free = at
 
     # ------------------------------------------------------------ computations
 

@@ -17,7 +17,9 @@ import collections
 import dataclasses
 import itertools
 import random
+import time
 from collections.abc import Callable
+from typing import Any
 
 from pwmesh.errors import InvalidArgument, NotFound
 from pwmesh.sim.clock import Clock
@@ -67,6 +69,7 @@ class Network:
         self._last_arrival: dict[tuple[str, str], float] = {}
         self._ids = itertools.count(1)
         self.last_bytes = 0  # the size of the last message sent (its real frames)
+        self.decode_seconds = 0.0  # the real CPU the message being delivered took to decode (``sim.node``)
 
     def attach(self, address: str, deliver: Deliver) -> None:
         if address in self._nodes:
@@ -90,7 +93,7 @@ class Network:
         return next(self._ids)
 
     def send(self, src: str, dst: str, message: Message, *, reply_to: int | None = None, msg_id: int | None = None,
-             tag: str = "") -> int:
+             tag: str = "", frames: list[Any] | None = None) -> int:
         """Post ``message`` from ``src`` to ``dst``; returns its message id (a reply carries it as ``reply_to``).
         ``tag`` counts it in a class of its own too (the proxy's dispatch traffic)."""
         deliver = self._nodes.get(dst)
@@ -98,7 +101,8 @@ class Network:
             raise NotFound(f"no simulated daemon at {dst!r} (message {message.op} from {src})")
         if msg_id is None:
             msg_id = self.new_id()
-        frames = encode(message, msg_id=msg_id, reply_to=reply_to, sender=src)
+        if frames is None:  # (given: the sender encoded it already, timing it)
+            frames = encode(message, msg_id=msg_id, reply_to=reply_to, sender=src)
         nbytes = sum(memoryview(f).nbytes for f in frames)
         self.last_bytes = nbytes
         for traffic in (self.sent[src], self.received[dst]):
@@ -108,8 +112,14 @@ class Network:
             if tag:
                 traffic.tagged_messages[tag] += 1
                 traffic.tagged_bytes[tag] += nbytes
-        self.clock.at(self._arrival(src, dst, nbytes), lambda: deliver(decode(frames)))
+        self.clock.at(self._arrival(src, dst, nbytes), lambda: self._deliver(deliver, frames))
         return msg_id
+
+    def _deliver(self, deliver: Deliver, frames: list[Any]) -> None:
+        start = time.process_time()
+        env = decode(frames)
+        self.decode_seconds = time.process_time() - start
+        deliver(env)
 
     def transfer(self, src: str, dst: str, nbytes: int, arrived: Callable[[], None]) -> None:
         """Move ``nbytes`` of bulk data from ``src`` to ``dst`` (data-plane addresses); ``arrived`` runs on arrival."""

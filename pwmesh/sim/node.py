@@ -18,25 +18,29 @@ from typing import Any, TypeVar
 
 from pwmesh.sim.clock import Clock
 from pwmesh.sim.network import Network
-from pwmesh.wire import Envelope, Message
+from pwmesh.wire import Envelope, Message, encode
 
 T = TypeVar("T")
 
 
 class Node:
     def __init__(self, address: str, clock: Clock, network: Network, *, service_seconds: float = 0.0,
-                 charge_cpu: bool = False) -> None:
+                 charge_cpu: bool = False, charge_codec: bool = False) -> None:
         self.address = address
         self.clock = clock
         self.network = network
         self.service_seconds = service_seconds
         self.charge_cpu = charge_cpu
+        # The real CPU of decoding each message it handles and encoding each it sends, charged too: what its
+        # shell spends on the wire codec, per message (the cores' CPU does not include it).
+        self.charge_codec = charge_codec
+        self.codec_seconds = 0.0
         self.cpu_seconds = 0.0  # real CPU time inside this daemon's pure core (``core``)
         self.core_calls = 0
         self.handled = 0
         self.busy_seconds = 0.0  # virtual time spent handling (service + charged CPU)
         self.busy_log: list[tuple[float, float]] = []  # (start, virtual seconds) of every timed handling
-        self._backlog: collections.deque[Envelope] = collections.deque()
+        self._backlog: collections.deque[tuple[Envelope, float]] = collections.deque()
         self._busy_until = 0.0
         self._draining = False
         self._charged = 0.0  # CPU of the message being handled
@@ -78,25 +82,26 @@ class Node:
     # ------------------------------------------------------------- the loop
 
     def _arrive(self, env: Envelope) -> None:
+        decoded = self.network.decode_seconds
         if self._draining or self.clock.now < self._busy_until:
-            self._backlog.append(env)
+            self._backlog.append((env, decoded))
             if not self._draining:
                 self._draining = True
                 self.clock.at(self._busy_until, self._drain)
             return
-        self._handle(env)
+        self._handle(env, decoded)
 
     def _drain(self) -> None:
         self._draining = False
         while self._backlog and self.clock.now >= self._busy_until:
-            self._handle(self._backlog.popleft())
+            self._handle(*self._backlog.popleft())
         if self._backlog:
             self._draining = True
             self.clock.at(self._busy_until, self._drain)
 
-    def _handle(self, env: Envelope) -> None:
+    def _handle(self, env: Envelope, decoded: float = 0.0) -> None:
         self.handled += 1
-        timed = self.service_seconds > 0 or self.charge_cpu
+        timed = self.service_seconds > 0 or self.charge_cpu or self.charge_codec
         if not timed:
             self.handle(env)
             return
@@ -107,13 +112,22 @@ class Node:
         finally:
             outbox, self._outbox = self._outbox, None
         cost = self.service_seconds + (self._charged if self.charge_cpu else 0.0)
+        frames: list[list[Any] | None] = [None] * len(outbox)
+        if self.charge_codec:
+            start = time.process_time()
+            frames = [encode(message, msg_id=msg_id, reply_to=reply_to, sender=self.address)
+                      for _, message, reply_to, msg_id, _ in outbox]
+            codec = decoded + time.process_time() - start
+            self.codec_seconds += codec
+            cost += codec
         self.busy_seconds += cost
         self.busy_log.append((self.clock.now, cost))
         self._busy_until = self.clock.now + cost
 
         def flush() -> None:
-            for dst, message, reply_to, msg_id, tag in outbox:
-                self.network.send(self.address, dst, message, reply_to=reply_to, msg_id=msg_id, tag=tag)
+            for (dst, message, reply_to, msg_id, tag), encoded in zip(outbox, frames, strict=True):
+                self.network.send(self.address, dst, message, reply_to=reply_to, msg_id=msg_id, tag=tag,
+                                  frames=encoded)
 
         if outbox:
             self.clock.at(self._busy_until, flush)

@@ -488,6 +488,63 @@ class Enqueue(Message, op="exec.enqueue"):
     # the scheduler sends this executor; later ones carry only ``names`` (``InstallTemplate``).
     template: str = ""
     refs: list[int] = dataclasses.field(default_factory=list)
+    # Where this part's completions go (``NodeDone``, ``RunPartDone``): the fan-out head it came through
+    # (``FanOut``); "": to ``scheduler``. Its order and templates are still the scheduler's.
+    report: str = ""
+
+
+@record
+class FanOut(Message, op="exec.fan_out"):
+    """A large run's parts for one subtree of its executors (``scheduler/tree.py``), sent to the subtree's
+    head: ``parts[0]`` is the head's own, then each child subtree's in preorder (``sizes[i]``: part i's
+    subtree, itself included; 1: a leaf). The head sends each child its ``Enqueue`` (a leaf) or its
+    ``FanOut`` (a head), and reports the completions its children report to it up to ``parent`` as
+    ``PartsDone`` (``executor/fanout.py``); its own part reports to its scheduler directly."""
+
+    run_id: str
+    parent: str  # where the head's ``PartsDone`` go: the scheduler, or the head above
+    parts: list[Enqueue]
+    executors: list[str]  # each part's executor
+    controls: list[str]  # where each part's executor is reached
+    sizes: list[int]
+
+
+@record
+class PartsDone(Message, op="sched.parts_done"):
+    """What a fan-out head's subtree reported of a run, sent up once: ``ended``, the executors whose part
+    ended (each's ``RunPartDone``), with their device seconds summed; ``reports``, their ``NodeDone``s
+    unchanged (a failure goes up at once, in a ``PartsDone`` of its own with ``last`` false). ``last``:
+    every part of the head's subtree is in (its last word on the run). ``lost``: the answer to
+    ``SubtreeLost``: the executor named there is gone, and what of its subtree is not in ``ended`` (now or
+    before) never will be."""
+
+    run_id: str
+    head: str  # the executor sending it
+    ended: list[str] = dataclasses.field(default_factory=list)
+    device_seconds: float = 0.0
+    reports: list[NodeDone] = dataclasses.field(default_factory=list)
+    last: bool = True
+    lost: str = ""
+
+
+@record
+class FanOutFrees(Message, op="exec.fan_out_frees"):
+    """The island's frees (``FreeShards``) for a subtree of executors wider than the fan-out width: the
+    receiver (``controls[0]``) deletes ``buffers`` and sends each child subtree its slice (``sizes`` as in
+    ``FanOut``; a leaf gets a ``DeleteShards``)."""
+
+    buffers: list[str]
+    controls: list[str]
+    sizes: list[int]
+
+
+@record
+class SubtreeLost(Message, op="exec.subtree_lost"):
+    """The scheduler to a fan-out head: ``executor_id`` below it is gone; stop waiting for its subtree in
+    ``run_ids`` and say what of it had ended (``PartsDone`` with ``lost``)."""
+
+    executor_id: str
+    run_ids: list[str]
 
 
 @record

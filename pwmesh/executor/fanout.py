@@ -1,0 +1,159 @@
+"""A fan-out head's relay (no sockets): a large run's parts down a tree of executors, its completions up.
+
+The island scheduler sends a run over many executors as one ``FanOut`` per subtree (``scheduler/tree.py``).
+The executor at a subtree's head keeps its own part and sends each child its message as it came
+(a leaf's ``Enqueue``, a head's ``FanOut``: sliced, not rebuilt); each part's ``report`` names where its
+completions go, so a child's ``NodeDone`` and ``RunPartDone`` come here. The relay sends its parent one
+``PartsDone`` per run once every child has ended (a child head's own part and its subtree's ``PartsDone``
+both), the device seconds summed; failures and early completions (``NodeDone``) go up at once, as they
+came, in a ``PartsDone`` of their own (``last`` false), ahead of the end that stands for them on the
+same connection.
+
+When an executor below is gone, the scheduler asks its head (``SubtreeLost``): the head stops waiting for
+it and sends up, at once, everything it holds of the run (``lost`` set); a head above that receives such
+an answer sends everything it holds up with it, so the scheduler learns every end that was on its way
+before it fails the rest, naming the executor gone: a completion is never lost nor counted twice.
+
+The island's frees of many executors come the same way (``FanOutFrees``: ``split_frees``), with nothing
+coming back.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+
+from pwmesh.wire.messages import (
+    DeleteShards,
+    Enqueue,
+    FanOut,
+    FanOutFrees,
+    Message,
+    NodeDone,
+    PartsDone,
+    RunPartDone,
+    SubtreeLost,
+)
+
+MAX_RUNS = 4096  # runs a head waits on at once (the oldest forgotten: its scheduler restarted, say)
+
+Out = list[tuple[str, Message]]  # (where, what) to post
+
+
+@dataclasses.dataclass(slots=True, eq=False)
+class _Pending:
+    parent: str
+    waiting: collections.Counter[str]  # child -> reports still due (a head child: its own part and its subtree)
+    ended: list[str] = dataclasses.field(default_factory=list)
+    seconds: float = 0.0
+
+
+def split_frees(msg: FanOutFrees) -> Out:
+    """What a head of the island's frees sends each child subtree (it deletes ``msg.buffers`` itself)."""
+    out: Out = []
+    i, n = 1, len(msg.controls)
+    while i < n:
+        size = max(1, msg.sizes[i])
+        if size == 1:
+            out.append((msg.controls[i], DeleteShards(buffers=msg.buffers)))
+        else:
+            out.append((msg.controls[i], FanOutFrees(buffers=msg.buffers, controls=msg.controls[i:i + size],
+                                                     sizes=msg.sizes[i:i + size])))
+        i += size
+    return out
+
+
+class FanOutRelay:
+    def __init__(self, name: str, capacity: int = MAX_RUNS) -> None:
+        self.name = name
+        self.capacity = capacity
+        self._runs: collections.OrderedDict[str, _Pending] = collections.OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._runs)
+
+    def fan_out(self, msg: FanOut) -> tuple[Enqueue, Out]:
+        """This head's own part, and each child's message."""
+        out: Out = []
+        waiting: collections.Counter[str] = collections.Counter()
+        me = msg.controls[0]
+        i, n = 1, len(msg.parts)
+        while i < n:
+            size = max(1, msg.sizes[i])
+            child = msg.executors[i]
+            if size == 1:
+                out.append((msg.controls[i], msg.parts[i]))
+                waiting[child] += 1
+            else:
+                out.append((msg.controls[i], FanOut(run_id=msg.run_id, parent=me, parts=msg.parts[i:i + size],
+                                                    executors=msg.executors[i:i + size],
+                                                    controls=msg.controls[i:i + size], sizes=msg.sizes[i:i + size])))
+                waiting[child] += 2
+            i += size
+        if waiting:
+            self._runs[msg.run_id] = _Pending(msg.parent, waiting)
+            while len(self._runs) > self.capacity:
+                self._runs.popitem(last=False)
+        return msg.parts[0], out
+
+    def handle(self, msg: Message) -> Out:
+        """A child's report, or the scheduler's word that one below is gone: what goes up."""
+        if isinstance(msg, RunPartDone):
+            run = self._runs.get(msg.run_id)
+            if run is None or not run.waiting[msg.executor_id]:
+                return []
+            run.ended.append(msg.executor_id)
+            run.seconds += msg.device_seconds
+            return self._heard(msg.run_id, run, msg.executor_id)
+        if isinstance(msg, NodeDone):
+            run = self._runs.get(msg.run_id)
+            if run is None or not run.waiting[msg.executor_id]:
+                return []
+            return [(run.parent, PartsDone(run_id=msg.run_id, head=self.name, reports=[msg], last=False))]
+        if isinstance(msg, PartsDone):
+            return self._child_parts(msg)
+        if isinstance(msg, SubtreeLost):
+            out: Out = []
+            for run_id in msg.run_ids:
+                run = self._runs.get(run_id)
+                if run is None:  # nothing held: say so (the heads above send up what they hold)
+                    continue
+                run.waiting.pop(msg.executor_id, None)
+                out += self._up(run_id, run, last=not run.waiting, lost=msg.executor_id)
+            return out
+        return []
+
+    def _child_parts(self, msg: PartsDone) -> Out:
+        run = self._runs.get(msg.run_id)
+        if run is None or not run.waiting[msg.head]:
+            return []
+        run.ended += msg.ended
+        run.seconds += msg.device_seconds
+        if msg.lost:  # an answer to SubtreeLost: up at once, with everything held here
+            if msg.last:
+                run.waiting[msg.head] -= 1
+                if run.waiting[msg.head] <= 0:
+                    del run.waiting[msg.head]
+            return self._up(msg.run_id, run, last=not run.waiting, lost=msg.lost, reports=msg.reports)
+        if msg.reports:
+            up: Out = [(run.parent, PartsDone(run_id=msg.run_id, head=self.name, reports=msg.reports, last=False))]
+        else:
+            up = []
+        if not msg.last:
+            return up
+        return up + self._heard(msg.run_id, run, msg.head)
+
+    def _heard(self, run_id: str, run: _Pending, child: str) -> Out:
+        run.waiting[child] -= 1
+        if run.waiting[child] > 0:
+            return []
+        del run.waiting[child]
+        return self._up(run_id, run, last=True) if not run.waiting else []
+
+    def _up(self, run_id: str, run: _Pending, *, last: bool, lost: str = "", reports: list[NodeDone] | None = None) -> Out:
+        done = PartsDone(run_id=run_id, head=self.name, ended=run.ended, device_seconds=run.seconds,
+                         reports=reports or [], last=last, lost=lost)
+        run.ended, run.seconds = [], 0.0
+        if last:
+            self._runs.pop(run_id, None)
+        return [(run.parent, done)]

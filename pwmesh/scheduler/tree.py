@@ -1,0 +1,161 @@
+"""A large run's fan-out tree (no sockets): the island scheduler's sends per run stay at most ``width``.
+
+A run whose parts go to more than ``width`` executors is not sent as one ``Enqueue`` per executor: its
+executors, in the island order's sequence, are cut into at most ``width`` contiguous subtrees; the first
+executor of each is its head and is sent one ``FanOut`` carrying the subtree's parts, and the rest of
+the subtree is cut again the same way below it (depth ``log_width(hosts)``). Each part's ``Enqueue``
+is the one the order made (its ``executor_seq`` and ``seqs`` unchanged: an executor restores the
+island's order whichever way a part came), with ``report`` set to its parent head's control address
+("" under the scheduler). Completions come back up the same tree (``executor/fanout.py``): each head
+sends its parent one ``PartsDone`` for its subtree; a head's own part reports to its parent as any
+child's does.
+
+``RunTree`` is what the scheduler keeps of a run's tree: which executor reports through which head,
+to check a ``PartsDone`` (a top-level head speaks only for its subtree) and to know, when an executor
+is gone, whose reports are lost with it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Callable, Iterator
+
+from pwmesh.core.contract import Send
+from pwmesh.errors import InvalidArgument
+from pwmesh.wire.messages import DeleteShards, Enqueue, FanOut, FanOutFrees
+
+FANOUT_ENV = "PWMESH_FANOUT"
+DEFAULT_FANOUT = 16  # a run over more executors than this goes through a tree
+
+
+def fanout_width(value: str | int | None = None) -> int:
+    """The tree's width: ``value``, else ``$PWMESH_FANOUT``, else ``DEFAULT_FANOUT``; at least 2."""
+    raw = value if value is not None else os.environ.get(FANOUT_ENV) or DEFAULT_FANOUT
+    try:
+        width = int(raw)
+    except ValueError:
+        raise InvalidArgument(f"the fan-out width must be an integer >= 2, got {raw!r}") from None
+    if width < 2:
+        raise InvalidArgument(f"the fan-out width must be an integer >= 2, got {width}")
+    return width
+
+
+@dataclasses.dataclass(slots=True, eq=False)
+class RunTree:
+    """One run's tree, in preorder: ``executors[i]``'s subtree is ``[i, i + sizes[i])``; ``parents[i]`` the
+    index of its head (-1: the scheduler)."""
+
+    executors: list[str]
+    controls: list[str]
+    sizes: list[int]
+    parents: list[int]
+    index: dict[str, int]
+
+    def below(self, executor_id: str) -> list[str]:
+        """The executors whose reports pass through ``executor_id`` (its subtree, itself excluded)."""
+        i = self.index.get(executor_id)
+        return [] if i is None else self.executors[i + 1:i + self.sizes[i]]
+
+    def reports_for(self, head: str, executor_id: str) -> bool:
+        """Whether ``executor_id``'s reports come up through top-level head ``head``."""
+        h, i = self.index.get(head), self.index.get(executor_id)
+        return h is not None and i is not None and self.parents[h] < 0 and h < i < h + self.sizes[h]
+
+    def parent(self, executor_id: str) -> tuple[str, str] | None:
+        """The head ``executor_id`` reports to, and where it is reached; None: the scheduler (or not here)."""
+        i = self.index.get(executor_id)
+        if i is None or self.parents[i] < 0:
+            return None
+        p = self.parents[i]
+        return self.executors[p], self.controls[p]
+
+    def heads(self) -> Iterator[str]:
+        return (ex for ex, size in zip(self.executors, self.sizes, strict=True) if size > 1)
+
+
+def preorder(n: int, width: int) -> tuple[list[int], list[int]]:
+    """Items ``0..n-1`` as a forest of at most ``width`` subtrees, each head's children cut the same way:
+    the items in preorder (here: their own order) and each one's subtree size."""
+    sizes = [1] * n
+
+    def forest(lo: int, hi: int) -> None:
+        count = hi - lo
+        chunks = min(width, count)
+        for c in range(chunks):
+            a, b = lo + count * c // chunks, lo + count * (c + 1) // chunks
+            sizes[a] = b - a
+            if b - a > 1:
+                forest(a + 1, b)
+
+    forest(0, n)
+    return list(range(n)), sizes
+
+
+def frees(buffers: list[str], controls: list[str], width: int, stimulus: str = "",
+          last: Callable[[str], bool] = lambda _: False) -> list[Send]:
+    """The island's frees of ``buffers`` on every executor at ``controls``, as at most ``width`` sends: a
+    ``FanOutFrees`` to each subtree's head (a subtree of one: its ``DeleteShards``). Controls ``last``
+    says are gone are put last, so they are leaves (a head gone would take its subtree's frees with it)."""
+    controls = sorted(controls, key=last)  # (stable: the rest keep their order)
+    _, sizes = preorder(len(controls), width)
+    out: list[Send] = []
+    i = 0
+    while i < len(controls):
+        size = sizes[i]
+        if size == 1:
+            out.append(Send(controls[i], DeleteShards(buffers=buffers), stimulus))
+        else:
+            out.append(Send(controls[i], FanOutFrees(buffers=buffers, controls=controls[i:i + size],
+                                                     sizes=sizes[i:i + size]), stimulus))
+        i += size
+    return out
+
+
+def build(run_id: str, sends: list[Send], executor_of: Callable[[str], str], width: int, scheduler: str,
+          lost: Callable[[str], bool] = lambda _: False) -> tuple[list[Send], RunTree]:
+    """One run's ``Enqueue`` sends (all of it, in order) as at most ``width`` sends: ``FanOut`` to each
+    subtree's head (a subtree of one: its ``Enqueue``). ``executor_of``: an executor's id by its control
+    address; ``lost``: executors known gone are never made heads where another can be."""
+    items = [(executor_of(s.to), s.to, s.message) for s in sends]
+    executors: list[str] = []
+    controls: list[str] = []
+    parts: list[Enqueue] = []
+    sizes: list[int] = []
+    parents: list[int] = []
+
+    def forest(lo: int, hi: int, parent: int, report: str) -> None:
+        n = hi - lo
+        chunks = min(width, n)
+        for c in range(chunks):
+            a, b = lo + n * c // chunks, lo + n * (c + 1) // chunks
+            if b - a > 1 and lost(items[a][0]):  # a head that is gone would take its subtree with it
+                alive = next((j for j in range(a + 1, b) if not lost(items[j][0])), a)
+                items[a], items[alive] = items[alive], items[a]
+            ex, control, enqueue = items[a]
+            assert isinstance(enqueue, Enqueue)
+            enqueue.report = report  # made for this send by the order: never shared
+            i = len(executors)
+            executors.append(ex)
+            controls.append(control)
+            parts.append(enqueue)
+            sizes.append(1)
+            parents.append(parent)
+            if b - a > 1:
+                forest(a + 1, b, i, control)
+                sizes[i] = len(executors) - i
+
+    forest(0, len(items), -1, "")
+    out: list[Send] = []
+    stimulus = sends[0].stimulus if sends else ""
+    i = 0
+    while i < len(executors):
+        size = sizes[i]
+        if size == 1:
+            out.append(Send(controls[i], parts[i], stimulus))
+        else:
+            out.append(Send(controls[i], FanOut(run_id=run_id, parent=scheduler, parts=parts[i:i + size],
+                                                executors=executors[i:i + size], controls=controls[i:i + size],
+                                                sizes=sizes[i:i + size]), stimulus))
+        i += size
+    return out, RunTree(executors, controls, sizes, parents, {ex: k for k, ex in enumerate(executors)})
