@@ -747,7 +747,9 @@ class Runner:
                 assert outs is not None
                 value = outs[i]
                 if isinstance(value, jax.Array) and value.is_deleted():
-                    continue  # a computation it was donated to consumed it before it landed: nothing to keep
+                    # A computation it was donated to consumed it before it landed: nothing to keep, nor to come.
+                    self.store.made_here(key)
+                    continue
                 self.store.put(key, value, value.nbytes if nbytes is None else nbytes[i], computed=True)
             else:
                 self.store.fail(key, err)

@@ -317,6 +317,13 @@ class ObjectStore:
         if self._arrivals:
             self._arrived(buffer_of(key))
 
+    def made_here(self, key: str) -> None:
+        """``key``'s buffer was made by a computation here (which made every shard of it here), though none of it
+        is stored (consumed as it landed): once deleted, nothing of it can arrive (``_complete``)."""
+        buffer = buffer_of(key)
+        if buffer not in self._whole:
+            self._complete.add(buffer)
+
     def arrival(self, buffer: str) -> asyncio.Future[None]:
         """Done once anything of ``buffer`` is here (an SPMD output whole, a piece, a failure) or it is deleted.
         An SPMD computation waits so for an input it may take whole: a receive posted for a piece would have
