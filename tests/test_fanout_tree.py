@@ -97,13 +97,19 @@ def test_a_run_wider_than_the_fanout_goes_through_heads_and_its_completions_come
     assert not any(len(r) for r in relays.values())
 
 
-def test_a_failure_goes_up_at_once_unchanged_and_a_report_sent_twice_counts_once() -> None:
+def a_leaf_under_a_head() -> tuple[SchedulerState, dict[str, FanOutRelay], str, str]:
+    """A run over every executor, delivered down the tree (width 2): the core, the heads' relays, a leaf that
+    reports to a head, and that head."""
     state = core(2)
     relays: dict[str, FanOutRelay] = {}
     enqueues: dict[str, Enqueue] = {}
     deliver(relays, [(s.to, s.message) for s in run_over_all(state)], enqueues)
     leaf = next(e for e in EXECUTORS if enqueues[e].report and e not in relays)
-    head = enqueues[leaf].report.removeprefix("tcp://").removesuffix(":1")
+    return state, relays, leaf, enqueues[leaf].report.removeprefix("tcp://").removesuffix(":1")
+
+
+def test_a_failure_goes_up_at_once_unchanged_and_a_report_sent_twice_counts_once() -> None:
+    state, relays, leaf, head = a_leaf_under_a_head()
     error = ErrorInfo(code="internal", message="boom on the leaf")
     (up,) = relays[head].handle(NodeDone(run_id="r1", nodes=[EXECUTORS.index(leaf)], executor_id=leaf, error=error))
     assert isinstance(up[1], PartsDone) and not up[1].last and up[1].reports[0].error == error
@@ -132,12 +138,7 @@ def test_a_dead_head_fails_its_subtree_naming_it_once_and_frees_the_window() -> 
 
 
 def test_a_dead_leaf_under_a_head_is_asked_of_the_head_and_what_it_had_still_counts() -> None:
-    state = core(2)
-    relays: dict[str, FanOutRelay] = {}
-    enqueues: dict[str, Enqueue] = {}
-    deliver(relays, [(s.to, s.message) for s in run_over_all(state)], enqueues)
-    leaf = next(e for e in EXECUTORS if enqueues[e].report and e not in relays)
-    head = enqueues[leaf].report.removeprefix("tcp://").removesuffix(":1")
+    state, relays, leaf, head = a_leaf_under_a_head()
     relays[head].handle(RunPartDone(run_id="r1", executor_id=leaf, device_seconds=1.0))  # it ended, then left
     actions = state.handle(Received(ExecutorLost(executor_id=leaf, control=f"tcp://{leaf}:1", host="h", reason="drained")), 0.0)
     assert not any(isinstance(a, Send) and isinstance(a.message, IslandDone) for a in actions)  # not failed yet
