@@ -256,12 +256,14 @@ def figure5_lines(d: dict[str, Any]) -> list[str]:
 
 def pipeline_table(runs: list[dict[str, Any]]) -> tuple[list[str], list[list[str]]]:
     headers = ["islands x hosts", "devices", "microbatches", "steps in flight", "step ms", "ideal ms", "efficiency",
-               "proxy busy", "sched busy", "proxy msgs/step", "proxy CPU ms/step", "data plane MB/step"]
+               "proxy busy", "sched busy", "proxy msgs/step", "proxy CPU ms/step", "sched CPU ms/step",
+               "data plane MB/step"]
     return headers, [[f"{e['islands']} x {e['hosts_per_island']:,}", f"{e['devices']:,}", str(e["microbatches"]),
                       str(e["in_flight"]), f"{1e3 * e['step_seconds']:.2f}", f"{1e3 * e['ideal_step_seconds']:.2f}",
                       f"{e['efficiency']:.0%}", f"{e['proxy_busy']:.0%}", f"{e['scheduler_busy']:.0%}",
                       f"{e['proxy_messages']:,.0f}", f"{e['proxy_cpu_us'] / 1e3:.2f}",
-                      f"{e['data_plane_bytes_per_step'] / 1e6:,.1f}"] for e in runs]
+                      f"{e['scheduler_cpu_us'] / 1e3:.2f}", f"{e['data_plane_bytes_per_step'] / 1e6:,.1f}"]
+                     for e in runs]
 
 
 def plot_figure5(ax: Any, d: dict[str, Any]) -> None:
