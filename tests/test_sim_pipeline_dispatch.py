@@ -49,8 +49,9 @@ def test_scale_runs_its_pipeline_part_alone(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stdout + proc.stderr
     data = json.loads((tmp_path / "scale_pipeline.json").read_text())
     assert data["benchmark"] == "scale_pipeline" and data["smoke"] is True
-    one, two = data["pipeline_synchronous"], data["pipeline"]
-    assert (one["in_flight"], two["in_flight"]) == (1, 2)
-    for run in (one, two):
+    one, two, free = data["pipeline_synchronous"], data["pipeline"], data["pipeline_schedulers_free"]
+    assert (one["in_flight"], two["in_flight"], free["in_flight"]) == (1, 2, 1)
+    assert one["schedulers_charged"] and not free["schedulers_charged"]
+    for run in (one, two, free):
         assert 0 < run["efficiency"] <= 1.0 and run["proxy_messages"] > 0 and run["scheduler_cpu_us"] > 0
     assert "sched CPU ms/step" in proc.stdout and "proxy msgs/step" in proc.stdout

@@ -50,6 +50,10 @@ def test_a_memory_of_lists_stays_bounded() -> None:
         placements.of(where)
     assert len(placements) <= 4
     assert placements.of(lists[-1]) == Placement([loc("a", 9)])
+    by_size = Placements(max_locations=5)  # bounded by the locations held too
+    for where in ([loc("a", 0), loc("a", 1)], [loc("b", 0), loc("b", 1)], [loc("c", 0), loc("c", 1)]):
+        assert by_size.of(where) == Placement(where)
+    assert len(by_size) == 1
 
 
 def test_a_bound_input_rewritten_in_place_is_lowered_for_where_it_is_now() -> None:

@@ -15,7 +15,10 @@ from collections.abc import Sequence
 
 from pwmesh.ir.lower import ShardLocation
 
-MAX_PLACEMENTS = 4096  # lists remembered per cache (the buffers its runs read): a bound, not a policy
+# What one cache remembers (the buffers its runs read lately; forgotten all at once past either bound, then
+# learnt again): lists, and the locations they hold (each kept twice, ~16 bytes a location: ~16 MiB at most).
+MAX_PLACEMENTS = 4096
+MAX_PLACED_LOCATIONS = 1 << 20
 
 
 class Placement:
@@ -44,8 +47,10 @@ class Placement:
 class Placements:
     """The ``Placement`` of each location list seen lately, by the list's identity, checked against its contents."""
 
-    def __init__(self, capacity: int = MAX_PLACEMENTS) -> None:
+    def __init__(self, capacity: int = MAX_PLACEMENTS, max_locations: int = MAX_PLACED_LOCATIONS) -> None:
         self.capacity = capacity
+        self.max_locations = max_locations
+        self._locations = 0  # held in ``_seen``'s copies
         # id(list) -> (the list, held so its id is not reused; a copy of its contents then; its Placement)
         self._seen: dict[int, tuple[list[ShardLocation], list[ShardLocation], Placement]] = {}
 
@@ -59,7 +64,12 @@ class Placements:
         if seen is not None and seen[0] is where and seen[1] == where:
             return seen[2]
         placement = Placement(where)
-        if len(self._seen) >= self.capacity:
+        if seen is not None:  # rewritten in place: its old copy goes
+            self._locations -= len(seen[1])
+            del self._seen[id(where)]
+        if len(self._seen) >= self.capacity or self._locations + len(where) > self.max_locations:
             self._seen.clear()
+            self._locations = 0
         self._seen[id(where)] = (where, list(where), placement)
+        self._locations += len(where)
         return placement
