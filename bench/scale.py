@@ -706,6 +706,45 @@ def plot_sim(path: Path, result: dict[str, Any]) -> bool:
     return save_figure(fig, path)
 
 
+def pipelines(config: Config, costs: _scale_sim.Costs) -> list[dict[str, Any]]:
+    """(e): one step in flight, then two."""
+    return [_scale_sim.pipeline(config.pipeline_islands, config.pipeline_hosts_per_island, DEVICES_PER_EXECUTOR,
+                                config.pipeline_microbatches, config.pipeline_steps, config.pipeline_stage_seconds,
+                                costs, in_flight=in_flight) for in_flight in (1, 2)]
+
+
+def pipeline_only(config: Config, costs: _scale_sim.Costs, out: Path, smoke: bool) -> int:
+    """``--pipeline-only``: (e) alone, its table printed and written (``scale_pipeline.json``, ``.png``)."""
+    started, load_at_start = time.monotonic(), load_average()
+    print(f"(e) a pipeline over {config.pipeline_islands} islands x {config.pipeline_hosts_per_island:,} hosts "
+          f"on the simulator; costs from {costs.source}", flush=True)
+    pipes = pipelines(config, costs)
+    # The same step with the island schedulers' work free (counted, not charged): how much of what is left
+    # over the ideal is theirs (their fan-out of each run to every executor, and of its completions).
+    free = _scale_sim.pipeline(config.pipeline_islands, config.pipeline_hosts_per_island, DEVICES_PER_EXECUTOR,
+                               config.pipeline_microbatches, config.pipeline_steps, config.pipeline_stage_seconds,
+                               costs, in_flight=1, charge_schedulers=False)
+    print(table(*_scale_sim.pipeline_table([*pipes, free])))
+    result = {"benchmark": "scale_pipeline", "smoke": smoke, "config": dataclasses.asdict(config),
+              "machine": {**machine(load_at_start),
+                          "backend": "none: pure cores in one process, no JAX, no sockets"},
+              "sim_costs": {"source": costs.source}, "pipeline": pipes[-1], "pipeline_synchronous": pipes[0],
+              "pipeline_schedulers_free": free,
+              "wall_seconds": time.monotonic() - started}
+    out.mkdir(parents=True, exist_ok=True)
+
+    def draw(path: Path) -> bool:
+        plt = pyplot()
+        if plt is None:
+            return False
+        fig, ax = plt.subplots(1, 1, figsize=(8, 4.6))
+        _scale_sim.plot_pipeline(ax, pipes[0])
+        return save_figure(fig, path)
+
+    save_results(out, "scale_pipeline", result, draw)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="output directory")
@@ -718,6 +757,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--scheduler-only", action="store_true",
                         help="run (b) alone and write scale_scheduler.json (scale.json and scale.md are left as they are)")
     parser.add_argument("--hosts", default=None, help="comma-separated simulated host counts for (d)")
+    parser.add_argument("--pipeline-only", action="store_true",
+                        help="run (e) alone (the pipeline over 4 islands x 256 hosts, one and two steps in flight, "
+                             "then one with the island schedulers' CPU not charged; ~3 minutes): writes "
+                             "scale_pipeline.json and scale_pipeline.png")
     parser.add_argument("--costs", type=Path, default=None,
                         help="sim_check.json whose calibration sets the simulated executors' costs "
                              "(default: bench/results/sim_check.json if it exists, else the simulator's defaults)")
@@ -746,6 +789,8 @@ def main(argv: list[str] | None = None) -> int:
     except (OSError, ValueError) as exc:
         parser.error(str(exc))
 
+    if args.pipeline_only:
+        return pipeline_only(config, costs, args.out, args.smoke)
     started = time.monotonic()
     load_at_start = load_average()
     print("(a) the proxy per program: a 3-node chain on a slice of N devices", flush=True)
@@ -761,9 +806,7 @@ def main(argv: list[str] | None = None) -> int:
     figure5 = _scale_sim.figure5(config.sim_hosts, DEVICES_PER_EXECUTOR, config.sim_k, config.sim_steps, costs)
     print(f"(e) a pipeline over {config.pipeline_islands} islands x {config.pipeline_hosts_per_island:,} hosts "
           "on the simulator", flush=True)
-    pipes = [_scale_sim.pipeline(config.pipeline_islands, config.pipeline_hosts_per_island, DEVICES_PER_EXECUTOR,
-                                 config.pipeline_microbatches, config.pipeline_steps, config.pipeline_stage_seconds, costs,
-                                 in_flight=in_flight) for in_flight in (1, 2)]
+    pipes = pipelines(config, costs)
     result = {
         "benchmark": "scale",
         "smoke": args.smoke,

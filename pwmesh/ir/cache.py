@@ -26,6 +26,7 @@ from collections.abc import Callable
 
 from pwmesh.errors import InvalidArgument, PwmeshError
 from pwmesh.ir.lower import HostPut, Lowered, ShardLocation, lower
+from pwmesh.ir.placement import Placements
 from pwmesh.wire.messages import ProgramSpec, RunPart, SendShards, SliceInfo
 from pwmesh.wire.parts import referenced_parts, renamed, renamed_emit
 
@@ -38,12 +39,18 @@ class _Template:
     slices: dict[int, SliceInfo]  # the slices it was lowered against (identity: a remap replaces them)
     lowered: Lowered  # with placeholder names
     placeholders: list[str]  # "<owner>/<placeholder>" of value v, then of each derived buffer
-    holders: list[tuple[int, set[str]]]  # (buffer, as an index into placeholders) -> who holds its shards
+    # (buffer, as an index into placeholders) -> who holds its shards: one frozen set for equal ones, shared by
+    # every run's buffers (``proxy.session.Buffer.holders``), so freeing a run's temporaries compares by identity.
+    holders: list[tuple[int, frozenset[str]]]
     # Per scheduler, its parts packed once (installed there once: ``InstallTemplate``), each part's "@<k>"
     # standing for the island's names[part.refs[k]]; and those names, as indices into placeholders.
     parts: dict[str, list[RunPart]]
     island_names: dict[str, list[int]]
     template_id: str = dataclasses.field(default_factory=lambda: secrets.token_hex(8))  # unique across proxies
+    # What every run of it takes part in, made once (``Lowered.controls``, ``executor_ids``, ``pending``).
+    controls: frozenset[str] = frozenset()
+    executor_ids: frozenset[str] = frozenset()
+    pending: dict[int, frozenset[str]] = dataclasses.field(default_factory=dict)
 
     def current(self, slices: dict[int, SliceInfo]) -> bool:
         """Whether every slice it was lowered against is still the one the session holds (no remap since)."""
@@ -59,6 +66,7 @@ class LoweringCache:
         self.misses = 0
         self._templates: collections.OrderedDict[tuple[object, ...], _Template] = collections.OrderedDict()
         self._failed: dict[tuple[object, ...], PwmeshError] = {}  # jobs that failed, until their run raises it
+        self._placements = Placements()  # the bound inputs' locations, hashed once per list (``_key``)
 
     def __len__(self) -> int:
         return len(self._templates)
@@ -77,7 +85,7 @@ class LoweringCache:
         if not _templated(program_id, names, bound):
             return program, lower(program, owner=owner, names=names, host_inputs=host_inputs, bound=bound,
                                   slices=slices, spmd=spmd, fresh_name=fresh_name, keep=keep)
-        key = _key(program_id, bound, host_inputs, keep)
+        key = _key(program_id, bound, host_inputs, keep, self._placements)
         failed = self._failed.pop(key, None)
         if failed is not None:  # lowered off the loop (``job``), and that failed: this run fails the same way
             raise failed
@@ -101,7 +109,7 @@ class LoweringCache:
         would find a template, or never makes one. ``slices`` and ``spmd`` are the job's own copies."""
         if len(program_id) > MAX_PROGRAM_ID_CHARS or not _templated(program_id, names, bound):
             return None
-        key = _key(program_id, bound, host_inputs, keep)
+        key = _key(program_id, bound, host_inputs, keep, self._placements)
         template = self._templates.get(key)
         if key in self._failed or (template is not None and template.current(slices)):
             return None
@@ -150,9 +158,9 @@ def _templated(program_id: str, names: list[str], bound: dict[int, list[ShardLoc
 
 
 def _key(program_id: str, bound: dict[int, list[ShardLocation]], host_inputs: set[int],
-         keep: frozenset[int]) -> tuple[object, ...]:
-    return (program_id, tuple((v, tuple(where)) for v, where in sorted(bound.items())), tuple(sorted(host_inputs)),
-            keep)
+         keep: frozenset[int], placements: Placements) -> tuple[object, ...]:
+    return (program_id, tuple((v, placements.of(where)) for v, where in sorted(bound.items())),
+            tuple(sorted(host_inputs)), keep)
 
 
 def _build(program: ProgramSpec, *, owner: str, host_inputs: set[int], bound: dict[int, list[ShardLocation]],
@@ -175,8 +183,14 @@ def _build(program: ProgramSpec, *, owner: str, host_inputs: set[int], bound: di
                             for part, names in referenced_parts(comps)]
         island_names[scheduler] = list(island)
     at = {b: i for i, b in enumerate(bare)}
-    holders = [(at[b], controls) for b, controls in lowered.holders.items()]
-    return _Template(program, {sid: slices[sid] for sid in used}, lowered, prefixed, holders, parts, island_names)
+    frozen: dict[frozenset[str], frozenset[str]] = {}
+    holders = [(at[b], frozen.setdefault(frozenset(controls), frozenset(controls)))
+               for b, controls in lowered.holders.items()]
+    return _Template(program, {sid: slices[sid] for sid in used}, lowered, prefixed, holders, parts, island_names,
+                     controls=frozenset(c.control for comps in lowered.schedules.values() for c in comps)
+                     | frozenset(lowered.landing),
+                     executor_ids=frozenset().union(*lowered.node_executors.values()),
+                     pending={n: frozenset(ex) for n, ex in lowered.node_executors.items()})
 
 
 def _check_same_shape(program_id: str, cached: ProgramSpec, sent: ProgramSpec) -> None:
@@ -219,8 +233,10 @@ def _instantiate(template: _Template, owner: str, names: list[str], fresh_name: 
         moves={control: [SendShards(prefix=by_prefix[m.prefix], runs=m.runs,
                                     emits=[renamed_emit(e, by_prefix.__getitem__) for e in m.emits])
                          for m in sends] for control, sends in src.moves.items()},
-        produced={v: list(where) for v, where in src.produced.items()},  # a migration rewrites a buffer's
-        holders={bare[i]: set(controls) for i, controls in template.holders},
+        # Shared with the template, not copied: a buffer's locations and holders are replaced when they change
+        # (a migration), never rewritten in place (``proxy.session.Buffer``).
+        produced=dict(src.produced),
+        holders={bare[i]: controls for i, controls in template.holders},
         node_executors=src.node_executors,
         function_sites=src.function_sites,
         gangs=src.gangs,
@@ -230,4 +246,7 @@ def _instantiate(template: _Template, owner: str, names: list[str], fresh_name: 
         run_names=run_names,
         template=template,
         template_id=template.template_id,
+        controls=template.controls,
+        executor_ids=template.executor_ids,
+        pending=template.pending,
     )

@@ -193,7 +193,7 @@ class Lowered:
     puts: list[HostPut]
     moves: dict[str, list[SendShards]]  # holder's control address -> sends of existing buffers
     produced: dict[int, list[ShardLocation]]  # computed value -> where each shard was made
-    holders: dict[str, set[str]]  # buffer name -> control addresses holding any of its shards
+    holders: dict[str, set[str] | frozenset[str]]  # buffer name -> control addresses holding any of its shards
     node_executors: dict[int, set[str]]  # node -> executors that report its completion
     function_sites: dict[str, set[tuple[str, tuple[int, ...]]]]  # fn_id -> {(control, devices)}
     gangs: dict[str, Gang] = dataclasses.field(default_factory=dict)  # the gangs its computations name, by id
@@ -210,6 +210,12 @@ class Lowered:
     # identity lasts as long as the cache keeps it: the proxy remembers per template what it already did.
     template: object | None = dataclasses.field(default=None, compare=False)
     template_id: str = dataclasses.field(default="", compare=False)  # its id where it is installed
+    # A cached lowering's, made once (``ir.cache``): the controls of every executor its runs take part in, the
+    # ids of those that report completions, and each node's reporters, frozen: a warm run shares them rather
+    # than build sets of every executor again (None: lowered for this run alone, computed from the above).
+    controls: frozenset[str] | None = dataclasses.field(default=None, compare=False)
+    executor_ids: frozenset[str] | None = dataclasses.field(default=None, compare=False)
+    pending: dict[int, frozenset[str]] | None = dataclasses.field(default=None, compare=False)
 
 
 def validate(program: ProgramSpec) -> None:
@@ -371,7 +377,11 @@ class _Lowering:
         return f"{self.owner}/{buffer}"
 
     def hold(self, buffer: str, where: ShardLocation) -> None:
-        self.out.holders.setdefault(buffer, set()).add(where.control)
+        held = self.out.holders.get(buffer)
+        if held is None:
+            self.out.holders[buffer] = {where.control}
+        elif isinstance(held, set):  # (while lowering always: only a cached lowering's runs share frozen ones)
+            held.add(where.control)
 
     def run(self) -> Lowered:
         for index, node in enumerate(self.program.nodes):

@@ -105,14 +105,21 @@ def bind(session: Session, msg: RunProgram, program: ProgramSpec) -> Binding:
 def record_run(session: Session, run_id: str, program: ProgramSpec, lowered: Lowered, binding: Binding) -> Run:
     """Record a lowered run and the buffers it makes in the session (nothing can fail from here on)."""
     names, outputs, pinned, temporaries = binding.names, binding.outputs, binding.pinned, binding.temporaries
-    run = Run(run_id=run_id, pending={n: set(ex) for n, ex in lowered.node_executors.items()},
-              outputs_of={}, pinned=pinned, temporaries=temporaries,
-              executors={c.control for comps in lowered.schedules.values() for c in comps} | lowered.landing,
-              schedulers=set(lowered.schedules))
+    # A cached lowering's reporters and executors are shared, frozen (a node's set is copied if an executor's
+    # own report must shrink it: ``Run.pending``); a run lowered alone builds its own.
+    pending: dict[int, set[str] | frozenset[str]] = (
+        dict(lowered.pending) if lowered.pending is not None else
+        {n: set(ex) for n, ex in lowered.node_executors.items()})
+    executors = lowered.controls if lowered.controls is not None else frozenset(
+        {c.control for comps in lowered.schedules.values() for c in comps} | lowered.landing)
+    run = Run(run_id=run_id, pending=pending, outputs_of={}, pinned=pinned, temporaries=temporaries,
+              executors=executors, schedulers=set(lowered.schedules))
     for buf in pinned:
         buf.pins += 1
         buf.readers += 1
-        buf.holders |= lowered.holders.get(buf.name, set())
+        more = lowered.holders.get(buf.name)
+        if more and not more <= buf.holders:  # (a new set: the old one may be a cached lowering's, shared)
+            buf.holders = buf.holders | more
     for client_id, buf in binding.donated.values():  # the run consumes it: the client's reference ends here
         buf.client_ref = False
         session.donate(client_id, run_id)

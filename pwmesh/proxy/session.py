@@ -27,8 +27,8 @@ class Buffer:
 
     name: str
     spec: ValueSpec
-    locations: list[ShardLocation]
-    holders: set[str]
+    locations: list[ShardLocation]  # replaced, never rewritten in place: a cached lowering's runs share theirs
+    holders: set[str] | frozenset[str]  # frozen: a cached lowering's, shared by its runs (replaced, not mutated)
     done: bool = False
     error: PwmeshError | None = None  # why it failed (set with ``done``)
     client_ref: bool = True
@@ -69,11 +69,12 @@ class Run:
     """One submitted program run: what is still pending and what it holds."""
 
     run_id: str
-    pending: dict[int, set[str]]  # node -> executors yet to report
+    # node -> executors yet to report (a cached lowering's frozen set, shared by its runs, until one reports)
+    pending: dict[int, set[str] | frozenset[str]]
     outputs_of: dict[int, list[Buffer]]  # node -> the buffers it produces
     pinned: list[Buffer]  # inputs it reads
     temporaries: list[Buffer]
-    executors: set[str]  # every executor taking part (to cancel the run if one is lost)
+    executors: frozenset[str]  # every executor taking part (to cancel the run if one is lost); never mutated
     schedulers: set[str] = dataclasses.field(default_factory=set)  # islands' schedulers it went through
     outputs: list[Buffer] = dataclasses.field(default_factory=list)  # pinned until it finishes
     read_inside: list[Buffer] = dataclasses.field(default_factory=list)  # its outputs its own nodes read too

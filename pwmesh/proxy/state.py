@@ -818,8 +818,9 @@ class ProxyState:
         for scheduler in lowered.schedules:
             if scheduler in self.lost_schedulers:
                 raise self.lost_schedulers[scheduler]
-        executors = set().union(*lowered.node_executors.values()) if lowered.node_executors else set()
-        for executor_id in executors:
+        executors = lowered.executor_ids if lowered.executor_ids is not None else (
+            set().union(*lowered.node_executors.values()) if lowered.node_executors else set())
+        for executor_id in (executors & self.lost.keys() if self.lost else ()):
             if executor_id in self.lost:
                 raise DeviceLost(f"{self.lost[executor_id].message}; the program's slices still map there "
                                  "(remapping onto surviving devices is not supported yet)")
@@ -1043,6 +1044,8 @@ class ProxyState:
                 self._peer_log.warning(("unexpected", msg.executor_id), "unexpected completion of node %s of %s from %s", node,
                                        msg.run_id, msg.executor_id)
                 continue
+            if isinstance(waiting, frozenset):  # a cached lowering's, shared by its runs: this run's own copy
+                waiting = run.pending[node] = set(waiting)
             waiting.discard(msg.executor_id)
             if node_error is not None:
                 for buf in run.outputs_of.get(node, []):
@@ -1104,6 +1107,9 @@ class ProxyState:
                 continue
             prefix = f"{session.session_id}/{buf.name}"
             moved: set[str] = set()
+            # Rewritten below as this buffer's own copies: its may be shared (a cached lowering's runs share
+            # their outputs' locations and holders).
+            holders: set[str] | None = None
             for move in note.moves:
                 here = buf.locations[move.index]
                 if here.executor_id != move.old.executor_id or move.old.executor_id in self.lost:
@@ -1112,17 +1118,19 @@ class ProxyState:
                 self._send(here.control, SendShards(
                     prefix=prefix, runs=[ShardRun(device=here.device, shard=move.index)],
                     emits=[move_shard(buf.spec, prefix, move.index, new)]))
+                if holders is None:
+                    buf.locations, buf.holders = list(buf.locations), (holders := set(buf.holders))
                 buf.locations[move.index] = location(new)
-                buf.holders.add(new.control)
+                holders.add(new.control)
                 moved.add(here.control)
             if moved:
                 self.moved_buffers += 1
-            if moved and buf.done and buf.error is None and buf.pins == 0:
+            if moved and holders is not None and buf.done and buf.error is None and buf.pins == 0:
                 # The copies on the draining host go now (every shard it held of this buffer moved).
                 still = {loc.control for loc in buf.locations}
                 for control in moved - still:
                     self._send(control, DeleteShards(buffers=[prefix]))
-                    buf.holders.discard(control)
+                    holders.discard(control)
 
     def _executor_lost(self, lost: ExecutorLost) -> None:
         err = DeviceLost(f"executor {lost.executor_id} on host {lost.host} is gone ({lost.reason})")
@@ -1251,7 +1259,8 @@ class ProxyState:
     def _finish_run(self, session: Session, run: Run) -> None:
         self.runs.pop(run.run_id, None)
         session.runs.pop(run.run_id, None)
-        session.hosts |= run.executors
+        if not run.executors <= session.hosts:  # (a warm run's: all there already; checked in C, not copied)
+            session.hosts |= run.executors
         for buf in (*run.pinned, *run.outputs):
             buf.pins -= 1
         for buf in run.pinned:
@@ -1270,7 +1279,7 @@ class ProxyState:
         # scheduler ("": none) -> [(executors holding alike buffers, those buffers)]. A run's buffers are mostly
         # held by the same executors: one group, each name and control once (not a name per holder). Found
         # by comparing sets (a few groups at most), not hashing each buffer's 1,000 holders.
-        by_island: dict[str, list[tuple[set[str], list[str]]]] = {}
+        by_island: dict[str, list[tuple[set[str] | frozenset[str], list[str]]]] = {}
         for buf in bufs:
             if not buf.freeable:
                 continue
@@ -1283,7 +1292,7 @@ class ProxyState:
                 groups = by_island.setdefault(island, [])
                 prefix = f"{session_id}/{buf.name}"
                 for held_by, prefixes in groups:
-                    if held_by == holders:
+                    if held_by is holders or held_by == holders:  # (a cached lowering's runs share theirs)
                         prefixes.append(prefix)
                         break
                 else:
@@ -1342,12 +1351,13 @@ class ProxyState:
                                     msg.sharding)
         puts: dict[str, PutShards] = {}
         keys = buf.keys(session.session_id)  # once: per shard it made a put of n shards cost n^2
+        buf.holders = holders = set()
         for key, loc, part in zip(keys, buf.locations, layout.split(msg.array), strict=True):
             batch = puts.setdefault(loc.control, PutShards(keys=[], devices=[], arrays=[]))
             batch.keys.append(key)
             batch.devices.append(loc.device)
             batch.arrays.append(part)
-            buf.holders.add(loc.control)
+            holders.add(loc.control)
         for control, batch in puts.items():
             size = sum(int(a.nbytes) for a in batch.arrays)
             self.in_flight[session.owner] += size
@@ -1372,6 +1382,7 @@ class ProxyState:
         asks: dict[str, ExpectShards] = {}
         places = ShardPlaces(addresses=[], keys=[], devices=[])
         shape = list(layout.shard_shape)
+        buf.holders = holders = set()
         for key, loc in zip(buf.keys(sid), buf.locations, strict=True):
             ask = asks.get(loc.control)
             if ask is None:
@@ -1383,7 +1394,7 @@ class ProxyState:
             places.addresses.append(loc.data)
             places.keys.append(key)
             places.devices.append(loc.device)
-            buf.holders.add(loc.control)
+            holders.add(loc.control)
         buf.resolve(None)  # its shards are waited for where they go, as a put's through the proxy are
         session.buffers[msg.buffer] = buf
         return Expecting(dict(asks), places)
