@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import concurrent.futures
+import contextlib
 import dataclasses
 import functools
 import logging
@@ -648,7 +649,13 @@ class Executor(Service):
         assert isinstance(msg, FetchShards)
         # ``get``, not ``lookup``: a shard moved here (a drained host) may still be on its way.
         futures = [self.store.get(k) for k in msg.keys]
-        return ShardValues(arrays=[await self._on_host(await f) for f in futures])
+        values = [await f for f in futures]
+        if len(values) > 1:  # every copy to the host under way at once (as jax.device_get): ten losses, one wait
+            for value in values:
+                if isinstance(value, jax.Array):
+                    with contextlib.suppress(RuntimeError):  # (consumed meanwhile: its read below says so)
+                        value.copy_to_host_async()
+        return ShardValues(arrays=[await self._on_host(value) for value in values])
 
     async def _on_host(self, value: Any) -> Any:
         """``value`` as a host array: a large device array copied on a host-copy thread."""
