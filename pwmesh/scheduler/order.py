@@ -197,6 +197,48 @@ class IslandOrder:
             return []
         for cell in freed:
             cell.busy -= 1
+        self._freed(run_id, flight, freed, device_seconds)
+        return self._release()
+
+    def parts_done(self, run_id: str, executor_ids: list[str], device_seconds: float,
+                   stimulus: str = "") -> list[Send]:
+        """Executors' parts of a run ended together (a fan-out head's ``PartsDone``): what ``part_done`` for
+        each in turn decides (``device_seconds`` charged with the first). An end that charges nothing, wakes
+        no one and leaves the run in flight, while no one waits to be released (the fair order's ``_ready``
+        is empty; in FIFO, no run waits), changes nothing but its cells' counts: only those are kept."""
+        self._stimulus = stimulus
+        flight = self._in_flight.get(run_id)
+        if flight is None:
+            return []
+        if self.policy != "fair" and any(c.queue for c in self._clients.values()):
+            actions: list[Send] = []
+            for executor_id in executor_ids:
+                actions += self.part_done(run_id, executor_id, device_seconds, stimulus)
+                device_seconds = 0.0
+            return actions
+        actions = []
+        parts = flight.parts
+        for executor_id in executor_ids:
+            seconds, device_seconds = device_seconds, 0.0
+            freed = parts.pop(executor_id, None)
+            if freed is None:
+                continue
+            waiting = False
+            for cell in freed:
+                cell.busy -= 1
+                if cell.blocked:
+                    waiting = True
+            if seconds or waiting or not parts or self._ready:
+                self._freed(run_id, flight, freed, seconds)
+                if self._ready:  # (empty: a release pass would find no one, and change nothing)
+                    actions += self._release()
+                if not parts:
+                    break
+        return actions
+
+    def _freed(self, run_id: str, flight: _InFlight, freed: list[Cell], device_seconds: float) -> None:
+        """An executor's part of ``run_id`` ended (its cells' counts already down): charge the client, wake
+        whom its freed slots may let through, and end the run if it was the last part."""
         client = flight.client
         client.device_seconds += device_seconds
         client.vtime += device_seconds / client.weight
@@ -211,52 +253,6 @@ class IslandOrder:
             self.slots.drop(flight.shape)
             client.in_flight -= 1
             self._forget_idle()
-        return self._release()
-
-    def parts_done(self, run_id: str, executor_ids: list[str], device_seconds: float,
-                   stimulus: str = "") -> list[Send]:
-        """Executors' parts of a run ended together (a fan-out head's ``PartsDone``): what ``part_done`` for
-        each in turn decides (``device_seconds`` charged with the first), releasing only where a release
-        pass could find something: in the fair order, once a woken client waits; in FIFO, where runs wait."""
-        self._stimulus = stimulus
-        flight = self._in_flight.get(run_id)
-        if flight is None:
-            return []
-        if self.policy != "fair" and any(c.queue for c in self._clients.values()):
-            actions: list[Send] = []
-            for executor_id in executor_ids:
-                actions += self.part_done(run_id, executor_id, device_seconds, stimulus)
-                device_seconds = 0.0
-            return actions
-        actions = []
-        parts, client = flight.parts, flight.client
-        fair = self.policy == "fair"
-        for executor_id in executor_ids:
-            seconds, device_seconds = device_seconds, 0.0
-            freed = parts.pop(executor_id, None)
-            if freed is None:
-                continue
-            for cell in freed:
-                cell.busy -= 1
-            if seconds:
-                client.device_seconds += seconds
-                client.vtime += seconds / client.weight
-            if fair:
-                for cell in freed:
-                    if cell.blocked:
-                        self._wake(cell)
-                if client.queue and seconds:
-                    self._place(client)
-            if not parts:
-                del self._in_flight[run_id]
-                self.slots.drop(flight.shape)
-                client.in_flight -= 1
-                self._forget_idle()
-            if self._ready:  # (empty: a release pass would find no one, and change nothing)
-                actions += self._release()
-            if not parts:
-                break
-        return actions
 
     def _forget_idle(self) -> None:
         """Keep the client table bounded: an idle client forgotten loses nothing it would
@@ -364,16 +360,19 @@ class IslandOrder:
         """A run of a template every executor holds, over its fan-out tree: each executor's ``Enqueue``, as
         ``_enqueues`` makes it, in one pass (the template's parts, sequence offsets and reports worked out
         once), and the tree's sends of them (``Layout.sends``: what ``tree.build`` makes of them)."""
-        seq, run_id, proxy, names = self.next_seq, run.run_id, run.proxy, run.names  # (offsets: one more)
+        seq, run_id, proxy, names = self.next_seq, run.run_id, run.proxy, run.names
         scheduler, epoch, template_id, executor_seq = self.scheduler, self.epoch, template.template_id, \
             self._executor_seq
-        parts = [Enqueue(run_id=run_id, proxy=proxy, nodes=part.nodes, computations=b"",
-                         seqs=list(range(seq + first, seq + first + len(part.nodes))), names=names,
-                         scheduler=scheduler, executor_seq=executor_seq[part.executor_id], epoch=epoch,
-                         template=template_id, refs=[], report=report)
-                 for part, first, report in zip(template.parts, template.offsets, layout.reports, strict=False)]
-        for executor_id in template.executor_nodes:
-            executor_seq[executor_id] += 1
+        parts = []
+        make = object.__new__  # (an Enqueue's every field set below, as its __init__ would: 0.5 of its time)
+        for executor_id, nodes, first, end, report in template.rows(layout.reports):
+            enqueue = make(Enqueue)
+            enqueue.run_id, enqueue.proxy, enqueue.nodes, enqueue.computations = run_id, proxy, nodes, b""
+            enqueue.seqs, enqueue.names, enqueue.scheduler = list(range(seq + first, seq + end)), names, scheduler
+            enqueue.executor_seq = count = executor_seq[executor_id]
+            executor_seq[executor_id] = count + 1
+            enqueue.epoch, enqueue.template, enqueue.refs, enqueue.report = epoch, template_id, [], report
+            parts.append(enqueue)
         if self.sequenced is not None:
             self.sequenced.append((run_id, proxy, template.executor_nodes, template.nodes, layout.tree))
         if template.offsets[-1]:
