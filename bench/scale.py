@@ -45,6 +45,7 @@ no JAX: each part drives the same pure object the daemon wraps, with a synthetic
     python bench/scale.py            # ~10 minutes on a 2-core machine
     python bench/scale.py --smoke    # seconds
     python bench/scale.py --scheduler-only    # (b) alone, ~1 minute; writes scale_scheduler.json
+    python bench/scale.py --figure5-only --hosts 16,64,256,1024    # (d) alone, ~40 s; scale_figure5.json
 
 Writes ``scale.json``, ``scale.md``, ``scale.png`` (a-c) and ``scale_sim.png`` (d, e) into
 ``--out`` (default: bench/results).
@@ -550,6 +551,22 @@ def scheduler_only(out: Path, config: Config, smoke: bool) -> int:
     return 0
 
 
+def figure5_only(out: Path, config: Config, costs: _scale_sim.Costs, smoke: bool) -> int:
+    """(d) alone (``--figure5-only``): its table printed, ``scale_figure5.json`` written."""
+    load_at_start = load_average()
+    print(f"(d) Figure 5 on the simulator, {config.sim_hosts[0]:,} to {config.sim_hosts[-1]:,} hosts; costs from "
+          f"{costs.source}", flush=True)
+    figure5 = _scale_sim.figure5(config.sim_hosts, DEVICES_PER_EXECUTOR, config.sim_k, config.sim_steps, costs)
+    print(f"\n(d) Figure 5 on the simulator:\n{table(*_scale_sim.figure5_table(figure5))}")
+    print("\n".join(_scale_sim.figure5_lines(figure5)))
+    path = out / "scale_figure5.json"
+    write_json(path, {"benchmark": "scale (d)", "smoke": smoke, "config": dataclasses.asdict(config),
+                      "load_average": [load_at_start, load_average()], "sim_costs_source": costs.source,
+                      "figure5": figure5})
+    print(f"\nwrote {path}")
+    return 0
+
+
 # ------------------------------------------------------------------ (c) RM slice placement
 
 
@@ -761,6 +778,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="run (e) alone (the pipeline over 4 islands x 256 hosts, one and two steps in flight, "
                              "then one with the island schedulers' CPU not charged; ~3 minutes): writes "
                              "scale_pipeline.json and scale_pipeline.png")
+    parser.add_argument("--figure5-only", action="store_true",
+                        help="run (d) alone and write scale_figure5.json (scale.json and scale.md are left as they are)")
     parser.add_argument("--costs", type=Path, default=None,
                         help="sim_check.json whose calibration sets the simulated executors' costs "
                              "(default: bench/results/sim_check.json if it exists, else the simulator's defaults)")
@@ -788,7 +807,8 @@ def main(argv: list[str] | None = None) -> int:
         costs = _scale_sim.load_costs(args.costs)
     except (OSError, ValueError) as exc:
         parser.error(str(exc))
-
+    if args.figure5_only:
+        return figure5_only(args.out, config, costs, args.smoke)
     if args.pipeline_only:
         return pipeline_only(config, costs, args.out, args.smoke)
     started = time.monotonic()

@@ -1,9 +1,10 @@
 """The island order's slots counted per cell (``scheduler/slots.py``) decide exactly what counting every
 device did: a seeded random workload of runs over overlapping device ranges (cells split), recurring
-programs and templates (footprints reused), footprints forgotten (cells dropped), executors lost, is
-driven through ``IslandOrder`` and through a slow reference that keeps a count per device and sorts
-every waiting client before each release; every action, the per-device counts and the order's history
-must agree."""
+programs and templates (footprints reused), footprints forgotten (cells dropped), executors lost, several
+parts of a run ending in one call (``parts_done``: a fan-out head's report), is driven through
+``IslandOrder`` and through a slow reference that keeps a count per device, sorts every waiting client
+before each release and ends parts one at a time; every action, the per-device counts and the order's
+history must agree."""
 
 from __future__ import annotations
 
@@ -66,6 +67,14 @@ class PerDevice(IslandOrder):
             self.per_device[key] -= 1
         return super().part_done(run_id, executor_id, device_seconds, stimulus)
 
+    def parts_done(self, run_id: str, executor_ids: list[str], device_seconds: float,
+                   stimulus: str = "") -> list[Send]:
+        actions: list[Send] = []
+        for executor_id in executor_ids:  # one at a time, each with its release pass
+            actions += self.part_done(run_id, executor_id, device_seconds, stimulus)
+            device_seconds = 0.0
+        return actions
+
 
 def random_part(rng: random.Random, executor: str, nodes: list[int], refs: bool = False) -> RunPart:
     ranges = []
@@ -104,6 +113,12 @@ def test_cells_decide_what_a_count_per_device_decided(policy: str, seed: int) ->
             executor = rng.choice(EXECUTORS)
             got, want = fast.forget_executor(executor), slow.forget_executor(executor)
             in_flight = [(r, ex) for r, ex in in_flight if ex != executor]
+        elif in_flight and roll < 0.15:  # several parts of a run end together (a fan-out head's PartsDone)
+            run_id = rng.choice(in_flight)[0]
+            ending = [ex for r, ex in in_flight if r == run_id and rng.random() < 0.8] + rng.sample(EXECUTORS, 1)
+            in_flight = [(r, ex) for r, ex in in_flight if r != run_id or ex not in ending]
+            cost = rng.choice([0.0, rng.random()])
+            got, want = fast.parts_done(run_id, ending, cost), slow.parts_done(run_id, ending, cost)
         elif in_flight and roll < 0.5:
             run_id, executor = in_flight.pop(rng.randrange(len(in_flight)))
             cost = rng.choice([0.0, rng.random()])

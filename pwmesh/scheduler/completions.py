@@ -112,6 +112,24 @@ class IslandCompletions:
                     ready.append(node)
         return self._early(run_id, run, ready)
 
+    def parts_done(self, run_id: str, executor_ids: list[str]) -> list[tuple[str, IslandDone]]:
+        """Several executors' parts ended together (a fan-out head's ``PartsDone``): what ``part_done`` for each
+        in turn says, in one step where no node was reported early (the island's one message, or nothing)."""
+        run = self._runs.get(run_id)
+        if run is None:
+            return []
+        if run.early:
+            out: list[tuple[str, IslandDone]] = []
+            for executor_id in executor_ids:
+                out += self.part_done(run_id, executor_id)
+            return out
+        run.left.difference_update(executor_ids)
+        if run.left:
+            return []
+        del self._runs[run_id]
+        nodes = [n for n in run.nodes if n not in run.told] if run.told else run.nodes
+        return [(run.proxy, IslandDone(run_id=run_id, scheduler=self.scheduler, nodes=nodes))]
+
     def executor_lost(self, executor_id: str, why: str, spare: Container[str] = ()) -> list[tuple[str, IslandDone]]:
         """``executor_id`` left: every part of it not ended fails its run (and counts as ended), but in the runs
         ``spare`` names (it reported through a fan-out head, which is asked what it had: ``lose_parts``)."""

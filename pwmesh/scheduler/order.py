@@ -29,13 +29,14 @@ import dataclasses
 import heapq
 import itertools
 import secrets
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import NamedTuple
 
 from pwmesh.core.contract import Send
 from pwmesh.errors import InvalidArgument
 from pwmesh.scheduler.slots import Cell, DeviceKey, Shape, Slots
 from pwmesh.scheduler.templates import IslandTemplates, Template
+from pwmesh.scheduler.tree import Layout, RunTree
 from pwmesh.wire.messages import ClientUsage, Enqueue, InstallTemplate, RunTemplate, ScheduleRun, TemplateMissing
 from pwmesh.wire.records import MAX_DEVICES
 
@@ -124,8 +125,12 @@ class IslandOrder:
         self._stimulus = ""  # the event being handled: the Sends it causes carry its id
         self.templates = IslandTemplates()  # cached lowerings installed once, run by id (``templates.py``)
         # Runs sequenced since ``SchedulerState`` last looked: (run id, proxy, executor -> its nodes, every
-        # node or None); it counts their completions (``completions.py``). None: not kept (the order alone).
-        self.sequenced: list[tuple[str, str, dict[str, list[int]], list[int] | None]] | None = None
+        # node or None, the fan-out tree its parts went through or None); it counts their completions
+        # (``completions.py``). None: not kept (the order alone).
+        self.sequenced: list[tuple[str, str, dict[str, list[int]], list[int] | None, RunTree | None]] | None = None
+        # The fan-out tree a template's runs go through, if they do (set by ``SchedulerState``): its runs are
+        # then sent as the tree's messages, made in one pass (``_tree_sends``). None: one Enqueue each.
+        self.layout_for: Callable[[Template], Layout | None] | None = None
 
     # ---------------------------------------------------------------- events
     #
@@ -192,6 +197,48 @@ class IslandOrder:
             return []
         for cell in freed:
             cell.busy -= 1
+        self._freed(run_id, flight, freed, device_seconds)
+        return self._release()
+
+    def parts_done(self, run_id: str, executor_ids: list[str], device_seconds: float,
+                   stimulus: str = "") -> list[Send]:
+        """Executors' parts of a run ended together (a fan-out head's ``PartsDone``): what ``part_done`` for
+        each in turn decides (``device_seconds`` charged with the first). An end that charges nothing, wakes
+        no one and leaves the run in flight, while no one waits to be released (the fair order's ``_ready``
+        is empty; in FIFO, no run waits), changes nothing but its cells' counts: only those are kept."""
+        self._stimulus = stimulus
+        flight = self._in_flight.get(run_id)
+        if flight is None:
+            return []
+        if self.policy != "fair" and any(c.queue for c in self._clients.values()):
+            actions: list[Send] = []
+            for executor_id in executor_ids:
+                actions += self.part_done(run_id, executor_id, device_seconds, stimulus)
+                device_seconds = 0.0
+            return actions
+        actions = []
+        parts = flight.parts
+        for executor_id in executor_ids:
+            seconds, device_seconds = device_seconds, 0.0
+            freed = parts.pop(executor_id, None)
+            if freed is None:
+                continue
+            waiting = False
+            for cell in freed:
+                cell.busy -= 1
+                if cell.blocked:
+                    waiting = True
+            if seconds or waiting or not parts or self._ready:
+                self._freed(run_id, flight, freed, seconds)
+                if self._ready:  # (empty: a release pass would find no one, and change nothing)
+                    actions += self._release()
+                if not parts:
+                    break
+        return actions
+
+    def _freed(self, run_id: str, flight: _InFlight, freed: list[Cell], device_seconds: float) -> None:
+        """An executor's part of ``run_id`` ended (its cells' counts already down): charge the client, wake
+        whom its freed slots may let through, and end the run if it was the last part."""
         client = flight.client
         client.device_seconds += device_seconds
         client.vtime += device_seconds / client.weight
@@ -206,7 +253,6 @@ class IslandOrder:
             self.slots.drop(flight.shape)
             client.in_flight -= 1
             self._forget_idle()
-        return self._release()
 
     def _forget_idle(self) -> None:
         """Keep the client table bounded: an idle client forgotten loses nothing it would
@@ -292,22 +338,65 @@ class IslandOrder:
 
     def _sequence(self, client: _Client, pending: _Pending) -> list[Send]:
         run = pending.run
+        template = pending.template
+        layout = None
+        if template is not None and self.layout_for is not None and template.held_by_all:
+            layout = self.layout_for(template)
+        if layout is None:
+            actions = self._enqueues(run, template)
+        else:
+            assert isinstance(run, RunTemplate) and template is not None
+            actions = self._tree_sends(run, template, layout)
+        shape = pending.shape
+        for cell in shape.cells:
+            cell.busy += 1
+        # The lists are the shape's own: a cell split later (``slots.py``) is held and freed with them.
+        self._in_flight[run.run_id] = _InFlight(client, shape, dict(shape.by_executor))
+        client.in_flight += 1
+        client.runs += 1
+        return actions
+
+    def _tree_sends(self, run: RunTemplate, template: Template, layout: Layout) -> list[Send]:
+        """A run of a template every executor holds, over its fan-out tree: each executor's ``Enqueue``, as
+        ``_enqueues`` makes it, in one pass (the template's parts, sequence offsets and reports worked out
+        once), and the tree's sends of them (``Layout.sends``: what ``tree.build`` makes of them)."""
+        seq, run_id, proxy, names = self.next_seq, run.run_id, run.proxy, run.names
+        scheduler, epoch, template_id, executor_seq = self.scheduler, self.epoch, template.template_id, \
+            self._executor_seq
+        parts = []
+        make = object.__new__  # (an Enqueue's every field set below, as its __init__ would: 0.5 of its time)
+        for executor_id, nodes, first, end, report in template.rows(layout.reports):
+            enqueue = make(Enqueue)
+            enqueue.run_id, enqueue.proxy, enqueue.nodes, enqueue.computations = run_id, proxy, nodes, b""
+            enqueue.seqs, enqueue.names, enqueue.scheduler = list(range(seq + first, seq + end)), names, scheduler
+            enqueue.executor_seq = count = executor_seq[executor_id]
+            executor_seq[executor_id] = count + 1
+            enqueue.epoch, enqueue.template, enqueue.refs, enqueue.report = epoch, template_id, [], report
+            parts.append(enqueue)
+        if self.sequenced is not None:
+            self.sequenced.append((run_id, proxy, template.executor_nodes, template.nodes, layout.tree))
+        if template.offsets[-1]:
+            self._history.append((seq, run_id, run.session, template.placed))
+        self.next_seq = seq + template.offsets[-1]
+        return layout.sends(run_id, parts, scheduler, self._stimulus)
+
+    def _enqueues(self, run: ScheduleRun | RunTemplate, template: Template | None) -> list[Send]:
+        """A run's Enqueues, one per executor, in the island's order."""
         actions = []
         seq = self.next_seq
         run_id, session = run.run_id, run.session
         placed: list[tuple[str, list[int]]] = []
         executor_seq = self._executor_seq
-        template = pending.template
         if template is None:
             assert isinstance(run, ScheduleRun)
             sending, names = run.parts, list[str]()
             if self.sequenced is not None:
-                self.sequenced.append((run_id, run.proxy, {p.executor_id: p.nodes for p in run.parts}, None))
+                self.sequenced.append((run_id, run.proxy, {p.executor_id: p.nodes for p in run.parts}, None, None))
         else:
             assert isinstance(run, RunTemplate)
             sending, names = template.parts, run.names
             if self.sequenced is not None:
-                self.sequenced.append((run_id, run.proxy, template.executor_nodes, template.nodes))
+                self.sequenced.append((run_id, run.proxy, template.executor_nodes, template.nodes, None))
         for part in sending:
             ex, nodes = part.executor_id, part.nodes
             seqs = list(range(seq, seq + len(nodes)))
@@ -331,13 +420,6 @@ class IslandOrder:
         if seq > self.next_seq:
             self._history.append((self.next_seq, run_id, session, placed))
         self.next_seq = seq
-        shape = pending.shape
-        for cell in shape.cells:
-            cell.busy += 1
-        # The lists are the shape's own: a cell split later (``slots.py``) is held and freed with them.
-        self._in_flight[run.run_id] = _InFlight(client, shape, dict(shape.by_executor))
-        client.in_flight += 1
-        client.runs += 1
         return actions
 
     def forget_executor(self, executor_id: str, stimulus: str = "") -> list[Send]:

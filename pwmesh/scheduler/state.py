@@ -45,7 +45,8 @@ from pwmesh.scheduler.completions import IslandCompletions
 from pwmesh.scheduler.group import AskAgain, Form, Formed, IslandGroup, Joined, Left
 from pwmesh.scheduler.group import Tick as GroupTick
 from pwmesh.scheduler.order import IslandOrder
-from pwmesh.scheduler.tree import RunTree, build, fanout_width, frees
+from pwmesh.scheduler.templates import Template
+from pwmesh.scheduler.tree import Layout, RunTree, build, fanout_width, frees, layout
 from pwmesh.wire.messages import (
     DeleteShards,
     Enqueue,
@@ -95,6 +96,7 @@ class SchedulerState:
         self._held: list[Send] = []  # the island's work while its group forms, in order
         self.completions = IslandCompletions(order.scheduler)  # what executors reported, for the proxies
         order.sequenced = []
+        order.layout_for = self._layout  # a template's runs over a tree: its layout, worked out once
 
     @property
     def island(self) -> int:
@@ -129,7 +131,8 @@ class SchedulerState:
                 case FreeShards(groups=groups):  # not held while the group forms: frees order nothing
                     for group in groups:  # one DeleteShards an executor, or through a tree (``tree.py``)
                         if len(group.controls) > self.fanout:
-                            actions += frees(group.buffers, group.controls, self.fanout, stimulus, self._gone)
+                            actions += frees(group.buffers, group.controls, self.fanout, stimulus,
+                                             self._gone if self.completions.lost else None)
                         else:
                             actions += [Send(control, DeleteShards(buffers=group.buffers), stimulus)
                                         for control in group.controls]
@@ -206,12 +209,13 @@ class SchedulerState:
             if report.run_id == run_id and mine(msg.head, report.executor_id):
                 actions += self._told(self.completions.node_done(report), stimulus)
         sends: list[Send] = []
-        seconds = msg.device_seconds  # the subtree's sum, charged once
-        for executor_id in msg.ended:
-            if mine(msg.head, executor_id):
-                actions += self._told(self.completions.part_done(run_id, executor_id), stimulus)
-                sends += self.order.part_done(run_id, executor_id, seconds, stimulus)
-                seconds = 0.0
+        # The parts it ended, taken together (what one at a time would do), the subtree's seconds charged once.
+        ended = msg.ended
+        if not tree.subtree(msg.head).issuperset(ended):
+            ended = [executor_id for executor_id in ended if mine(msg.head, executor_id)]
+        if ended:
+            actions += self._told(self.completions.parts_done(run_id, ended), stimulus)
+            sends += self.order.parts_done(run_id, ended, msg.device_seconds, stimulus)
         if msg.lost and mine(msg.head, msg.lost):  # the head's answer to SubtreeLost: the rest never comes
             actions += self._lose_below(run_id, tree, msg.lost, f"executor {msg.lost} is gone", stimulus, sends,
                                         itself=True)
@@ -279,6 +283,20 @@ class SchedulerState:
             i = j
         return out
 
+    def _layout(self, template: Template) -> Layout | None:
+        """The tree a template's runs go through (None: they go directly), while none of its heads is gone
+        (then each run's tree is built anew, around the executors gone: ``build``)."""
+        if len(template.parts) <= self.fanout:
+            return None
+        found = template.layout
+        if not isinstance(found, Layout) or found.width != self.fanout:
+            found = template.layout = layout([p.executor_id for p in template.parts],
+                                             [p.control for p in template.parts], self.fanout)
+        lost = self.completions.lost
+        if lost and not found.heads.isdisjoint(lost):
+            return None
+        return found
+
     def _gone(self, control: str) -> bool:
         return self._executor_of.get(control, "") in self.completions.lost
 
@@ -292,8 +310,10 @@ class SchedulerState:
         sequenced = self.order.sequenced
         if sequenced:
             stimulus = sends[0].stimulus if sends else ""
-            for run_id, proxy, parts, nodes in sequenced:
+            for run_id, proxy, parts, nodes, tree in sequenced:
                 actions += self._told(self.completions.start(run_id, proxy, parts, nodes), stimulus)
+                if tree is not None and self.completions.running(run_id):
+                    self.trees[run_id] = tree  # (its sends are the tree's already)
             sequenced.clear()
         if len(sends) > self.fanout:
             sends = self._trees(sends)

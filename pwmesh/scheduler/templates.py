@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+from typing import Any
 
 from pwmesh.errors import InvalidArgument
 from pwmesh.wire.messages import InstallPart, InstallTemplate, NeedTemplate, RunPart
@@ -35,6 +36,33 @@ class Template:
     # Executor -> its nodes, and every node in order: what its runs' completions are counted by (``completions.py``).
     executor_nodes: dict[str, list[int]] = dataclasses.field(default_factory=dict)
     nodes: list[int] = dataclasses.field(default_factory=list)
+    # Where each part's computations start in a run's sequence numbers (and, last, how many there are), and
+    # the parts as the order's history keeps them: the same for every run.
+    offsets: list[int] = dataclasses.field(default_factory=list)
+    placed: list[tuple[str, list[int]]] = dataclasses.field(default_factory=list)
+    layout: Any = None  # its runs' fan-out tree (``tree.Layout``), once worked out by the scheduler's core
+    _rows: list[tuple[str, list[int], int, int, str]] = dataclasses.field(default_factory=list)
+    _rows_for: list[str] | None = None
+
+    def __post_init__(self) -> None:
+        self.offsets = [0]
+        for part in self.parts:
+            self.offsets.append(self.offsets[-1] + len(part.nodes))
+        self.placed = [(part.executor_id, part.nodes) for part in self.parts]
+
+    def rows(self, reports: list[str]) -> list[tuple[str, list[int], int, int, str]]:
+        """Each part as its runs' Enqueues need it, with its ``report`` (a fan-out tree's): executor, nodes,
+        and where its sequence numbers start and end in a run (made once per tree: ``reports`` is kept)."""
+        if self._rows_for is not reports:
+            self._rows = [(part.executor_id, part.nodes, first, first + len(part.nodes), report)
+                          for part, first, report in zip(self.parts, self.offsets, reports, strict=False)]
+            self._rows_for = reports
+        return self._rows
+
+    @property
+    def held_by_all(self) -> bool:
+        """Whether every executor of it holds its part (its runs carry only their names)."""
+        return len(self.sent) == len(self.parts)
 
     @classmethod
     def of(cls, msg: InstallTemplate) -> Template:

@@ -13,13 +13,18 @@ child's does.
 ``RunTree`` is what the scheduler keeps of a run's tree: which executor reports through which head,
 to check a ``PartsDone`` (a top-level head speaks only for its subtree) and to know, when an executor
 is gone, whose reports are lost with it.
+
+A template's runs all have the same tree (while none of its heads is gone): ``Layout`` is worked out once
+per template (``layout``), and each run's sends are then its executors' ``Enqueue``s sliced into it
+(``Layout.sends``), the same sends ``build`` makes of them, with no work per executor beyond the parts.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 
 from pwmesh.core.contract import Send
 from pwmesh.errors import InvalidArgument
@@ -51,6 +56,18 @@ class RunTree:
     sizes: list[int]
     parents: list[int]
     index: dict[str, int]
+    # Top-level head -> the executors that report through it (made when first asked: a template's runs share it).
+    _subtrees: dict[str, frozenset[str]] = dataclasses.field(default_factory=dict)
+
+    def subtree(self, head: str) -> frozenset[str]:
+        """The executors whose reports come up through ``head`` if it is a top-level head (else none)."""
+        found = self._subtrees.get(head)
+        if found is None:
+            h = self.index.get(head)
+            found = frozenset() if h is None or self.parents[h] >= 0 else \
+                frozenset(self.executors[h + 1:h + self.sizes[h]])
+            self._subtrees[head] = found
+        return found
 
     def below(self, executor_id: str) -> list[str]:
         """The executors whose reports pass through ``executor_id`` (its subtree, itself excluded)."""
@@ -74,9 +91,10 @@ class RunTree:
         return (ex for ex, size in zip(self.executors, self.sizes, strict=True) if size > 1)
 
 
+@functools.lru_cache(maxsize=64)
 def preorder(n: int, width: int) -> tuple[list[int], list[int]]:
     """Items ``0..n-1`` as a forest of at most ``width`` subtrees, each head's children cut the same way:
-    the items in preorder (here: their own order) and each one's subtree size."""
+    the items in preorder (here: their own order) and each one's subtree size. Cached: never change them."""
     sizes = [1] * n
 
     def forest(lo: int, hi: int) -> None:
@@ -93,11 +111,13 @@ def preorder(n: int, width: int) -> tuple[list[int], list[int]]:
 
 
 def frees(buffers: list[str], controls: list[str], width: int, stimulus: str = "",
-          last: Callable[[str], bool] = lambda _: False) -> list[Send]:
+          last: Callable[[str], bool] | None = None) -> list[Send]:
     """The island's frees of ``buffers`` on every executor at ``controls``, as at most ``width`` sends: a
     ``FanOutFrees`` to each subtree's head (a subtree of one: its ``DeleteShards``). Controls ``last``
-    says are gone are put last, so they are leaves (a head gone would take its subtree's frees with it)."""
-    controls = sorted(controls, key=last)  # (stable: the rest keep their order)
+    says are gone are put last, so they are leaves (a head gone would take its subtree's frees with it);
+    None: none is gone. Its work is per subtree, not per executor."""
+    if last is not None:
+        controls = sorted(controls, key=last)  # (stable: the rest keep their order)
     _, sizes = preorder(len(controls), width)
     out: list[Send] = []
     i = 0
@@ -159,3 +179,53 @@ def build(run_id: str, sends: list[Send], executor_of: Callable[[str], str], wid
                                                 sizes=sizes[i:i + size]), stimulus))
         i += size
     return out, RunTree(executors, controls, sizes, parents, {ex: k for k, ex in enumerate(executors)})
+
+
+@dataclasses.dataclass(slots=True, eq=False)
+class Layout:
+    """The tree every run of one template goes through (its parts in the template's order, none of its heads
+    gone): ``build``'s tree, worked out once. ``tree`` is shared by the runs (never changed)."""
+
+    tree: RunTree
+    reports: list[str]  # each part's ``report``: its head's control ("": the scheduler)
+    heads: frozenset[str]  # the executors that head a subtree: the layout holds while none of them is gone
+    tops: list[tuple[int, int]]  # the top-level subtrees, as (first part, size)
+    width: int
+
+    def sends(self, run_id: str, parts: Sequence[Enqueue], scheduler: str, stimulus: str) -> list[Send]:
+        """A run's sends, its ``parts`` made with ``reports``: what ``build`` makes of the same parts."""
+        tree = self.tree
+        executors, controls, sizes = tree.executors, tree.controls, tree.sizes
+        out: list[Send] = []
+        for i, size in self.tops:
+            if size == 1:
+                out.append(Send(controls[i], parts[i], stimulus))
+            else:
+                j = i + size
+                out.append(Send(controls[i], FanOut(run_id=run_id, parent=scheduler, parts=list(parts[i:j]),
+                                                    executors=executors[i:j], controls=controls[i:j],
+                                                    sizes=sizes[i:j]), stimulus))
+        return out
+
+
+def layout(executors: list[str], controls: list[str], width: int) -> Layout:
+    """The tree ``build`` makes of parts for ``executors`` (at ``controls``), in this order, none gone."""
+    n = len(executors)
+    sizes = list(preorder(n, width)[1])
+    parents = [-1] * n
+    open_heads: list[tuple[int, int]] = []  # (head, the end of its subtree), innermost last
+    for i in range(n):
+        while open_heads and i >= open_heads[-1][1]:
+            open_heads.pop()
+        if open_heads:
+            parents[i] = open_heads[-1][0]
+        if sizes[i] > 1:
+            open_heads.append((i, i + sizes[i]))
+    tops = []
+    i = 0
+    while i < n:
+        tops.append((i, sizes[i]))
+        i += sizes[i]
+    tree = RunTree(list(executors), list(controls), sizes, parents, {ex: k for k, ex in enumerate(executors)})
+    return Layout(tree, [controls[p] if p >= 0 else "" for p in parents],
+                  frozenset(ex for ex, size in zip(executors, sizes, strict=True) if size > 1), tops, width)
