@@ -24,6 +24,8 @@ from pwmesh.client import subbyte
 
 def is_key(dtype: Any) -> bool:
     """Whether ``dtype`` is a typed PRNG key's (``jax.random.key``)."""
+    if isinstance(dtype, np.dtype):  # a NumPy dtype (ml_dtypes' too) never is: ~1 us a leaf, every call
+        return False
     try:
         return bool(jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key))
     except TypeError:
