@@ -118,8 +118,11 @@ def record_run(session: Session, run_id: str, program: ProgramSpec, lowered: Low
         buf.pins += 1
         buf.readers += 1
         more = lowered.holders.get(buf.name)
-        if more and not more <= buf.holders:  # (a new set: the old one may be a cached lowering's, shared)
-            buf.holders = buf.holders | more
+        if more and more is not buf.holders:  # (a cached lowering's, shared by its runs: once taken, one look)
+            if buf.holders <= more:
+                buf.holders = more  # shared, never changed in place (a change replaces it)
+            elif not more <= buf.holders:
+                buf.holders = buf.holders | more  # (a new set: the old one may be a cached lowering's, shared)
     for client_id, buf in binding.donated.values():  # the run consumes it: the client's reference ends here
         buf.client_ref = False
         session.donate(client_id, run_id)

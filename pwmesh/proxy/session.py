@@ -109,6 +109,9 @@ class Session:
     returnable: dict[int, Buffer] = dataclasses.field(default_factory=dict)
     ended: bool = False
     hosts: set[str] = dataclasses.field(default_factory=set)  # executors that may hold its keys
+    # Cached lowerings' executor sets already in ``hosts`` (by identity and cached hash: a warm run's end adds
+    # nothing and looks at none of its executors); emptied with ``hosts``, bounded by ``MAX_MERGED``.
+    merged: set[frozenset[str]] = dataclasses.field(default_factory=set)
     programs: dict[str, ProgramSpec] = dataclasses.field(default_factory=dict)  # registered, by id
     # Registrations over the tenant's ``max_programs``: what their runs fail with (the last 64).
     refused_programs: dict[str, PwmeshError] = dataclasses.field(default_factory=dict)

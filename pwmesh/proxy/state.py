@@ -206,6 +206,8 @@ MAX_TEMPLATE_RETRIES = 3  # a run sent again to a scheduler that lacked its temp
 MAX_REFUSED_FUNCTIONS = 1024  # functions the sandbox refused, remembered (the oldest forgotten first)
 MAX_FETCH_BUFFERS = 1024  # buffers one ``FetchBuffers`` may name (its answer: at most 4,096 blocks in all)
 MAX_ARRIVING_PROGRAMS = 4  # per session, coming in parts at once (each held until its last part)
+MAX_MERGED = 64  # per session: cached lowerings' executor sets known to be in its ``hosts`` (``Session.merged``)
+MAX_HOLDER_LISTS = 256  # holder sets of cached lowerings kept listed for frees (``_listed``)
 SESSION_ID = re.compile(r"s\d+-[0-9a-f]{6}")  # what ``_open_session`` names sessions
 UNKNOWN_VALUE = ValueSpec(shape=[], dtype="float32", shards=1)  # a failed output of a program never seen
 
@@ -266,6 +268,7 @@ class ProxyState:
         self._reclaiming: dict[str, Reclaim] = {}  # sessions being resumed: what was asked of the executors
         self.lost_schedulers: dict[str, DeviceLost] = {}  # address -> why: runs there cannot be ordered
         self.frees = KeptFrees()  # frees sent to schedulers not known fanned out: sent again if one is lost
+        self._holder_lists: dict[frozenset[str], list[str]] = {}  # a cached lowering's holder sets, listed (``_listed``)
         # Whose daemon key a public key (z85) is, by name (the shell's authorized keys; None: nobody's, or no
         # keys): an island's reports are taken only from the key its scheduler's address advertises.
         self.key_holder: Callable[[bytes], str | None] = lambda public: None
@@ -586,6 +589,7 @@ class ProxyState:
             for control in session.hosts:
                 self._send(control, ForgetOwner(prefix=f"{session.session_id}/"))
             session.hosts.clear()
+            session.merged.clear()
 
     # ------------------------------------------------------------------- slices
 
@@ -1259,8 +1263,15 @@ class ProxyState:
     def _finish_run(self, session: Session, run: Run) -> None:
         self.runs.pop(run.run_id, None)
         session.runs.pop(run.run_id, None)
-        if not run.executors <= session.hosts:  # (a warm run's: all there already; checked in C, not copied)
-            session.hosts |= run.executors
+        executors = run.executors
+        if isinstance(executors, frozenset):  # a cached lowering's, shared by its runs: merged once, then one lookup
+            if executors not in session.merged:
+                session.hosts |= executors
+                if len(session.merged) >= MAX_MERGED:
+                    session.merged.clear()
+                session.merged.add(executors)
+        elif not executors <= session.hosts:
+            session.hosts |= executors
         for buf in (*run.pinned, *run.outputs):
             buf.pins -= 1
         for buf in run.pinned:
@@ -1307,10 +1318,23 @@ class ProxyState:
                 for control, prefixes in by_holder.items():
                     self._send(control, DeleteShards(buffers=prefixes))
                 continue
-            free = FreeShards(groups=[FreeGroup(buffers=prefixes, controls=list(holders))
+            free = FreeShards(groups=[FreeGroup(buffers=prefixes, controls=self._listed(holders))
                                       for holders, prefixes in groups if holders])
             self._send(island, free)
             self.frees.sent(island, free)  # until the scheduler is known to have read it
+
+    def _listed(self, holders: set[str] | frozenset[str]) -> list[str]:
+        """``holders`` as a free's list of controls. A cached lowering's buffers share one frozen set per holder
+        set: its list is made once and shared by every free of them (nothing reads it but to send it, and no one
+        changes it), so a warm run's frees copy and touch none of its up to 1,024 executors."""
+        if not isinstance(holders, frozenset):
+            return list(holders)
+        listed = self._holder_lists.get(holders)
+        if listed is None:
+            if len(self._holder_lists) >= MAX_HOLDER_LISTS:
+                self._holder_lists.clear()
+            listed = self._holder_lists[holders] = list(holders)
+        return listed
 
     def _put_buffer(self, peer: bytes, msg: PutBuffer, now: float) -> Reply:
         session = self.session(peer)
