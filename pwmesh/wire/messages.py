@@ -40,7 +40,6 @@ from pwmesh.wire.records import (  # noqa: F401 - re-exported: records travel in
 from pwmesh.wire.schema import Record, record
 
 _REGISTRY: dict[str, type[Message]] = {}
-_pack = msgpack.packb
 _unpack = msgpack.unpackb
 
 
@@ -521,10 +520,11 @@ class FanOut(Message, op="exec.fan_out"):
     parts: list[Enqueue] = dataclasses.field(default_factory=list, metadata={"wire": False})
 
     def to_wire(self) -> dict[str, Any]:
-        bodies = self.bodies
+        bodies = list(self.bodies)
         if self.parts:
-            bodies = [*bodies, *(_pack(p.to_wire()) for p in self.parts)]
-        return {"run_id": self.run_id, "parent": self.parent, "bodies": list(bodies),
+            pack = msgpack.Packer().pack  # one packer for all (a packb each costs ~10% more)
+            bodies += [pack(p.to_wire()) for p in self.parts]
+        return {"run_id": self.run_id, "parent": self.parent, "bodies": bodies,
                 "executors": list(self.executors), "controls": list(self.controls), "sizes": list(self.sizes)}
 
     @classmethod
