@@ -84,8 +84,9 @@ class CostModel:
     # whole (the ``FanOut`` it receives, its own part decoded with it; each message it sends on; each report
     # it takes in or sends up) and ``relay_body_seconds`` per part it carries in or out as an opaque body
     # (its children's, never decoded there). Measured with the real codec (``python -m pwmesh.sim.relay_cost``,
-    # this 2-core machine, 1-minute load 4.5): 6-8 us a message and 0.2-0.3 us a body (a 64-part FanOut in
-    # and its 16 sends on: 140-154 us; decoding and re-encoding every part, as before: 870-965 us).
+    # this 2-core machine): 1-minute load 4.5, 6-8 us a message and 0.2-0.3 us a body (a 64-part FanOut in and
+    # its 16 sends on: 140-154 us; decoding and re-encoding every part, as before: 870-965 us, the 8 us a part
+    # charged before); load 1.8, 3.8 us and 0.09 us (76 us; before: 429 us). Charged as loaded, as before.
     relay_seconds: float = 7e-6
     relay_body_seconds: float = 0.25e-6
 
