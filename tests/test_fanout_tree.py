@@ -10,6 +10,7 @@ import signal
 
 import jax
 import jax.numpy as jnp
+import msgpack
 import numpy as np
 import pytest
 
@@ -17,11 +18,14 @@ import pwmesh as pw
 from helpers import HEARTBEAT_TIMEOUT_SECONDS, eventually
 from pwmesh.cli.commands import debug_events, fetch_status
 from pwmesh.core.contract import Received, Send
+from pwmesh.errors import ProtocolError
 from pwmesh.executor.fanout import FanOutRelay, split_frees
 from pwmesh.scheduler.order import IslandOrder
 from pwmesh.scheduler.state import SchedulerState
 from pwmesh.scheduler.tree import fanout_width, frees
 from pwmesh.sim.island import schedule_run
+from pwmesh.wire import Envelope, decode, encode
+from pwmesh.wire.codec import FrameError
 from pwmesh.wire.messages import (
     DeleteShards,
     Enqueue,
@@ -36,6 +40,7 @@ from pwmesh.wire.messages import (
     PartsDone,
     RunPartDone,
     SubtreeLost,
+    enqueue_body,
 )
 
 pytestmark = pytest.mark.timeout(240)
@@ -51,15 +56,26 @@ def run_over_all(state: SchedulerState, run_id: str = "r1") -> list[Send]:
     return [a for a in actions if isinstance(a, Send)]
 
 
-def deliver(relays: dict[str, FanOutRelay], sends: list[tuple[str, Message]], enqueues: dict[str, Enqueue]) -> None:
-    """Carry the tree's messages down to every executor (relays at the heads), as a network would."""
+def wire(message: Message) -> Message:
+    """``message`` as its receiver gets it: encoded, then decoded (a ``FanOut``'s parts become bodies)."""
+    return decode(encode(message, msg_id=1)).message
+
+
+def deliver(relays: dict[str, FanOutRelay], sends: list[tuple[str, Message]], enqueues: dict[str, Enqueue],
+            out: list[tuple[str, Message]] | None = None) -> None:
+    """Carry the tree's messages down to every executor (relays at the heads), through the codec, as a
+    network would; what goes elsewhere (a part's failure) is added to ``out``."""
     while sends:
         to, message = sends.pop(0)
+        message = wire(message)
         ex = to.removeprefix("tcp://").removesuffix(":1")
         if isinstance(message, FanOut):
             own, more = relays.setdefault(ex, FanOutRelay(ex)).fan_out(message)
-            enqueues[ex] = own
-            sends += more
+            if own is not None:
+                enqueues[ex] = own
+            sends += [(t, m) for t, m in more if isinstance(m, FanOut)]
+            if out is not None:
+                out += [(t, m) for t, m in more if not isinstance(m, FanOut)]
         else:
             assert isinstance(message, Enqueue)
             enqueues[ex] = message
@@ -97,6 +113,89 @@ def test_a_run_wider_than_the_fanout_goes_through_heads_and_its_completions_come
     assert not any(len(r) for r in relays.values())
 
 
+def test_parts_travel_as_the_bodies_the_scheduler_encoded_once_and_heads_forward_them_unread() -> None:
+    """Each part crosses the wire as its Enqueue's body: it decodes to the Enqueue the order made, and a
+    head's children get the very bytes it received (sliced, never decoded nor re-encoded there)."""
+    state = core(2)
+    sends = run_over_all(state)
+    made = {ex: p for s in sends if isinstance(s.message, FanOut)
+            for ex, p in zip(s.message.executors, s.message.parts, strict=True)}
+    assert sorted(made) == EXECUTORS
+    for send in sends:
+        sent = wire(send.message)
+        assert isinstance(sent, FanOut) and not sent.parts and sent.count() == len(sent.executors)
+        assert [enqueue_body(b) for b in sent.bodies] == [made[ex] for ex in sent.executors]
+        head = sent.executors[0]
+        own, more = FanOutRelay(head).fan_out(sent)
+        assert own == made[head]
+        children = [m for _, m in more]
+        assert all(isinstance(m, FanOut) and m.parent == sent.controls[0] for m in children)
+        # Every child's bytes are the head's own slice of what it received: the same objects, unread.
+        carried = [b for m in children if isinstance(m, FanOut) for b in m.bodies]
+        assert len(carried) == len(sent.bodies) - 1
+        assert all(a is b for a, b in zip(carried, sent.bodies[1:], strict=True))
+
+
+def test_a_part_that_does_not_decode_fails_that_part_alone_with_the_codecs_error() -> None:
+    """A malformed body (the bytes a head forwards unread): the head and the other parts go on; the child
+    it was for fails its own part (NodeDone with the error, then RunPartDone, to where it reports), still
+    relays its own children's, and the run ends with that error, once, no hang."""
+    state = core(2)
+    sends = run_over_all(state)
+    # A head below a top-level one (width 2: 7 = (1 + 2 leaves) + (1 + a leaf + (1 + a leaf))).
+    k, i = next((k, i) for k, s in enumerate(sends) if isinstance(s.message, FanOut)
+                for i, size in enumerate(s.message.sizes) if i > 0 and size > 1)
+    first = wire(sends[k].message)
+    assert isinstance(first, FanOut)
+    victim = first.executors[i]
+    first.bodies[i] = b"\x81\xa6run_id\xc1"  # a map whose value is a byte msgpack never writes
+    relays: dict[str, FanOutRelay] = {}
+    enqueues: dict[str, Enqueue] = {}
+    failed: list[tuple[str, Message]] = []
+    deliver(relays, [(s.to, first if j == k else s.message) for j, s in enumerate(sends)], enqueues, failed)
+    assert sorted(enqueues) == sorted(set(EXECUTORS) - {victim})  # every other part arrived, the head's too
+    (node_done, to1), (part_done, to2) = [(m, t) for t, m in failed]
+    assert to1 == to2 == first.controls[0]  # where the victim's part reports: its head (a child of the top)
+    assert isinstance(node_done, NodeDone) and node_done.executor_id == victim and node_done.error is not None
+    assert "unreadable" in node_done.error.message and victim in node_done.error.message
+    assert isinstance(part_done, RunPartDone) and part_done.executor_id == victim
+    to_scheduler: list[Message] = []
+
+    def report(msg: Message, to: str) -> None:
+        if to in ("", "tcp://sched"):
+            to_scheduler.append(msg)
+            return
+        for up_to, up in relays[to.removeprefix("tcp://").removesuffix(":1")].handle(msg):
+            report(up, up_to)
+
+    report(node_done, to1)
+    report(part_done, to2)
+    for ex, enqueue in enqueues.items():
+        report(RunPartDone(run_id="r1", executor_id=ex, device_seconds=0.0), enqueue.report)
+    told = [a.message for msg in to_scheduler for a in state.handle(Received(msg), 0.0)
+            if isinstance(a, Send) and isinstance(a.message, IslandDone)]
+    errors = [t for t in told if t.error is not None]
+    assert len(errors) == 1 and errors[0].executor_id == victim and "unreadable" in errors[0].error.message
+    assert len(told) == 2 and told[-1].error is None  # the island's end, once
+    assert state.order.in_flight == 0 and not state.trees
+
+
+def test_a_fanout_frame_must_carry_its_parts_as_bodies_in_lists_of_one_length() -> None:
+    state = core(2)
+    fan = next(s.message for s in run_over_all(state) if isinstance(s.message, FanOut))
+    assert isinstance(fan, FanOut)
+    frames = encode(fan, msg_id=1)
+    body = msgpack.unpackb(frames[1], raw=False)
+    body["parts"] = [fan.parts[0].to_wire()]  # decoded parts on the wire: refused, not trusted
+    with pytest.raises(FrameError, match="travel as bodies"):
+        decode([frames[0], msgpack.packb(body)])
+    short = wire(fan)
+    assert isinstance(short, FanOut)
+    short.controls = short.controls[:-1]
+    with pytest.raises(ProtocolError, match="bodies for"):
+        FanOutRelay("x").fan_out(short)
+
+
 def a_leaf_under_a_head() -> tuple[SchedulerState, dict[str, FanOutRelay], str, str]:
     """A run over every executor, delivered down the tree (width 2): the core, the heads' relays, a leaf that
     reports to a head, and that head."""
@@ -104,7 +203,7 @@ def a_leaf_under_a_head() -> tuple[SchedulerState, dict[str, FanOutRelay], str, 
     relays: dict[str, FanOutRelay] = {}
     enqueues: dict[str, Enqueue] = {}
     deliver(relays, [(s.to, s.message) for s in run_over_all(state)], enqueues)
-    leaf = next(e for e in EXECUTORS if enqueues[e].report and e not in relays)
+    leaf = next(e for e in EXECUTORS if enqueues[e].report and not (e in relays and len(relays[e])))
     return state, relays, leaf, enqueues[leaf].report.removeprefix("tcp://").removesuffix(":1")
 
 
@@ -241,6 +340,54 @@ def test_a_head_restarting_into_a_group_forming_fails_its_subtree_naming_it_but_
     assert told.lost and told.executor_id == head and "restarted" in (told.error.message if told.error else "")
     assert set(told.nodes) == {EXECUTORS.index(e) for e in first.executors[1:]}  # its own part goes on
     assert state.completions.running("r1")
+
+
+@pytest.mark.asyncio
+async def test_real_executors_fail_only_the_part_whose_body_does_not_decode_and_go_on_serving() -> None:
+    """A hostile ``FanOut`` to a real executor (a daemon-role connection, as on a cluster without keys): its
+    own body and its child's are garbage. The head still forwards the child's bytes unread; each fails its
+    own part with the codec's error, reported where its part reports (the head's to ``parent``, the
+    child's up through the head as a ``PartsDone``); neither daemon is harmed: a program runs after."""
+    import asyncio
+
+    from pwmesh.service.rpc import Connection, Server
+    from pwmesh.service.tasks import TaskGroup
+    from pwmesh.service.transport import Context
+
+    spec = pw.LocalClusterSpec(islands=1, hosts_per_island=2, devices_per_host=1)
+    with pw.LocalCluster(spec) as cluster:
+        ctx, tasks = Context(), TaskGroup()
+        got: list[Message] = []
+        four = asyncio.Event()
+
+        def note(peer: bytes, env: Envelope) -> None:
+            got.append(env.message)
+            if len(got) >= 4:
+                four.set()
+
+        parent = Server(ctx, "tcp://127.0.0.1:0", {NodeDone: note, RunPartDone: note, PartsDone: note},
+                        tasks=tasks, name="parent")
+        parent.start()
+        head, child = fetch_status(cluster.address).cluster.executors[:2]
+        conn = Connection(ctx, head.control, tasks=tasks, name="hostile")
+        try:
+            conn.post(FanOut(run_id="hostile-1", parent=parent.address, bodies=[b"\xc1", b"\x92\x01"],
+                             executors=[head.executor_id, child.executor_id], controls=[head.control, child.control],
+                             sizes=[2, 1]))
+            await asyncio.wait_for(four.wait(), 60)
+        finally:
+            await tasks.stop()
+            ctx.close()
+        errors = {m.executor_id: m.error for m in got if isinstance(m, NodeDone)}
+        errors.update({r.executor_id: r.error for m in got if isinstance(m, PartsDone) for r in m.reports})
+        assert set(errors) == {head.executor_id, child.executor_id}
+        assert all(e is not None and "unreadable" in e.message for e in errors.values()), errors
+        assert [m.executor_id for m in got if isinstance(m, RunPartDone)] == [head.executor_id]
+        assert [m.ended for m in got if isinstance(m, PartsDone) and m.last] == [[child.executor_id]]
+        with pw.Client(cluster.address, name="after") as client:
+            sl = client.make_virtual_device_set().add_slice(devices=2)
+            ones = np.ones((2, 1))
+            np.testing.assert_array_equal(np.asarray(pw.pmap(lambda x: x + 1, devices=sl)(ones)), ones + 1)
 
 
 # ------------------------------------------------------------------ the simulator

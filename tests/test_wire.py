@@ -29,6 +29,8 @@ from pwmesh.wire.codec import FrameError
 from pwmesh.wire.messages import (
     Computation,
     DataTuple,
+    Enqueue,
+    FanOut,
     Ok,
     Ping,
     PutBuffer,
@@ -36,6 +38,7 @@ from pwmesh.wire.messages import (
     ShardRun,
     ShardValues,
     TupleBatch,
+    enqueue_body,
 )
 from pwmesh.wire.schema import record
 
@@ -126,8 +129,9 @@ def strategy_for(tp: Any) -> st.SearchStrategy[Any]:
 
 @functools.cache
 def field_hints(cls: type) -> dict[str, Any]:
+    """The fields that travel (not those a sender alone fills in, ``metadata={"wire": False}``: ``FanOut.parts``)."""
     hints = typing.get_type_hints(cls)
-    return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
+    return {f.name: hints[f.name] for f in dataclasses.fields(cls) if f.metadata.get("wire", True)}
 
 
 def record_strategy(cls: type) -> st.SearchStrategy[Any]:
@@ -448,6 +452,25 @@ def test_sample_messages_round_trip() -> None:
         env = decode(sample_frames(op))
         assert (env.msg_id, env.reply_to, env.sender) == (41, None, "sampler")
         assert_same(message, env.message)
+
+
+def test_a_fanouts_parts_travel_as_opaque_bodies_encoded_once_each() -> None:
+    """``FanOut.parts`` (the sender's Enqueues) go out as encoded bodies after any ``bodies`` given; the
+    receiver gets bytes alone, each the Enqueue's own body, decoded only on demand (``enqueue_body``)."""
+    parts = [sample(Enqueue), Enqueue(run_id="r", proxy="p", nodes=[3], computations=b"", executor_seq=7)]
+    given = msgpack.packb(parts[0].to_wire())
+    sent = FanOut(run_id="r", parent="tcp://s", bodies=[given], parts=parts, executors=["a", "b", "c"],
+                  controls=["ca", "cb", "cc"], sizes=[3, 1, 1])
+    assert sent.count() == 3
+    got = decode(on_the_wire(encode(sent, msg_id=1))).message
+    assert isinstance(got, FanOut) and got.parts == [] and all(type(b) is bytes for b in got.bodies)
+    assert got.bodies[0] == given == got.bodies[1]
+    for body, part in zip(got.bodies, [parts[0], *parts], strict=True):
+        assert_same(part, enqueue_body(body))
+    with pytest.raises(ProtocolError, match="unreadable the part: ExtraData"):
+        enqueue_body(got.bodies[2] + b"\x00", "the part")
+    with pytest.raises(ProtocolError, match="executor_seq"):
+        enqueue_body(msgpack.packb({**parts[1].to_wire(), "executor_seq": "seven"}), "the part")
 
 
 def test_missing_required_fields() -> None:

@@ -428,14 +428,16 @@ class Executor(Service):
         return None
 
     def _fan_out(self, peer: bytes, env: Envelope) -> None:
-        """A large run's parts for the subtree this executor heads (``executor/fanout.py``): each child's
-        message on, then its own part."""
+        """A large run's parts for the subtree this executor heads, or its own part alone (a leaf): each
+        child's bodies on, unread, then its own part, decoded and checked here (``executor/fanout.py``; an
+        unreadable one fails this part alone, reported to ``parent``)."""
         msg = env.message
         assert isinstance(msg, FanOut)
         own, sends = self.relay.fan_out(msg)
         for to, message in sends:
             self.peers.post(to, message)
-        self._take(own)
+        if own is not None:
+            self._take(own)
 
     def _fan_out_frees(self, peer: bytes, env: Envelope) -> None:
         msg = env.message

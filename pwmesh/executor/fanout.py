@@ -1,13 +1,26 @@
 """A fan-out head's relay (no sockets): a large run's parts down a tree of executors, its completions up.
 
 The island scheduler sends a run over many executors as one ``FanOut`` per subtree (``scheduler/tree.py``).
-The executor at a subtree's head keeps its own part and sends each child its message as it came
-(a leaf's ``Enqueue``, a head's ``FanOut``: sliced, not rebuilt); each part's ``report`` names where its
-completions go, so a child's ``NodeDone`` and ``RunPartDone`` come here. The relay sends its parent one
+Each part travels as its ``Enqueue``'s encoded body, which the scheduler encoded once: the executor at a
+subtree's head decodes its own part only and sends each child its slice of the bodies as they came, unread
+(a leaf: a ``FanOut`` of one part; a head: of its subtree's), so its work per child is a copy of bytes,
+not a decode and an encode. Each part's ``report`` names where its completions go, so a child's
+``NodeDone`` and ``RunPartDone`` come here. The relay sends its parent one
 ``PartsDone`` per run once every child has ended (a child head's own part and its subtree's ``PartsDone``
 both), the device seconds summed; failures and early completions (``NodeDone``) go up at once, as they
 came, in a ``PartsDone`` of their own (``last`` false), ahead of the end that stands for them on the
 same connection.
+
+What a head can and cannot do to its children's parts: no more than when it decoded and re-encoded
+them. It is a daemon of the cluster (the connection's key is checked as for any ``Enqueue``) and the
+bodies are not signed, so it can drop, delay or alter a child's bytes, as it could alter the decoded
+part before. It cannot make a child accept what the child would not accept from the scheduler: the
+child decodes and validates its body as it does any ``Enqueue`` (``enqueue_body``: the same record
+checks), admits it in its island's order (``executor_seq`` per scheduler and epoch), and its reports
+are accepted only from a key that speaks for it (``speaks_for``). A body that does not decode fails
+that part alone, with the codec's error: the child reports it (``NodeDone`` with the error, then its
+``RunPartDone``) to its ``FanOut``'s ``parent``, where its part would have reported, and still relays
+its own children's bodies; the head above, which never read it, is not affected.
 
 When an executor below is gone, the scheduler asks its head (``SubtreeLost``): the head stops waiting for
 it and sends up, at once, everything it holds of the run (``lost`` set); a head above that receives such
@@ -23,9 +36,11 @@ from __future__ import annotations
 import collections
 import dataclasses
 
+from pwmesh.errors import ProtocolError
 from pwmesh.wire.messages import (
     DeleteShards,
     Enqueue,
+    ErrorInfo,
     FanOut,
     FanOutFrees,
     Message,
@@ -33,6 +48,7 @@ from pwmesh.wire.messages import (
     PartsDone,
     RunPartDone,
     SubtreeLost,
+    enqueue_body,
 )
 
 MAX_RUNS = 4096  # runs a head waits on at once (the oldest forgotten: its scheduler restarted, say)
@@ -72,29 +88,38 @@ class FanOutRelay:
     def __len__(self) -> int:
         return len(self._runs)
 
-    def fan_out(self, msg: FanOut) -> tuple[Enqueue, Out]:
-        """This head's own part, and each child's message."""
+    def fan_out(self, msg: FanOut) -> tuple[Enqueue | None, Out]:
+        """This head's own part (None: its body is unreadable, and its failure is among the sends), and each
+        child's message: its slice of ``msg.bodies``, unread (a leaf's: a ``FanOut`` of one). Only the
+        head's own body is decoded; a child's is decoded, and checked, by the child."""
+        n = len(msg.bodies)
+        if n == 0 or msg.parts or len(msg.executors) != n or len(msg.controls) != n or len(msg.sizes) != n:
+            raise ProtocolError(f"FanOut of run {msg.run_id}: {n} bodies for {len(msg.executors)} executors, "
+                                f"{len(msg.controls)} controls and {len(msg.sizes)} sizes")
         out: Out = []
         waiting: collections.Counter[str] = collections.Counter()
         me = msg.controls[0]
-        i, n = 1, len(msg.parts)
+        bodies, executors, controls, sizes = msg.bodies, msg.executors, msg.controls, msg.sizes
+        run_id = msg.run_id
+        i = 1
         while i < n:
-            size = max(1, msg.sizes[i])
-            child = msg.executors[i]
-            if size == 1:
-                out.append((msg.controls[i], msg.parts[i]))
-                waiting[child] += 1
-            else:
-                out.append((msg.controls[i], FanOut(run_id=msg.run_id, parent=me, parts=msg.parts[i:i + size],
-                                                    executors=msg.executors[i:i + size],
-                                                    controls=msg.controls[i:i + size], sizes=msg.sizes[i:i + size])))
-                waiting[child] += 2
-            i += size
+            size = min(max(1, sizes[i]), n - i)
+            j = i + size
+            out.append((controls[i], FanOut(run_id=run_id, parent=me, bodies=bodies[i:j], executors=executors[i:j],
+                                            controls=controls[i:j], sizes=sizes[i:j])))
+            waiting[executors[i]] += 1 if size == 1 else 2  # a head child: its own part and its subtree
+            i = j
         if waiting:
-            self._runs[msg.run_id] = _Pending(msg.parent, waiting)
+            self._runs[run_id] = _Pending(msg.parent, waiting)
             while len(self._runs) > self.capacity:
                 self._runs.popitem(last=False)
-        return msg.parts[0], out
+        try:
+            own = enqueue_body(bodies[0], f"FanOut of run {run_id}: {self.name}'s part")
+        except ProtocolError as exc:  # its own part fails, never the rest of its subtree
+            error = ErrorInfo.of(exc)
+            return None, [*out, (msg.parent, NodeDone(run_id=run_id, nodes=[], executor_id=self.name, error=error)),
+                          (msg.parent, RunPartDone(run_id=run_id, executor_id=self.name, device_seconds=0.0))]
+        return own, out
 
     def handle(self, msg: Message) -> Out:
         """A child's report, or the scheduler's word that one below is gone: what goes up."""

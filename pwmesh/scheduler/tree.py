@@ -4,9 +4,10 @@ A run whose parts go to more than ``width`` executors is not sent as one ``Enque
 executors, in the island order's sequence, are cut into at most ``width`` contiguous subtrees; the first
 executor of each is its head and is sent one ``FanOut`` carrying the subtree's parts, and the rest of
 the subtree is cut again the same way below it (depth ``log_width(hosts)``). Each part's ``Enqueue``
-is the one the order made (its ``executor_seq`` and ``seqs`` unchanged: an executor restores the
-island's order whichever way a part came), with ``report`` set to its parent head's control address
-("" under the scheduler). Completions come back up the same tree (``executor/fanout.py``): each head
+is encoded once, when the ``FanOut`` is (``FanOut.parts``), and travels down the tree as those bytes,
+unread by the heads it passes (``executor/fanout.py``); it is the one the order made (its
+``executor_seq`` and ``seqs`` unchanged: an executor restores the island's order whichever way a part
+came), with ``report`` set to its parent head's control address ("" under the scheduler). Completions come back up the same tree (``executor/fanout.py``): each head
 sends its parent one ``PartsDone`` for its subtree; a head's own part reports to its parent as any
 child's does.
 
@@ -174,7 +175,7 @@ def build(run_id: str, sends: list[Send], executor_of: Callable[[str], str], wid
         if size == 1:
             out.append(Send(controls[i], parts[i], stimulus))
         else:
-            out.append(Send(controls[i], FanOut(run_id=run_id, parent=scheduler, parts=parts[i:i + size],
+            out.append(Send(controls[i], FanOut(run_id=run_id, parent=scheduler, bodies=[], parts=parts[i:i + size],
                                                 executors=executors[i:i + size], controls=controls[i:i + size],
                                                 sizes=sizes[i:i + size]), stimulus))
         i += size
@@ -202,7 +203,7 @@ class Layout:
                 out.append(Send(controls[i], parts[i], stimulus))
             else:
                 j = i + size
-                out.append(Send(controls[i], FanOut(run_id=run_id, parent=scheduler, parts=list(parts[i:j]),
+                out.append(Send(controls[i], FanOut(run_id=run_id, parent=scheduler, bodies=[], parts=list(parts[i:j]),
                                                     executors=executors[i:j], controls=controls[i:j],
                                                     sizes=sizes[i:j]), stimulus))
         return out

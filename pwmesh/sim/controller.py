@@ -92,7 +92,7 @@ class SimScheduler(Node):
                     self.post(env.sender, error_message(action.error), reply_to=env.msg_id)
             elif isinstance(action, Send) and isinstance(action.message, Enqueue | FanOut):
                 runs.add(action.message.run_id)
-                self.enqueues += 1 if isinstance(action.message, Enqueue) else len(action.message.parts)
+                self.enqueues += 1 if isinstance(action.message, Enqueue) else action.message.count()
                 self.post(action.to, action.message)
             elif isinstance(action, Send):  # a template's part again, or a run refused for want of its template
                 self.post(action.to, action.message)

@@ -80,16 +80,20 @@ class CostModel:
     device_memory_bytes_per_second: float = 1e12
     launch_seconds: float = 5e-6  # per computation per device: the kernel launch
     host_overhead_seconds: float = 20e-6  # per computation on an executor, before its devices start
-    # What a fan-out head (``executor/fanout.py``) spends on its one loop per part it relays: each part of the
-    # ``FanOut`` it receives (the codec decodes them all) and of each message it sends on, and each report it
-    # takes in or sends up. The real codec on a ~300-byte Enqueue: encode 4.5-9 us, decode 9-17 us (this
-    # 2-core machine, quiet to loaded); a decode or an encode is charged, 8 us.
-    relay_seconds: float = 8e-6
+    # What a fan-out head (``executor/fanout.py``) spends on its loop: ``relay_seconds`` per message it handles
+    # whole (the ``FanOut`` it receives, its own part decoded with it; each message it sends on; each report
+    # it takes in or sends up) and ``relay_body_seconds`` per part it carries in or out as an opaque body
+    # (its children's, never decoded there). Measured with the real codec (``python -m pwmesh.sim.relay_cost``,
+    # this 2-core machine): 1-minute load 4.5, 6-8 us a message and 0.2-0.3 us a body (a 64-part FanOut in and
+    # its 16 sends on: 140-154 us; decoding and re-encoding every part, as before: 870-965 us, the 8 us a part
+    # charged before); load 1.8, 3.8 us and 0.09 us (76 us; before: 429 us). Charged as loaded, as before.
+    relay_seconds: float = 7e-6
+    relay_body_seconds: float = 0.25e-6
 
     def __post_init__(self) -> None:
         if min(self.device_flops_per_second, self.device_memory_bytes_per_second) <= 0:
             raise InvalidArgument("device speeds must be positive")
-        if min(self.launch_seconds, self.host_overhead_seconds, self.relay_seconds) < 0:
+        if min(self.launch_seconds, self.host_overhead_seconds, self.relay_seconds, self.relay_body_seconds) < 0:
             raise InvalidArgument("overheads cannot be negative")
 
     def shard_seconds(self, fn: FunctionCost) -> float:

@@ -116,13 +116,14 @@ class SimExecutor(Node):
             self._core(Received(msg))
         elif isinstance(msg, FanOut):  # the head of a large run's subtree: its children's parts on, then its own
             own, sends = self.relay.fan_out(msg)
-            self._relay(sends, len(msg.parts))  # the codec decoded every part of its subtree
-            self._core(Received(own))
+            self._relay(sends, msg)  # its own body decoded, the rest on unread
+            if own is not None:
+                self._core(Received(own))
         elif isinstance(msg, FanOutFrees):  # the island's frees for a subtree it heads: on, then its own
-            self._relay(split_frees(msg), 1)
+            self._relay(split_frees(msg))
             self._delete(msg.buffers)
         elif isinstance(msg, RunPartDone | NodeDone | PartsDone | SubtreeLost):
-            self._relay(self.relay.handle(msg), 1)
+            self._relay(self.relay.handle(msg))
         elif isinstance(msg, InstallPart):
             self._core(Installed(msg))
         elif isinstance(msg, RegisterFunction):
@@ -190,13 +191,14 @@ class SimExecutor(Node):
                 self.stored.pop(key, None)
                 self.failed.pop(key, None)
 
-    def _relay(self, sends: list[tuple[str, Message]], taken: int) -> None:
-        """A fan-out head's messages, ``relay_seconds`` of the host's loop per part each carries (a report:
-        one), after ``taken`` parts received; posted in order as the loop gets to them."""
-        cost = self.cost.relay_seconds
-        at = max(self.clock.now, self.host_free) + cost * taken
+    def _relay(self, sends: list[tuple[str, Message]], taken: FanOut | None = None) -> None:
+        """A fan-out head's messages, posted in order as the host's loop gets to them: ``relay_seconds`` per
+        message it handles whole (``taken``, a ``FanOut`` with its own part's decode, or a report; each
+        message it sends) and ``relay_body_seconds`` per opaque body one carries (``executor/fanout.py``)."""
+        cost, body = self.cost.relay_seconds, self.cost.relay_body_seconds
+        at = max(self.clock.now, self.host_free) + cost + (body * taken.count() if taken is not None else 0.0)
         for to, message in sends:
-            at += cost * (len(message.parts) if isinstance(message, FanOut) else 1)
+            at += cost + (body * message.count() if isinstance(message, FanOut) else 0.0)
             self.clock.at(at, functools.partial(self.post, to, message))
         self.host_free = at
 

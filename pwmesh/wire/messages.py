@@ -11,8 +11,10 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, ClassVar
 
+import msgpack
 import numpy as np
 
+from pwmesh.errors import ProtocolError
 from pwmesh.wire.records import (  # noqa: F401 - re-exported: records travel inside messages
     ClusterState,
     Computation,
@@ -38,6 +40,7 @@ from pwmesh.wire.records import (  # noqa: F401 - re-exported: records travel in
 from pwmesh.wire.schema import Record, record
 
 _REGISTRY: dict[str, type[Message]] = {}
+_unpack = msgpack.unpackb
 
 
 class Message(Record):
@@ -496,17 +499,53 @@ class Enqueue(Message, op="exec.enqueue"):
 @record
 class FanOut(Message, op="exec.fan_out"):
     """A large run's parts for one subtree of its executors (``scheduler/tree.py``), sent to the subtree's
-    head: ``parts[0]`` is the head's own, then each child subtree's in preorder (``sizes[i]``: part i's
-    subtree, itself included; 1: a leaf). The head sends each child its ``Enqueue`` (a leaf) or its
-    ``FanOut`` (a head), and reports the completions its children report to it up to ``parent`` as
-    ``PartsDone`` (``executor/fanout.py``); its own part reports to its scheduler directly."""
+    head: ``bodies[0]`` is the head's own part, then each child subtree's in preorder (``sizes[i]``: part
+    i's subtree, itself included; 1: a leaf). Each part travels as its ``Enqueue``'s encoded body, opaque
+    to the heads it passes: a head decodes only its own (``enqueue_body``), sends each child its slice of
+    the bodies unread as a ``FanOut`` of its own (a leaf's: of one), and reports the completions its
+    children report to it up to ``parent`` as ``PartsDone`` (``executor/fanout.py``); its own part reports
+    where its ``Enqueue.report`` says (``parent``, as the tree is built).
+
+    The sender may give ``parts`` instead of ``bodies`` (the scheduler: the Enqueues the order made):
+    they are encoded into ``bodies`` when the message is, once each, after the bodies given; ``parts``
+    never travels (a frame that holds it is refused)."""
 
     run_id: str
     parent: str  # where the head's ``PartsDone`` go: the scheduler, or the head above
-    parts: list[Enqueue]
+    bodies: list[bytes]  # each part's ``Enqueue`` body (``enqueue_body``), never decoded on the way
     executors: list[str]  # each part's executor
     controls: list[str]  # where each part's executor is reached
     sizes: list[int]
+    # (the sender's only, never on the wire: see above)
+    parts: list[Enqueue] = dataclasses.field(default_factory=list, metadata={"wire": False})
+
+    def to_wire(self) -> dict[str, Any]:
+        bodies = list(self.bodies)
+        if self.parts:
+            pack = msgpack.Packer().pack  # one packer for all (a packb each costs ~10% more)
+            bodies += [pack(p.to_wire()) for p in self.parts]
+        return {"run_id": self.run_id, "parent": self.parent, "bodies": bodies,
+                "executors": list(self.executors), "controls": list(self.controls), "sizes": list(self.sizes)}
+
+    @classmethod
+    def from_wire(cls, data: Any, path: str = "") -> FanOut:
+        if isinstance(data, dict) and "parts" in data:
+            raise ProtocolError(f"{path or 'FanOut'}.parts: a FanOut's parts travel as bodies")
+        return Record.from_wire.__func__(cls, data, path)  # type: ignore[attr-defined, no-any-return]
+
+    def count(self) -> int:
+        """How many parts it carries (its subtree's executors)."""
+        return len(self.bodies) + len(self.parts)
+
+
+def enqueue_body(data: bytes, what: str = "part") -> Enqueue:
+    """An ``Enqueue`` from its encoded body (a ``FanOut``'s ``bodies[i]``), validated like any message;
+    ``ProtocolError`` on anything wrong."""
+    try:
+        body = _unpack(data, raw=False, strict_map_key=True)
+    except Exception as exc:  # msgpack raises a zoo of types on garbage
+        raise ProtocolError(f"unreadable {what}: {type(exc).__name__}: {exc}") from None
+    return Enqueue.from_wire(body, what)
 
 
 @record
