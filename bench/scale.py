@@ -346,7 +346,7 @@ def proxy_point(devices: int, spmd: bool, config: Config) -> dict[str, Any]:
     controls = {part.control: part.executor_id for part in install.parts}
     island: dict[str, Any] = {}
     for how, width in (("direct", 1 << 30), ("tree", fanout_width())):
-        core = SchedulerState(IslandOrder(island=0, scheduler="tcp://sched-0:6100"), fanout=width)
+        core = SchedulerState(IslandOrder(island=0, scheduler="tcp://sched-0:6100"), fanout=width, above=width)
         core.handle(contract.Received(install), 0.0)
         _submit_and_finish(core, schedule, controls)  # the first run carries each executor's part: later ones names
         sched_s, (actions, reports_in) = median_cpu(lambda core=core: _submit_and_finish(core, schedule, controls),

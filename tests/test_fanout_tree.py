@@ -48,7 +48,7 @@ EXECUTORS = [f"e{i}" for i in range(7)]
 
 
 def core(width: int = 2) -> SchedulerState:
-    return SchedulerState(IslandOrder(0, scheduler="tcp://sched", window=4), fanout=width)
+    return SchedulerState(IslandOrder(0, scheduler="tcp://sched", window=4), fanout=width, above=width)
 
 
 def run_over_all(state: SchedulerState, run_id: str = "r1") -> list[Send]:
@@ -295,6 +295,7 @@ def test_real_daemons_run_through_a_tree_and_a_killed_head_fails_its_subtrees_ru
     the subtree at once); ``leaf``: that executor itself dies (its head is asked, ``SubtreeLost``, and
     answers with what it had)."""
     monkeypatch.setenv("PWMESH_FANOUT", "2")  # 4 executors: two heads of two
+    monkeypatch.setenv("PWMESH_FANOUT_ABOVE", "2")
     spec = pw.LocalClusterSpec(islands=1, hosts_per_island=4, devices_per_host=1,
                                heartbeat_timeout_seconds=HEARTBEAT_TIMEOUT_SECONDS)
     with pw.LocalCluster(spec) as cluster, pw.Client(cluster.address, name="tree") as client:
@@ -405,6 +406,7 @@ def test_the_simulator_runs_wide_programs_through_the_same_tree_with_the_same_re
     traffic = {}
     for width in ("4", "1000"):
         monkeypatch.setenv("PWMESH_FANOUT", width)
+        monkeypatch.setenv("PWMESH_FANOUT_ABOVE", width)
         cluster = SimCluster(SimConfig(islands=1, hosts_per_island=20, devices_per_host=2))
         install(cluster, Workload(name=name, steps=2, k=4, devices=40, compute_seconds=1e-4))
         reports[width] = cluster.run()

@@ -68,9 +68,9 @@ class OneAtATimeCompletions(IslandCompletions):
 
 
 def cores(policy: str) -> tuple[SchedulerState, SchedulerState]:
-    fast = SchedulerState(IslandOrder(0, policy=policy, window=2, scheduler="tcp://s"), fanout=WIDTH)
+    fast = SchedulerState(IslandOrder(0, policy=policy, window=2, scheduler="tcp://s"), fanout=WIDTH, above=WIDTH)
     slow = SchedulerState(OneAtATime(0, policy=policy, window=2, scheduler="tcp://s", epoch=fast.order.epoch),
-                          fanout=WIDTH)
+                          fanout=WIDTH, above=WIDTH)
     slow.order.layout_for = None  # every run's Enqueues one at a time, then ``tree.build``
     slow.completions = OneAtATimeCompletions("tcp://s")
     return fast, slow

@@ -70,8 +70,10 @@ class SchedulerConfig:
     collectives: bool = False  # form the island's JAX group of its --collectives executors
     security: Security = dataclasses.field(default_factory=Security)  # --keys, --insecure
     metrics_port: int | None = None  # Prometheus metrics over HTTP (0: a free port; None: none)
-    # A run over more executors than this goes out through a tree of them (``tree.py``; None: $PWMESH_FANOUT or 16).
+    # A run over more than ``fanout_above`` executors (None: $PWMESH_FANOUT_ABOVE or 256) goes out through a tree of
+    # them, ``fanout`` wide (None: $PWMESH_FANOUT or 16): ``tree.py``.
     fanout: int | None = None
+    fanout_above: int | None = None
 
 
 log = logging.getLogger(__name__)
@@ -106,7 +108,7 @@ class Scheduler(Service):
         self.order = IslandOrder(self.config.island, policy=self.config.policy, window=self.config.window,
                                  scheduler=self.ctx.advertise(self.server.address))
         self.group = IslandGroup() if self.config.collectives else None
-        self.state = SchedulerState(self.order, self.group, self.config.fanout)
+        self.state = SchedulerState(self.order, self.group, self.config.fanout, self.config.fanout_above)
         self.event_log = self.state.events
         self._coordinators: dict[int, asyncio.subprocess.Process] = {}  # forming -> its coordinator
         self._addresses: dict[int, str] = {}  # forming -> its coordinator's address

@@ -46,7 +46,7 @@ from pwmesh.scheduler.group import AskAgain, Form, Formed, IslandGroup, Joined, 
 from pwmesh.scheduler.group import Tick as GroupTick
 from pwmesh.scheduler.order import IslandOrder
 from pwmesh.scheduler.templates import Template
-from pwmesh.scheduler.tree import Layout, RunTree, build, fanout_width, frees, layout
+from pwmesh.scheduler.tree import Layout, RunTree, build, fanout_width, frees, layout, tree_above
 from pwmesh.wire.messages import (
     DeleteShards,
     Enqueue,
@@ -84,10 +84,12 @@ _KINDS = {ScheduleRun: "schedule", RunTemplate: "run", InstallTemplate: "install
 
 
 class SchedulerState:
-    def __init__(self, order: IslandOrder, group: IslandGroup | None = None, fanout: int | None = None) -> None:
+    def __init__(self, order: IslandOrder, group: IslandGroup | None = None, fanout: int | None = None,
+                 above: int | None = None) -> None:
         self.order = order
-        # A run over more executors than this goes out through a tree of them (``tree.py``).
+        # A run over more than ``above`` executors goes out through a tree of them, ``fanout`` wide (``tree.py``).
         self.fanout = fanout_width(fanout)
+        self.above = tree_above(above)
         self.trees: dict[str, RunTree] = {}  # runs in flight that went through a tree
         self._executor_of: dict[str, str] = {}  # control address -> executor (the runs' parts name both)
         self.group = group  # None: the island's executors form no JAX group
@@ -130,7 +132,7 @@ class SchedulerState:
                     actions = self._told(self.completions.node_done(message), stimulus)
                 case FreeShards(groups=groups):  # not held while the group forms: frees order nothing
                     for group in groups:  # one DeleteShards an executor, or through a tree (``tree.py``)
-                        if len(group.controls) > self.fanout:
+                        if len(group.controls) > self.above:
                             actions += frees(group.buffers, group.controls, self.fanout, stimulus,
                                              self._gone if self.completions.lost else None)
                         else:
@@ -139,12 +141,12 @@ class SchedulerState:
                 case RunTemplate():
                     actions = self._release(self.order.submit_template(message, stimulus))
                 case ScheduleRun():
-                    if len(message.parts) > self.fanout:
+                    if len(message.parts) > self.above:
                         self._executor_of.update((p.control, p.executor_id) for p in message.parts)
                     actions = self._release(self.order.submit(message, stimulus))
                 case InstallTemplate():
                     self.order.install(message)
-                    if len(message.parts) > self.fanout:
+                    if len(message.parts) > self.above:
                         self._executor_of.update((p.control, p.executor_id) for p in message.parts)
                 case NeedTemplate():  # not held while the group forms: it orders nothing
                     control, part = self.order.templates.part_for(message)
@@ -259,7 +261,7 @@ class SchedulerState:
         return actions
 
     def _trees(self, sends: list[Send]) -> list[Send]:
-        """Each run over more than ``fanout`` executors as a tree's sends (``tree.py``); the rest as they are."""
+        """Each run over more than ``above`` executors as a tree's sends (``tree.py``); the rest as they are."""
         out: list[Send] = []
         i, n = 0, len(sends)
         executor_of, lost = self._executor_of.__getitem__, self.completions.lost.__contains__
@@ -273,7 +275,7 @@ class SchedulerState:
             j = i + 1
             while j < n and isinstance(m := sends[j].message, Enqueue) and m.run_id == run_id:
                 j += 1
-            if j - i <= self.fanout:
+            if j - i <= self.above:
                 out += sends[i:j]
             else:
                 tree_sends, tree = build(run_id, sends[i:j], executor_of, self.fanout, self.order.scheduler, lost)
@@ -286,7 +288,7 @@ class SchedulerState:
     def _layout(self, template: Template) -> Layout | None:
         """The tree a template's runs go through (None: they go directly), while none of its heads is gone
         (then each run's tree is built anew, around the executors gone: ``build``)."""
-        if len(template.parts) <= self.fanout:
+        if len(template.parts) <= self.above:
             return None
         found = template.layout
         if not isinstance(found, Layout) or found.width != self.fanout:
@@ -315,7 +317,7 @@ class SchedulerState:
                 if tree is not None and self.completions.running(run_id):
                     self.trees[run_id] = tree  # (its sends are the tree's already)
             sequenced.clear()
-        if len(sends) > self.fanout:
+        if len(sends) > self.above:
             sends = self._trees(sends)
         if self.group is not None and (self._held or self.group.holding):
             self._held.extend(sends)  # sent, in order, once the group has formed
