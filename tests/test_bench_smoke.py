@@ -91,6 +91,7 @@ def test_dispatch_modes_smoke(tmp_path: Path) -> None:
     check_plot(tmp_path / "dispatch_modes.png")
 
 
+@pytest.mark.long  # ~12 s: what it drives (OpByOp, programs, fused) is tested in CI (test_dispatch, test_sim)
 @pytest.mark.timeout(110)
 def test_dispatch_smoke(tmp_path: Path) -> None:
     proc = run_smoke("dispatch.py", tmp_path)
@@ -149,6 +150,7 @@ def test_client_transfer_smoke(tmp_path: Path) -> None:
         data["ratios"]["2 MiB"].keys()
 
 
+@pytest.mark.long  # ~8 s: the data plane and the client's direct path have their own tests in CI
 @pytest.mark.timeout(110)
 def test_transfer_smoke(tmp_path: Path) -> None:
     run_smoke("transfer.py", tmp_path)

@@ -343,6 +343,7 @@ def test_a_head_restarting_into_a_group_forming_fails_its_subtree_naming_it_but_
     assert state.completions.running("r1")
 
 
+@pytest.mark.long  # ~9 s of real daemons: the relay's own test of a malformed part runs in CI
 @pytest.mark.asyncio
 async def test_real_executors_fail_only_the_part_whose_body_does_not_decode_and_go_on_serving() -> None:
     """A hostile ``FanOut`` to a real executor (a daemon-role connection, as on a cluster without keys): its

@@ -78,6 +78,7 @@ def _has_cycle(graph: dict[str, set[str]]) -> bool:
     return any(reaches(n, n, {n}) for n in graph)
 
 
+@pytest.mark.long  # ~12 s: the control (the ordered run above passes in CI; this shows it could fail)
 def test_without_the_island_order_the_same_workload_deadlocks(by_arrival: pw.LocalCluster) -> None:
     outcome: list[BaseException | None] = []
 

@@ -201,6 +201,7 @@ def test_two_executors_without_a_group_at_the_issues_timings() -> None:
             HEARTBEAT, LONG = saved
 
 
+@pytest.mark.long  # ~11 s: the same sequence runs on one executor in CI; this is it as a gang over two
 def test_two_executors_in_a_jax_group_an_spmd_call() -> None:
     """A gang: one SPMD program over both executors' devices, each running its part on a device thread."""
     with pw.LocalCluster(spec(hosts_per_island=2, devices_per_host=1, collectives=True)) as cluster, \

@@ -77,7 +77,7 @@ def test_three_hundred_steps_learn_python(on_wide: pw.Client) -> None:
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+@pytest.mark.parametrize("sig", [signal.SIGTERM, pytest.param(signal.SIGINT, marks=pytest.mark.long)])  # one in CI
 def test_a_stopped_training_saves_a_checkpoint_says_where_and_resumes_from_it(tmp_path: Path,
                                                                                sig: signal.Signals) -> None:
     """``train_lm`` stopped by SIGTERM (systemd, a scheduler) or Ctrl-C saves the last step it did, says where
