@@ -59,11 +59,15 @@ def device_ranges(comps: Iterable[Computation]) -> list[DeviceRange]:
 
 def renamed(comp: Computation, name: Callable[[str], str]) -> Computation:
     """A copy of ``comp`` with every buffer it names (inputs, outputs, emit targets) mapped through ``name``."""
+    return with_buffers(comp, [name(p) for p in comp.inputs], [name(p) for p in comp.outputs], name)
+
+
+def with_buffers(comp: Computation, inputs: list[str], outputs: list[str], name: Callable[[str], str]) -> Computation:
+    """A copy of ``comp`` reading ``inputs`` and making ``outputs``, its emit targets mapped through ``name``."""
     emits = [renamed_emit(e, name) for e in comp.emits] if comp.emits else []
     return Computation(node=comp.node, fn_id=comp.fn_id, executor_id=comp.executor_id, control=comp.control,
-                       runs=comp.runs, inputs=[name(p) for p in comp.inputs], outputs=[name(p) for p in comp.outputs],
-                       emits=emits, spmd=comp.spmd, kind=comp.kind, ragged=comp.ragged, seq=comp.seq, gang=comp.gang,
-                       donate=comp.donate, quiet=comp.quiet)
+                       runs=comp.runs, inputs=inputs, outputs=outputs, emits=emits, spmd=comp.spmd, kind=comp.kind,
+                       ragged=comp.ragged, seq=comp.seq, gang=comp.gang, donate=comp.donate, quiet=comp.quiet)
 
 
 def renamed_emit(emit: Emit, name: Callable[[str], str]) -> Emit:
@@ -106,9 +110,10 @@ class PartTemplates:
         self.capacity = capacity
         self.installed_capacity = installed_capacity
         self._parts: collections.OrderedDict[bytes, list[Computation]] = collections.OrderedDict()
-        # template id -> its computations (naming "@<k>"), what each k stands for in a run's names, and each
-        # computation's inputs and outputs as indices into a run's names (or the name itself), worked out once
-        self._installed: collections.OrderedDict[str, tuple[list[Computation], list[int], list[_Plan]]] = \
+        # template id -> its computations (naming "@<k>"), what each k stands for in a run's names, each
+        # computation's inputs and outputs as indices into a run's names (or the name itself), worked out once,
+        # and how many names a run must carry for them (None: a reference no run's names can stand for)
+        self._installed: collections.OrderedDict[str, tuple[list[Computation], list[int], list[_Plan], int | None]] = \
             collections.OrderedDict()
 
     def __len__(self) -> int:
@@ -135,7 +140,9 @@ class PartTemplates:
             return refs[k] if 0 <= k < len(refs) else -1  # -1: no name (refused at the run, as it names it)
 
         plans = [([plan(p) for p in c.inputs], [plan(p) for p in c.outputs]) for c in comps]
-        self._installed[template_id] = (comps, list(refs), plans)
+        indices = [x for ins, outs in plans for x in (*ins, *outs) if type(x) is int]
+        need = None if -1 in indices else max(indices, default=-1) + 1
+        self._installed[template_id] = (comps, list(refs), plans, need)
         self._installed.move_to_end(template_id)
         while len(self._installed) > self.installed_capacity:
             self._installed.popitem(last=False)
@@ -147,7 +154,7 @@ class PartTemplates:
             raise NotFound(f"Enqueue of run {msg.run_id} names template {msg.template}, which this executor "
                            "does not hold")
         self._installed.move_to_end(msg.template)
-        template, refs, plans = found
+        template, refs, plans, need = found
         names = msg.names
 
         def name(ref: str) -> str:
@@ -159,21 +166,12 @@ class PartTemplates:
                 raise ProtocolError(f"Enqueue of run {msg.run_id} refers to buffer {ref!r}; it names {len(names)}")
             return names[i]
 
-        out = []
-        for c, (ins, outs) in zip(template, plans, strict=True):
-            try:  # (a training step's ~220 names: indexing, not parsing "@<k>" a name a run)
-                inputs = [names[x] if type(x) is int and x >= 0 else x for x in ins]
-                outputs = [names[x] if type(x) is int and x >= 0 else x for x in outs]
-            except IndexError:
-                inputs = outputs = []
-            if -1 in inputs or -1 in outputs or len(inputs) != len(ins) or len(outputs) != len(outs):
-                return [renamed(c, name) for c in template]  # refused there, with the name it refers to
-            out.append(Computation(
-                node=c.node, fn_id=c.fn_id, executor_id=c.executor_id, control=c.control, runs=c.runs,
-                inputs=inputs, outputs=outputs,  # type: ignore[arg-type]
-                emits=[renamed_emit(e, name) for e in c.emits] if c.emits else [], spmd=c.spmd, kind=c.kind,
-                ragged=c.ragged, seq=c.seq, gang=c.gang, donate=c.donate, quiet=c.quiet))
-        return out
+        if need is None or need > len(names):  # a reference the run names nothing for: refused, naming it
+            return [renamed(c, name) for c in template]
+        # (a training step's ~220 names: indexing, not parsing "@<k>" a name a run)
+        return [with_buffers(c, [x if isinstance(x, str) else names[x] for x in ins],
+                             [x if isinstance(x, str) else names[x] for x in outs], name)
+                for c, (ins, outs) in zip(template, plans, strict=True)]
 
     def computations(self, msg: Enqueue) -> list[Computation]:
         """``msg``'s computations with the run's names in place of their references."""
