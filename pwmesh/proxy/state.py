@@ -825,9 +825,8 @@ class ProxyState:
         executors = lowered.executor_ids if lowered.executor_ids is not None else (
             set().union(*lowered.node_executors.values()) if lowered.node_executors else set())
         for executor_id in (executors & self.lost.keys() if self.lost else ()):
-            if executor_id in self.lost:
-                raise DeviceLost(f"{self.lost[executor_id].message}; the program's slices still map there "
-                                 "(remapping onto surviving devices is not supported yet)")
+            raise DeviceLost(f"{self.lost[executor_id].message}; the program's slices still map there "
+                             "(remapping onto surviving devices is not supported yet)")
 
         parts = None
         if not msg.sequential:  # sequential: each node goes once its predecessors are done (below)
@@ -1471,16 +1470,24 @@ class ProxyState:
     def _fetch(self, peer: bytes, msg: Fetch, now: float) -> Fetching:
         session = self.session(peer)
         buf = self.buffer(session, msg.buffer)
-        size = 0 if buf.error is not None else nbytes(buf.spec.shape, buf.spec.dtype)  # failed: its cause, not this
-        if msg.to:  # direct: its bytes never pass through here
-            size = 0
+        size = 0 if msg.to else self._fetched_bytes(buf)  # direct: its bytes never pass through here
         self._check_in_flight(session.owner, size, "a fetch")
+        sid = session.session_id
+        return self._fetching(session, buf, size, msg.to, msg.tag, data_key(self.data_secret, sid) if msg.to else b"")
+
+    @staticmethod
+    def _fetched_bytes(buf: Buffer) -> int:
+        """What a fetch of ``buf`` brings through the proxy (a failed one: its cause, not its bytes)."""
+        return 0 if buf.error is not None else nbytes(buf.spec.shape, buf.spec.dtype)
+
+    def _fetching(self, session: Session, buf: Buffer, size: int, to: str = "", tag: str = "",
+                  key: bytes = b"") -> Fetching:
+        """A fetch of ``buf`` begun (its ``size`` bytes counted in flight; ``to``, ``tag``, ``key``: a direct
+        one's, as ``Fetching`` says): ``FetchEnded`` undoes this."""
         self.in_flight[session.owner] += size
         buf.pins += 1  # a release while we fetch must not delete the shards under us
         buf.readers += 1  # nor a run it is donated to consume them
-        sid = session.session_id
-        return Fetching(sid, buf, session.owner, size, to=msg.to, tag=msg.tag,
-                        data_key=data_key(self.data_secret, sid) if msg.to else b"")
+        return Fetching(session.session_id, buf, session.owner, size, to=to, tag=tag, data_key=key)
 
     def _fetch_buffers(self, peer: bytes, msg: FetchBuffers, now: float) -> FetchingAll:
         """``Fetch`` of several buffers at once: every one looked up (and the bytes checked) before any is pinned."""
@@ -1491,12 +1498,6 @@ class ProxyState:
             raise InvalidArgument(f"FetchBuffers names {len(msg.buffers)} buffers, over {MAX_FETCH_BUFFERS}: "
                                   "send several")
         bufs = [self.buffer(session, cid) for cid in msg.buffers]
-        sizes = [0 if buf.error is not None else nbytes(buf.spec.shape, buf.spec.dtype) for buf in bufs]
+        sizes = [self._fetched_bytes(buf) for buf in bufs]
         self._check_in_flight(session.owner, sum(sizes), "a fetch")
-        fetches = []
-        for buf, size in zip(bufs, sizes, strict=True):
-            self.in_flight[session.owner] += size
-            buf.pins += 1
-            buf.readers += 1
-            fetches.append(Fetching(session.session_id, buf, session.owner, size))
-        return FetchingAll(fetches)
+        return FetchingAll([self._fetching(session, buf, size) for buf, size in zip(bufs, sizes, strict=True)])
