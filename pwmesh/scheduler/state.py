@@ -17,14 +17,14 @@ Events:
 
 Actions (each carrying the id of the event that caused it, ``stimulus``):
     ``Send(control, Enqueue)`` an executor's part of a released run, in the island's order; a run over more
-                           than ``fanout`` executors as ``Send(head, FanOut)``, one per subtree (``tree.py``).
+                           than ``above`` executors as ``Send(head, FanOut)``, one per subtree (``tree.py``).
     ``Send(head, SubtreeLost)`` an executor below a fan-out head is gone: what did its subtree report?
     ``Send(control, InstallPart)`` a template's part an executor asked for again.
     ``Send(proxy, TemplateMissing)`` a run of a template not held here, refused whole.
     ``Send(proxy, IslandDone)`` what the island's executors reported of a run (``completions.py``): one
                            message when every part has ended; a failure at once; an output early.
     ``Send(control, DeleteShards)`` the proxy's frees for the island (``FreeShards``), one per executor (more
-                           than ``fanout`` executors: ``FanOutFrees`` to each subtree's head).
+                           than ``above`` executors: ``FanOutFrees`` to each subtree's head).
     ``Reply(error=...)``   a message refused (a run naming devices that cannot be): the sender is told.
     ``Form``, ``AskAgain``, ``Formed`` (``group.py``) start a forming of the JAX group (a coordinator, then
                            ``JoinGroup`` to each member at ``controls``), ask its slow members again, and
