@@ -38,7 +38,6 @@ import dataclasses
 
 from pwmesh.errors import ProtocolError
 from pwmesh.wire.messages import (
-    DeleteShards,
     Enqueue,
     ErrorInfo,
     FanOut,
@@ -49,6 +48,7 @@ from pwmesh.wire.messages import (
     RunPartDone,
     SubtreeLost,
     enqueue_body,
+    subtree_frees,
 )
 
 MAX_RUNS = 4096  # runs a head waits on at once (the oldest forgotten: its scheduler restarted, say)
@@ -66,17 +66,7 @@ class _Pending:
 
 def split_frees(msg: FanOutFrees) -> Out:
     """What a head of the island's frees sends each child subtree (it deletes ``msg.buffers`` itself)."""
-    out: Out = []
-    i, n = 1, len(msg.controls)
-    while i < n:
-        size = max(1, msg.sizes[i])
-        if size == 1:
-            out.append((msg.controls[i], DeleteShards(buffers=msg.buffers)))
-        else:
-            out.append((msg.controls[i], FanOutFrees(buffers=msg.buffers, controls=msg.controls[i:i + size],
-                                                     sizes=msg.sizes[i:i + size])))
-        i += size
-    return out
+    return subtree_frees(msg.buffers, msg.controls, msg.sizes, start=1)
 
 
 class FanOutRelay:

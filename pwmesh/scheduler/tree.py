@@ -29,7 +29,7 @@ from collections.abc import Callable, Iterator, Sequence
 
 from pwmesh.core.contract import Send
 from pwmesh.errors import InvalidArgument
-from pwmesh.wire.messages import DeleteShards, Enqueue, FanOut, FanOutFrees
+from pwmesh.wire.messages import Enqueue, FanOut, subtree_frees
 
 FANOUT_ENV = "PWMESH_FANOUT"
 DEFAULT_FANOUT = 16  # the tree's width: a head's children, and the scheduler's sends per run
@@ -137,17 +137,7 @@ def frees(buffers: list[str], controls: list[str], width: int, stimulus: str = "
     if last is not None:
         controls = sorted(controls, key=last)  # (stable: the rest keep their order)
     _, sizes = preorder(len(controls), width)
-    out: list[Send] = []
-    i = 0
-    while i < len(controls):
-        size = sizes[i]
-        if size == 1:
-            out.append(Send(controls[i], DeleteShards(buffers=buffers), stimulus))
-        else:
-            out.append(Send(controls[i], FanOutFrees(buffers=buffers, controls=controls[i:i + size],
-                                                     sizes=sizes[i:i + size]), stimulus))
-        i += size
-    return out
+    return [Send(to, message, stimulus) for to, message in subtree_frees(buffers, controls, sizes)]
 
 
 def build(run_id: str, sends: list[Send], executor_of: Callable[[str], str], width: int, scheduler: str,

@@ -577,6 +577,24 @@ class FanOutFrees(Message, op="exec.fan_out_frees"):
     sizes: list[int]
 
 
+def subtree_frees(buffers: list[str], controls: list[str], sizes: list[int],
+                  start: int = 0) -> list[tuple[str, Message]]:
+    """The frees of ``buffers`` for each subtree of a preorder tree (``controls``; ``sizes[i]``: the subtree
+    ``controls[i]`` heads) from ``start`` on: a ``FanOutFrees`` to each subtree's head, a ``DeleteShards`` to a
+    subtree of one (the scheduler, from 0; a head, for its children, from 1). A size under 1 counts as 1."""
+    out: list[tuple[str, Message]] = []
+    i, n = start, len(controls)
+    while i < n:
+        size = max(1, sizes[i])
+        if size == 1:
+            out.append((controls[i], DeleteShards(buffers=buffers)))
+        else:
+            out.append((controls[i], FanOutFrees(buffers=buffers, controls=controls[i:i + size],
+                                                 sizes=sizes[i:i + size])))
+        i += size
+    return out
+
+
 @record
 class SubtreeLost(Message, op="exec.subtree_lost"):
     """The scheduler to a fan-out head: ``executor_id`` below it is gone; stop waiting for its subtree in
