@@ -217,7 +217,9 @@ def bench_pwmesh(config: Config) -> tuple[dict[str, Any], dict[str, Any]]:
         placement = sorted({d.executor for d in sl.devices})
         if len(placement) != 1:
             raise RuntimeError(f"psum needs the slice on one executor, got {placement}")
-        x = client.put(np.zeros(DEVICES, np.float32), sl)
+        # Made as plain JAX's is (below): by the pmapped op, so each call reads it in the layout it wants.
+        # (A put's blocks are (1,) a device and pmap's are (): reading one, each run reshaped it first.)
+        x = pw.pmap(lambda v: v * 0.0, devices=sl)(np.zeros(DEVICES, np.float32))
         calls: dict[tuple[str, str], Callable[[], Any]] = {}
         for computation in COMPUTATIONS:
             one = pw.pmap(step(computation), devices=sl, axis_name=axis_name(computation))

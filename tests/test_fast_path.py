@@ -151,6 +151,25 @@ async def test_a_run_mixing_both_paths_ends_its_part_after_its_last_computation(
 
 
 @pytest.mark.asyncio
+async def test_a_chain_behind_a_waiting_computation_runs_on_once_it_starts() -> None:
+    """A chain whose first node waits for an input queues whole; once that node has run, each one behind it
+    that has everything it needs runs at once in the same task (in order), not a task and a loop turn each."""
+    async with runner() as (r, rec):
+        await warm(r, rec)
+        tasks: list[asyncio.Task[object] | None] = []
+        r._done = lambda work: (rec.on_done(work), tasks.append(asyncio.current_task()))  # type: ignore[func-returns-value]
+        r.enqueue_all("r1", "p", chain("r1", 32, first="late"))
+        assert rec.done == [] and r.queued() == [31, 31]  # all of it waits behind node 0
+        for i in range(2):
+            r.store.put(f"late/{i}", jax.device_put(np.ones(1, np.float32), r.devices[i]), 4)
+        await rec.part("r1")
+        assert [w.comp.node for w in rec.done] == list(range(32)) and all(w.queued for w in rec.done)
+        assert len(set(tasks)) == 1, f"the chain took {len(set(tasks))} tasks"
+        assert [float(v[0]) for v in r.store.values(["r1/v31/0", "r1/v31/1"])] == [33.0, 33.0]
+        assert r.outstanding == 0 and r.queued() == [0, 0] and r.memory.reserved == 0
+
+
+@pytest.mark.asyncio
 async def test_a_failed_input_takes_the_queue_and_fails_the_outputs() -> None:
     async with runner() as (r, rec):
         await warm(r, rec)
