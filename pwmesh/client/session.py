@@ -24,6 +24,7 @@ from pwmesh.client import prng
 from pwmesh.client.connection import ClientConnection, Declared
 from pwmesh.client.direct import DirectData, direct_min_bytes
 from pwmesh.dataflow.layout import Layout
+from pwmesh.wire.codec import dtype_name
 from pwmesh.wire.messages import (
     AwaitBuffers,
     BuffersState,
@@ -72,7 +73,7 @@ def wire_spec(shape: tuple[int, ...], dtype: Any, sharding: Any) -> ValueSpec:
     """A ``pw.Array``'s value as the wire has it, from its shape, dtype and ``SliceSharding`` (a typed key
     array's is its data: ``client/prng.py``)."""
     shape, dtype = prng.physical(shape, dtype)
-    return ValueSpec(shape=list(shape), dtype=dtype.name, shards=len(sharding.slice.devices), sharding=sharding.wire)
+    return ValueSpec(shape=list(shape), dtype=dtype_name(dtype), shards=len(sharding.slice.devices), sharding=sharding.wire)
 
 
 class Session:
@@ -226,7 +227,7 @@ class Session:
             return
         try:
             places = self.conn.request(PutDirect(buffer=buffer_id, slice_id=slice_id, shape=list(array.shape),
-                                                 dtype=array.dtype.name, sharding=sharding))
+                                                 dtype=dtype_name(array.dtype), sharding=sharding))
             assert isinstance(places, ShardPlaces)
             direct.send(array, places, sharding)
         except BaseException:

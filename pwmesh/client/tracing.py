@@ -29,7 +29,7 @@ from pwmesh.client.sharding import SliceSharding
 from pwmesh.dataflow.layout import check_split
 from pwmesh.errors import InvalidArgument
 from pwmesh.ir.graph import donation_error
-from pwmesh.wire.codec import pack_records
+from pwmesh.wire.codec import dtype_name, pack_records
 from pwmesh.wire.messages import NodeSpec, ProgramSpec, ValueSpec
 
 if TYPE_CHECKING:
@@ -190,7 +190,7 @@ class ProgramBuilder:
         if prng.repacked(dtype):  # on the wire, a typed key array is its data, an int4 one int8 (``prng.py``)
             self.keys[len(self.values)] = dtype
         on_wire, wire_dtype = prng.physical(shape, dtype)
-        self.values.append(ValueSpec(shape=list(on_wire), dtype=wire_dtype.name, shards=devices, ragged=ragged,
+        self.values.append(ValueSpec(shape=list(on_wire), dtype=dtype_name(wire_dtype), shards=devices, ragged=ragged,
                                      sharding=wire))
         v = len(self.values) - 1
         if sharding is not None:

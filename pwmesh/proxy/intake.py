@@ -12,6 +12,7 @@ import numpy as np
 from pwmesh.errors import InvalidArgument, NotFound
 from pwmesh.ir.lower import Lowered, ShardLocation, value_layout
 from pwmesh.proxy.session import Buffer, Run, Session
+from pwmesh.wire.codec import dtype_name
 from pwmesh.wire.messages import ProgramSpec, PutShards, RunProgram, ValueSpec
 
 
@@ -75,7 +76,7 @@ def bind(session: Session, msg: RunProgram, program: ProgramSpec) -> Binding:
                 donated_ids.add(id(buf))
                 donated[v] = (inp.buffer, buf)
         elif inp.array is not None:
-            if list(inp.array.shape) != spec.shape or inp.array.dtype.name != spec.dtype:
+            if list(inp.array.shape) != spec.shape or dtype_name(inp.array.dtype) != spec.dtype:
                 raise InvalidArgument(f"input {v}: array is {inp.array.dtype}{list(inp.array.shape)}, "
                                       f"program expects {spec.dtype}{spec.shape}")
             names[v] = session.temp_name()

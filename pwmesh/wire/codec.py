@@ -97,8 +97,18 @@ class Envelope:
     role: str = ""
 
 
-def _dtype_name(dtype: np.dtype) -> str:
-    return dtype.name
+_DTYPE_NAMES: dict[np.dtype, str] = {}
+
+
+def dtype_name(dtype: np.dtype) -> str:
+    """``dtype.name``, remembered: NumPy works it out in Python each time (~1.6 us; a training step's
+    messages name ~30 dtypes in the proxy alone)."""
+    name = _DTYPE_NAMES.get(dtype)
+    if name is None:
+        name = dtype.name
+        if len(_DTYPE_NAMES) < 256:  # a few in practice; never a table that grows with what is sent
+            _DTYPE_NAMES[dtype] = name
+    return name
 
 
 def dtype_from_name(name: str) -> np.dtype:
@@ -125,7 +135,7 @@ def encode(message: Message, *, msg_id: int, reply_to: int | None = None, sender
     def default(obj: Any) -> Any:
         if isinstance(obj, Gather):  # its bytes go as they are: native-endian, C order, like an ndarray's
             buffers.append(obj)
-            return msgpack.ExtType(_ARRAY_EXT, msgpack.packb([len(buffers) - 1, _dtype_name(obj.dtype),
+            return msgpack.ExtType(_ARRAY_EXT, msgpack.packb([len(buffers) - 1, dtype_name(obj.dtype),
                                                               list(obj.shape)]))
         if isinstance(obj, np.ndarray):
             if obj.dtype.hasobject:
@@ -136,7 +146,7 @@ def encode(message: Message, *, msg_id: int, reply_to: int | None = None, sender
                 arr = arr.astype(arr.dtype.newbyteorder("="))
             # A uint8 view: ml_dtypes (bfloat16...) have no buffer-protocol format of their own.
             buffers.append(arr.reshape(-1).view(np.uint8).data if arr.size else b"")
-            meta = msgpack.packb([len(buffers) - 1, _dtype_name(arr.dtype), list(arr.shape)])
+            meta = msgpack.packb([len(buffers) - 1, dtype_name(arr.dtype), list(arr.shape)])
             return msgpack.ExtType(_ARRAY_EXT, meta)
         if isinstance(obj, np.generic):
             return obj.item()
