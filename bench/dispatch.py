@@ -21,7 +21,9 @@ packed on one executor (as plain JAX's devices are in one process). Plain
 JAX runs in this process on 2 CPU devices; Ray's workers run the same
 ``jax.pmap``'d op on 2 CPU devices each. A sequence's time runs from the first
 call to the last value at the client (checked). Rounds alternate the
-(computation, mode) pairs of one system; the median round is reported.
+(computation, mode) pairs; pwmesh's and plain JAX's are measured in the same
+rounds, so a shared machine's load falls on both alike (Ray's after, on its
+own); the median round is reported.
 
     python bench/dispatch.py              # ~2 minutes on a 2-core machine
     python bench/dispatch.py --smoke      # seconds: short sequences, one round
@@ -156,19 +158,28 @@ def rate(sequence: Callable[[], None], length: int, min_seconds: float) -> float
 
 def measure(sequences: dict[tuple[str, str], Callable[[], None]], config: Config) -> dict[str, dict[str, Any]]:
     """{computation: {mode: stats}} for one system: warm-up, then rounds alternating the pairs."""
+    return measure_systems({("", c, m): seq for (c, m), seq in sequences.items()}, config)[""]
+
+
+def measure_systems(sequences: dict[tuple[str, str, str], Callable[[], None]],
+                    config: Config) -> dict[str, dict[str, dict[str, Any]]]:
+    """{system: {computation: {mode: stats}}}: warm-up, then rounds alternating every (system, computation,
+    mode): systems measured in the same rounds see the same machine, so their ratio holds on a shared one
+    (measured one system after the other, a neighbour's burst during one moved the ratio by 1.6x)."""
     for sequence in sequences.values():
         for _ in range(config.warmup):
             sequence()
-    pairs = list(sequences)
-    samples: dict[tuple[str, str], list[float]] = {pair: [] for pair in pairs}
+    keys = list(sequences)
+    samples: dict[tuple[str, str, str], list[float]] = {key: [] for key in keys}
     for r in range(config.rounds):
-        shift = r % len(pairs)  # rotate who goes first, so a neighbour's burst hits all alike
-        for pair in pairs[shift:] + pairs[:shift]:
-            samples[pair].append(rate(sequences[pair], config.length, config.min_round_seconds))
-    out: dict[str, dict[str, Any]] = {c: {m: None for m in MODES} for c in COMPUTATIONS}
-    for (computation, mode), got in samples.items():
+        shift = r % len(keys)  # rotate who goes first, so a neighbour's burst hits all alike
+        for key in keys[shift:] + keys[:shift]:
+            samples[key].append(rate(sequences[key], config.length, config.min_round_seconds))
+    out: dict[str, dict[str, dict[str, Any]]] = {}
+    for (system, computation, mode), got in samples.items():
+        per = out.setdefault(system, {c: {m: None for m in MODES} for c in COMPUTATIONS})
         median = statistics.median(got)
-        out[computation][mode] = {"computations_per_second": median, "us_per_computation": 1e6 / median,
+        per[computation][mode] = {"computations_per_second": median, "us_per_computation": 1e6 / median,
                                   "best_computations_per_second": max(got), "rounds": got}
     return out
 
@@ -209,7 +220,10 @@ def traced(client: pw.Client, address: str, sequence: Callable[[], Any], length:
     return {key: statistics.median(values) for key, values in parts.items()}
 
 
-def bench_pwmesh(config: Config) -> tuple[dict[str, Any], dict[str, Any]]:
+def bench_pwmesh(config: Config, beside: dict[tuple[str, str], Callable[[], None]] | None = None,
+                 ) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any] | None]:
+    """pwmesh's rates and breakdown; with ``beside`` (plain JAX's sequences), theirs too, measured in the same
+    rounds (``measure_systems``)."""
     spec = pw.LocalClusterSpec(islands=1, hosts_per_island=2, devices_per_host=DEVICES, platform=config.platform)
     n = config.length
     with pw.LocalCluster(spec) as cluster, pw.Client(cluster.address, name="bench-dispatch") as client:
@@ -240,16 +254,23 @@ def bench_pwmesh(config: Config) -> tuple[dict[str, Any], dict[str, Any]]:
             calls[computation, "chained"] = functools.partial(pw.program(chain), x)
             calls[computation, "fused"] = functools.partial(fused, x)
         sequences = {pair: (lambda call=call: check(call(), float(n))) for pair, call in calls.items()}
-        results = measure(sequences, config)
+        together = {("pwmesh", c, m): seq for (c, m), seq in sequences.items()}
+        together.update({("jax", c, m): seq for (c, m), seq in (beside or {}).items()})
+        measured = measure_systems(together, config)
         breakdown = {f"{c}/{m}": traced(client, cluster.address, calls[c, m], 1 if m == "fused" else n,
                                         config.trace_samples) for c, m in calls}
-    return results, {"placement": placement, "breakdown": breakdown}
+    return measured["pwmesh"], {"placement": placement, "breakdown": breakdown}, measured.get("jax")
 
 
 # ------------------------------------------------------------------ plain JAX
 
 
 def bench_jax(config: Config) -> tuple[dict[str, Any], dict[str, Any]]:
+    sequences, info = jax_sequences(config)
+    return measure(sequences, config), info
+
+
+def jax_sequences(config: Config) -> tuple[dict[tuple[str, str], Callable[[], None]], dict[str, Any]]:
     n = config.length
     if config.platform != "cpu" and jax.devices()[0].platform == "cpu":
         raise RuntimeError(f"plain JAX found no {config.platform} devices here")
@@ -274,7 +295,7 @@ def bench_jax(config: Config) -> tuple[dict[str, Any], dict[str, Any]]:
     info = {"devices": [str(d) for d in jax.devices()[:DEVICES]],
             "note": "add_psum OpByOp waits for each call: XLA's CPU collectives deadlock with two in flight"
             if config.platform == "cpu" else ""}
-    return measure(sequences, config), info
+    return sequences, info
 
 
 # ------------------------------------------------------------------ Ray
@@ -479,8 +500,18 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[str, Any] = {s: None for s in SYSTEMS}
     info: dict[str, Any] = {s: None for s in SYSTEMS}
     notes = []
-    runners = {"pwmesh": bench_pwmesh, "jax": bench_jax, "ray": bench_ray}
+    runners = {"pwmesh": lambda c: bench_pwmesh(c)[:2], "jax": bench_jax, "ray": bench_ray}
+    if "pwmesh" in config.systems and "jax" in config.systems:  # in the same rounds: their ratio is the issue's
+        print(f"pwmesh and jax, alternating: {config.rounds} rounds of sequences of {config.length} ...", flush=True)
+        t0 = time.monotonic()
+        jax_seqs, info["jax"] = jax_sequences(config)
+        results["pwmesh"], info["pwmesh"], results["jax"] = bench_pwmesh(config, jax_seqs)
+        for system in ("pwmesh", "jax"):
+            info[system].update(seconds=time.monotonic() - t0, load_average_1m_after=load_average(),
+                                measured_with="pwmesh and jax alternating in the same rounds")
     for system in config.systems:
+        if results[system] is not None:
+            continue
         if system == "ray" and ray is None:
             note = "ray is not installed (pip install -e '.[bench]'): Ray rows skipped, recorded as null"
             print(note, flush=True)
