@@ -170,6 +170,43 @@ async def test_a_chain_behind_a_waiting_computation_runs_on_once_it_starts() -> 
 
 
 @pytest.mark.asyncio
+async def test_a_warm_computation_that_is_malformed_fails_alone_and_says_why() -> None:
+    """The warm path runs nothing it cannot finish as the general one would: a computation naming more outputs
+    than its function makes, or calling it with the wrong inputs, fails with the reason, its run goes on."""
+    async with runner() as (r, rec):
+        await warm(r, rec)
+        two_outputs, two_inputs = chain("r1", 1)[0], chain("r2", 1)[0]
+        two_outputs.outputs = ["r1/v0", "r1/b"]  # (its readers, behind it, fail with it)
+        two_inputs.inputs = ["x", "x"]
+        r.enqueue_all("r1", "p", [two_outputs, *chain("r1", 3)[1:]])
+        r.enqueue_all("r2", "p", [two_inputs])
+        await rec.part("r2")
+        failed = {(w.run_id, w.comp.node): w.error for w in rec.done if w.error is not None}
+        assert sorted(failed) == [("r1", 0), ("r1", 1), ("r1", 2), ("r2", 0)]
+        assert "produced 1 outputs, expected 2" in failed["r1", 0].message
+        assert "produced 1 outputs, expected 2" in failed["r1", 2].message  # its cause, passed down the chain
+        assert "computation 0" in failed["r2", 0].message
+        with pytest.raises(PwmeshError, match="produced 1 outputs"):
+            await r.store.get("r1/b/1")
+        assert r.outstanding == 0 and r.memory.reserved == 0 and rec.parts == ["r1", "r2"]
+
+
+@pytest.mark.asyncio
+async def test_a_computed_buffer_is_stored_at_once_or_as_each_piece_would_be() -> None:
+    """``put_made``: a new buffer's pieces in one step; a buffer waited for, or deleted, as ``put`` has it."""
+    store = ObjectStore()
+    store.put_made("o/a", [0, 1], ["a0", "a1"], 4)
+    assert store.values(["o/a/0", "o/a/1"]) == ["a0", "a1"] and store.nbytes == 8 and store.memory.stored == 8
+    store.delete(["o/a"])
+    assert store.deleted("o/a/0") and store.nbytes == 0
+    store.put_made("o/a", [0, 1], ["late", "late"], 4)  # deleted: dropped
+    assert store.values(["o/a/0"]) is None and store.nbytes == 0
+    store.fail("o/b/1", PwmeshError("boom"))  # one piece failed before it came: that failure stands
+    store.put_made("o/b", [0, 1], ["b0", "b1"], 4)
+    assert store.values(["o/b/0"]) == ["b0"] and store.values(["o/b/1"]) is None and store.nbytes == 4
+
+
+@pytest.mark.asyncio
 async def test_a_failed_input_takes_the_queue_and_fails_the_outputs() -> None:
     async with runner() as (r, rec):
         await warm(r, rec)

@@ -71,7 +71,11 @@ class DeviceQueues:
 
     def free(self, work: Work) -> bool:
         """Whether nothing but ``work`` (added) is on its devices: it may run at once, ahead of no one."""
-        return all(self.load[d] <= 1 for d in work.devices)
+        load = self.load
+        for d in work.devices:  # (a loop: a generator cost ~1 us of a chain node's ~30)
+            if load[d] > 1:
+                return False
+        return True
 
     def queue(self, work: Work) -> list[Start]:
         """Put an added ``work`` at the back of its devices' queues."""

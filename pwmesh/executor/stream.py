@@ -184,6 +184,14 @@ class Streams:
         """How many computations are handed to ``device`` and have not landed."""
         return len(self._streaming[device])
 
+    def busy(self, devices: list[int]) -> bool:
+        """Whether any of ``devices`` has a computation handed to it that has not landed."""
+        streaming = self._streaming
+        for device in devices:
+            if streaming[device]:
+                return True
+        return False
+
     @property
     def idle(self) -> bool:
         """Nothing is handed out or streamed (every computation handed over has landed)."""
