@@ -584,8 +584,8 @@ class Runner:
         """The warm path of ``_run_inline``, for the commonest computation (a function per device: no SPMD, no
         emits, nothing donated) that runs and makes what it should: dispatch, wait, store, report, with no
         per-node Python beyond that (a chain's node cost ~37 us here besides its XLA calls, ~22 so). False,
-        having run nothing, if it fails as it is dispatched or makes the wrong number of outputs: the
-        general path then runs it again, and fails it as it should."""
+        having stored and reported nothing, if it fails as it is dispatched or makes the wrong number of
+        outputs (a malformed computation): the general path then runs it again, and fails it as it should."""
         comp = work.comp
         start = time.perf_counter()
         try:
