@@ -32,6 +32,8 @@ import secrets
 from collections.abc import Callable, Mapping
 from typing import NamedTuple
 
+import numpy as np
+
 from pwmesh.core.contract import Send
 from pwmesh.errors import InvalidArgument
 from pwmesh.scheduler.slots import Cell, DeviceKey, Shape, Slots
@@ -92,6 +94,50 @@ class _InFlight:
     parts: dict[str, list[Cell]]  # executor -> the cells it holds (until it reports)
 
 
+class ExecutorCounts:
+    """Each executor's Enqueues sent from this scheduler instance (its next ``executor_seq``), in one array: a
+    run's executors, given by their places here (``places``, worked out once per template), are counted in
+    one step, not one per executor."""
+
+    def __init__(self) -> None:
+        self._index: dict[str, int] = {}
+        self._values = np.zeros(64, np.int64)
+
+    def places(self, executors: list[str]) -> np.ndarray:
+        """Where each of ``executors`` (each named once) is counted (stable: an executor keeps its place)."""
+        index = self._index
+        for executor_id in executors:
+            if executor_id not in index:
+                index[executor_id] = len(index)
+        if len(index) > len(self._values):
+            grown = np.zeros(max(len(index), 2 * len(self._values)), np.int64)
+            grown[:len(self._values)] = self._values
+            self._values = grown
+        return np.fromiter((index[e] for e in executors), np.intp, len(executors))
+
+    def take(self, places: np.ndarray) -> list[int]:
+        """The next ``executor_seq`` of each executor at ``places``, each counted once more."""
+        values = self._values
+        taken = values[places]
+        values[places] = taken + 1
+        return taken.tolist()  # type: ignore[no-any-return]
+
+    def next(self, executor_id: str) -> int:
+        """``executor_id``'s next ``executor_seq``, counted."""
+        i = self._index.get(executor_id)
+        if i is None:
+            i = int(self.places([executor_id])[0])
+        value = int(self._values[i])
+        self._values[i] = value + 1
+        return value
+
+    def restart(self, executor_id: str) -> None:
+        """A new process runs under ``executor_id``: its count starts over."""
+        i = self._index.get(executor_id)
+        if i is not None:
+            self._values[i] = 0
+
+
 class IslandOrder:
     def __init__(self, island: int, *, policy: str = "fair", window: int = 2, scheduler: str = "",
                  history: int = 10_000, epoch: str = "") -> None:
@@ -112,7 +158,7 @@ class IslandOrder:
         # This instance: executors restart their count with a new one (given: a replay of its events).
         self.epoch = epoch or secrets.token_hex(4)
         self.slots = Slots()  # runs in flight per device, counted per cell (``slots.py``)
-        self._executor_seq: collections.Counter[str] = collections.Counter()
+        self._executor_seq = ExecutorCounts()
         self._clients: dict[str, _Client] = {}
         self._in_flight: dict[str, _InFlight] = {}
         self._arrivals = itertools.count()
@@ -357,28 +403,20 @@ class IslandOrder:
         return actions
 
     def _tree_sends(self, run: RunTemplate, template: Template, layout: Layout) -> list[Send]:
-        """A run of a template every executor holds, over its fan-out tree: each executor's ``Enqueue``, as
-        ``_enqueues`` makes it, in one pass (the template's parts, sequence offsets and reports worked out
-        once), and the tree's sends of them (``Layout.sends``: what ``tree.build`` makes of them)."""
-        seq, run_id, proxy, names = self.next_seq, run.run_id, run.proxy, run.names
-        scheduler, epoch, template_id, executor_seq = self.scheduler, self.epoch, template.template_id, \
-            self._executor_seq
-        parts = []
-        make = object.__new__  # (an Enqueue's every field set below, as its __init__ would: 0.5 of its time)
-        for executor_id, nodes, first, end, report in template.rows(layout.reports):
-            enqueue = make(Enqueue)
-            enqueue.run_id, enqueue.proxy, enqueue.nodes, enqueue.computations = run_id, proxy, nodes, b""
-            enqueue.seqs, enqueue.names, enqueue.scheduler = list(range(seq + first, seq + end)), names, scheduler
-            enqueue.executor_seq = count = executor_seq[executor_id]
-            executor_seq[executor_id] = count + 1
-            enqueue.epoch, enqueue.template, enqueue.refs, enqueue.report = epoch, template_id, [], report
-            parts.append(enqueue)
+        """A run of a template every executor holds, over its fan-out tree: one ``FanOut`` per top-level subtree
+        with its parts said together (``Layout.sends``), what ``_enqueues`` and ``tree.build`` make of it
+        without a message per executor (the template's parts, places and tree worked out once)."""
+        seq, run_id, proxy = self.next_seq, run.run_id, run.proxy
+        if template.places is None:
+            template.places = self._executor_seq.places([part.executor_id for part in template.parts])
+        executor_seqs = self._executor_seq.take(template.places)
         if self.sequenced is not None:
             self.sequenced.append((run_id, proxy, template.executor_nodes, template.nodes, layout.tree))
         if template.offsets[-1]:
             self._history.append((seq, run_id, run.session, template.placed))
         self.next_seq = seq + template.offsets[-1]
-        return layout.sends(run_id, parts, scheduler, self._stimulus)
+        return layout.sends(run_id, proxy, run.names, self.scheduler, self.epoch, template.template_id, seq,
+                            executor_seqs, self._stimulus)
 
     def _enqueues(self, run: ScheduleRun | RunTemplate, template: Template | None) -> list[Send]:
         """A run's Enqueues, one per executor, in the island's order."""
@@ -386,18 +424,22 @@ class IslandOrder:
         seq = self.next_seq
         run_id, session = run.run_id, run.session
         placed: list[tuple[str, list[int]]] = []
-        executor_seq = self._executor_seq
         if template is None:
             assert isinstance(run, ScheduleRun)
             sending, names = run.parts, list[str]()
             if self.sequenced is not None:
                 self.sequenced.append((run_id, run.proxy, {p.executor_id: p.nodes for p in run.parts}, None, None))
+            # (one at a time: nothing but a template says each executor has one part)
+            executor_seqs = [self._executor_seq.next(part.executor_id) for part in sending]
         else:
             assert isinstance(run, RunTemplate)
             sending, names = template.parts, run.names
             if self.sequenced is not None:
                 self.sequenced.append((run_id, run.proxy, template.executor_nodes, template.nodes, None))
-        for part in sending:
+            if template.places is None:
+                template.places = self._executor_seq.places([part.executor_id for part in sending])
+            executor_seqs = self._executor_seq.take(template.places)
+        for part, executor_seq in zip(sending, executor_seqs, strict=True):
             ex, nodes = part.executor_id, part.nodes
             seqs = list(range(seq, seq + len(nodes)))
             placed.append((ex, nodes))
@@ -405,7 +447,7 @@ class IslandOrder:
             if template is None:
                 enqueue = Enqueue(run_id=run_id, proxy=run.proxy, nodes=part.nodes, computations=part.computations,
                                   seqs=seqs, names=part.names, scheduler=self.scheduler,
-                                  executor_seq=executor_seq[ex], epoch=self.epoch)
+                                  executor_seq=executor_seq, epoch=self.epoch)
             else:  # the part's bytes go with the first run only; every run carries the island's names
                 first = ex not in template.sent
                 if first:
@@ -413,10 +455,9 @@ class IslandOrder:
                 enqueue = Enqueue(run_id=run_id, proxy=run.proxy, nodes=part.nodes,
                                   computations=part.computations if first else b"", seqs=seqs,
                                   names=names, scheduler=self.scheduler,
-                                  executor_seq=executor_seq[ex], epoch=self.epoch,
+                                  executor_seq=executor_seq, epoch=self.epoch,
                                   template=template.template_id, refs=part.refs if first else [])
             actions.append(Send(part.control, enqueue, self._stimulus))
-            executor_seq[ex] += 1
         if seq > self.next_seq:
             self._history.append((self.next_seq, run_id, session, placed))
         self.next_seq = seq
@@ -433,7 +474,7 @@ class IslandOrder:
     def restart_executor(self, executor_id: str) -> None:
         """A new process runs under ``executor_id``: its Enqueues count from 0 again (the old process's
         parts were forgotten when it was declared lost), and it holds no template's part."""
-        self._executor_seq.pop(executor_id, None)
+        self._executor_seq.restart(executor_id)
         self.templates.forget_executor(executor_id)
 
     @property

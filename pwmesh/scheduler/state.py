@@ -293,7 +293,8 @@ class SchedulerState:
         found = template.layout
         if not isinstance(found, Layout) or found.width != self.fanout:
             found = template.layout = layout([p.executor_id for p in template.parts],
-                                             [p.control for p in template.parts], self.fanout)
+                                             [p.control for p in template.parts], self.fanout,
+                                             [p.nodes for p in template.parts], template.offsets[:-1])
         lost = self.completions.lost
         if lost and not found.heads.isdisjoint(lost):
             return None

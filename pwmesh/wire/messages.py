@@ -497,18 +497,53 @@ class Enqueue(Message, op="exec.enqueue"):
 
 
 @record
+class TemplateRun(Record):
+    """A run of an installed template, for a ``FanOut``'s parts said once (``FanOut.run``): part ``i``'s
+    ``Enqueue`` is what ``part(i, ...)`` makes of it (the template's part, held by its executor, carries the
+    computations). All that differs by part is its nodes, its places in the run's sequence and its
+    executor's running count; the rest is the run's, written once for the subtree."""
+
+    proxy: str
+    names: list[str]  # the run's buffer names (``RunTemplate.names``)
+    scheduler: str
+    epoch: str
+    template: str
+    seq: int  # the run's first place in the island order
+    nodes: list[list[int]]  # each part's nodes
+    firsts: list[int]  # where each part's places start, counted from ``seq``
+    executor_seqs: list[int]  # each part's ``executor_seq``
+
+    def sliced(self, i: int, j: int) -> TemplateRun:
+        """Parts ``[i, j)`` of it (a child subtree's)."""
+        return TemplateRun(proxy=self.proxy, names=self.names, scheduler=self.scheduler, epoch=self.epoch,
+                           template=self.template, seq=self.seq, nodes=self.nodes[i:j], firsts=self.firsts[i:j],
+                           executor_seqs=self.executor_seqs[i:j])
+
+    def part(self, i: int, run_id: str, report: str) -> Enqueue:
+        """Part ``i``'s ``Enqueue``, its completions going to ``report`` ("": the scheduler)."""
+        nodes = self.nodes[i]
+        first = self.seq + self.firsts[i]
+        return Enqueue(run_id=run_id, proxy=self.proxy, nodes=nodes, computations=b"",
+                       seqs=list(range(first, first + len(nodes))), names=self.names, scheduler=self.scheduler,
+                       executor_seq=self.executor_seqs[i], epoch=self.epoch, template=self.template, report=report)
+
+
+@record
 class FanOut(Message, op="exec.fan_out"):
     """A large run's parts for one subtree of its executors (``scheduler/tree.py``), sent to the subtree's
-    head: ``bodies[0]`` is the head's own part, then each child subtree's in preorder (``sizes[i]``: part
-    i's subtree, itself included; 1: a leaf). Each part travels as its ``Enqueue``'s encoded body, opaque
-    to the heads it passes: a head decodes only its own (``enqueue_body``), sends each child its slice of
-    the bodies unread as a ``FanOut`` of its own (a leaf's: of one), and reports the completions its
-    children report to it up to ``parent`` as ``PartsDone`` (``executor/fanout.py``); its own part reports
-    where its ``Enqueue.report`` says (``parent``, as the tree is built).
+    head: part 0 is the head's own, then each child subtree's in preorder (``sizes[i]``: part i's subtree,
+    itself included; 1: a leaf). The head takes its own part, sends each child its slice of the parts as a
+    ``FanOut`` of its own (a leaf's: of one), and reports the completions its children report to it up to
+    ``parent`` as ``PartsDone`` (``executor/fanout.py``); its own part reports to ``parent`` too ("" in its
+    ``report`` when that is the scheduler).
 
-    The sender may give ``parts`` instead of ``bodies`` (the scheduler: the Enqueues the order made):
-    they are encoded into ``bodies`` when the message is, once each, after the bodies given; ``parts``
-    never travels (a frame that holds it is refused)."""
+    The parts come one of two ways. A run of a template every executor holds comes as ``run``: the run's
+    fields once, and per part only its nodes, places and ``executor_seq`` (``TemplateRun``), so neither the
+    scheduler nor a head handles a body per executor. Any other run's parts travel as ``bodies``: each
+    ``Enqueue`` encoded, opaque to the heads it passes (a head decodes only its own, ``enqueue_body``, and
+    sends each child its slice unread). The sender may give ``parts`` instead of ``bodies`` (the scheduler:
+    the Enqueues the order made): they are encoded into ``bodies`` when the message is, once each, after
+    the bodies given; ``parts`` never travels (a frame that holds it is refused)."""
 
     run_id: str
     parent: str  # where the head's ``PartsDone`` go: the scheduler, or the head above
@@ -516,6 +551,7 @@ class FanOut(Message, op="exec.fan_out"):
     executors: list[str]  # each part's executor
     controls: list[str]  # where each part's executor is reached
     sizes: list[int]
+    run: TemplateRun | None = None  # the parts, said together (then ``bodies`` is empty)
     # (the sender's only, never on the wire: see above)
     parts: list[Enqueue] = dataclasses.field(default_factory=list, metadata={"wire": False})
 
@@ -524,8 +560,9 @@ class FanOut(Message, op="exec.fan_out"):
         if self.parts:
             pack = msgpack.Packer().pack  # one packer for all (a packb each costs ~10% more)
             bodies += [pack(p.to_wire()) for p in self.parts]
-        return {"run_id": self.run_id, "parent": self.parent, "bodies": bodies,
-                "executors": list(self.executors), "controls": list(self.controls), "sizes": list(self.sizes)}
+        return {"run_id": self.run_id, "parent": self.parent, "bodies": bodies, "executors": list(self.executors),
+                "controls": list(self.controls), "sizes": list(self.sizes),
+                "run": None if self.run is None else self.run.to_wire()}
 
     @classmethod
     def from_wire(cls, data: Any, path: str = "") -> FanOut:
@@ -535,7 +572,7 @@ class FanOut(Message, op="exec.fan_out"):
 
     def count(self) -> int:
         """How many parts it carries (its subtree's executors)."""
-        return len(self.bodies) + len(self.parts)
+        return len(self.executors) if self.run is not None else len(self.bodies) + len(self.parts)
 
 
 def enqueue_body(data: bytes, what: str = "part") -> Enqueue:
