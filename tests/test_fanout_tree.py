@@ -44,6 +44,7 @@ from pwmesh.wire.messages import (
     SubtreeLost,
     TemplateRun,
     enqueue_body,
+    packed,
 )
 
 pytestmark = pytest.mark.timeout(240)
@@ -181,21 +182,25 @@ def test_a_warm_template_run_goes_down_the_tree_as_one_message_per_subtree_and_h
 
 
 def test_a_fanout_whose_parts_said_together_do_not_line_up_is_refused_whole() -> None:
-    run = TemplateRun(proxy="p", names=["b"], scheduler="tcp://sched", epoch="e", template="t", seq=0,
-                      nodes=[[0], [1], [2]], firsts=[0, 1, 2], executor_seqs=[0, 0])
+    run = TemplateRun(proxy="p", names=["b"], scheduler="tcp://sched", epoch="e", template="t", seq=5,
+                      counts=packed([1, 2, 1]), nodes=packed([0, 1, 2, 3]), executor_seqs=packed([4, 0]))
     fan = FanOut(run_id="r", parent="tcp://sched", bodies=[], executors=["e0", "e1", "e2"],
                  controls=["tcp://e0:1", "tcp://e1:1", "tcp://e2:1"], sizes=[3, 1, 1], run=run)
-    with pytest.raises(ProtocolError, match="2 executor_seqs"):
+    with pytest.raises(ProtocolError, match="16 of executor_seqs"):
         FanOutRelay("e0").fan_out(wire(fan))
-    run.executor_seqs = [0, 0, 0]
+    run.executor_seqs = packed([4, 0, 9])
+    run.nodes = packed([0, 1, 2])
+    with pytest.raises(ProtocolError, match="counts of 4 nodes and 24 bytes of nodes"):
+        FanOutRelay("e0").fan_out(wire(fan))
+    run.nodes = packed([0, 1, 2, 3])
     both = FanOut(run_id="r", parent="tcp://sched", bodies=[b"x", b"y", b"z"], executors=fan.executors,
                   controls=fan.controls, sizes=fan.sizes, run=run)
-    with pytest.raises(ProtocolError, match="3 bodies"):
+    with pytest.raises(ProtocolError, match="3 bodies as well"):
         FanOutRelay("e0").fan_out(wire(both))
     own, more = FanOutRelay("e0").fan_out(wire(fan))
-    assert own is not None and own.executor_seq == 0 and own.report == "" and own.seqs == [0]
-    assert [(to, m.run.nodes) for to, m in more if isinstance(m, FanOut) and m.run] == \
-        [("tcp://e1:1", [[1]]), ("tcp://e2:1", [[2]])]
+    assert own is not None and (own.nodes, own.seqs, own.executor_seq, own.report) == ([0], [5], 4, "")
+    cut = [(to, m.run.seq, m.run.unpacked()) for to, m in more if isinstance(m, FanOut) and m.run]
+    assert cut == [("tcp://e1:1", 6, ([[1, 2]], [0])), ("tcp://e2:1", 8, ([[3]], [9]))]
 
 
 def test_a_part_that_does_not_decode_fails_that_part_alone_with_the_codecs_error() -> None:

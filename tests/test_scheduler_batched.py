@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import random
 
+import numpy as np
 import pytest
 
 from pwmesh.core.contract import Received, Send
@@ -114,7 +115,7 @@ def reports_for(rng: random.Random, send: Send) -> list[Message]:
         return [RunPartDone(run_id=message.run_id, executor_id=ex, device_seconds=rng.choice([0.0, 0.5]))]
     assert isinstance(message, FanOut)
     head, *below = message.executors
-    nodes = message.run.nodes if message.run is not None else [p.nodes for p in message.parts]
+    nodes = message.run.unpacked()[0] if message.run is not None else [p.nodes for p in message.parts]
     out: list[Message] = [RunPartDone(run_id=message.run_id, executor_id=head, device_seconds=0.25)]
     ended = list(below)
     rng.shuffle(ended)
@@ -202,8 +203,8 @@ def test_a_layout_is_the_tree_build_makes_of_the_same_parts() -> None:
                                            scheduler="tcp://s", executor_seq=i, epoch="ep", template="t"), "s")
                  for i, ex in enumerate(executors)]
         want, tree = build("r", sends, lambda c: c.removeprefix("tcp://").removesuffix(":1"), 16, "tcp://s")
-        plan = layout(executors, [control(ex) for ex in executors], 16, nodes, firsts)
-        got = plan.sends("r", "p", ["x"], "tcp://s", "ep", "t", 7, list(range(n)), "s")
+        plan = layout(executors, [control(ex) for ex in executors], 16, nodes)
+        got = plan.sends("r", "p", ["x"], "tcp://s", "ep", "t", 7, np.arange(n), "s")
         assert len(got) == len(want) <= 16
         assert received(list(got)) == received(list(want))
         assert (plan.tree.executors, plan.tree.sizes, plan.tree.parents) == (tree.executors, tree.sizes, tree.parents)

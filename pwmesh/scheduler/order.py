@@ -115,12 +115,12 @@ class ExecutorCounts:
             self._values = grown
         return np.fromiter((index[e] for e in executors), np.intp, len(executors))
 
-    def take(self, places: np.ndarray) -> list[int]:
+    def take(self, places: np.ndarray) -> np.ndarray:
         """The next ``executor_seq`` of each executor at ``places``, each counted once more."""
         values = self._values
-        taken = values[places]
+        taken: np.ndarray = values[places]
         values[places] = taken + 1
-        return taken.tolist()  # type: ignore[no-any-return]
+        return taken
 
     def next(self, executor_id: str) -> int:
         """``executor_id``'s next ``executor_seq``, counted."""
@@ -438,7 +438,7 @@ class IslandOrder:
                 self.sequenced.append((run_id, run.proxy, template.executor_nodes, template.nodes, None))
             if template.places is None:
                 template.places = self._executor_seq.places([part.executor_id for part in sending])
-            executor_seqs = self._executor_seq.take(template.places)
+            executor_seqs = self._executor_seq.take(template.places).tolist()
         for part, executor_seq in zip(sending, executor_seqs, strict=True):
             ex, nodes = part.executor_id, part.nodes
             seqs = list(range(seq, seq + len(nodes)))

@@ -294,7 +294,7 @@ class SchedulerState:
         if not isinstance(found, Layout) or found.width != self.fanout:
             found = template.layout = layout([p.executor_id for p in template.parts],
                                              [p.control for p in template.parts], self.fanout,
-                                             [p.nodes for p in template.parts], template.offsets[:-1])
+                                             [p.nodes for p in template.parts])
         lost = self.completions.lost
         if lost and not found.heads.isdisjoint(lost):
             return None

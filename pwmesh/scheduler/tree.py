@@ -19,7 +19,7 @@ A template's runs all have the same tree (while none of its heads is gone): ``La
 per template (``layout``), with each top-level subtree's executors, controls, sizes, parts' nodes and
 places. Once every executor holds its part, a run is one ``FanOut`` per top-level subtree whose parts are
 said together (``Layout.sends``: ``TemplateRun``, the run's names and first place once, per part only its
-``executor_seq``), and each head makes its own ``Enqueue`` of it: each executor gets what ``build`` would
+nodes and ``executor_seq``, packed), and each head makes its own ``Enqueue`` of it: each executor gets what ``build`` would
 have sent it, while the scheduler's work per run is per subtree, not per executor, and nothing per
 executor is encoded.
 """
@@ -29,11 +29,13 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
+
+import numpy as np
 
 from pwmesh.core.contract import Send
 from pwmesh.errors import InvalidArgument
-from pwmesh.wire.messages import Enqueue, FanOut, TemplateRun, subtree_frees
+from pwmesh.wire.messages import PACKED, Enqueue, FanOut, TemplateRun, packed, subtree_frees
 
 FANOUT_ENV = "PWMESH_FANOUT"
 DEFAULT_FANOUT = 16  # the tree's width: a head's children, and the scheduler's sends per run
@@ -196,16 +198,17 @@ def build(run_id: str, sends: list[Send], executor_of: Callable[[str], str], wid
 @dataclasses.dataclass(slots=True, eq=False)
 class _Top:
     """A top-level subtree of a ``Layout``, as each run's ``FanOut`` to its head carries it (never changed:
-    every run's message shares these lists)."""
+    every run's message shares these)."""
 
     first: int  # its first part
     end: int
+    offset: int  # its first part's first place in a run, from the run's first
     control: str  # its head's
     executors: list[str]
     controls: list[str]
     sizes: list[int]
-    nodes: list[list[int]]
-    firsts: list[int]
+    counts: bytes  # its parts' node counts and nodes, packed (``TemplateRun``)
+    nodes: bytes
 
 
 @dataclasses.dataclass(slots=True, eq=False)
@@ -219,25 +222,24 @@ class Layout:
     width: int
 
     def sends(self, run_id: str, proxy: str, names: list[str], scheduler: str, epoch: str, template: str, seq: int,
-              executor_seqs: Sequence[int], stimulus: str) -> list[Send]:
+              executor_seqs: np.ndarray, stimulus: str) -> list[Send]:
         """A run of template ``template`` whose first place in the island order is ``seq``: a ``FanOut`` to each
         top-level head (a subtree of one: to the executor itself) with its subtree's parts said together
         (``TemplateRun``), part ``i``'s ``executor_seq`` ``executor_seqs[i]``. Each executor gets the
-        ``Enqueue`` that ``build`` would send it; the work here is per subtree, but for the slices of
-        ``executor_seqs``."""
+        ``Enqueue`` that ``build`` would send it; the work here is per subtree, not per executor."""
         out: list[Send] = []
         for top in self.tops:
-            run = TemplateRun(proxy=proxy, names=names, scheduler=scheduler, epoch=epoch, template=template, seq=seq,
-                              nodes=top.nodes, firsts=top.firsts, executor_seqs=list(executor_seqs[top.first:top.end]))
+            run = TemplateRun(proxy=proxy, names=names, scheduler=scheduler, epoch=epoch, template=template,
+                              seq=seq + top.offset, counts=top.counts, nodes=top.nodes,
+                              executor_seqs=executor_seqs[top.first:top.end].astype(PACKED, copy=False).tobytes())
             out.append(Send(top.control, FanOut(run_id=run_id, parent=scheduler, bodies=[], executors=top.executors,
                                                 controls=top.controls, sizes=top.sizes, run=run), stimulus))
         return out
 
 
-def layout(executors: list[str], controls: list[str], width: int, nodes: list[list[int]],
-           firsts: list[int]) -> Layout:
-    """The tree ``build`` makes of parts for ``executors`` (at ``controls``, with ``nodes`` whose places in a
-    run start at ``firsts``), in this order, none gone."""
+def layout(executors: list[str], controls: list[str], width: int, nodes: list[list[int]]) -> Layout:
+    """The tree ``build`` makes of parts for ``executors`` (at ``controls``, with ``nodes``, whose places in a
+    run follow one another in this order), in this order, none gone."""
     n = len(executors)
     sizes = list(preorder(n, width)[1])
     parents = [-1] * n
@@ -250,10 +252,13 @@ def layout(executors: list[str], controls: list[str], width: int, nodes: list[li
         if sizes[i] > 1:
             open_heads.append((i, i + sizes[i]))
     tops = []
-    i = 0
+    i = offset = 0
     while i < n:
         j = i + sizes[i]
-        tops.append(_Top(i, j, controls[i], executors[i:j], controls[i:j], sizes[i:j], nodes[i:j], firsts[i:j]))
+        mine = nodes[i:j]
+        tops.append(_Top(i, j, offset, controls[i], executors[i:j], controls[i:j], sizes[i:j],
+                         packed([len(m) for m in mine]), packed([node for m in mine for node in m])))
+        offset += sum(len(m) for m in mine)
         i = j
     tree = RunTree(list(executors), list(controls), sizes, parents, {ex: k for k, ex in enumerate(executors)})
     return Layout(tree, frozenset(ex for ex, size in zip(executors, sizes, strict=True) if size > 1), tops, width)

@@ -9,6 +9,8 @@ Keys of object-store entries are strings ``"<owner>/<buffer>/<shard>"`` (see
 from __future__ import annotations
 
 import dataclasses
+import itertools
+import struct
 from typing import Any, ClassVar
 
 import msgpack
@@ -496,36 +498,74 @@ class Enqueue(Message, op="exec.enqueue"):
     report: str = ""
 
 
+PACKED = np.dtype("<i8")  # a ``TemplateRun``'s packed integers: little-endian int64, one after another
+
+
+def packed(values: Any) -> bytes:
+    """Integers as a ``TemplateRun`` carries them."""
+    return np.asarray(values, PACKED).tobytes()
+
+
 @record
 class TemplateRun(Record):
-    """A run of an installed template, for a ``FanOut``'s parts said once (``FanOut.run``): part ``i``'s
-    ``Enqueue`` is what ``part(i, ...)`` makes of it (the template's part, held by its executor, carries the
-    computations). All that differs by part is its nodes, its places in the run's sequence and its
-    executor's running count; the rest is the run's, written once for the subtree."""
+    """A run of an installed template, for a ``FanOut``'s parts said once (``FanOut.run``): all that differs
+    by part is its nodes and its executor's running count; the rest is the run's, written once for the
+    subtree. The parts' places in the island order follow one another from ``seq`` (part 0's first), as a
+    template's parts do in a run. The per-part integers travel packed (``PACKED``), so a head reads and
+    cuts them as bytes, not as thousands of checked values: part ``i`` has ``counts[i]`` nodes, the next
+    ones of ``nodes``."""
 
     proxy: str
     names: list[str]  # the run's buffer names (``RunTemplate.names``)
     scheduler: str
     epoch: str
     template: str
-    seq: int  # the run's first place in the island order
-    nodes: list[list[int]]  # each part's nodes
-    firsts: list[int]  # where each part's places start, counted from ``seq``
-    executor_seqs: list[int]  # each part's ``executor_seq``
+    seq: int  # part 0's first place in the island order
+    counts: bytes  # each part's number of nodes
+    nodes: bytes  # every part's nodes, part after part
+    executor_seqs: bytes  # each part's ``executor_seq``
 
-    def sliced(self, i: int, j: int) -> TemplateRun:
-        """Parts ``[i, j)`` of it (a child subtree's)."""
-        return TemplateRun(proxy=self.proxy, names=self.names, scheduler=self.scheduler, epoch=self.epoch,
-                           template=self.template, seq=self.seq, nodes=self.nodes[i:j], firsts=self.firsts[i:j],
-                           executor_seqs=self.executor_seqs[i:j])
+    def problem(self, parts: int) -> str:
+        """What does not line up with ``parts`` parts ("": nothing)."""
+        if len(self.counts) != 8 * parts or len(self.executor_seqs) != 8 * parts:
+            return f"{len(self.counts)} bytes of counts and {len(self.executor_seqs)} of executor_seqs"
+        counts = _unpack_ints(self.counts)
+        if len(self.nodes) % 8 or min(counts, default=0) < 0 or sum(counts) != len(self.nodes) // 8:
+            return f"counts of {sum(counts)} nodes and {len(self.nodes)} bytes of nodes"
+        return ""
 
-    def part(self, i: int, run_id: str, report: str) -> Enqueue:
-        """Part ``i``'s ``Enqueue``, its completions going to ``report`` ("": the scheduler)."""
-        nodes = self.nodes[i]
-        first = self.seq + self.firsts[i]
-        return Enqueue(run_id=run_id, proxy=self.proxy, nodes=nodes, computations=b"",
-                       seqs=list(range(first, first + len(nodes))), names=self.names, scheduler=self.scheduler,
-                       executor_seq=self.executor_seqs[i], epoch=self.epoch, template=self.template, report=report)
+    def cut(self, ranges: list[tuple[int, int]]) -> list[TemplateRun]:
+        """Parts ``[i, j)`` of it for each range (the child subtrees'), each with its own ``seq``."""
+        ends = list(itertools.accumulate(_unpack_ints(self.counts)))  # each part's nodes end here
+        out = []
+        for i, j in ranges:
+            a, b = ends[i - 1] if i else 0, ends[j - 1]
+            out.append(TemplateRun(proxy=self.proxy, names=self.names, scheduler=self.scheduler, epoch=self.epoch,
+                                   template=self.template, seq=self.seq + a, counts=self.counts[8 * i:8 * j],
+                                   nodes=self.nodes[8 * a:8 * b], executor_seqs=self.executor_seqs[8 * i:8 * j]))
+        return out
+
+    def first(self, run_id: str, report: str) -> Enqueue:
+        """Part 0's ``Enqueue``, its completions going to ``report`` ("": the scheduler)."""
+        (count,), (executor_seq,) = _INT64.unpack_from(self.counts), _INT64.unpack_from(self.executor_seqs)
+        return Enqueue(run_id=run_id, proxy=self.proxy, nodes=_unpack_ints(self.nodes, count), computations=b"",
+                       seqs=list(range(self.seq, self.seq + count)), names=self.names, scheduler=self.scheduler,
+                       executor_seq=executor_seq, epoch=self.epoch, template=self.template, report=report)
+
+    def unpacked(self) -> tuple[list[list[int]], list[int]]:
+        """Each part's nodes and ``executor_seq`` (to read it: the relay cuts it as bytes)."""
+        nodes = _unpack_ints(self.nodes)
+        ends = list(itertools.accumulate(_unpack_ints(self.counts)))
+        return [nodes[a:b] for a, b in zip([0, *ends], ends, strict=False)], _unpack_ints(self.executor_seqs)
+
+
+_INT64 = struct.Struct("<q")
+
+
+def _unpack_ints(data: bytes, count: int | None = None) -> list[int]:
+    """The first ``count`` (None: all) packed integers of ``data`` (a ``TemplateRun``'s)."""
+    n = len(data) // 8 if count is None else count
+    return list(struct.unpack_from(f"<{n}q", data))
 
 
 @record
@@ -538,7 +578,7 @@ class FanOut(Message, op="exec.fan_out"):
     ``report`` when that is the scheduler).
 
     The parts come one of two ways. A run of a template every executor holds comes as ``run``: the run's
-    fields once, and per part only its nodes, places and ``executor_seq`` (``TemplateRun``), so neither the
+    fields once, and per part only its nodes and ``executor_seq``, packed (``TemplateRun``), so neither the
     scheduler nor a head handles a body per executor. Any other run's parts travel as ``bodies``: each
     ``Enqueue`` encoded, opaque to the heads it passes (a head decodes only its own, ``enqueue_body``, and
     sends each child its slice unread). The sender may give ``parts`` instead of ``bodies`` (the scheduler:
