@@ -54,7 +54,7 @@ class OneAtATime(IslandOrder):
     """The reference order: a head's parts end one ``part_done`` at a time, each followed by its release pass."""
 
     def parts_done(self, run_id: str, executor_ids: list[str], device_seconds: float,
-                   stimulus: str = "") -> list[Send]:
+                   stimulus: str = "", head: str = "") -> list[Send]:
         actions: list[Send] = []
         for executor_id in executor_ids:
             actions += self.part_done(run_id, executor_id, device_seconds, stimulus)
@@ -129,14 +129,16 @@ def reports_for(rng: random.Random, send: Send) -> list[Message]:
                              reports=early, last=False))
         out.append(PartsDone(run_id=message.run_id, head=head, ended=ended[cut:], device_seconds=0.2))
     else:
-        out.append(PartsDone(run_id=message.run_id, head=head, ended=ended, device_seconds=0.3, reports=early))
+        out.append(PartsDone(run_id=message.run_id, head=head, ended=ended, device_seconds=rng.choice([0.0, 0.3]),
+                             reports=early))
     rng.shuffle(out)
     return out
 
 
+@pytest.mark.parametrize("sessions", ["abc", "a"])  # one client: fewer runs held back, more ended in one step
 @pytest.mark.parametrize("policy", ["fair", "fifo"])
 @pytest.mark.parametrize("seed", range(8))
-def test_batched_paths_decide_and_send_what_one_executor_at_a_time_did(policy: str, seed: int) -> None:
+def test_batched_paths_decide_and_send_what_one_executor_at_a_time_did(policy: str, seed: int, sessions: str) -> None:
     rng = random.Random(seed)
     fast, slow = cores(policy)
     templates = []
@@ -149,6 +151,9 @@ def test_batched_paths_decide_and_send_what_one_executor_at_a_time_did(policy: s
     assert laid_out is not None
     fast.order.layout_for = lambda t: (layouts.append(found) or found) if (found := laid_out(t)) else None
     layouts: list[object] = []
+    ended_together: list[bool] = []  # a head's whole subtree ended in one step (``IslandOrder._together``)
+    together = fast.order._together
+    fast.order._together = lambda *a: ended_together.append(together(*a)) or ended_together[-1]  # type: ignore[method-assign]
 
     def handle(message: Message) -> list[object]:
         nonlocal tree_runs
@@ -176,7 +181,7 @@ def test_batched_paths_decide_and_send_what_one_executor_at_a_time_did(policy: s
         elif pending and roll < 0.6:
             handle(pending.pop(rng.randrange(len(pending))))
         else:
-            session = rng.choice(["a", "b", "c"])
+            session = rng.choice(sessions)
             if rng.random() < 0.7:
                 t = rng.choice(templates)
                 handle(RunTemplate(template_id=t.template_id, run_id=f"r{step}", proxy="p", names=["x"],
@@ -191,6 +196,8 @@ def test_batched_paths_decide_and_send_what_one_executor_at_a_time_did(policy: s
     assert list(fast.order.history) == list(slow.order.history)
     assert fast.order.usage() == slow.order.usage()
     assert len(layouts) > 10 and tree_runs > 30 and fast.order.next_seq > 200, "runs went through trees"
+    if policy == "fair" and sessions == "a":
+        assert sum(ended_together) > 10, "heads' subtrees ended in one step"
 
 
 def test_a_layout_is_the_tree_build_makes_of_the_same_parts() -> None:

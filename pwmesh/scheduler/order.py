@@ -92,6 +92,11 @@ class _InFlight:
     client: _Client
     shape: Shape
     parts: dict[str, list[Cell]]  # executor -> the cells it holds (until it reports)
+    # A run sent through a fan-out tree (``tree.Layout``): each top-level head's subtree below it, kept whole
+    # (its parts not in ``parts``) until a part of it ends apart from the rest: the head's ``PartsDone``
+    # usually ends them all at once (``parts_done``).
+    below: dict[str, tuple[frozenset[str], list[str]]] | None = None
+    layout: Layout | None = None
 
 
 class ExecutorCounts:
@@ -240,22 +245,35 @@ class IslandOrder:
             return []
         freed = flight.parts.pop(executor_id, None)
         if freed is None:
-            return []
+            head = self._kept_below(flight, executor_id)
+            if head is None:
+                return []
+            self._unfold(flight, head)
+            freed = flight.parts.pop(executor_id)
         for cell in freed:
             cell.busy -= 1
         self._freed(run_id, flight, freed, device_seconds)
         return self._release()
 
     def parts_done(self, run_id: str, executor_ids: list[str], device_seconds: float,
-                   stimulus: str = "") -> list[Send]:
-        """Executors' parts of a run ended together (a fan-out head's ``PartsDone``): what ``part_done`` for
-        each in turn decides (``device_seconds`` charged with the first). An end that charges nothing, wakes
-        no one and leaves the run in flight, while no one waits to be released (the fair order's ``_ready``
-        is empty; in FIFO, no run waits), changes nothing but its cells' counts: only those are kept."""
+                   stimulus: str = "", head: str = "") -> list[Send]:
+        """Executors' parts of a run ended together (a fan-out head's ``PartsDone``, ``head`` the top-level head
+        that sent it): what ``part_done`` for each in turn decides (``device_seconds`` charged with the first).
+        An end that charges nothing, wakes no one and leaves the run in flight, while no one waits to be
+        released (the fair order's ``_ready`` is empty; in FIFO, no run waits), changes nothing but its cells'
+        counts: only those are kept. The whole subtree of ``head`` ended so, while its parts are kept
+        together, is ended in one step (``_together``)."""
         self._stimulus = stimulus
         flight = self._in_flight.get(run_id)
         if flight is None:
             return []
+        if flight.below:
+            if head in flight.below and self._together(run_id, flight, head, executor_ids, device_seconds):
+                return []
+            for executor_id in executor_ids:  # (one by one from here)
+                kept = self._kept_below(flight, executor_id)
+                if kept is not None:
+                    self._unfold(flight, kept)
         if self.policy != "fair" and any(c.queue for c in self._clients.values()):
             actions: list[Send] = []
             for executor_id in executor_ids:
@@ -282,6 +300,44 @@ class IslandOrder:
                     break
         return actions
 
+    def _together(self, run_id: str, flight: _InFlight, head: str, executor_ids: list[str],
+                  device_seconds: float) -> bool:
+        """End every part below ``head`` in one step, if ``executor_ids`` are those parts and ending them one by
+        one would only lower their cells' counts (and charge the client, and perhaps end the run): no one
+        waits to be released, the charge moves no waiting client, and no cell of theirs holds anyone back.
+        False: nothing done (they are ended one by one)."""
+        executors, below = flight.below[head]  # type: ignore[index]
+        client = flight.client
+        if self._ready or (device_seconds and client.queue) or set(executor_ids) != executors:
+            return False
+        if self.policy != "fair" and any(c.queue for c in self._clients.values()):
+            return False  # (FIFO releases after each part: ``part_done``)
+        cells = flight.shape.cells_of((head, executors), below)
+        for cell in cells:
+            if cell.blocked:
+                return False
+        del flight.below[head]  # type: ignore[union-attr]
+        for cell in cells:
+            cell.busy -= 1
+        self._freed(run_id, flight, [], device_seconds)
+        return True
+
+    @staticmethod
+    def _kept_below(flight: _InFlight, executor_id: str) -> str | None:
+        """The top-level head whose subtree, kept whole in ``flight``, holds ``executor_id``'s part (None: none)."""
+        if not flight.below or flight.layout is None:
+            return None
+        head = flight.layout.top_of.get(executor_id)
+        return head if head is not None and head in flight.below else None
+
+    @staticmethod
+    def _unfold(flight: _InFlight, head: str) -> None:
+        """The parts below ``head``, kept whole so far, one by one in ``flight.parts`` (the shape's own lists)."""
+        _, below = flight.below.pop(head)  # type: ignore[union-attr]
+        by = flight.shape.by_executor
+        for executor_id in below:
+            flight.parts[executor_id] = by[executor_id]
+
     def _freed(self, run_id: str, flight: _InFlight, freed: list[Cell], device_seconds: float) -> None:
         """An executor's part of ``run_id`` ended (its cells' counts already down): charge the client, wake
         whom its freed slots may let through, and end the run if it was the last part."""
@@ -294,7 +350,7 @@ class IslandOrder:
                     self._wake(cell)
             if client.queue and device_seconds:
                 self._place(client)  # its virtual time moved
-        if not flight.parts:
+        if not flight.parts and not flight.below:
             del self._in_flight[run_id]
             self.slots.drop(flight.shape)
             client.in_flight -= 1
@@ -397,7 +453,12 @@ class IslandOrder:
         for cell in shape.cells:
             cell.busy += 1
         # The lists are the shape's own: a cell split later (``slots.py``) is held and freed with them.
-        self._in_flight[run.run_id] = _InFlight(client, shape, dict(shape.by_executor))
+        if layout is not None and len(shape.by_executor) == len(layout.tree.executors):
+            by = shape.by_executor  # (through a tree: the parts below its top-level heads kept whole)
+            flight = _InFlight(client, shape, {ex: by[ex] for ex in layout.lone}, dict(layout.below), layout)
+        else:
+            flight = _InFlight(client, shape, dict(shape.by_executor))
+        self._in_flight[run.run_id] = flight
         client.in_flight += 1
         client.runs += 1
         return actions
@@ -467,7 +528,7 @@ class IslandOrder:
         """An executor is gone: its parts will never report; free their slots."""
         actions: list[Send] = []
         for run_id, flight in list(self._in_flight.items()):
-            if executor_id in flight.parts:
+            if executor_id in flight.parts or self._kept_below(flight, executor_id) is not None:
                 actions.extend(self.part_done(run_id, executor_id, 0.0, stimulus))
         return actions
 

@@ -220,6 +220,12 @@ class Layout:
     heads: frozenset[str]  # the executors that head a subtree: the layout holds while none of them is gone
     tops: list[_Top]  # the top-level subtrees, in order
     width: int
+    # What the order keeps of a run in flight (``order.py``): the executors that report to the scheduler
+    # themselves (the top-level heads, and subtrees of one), and each top-level head's subtree below it
+    # (what one ``PartsDone`` of it ends), with the head each executor below reports through.
+    lone: list[str] = dataclasses.field(default_factory=list)
+    below: dict[str, tuple[frozenset[str], list[str]]] = dataclasses.field(default_factory=dict)
+    top_of: dict[str, str] = dataclasses.field(default_factory=dict)
 
     def sends(self, run_id: str, proxy: str, names: list[str], scheduler: str, epoch: str, template: str, seq: int,
               executor_seqs: np.ndarray, stimulus: str) -> list[Send]:
@@ -261,4 +267,11 @@ def layout(executors: list[str], controls: list[str], width: int, nodes: list[li
         offset += sum(len(m) for m in mine)
         i = j
     tree = RunTree(list(executors), list(controls), sizes, parents, {ex: k for k, ex in enumerate(executors)})
-    return Layout(tree, frozenset(ex for ex, size in zip(executors, sizes, strict=True) if size > 1), tops, width)
+    found = Layout(tree, frozenset(ex for ex, size in zip(executors, sizes, strict=True) if size > 1), tops, width)
+    for top in tops:
+        found.lone.append(top.executors[0])
+        if top.end - top.first > 1:
+            below = top.executors[1:]
+            found.below[top.executors[0]] = (frozenset(below), below)
+            found.top_of.update((ex, top.executors[0]) for ex in below)
+    return found
