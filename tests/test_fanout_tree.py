@@ -34,13 +34,17 @@ from pwmesh.wire.messages import (
     ExecutorRestarting,
     FanOut,
     FanOutFrees,
+    InstallTemplate,
     IslandDone,
     Message,
     NodeDone,
     PartsDone,
     RunPartDone,
+    RunTemplate,
     SubtreeLost,
+    TemplateRun,
     enqueue_body,
+    packed,
 )
 
 pytestmark = pytest.mark.timeout(240)
@@ -134,6 +138,69 @@ def test_parts_travel_as_the_bodies_the_scheduler_encoded_once_and_heads_forward
         carried = [b for m in children if isinstance(m, FanOut) for b in m.bodies]
         assert len(carried) == len(sent.bodies) - 1
         assert all(a is b for a, b in zip(carried, sent.bodies[1:], strict=True))
+
+
+def test_a_warm_template_run_goes_down_the_tree_as_one_message_per_subtree_and_heads_expand_its_parts() -> None:
+    """Once every executor holds its part of a template, a run of it is one ``FanOut`` per top-level subtree
+    whose parts are said together (``TemplateRun``: the run's fields once, per part its nodes, places and
+    ``executor_seq``): no body per executor. Each executor, down the tree, gets the ``Enqueue`` the island's
+    order makes: its template, the run's names, its places in the run, its own running count, and where to
+    report (its head; "": the scheduler)."""
+    state = core(2)
+    placements = [(n, ex) for n, ex in enumerate(EXECUTORS)] + [(7, "e3"), (8, "e5")]
+    parts = schedule_run("x", placements).parts
+    for p in parts:
+        p.refs = [0]
+    state.handle(Received(InstallTemplate(template_id="t", parts=parts)), 0.0)
+    sent_by_run: list[list[Send]] = []
+    for k in range(3):
+        actions = state.handle(Received(RunTemplate(template_id="t", run_id=f"r{k}", proxy="tcp://proxy",
+                                                    names=[f"b{k}"], session="s")), 0.0)
+        sent_by_run.append([a for a in actions if isinstance(a, Send)])
+        for ex in EXECUTORS:  # each part ends (its head relays aside: the core alone here)
+            state.handle(Received(RunPartDone(run_id=f"r{k}", executor_id=ex, device_seconds=0.0)), 0.0)
+    first, *warm = sent_by_run
+    assert all(isinstance(s.message, FanOut) and s.message.run is None for s in first)  # parts go as bodies once
+    for k, sends in enumerate(warm, start=1):
+        assert len(sends) == 2 and all(isinstance(s.message, FanOut) and s.message.run is not None
+                                       and not s.message.bodies for s in sends)
+        relays: dict[str, FanOutRelay] = {}
+        enqueues: dict[str, Enqueue] = {}
+        deliver(relays, [(s.to, s.message) for s in sends], enqueues)
+        assert sorted(enqueues) == EXECUTORS
+        seqs = [q for ex in EXECUTORS for q in enqueues[ex].seqs]
+        assert seqs == list(range(9 * k, 9 * k + 9)), "the run's places, in the island's order"
+        for ex, part in zip(EXECUTORS, parts, strict=True):
+            got = enqueues[ex]
+            assert (got.run_id, got.template, got.names, got.nodes, got.executor_seq, got.computations, got.refs) == \
+                (f"r{k}", "t", [f"b{k}"], part.nodes, k, b"", [])
+        heads = {s.message.executors[0] for s in sends if isinstance(s.message, FanOut)}
+        assert all(enqueues[h].report == "" for h in heads)
+        assert all(enqueues[ex].report.startswith("tcp://e") for ex in EXECUTORS if ex not in heads)
+        # A head expects each child's report: the relay waits on the run as for bodies.
+        assert all(len(r) == 1 for r in relays.values() if r.name in heads)
+
+
+def test_a_fanout_whose_parts_said_together_do_not_line_up_is_refused_whole() -> None:
+    run = TemplateRun(proxy="p", names=["b"], scheduler="tcp://sched", epoch="e", template="t", seq=5,
+                      counts=packed([1, 2, 1]), nodes=packed([0, 1, 2, 3]), executor_seqs=packed([4, 0]))
+    fan = FanOut(run_id="r", parent="tcp://sched", bodies=[], executors=["e0", "e1", "e2"],
+                 controls=["tcp://e0:1", "tcp://e1:1", "tcp://e2:1"], sizes=[3, 1, 1], run=run)
+    with pytest.raises(ProtocolError, match="16 of executor_seqs"):
+        FanOutRelay("e0").fan_out(wire(fan))
+    run.executor_seqs = packed([4, 0, 9])
+    run.nodes = packed([0, 1, 2])
+    with pytest.raises(ProtocolError, match="counts of 4 nodes and 24 bytes of nodes"):
+        FanOutRelay("e0").fan_out(wire(fan))
+    run.nodes = packed([0, 1, 2, 3])
+    both = FanOut(run_id="r", parent="tcp://sched", bodies=[b"x", b"y", b"z"], executors=fan.executors,
+                  controls=fan.controls, sizes=fan.sizes, run=run)
+    with pytest.raises(ProtocolError, match="3 bodies as well"):
+        FanOutRelay("e0").fan_out(wire(both))
+    own, more = FanOutRelay("e0").fan_out(wire(fan))
+    assert own is not None and (own.nodes, own.seqs, own.executor_seq, own.report) == ([0], [5], 4, "")
+    cut = [(to, m.run.seq, m.run.unpacked()) for to, m in more if isinstance(m, FanOut) and m.run]
+    assert cut == [("tcp://e1:1", 6, ([[1, 2]], [0])), ("tcp://e2:1", 8, ([[3]], [9]))]
 
 
 def test_a_part_that_does_not_decode_fails_that_part_alone_with_the_codecs_error() -> None:

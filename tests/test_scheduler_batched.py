@@ -11,13 +11,16 @@ from __future__ import annotations
 
 import random
 
+import numpy as np
 import pytest
 
 from pwmesh.core.contract import Received, Send
+from pwmesh.executor.fanout import FanOutRelay
 from pwmesh.scheduler.completions import IslandCompletions
 from pwmesh.scheduler.order import IslandOrder
 from pwmesh.scheduler.state import SchedulerState
 from pwmesh.scheduler.tree import build, layout
+from pwmesh.wire import decode, encode
 from pwmesh.wire.messages import (
     DeviceRange,
     Enqueue,
@@ -51,7 +54,7 @@ class OneAtATime(IslandOrder):
     """The reference order: a head's parts end one ``part_done`` at a time, each followed by its release pass."""
 
     def parts_done(self, run_id: str, executor_ids: list[str], device_seconds: float,
-                   stimulus: str = "") -> list[Send]:
+                   stimulus: str = "", head: str = "") -> list[Send]:
         actions: list[Send] = []
         for executor_id in executor_ids:
             actions += self.part_done(run_id, executor_id, device_seconds, stimulus)
@@ -76,6 +79,28 @@ def cores(policy: str) -> tuple[SchedulerState, SchedulerState]:
     return fast, slow
 
 
+def received(actions: list[object]) -> list[object]:
+    """``actions`` with each send of a run's parts replaced by what every executor gets of it: through the
+    codec, down the tree through real relays, each executor's ``Enqueue`` where it arrives (a template's parts
+    said together and its parts as bodies must come out the same)."""
+    out: list[object] = []
+    for action in actions:
+        if not (isinstance(action, Send) and isinstance(action.message, Enqueue | FanOut)):
+            out.append(action)
+            continue
+        hops: list[tuple[str, Message]] = [(action.to, action.message)]
+        while hops:
+            to, message = hops.pop(0)
+            message = decode(encode(message, msg_id=1)).message
+            if isinstance(message, FanOut):
+                own, more = FanOutRelay(to.removeprefix("tcp://").removesuffix(":1")).fan_out(message)
+                out.append(("received", to, own, action.stimulus))
+                hops += more
+            else:
+                out.append(("received", to, message, action.stimulus))
+    return out
+
+
 def parts(rng: random.Random, executors: list[str], refs: bool) -> list[RunPart]:
     return [RunPart(executor_id=ex, control=control(ex), devices=[DeviceRange(first=0, count=rng.choice([1, 2]))],
                     nodes=list(range(rng.randint(0, 3))), computations=b"c", refs=[0] if refs else [])
@@ -90,11 +115,12 @@ def reports_for(rng: random.Random, send: Send) -> list[Message]:
         return [RunPartDone(run_id=message.run_id, executor_id=ex, device_seconds=rng.choice([0.0, 0.5]))]
     assert isinstance(message, FanOut)
     head, *below = message.executors
+    nodes = message.run.unpacked()[0] if message.run is not None else [p.nodes for p in message.parts]
     out: list[Message] = [RunPartDone(run_id=message.run_id, executor_id=head, device_seconds=0.25)]
     ended = list(below)
     rng.shuffle(ended)
-    early = [NodeDone(run_id=message.run_id, nodes=p.nodes[:1], executor_id=ex)
-             for ex, p in zip(message.executors, message.parts, strict=True) if p.nodes and rng.random() < 0.2]
+    early = [NodeDone(run_id=message.run_id, nodes=mine[:1], executor_id=ex)
+             for ex, mine in zip(message.executors, nodes, strict=True) if mine and rng.random() < 0.2]
     if rng.random() < 0.1:
         ended.append(rng.choice(EXECUTORS))  # perhaps one not of its subtree: not its to report
     if rng.random() < 0.3 and len(ended) > 1:  # in two messages, the first not its last word
@@ -103,14 +129,16 @@ def reports_for(rng: random.Random, send: Send) -> list[Message]:
                              reports=early, last=False))
         out.append(PartsDone(run_id=message.run_id, head=head, ended=ended[cut:], device_seconds=0.2))
     else:
-        out.append(PartsDone(run_id=message.run_id, head=head, ended=ended, device_seconds=0.3, reports=early))
+        out.append(PartsDone(run_id=message.run_id, head=head, ended=ended, device_seconds=rng.choice([0.0, 0.3]),
+                             reports=early))
     rng.shuffle(out)
     return out
 
 
+@pytest.mark.parametrize("sessions", ["abc", "a"])  # one client: fewer runs held back, more ended in one step
 @pytest.mark.parametrize("policy", ["fair", "fifo"])
 @pytest.mark.parametrize("seed", range(8))
-def test_batched_paths_decide_and_send_what_one_executor_at_a_time_did(policy: str, seed: int) -> None:
+def test_batched_paths_decide_and_send_what_one_executor_at_a_time_did(policy: str, seed: int, sessions: str) -> None:
     rng = random.Random(seed)
     fast, slow = cores(policy)
     templates = []
@@ -123,11 +151,14 @@ def test_batched_paths_decide_and_send_what_one_executor_at_a_time_did(policy: s
     assert laid_out is not None
     fast.order.layout_for = lambda t: (layouts.append(found) or found) if (found := laid_out(t)) else None
     layouts: list[object] = []
+    ended_together: list[bool] = []  # a head's whole subtree ended in one step (``IslandOrder._together``)
+    together = fast.order._together
+    fast.order._together = lambda *a: ended_together.append(together(*a)) or ended_together[-1]  # type: ignore[method-assign]
 
     def handle(message: Message) -> list[object]:
         nonlocal tree_runs
         got, want = fast.handle(Received(message), 0.0), slow.handle(Received(message), 0.0)
-        assert got == want, f"step {step}: {message!r}"
+        assert received(got) == received(want), f"step {step}: {message!r}"
         for action in got:
             if isinstance(action, Send) and isinstance(action.message, Enqueue | FanOut):
                 pending.extend(reports_for(rng, action))
@@ -150,7 +181,7 @@ def test_batched_paths_decide_and_send_what_one_executor_at_a_time_did(policy: s
         elif pending and roll < 0.6:
             handle(pending.pop(rng.randrange(len(pending))))
         else:
-            session = rng.choice(["a", "b", "c"])
+            session = rng.choice(sessions)
             if rng.random() < 0.7:
                 t = rng.choice(templates)
                 handle(RunTemplate(template_id=t.template_id, run_id=f"r{step}", proxy="p", names=["x"],
@@ -165,17 +196,23 @@ def test_batched_paths_decide_and_send_what_one_executor_at_a_time_did(policy: s
     assert list(fast.order.history) == list(slow.order.history)
     assert fast.order.usage() == slow.order.usage()
     assert len(layouts) > 10 and tree_runs > 30 and fast.order.next_seq > 200, "runs went through trees"
+    if policy == "fair" and sessions == "a":
+        assert sum(ended_together) > 10, "heads' subtrees ended in one step"
 
 
 def test_a_layout_is_the_tree_build_makes_of_the_same_parts() -> None:
     for n in (4, 16, 17, 100, 1024):
         executors = [f"e{i}" for i in range(n)]
-        sends = [Send(control(ex), Enqueue(run_id="r", proxy="p", nodes=[0], computations=b"", executor_seq=i),
-                      "s") for i, ex in enumerate(executors)]
+        nodes = [[0, 1] if i % 3 else [1] for i in range(n)]
+        firsts = [sum(len(m) for m in nodes[:i]) for i in range(n)]
+        sends = [Send(control(ex), Enqueue(run_id="r", proxy="p", nodes=nodes[i], computations=b"",
+                                           seqs=[7 + firsts[i] + k for k in range(len(nodes[i]))], names=["x"],
+                                           scheduler="tcp://s", executor_seq=i, epoch="ep", template="t"), "s")
+                 for i, ex in enumerate(executors)]
         want, tree = build("r", sends, lambda c: c.removeprefix("tcp://").removesuffix(":1"), 16, "tcp://s")
-        plan = layout(executors, [control(ex) for ex in executors], 16)
-        parts = [Enqueue(run_id="r", proxy="p", nodes=[0], computations=b"", executor_seq=i, report=plan.reports[i])
-                 for i in range(n)]
-        assert plan.sends("r", parts, "tcp://s", "s") == want
+        plan = layout(executors, [control(ex) for ex in executors], 16, nodes)
+        got = plan.sends("r", "p", ["x"], "tcp://s", "ep", "t", 7, np.arange(n), "s")
+        assert len(got) == len(want) <= 16
+        assert received(list(got)) == received(list(want))
         assert (plan.tree.executors, plan.tree.sizes, plan.tree.parents) == (tree.executors, tree.sizes, tree.parents)
         assert plan.heads == set(tree.heads())

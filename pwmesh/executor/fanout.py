@@ -1,10 +1,14 @@
 """A fan-out head's relay (no sockets): a large run's parts down a tree of executors, its completions up.
 
 The island scheduler sends a run over many executors as one ``FanOut`` per subtree (``scheduler/tree.py``).
-Each part travels as its ``Enqueue``'s encoded body, which the scheduler encoded once: the executor at a
-subtree's head decodes its own part only and sends each child its slice of the bodies as they came, unread
-(a leaf: a ``FanOut`` of one part; a head: of its subtree's), so its work per child is a copy of bytes,
-not a decode and an encode. Each part's ``report`` names where its completions go, so a child's
+A warm run of an installed template comes with its parts said together (``FanOut.run``, a ``TemplateRun``:
+the run's fields once, and per part its nodes and ``executor_seq``, packed): the head makes its own
+``Enqueue`` of part 0 and sends each child its slice of those bytes (a leaf: a ``FanOut`` of one part; a
+head: of its subtree's), so no one, the scheduler included, builds or encodes a body per executor. Any
+other run's parts travel as their ``Enqueue``'s encoded bodies, which the scheduler encoded once: the head
+decodes its own part only and sends each child its slice of the bodies as they came, unread, so its work
+per child is a copy of bytes, not a decode and an encode. Each part's ``report`` names where its
+completions go (a part said together: its ``FanOut``'s ``parent``, "" for the scheduler), so a child's
 ``NodeDone`` and ``RunPartDone`` come here. The relay sends its parent one
 ``PartsDone`` per run once every child has ended (a child head's own part and its subtree's ``PartsDone``
 both), the device seconds summed; failures and early completions (``NodeDone``) go up at once, as they
@@ -14,9 +18,10 @@ same connection.
 What a head can and cannot do to its children's parts: no more than when it decoded and re-encoded
 them. It is a daemon of the cluster (the connection's key is checked as for any ``Enqueue``) and the
 bodies are not signed, so it can drop, delay or alter a child's bytes, as it could alter the decoded
-part before. It cannot make a child accept what the child would not accept from the scheduler: the
-child decodes and validates its body as it does any ``Enqueue`` (``enqueue_body``: the same record
-checks), admits it in its island's order (``executor_seq`` per scheduler and epoch), and its reports
+part before (or a part said together: its slice of the packed parts). It cannot make a child accept what the
+child would not accept from the scheduler: the child decodes and validates its body as it does any
+``Enqueue`` (``enqueue_body``: the same record checks; a ``FanOut`` whose packed parts do not line up is
+refused whole), admits it in its island's order (``executor_seq`` per scheduler and epoch), and its reports
 are accepted only from a key that speaks for it (``speaks_for``). A body that does not decode fails
 that part alone, with the codec's error: the child reports it (``NodeDone`` with the error, then its
 ``RunPartDone``) to its ``FanOut``'s ``parent``, where its part would have reported, and still relays
@@ -80,29 +85,44 @@ class FanOutRelay:
 
     def fan_out(self, msg: FanOut) -> tuple[Enqueue | None, Out]:
         """This head's own part (None: its body is unreadable, and its failure is among the sends), and each
-        child's message: its slice of ``msg.bodies``, unread (a leaf's: a ``FanOut`` of one). Only the
-        head's own body is decoded; a child's is decoded, and checked, by the child."""
-        n = len(msg.bodies)
-        if n == 0 or msg.parts or len(msg.executors) != n or len(msg.controls) != n or len(msg.sizes) != n:
-            raise ProtocolError(f"FanOut of run {msg.run_id}: {n} bodies for {len(msg.executors)} executors, "
-                                f"{len(msg.controls)} controls and {len(msg.sizes)} sizes")
+        child's message: its slice of the parts (a leaf's: a ``FanOut`` of one). Bodies go on unread: only
+        the head's own is decoded; a child's is decoded, and checked, by the child. Parts said together
+        (``msg.run``) go on as their slices, and the head makes its own ``Enqueue`` of part 0."""
+        run = msg.run
+        n = len(msg.executors)
+        if run is not None:  # its parts said together, and no bodies
+            wrong = run.problem(n) or (f"{len(msg.bodies) + len(msg.parts)} bodies as well"
+                                       if msg.bodies or msg.parts else "")
+            what = wrong or "its parts"
+        else:
+            wrong = "parts" if len(msg.bodies) != n or msg.parts else ""
+            what = f"{len(msg.bodies)} bodies"
+        if n == 0 or wrong or len(msg.controls) != n or len(msg.sizes) != n:
+            raise ProtocolError(f"FanOut of run {msg.run_id}: {what} for {n} executors, {len(msg.controls)} "
+                                f"controls and {len(msg.sizes)} sizes")
         out: Out = []
         waiting: collections.Counter[str] = collections.Counter()
         me = msg.controls[0]
         bodies, executors, controls, sizes = msg.bodies, msg.executors, msg.controls, msg.sizes
         run_id = msg.run_id
+        ranges = []
         i = 1
         while i < n:
-            size = min(max(1, sizes[i]), n - i)
-            j = i + size
-            out.append((controls[i], FanOut(run_id=run_id, parent=me, bodies=bodies[i:j], executors=executors[i:j],
-                                            controls=controls[i:j], sizes=sizes[i:j])))
-            waiting[executors[i]] += 1 if size == 1 else 2  # a head child: its own part and its subtree
+            j = i + min(max(1, sizes[i]), n - i)
+            ranges.append((i, j))
+            waiting[executors[i]] += 1 if j - i == 1 else 2  # a head child: its own part and its subtree
             i = j
+        cuts = run.cut(ranges) if run is not None else [None] * len(ranges)
+        for (i, j), cut in zip(ranges, cuts, strict=True):
+            out.append((controls[i], FanOut(run_id=run_id, parent=me, bodies=bodies[i:j] if cut is None else [],
+                                            executors=executors[i:j], controls=controls[i:j], sizes=sizes[i:j],
+                                            run=cut)))
         if waiting:
             self._runs[run_id] = _Pending(msg.parent, waiting)
             while len(self._runs) > self.capacity:
                 self._runs.popitem(last=False)
+        if run is not None:  # its completions go where its subtree's do ("": the scheduler itself)
+            return run.first(run_id, "" if msg.parent == run.scheduler else msg.parent), out
         try:
             own = enqueue_body(bodies[0], f"FanOut of run {run_id}: {self.name}'s part")
         except ProtocolError as exc:  # its own part fails, never the rest of its subtree

@@ -103,6 +103,8 @@ class IslandCompletions:
             del self._runs[run_id]
             nodes = [n for n in run.nodes if n not in run.told] if run.told else run.nodes
             return [(run.proxy, IslandDone(run_id=run_id, scheduler=self.scheduler, nodes=nodes))]
+        if not run.early:
+            return []
         ready = []
         for node in run.parts[executor_id]:  # its early nodes are complete there too
             waiting = run.early.get(node)

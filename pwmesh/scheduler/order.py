@@ -32,6 +32,8 @@ import secrets
 from collections.abc import Callable, Mapping
 from typing import NamedTuple
 
+import numpy as np
+
 from pwmesh.core.contract import Send
 from pwmesh.errors import InvalidArgument
 from pwmesh.scheduler.slots import Cell, DeviceKey, Shape, Slots
@@ -90,6 +92,55 @@ class _InFlight:
     client: _Client
     shape: Shape
     parts: dict[str, list[Cell]]  # executor -> the cells it holds (until it reports)
+    # A run sent through a fan-out tree (``tree.Layout``): each top-level head's subtree below it, kept whole
+    # (its parts not in ``parts``) until a part of it ends apart from the rest: the head's ``PartsDone``
+    # usually ends them all at once (``parts_done``).
+    below: dict[str, tuple[frozenset[str], list[str]]] | None = None
+    layout: Layout | None = None
+
+
+class ExecutorCounts:
+    """Each executor's Enqueues sent from this scheduler instance (its next ``executor_seq``), in one array: a
+    run's executors, given by their places here (``places``, worked out once per template), are counted in
+    one step, not one per executor."""
+
+    def __init__(self) -> None:
+        self._index: dict[str, int] = {}
+        self._values = np.zeros(64, np.int64)
+
+    def places(self, executors: list[str]) -> np.ndarray:
+        """Where each of ``executors`` (each named once) is counted (stable: an executor keeps its place)."""
+        index = self._index
+        for executor_id in executors:
+            if executor_id not in index:
+                index[executor_id] = len(index)
+        if len(index) > len(self._values):
+            grown = np.zeros(max(len(index), 2 * len(self._values)), np.int64)
+            grown[:len(self._values)] = self._values
+            self._values = grown
+        return np.fromiter((index[e] for e in executors), np.intp, len(executors))
+
+    def take(self, places: np.ndarray) -> np.ndarray:
+        """The next ``executor_seq`` of each executor at ``places``, each counted once more."""
+        values = self._values
+        taken: np.ndarray = values[places]
+        values[places] = taken + 1
+        return taken
+
+    def next(self, executor_id: str) -> int:
+        """``executor_id``'s next ``executor_seq``, counted."""
+        i = self._index.get(executor_id)
+        if i is None:
+            i = int(self.places([executor_id])[0])
+        value = int(self._values[i])
+        self._values[i] = value + 1
+        return value
+
+    def restart(self, executor_id: str) -> None:
+        """A new process runs under ``executor_id``: its count starts over."""
+        i = self._index.get(executor_id)
+        if i is not None:
+            self._values[i] = 0
 
 
 class IslandOrder:
@@ -112,7 +163,7 @@ class IslandOrder:
         # This instance: executors restart their count with a new one (given: a replay of its events).
         self.epoch = epoch or secrets.token_hex(4)
         self.slots = Slots()  # runs in flight per device, counted per cell (``slots.py``)
-        self._executor_seq: collections.Counter[str] = collections.Counter()
+        self._executor_seq = ExecutorCounts()
         self._clients: dict[str, _Client] = {}
         self._in_flight: dict[str, _InFlight] = {}
         self._arrivals = itertools.count()
@@ -194,22 +245,35 @@ class IslandOrder:
             return []
         freed = flight.parts.pop(executor_id, None)
         if freed is None:
-            return []
+            head = self._kept_below(flight, executor_id)
+            if head is None:
+                return []
+            self._unfold(flight, head)
+            freed = flight.parts.pop(executor_id)
         for cell in freed:
             cell.busy -= 1
         self._freed(run_id, flight, freed, device_seconds)
         return self._release()
 
     def parts_done(self, run_id: str, executor_ids: list[str], device_seconds: float,
-                   stimulus: str = "") -> list[Send]:
-        """Executors' parts of a run ended together (a fan-out head's ``PartsDone``): what ``part_done`` for
-        each in turn decides (``device_seconds`` charged with the first). An end that charges nothing, wakes
-        no one and leaves the run in flight, while no one waits to be released (the fair order's ``_ready``
-        is empty; in FIFO, no run waits), changes nothing but its cells' counts: only those are kept."""
+                   stimulus: str = "", head: str = "") -> list[Send]:
+        """Executors' parts of a run ended together (a fan-out head's ``PartsDone``, ``head`` the top-level head
+        that sent it): what ``part_done`` for each in turn decides (``device_seconds`` charged with the first).
+        An end that charges nothing, wakes no one and leaves the run in flight, while no one waits to be
+        released (the fair order's ``_ready`` is empty; in FIFO, no run waits), changes nothing but its cells'
+        counts: only those are kept. The whole subtree of ``head`` ended so, while its parts are kept
+        together, is ended in one step (``_together``)."""
         self._stimulus = stimulus
         flight = self._in_flight.get(run_id)
         if flight is None:
             return []
+        if flight.below:
+            if head in flight.below and self._together(run_id, flight, head, executor_ids, device_seconds):
+                return []
+            for executor_id in executor_ids:  # (one by one from here)
+                kept = self._kept_below(flight, executor_id)
+                if kept is not None:
+                    self._unfold(flight, kept)
         if self.policy != "fair" and any(c.queue for c in self._clients.values()):
             actions: list[Send] = []
             for executor_id in executor_ids:
@@ -236,6 +300,44 @@ class IslandOrder:
                     break
         return actions
 
+    def _together(self, run_id: str, flight: _InFlight, head: str, executor_ids: list[str],
+                  device_seconds: float) -> bool:
+        """End every part below ``head`` in one step, if ``executor_ids`` are those parts and ending them one by
+        one would only lower their cells' counts (and charge the client, and perhaps end the run): no one
+        waits to be released, the charge moves no waiting client, and no cell of theirs holds anyone back.
+        False: nothing done (they are ended one by one)."""
+        executors, below = flight.below[head]  # type: ignore[index]
+        client = flight.client
+        if self._ready or (device_seconds and client.queue) or set(executor_ids) != executors:
+            return False
+        if self.policy != "fair" and any(c.queue for c in self._clients.values()):
+            return False  # (FIFO releases after each part: ``part_done``)
+        cells = flight.shape.cells_of((head, executors), below)
+        for cell in cells:
+            if cell.blocked:
+                return False
+        del flight.below[head]  # type: ignore[union-attr]
+        for cell in cells:
+            cell.busy -= 1
+        self._freed(run_id, flight, [], device_seconds)
+        return True
+
+    @staticmethod
+    def _kept_below(flight: _InFlight, executor_id: str) -> str | None:
+        """The top-level head whose subtree, kept whole in ``flight``, holds ``executor_id``'s part (None: none)."""
+        if not flight.below or flight.layout is None:
+            return None
+        head = flight.layout.top_of.get(executor_id)
+        return head if head is not None and head in flight.below else None
+
+    @staticmethod
+    def _unfold(flight: _InFlight, head: str) -> None:
+        """The parts below ``head``, kept whole so far, one by one in ``flight.parts`` (the shape's own lists)."""
+        _, below = flight.below.pop(head)  # type: ignore[union-attr]
+        by = flight.shape.by_executor
+        for executor_id in below:
+            flight.parts[executor_id] = by[executor_id]
+
     def _freed(self, run_id: str, flight: _InFlight, freed: list[Cell], device_seconds: float) -> None:
         """An executor's part of ``run_id`` ended (its cells' counts already down): charge the client, wake
         whom its freed slots may let through, and end the run if it was the last part."""
@@ -248,7 +350,7 @@ class IslandOrder:
                     self._wake(cell)
             if client.queue and device_seconds:
                 self._place(client)  # its virtual time moved
-        if not flight.parts:
+        if not flight.parts and not flight.below:
             del self._in_flight[run_id]
             self.slots.drop(flight.shape)
             client.in_flight -= 1
@@ -351,34 +453,31 @@ class IslandOrder:
         for cell in shape.cells:
             cell.busy += 1
         # The lists are the shape's own: a cell split later (``slots.py``) is held and freed with them.
-        self._in_flight[run.run_id] = _InFlight(client, shape, dict(shape.by_executor))
+        if layout is not None and len(shape.by_executor) == len(layout.tree.executors):
+            by = shape.by_executor  # (through a tree: the parts below its top-level heads kept whole)
+            flight = _InFlight(client, shape, {ex: by[ex] for ex in layout.lone}, dict(layout.below), layout)
+        else:
+            flight = _InFlight(client, shape, dict(shape.by_executor))
+        self._in_flight[run.run_id] = flight
         client.in_flight += 1
         client.runs += 1
         return actions
 
     def _tree_sends(self, run: RunTemplate, template: Template, layout: Layout) -> list[Send]:
-        """A run of a template every executor holds, over its fan-out tree: each executor's ``Enqueue``, as
-        ``_enqueues`` makes it, in one pass (the template's parts, sequence offsets and reports worked out
-        once), and the tree's sends of them (``Layout.sends``: what ``tree.build`` makes of them)."""
-        seq, run_id, proxy, names = self.next_seq, run.run_id, run.proxy, run.names
-        scheduler, epoch, template_id, executor_seq = self.scheduler, self.epoch, template.template_id, \
-            self._executor_seq
-        parts = []
-        make = object.__new__  # (an Enqueue's every field set below, as its __init__ would: 0.5 of its time)
-        for executor_id, nodes, first, end, report in template.rows(layout.reports):
-            enqueue = make(Enqueue)
-            enqueue.run_id, enqueue.proxy, enqueue.nodes, enqueue.computations = run_id, proxy, nodes, b""
-            enqueue.seqs, enqueue.names, enqueue.scheduler = list(range(seq + first, seq + end)), names, scheduler
-            enqueue.executor_seq = count = executor_seq[executor_id]
-            executor_seq[executor_id] = count + 1
-            enqueue.epoch, enqueue.template, enqueue.refs, enqueue.report = epoch, template_id, [], report
-            parts.append(enqueue)
+        """A run of a template every executor holds, over its fan-out tree: one ``FanOut`` per top-level subtree
+        with its parts said together (``Layout.sends``), what ``_enqueues`` and ``tree.build`` make of it
+        without a message per executor (the template's parts, places and tree worked out once)."""
+        seq, run_id, proxy = self.next_seq, run.run_id, run.proxy
+        if template.places is None:
+            template.places = self._executor_seq.places([part.executor_id for part in template.parts])
+        executor_seqs = self._executor_seq.take(template.places)
         if self.sequenced is not None:
             self.sequenced.append((run_id, proxy, template.executor_nodes, template.nodes, layout.tree))
         if template.offsets[-1]:
             self._history.append((seq, run_id, run.session, template.placed))
         self.next_seq = seq + template.offsets[-1]
-        return layout.sends(run_id, parts, scheduler, self._stimulus)
+        return layout.sends(run_id, proxy, run.names, self.scheduler, self.epoch, template.template_id, seq,
+                            executor_seqs, self._stimulus)
 
     def _enqueues(self, run: ScheduleRun | RunTemplate, template: Template | None) -> list[Send]:
         """A run's Enqueues, one per executor, in the island's order."""
@@ -386,18 +485,22 @@ class IslandOrder:
         seq = self.next_seq
         run_id, session = run.run_id, run.session
         placed: list[tuple[str, list[int]]] = []
-        executor_seq = self._executor_seq
         if template is None:
             assert isinstance(run, ScheduleRun)
             sending, names = run.parts, list[str]()
             if self.sequenced is not None:
                 self.sequenced.append((run_id, run.proxy, {p.executor_id: p.nodes for p in run.parts}, None, None))
+            # (one at a time: nothing but a template says each executor has one part)
+            executor_seqs = [self._executor_seq.next(part.executor_id) for part in sending]
         else:
             assert isinstance(run, RunTemplate)
             sending, names = template.parts, run.names
             if self.sequenced is not None:
                 self.sequenced.append((run_id, run.proxy, template.executor_nodes, template.nodes, None))
-        for part in sending:
+            if template.places is None:
+                template.places = self._executor_seq.places([part.executor_id for part in sending])
+            executor_seqs = self._executor_seq.take(template.places).tolist()
+        for part, executor_seq in zip(sending, executor_seqs, strict=True):
             ex, nodes = part.executor_id, part.nodes
             seqs = list(range(seq, seq + len(nodes)))
             placed.append((ex, nodes))
@@ -405,7 +508,7 @@ class IslandOrder:
             if template is None:
                 enqueue = Enqueue(run_id=run_id, proxy=run.proxy, nodes=part.nodes, computations=part.computations,
                                   seqs=seqs, names=part.names, scheduler=self.scheduler,
-                                  executor_seq=executor_seq[ex], epoch=self.epoch)
+                                  executor_seq=executor_seq, epoch=self.epoch)
             else:  # the part's bytes go with the first run only; every run carries the island's names
                 first = ex not in template.sent
                 if first:
@@ -413,10 +516,9 @@ class IslandOrder:
                 enqueue = Enqueue(run_id=run_id, proxy=run.proxy, nodes=part.nodes,
                                   computations=part.computations if first else b"", seqs=seqs,
                                   names=names, scheduler=self.scheduler,
-                                  executor_seq=executor_seq[ex], epoch=self.epoch,
+                                  executor_seq=executor_seq, epoch=self.epoch,
                                   template=template.template_id, refs=part.refs if first else [])
             actions.append(Send(part.control, enqueue, self._stimulus))
-            executor_seq[ex] += 1
         if seq > self.next_seq:
             self._history.append((self.next_seq, run_id, session, placed))
         self.next_seq = seq
@@ -426,14 +528,14 @@ class IslandOrder:
         """An executor is gone: its parts will never report; free their slots."""
         actions: list[Send] = []
         for run_id, flight in list(self._in_flight.items()):
-            if executor_id in flight.parts:
+            if executor_id in flight.parts or self._kept_below(flight, executor_id) is not None:
                 actions.extend(self.part_done(run_id, executor_id, 0.0, stimulus))
         return actions
 
     def restart_executor(self, executor_id: str) -> None:
         """A new process runs under ``executor_id``: its Enqueues count from 0 again (the old process's
         parts were forgotten when it was declared lost), and it holds no template's part."""
-        self._executor_seq.pop(executor_id, None)
+        self._executor_seq.restart(executor_id)
         self.templates.forget_executor(executor_id)
 
     @property

@@ -43,13 +43,23 @@ class Shape:
     """A footprint, interned, as cells (in all, and by executor): its devices are the cells' (each is
     kept once, in its cell, however many footprints hold it)."""
 
-    __slots__ = ("key", "cells", "by_executor", "users")
+    __slots__ = ("key", "cells", "by_executor", "users", "version", "_flat")
 
     def __init__(self, key: Hashable) -> None:
         self.key = key
         self.cells: list[Cell] = []
         self.by_executor: dict[str, list[Cell]] = {}
         self.users = 0  # runs queued or in flight with this footprint
+        self.version = 0  # bumped when it gains a cell (a split): what was worked out of its cells is stale
+        self._flat: dict[Hashable, tuple[int, list[Cell]]] = {}
+
+    def cells_of(self, key: Hashable, executors: list[str]) -> list[Cell]:
+        """The cells ``executors`` hold in it, in one list (kept under ``key`` until it gains a cell)."""
+        found = self._flat.get(key)
+        if found is None or found[0] != self.version:
+            by = self.by_executor
+            found = self._flat[key] = (self.version, [cell for ex in executors for cell in by.get(ex, ())])
+        return found[1]
 
     @property
     def devices(self) -> frozenset[DeviceKey]:
@@ -57,6 +67,7 @@ class Shape:
         return frozenset().union(*(cell.devices for cell in self.cells))
 
     def add(self, cell: Cell) -> None:
+        self.version += 1
         self.cells.append(cell)
         self.by_executor.setdefault(cell.executor, []).append(cell)
         cell.shapes.add(self)

@@ -217,7 +217,7 @@ class SchedulerState:
             ended = [executor_id for executor_id in ended if mine(msg.head, executor_id)]
         if ended:
             actions += self._told(self.completions.parts_done(run_id, ended), stimulus)
-            sends += self.order.parts_done(run_id, ended, msg.device_seconds, stimulus)
+            sends += self.order.parts_done(run_id, ended, msg.device_seconds, stimulus, msg.head)
         if msg.lost and mine(msg.head, msg.lost):  # the head's answer to SubtreeLost: the rest never comes
             actions += self._lose_below(run_id, tree, msg.lost, f"executor {msg.lost} is gone", stimulus, sends,
                                         itself=True)
@@ -293,7 +293,8 @@ class SchedulerState:
         found = template.layout
         if not isinstance(found, Layout) or found.width != self.fanout:
             found = template.layout = layout([p.executor_id for p in template.parts],
-                                             [p.control for p in template.parts], self.fanout)
+                                             [p.control for p in template.parts], self.fanout,
+                                             [p.nodes for p in template.parts])
         lost = self.completions.lost
         if lost and not found.heads.isdisjoint(lost):
             return None

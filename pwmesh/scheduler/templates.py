@@ -41,23 +41,13 @@ class Template:
     offsets: list[int] = dataclasses.field(default_factory=list)
     placed: list[tuple[str, list[int]]] = dataclasses.field(default_factory=list)
     layout: Any = None  # its runs' fan-out tree (``tree.Layout``), once worked out by the scheduler's core
-    _rows: list[tuple[str, list[int], int, int, str]] = dataclasses.field(default_factory=list)
-    _rows_for: list[str] | None = None
+    places: Any = None  # its executors' places in the order's counts (``order.ExecutorCounts``), once worked out
 
     def __post_init__(self) -> None:
         self.offsets = [0]
         for part in self.parts:
             self.offsets.append(self.offsets[-1] + len(part.nodes))
         self.placed = [(part.executor_id, part.nodes) for part in self.parts]
-
-    def rows(self, reports: list[str]) -> list[tuple[str, list[int], int, int, str]]:
-        """Each part as its runs' Enqueues need it, with its ``report`` (a fan-out tree's): executor, nodes,
-        and where its sequence numbers start and end in a run (made once per tree: ``reports`` is kept)."""
-        if self._rows_for is not reports:
-            self._rows = [(part.executor_id, part.nodes, first, first + len(part.nodes), report)
-                          for part, first, report in zip(self.parts, self.offsets, reports, strict=False)]
-            self._rows_for = reports
-        return self._rows
 
     @property
     def held_by_all(self) -> bool:

@@ -16,8 +16,12 @@ to check a ``PartsDone`` (a top-level head speaks only for its subtree) and to k
 is gone, whose reports are lost with it.
 
 A template's runs all have the same tree (while none of its heads is gone): ``Layout`` is worked out once
-per template (``layout``), and each run's sends are then its executors' ``Enqueue``s sliced into it
-(``Layout.sends``), the same sends ``build`` makes of them, with no work per executor beyond the parts.
+per template (``layout``), with each top-level subtree's executors, controls, sizes, parts' nodes and
+places. Once every executor holds its part, a run is one ``FanOut`` per top-level subtree whose parts are
+said together (``Layout.sends``: ``TemplateRun``, the run's names and first place once, per part only its
+nodes and ``executor_seq``, packed), and each head makes its own ``Enqueue`` of it: each executor gets what ``build`` would
+have sent it, while the scheduler's work per run is per subtree, not per executor, and nothing per
+executor is encoded.
 """
 
 from __future__ import annotations
@@ -25,11 +29,13 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
+
+import numpy as np
 
 from pwmesh.core.contract import Send
 from pwmesh.errors import InvalidArgument
-from pwmesh.wire.messages import Enqueue, FanOut, subtree_frees
+from pwmesh.wire.messages import PACKED, Enqueue, FanOut, TemplateRun, packed, subtree_frees
 
 FANOUT_ENV = "PWMESH_FANOUT"
 DEFAULT_FANOUT = 16  # the tree's width: a head's children, and the scheduler's sends per run
@@ -190,34 +196,56 @@ def build(run_id: str, sends: list[Send], executor_of: Callable[[str], str], wid
 
 
 @dataclasses.dataclass(slots=True, eq=False)
+class _Top:
+    """A top-level subtree of a ``Layout``, as each run's ``FanOut`` to its head carries it (never changed:
+    every run's message shares these)."""
+
+    first: int  # its first part
+    end: int
+    offset: int  # its first part's first place in a run, from the run's first
+    control: str  # its head's
+    executors: list[str]
+    controls: list[str]
+    sizes: list[int]
+    counts: bytes  # its parts' node counts and nodes, packed (``TemplateRun``)
+    nodes: bytes
+
+
+@dataclasses.dataclass(slots=True, eq=False)
 class Layout:
     """The tree every run of one template goes through (its parts in the template's order, none of its heads
     gone): ``build``'s tree, worked out once. ``tree`` is shared by the runs (never changed)."""
 
     tree: RunTree
-    reports: list[str]  # each part's ``report``: its head's control ("": the scheduler)
     heads: frozenset[str]  # the executors that head a subtree: the layout holds while none of them is gone
-    tops: list[tuple[int, int]]  # the top-level subtrees, as (first part, size)
+    tops: list[_Top]  # the top-level subtrees, in order
     width: int
+    # What the order keeps of a run in flight (``order.py``): the executors that report to the scheduler
+    # themselves (the top-level heads, and subtrees of one), and each top-level head's subtree below it
+    # (what one ``PartsDone`` of it ends), with the head each executor below reports through.
+    lone: list[str] = dataclasses.field(default_factory=list)
+    below: dict[str, tuple[frozenset[str], list[str]]] = dataclasses.field(default_factory=dict)
+    top_of: dict[str, str] = dataclasses.field(default_factory=dict)
 
-    def sends(self, run_id: str, parts: Sequence[Enqueue], scheduler: str, stimulus: str) -> list[Send]:
-        """A run's sends, its ``parts`` made with ``reports``: what ``build`` makes of the same parts."""
-        tree = self.tree
-        executors, controls, sizes = tree.executors, tree.controls, tree.sizes
+    def sends(self, run_id: str, proxy: str, names: list[str], scheduler: str, epoch: str, template: str, seq: int,
+              executor_seqs: np.ndarray, stimulus: str) -> list[Send]:
+        """A run of template ``template`` whose first place in the island order is ``seq``: a ``FanOut`` to each
+        top-level head (a subtree of one: to the executor itself) with its subtree's parts said together
+        (``TemplateRun``), part ``i``'s ``executor_seq`` ``executor_seqs[i]``. Each executor gets the
+        ``Enqueue`` that ``build`` would send it; the work here is per subtree, not per executor."""
         out: list[Send] = []
-        for i, size in self.tops:
-            if size == 1:
-                out.append(Send(controls[i], parts[i], stimulus))
-            else:
-                j = i + size
-                out.append(Send(controls[i], FanOut(run_id=run_id, parent=scheduler, bodies=[], parts=list(parts[i:j]),
-                                                    executors=executors[i:j], controls=controls[i:j],
-                                                    sizes=sizes[i:j]), stimulus))
+        for top in self.tops:
+            run = TemplateRun(proxy=proxy, names=names, scheduler=scheduler, epoch=epoch, template=template,
+                              seq=seq + top.offset, counts=top.counts, nodes=top.nodes,
+                              executor_seqs=executor_seqs[top.first:top.end].astype(PACKED, copy=False).tobytes())
+            out.append(Send(top.control, FanOut(run_id=run_id, parent=scheduler, bodies=[], executors=top.executors,
+                                                controls=top.controls, sizes=top.sizes, run=run), stimulus))
         return out
 
 
-def layout(executors: list[str], controls: list[str], width: int) -> Layout:
-    """The tree ``build`` makes of parts for ``executors`` (at ``controls``), in this order, none gone."""
+def layout(executors: list[str], controls: list[str], width: int, nodes: list[list[int]]) -> Layout:
+    """The tree ``build`` makes of parts for ``executors`` (at ``controls``, with ``nodes``, whose places in a
+    run follow one another in this order), in this order, none gone."""
     n = len(executors)
     sizes = list(preorder(n, width)[1])
     parents = [-1] * n
@@ -230,10 +258,20 @@ def layout(executors: list[str], controls: list[str], width: int) -> Layout:
         if sizes[i] > 1:
             open_heads.append((i, i + sizes[i]))
     tops = []
-    i = 0
+    i = offset = 0
     while i < n:
-        tops.append((i, sizes[i]))
-        i += sizes[i]
+        j = i + sizes[i]
+        mine = nodes[i:j]
+        tops.append(_Top(i, j, offset, controls[i], executors[i:j], controls[i:j], sizes[i:j],
+                         packed([len(m) for m in mine]), packed([node for m in mine for node in m])))
+        offset += sum(len(m) for m in mine)
+        i = j
     tree = RunTree(list(executors), list(controls), sizes, parents, {ex: k for k, ex in enumerate(executors)})
-    return Layout(tree, [controls[p] if p >= 0 else "" for p in parents],
-                  frozenset(ex for ex, size in zip(executors, sizes, strict=True) if size > 1), tops, width)
+    found = Layout(tree, frozenset(ex for ex, size in zip(executors, sizes, strict=True) if size > 1), tops, width)
+    for top in tops:
+        found.lone.append(top.executors[0])
+        if top.end - top.first > 1:
+            below = top.executors[1:]
+            found.below[top.executors[0]] = (frozenset(below), below)
+            found.top_of.update((ex, top.executors[0]) for ex in below)
+    return found

@@ -194,11 +194,18 @@ class SimExecutor(Node):
     def _relay(self, sends: list[tuple[str, Message]], taken: FanOut | None = None) -> None:
         """A fan-out head's messages, posted in order as the host's loop gets to them: ``relay_seconds`` per
         message it handles whole (``taken``, a ``FanOut`` with its own part's decode, or a report; each
-        message it sends) and ``relay_body_seconds`` per opaque body one carries (``executor/fanout.py``)."""
-        cost, body = self.cost.relay_seconds, self.cost.relay_body_seconds
-        at = max(self.clock.now, self.host_free) + cost + (body * taken.count() if taken is not None else 0.0)
+        message it sends), ``relay_body_seconds`` per part one carries (``executor/fanout.py``), and
+        ``relay_together_seconds`` more for a ``FanOut`` whose parts are said together."""
+        cost, body, together = self.cost.relay_seconds, self.cost.relay_body_seconds, self.cost.relay_together_seconds
+
+        def handled(message: Message | None) -> float:  # beyond ``cost``: its parts, said together or as bodies
+            if not isinstance(message, FanOut):
+                return 0.0
+            return body * message.count() + (together if message.run is not None else 0.0)
+
+        at = max(self.clock.now, self.host_free) + cost + handled(taken)
         for to, message in sends:
-            at += cost + (body * message.count() if isinstance(message, FanOut) else 0.0)
+            at += cost + handled(message)
             self.clock.at(at, functools.partial(self.post, to, message))
         self.host_free = at
 

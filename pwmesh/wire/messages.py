@@ -9,6 +9,8 @@ Keys of object-store entries are strings ``"<owner>/<buffer>/<shard>"`` (see
 from __future__ import annotations
 
 import dataclasses
+import itertools
+import struct
 from typing import Any, ClassVar
 
 import msgpack
@@ -496,19 +498,92 @@ class Enqueue(Message, op="exec.enqueue"):
     report: str = ""
 
 
+PACKED = np.dtype("<i8")  # a ``TemplateRun``'s packed integers: little-endian int64, one after another
+
+
+def packed(values: Any) -> bytes:
+    """Integers as a ``TemplateRun`` carries them."""
+    return np.asarray(values, PACKED).tobytes()
+
+
+@record
+class TemplateRun(Record):
+    """A run of an installed template, for a ``FanOut``'s parts said once (``FanOut.run``): all that differs
+    by part is its nodes and its executor's running count; the rest is the run's, written once for the
+    subtree. The parts' places in the island order follow one another from ``seq`` (part 0's first), as a
+    template's parts do in a run. The per-part integers travel packed (``PACKED``), so a head reads and
+    cuts them as bytes, not as thousands of checked values: part ``i`` has ``counts[i]`` nodes, the next
+    ones of ``nodes``."""
+
+    proxy: str
+    names: list[str]  # the run's buffer names (``RunTemplate.names``)
+    scheduler: str
+    epoch: str
+    template: str
+    seq: int  # part 0's first place in the island order
+    counts: bytes  # each part's number of nodes
+    nodes: bytes  # every part's nodes, part after part
+    executor_seqs: bytes  # each part's ``executor_seq``
+
+    def problem(self, parts: int) -> str:
+        """What does not line up with ``parts`` parts ("": nothing)."""
+        if len(self.counts) != 8 * parts or len(self.executor_seqs) != 8 * parts:
+            return f"{len(self.counts)} bytes of counts and {len(self.executor_seqs)} of executor_seqs"
+        counts = _unpack_ints(self.counts)
+        if len(self.nodes) % 8 or min(counts, default=0) < 0 or sum(counts) != len(self.nodes) // 8:
+            return f"counts of {sum(counts)} nodes and {len(self.nodes)} bytes of nodes"
+        return ""
+
+    def cut(self, ranges: list[tuple[int, int]]) -> list[TemplateRun]:
+        """Parts ``[i, j)`` of it for each range (the child subtrees'), each with its own ``seq``."""
+        ends = list(itertools.accumulate(_unpack_ints(self.counts)))  # each part's nodes end here
+        out = []
+        for i, j in ranges:
+            a, b = ends[i - 1] if i else 0, ends[j - 1]
+            out.append(TemplateRun(proxy=self.proxy, names=self.names, scheduler=self.scheduler, epoch=self.epoch,
+                                   template=self.template, seq=self.seq + a, counts=self.counts[8 * i:8 * j],
+                                   nodes=self.nodes[8 * a:8 * b], executor_seqs=self.executor_seqs[8 * i:8 * j]))
+        return out
+
+    def first(self, run_id: str, report: str) -> Enqueue:
+        """Part 0's ``Enqueue``, its completions going to ``report`` ("": the scheduler)."""
+        (count,), (executor_seq,) = _INT64.unpack_from(self.counts), _INT64.unpack_from(self.executor_seqs)
+        return Enqueue(run_id=run_id, proxy=self.proxy, nodes=_unpack_ints(self.nodes, count), computations=b"",
+                       seqs=list(range(self.seq, self.seq + count)), names=self.names, scheduler=self.scheduler,
+                       executor_seq=executor_seq, epoch=self.epoch, template=self.template, report=report)
+
+    def unpacked(self) -> tuple[list[list[int]], list[int]]:
+        """Each part's nodes and ``executor_seq`` (to read it: the relay cuts it as bytes)."""
+        nodes = _unpack_ints(self.nodes)
+        ends = list(itertools.accumulate(_unpack_ints(self.counts)))
+        return [nodes[a:b] for a, b in zip([0, *ends], ends, strict=False)], _unpack_ints(self.executor_seqs)
+
+
+_INT64 = struct.Struct("<q")
+
+
+def _unpack_ints(data: bytes, count: int | None = None) -> list[int]:
+    """The first ``count`` (None: all) packed integers of ``data`` (a ``TemplateRun``'s)."""
+    n = len(data) // 8 if count is None else count
+    return list(struct.unpack_from(f"<{n}q", data))
+
+
 @record
 class FanOut(Message, op="exec.fan_out"):
     """A large run's parts for one subtree of its executors (``scheduler/tree.py``), sent to the subtree's
-    head: ``bodies[0]`` is the head's own part, then each child subtree's in preorder (``sizes[i]``: part
-    i's subtree, itself included; 1: a leaf). Each part travels as its ``Enqueue``'s encoded body, opaque
-    to the heads it passes: a head decodes only its own (``enqueue_body``), sends each child its slice of
-    the bodies unread as a ``FanOut`` of its own (a leaf's: of one), and reports the completions its
-    children report to it up to ``parent`` as ``PartsDone`` (``executor/fanout.py``); its own part reports
-    where its ``Enqueue.report`` says (``parent``, as the tree is built).
+    head: part 0 is the head's own, then each child subtree's in preorder (``sizes[i]``: part i's subtree,
+    itself included; 1: a leaf). The head takes its own part, sends each child its slice of the parts as a
+    ``FanOut`` of its own (a leaf's: of one), and reports the completions its children report to it up to
+    ``parent`` as ``PartsDone`` (``executor/fanout.py``); its own part reports to ``parent`` too ("" in its
+    ``report`` when that is the scheduler).
 
-    The sender may give ``parts`` instead of ``bodies`` (the scheduler: the Enqueues the order made):
-    they are encoded into ``bodies`` when the message is, once each, after the bodies given; ``parts``
-    never travels (a frame that holds it is refused)."""
+    The parts come one of two ways. A run of a template every executor holds comes as ``run``: the run's
+    fields once, and per part only its nodes and ``executor_seq``, packed (``TemplateRun``), so neither the
+    scheduler nor a head handles a body per executor. Any other run's parts travel as ``bodies``: each
+    ``Enqueue`` encoded, opaque to the heads it passes (a head decodes only its own, ``enqueue_body``, and
+    sends each child its slice unread). The sender may give ``parts`` instead of ``bodies`` (the scheduler:
+    the Enqueues the order made): they are encoded into ``bodies`` when the message is, once each, after
+    the bodies given; ``parts`` never travels (a frame that holds it is refused)."""
 
     run_id: str
     parent: str  # where the head's ``PartsDone`` go: the scheduler, or the head above
@@ -516,6 +591,7 @@ class FanOut(Message, op="exec.fan_out"):
     executors: list[str]  # each part's executor
     controls: list[str]  # where each part's executor is reached
     sizes: list[int]
+    run: TemplateRun | None = None  # the parts, said together (then ``bodies`` is empty)
     # (the sender's only, never on the wire: see above)
     parts: list[Enqueue] = dataclasses.field(default_factory=list, metadata={"wire": False})
 
@@ -524,8 +600,9 @@ class FanOut(Message, op="exec.fan_out"):
         if self.parts:
             pack = msgpack.Packer().pack  # one packer for all (a packb each costs ~10% more)
             bodies += [pack(p.to_wire()) for p in self.parts]
-        return {"run_id": self.run_id, "parent": self.parent, "bodies": bodies,
-                "executors": list(self.executors), "controls": list(self.controls), "sizes": list(self.sizes)}
+        return {"run_id": self.run_id, "parent": self.parent, "bodies": bodies, "executors": list(self.executors),
+                "controls": list(self.controls), "sizes": list(self.sizes),
+                "run": None if self.run is None else self.run.to_wire()}
 
     @classmethod
     def from_wire(cls, data: Any, path: str = "") -> FanOut:
@@ -535,7 +612,7 @@ class FanOut(Message, op="exec.fan_out"):
 
     def count(self) -> int:
         """How many parts it carries (its subtree's executors)."""
-        return len(self.bodies) + len(self.parts)
+        return len(self.executors) if self.run is not None else len(self.bodies) + len(self.parts)
 
 
 def enqueue_body(data: bytes, what: str = "part") -> Enqueue:
