@@ -234,9 +234,11 @@ class LocalCluster:
                 parts.append(f"{label} {done}/{total}" if total > 1 else f"{label} {'ready' if done else '...'}")
         self._say("starting " + ", ".join(parts))
 
-    # Each stage drains while the peers it confirms delivery to are still up: executors
-    # (to the proxy and the RM), then the proxy (to the schedulers), schedulers, the RM.
-    STOP_STAGES = (("executor",), ("proxy",), ("scheduler",), ("rm",))
+    # Each stage drains while the peers it confirms delivery to are still up: executors (to the
+    # proxy, the schedulers and the RM), then the proxy and the schedulers together (each to the
+    # other: stopped one after the other, the schedulers waited out their barrier's 2 s for a
+    # proxy already gone, at every stop), the RM.
+    STOP_STAGES = (("executor",), ("proxy", "scheduler"), ("rm",))
 
     def _beat(self) -> list[str]:
         # Four beats per timeout: one late beat never gets a live daemon declared lost.
