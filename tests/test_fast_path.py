@@ -192,17 +192,21 @@ async def test_a_warm_computation_that_is_malformed_fails_alone_and_says_why() -
 
 
 @pytest.mark.asyncio
-async def test_a_computed_buffer_is_stored_at_once_or_as_each_piece_would_be() -> None:
-    """``put_made``: a new buffer's pieces in one step; a buffer waited for, or deleted, as ``put`` has it."""
+async def test_a_computed_buffer_is_stored_or_dropped_as_its_deletes_and_failures_say() -> None:
+    """What the warm path stores (``put(..., computed=True)`` a piece): a new buffer's pieces; nothing of a deleted
+    one; and a piece that failed before it came keeps its failure."""
     store = ObjectStore()
-    store.put_made("o/a", [0, 1], ["a0", "a1"], 4)
+    for shard, value in enumerate(["a0", "a1"]):
+        store.put(f"o/a/{shard}", value, 4, computed=True)
     assert store.values(["o/a/0", "o/a/1"]) == ["a0", "a1"] and store.nbytes == 8 and store.memory.stored == 8
     store.delete(["o/a"])
     assert store.deleted("o/a/0") and store.nbytes == 0
-    store.put_made("o/a", [0, 1], ["late", "late"], 4)  # deleted: dropped
+    for shard in range(2):  # deleted: dropped
+        store.put(f"o/a/{shard}", "late", 4, computed=True)
     assert store.values(["o/a/0"]) is None and store.nbytes == 0
     store.fail("o/b/1", PwmeshError("boom"))  # one piece failed before it came: that failure stands
-    store.put_made("o/b", [0, 1], ["b0", "b1"], 4)
+    for shard, value in enumerate(["b0", "b1"]):
+        store.put(f"o/b/{shard}", value, 4, computed=True)
     assert store.values(["o/b/0"]) == ["b0"] and store.values(["o/b/1"]) is None and store.nbytes == 4
 
 

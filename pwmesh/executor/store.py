@@ -317,28 +317,6 @@ class ObjectStore:
         if self._arrivals:
             self._arrived(buffer_of(key))
 
-    def put_made(self, buffer: str, shards: list[int], values: list[Any], nbytes: int) -> None:
-        """Store the pieces of ``buffer`` a computation here just made, ``nbytes`` each (``values[i]`` its shard
-        ``shards[i]``: every shard of it this executor holds), as ``put(..., computed=True)`` does each. A new
-        buffer nobody waits for, the usual case, is looked up once, not once a piece."""
-        keys = [f"{buffer}/{shard}" for shard in shards]
-        if buffer in self._by_buffer or buffer in self._whole or (self._futures and any(
-                k in self._futures for k in keys)):
-            for key, value in zip(keys, values, strict=True):
-                self.put(key, value, nbytes, computed=True)
-            return
-        if self._dead(buffer, recently=True):
-            return
-        self._by_buffer[buffer] = keys
-        self._complete.add(buffer)
-        stored, sizes = self._values, self._nbytes
-        for key, value in zip(keys, values, strict=True):
-            stored[key] = value
-            sizes[key] = nbytes
-        self.memory.allocated(nbytes * len(keys))
-        if self._arrivals:
-            self._arrived(buffer)
-
     def made_here(self, key: str) -> None:
         """``key``'s buffer was made by a computation here (which made every shard of it here), though none of it
         is stored (consumed as it landed): once deleted, nothing of it can arrive (``_complete``)."""
