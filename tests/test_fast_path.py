@@ -115,6 +115,90 @@ async def test_a_warm_chain_runs_inside_enqueue_and_ends_its_part_once() -> None
         assert r.memory.reserved == 0 and r.memory.stored == stored + 16 * 8  # 16 outputs of 2 x 4 bytes
 
 
+class Together:
+    """``done_together``'s calls: (run, [(node, quiet)]) in order."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, list[tuple[int, bool]]]] = []
+
+    def __call__(self, run_id: str, proxy: str, scheduler: str, done: list[tuple[int, bool]]) -> None:
+        self.calls.append((run_id, list(done)))
+
+
+@pytest.mark.asyncio
+async def test_a_warm_part_runs_as_one_chain_and_is_reported_once() -> None:
+    """A runner with ``done_together`` (as the executor's): the part's computations run in ``enqueue_all`` with
+    no ``Work`` each, and are reported in one call, in order; counted, traced and stored as one by one."""
+    async with runner() as (r, rec):
+        await warm(r, rec)
+        r._done_together = together = Together()
+        executed, stored, spans = r.executed, r.memory.stored, len(r.trace())
+        comps = chain("r1", 16)
+        for c in comps[:-1]:
+            c.quiet = True
+        r.enqueue_all("r1", "p", comps)
+        assert together.calls == [("r1", [(i, i < 15) for i in range(16)])]
+        assert rec.done == [] and rec.parts == ["r1"]  # no report each; the part ended once, after them
+        assert [float(v[0]) for v in r.store.values(["r1/v15/0", "r1/v15/1"])] == [16.0, 16.0]
+        assert r.executed == executed + 16 and r.core.started == r.core.executed and r.outstanding == 0
+        assert [s.node for s in r.trace()[spans:]] == list(range(16))
+        assert r.memory.reserved == 0 and r.memory.stored == stored + 16 * 8
+        assert all(seconds > 0 for seconds in r.core.busy_seconds)
+
+
+@pytest.mark.asyncio
+async def test_a_chain_stops_at_the_first_computation_that_cannot_run_at_once() -> None:
+    """Node 3 waits for an input: 0-2 run as the chain (reported together), 3 and what follows queue, in
+    order, and run once the input is there; the part ends once, after the last."""
+    async with runner() as (r, rec):
+        await warm(r, rec)
+        r._done_together = together = Together()
+        comps = chain("r1", 6)
+        comps[3].inputs = ["late"]
+        r.enqueue_all("r1", "p", comps)
+        assert together.calls == [("r1", [(0, False), (1, False), (2, False)])]
+        assert rec.done == [] and rec.parts == [] and r.queued() == [2, 2]
+        for i in range(2):
+            r.store.put(f"late/{i}", jax.device_put(np.ones(1, np.float32), r.devices[i]), 4)
+        await rec.part("r1")
+        assert [w.comp.node for w in rec.done] == [3, 4, 5] and all(w.queued for w in rec.done)
+        assert float(r.store.values(["r1/v5/1"])[0][0]) == 4.0 and rec.parts == ["r1"]
+
+
+class Exploding:
+    """Fault injection: an output whose device reports a failure when it is waited for (no CPU computation
+    can be made to fail so on demand)."""
+
+    def block_until_ready(self) -> None:
+        raise RuntimeError("injected: the device failed")
+
+
+@pytest.mark.asyncio
+async def test_a_computation_that_fails_in_a_chain_is_reported_after_those_before_it(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    async with runner() as (r, rec):
+        await warm(r, rec)
+        r._done_together = together = Together()
+        real, calls = runner_module.dispatch_together, {"n": 0}
+
+        def failing_third(exes: list[object], devices: list[jax.Device], per_shard: list[list[object]]
+                          ) -> list[list[object]]:
+            calls["n"] += 1
+            outs = real(exes, devices, per_shard)
+            return [[Exploding()] for _ in outs] if calls["n"] == 3 else outs
+
+        monkeypatch.setattr(runner_module, "dispatch_together", failing_third)
+        r.enqueue_all("r1", "p", chain("r1", 5))
+        await rec.part("r1")
+        assert together.calls == [("r1", [(0, False), (1, False)])]
+        assert [(w.comp.node, w.error is not None) for w in rec.done] == [(2, True), (3, True), (4, True)]
+        assert "injected: the device failed" in rec.done[0].error.message  # type: ignore[union-attr]
+        assert "injected: the device failed" in rec.done[2].error.message  # type: ignore[union-attr]  # its cause
+        with pytest.raises(PwmeshError, match="injected"):
+            await r.store.get("r1/v2/0")
+        assert rec.parts == ["r1"] and r.outstanding == 0 and r.memory.reserved == 0
+
+
 @pytest.mark.asyncio
 async def test_a_computation_never_overtakes_queued_work_on_its_devices() -> None:
     async with runner() as (r, rec):

@@ -48,6 +48,7 @@ from pwmesh.executor.state import (
     Cancelled,
     CancelWork,
     Completed,
+    Completions,
     Event,
     ExecutorState,
     Flush,
@@ -251,7 +252,7 @@ class Executor(Service):
         self.progress = Progress()
         self._dropped_log = RejectedLog(self.name, logger=log)  # tuples a peer made up: a line per producer per 10 s
         self.runner = Runner(self.devices, self.store, self.functions, emit=self._emit, done=self._node_done,
-                             part_done=self._part_done,
+                             part_done=self._part_done, done_together=self._nodes_done,
                              memory_limit_bytes=self.config.memory_limit_bytes,
                              memory_wait_seconds=self.config.memory_wait_seconds, host=self.host)
         # What it admits, in what order, and what it reports (the pure core; ``Runner`` runs the computations).
@@ -1097,6 +1098,10 @@ class Executor(Service):
         just made goes first, so the proxy forwards it before it takes the chain's completion
         (~0.5 ms for 128 nodes) and frees the chain's buffers (more again, here)."""
         self._handle(Completed(work.run_id, work.proxy, work.comp.node, work.comp.quiet, work.error, work.scheduler))
+
+    def _nodes_done(self, run_id: str, proxy: str, scheduler: str, done: list[tuple[int, bool]]) -> None:
+        """Report computations of one run that completed together (``Runner._run_chain``), as ``_node_done``."""
+        self._handle(Completions(run_id, proxy, done, scheduler))
 
     # ------------------------------------------------------------ the JAX group
 

@@ -77,6 +77,16 @@ class DeviceQueues:
                 return False
         return True
 
+    def ran(self, run_id: str, devices: tuple[int, ...], seconds: float) -> None:
+        """A computation of ``run_id`` that ran and completed on idle ``devices`` without being added (the
+        runner's warm path for a part, ``Runner._run_chain``): counted as started and completed."""
+        self.started += 1
+        self.executed += 1
+        share = seconds / len(devices)
+        for device in devices:
+            self.busy_seconds[device] += share
+        self._run_seconds[run_id] = self._run_seconds.get(run_id, 0.0) + seconds
+
     def queue(self, work: Work) -> list[Start]:
         """Put an added ``work`` at the back of its devices' queues."""
         self._runs.setdefault(work.run_id, []).append(work)

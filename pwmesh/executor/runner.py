@@ -107,6 +107,7 @@ class Runner:
         emit: Callable[[Work, Emit, dict[int, Any], dict[int, Any], PwmeshError | None], None],
         done: Callable[[Work], None],
         part_done: Callable[[str, str, float], None] = lambda run_id, scheduler, seconds: None,
+        done_together: Callable[[str, str, str, list[tuple[int, bool]]], None] | None = None,
         memory_limit_bytes: int = 0,
         memory_wait_seconds: float = 300.0,
         host: str = "",
@@ -125,6 +126,9 @@ class Runner:
         self.memory_wait_seconds = memory_wait_seconds
         self._emit = emit
         self._done = done
+        # (run, proxy, scheduler, [(node, quiet)]): computations of one run that completed together
+        # (``_run_chain``); without it, ``done`` is called for each, with a ``Work`` made for it.
+        self._done_together = done_together
         self._part_done = part_done
         self.core = DeviceQueues(len(devices))  # the queues and the runs' accounting; this class acts on it
         self._starts: set[asyncio.Task[None]] = set()  # started computations, until they release their devices
@@ -171,7 +175,8 @@ class Runner:
         refused = []
         self.core.admitting(run_id)
         try:
-            for comp in comps:
+            ran = self._run_chain(run_id, proxy, comps, scheduler) if comps else 0
+            for comp in comps[ran:] if ran else comps:
                 try:
                     self.enqueue(run_id, proxy, comp, scheduler)
                 except PwmeshError as exc:
@@ -576,6 +581,100 @@ class Runner:
             err = as_error(exc, f"computation {comp.node} ({comp.fn_id[:12]})")
         self._finish(work, arrived, arrived, per_shard, outs, err, nbytes, fn.output_nbytes)
         return True
+
+    def _run_chain(self, run_id: str, proxy: str, comps: list[Computation], scheduler: str) -> int:
+        """The warm path of a part (a chain of small computations: a training loop's step, Figure 5's Chained):
+        its first computations that could each run inline as ``_run_plain`` does (a function per device, no
+        emits, nothing donated, quick, compiled, inputs stored, devices idle with nothing streamed to them) run
+        here one after the other, dispatched, waited for and stored with nothing else per computation: no
+        ``Work``, no queue, no report each, but one for them all. Returns how many ran (and completed). The
+        rest, from the first that cannot run so (or fails as it is dispatched: the ordinary path runs that one
+        again, and fails it as it should), take the ordinary path. Nothing else runs meanwhile (this holds
+        the loop, as inline computations do), so devices found idle stay idle and inputs stay stored."""
+        if self.asynchronous:
+            return 0
+        done: list[tuple[int, bool]] = []
+        failed: list[tuple[Work, list[list[Any]], float, BaseException]] = []
+        try:
+            self._chain(run_id, proxy, comps, scheduler, done, failed)
+        except Exception:  # a bug here must lose nothing: what did not run takes the ordinary path
+            log.exception("run %s: the warm path failed after %d computations; the rest take the ordinary path",
+                          run_id, len(done))
+        finally:
+            if done and self._done_together is not None:
+                self._done_together(run_id, proxy, scheduler, done)
+        for work, per_shard, arrived, exc in failed:  # it ran and failed: that is its outcome, after those before it
+            self.core.add(work)
+            self._finish(work, arrived, arrived, per_shard, None,
+                         as_error(exc, f"computation {work.comp.node} ({work.comp.fn_id[:12]})"), 0)
+        return len(done) + len(failed)
+
+    def _chain(self, run_id: str, proxy: str, comps: list[Computation], scheduler: str,
+               done: list[tuple[int, bool]], failed: list[tuple[Work, list[list[Any]], float, BaseException]]) -> None:
+        """``_run_chain``'s loop: what ran goes in ``done``, the one that ran and failed (last) in ``failed``."""
+        store, memory, spans, core = self.store, self.memory, self.spans, self.core
+        load, count = core.load, len(self.devices)
+        idle: dict[tuple[int, ...], bool] = {}
+        for comp in comps:
+            if comp.gang or comp.spmd or comp.emits or comp.donate or comp.ragged or comp.kind != "call":
+                break
+            shards = comp.shards()
+            device_ids = tuple([d for d, _ in shards])
+            free = idle.get(device_ids)
+            if free is None:  # once per set of devices: nothing here can queue work on them or stream to them
+                free = idle[device_ids] = (0 < len(device_ids) == len(set(device_ids)) and min(device_ids) >= 0
+                                           and max(device_ids) < count and not any([load[d] for d in device_ids])
+                                           and not self.streams.busy(list(device_ids)))
+            if not free:
+                break
+            found = self._runnable(comp, device_ids)
+            if found is None:
+                break
+            fn, devices, exes = found
+            if not runs_inline(fn, fn.seconds * len(devices)):
+                break
+            per_shard = []
+            for _, shard in shards:
+                values = store.values([f"{p}/{shard}" for p in comp.inputs])
+                if values is None:
+                    break
+                per_shard.append(values)
+            if len(per_shard) != len(shards):  # an input is not here (yet): the queues wait for it
+                break
+            nbytes = fn.shard_output_nbytes * len(devices)
+            if not memory.try_reserve(nbytes):
+                break
+            try:
+                arrived = time.time()
+                start = time.perf_counter()
+                try:
+                    outs = dispatch_together(exes, devices, per_shard)
+                    if any([len(out) != len(comp.outputs) for out in outs]):
+                        break  # a malformed computation: the ordinary path says how
+                except Exception:
+                    break
+                try:
+                    for out in outs:  # a device's outputs are computed together: one stands for all (``_run_plain``)
+                        if out:
+                            out[-1].block_until_ready()
+                except Exception as exc:
+                    failed.append((Work(run_id, proxy, scheduler, comp, list(device_ids), [s for _, s in shards]),
+                                   per_shard, arrived, exc))
+                    return
+                wall = time.perf_counter() - start
+                fn.ran(wall / len(devices))
+                spans.append(Span(arrived, arrived, time.time(), run_id, comp.node, comp.seq, comp.fn_id, device_ids,
+                                  ""))
+                for i, (buffer, shard_nbytes) in enumerate(zip(comp.outputs, fn.output_nbytes, strict=False)):
+                    for (_, shard), out in zip(shards, outs, strict=True):
+                        store.put(f"{buffer}/{shard}", out[i], shard_nbytes, computed=True)
+            finally:
+                memory.release(nbytes)  # the outputs are stored bytes now (or nothing was made)
+            core.ran(run_id, device_ids, wall)
+            done.append((comp.node, comp.quiet))
+            if self._done_together is None:  # (a runner without one: each reported as the ordinary path does)
+                self._done(Work(run_id, proxy, scheduler, comp, list(device_ids), [s for _, s in shards],
+                                finished=True, device_seconds=wall))
 
     def _run_plain(self, work: Work, fn: CompiledFunction, devices: list[jax.Device], exes: list[Any],
                    per_shard: list[list[Any]], arrived: float, reserved: int) -> bool:

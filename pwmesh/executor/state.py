@@ -185,7 +185,8 @@ class Leaving:
 
 @dataclasses.dataclass(slots=True)
 class Completions:
-    """In the event log: successive successful ``Completed`` of one run, as (node, quiet) pairs."""
+    """Successive successful completions of one run, as (node, quiet) pairs: the runner's report of a part's
+    computations that ran together (``Runner._run_chain``), and in the event log, successive ``Completed``."""
 
     run_id: str
     proxy: str
@@ -196,7 +197,8 @@ class Completions:
         return [Completed(self.run_id, self.proxy, node, quiet, scheduler=self.scheduler) for node, quiet in self.done]
 
 
-Event = Received | Installed | TemplateTimeout | Cancelled | Reclaimed | Forgotten | Completed | PartEnded | Flush | StartedOver | Leaving
+Event = (Received | Installed | TemplateTimeout | Cancelled | Reclaimed | Forgotten | Completed | Completions | PartEnded
+         | Flush | StartedOver | Leaving)
 
 # ------------------------------------------------------------------ actions
 
@@ -218,7 +220,7 @@ class CancelWork:
 Action = Send | Admit | CancelWork | Timer
 
 _KINDS = {Received: "enqueue", Installed: "install", TemplateTimeout: "template-timeout", Cancelled: "cancel", Reclaimed: "reclaim", Forgotten: "forget",
-          Completed: "done", PartEnded: "part-done", Flush: "flush", StartedOver: "start-over", Leaving: "leave"}
+          Completed: "done", Completions: "done", PartEnded: "part-done", Flush: "flush", StartedOver: "start-over", Leaving: "leave"}
 
 
 class ExecutorState:
@@ -256,6 +258,8 @@ class ExecutorState:
         # By type, at once: a completion per computation is the hot path (a match tried each case in turn).
         if type(event) is Completed:
             self._completed_one(event)
+        elif type(event) is Completions:
+            self._completed_together(event)
         elif isinstance(event, Received):
             self._arrive(event.message, now)
         elif isinstance(event, PartEnded):
@@ -289,17 +293,17 @@ class ExecutorState:
             raise TypeError(f"not an executor event: {event!r}")
         if self.events is not None:
             entries = self.events.entries
-            if type(event) is Completed and event.error is None:
+            if (type(event) is Completed and event.error is None) or type(event) is Completions:
                 # One per computation: a run's successive ones are kept as one entry (appending an object per
                 # computation cost ~2.5 us of ~60 in bench/dispatch.py's Chained), expanded again to replay.
+                done = event.done if isinstance(event, Completions) else [(event.node, event.quiet)]
                 last = entries[-1][2] if entries else None
                 if (type(last) is Completions and last.run_id == event.run_id and last.proxy == event.proxy
                         and last.scheduler == event.scheduler):
-                    last.done.append((event.node, event.quiet))
+                    last.done.extend(done)
                 else:
-                    entries.append((now, (kind, n), Completions(event.run_id, event.proxy,
-                                                                [(event.node, event.quiet)], event.scheduler),
-                                    len(out)))
+                    entries.append((now, (kind, n), Completions(event.run_id, event.proxy, list(done),
+                                                                event.scheduler), len(out)))
             else:
                 # Kept as it is, to be replayed; not a large program's part: 2,000 of those would hold gigabytes.
                 kept = (describe(event) if isinstance(event, Received | Installed)
@@ -447,6 +451,15 @@ class ExecutorState:
                 self._quiet.setdefault(done.run_id, (done.proxy, []))[1].append(done.node)
             return
         self._report_later(to, done.run_id, [done.node])
+
+    def _completed_together(self, done: Completions) -> None:
+        """``_completed_one`` for each of ``done``'s, in order."""
+        loud = [node for node, quiet in done.done if not quiet]
+        if not done.scheduler and len(loud) < len(done.done):
+            self._quiet.setdefault(done.run_id, (done.proxy, []))[1].extend(
+                [node for node, quiet in done.done if quiet])
+        if loud:
+            self._report_later(done.scheduler or done.proxy, done.run_id, loud)
 
     def _report_later(self, proxy: str, run_id: str, nodes: list[int]) -> None:
         """Add ``nodes`` to the completions that leave together after this instant's wake-ups."""
