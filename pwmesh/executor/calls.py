@@ -20,6 +20,10 @@ try:  # the call ``jax.make_array_from_callback`` ends in (``copied_to``)
     from jax._src.interpreters.pxla import batched_device_put as _batched_device_put
 except ImportError:  # a JAX without them: the public way
     _batched_device_put = None  # type: ignore[assignment]
+try:  # the concrete type of a JAX array: checked by identity on the warm path (``dispatch_together``)
+    from jax._src.array import ArrayImpl as _ArrayImpl
+except ImportError:  # a JAX without it: every value goes through ``placed``
+    _ArrayImpl = None  # type: ignore[assignment,misc]
 
 
 def compiled(fn: CompiledFunction, spmd: bool, devices: list[jax.Device], donate: tuple[int, ...]) -> list[Any] | None:
@@ -44,9 +48,20 @@ def to_host(value: Any) -> Any:
 
 
 def dispatch_together(exes: list[Any], devices: list[jax.Device], per_shard: list[list[Any]]) -> list[list[Any]]:
-    """Dispatch per-device shards (without waiting for them); each device's outputs."""
-    return [jax.tree_util.tree_leaves(exe(*[placed(a, d) for a in args]))
-            for exe, d, args in zip(exes, devices, per_shard, strict=True)]
+    """Dispatch per-device shards (without waiting for them); each device's outputs.
+
+    A chain's node runs this once: arrays already on their device (the usual case) and a single output are
+    seen by their type, not through ``placed`` and ``tree_leaves`` (~3 us of a node's ~12 us of calls)."""
+    array = _ArrayImpl
+    outs = []
+    for exe, device, args in zip(exes, devices, per_shard, strict=True):
+        for a in args:
+            if type(a) is not array or getattr(a.sharding, "_device", None) is not device:
+                args = [placed(x, device) for x in args]
+                break
+        out = exe(*args)
+        outs.append([out] if type(out) is array else jax.tree_util.tree_leaves(out))
+    return outs
 
 
 def call_together(exes: list[Any], devices: list[jax.Device],
