@@ -161,6 +161,7 @@ def test_an_executor_reports_to_its_scheduler_and_its_parts_end_stands_for_what_
     core = ExecutorState("a")
     enq = Enqueue(run_id="r1", proxy=PROXY, nodes=[0, 1], computations=b"", scheduler=SCHEDULER)
     core.handle(Arrived(enq), 0.0)  # (its computations are not read here)
+    core.handle(Flush(), 0.0)  # (its empty part's end: admitting nothing ended it)
     # A quiet node (no program output): nothing sent. An output: after the turn, to the scheduler.
     assert core.handle(Completed("r1", PROXY, 0, quiet=True, scheduler=SCHEDULER), 0.0) == []
     core.handle(Completed("r1", PROXY, 1, scheduler=SCHEDULER), 0.0)

@@ -463,10 +463,13 @@ class ExecutorState:
 
     def _report_later(self, proxy: str, run_id: str, nodes: list[int]) -> None:
         """Add ``nodes`` to the completions that leave together after this instant's wake-ups."""
+        self._flush_soon()
+        self._completed.setdefault((proxy, run_id), []).extend(nodes)
+
+    def _flush_soon(self) -> None:
         if not self._flushing:
             self._flushing = True
             self._out.append(Timer(0.0, Flush(), self._stimulus()))
-        self._completed.setdefault((proxy, run_id), []).extend(nodes)
 
     def _part_ended(self, run_id: str, scheduler: str, device_seconds: float) -> None:
         quiet = self._quiet.pop(run_id, None)
@@ -476,11 +479,12 @@ class ExecutorState:
             return
         # Its outputs that completed this turn need no message of their own: the part's end stands for them.
         self._completed.pop((scheduler, run_id), None)
-        done = RunPartDone(run_id=run_id, executor_id=self.name, device_seconds=device_seconds)
-        if self._completed:  # leave together with the completions (one I/O-thread wake-up for both)
-            self._parts_done.append((scheduler, done))
-        else:
-            self._send(scheduler, done)
+        # It leaves with this instant's completions (one I/O-thread wake-up for all), after the replies its
+        # outputs woke: an early fetch of a chain's result reaches the proxy first, and the proxy forwards it
+        # before it takes the run's completion, one hop behind (~1 ms of a 128-node chain's 9 when it did not).
+        self._parts_done.append((scheduler, RunPartDone(run_id=run_id, executor_id=self.name,
+                                                        device_seconds=device_seconds)))
+        self._flush_soon()
 
     def _flush(self) -> None:
         self._flushing = False
