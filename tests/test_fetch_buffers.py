@@ -4,6 +4,8 @@ Real daemons (the session's cluster: 2 islands x 2 hosts x 2 CPU devices)."""
 
 from __future__ import annotations
 
+import gc
+
 import numpy as np
 import pytest
 
@@ -45,3 +47,26 @@ def test_a_failed_value_among_them_fails_the_fetch_with_its_cause(client: pw.Cli
         pw.get([good, bad])
     assert "RESOURCE_EXHAUSTED" in info.value.message and info.value.remote_traceback
     np.testing.assert_array_equal(pw.get([good, good + 0])[0], [2.0, 3.0])  # the session goes on
+
+
+def test_a_fetch_goes_ahead_of_the_releases_waiting_for_the_next_message(cluster: pw.LocalCluster) -> None:
+    """A garbage-collected array's release waits for the client's next message. A fetch goes ahead of it (the
+    proxy sends for the value first, and frees after); any other message goes behind it (it sees them freed)."""
+    with pw.Client(cluster.address, name="release-order") as client:
+        client.session.conn.heartbeat_interval_seconds = 60.0  # no heartbeat carries them off meanwhile
+        sl = client.make_virtual_device_set().add_slice(devices=2, island=0)
+        inc = pw.pmap(lambda v: v + 1.0, devices=sl)
+        a = inc(np.zeros(2, np.float32))
+        b = inc(a)
+        del a
+        gc.collect()
+        np.testing.assert_array_equal(np.asarray(b), [2.0, 2.0])
+        del b
+        gc.collect()
+        c = inc(np.ones(2, np.float32))
+        np.testing.assert_array_equal(np.asarray(c), [2.0, 2.0])
+        lines = [line for line in debug_events(cluster.address, "proxy", 60).splitlines() if "Inbound(proxy." in line]
+        client_ops = ("proxy.fetch", "proxy.release_buffers", "proxy.run_program")  # (not the schedulers' reports)
+        ops = [op for op in (line.split("Inbound(")[1].split(" ")[0] for line in lines) if op in client_ops]
+        assert ops[-5:] == ["proxy.fetch", "proxy.release_buffers", "proxy.release_buffers", "proxy.run_program",
+                            "proxy.fetch"], ops  # fetch b, release a; release b, run c; fetch c

@@ -273,17 +273,24 @@ class ClientConnection:
                 self._pending[msg_id] = fut
                 self._requests[msg_id] = message
             released = self._take_released()
-            if released is not None:  # ahead of this message, in the same order
+            # Ahead of this message, in the same order; behind a fetch, which no release can change: the proxy
+            # sends for the value first (a fetch right after a run then reaches the executor before the run
+            # does more often, and the value leaves as the run ends), and frees after.
+            later = released if released is not None and isinstance(message, (Fetch, FetchBuffers)) else None
+            if released is not None and later is None:
                 if self._in_socket or self._backlog or not self._send_now(released):
                     self._backlog.append(released)
-            if self._in_socket or self._backlog:  # re-entered mid-call, or behind earlier messages
-                self._backlog.append(frames)
-                self._wake()
-            elif not self._send_now(frames):  # refused: the I/O thread sends it when it can
-                self._backlog.append(frames)
-                self._wake()
-            elif cast(int, self._sock.getsockopt(zmq.EVENTS)) & _POLLIN:
-                self._wake()  # our send consumed the signal of a reply: tell the I/O thread
+            for each in (frames, later):
+                if each is None:
+                    continue
+                if self._in_socket or self._backlog:  # re-entered mid-call, or behind earlier messages
+                    self._backlog.append(each)
+                    self._wake()
+                elif not self._send_now(each):  # refused: the I/O thread sends it when it can
+                    self._backlog.append(each)
+                    self._wake()
+                elif cast(int, self._sock.getsockopt(zmq.EVENTS)) & _POLLIN:
+                    self._wake()  # our send consumed the signal of a reply: tell the I/O thread
         return fut
 
     def _wake(self) -> None:
