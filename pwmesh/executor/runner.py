@@ -29,6 +29,10 @@ which XLA may run to its end inside the call that hands it over) runs on its
 devices' threads, once what is streamed ahead of it has landed. So the loop,
 which serves heartbeats, status, cancels and signals, is never held by a
 computation for longer than an inline one's bound, whatever it measured before.
+A warm part (a chain of such inline computations, as a program run again) runs
+as one chain when it arrives (``_run_chain``): no queue entry, no ``Work`` and
+no report each, one report for them all. (A part's inline computations run back
+to back, as they did one by one: a part of thousands holds the loop that long.)
 
 Memory back-pressure: a computation's output bytes are known statically. One
 whose outputs could never fit the executor's memory limit fails at once
