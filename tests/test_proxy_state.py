@@ -9,6 +9,7 @@ answers an ``Enqueue`` with the ``NodeDone`` an executor would post.
 from __future__ import annotations
 
 import dataclasses
+import logging
 from typing import Any
 
 import numpy as np
@@ -478,6 +479,21 @@ def test_completions_from_a_client_connection_are_refused(world: World) -> None:
         world.ask(CLIENT, NodeDone(run_id="r", nodes=[0], executor_id="ex0"))
     assert world.ask(CLIENT, CloseSession()) == Ok()
     assert not world.proxy.sessions
+
+
+def test_a_report_of_a_closed_sessions_run_is_dropped_quietly_and_an_unknown_run_is_logged(
+        world: World, caplog: pytest.LogCaptureFixture) -> None:
+    """A client that fetched its values (an early fetch's reply leaves the executor before its part's end) and
+    closed its session: the completions still on their way are nobody's business. A live session's unknown
+    run is still a warning."""
+    sid, _ = world.open()
+    assert world.ask(CLIENT, CloseSession()) == Ok()
+    with caplog.at_level(logging.WARNING, logger="pwmesh.proxy.state"):
+        assert world.handle(Inbound(b"ex", NodeDone(run_id=f"{sid}:7-abcd", nodes=[0], executor_id="ex0"))) == []
+        assert caplog.records == []
+        other, _ = world.open()
+        world.handle(Inbound(b"ex", NodeDone(run_id=f"{other}:7-abcd", nodes=[0], executor_id="ex0")))
+    assert [r.getMessage() for r in caplog.records] == [f"completion for unknown run {other}:7-abcd from ex0"]
 
 
 def test_an_executor_lost_notice_for_an_unknown_run_changes_nothing_else(world: World) -> None:

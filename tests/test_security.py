@@ -11,6 +11,7 @@ import asyncio
 import dataclasses
 import logging
 import os
+import re
 import socket
 import struct
 import subprocess
@@ -103,7 +104,12 @@ def test_a_client_without_an_authorized_key_gets_nothing(keyed: pw.LocalCluster,
     monkeypatch.setenv("PWMESH_KEYS", str(key_dirs["alice"]))  # as `pwmesh status --keys` passes them on
     sessions = fetch_status(keyed.address, connect_timeout_seconds=10.0).sessions
     assert not any(s.name == "intruder" for s in sessions), "no session was opened"
-    assert {c.name: c.log_path.stat().st_size for c in keyed.children} == logs_before, "and nothing was logged"
+    # And nothing was logged of it (an intruder must not fill the logs). Read what was written since, rather
+    # than comparing sizes: on a loaded machine a daemon may log a late heartbeat meanwhile.
+    written = "".join(c.log_path.read_bytes()[logs_before[c.name]:].decode(errors="replace") for c in keyed.children)
+    about = [line for line in written.splitlines()
+             if re.search(r"intruder|curve|auth|key|handshake|refus|reject|denied|unknown|zap|peer", line, re.I)]
+    assert about == [], f"and nothing was logged of it; written meanwhile: {written!r}"
 
 
 def test_raw_frames_without_curve_get_no_reply(keyed: pw.LocalCluster) -> None:

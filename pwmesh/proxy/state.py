@@ -930,6 +930,10 @@ class ProxyState:
     def _node_done(self, peer: bytes, msg: NodeDone, now: float) -> None:
         found = self._reported_run(peer, msg.run_id, msg.executor_id, "completions")
         if found is None:
+            if self._by_id(msg.run_id.partition(":")[0]) is None:
+                # Its session closed: a report still on its way as its client, which had the values it
+                # fetched (an early fetch's reply leaves the executor first), went. Nothing waits for it.
+                return None
             self._peer_log.warning(("unknown run", msg.executor_id), "completion for unknown run %s from %s", msg.run_id, msg.executor_id)
             return None
         session, run = found
