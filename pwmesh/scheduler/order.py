@@ -41,6 +41,9 @@ from pwmesh.scheduler.templates import IslandTemplates, Template
 from pwmesh.scheduler.tree import Layout, RunTree
 from pwmesh.wire.messages import ClientUsage, Enqueue, InstallTemplate, RunTemplate, ScheduleRun, TemplateMissing
 from pwmesh.wire.records import MAX_DEVICES
+from pwmesh.wire.schema import maker
+
+_enqueue = maker(Enqueue)  # (an Enqueue is made per executor per decision: a class call costs twice this)
 
 POLICIES = ("fifo", "fair")
 
@@ -82,9 +85,10 @@ class _Client:
     version: int = 0  # bumped when its place in the policy order changes: older heap entries are stale
 
 
-# A client waiting in the fair order: (policy key, order, version, tiebreak, client, the cell whose
-# freed slot woke it, if one did).
-_Entry = tuple[tuple[float, ...], int, int, int, _Client, "Cell | None"]
+# A client waiting in the fair order: (its policy key's three parts: -priority, virtual time, its head's
+# arrival; then order, version, tiebreak, client, the cell whose freed slot woke it, if one did). Flat, not
+# (key, order, ...): heaps compare these all the time, and a tuple inside a tuple compares twice.
+_Entry = tuple[int, float, int, int, int, int, _Client, "Cell | None"]
 
 
 @dataclasses.dataclass
@@ -107,6 +111,7 @@ class ExecutorCounts:
     def __init__(self) -> None:
         self._index: dict[str, int] = {}
         self._values = np.zeros(64, np.int64)
+        self._each = self._values.data  # the same counts one at a time, as ints (numpy's scalars: 2x)
 
     def places(self, executors: list[str]) -> np.ndarray:
         """Where each of ``executors`` (each named once) is counted (stable: an executor keeps its place)."""
@@ -117,7 +122,7 @@ class ExecutorCounts:
         if len(index) > len(self._values):
             grown = np.zeros(max(len(index), 2 * len(self._values)), np.int64)
             grown[:len(self._values)] = self._values
-            self._values = grown
+            self._values, self._each = grown, grown.data
         return np.fromiter((index[e] for e in executors), np.intp, len(executors))
 
     def take(self, places: np.ndarray) -> np.ndarray:
@@ -132,8 +137,9 @@ class ExecutorCounts:
         i = self._index.get(executor_id)
         if i is None:
             i = int(self.places([executor_id])[0])
-        value = int(self._values[i])
-        self._values[i] = value + 1
+        each = self._each
+        value: int = each[i]
+        each[i] = value + 1
         return value
 
     def restart(self, executor_id: str) -> None:
@@ -381,7 +387,9 @@ class IslandOrder:
         return None
 
     def _entry(self, client: _Client, woken_by: Cell | None = None) -> _Entry:
-        return (self._key(client), client.order, client.version, next(self._ties), client, woken_by)
+        """``client``'s place in the fair order (``_key``'s parts, flat)."""
+        return (-client.priority, client.vtime, client.queue[0].arrival, client.order, client.version,
+                next(self._ties), client, woken_by)
 
     def _place(self, client: _Client) -> None:
         """``client``'s key changed, or its head: it waits in the order anew (older entries go stale)."""
@@ -395,9 +403,9 @@ class IslandOrder:
         blocked = cell.blocked
         while blocked:
             entry = heapq.heappop(blocked)
-            client = entry[4]
-            if entry[2] == client.version and client.queue:
-                heapq.heappush(self._ready, (*entry[:5], cell))
+            client = entry[6]
+            if entry[4] == client.version and client.queue:
+                heapq.heappush(self._ready, (*entry[:7], cell))
                 break
 
     def _release(self) -> list[Send]:
@@ -411,11 +419,11 @@ class IslandOrder:
         ready = self._ready
         while ready:
             entry = heapq.heappop(ready)
-            _, _, version, _, client, woken_by = entry
+            version, client, woken_by = entry[4], entry[6], entry[7]
             if version == client.version and client.queue:
                 blocker = self._blocker(client.queue[0])
                 if blocker is not None:
-                    heapq.heappush(blocker.blocked, (*entry[:5], None))
+                    heapq.heappush(blocker.blocked, (*entry[:7], None))
                 else:
                     actions.extend(self._sequence(client, client.queue.popleft()))
                     if client.queue:
@@ -487,7 +495,7 @@ class IslandOrder:
         placed: list[tuple[str, list[int]]] = []
         if template is None:
             assert isinstance(run, ScheduleRun)
-            sending, names = run.parts, list[str]()
+            sending, names = run.parts, []
             if self.sequenced is not None:
                 self.sequenced.append((run_id, run.proxy, {p.executor_id: p.nodes for p in run.parts}, None, None))
             # (one at a time: nothing but a template says each executor has one part)
@@ -506,18 +514,18 @@ class IslandOrder:
             placed.append((ex, nodes))
             seq += len(seqs)
             if template is None:
-                enqueue = Enqueue(run_id=run_id, proxy=run.proxy, nodes=part.nodes, computations=part.computations,
-                                  seqs=seqs, names=part.names, scheduler=self.scheduler,
-                                  executor_seq=executor_seq, epoch=self.epoch)
+                enqueue = _enqueue(run_id=run_id, proxy=run.proxy, nodes=part.nodes, computations=part.computations,
+                                   seqs=seqs, names=part.names, scheduler=self.scheduler,
+                                   executor_seq=executor_seq, epoch=self.epoch)
             else:  # the part's bytes go with the first run only; every run carries the island's names
                 first = ex not in template.sent
                 if first:
                     template.sent.add(ex)
-                enqueue = Enqueue(run_id=run_id, proxy=run.proxy, nodes=part.nodes,
-                                  computations=part.computations if first else b"", seqs=seqs,
-                                  names=names, scheduler=self.scheduler,
-                                  executor_seq=executor_seq, epoch=self.epoch,
-                                  template=template.template_id, refs=part.refs if first else [])
+                enqueue = _enqueue(run_id=run_id, proxy=run.proxy, nodes=part.nodes,
+                                   computations=part.computations if first else b"", seqs=seqs,
+                                   names=names, scheduler=self.scheduler,
+                                   executor_seq=executor_seq, epoch=self.epoch,
+                                   template=template.template_id, refs=part.refs if first else [])
             actions.append(Send(part.control, enqueue, self._stimulus))
         if seq > self.next_seq:
             self._history.append((self.next_seq, run_id, session, placed))
