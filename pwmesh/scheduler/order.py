@@ -351,11 +351,11 @@ class IslandOrder:
         client.device_seconds += device_seconds
         client.vtime += device_seconds / client.weight
         if self.policy == "fair":
+            # (Its virtual time moved, so its place in the order, if it waits: where it waits, its entry is
+            # put right when it comes first: ``_wake``, ``_release``.)
             for cell in freed:
                 if cell.blocked:
                     self._wake(cell)
-            if client.queue and device_seconds:
-                self._place(client)  # its virtual time moved
         if not flight.parts and not flight.below:
             del self._in_flight[run_id]
             self.slots.drop(flight.shape)
@@ -405,6 +405,9 @@ class IslandOrder:
             entry = heapq.heappop(blocked)
             client = entry[6]
             if entry[4] == client.version and client.queue:
+                if entry[1] != client.vtime:  # charged since: it is first only if it still is at its own time
+                    heapq.heappush(blocked, self._entry(client))
+                    continue
                 heapq.heappush(self._ready, (*entry[:7], cell))
                 break
 
@@ -415,19 +418,24 @@ class IslandOrder:
         # Fair: pop waiting clients in key order; a head that does not fit waits on a device that blocks
         # it (slots only fill during a pass, so it would not fit later in it either) until a slot there
         # frees. The first head that fits is the one a sort of every waiting client would release.
+        # A client charged device time (``_freed``) keeps its entry, whose virtual time is then behind its
+        # own: keys only grow so, never shrink (a new priority is placed at once: ``_queue``), so an entry
+        # that comes first at its own time is first; one that does not goes back in at its own time.
         actions: list[Send] = []
         ready = self._ready
         while ready:
             entry = heapq.heappop(ready)
-            version, client, woken_by = entry[4], entry[6], entry[7]
-            if version == client.version and client.queue:
-                blocker = self._blocker(client.queue[0])
-                if blocker is not None:
-                    heapq.heappush(blocker.blocked, (*entry[:7], None))
-                else:
-                    actions.extend(self._sequence(client, client.queue.popleft()))
-                    if client.queue:
-                        self._place(client)
+            client, woken_by = entry[6], entry[7]
+            if entry[4] != client.version or not client.queue:
+                pass  # stale: the client was placed anew, or has nothing left to run
+            elif entry[1] != client.vtime:
+                heapq.heappush(ready, self._entry(client))  # (what woke it wakes the next below)
+            elif (blocker := self._blocker(client.queue[0])) is not None:
+                heapq.heappush(blocker.blocked, (*entry[:7], None))
+            else:
+                actions.extend(self._sequence(client, client.queue.popleft()))
+                if client.queue:
+                    self._place(client)
             if woken_by is not None:
                 self._wake(woken_by)  # its slot may still be free: the next best there may use it
         return actions
