@@ -58,7 +58,7 @@ class OrderEntry(NamedTuple):
     session: str
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(slots=True)
 class _Pending:
     run: ScheduleRun | RunTemplate
     arrival: int
@@ -91,7 +91,7 @@ class _Client:
 _Entry = tuple[int, float, int, int, int, int, _Client, "Cell | None"]
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(slots=True)
 class _InFlight:
     client: _Client
     shape: Shape
@@ -197,14 +197,17 @@ class IslandOrder:
     def submit(self, run: ScheduleRun, stimulus: str = "") -> list[Send]:
         """Queue a run for its client, then release whatever now fits."""
         self._stimulus = stimulus
-        for part in run.parts:
-            for r in part.devices:
-                if r.first < 0 or not 1 <= r.count <= MAX_DEVICES:
-                    raise InvalidArgument(f"run {run.run_id}: devices [{r.first}, +{r.count}) on {part.executor_id}")
-        # Runs of one program name the same ranges: the footprint is built once, when first seen.
+        # Runs of one program name the same ranges: the footprint is checked and built once, when first seen.
         key = tuple([(part.executor_id, r.first, r.count) for part in run.parts for r in part.devices])
-        shape = self.slots.take(key, lambda: frozenset((ex, first + k) for ex, first, count in key
-                                                       for k in range(count)))
+        shape = self.slots.known(key)
+        if shape is None:
+            for part in run.parts:
+                for r in part.devices:
+                    if r.first < 0 or not 1 <= r.count <= MAX_DEVICES:
+                        raise InvalidArgument(f"run {run.run_id}: devices [{r.first}, +{r.count}) on "
+                                              f"{part.executor_id}")
+            shape = self.slots.take(key, lambda: frozenset((ex, first + k) for ex, first, count in key
+                                                           for k in range(count)))
         return self._queue(_Pending(run, next(self._arrivals), shape))
 
     def install(self, msg: InstallTemplate) -> None:
@@ -232,14 +235,16 @@ class IslandOrder:
         if client is None:
             client = self._clients[run.session] = _Client(run.session, run.weight, run.priority,
                                                           order=next(self._joined))
-        before = self._key(client) if client.queue else None
+        queue = client.queue
+        # Its key (``_key``) changes with a new head or a new priority (its virtual time only when it has no head).
+        moved = not queue or client.priority != run.priority
         client.weight, client.priority = run.weight, run.priority
-        if not client.queue and not client.in_flight:
+        if not queue and not client.in_flight:
             # Re-entering after idling: start level with the others, with no saved-up credit.
             active = [c.vtime for c in self._clients.values() if c is not client and (c.queue or c.in_flight)]
             client.vtime = max(client.vtime, min(active, default=client.vtime))
-        client.queue.append(pending)
-        if self.policy == "fair" and self._key(client) != before:  # a new head, or a new priority or vtime
+        queue.append(pending)
+        if moved and self.policy == "fair":
             self._place(client)
         return self._release()
 
@@ -353,20 +358,20 @@ class IslandOrder:
         if self.policy == "fair":
             # (Its virtual time moved, so its place in the order, if it waits: where it waits, its entry is
             # put right when it comes first: ``_wake``, ``_release``.)
+            window = self.window
             for cell in freed:
-                if cell.blocked:
+                if cell.blocked and cell.busy < window:
                     self._wake(cell)
         if not flight.parts and not flight.below:
             del self._in_flight[run_id]
             self.slots.drop(flight.shape)
             client.in_flight -= 1
-            self._forget_idle()
+            if len(self._clients) > self.max_clients:
+                self._forget_idle()
 
     def _forget_idle(self) -> None:
-        """Keep the client table bounded: an idle client forgotten loses nothing it would
+        """Keep the client table bounded (beyond ``max_clients``): an idle client forgotten loses nothing it would
         have kept, since a client that comes back re-enters at the others' level anyway."""
-        if len(self._clients) <= self.max_clients:
-            return
         for session, c in list(self._clients.items()):
             if not c.queue and not c.in_flight:
                 del self._clients[session]
@@ -423,20 +428,25 @@ class IslandOrder:
         # that comes first at its own time is first; one that does not goes back in at its own time.
         actions: list[Send] = []
         ready = self._ready
+        window = self.window
+        heappop, heappush = heapq.heappop, heapq.heappush
         while ready:
-            entry = heapq.heappop(ready)
+            entry = heappop(ready)
             client, woken_by = entry[6], entry[7]
             if entry[4] != client.version or not client.queue:
                 pass  # stale: the client was placed anew, or has nothing left to run
             elif entry[1] != client.vtime:
-                heapq.heappush(ready, self._entry(client))  # (what woke it wakes the next below)
-            elif (blocker := self._blocker(client.queue[0])) is not None:
-                heapq.heappush(blocker.blocked, (*entry[:7], None))
+                heappush(ready, self._entry(client))  # (what woke it wakes the next below)
             else:
-                actions.extend(self._sequence(client, client.queue.popleft()))
-                if client.queue:
-                    self._place(client)
-            if woken_by is not None:
+                for cell in client.queue[0].shape.cells:  # (``_blocker``, inline)
+                    if cell.busy >= window:
+                        heappush(cell.blocked, (*entry[:7], None))
+                        break
+                else:
+                    actions.extend(self._sequence(client, client.queue.popleft()))
+                    if client.queue:
+                        self._place(client)
+            if woken_by is not None and woken_by.busy < window:
                 self._wake(woken_by)  # its slot may still be free: the next best there may use it
         return actions
 
@@ -497,46 +507,58 @@ class IslandOrder:
 
     def _enqueues(self, run: ScheduleRun | RunTemplate, template: Template | None) -> list[Send]:
         """A run's Enqueues, one per executor, in the island's order."""
-        actions = []
-        seq = self.next_seq
-        run_id, session = run.run_id, run.session
-        placed: list[tuple[str, list[int]]] = []
-        if template is None:
-            assert isinstance(run, ScheduleRun)
-            sending, names = run.parts, []
-            if self.sequenced is not None:
-                self.sequenced.append((run_id, run.proxy, {p.executor_id: p.nodes for p in run.parts}, None, None))
-            # (one at a time: nothing but a template says each executor has one part)
-            executor_seqs = [self._executor_seq.next(part.executor_id) for part in sending]
-        else:
+        if template is not None:
             assert isinstance(run, RunTemplate)
-            sending, names = template.parts, run.names
-            if self.sequenced is not None:
-                self.sequenced.append((run_id, run.proxy, template.executor_nodes, template.nodes, None))
-            if template.places is None:
-                template.places = self._executor_seq.places([part.executor_id for part in sending])
-            executor_seqs = self._executor_seq.take(template.places).tolist()
-        for part, executor_seq in zip(sending, executor_seqs, strict=True):
+            return self._template_enqueues(run, template)
+        assert isinstance(run, ScheduleRun)
+        actions = []
+        seq = start = self.next_seq
+        run_id, proxy, scheduler, epoch, stimulus = run.run_id, run.proxy, self.scheduler, self.epoch, self._stimulus
+        count = self._executor_seq.next  # (one at a time: nothing but a template says each executor has one part)
+        placed: list[tuple[str, list[int]]] = []
+        for part in run.parts:
+            nodes = part.nodes
+            end = seq + len(nodes)
+            placed.append((part.executor_id, nodes))
+            enqueue = _enqueue(run_id=run_id, proxy=proxy, nodes=nodes, computations=part.computations,
+                               seqs=list(range(seq, end)), names=part.names, scheduler=scheduler,
+                               executor_seq=count(part.executor_id), epoch=epoch)
+            actions.append(Send(part.control, enqueue, stimulus))
+            seq = end
+        if self.sequenced is not None:
+            self.sequenced.append((run_id, proxy, {p.executor_id: p.nodes for p in run.parts}, None, None))
+        if seq > start:
+            self._history.append((start, run_id, run.session, placed))
+        self.next_seq = seq
+        return actions
+
+    def _template_enqueues(self, run: RunTemplate, template: Template) -> list[Send]:
+        """A template's run as one Enqueue per executor: its parts' bytes go with the first run sent each
+        executor only; every run carries the island's names."""
+        actions = []
+        seq = start = self.next_seq
+        run_id, proxy, names, scheduler, epoch = run.run_id, run.proxy, run.names, self.scheduler, self.epoch
+        placed: list[tuple[str, list[int]]] = []
+        if self.sequenced is not None:
+            self.sequenced.append((run_id, proxy, template.executor_nodes, template.nodes, None))
+        if template.places is None:
+            template.places = self._executor_seq.places([part.executor_id for part in template.parts])
+        executor_seqs = self._executor_seq.take(template.places).tolist()
+        for part, executor_seq in zip(template.parts, executor_seqs, strict=True):
             ex, nodes = part.executor_id, part.nodes
-            seqs = list(range(seq, seq + len(nodes)))
+            end = seq + len(nodes)
             placed.append((ex, nodes))
-            seq += len(seqs)
-            if template is None:
-                enqueue = _enqueue(run_id=run_id, proxy=run.proxy, nodes=part.nodes, computations=part.computations,
-                                   seqs=seqs, names=part.names, scheduler=self.scheduler,
-                                   executor_seq=executor_seq, epoch=self.epoch)
-            else:  # the part's bytes go with the first run only; every run carries the island's names
-                first = ex not in template.sent
-                if first:
-                    template.sent.add(ex)
-                enqueue = _enqueue(run_id=run_id, proxy=run.proxy, nodes=part.nodes,
-                                   computations=part.computations if first else b"", seqs=seqs,
-                                   names=names, scheduler=self.scheduler,
-                                   executor_seq=executor_seq, epoch=self.epoch,
-                                   template=template.template_id, refs=part.refs if first else [])
+            first = ex not in template.sent
+            if first:
+                template.sent.add(ex)
+            enqueue = _enqueue(run_id=run_id, proxy=proxy, nodes=nodes, computations=part.computations if first else b"",
+                               seqs=list(range(seq, end)), names=names, scheduler=scheduler,
+                               executor_seq=executor_seq, epoch=epoch, template=template.template_id,
+                               refs=part.refs if first else [])
             actions.append(Send(part.control, enqueue, self._stimulus))
-        if seq > self.next_seq:
-            self._history.append((self.next_seq, run_id, session, placed))
+            seq = end
+        if seq > start:
+            self._history.append((start, run_id, run.session, placed))
         self.next_seq = seq
         return actions
 
