@@ -397,22 +397,38 @@ class IslandOrder:
                 next(self._ties), client, woken_by)
 
     def _place(self, client: _Client) -> None:
-        """``client``'s key changed, or its head: it waits in the order anew (older entries go stale)."""
+        """``client``'s key changed, or its head: it waits in the order anew (older entries go stale), on a cell
+        that blocks its head if one does (slots only fill during a release pass: it would not fit later in
+        it either, and what ``_release`` would do with it is wait it there)."""
         client.version += 1
-        heapq.heappush(self._ready, self._entry(client))
+        entry = self._entry(client)
+        window = self.window
+        for cell in client.queue[0].shape.cells:
+            if cell.busy >= window:
+                heapq.heappush(cell.blocked, entry)
+                return
+        heapq.heappush(self._ready, entry)
 
     def _wake(self, cell: Cell) -> None:
-        """A slot of ``cell`` may be free: let the best client its window blocks be considered again."""
-        if cell.busy >= self.window:
+        """A slot of ``cell`` may be free: let the best client its window blocks be considered again (one still
+        blocked by another cell waits there instead, and the next best here is considered)."""
+        window = self.window
+        if cell.busy >= window:
             return
         blocked = cell.blocked
         while blocked:
             entry = heapq.heappop(blocked)
             client = entry[6]
-            if entry[4] == client.version and client.queue:
-                if entry[1] != client.vtime:  # charged since: it is first only if it still is at its own time
-                    heapq.heappush(blocked, self._entry(client))
-                    continue
+            if entry[4] != client.version or not client.queue:
+                continue
+            if entry[1] != client.vtime:  # charged since: it is first only if it still is at its own time
+                heapq.heappush(blocked, self._entry(client))
+                continue
+            for other in client.queue[0].shape.cells:
+                if other.busy >= window:
+                    heapq.heappush(other.blocked, entry)
+                    break
+            else:
                 heapq.heappush(self._ready, (*entry[:7], cell))
                 break
 
