@@ -442,8 +442,10 @@ class IslandOrder:
         # A client charged device time (``_freed``) keeps its entry, whose virtual time is then behind its
         # own: keys only grow so, never shrink (a new priority is placed at once: ``_queue``), so an entry
         # that comes first at its own time is first; one that does not goes back in at its own time.
-        actions: list[Send] = []
         ready = self._ready
+        if not ready:
+            return []  # (no one to consider: every waiting client waits on a full cell)
+        actions: list[Send] = []
         window = self.window
         heappop, heappush = heapq.heappop, heapq.heappush
         while ready:
