@@ -170,6 +170,17 @@ def test_priority_preempts_at_run_boundaries() -> None:
     assert released(order.part_done("high-2", "a", 1.0)) == ["low-2"]
 
 
+def test_a_client_charged_while_it_waits_goes_at_its_new_virtual_time() -> None:
+    """A charge leaves a waiting client's entry where it is (``order.py``: keys only grow); it still counts."""
+    order = IslandOrder(island=0, window=1)
+    assert released(order.submit(run("a1", [(0, "e0")], "A"))) == ["a1"]
+    assert released(order.submit(run("b1", [(0, "e1")], "B"))) == ["b1"]
+    assert released(order.submit(run("a2", [(0, "e1")], "A"))) == []  # A waits first, on e1
+    assert released(order.submit(run("b2", [(0, "e1")], "B"))) == []
+    assert released(order.part_done("a1", "e0", 10.0)) == []  # A is charged 10 while it waits
+    assert released(order.part_done("b1", "e1", 1.0)) == ["b2"]  # B, at 1, goes before A, at 10
+
+
 def test_an_idle_client_earns_no_credit() -> None:
     order = IslandOrder(island=0, window=1)
     # "busy" uses the device alone for a long time...

@@ -298,6 +298,36 @@ def test_every_annotation_has_a_strategy() -> None:
             assert strategy_for(tp) is not None, f"{cls.__name__}.{name}"
 
 
+@pytest.mark.parametrize("op", OPS)
+@PROPERTY
+@given(data=st.data())
+def test_a_records_maker_makes_what_its_class_makes(op: str, data: st.DataObject) -> None:
+    message = data.draw(MESSAGE_STRATEGIES[op], label="message")
+    fields = {f.name: getattr(message, f.name) for f in dataclasses.fields(message)}
+    made = schema.maker(type(message))(**fields)
+    assert type(made) is type(message) and made == message
+
+
+def test_a_makers_defaults_are_the_classs_and_each_record_gets_its_own_lists() -> None:
+    make = schema.maker(Enqueue)
+    required = {"run_id": "r", "proxy": "p", "nodes": [0], "computations": b""}
+    one, two = make(**required), make(**required)
+    assert one == Enqueue(**required) and one.seqs == [] and one.seqs is not two.seqs
+    with pytest.raises(TypeError):
+        make(**required, nonsense=1)
+    with pytest.raises(TypeError):
+        make(run_id="r")  # a required field left out
+
+    @record
+    class Checked(Record):
+        n: int
+
+        def __post_init__(self) -> None:
+            self.n += 1
+
+    assert schema.maker(Checked) is Checked  # its __init__ does more than store: the class itself
+
+
 # --------------------------------------------------------------- round trips
 
 

@@ -41,6 +41,9 @@ from pwmesh.scheduler.templates import IslandTemplates, Template
 from pwmesh.scheduler.tree import Layout, RunTree
 from pwmesh.wire.messages import ClientUsage, Enqueue, InstallTemplate, RunTemplate, ScheduleRun, TemplateMissing
 from pwmesh.wire.records import MAX_DEVICES
+from pwmesh.wire.schema import maker
+
+_enqueue = maker(Enqueue)  # (an Enqueue is made per executor per decision: a class call costs twice this)
 
 POLICIES = ("fifo", "fair")
 
@@ -55,7 +58,7 @@ class OrderEntry(NamedTuple):
     session: str
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(slots=True)
 class _Pending:
     run: ScheduleRun | RunTemplate
     arrival: int
@@ -82,12 +85,13 @@ class _Client:
     version: int = 0  # bumped when its place in the policy order changes: older heap entries are stale
 
 
-# A client waiting in the fair order: (policy key, order, version, tiebreak, client, the cell whose
-# freed slot woke it, if one did).
-_Entry = tuple[tuple[float, ...], int, int, int, _Client, "Cell | None"]
+# A client waiting in the fair order: (its policy key's three parts: -priority, virtual time, its head's
+# arrival; then order, version, tiebreak, client, the cell whose freed slot woke it, if one did). Flat, not
+# (key, order, ...): heaps compare these all the time, and a tuple inside a tuple compares twice.
+_Entry = tuple[int, float, int, int, int, int, _Client, "Cell | None"]
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(slots=True)
 class _InFlight:
     client: _Client
     shape: Shape
@@ -107,6 +111,7 @@ class ExecutorCounts:
     def __init__(self) -> None:
         self._index: dict[str, int] = {}
         self._values = np.zeros(64, np.int64)
+        self._each = self._values.data  # the same counts one at a time, as ints (numpy's scalars: 2x)
 
     def places(self, executors: list[str]) -> np.ndarray:
         """Where each of ``executors`` (each named once) is counted (stable: an executor keeps its place)."""
@@ -117,7 +122,7 @@ class ExecutorCounts:
         if len(index) > len(self._values):
             grown = np.zeros(max(len(index), 2 * len(self._values)), np.int64)
             grown[:len(self._values)] = self._values
-            self._values = grown
+            self._values, self._each = grown, grown.data
         return np.fromiter((index[e] for e in executors), np.intp, len(executors))
 
     def take(self, places: np.ndarray) -> np.ndarray:
@@ -132,8 +137,9 @@ class ExecutorCounts:
         i = self._index.get(executor_id)
         if i is None:
             i = int(self.places([executor_id])[0])
-        value = int(self._values[i])
-        self._values[i] = value + 1
+        each = self._each
+        value: int = each[i]
+        each[i] = value + 1
         return value
 
     def restart(self, executor_id: str) -> None:
@@ -191,14 +197,17 @@ class IslandOrder:
     def submit(self, run: ScheduleRun, stimulus: str = "") -> list[Send]:
         """Queue a run for its client, then release whatever now fits."""
         self._stimulus = stimulus
-        for part in run.parts:
-            for r in part.devices:
-                if r.first < 0 or not 1 <= r.count <= MAX_DEVICES:
-                    raise InvalidArgument(f"run {run.run_id}: devices [{r.first}, +{r.count}) on {part.executor_id}")
-        # Runs of one program name the same ranges: the footprint is built once, when first seen.
+        # Runs of one program name the same ranges: the footprint is checked and built once, when first seen.
         key = tuple([(part.executor_id, r.first, r.count) for part in run.parts for r in part.devices])
-        shape = self.slots.take(key, lambda: frozenset((ex, first + k) for ex, first, count in key
-                                                       for k in range(count)))
+        shape = self.slots.known(key)
+        if shape is None:
+            for part in run.parts:
+                for r in part.devices:
+                    if r.first < 0 or not 1 <= r.count <= MAX_DEVICES:
+                        raise InvalidArgument(f"run {run.run_id}: devices [{r.first}, +{r.count}) on "
+                                              f"{part.executor_id}")
+            shape = self.slots.take(key, lambda: frozenset((ex, first + k) for ex, first, count in key
+                                                           for k in range(count)))
         return self._queue(_Pending(run, next(self._arrivals), shape))
 
     def install(self, msg: InstallTemplate) -> None:
@@ -226,14 +235,16 @@ class IslandOrder:
         if client is None:
             client = self._clients[run.session] = _Client(run.session, run.weight, run.priority,
                                                           order=next(self._joined))
-        before = self._key(client) if client.queue else None
+        queue = client.queue
+        # Its key (``_key``) changes with a new head or a new priority (its virtual time only when it has no head).
+        moved = not queue or client.priority != run.priority
         client.weight, client.priority = run.weight, run.priority
-        if not client.queue and not client.in_flight:
+        if not queue and not client.in_flight:
             # Re-entering after idling: start level with the others, with no saved-up credit.
             active = [c.vtime for c in self._clients.values() if c is not client and (c.queue or c.in_flight)]
             client.vtime = max(client.vtime, min(active, default=client.vtime))
-        client.queue.append(pending)
-        if self.policy == "fair" and self._key(client) != before:  # a new head, or a new priority or vtime
+        queue.append(pending)
+        if moved and self.policy == "fair":
             self._place(client)
         return self._release()
 
@@ -345,22 +356,22 @@ class IslandOrder:
         client.device_seconds += device_seconds
         client.vtime += device_seconds / client.weight
         if self.policy == "fair":
+            # (Its virtual time moved, so its place in the order, if it waits: where it waits, its entry is
+            # put right when it comes first: ``_wake``, ``_release``.)
+            window = self.window
             for cell in freed:
-                if cell.blocked:
+                if cell.blocked and cell.busy < window:
                     self._wake(cell)
-            if client.queue and device_seconds:
-                self._place(client)  # its virtual time moved
         if not flight.parts and not flight.below:
             del self._in_flight[run_id]
             self.slots.drop(flight.shape)
             client.in_flight -= 1
-            self._forget_idle()
+            if len(self._clients) > self.max_clients:
+                self._forget_idle()
 
     def _forget_idle(self) -> None:
-        """Keep the client table bounded: an idle client forgotten loses nothing it would
+        """Keep the client table bounded (beyond ``max_clients``): an idle client forgotten loses nothing it would
         have kept, since a client that comes back re-enters at the others' level anyway."""
-        if len(self._clients) <= self.max_clients:
-            return
         for session, c in list(self._clients.items()):
             if not c.queue and not c.in_flight:
                 del self._clients[session]
@@ -381,23 +392,44 @@ class IslandOrder:
         return None
 
     def _entry(self, client: _Client, woken_by: Cell | None = None) -> _Entry:
-        return (self._key(client), client.order, client.version, next(self._ties), client, woken_by)
+        """``client``'s place in the fair order (``_key``'s parts, flat)."""
+        return (-client.priority, client.vtime, client.queue[0].arrival, client.order, client.version,
+                next(self._ties), client, woken_by)
 
     def _place(self, client: _Client) -> None:
-        """``client``'s key changed, or its head: it waits in the order anew (older entries go stale)."""
+        """``client``'s key changed, or its head: it waits in the order anew (older entries go stale), on a cell
+        that blocks its head if one does (slots only fill during a release pass: it would not fit later in
+        it either, and what ``_release`` would do with it is wait it there)."""
         client.version += 1
-        heapq.heappush(self._ready, self._entry(client))
+        entry = self._entry(client)
+        window = self.window
+        for cell in client.queue[0].shape.cells:
+            if cell.busy >= window:
+                heapq.heappush(cell.blocked, entry)
+                return
+        heapq.heappush(self._ready, entry)
 
     def _wake(self, cell: Cell) -> None:
-        """A slot of ``cell`` may be free: let the best client its window blocks be considered again."""
-        if cell.busy >= self.window:
+        """A slot of ``cell`` may be free: let the best client its window blocks be considered again (one still
+        blocked by another cell waits there instead, and the next best here is considered)."""
+        window = self.window
+        if cell.busy >= window:
             return
         blocked = cell.blocked
         while blocked:
             entry = heapq.heappop(blocked)
-            client = entry[4]
-            if entry[2] == client.version and client.queue:
-                heapq.heappush(self._ready, (*entry[:5], cell))
+            client = entry[6]
+            if entry[4] != client.version or not client.queue:
+                continue
+            if entry[1] != client.vtime:  # charged since: it is first only if it still is at its own time
+                heapq.heappush(blocked, self._entry(client))
+                continue
+            for other in client.queue[0].shape.cells:
+                if other.busy >= window:
+                    heapq.heappush(other.blocked, entry)
+                    break
+            else:
+                heapq.heappush(self._ready, (*entry[:7], cell))
                 break
 
     def _release(self) -> list[Send]:
@@ -407,20 +439,32 @@ class IslandOrder:
         # Fair: pop waiting clients in key order; a head that does not fit waits on a device that blocks
         # it (slots only fill during a pass, so it would not fit later in it either) until a slot there
         # frees. The first head that fits is the one a sort of every waiting client would release.
-        actions: list[Send] = []
+        # A client charged device time (``_freed``) keeps its entry, whose virtual time is then behind its
+        # own: keys only grow so, never shrink (a new priority is placed at once: ``_queue``), so an entry
+        # that comes first at its own time is first; one that does not goes back in at its own time.
         ready = self._ready
+        if not ready:
+            return []  # (no one to consider: every waiting client waits on a full cell)
+        actions: list[Send] = []
+        window = self.window
+        heappop, heappush = heapq.heappop, heapq.heappush
         while ready:
-            entry = heapq.heappop(ready)
-            _, _, version, _, client, woken_by = entry
-            if version == client.version and client.queue:
-                blocker = self._blocker(client.queue[0])
-                if blocker is not None:
-                    heapq.heappush(blocker.blocked, (*entry[:5], None))
+            entry = heappop(ready)
+            client, woken_by = entry[6], entry[7]
+            if entry[4] != client.version or not client.queue:
+                pass  # stale: the client was placed anew, or has nothing left to run
+            elif entry[1] != client.vtime:
+                heappush(ready, self._entry(client))  # (what woke it wakes the next below)
+            else:
+                for cell in client.queue[0].shape.cells:  # (``_blocker``, inline)
+                    if cell.busy >= window:
+                        heappush(cell.blocked, (*entry[:7], None))
+                        break
                 else:
                     actions.extend(self._sequence(client, client.queue.popleft()))
                     if client.queue:
                         self._place(client)
-            if woken_by is not None:
+            if woken_by is not None and woken_by.busy < window:
                 self._wake(woken_by)  # its slot may still be free: the next best there may use it
         return actions
 
@@ -481,46 +525,58 @@ class IslandOrder:
 
     def _enqueues(self, run: ScheduleRun | RunTemplate, template: Template | None) -> list[Send]:
         """A run's Enqueues, one per executor, in the island's order."""
-        actions = []
-        seq = self.next_seq
-        run_id, session = run.run_id, run.session
-        placed: list[tuple[str, list[int]]] = []
-        if template is None:
-            assert isinstance(run, ScheduleRun)
-            sending, names = run.parts, list[str]()
-            if self.sequenced is not None:
-                self.sequenced.append((run_id, run.proxy, {p.executor_id: p.nodes for p in run.parts}, None, None))
-            # (one at a time: nothing but a template says each executor has one part)
-            executor_seqs = [self._executor_seq.next(part.executor_id) for part in sending]
-        else:
+        if template is not None:
             assert isinstance(run, RunTemplate)
-            sending, names = template.parts, run.names
-            if self.sequenced is not None:
-                self.sequenced.append((run_id, run.proxy, template.executor_nodes, template.nodes, None))
-            if template.places is None:
-                template.places = self._executor_seq.places([part.executor_id for part in sending])
-            executor_seqs = self._executor_seq.take(template.places).tolist()
-        for part, executor_seq in zip(sending, executor_seqs, strict=True):
+            return self._template_enqueues(run, template)
+        assert isinstance(run, ScheduleRun)
+        actions = []
+        seq = start = self.next_seq
+        run_id, proxy, scheduler, epoch, stimulus = run.run_id, run.proxy, self.scheduler, self.epoch, self._stimulus
+        count = self._executor_seq.next  # (one at a time: nothing but a template says each executor has one part)
+        placed: list[tuple[str, list[int]]] = []
+        for part in run.parts:
+            nodes = part.nodes
+            end = seq + len(nodes)
+            placed.append((part.executor_id, nodes))
+            enqueue = _enqueue(run_id=run_id, proxy=proxy, nodes=nodes, computations=part.computations,
+                               seqs=list(range(seq, end)), names=part.names, scheduler=scheduler,
+                               executor_seq=count(part.executor_id), epoch=epoch)
+            actions.append(Send(part.control, enqueue, stimulus))
+            seq = end
+        if self.sequenced is not None:
+            self.sequenced.append((run_id, proxy, {p.executor_id: p.nodes for p in run.parts}, None, None))
+        if seq > start:
+            self._history.append((start, run_id, run.session, placed))
+        self.next_seq = seq
+        return actions
+
+    def _template_enqueues(self, run: RunTemplate, template: Template) -> list[Send]:
+        """A template's run as one Enqueue per executor: its parts' bytes go with the first run sent each
+        executor only; every run carries the island's names."""
+        actions = []
+        seq = start = self.next_seq
+        run_id, proxy, names, scheduler, epoch = run.run_id, run.proxy, run.names, self.scheduler, self.epoch
+        placed: list[tuple[str, list[int]]] = []
+        if self.sequenced is not None:
+            self.sequenced.append((run_id, proxy, template.executor_nodes, template.nodes, None))
+        if template.places is None:
+            template.places = self._executor_seq.places([part.executor_id for part in template.parts])
+        executor_seqs = self._executor_seq.take(template.places).tolist()
+        for part, executor_seq in zip(template.parts, executor_seqs, strict=True):
             ex, nodes = part.executor_id, part.nodes
-            seqs = list(range(seq, seq + len(nodes)))
+            end = seq + len(nodes)
             placed.append((ex, nodes))
-            seq += len(seqs)
-            if template is None:
-                enqueue = Enqueue(run_id=run_id, proxy=run.proxy, nodes=part.nodes, computations=part.computations,
-                                  seqs=seqs, names=part.names, scheduler=self.scheduler,
-                                  executor_seq=executor_seq, epoch=self.epoch)
-            else:  # the part's bytes go with the first run only; every run carries the island's names
-                first = ex not in template.sent
-                if first:
-                    template.sent.add(ex)
-                enqueue = Enqueue(run_id=run_id, proxy=run.proxy, nodes=part.nodes,
-                                  computations=part.computations if first else b"", seqs=seqs,
-                                  names=names, scheduler=self.scheduler,
-                                  executor_seq=executor_seq, epoch=self.epoch,
-                                  template=template.template_id, refs=part.refs if first else [])
+            first = ex not in template.sent
+            if first:
+                template.sent.add(ex)
+            enqueue = _enqueue(run_id=run_id, proxy=proxy, nodes=nodes, computations=part.computations if first else b"",
+                               seqs=list(range(seq, end)), names=names, scheduler=scheduler,
+                               executor_seq=executor_seq, epoch=epoch, template=template.template_id,
+                               refs=part.refs if first else [])
             actions.append(Send(part.control, enqueue, self._stimulus))
-        if seq > self.next_seq:
-            self._history.append((self.next_seq, run_id, session, placed))
+            seq = end
+        if seq > start:
+            self._history.append((start, run_id, run.session, placed))
         self.next_seq = seq
         return actions
 

@@ -84,12 +84,19 @@ class Slots:
 
     def take(self, key: Hashable, devices: Callable[[], frozenset[DeviceKey]]) -> Shape:
         """The footprint ``key`` names (``devices()`` is called only for a key not seen), with one more user."""
-        shape = self._shapes.get(key)
+        shape = self.known(key)
         if shape is None:
             shape = self._shapes[key] = self._intern(key, devices())
-        elif not shape.users:
-            del self._idle[key]
-        shape.users += 1
+            shape.users += 1
+        return shape
+
+    def known(self, key: Hashable) -> Shape | None:
+        """The footprint ``key`` names, with one more user, if it is kept (None: not seen, or forgotten)."""
+        shape = self._shapes.get(key)
+        if shape is not None:
+            if not shape.users:
+                del self._idle[key]
+            shape.users += 1
         return shape
 
     def drop(self, shape: Shape) -> None:
