@@ -496,6 +496,27 @@ def test_a_report_of_a_closed_sessions_run_is_dropped_quietly_and_an_unknown_run
     assert [r.getMessage() for r in caplog.records] == [f"completion for unknown run {other}:7-abcd from ex0"]
 
 
+def test_an_executor_that_left_cleanly_is_no_warning_and_one_lost_with_values_is(
+        world: World, caplog: pytest.LogCaptureFixture) -> None:
+    """A drained executor leaving (a clean stop) is logged at INFO; one lost with a live buffer on it, at
+    WARNING, saying what went with it."""
+    _, slice_id = world.open()
+    assert world.ask(CLIENT, PutBuffer(buffer=7, slice_id=slice_id, array=np.ones((8, 2), np.float32))) == Ok()
+    held = {loc.executor_id for loc in world.proxy.session(CLIENT).buffers[7].locations}
+    idle = next(e for e in ("ex0", "ex1", "ex2") if e not in held)
+    with caplog.at_level(logging.INFO, logger="pwmesh.proxy.state"):
+        world.handle(Notice(ExecutorLost(executor_id=idle, host="h", control=f"tcp://{idle}:7000", reason="drained",
+                                         graceful=True)))
+        assert [(r.levelname, r.getMessage()) for r in caplog.records] == [
+            ("INFO", f"executor {idle} on host h is gone (drained)")]
+        caplog.clear()
+        gone = sorted(held)[0]
+        world.handle(Notice(ExecutorLost(executor_id=gone, host="h", control=f"tcp://{gone}:7000", reason="drained",
+                                         graceful=True)))
+    assert [(r.levelname, r.getMessage()) for r in caplog.records] == [
+        ("WARNING", f"executor {gone} on host h is gone (drained): 1 buffer(s) and run(s) lost with it")]
+
+
 def test_an_executor_lost_notice_for_an_unknown_run_changes_nothing_else(world: World) -> None:
     world.open()
     out = world.handle(Notice(ExecutorLost(executor_id="ex2", host="host2", control="tcp://ex2:7000", reason="test")))

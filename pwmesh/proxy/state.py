@@ -1141,18 +1141,25 @@ class ProxyState:
 
     def _executor_lost(self, lost: ExecutorLost) -> None:
         err = DeviceLost(f"executor {lost.executor_id} on host {lost.host} is gone ({lost.reason})")
-        self._peer_log.warning(("lost", lost.executor_id), "%s", err.message)
         self.lost[lost.executor_id] = err
         self.lost_controls.add(lost.control)
         self._out.append(PeerLost(lost.control, err))  # fails the fetches that were waiting on it
+        failed = 0
         for session in list(self.sessions.values()):
             for buf in session.buffers.values():
                 if any(loc.executor_id == lost.executor_id for loc in buf.locations):
                     buf.lost = err
                     self._resolve(buf, err)
+                    failed += 1
         for session, run in list(self.runs.values()):  # ended sessions' runs too
             if self._needs(run, lost) or any(b.lost is not None for b in run.pinned):
                 self._abort_run(session, run, err)
+                failed += 1
+        if lost.graceful and not failed:  # drained and left (a clean stop, a scale-down): nothing was lost
+            log.info("%s", err.message)
+        else:
+            self._peer_log.warning(("lost", lost.executor_id), "%s%s", err.message,
+                                   f": {failed} buffer(s) and run(s) lost with it" if failed else "")
         # In the same event as the failures above: a client that retries on hearing
         # of them finds its slices already on live hosts.
         for remap in lost.remapped:
