@@ -21,6 +21,7 @@ from jax import export
 from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
 
 from pwmesh.errors import NotFound, PwmeshError
+from pwmesh.executor import calls as calls_module
 from pwmesh.executor import runner as runner_module
 from pwmesh.executor.calls import pieces
 from pwmesh.executor.daemon import after_wakeups
@@ -179,7 +180,7 @@ async def test_a_computation_that_fails_in_a_chain_is_reported_after_those_befor
     async with runner() as (r, rec):
         await warm(r, rec)
         r._done_together = together = Together()
-        real, calls = runner_module.dispatch_together, {"n": 0}
+        real, calls = calls_module.dispatch_together, {"n": 0}
 
         def failing_third(exes: list[object], devices: list[jax.Device], per_shard: list[list[object]]
                           ) -> list[list[object]]:
@@ -187,7 +188,7 @@ async def test_a_computation_that_fails_in_a_chain_is_reported_after_those_befor
             outs = real(exes, devices, per_shard)
             return [[Exploding()] for _ in outs] if calls["n"] == 3 else outs
 
-        monkeypatch.setattr(runner_module, "dispatch_together", failing_third)
+        monkeypatch.setattr(calls_module, "dispatch_together", failing_third)  # (the warm paths' dispatch_plain)
         r.enqueue_all("r1", "p", chain("r1", 5))
         await rec.part("r1")
         assert together.calls == [("r1", [(0, False), (1, False)])]

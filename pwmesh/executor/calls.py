@@ -64,6 +64,29 @@ def dispatch_together(exes: list[Any], devices: list[jax.Device], per_shard: lis
     return outs
 
 
+def dispatch_plain(exes: list[Any], devices: list[jax.Device], per_shard: list[list[Any]],
+                   outputs: int) -> list[list[Any]] | None:
+    """``dispatch_together`` for a warm computation that must make ``outputs`` outputs a device: None if it
+    fails as it is dispatched or makes another number (a malformed computation: the general path runs it
+    again and says how)."""
+    try:
+        outs = dispatch_together(exes, devices, per_shard)
+    except Exception:
+        return None
+    for out in outs:
+        if len(out) != outputs:
+            return None
+    return outs
+
+
+def wait_plain(outs: list[list[Any]]) -> None:
+    """Wait for what ``dispatch_plain`` dispatched: a device's outputs are computed together, so one stands for
+    all (``computed``, whose check for outputs a later computation consumed cannot apply: none ran since)."""
+    for out in outs:
+        if out:
+            out[-1].block_until_ready()
+
+
 def call_together(exes: list[Any], devices: list[jax.Device],
                    per_shard: list[list[Any]]) -> tuple[list[list[Any]], float]:
     """Per-device shards on the calling thread, each dispatched before any is waited for;

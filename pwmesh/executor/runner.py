@@ -64,9 +64,11 @@ from pwmesh.executor.calls import (
     call_spmd,
     call_together,
     compiled,
+    dispatch_plain,
     dispatch_spmd,
     dispatch_together,
     pieces,
+    wait_plain,
 )
 from pwmesh.executor.functions import CompiledFunction, FunctionCache
 from pwmesh.executor.gangs import Gangs
@@ -179,8 +181,8 @@ class Runner:
         refused = []
         self.core.admitting(run_id)
         try:
-            ran = self._run_chain(run_id, proxy, comps, scheduler) if comps else 0
-            for comp in comps[ran:] if ran else comps:
+            ran = self._run_chain(run_id, proxy, comps, scheduler)
+            for comp in comps[ran:]:
                 try:
                     self.enqueue(run_id, proxy, comp, scheduler)
                 except PwmeshError as exc:
@@ -192,6 +194,11 @@ class Runner:
             self._act(self.core.admitted(run_id, scheduler))
         return refused
 
+    def _valid(self, devices: list[int] | tuple[int, ...]) -> bool:
+        """Whether ``devices`` names each of this host's devices at most once, and at least one."""
+        return (bool(devices) and min(devices) >= 0 and max(devices) < len(self.devices)
+                and len(set(devices)) == len(devices))
+
     def enqueue(self, run_id: str, proxy: str, comp: Computation, scheduler: str = "") -> None:
         """Put ``comp``'s shards on their devices' queues (synchronously, in call order).
 
@@ -201,7 +208,7 @@ class Runner:
         is ahead of it on its devices)."""
         shards = comp.shards()
         devices = [device for device, _ in shards]
-        if not devices or min(devices) < 0 or max(devices) >= len(self.devices) or len(set(devices)) != len(devices):
+        if not self._valid(devices):
             raise PwmeshError(f"computation {comp.node} names devices {devices}; this host has {len(self.devices)}")
         work = Work(run_id, proxy, scheduler, comp, devices, [shard for _, shard in shards])
         self.core.add(work)
@@ -617,17 +624,17 @@ class Runner:
                done: list[tuple[int, bool]], failed: list[tuple[Work, list[list[Any]], float, BaseException]]) -> None:
         """``_run_chain``'s loop: what ran goes in ``done``, the one that ran and failed (last) in ``failed``."""
         store, memory, spans, core = self.store, self.memory, self.spans, self.core
-        load, count = core.load, len(self.devices)
+        load = core.load
         idle: dict[tuple[int, ...], bool] = {}
         for comp in comps:
             if comp.gang or comp.spmd or comp.emits or comp.donate or comp.ragged or comp.kind != "call":
                 break
             shards = comp.shards()
             device_ids = tuple([d for d, _ in shards])
+            shard_ids = [s for _, s in shards]
             free = idle.get(device_ids)
             if free is None:  # once per set of devices: nothing here can queue work on them or stream to them
-                free = idle[device_ids] = (0 < len(device_ids) == len(set(device_ids)) and min(device_ids) >= 0
-                                           and max(device_ids) < count and not any([load[d] for d in device_ids])
+                free = idle[device_ids] = (self._valid(device_ids) and not any([load[d] for d in device_ids])
                                            and not self.streams.busy(list(device_ids)))
             if not free:
                 break
@@ -651,33 +658,26 @@ class Runner:
             try:
                 arrived = time.time()
                 start = time.perf_counter()
-                try:
-                    outs = dispatch_together(exes, devices, per_shard)
-                    if any([len(out) != len(comp.outputs) for out in outs]):
-                        break  # a malformed computation: the ordinary path says how
-                except Exception:
+                outs = dispatch_plain(exes, devices, per_shard, len(comp.outputs))
+                if outs is None:
                     break
                 try:
-                    for out in outs:  # a device's outputs are computed together: one stands for all (``_run_plain``)
-                        if out:
-                            out[-1].block_until_ready()
+                    wait_plain(outs)
                 except Exception as exc:
-                    failed.append((Work(run_id, proxy, scheduler, comp, list(device_ids), [s for _, s in shards]),
+                    failed.append((Work(run_id, proxy, scheduler, comp, list(device_ids), shard_ids),
                                    per_shard, arrived, exc))
                     return
                 wall = time.perf_counter() - start
                 fn.ran(wall / len(devices))
                 spans.append(Span(arrived, arrived, time.time(), run_id, comp.node, comp.seq, comp.fn_id, device_ids,
                                   ""))
-                for i, (buffer, shard_nbytes) in enumerate(zip(comp.outputs, fn.output_nbytes, strict=False)):
-                    for (_, shard), out in zip(shards, outs, strict=True):
-                        store.put(f"{buffer}/{shard}", out[i], shard_nbytes, computed=True)
+                self._store_plain(comp, fn, shard_ids, outs)
             finally:
                 memory.release(nbytes)  # the outputs are stored bytes now (or nothing was made)
             core.ran(run_id, device_ids, wall)
             done.append((comp.node, comp.quiet))
             if self._done_together is None:  # (a runner without one: each reported as the ordinary path does)
-                self._done(Work(run_id, proxy, scheduler, comp, list(device_ids), [s for _, s in shards],
+                self._done(Work(run_id, proxy, scheduler, comp, list(device_ids), shard_ids,
                                 finished=True, device_seconds=wall))
 
     def _run_plain(self, work: Work, fn: CompiledFunction, devices: list[jax.Device], exes: list[Any],
@@ -689,18 +689,11 @@ class Runner:
         outputs (a malformed computation): the general path then runs it again, and fails it as it should."""
         comp = work.comp
         start = time.perf_counter()
-        try:
-            outs = dispatch_together(exes, devices, per_shard)
-        except Exception:
+        outs = dispatch_plain(exes, devices, per_shard, len(comp.outputs))
+        if outs is None:
             return False
-        n = len(comp.outputs)
-        for out in outs:
-            if len(out) != n:
-                return False
         try:
-            for out in outs:  # a device's outputs are computed together: one stands for all (``calls.computed``,
-                if out:  # whose check for outputs a later computation consumed cannot apply: none ran since)
-                    out[-1].block_until_ready()
+            wait_plain(outs)
         except Exception as exc:  # it ran and failed: that is its outcome
             self._finish(work, arrived, arrived, per_shard, None,
                          as_error(exc, f"computation {comp.node} ({comp.fn_id[:12]})"), reserved)
@@ -712,14 +705,19 @@ class Runner:
         self.spans.append(Span(arrived, arrived, end, work.run_id, comp.node, comp.seq, comp.fn_id,
                                tuple(work.devices), ""))
         try:
-            put = self.store.put
-            for i, (buffer, shard_nbytes) in enumerate(zip(comp.outputs, fn.output_nbytes, strict=False)):
-                for shard, out in zip(work.shards, outs, strict=True):
-                    put(f"{buffer}/{shard}", out[i], shard_nbytes, computed=True)
+            self._store_plain(comp, fn, work.shards, outs)
         finally:
             self.memory.release(reserved)  # the outputs are stored bytes now
             self._complete(work)
         return True
+
+    def _store_plain(self, comp: Computation, fn: CompiledFunction, shards: list[int], outs: list[list[Any]]) -> None:
+        """Store what a warm computation made (``dispatch_plain``): output ``i`` of shard ``shards[k]`` is
+        ``outs[k][i]``."""
+        put = self.store.put
+        for i, (buffer, shard_nbytes) in enumerate(zip(comp.outputs, fn.output_nbytes, strict=False)):
+            for shard, out in zip(shards, outs, strict=True):
+                put(f"{buffer}/{shard}", out[i], shard_nbytes, computed=True)
 
     def _runnable(self, comp: Computation, device_ids: tuple[int, ...]
                   ) -> tuple[CompiledFunction, list[jax.Device], list[Any]] | None:
