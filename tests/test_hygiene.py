@@ -29,7 +29,7 @@ def suite(pytester: pytest.Pytester) -> Callable[[str], pytest.RunResult]:
 
     def run(text: str, *args: str) -> pytest.RunResult:
         (pytester.path / "tests" / "test_it.py").write_text(textwrap.dedent(text))
-        return pytester.runpytest_subprocess("-p", "no:cacheprovider", *args)
+        return pytester.runpytest_subprocess("-p", "no:cacheprovider", "-n", "0", *args)  # in one process
 
     return run
 
