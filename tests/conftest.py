@@ -171,6 +171,9 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         if uses_a_cluster(item) and item.get_closest_marker("cluster") is None:
             item.add_marker(pytest.mark.cluster)
+    # JAX's ported tests last: many short files sharing their clusters, they fill in while the other worker
+    # (``-n 2 --dist loadfile``) ends its last long file, rather than one worker ending alone on a long one.
+    items.sort(key=lambda item: item.nodeid.startswith("tests/jax_compat/"))
 
 
 # ------------------------------------------------------------------ leak checks
