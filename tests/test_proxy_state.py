@@ -396,6 +396,35 @@ def test_an_executor_back_from_a_stall_makes_its_buffers_whole_and_has_the_rest_
     assert world.ask(CLIENT, QueryBuffers(buffers=[1])) == BuffersState(ready=[True])
 
 
+def test_a_cached_runs_temporaries_are_names_live_while_it_runs_and_freed_with_it(world: World) -> None:
+    """A run of a cached lowering keeps its temporaries as names, not a buffer each (``Run.named_temps``): an
+    executor's inventory meanwhile keeps them, and the run's end frees them with its other buffers."""
+    sid, slice_id = world.open()
+    fns = [world.function(CLIENT, slice_id, name) for name in (b"f", b"g", b"h")]
+    assert world.ask(CLIENT, PutBuffer(buffer=1, slice_id=slice_id, array=np.ones((8, 2), np.float32))) == Ok()
+    world.handle(Inbound(CLIENT, RegisterProgram(program_id="p", program=chain(fns, slice_id))))
+    session = world.proxy.sessions[CLIENT]
+    seen: list[str] = []
+    for out in (2, 3):  # the first run, then a warm one
+        actions = world.handle(Inbound(CLIENT, RunProgram(inputs=[ProgramInput(buffer=1)], outputs=[out],
+                                                          program_id="p")))
+        ((_, run),) = world.proxy.runs.values()
+        names = [name for _, _, group in run.named_temps for name in group]
+        assert len(names) == 2 and not run.temporaries and not set(names) & set(seen)  # fresh names a run
+        seen += names
+        control = next(iter(world.controls))
+        stale = f"{sid}/t999"
+        kept = world.handle(Inventoried(control, world.controls[control], [f"{sid}/{n}/0" for n in names] + [f"{stale}/0"]))
+        (delete,) = sent(kept, DeleteShards)
+        assert delete.message.buffers == [stale], "the run's own temporaries are live while it runs"
+        done: list[Any] = []
+        for report in world.executors(actions):
+            done += world.handle(Inbound(b"ex", report))
+        freed = freed_buffers(done)
+        assert freed >= {f"{sid}/{n}" for n in names} and f"{sid}/{session.buffers[out].name}" not in freed
+        assert not world.proxy.runs
+
+
 def test_a_value_whose_completion_was_on_its_way_when_its_host_was_lost_is_whole_again(world: World) -> None:
     """The race tests/faults/test_partition.py lost to, one run in three: a run's result had been fetched (early,
     from the executor) but its completion had not reached the proxy when the host's link went down; the run was

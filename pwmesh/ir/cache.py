@@ -25,7 +25,7 @@ import secrets
 from collections.abc import Callable
 
 from pwmesh.errors import InvalidArgument, PwmeshError
-from pwmesh.ir.lower import HostPut, Lowered, ShardLocation, lower
+from pwmesh.ir.lower import HostPut, Lowered, ShardLocation, TempGroups, lower
 from pwmesh.ir.placement import Placements
 from pwmesh.wire.messages import ProgramSpec, RunPart, SendShards, SliceInfo
 from pwmesh.wire.parts import referenced_parts, renamed, renamed_emit
@@ -51,6 +51,7 @@ class _Template:
     controls: frozenset[str] = frozenset()
     executor_ids: frozenset[str] = frozenset()
     pending: dict[int, frozenset[str]] = dataclasses.field(default_factory=dict)
+    temps: TempGroups | None = None  # ``Lowered.temps``
 
     def current(self, slices: dict[int, SliceInfo]) -> bool:
         """Whether every slice it was lowered against is still the one the session holds (no remap since)."""
@@ -190,7 +191,25 @@ def _build(program: ProgramSpec, *, owner: str, host_inputs: set[int], bound: di
                      controls=frozenset(c.control for comps in lowered.schedules.values() for c in comps)
                      | frozenset(lowered.landing),
                      executor_ids=frozenset().union(*lowered.node_executors.values()),
-                     pending={n: frozenset(ex) for n, ex in lowered.node_executors.items()})
+                     pending={n: frozenset(ex) for n, ex in lowered.node_executors.items()},
+                     temps=_temp_groups(program, dict(holders)))
+
+
+def _temp_groups(program: ProgramSpec, holders: dict[int, frozenset[str]]) -> TempGroups:
+    """``Lowered.temps`` of ``program``: what its nodes make that it does not return, by slice and holders
+    (``holders``: by value; the holder sets are the template's shared ones, so equal groups are one)."""
+    outputs = set(program.outputs)
+    groups: dict[tuple[int, int], tuple[int, frozenset[str], list[int]]] = {}
+    values: set[int] = set()
+    for node in program.nodes:
+        for v in node.outputs:
+            if v in outputs:
+                continue
+            values.add(v)
+            held = holders.get(v)
+            if held:  # held nowhere: nothing to free
+                groups.setdefault((node.slice_id, id(held)), (node.slice_id, held, []))[2].append(v)
+    return list(groups.values()), frozenset(values)
 
 
 def _check_same_shape(program_id: str, cached: ProgramSpec, sent: ProgramSpec) -> None:
@@ -249,4 +268,5 @@ def _instantiate(template: _Template, owner: str, names: list[str], fresh_name: 
         controls=template.controls,
         executor_ids=template.executor_ids,
         pending=template.pending,
+        temps=template.temps,
     )

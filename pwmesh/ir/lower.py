@@ -187,6 +187,10 @@ def wire_sharding(layout: Layout) -> Sharding:
     return Sharding(mesh=list(layout.mesh), spec=[list(axes) for axes in layout.spec])
 
 
+# (slice id, the controls holding them, the values), and the values among them all.
+TempGroups = tuple[list[tuple[int, frozenset[str], list[int]]], frozenset[int]]
+
+
 @dataclasses.dataclass
 class Lowered:
     schedules: dict[str, list[Computation]]  # scheduler address -> computations in program order
@@ -216,6 +220,10 @@ class Lowered:
     controls: frozenset[str] | None = dataclasses.field(default=None, compare=False)
     executor_ids: frozenset[str] | None = dataclasses.field(default=None, compare=False)
     pending: dict[int, frozenset[str]] | None = dataclasses.field(default=None, compare=False)
+    # A cached lowering's temporaries (values its nodes make that are not the program's outputs), made once:
+    # by the slice of the node making them and the controls holding them, one group per (slice, holders).
+    # A warm run records them as names (``proxy.session.Run.named_temps``), not a buffer each.
+    temps: TempGroups | None = dataclasses.field(default=None, compare=False)
 
 
 def validate(program: ProgramSpec) -> None:

@@ -133,9 +133,15 @@ def record_run(session: Session, run_id: str, program: ProgramSpec, lowered: Low
     for buf in temporaries:
         buf.holders = lowered.holders.get(buf.name, set())
     read = {v for node in program.nodes for v in node.inputs}
+    named: frozenset[int] = frozenset()
+    if lowered.temps is not None:  # a cached lowering's: its temporaries are names, freed by group
+        groups, named = lowered.temps
+        run.named_temps = [(slice_id, held, [names[v] for v in values]) for slice_id, held, values in groups]
     for index, node in enumerate(program.nodes):
         made = []
         for v in node.outputs:
+            if v in named:
+                continue
             buf = Buffer.new(names[v], program.values[v], client_ref=v in outputs)
             if v in read and v in outputs:  # until this run ends, its own nodes may read it: not consumable
                 buf.read_by_its_run = True
@@ -150,7 +156,8 @@ def record_run(session: Session, run_id: str, program: ProgramSpec, lowered: Low
                 run.outputs.append(buf)
             else:
                 temporaries.append(buf)
-        run.outputs_of[index] = made
+        if made:
+            run.outputs_of[index] = made
     session.runs[run.run_id] = run
     return run
 

@@ -87,6 +87,9 @@ class Run:
     templated: dict[str, tuple[InstallTemplate, RunTemplate]] = dataclasses.field(default_factory=dict)
     template: object | None = None  # the cached lowering it ran (``ir.cache``)
     template_retries: int = 0
+    # A cached lowering's temporaries, by name (no buffer each): (slice id, the controls holding them, their
+    # names), freed with the run (``Lowered.temps``).
+    named_temps: list[tuple[int, frozenset[str], list[str]]] = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass(eq=False)

@@ -55,7 +55,7 @@ import logging
 import re
 import secrets
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import ClassVar
 
 from pwmesh.core.contract import EventLog
@@ -1177,6 +1177,8 @@ class ProxyState:
         for session, run in self.runs.values():
             live.setdefault(session.session_id, set()).update(
                 b.name for b in [*run.temporaries, *run.outputs, *run.pinned])
+            for _, _, names in run.named_temps:
+                live[session.session_id].update(names)
         whole = 0
         for session in self.sessions.values():
             for buf in session.buffers.values():
@@ -1288,15 +1290,18 @@ class ProxyState:
             buf.readers -= 1
         for buf in run.read_inside:
             buf.read_by_its_run = False
-        self._maybe_free(session.session_id, *run.pinned, *run.outputs, *run.temporaries, session=session)
+        self._maybe_free(session.session_id, *run.pinned, *run.outputs, *run.temporaries, session=session,
+                         named=run.named_temps)
         self._forget_if_done(session)
 
     # ------------------------------------------------------------------ buffers
 
-    def _maybe_free(self, session_id: str, *bufs: Buffer, session: Session | None = None) -> None:
+    def _maybe_free(self, session_id: str, *bufs: Buffer, session: Session | None = None,
+                    named: Sequence[tuple[int, frozenset[str], list[str]]] = ()) -> None:
         """Delete the freeable ``bufs`` wherever they are held: one message per island (``FreeShards`` to the
         scheduler of the buffer's slice, which sends each executor its ``DeleteShards``), or per executor
-        where no live scheduler is known (an ended session's buffers, a lost island)."""
+        where no live scheduler is known (an ended session's buffers, a lost island). ``named``: a finished
+        run's temporaries by name (``Run.named_temps``), freed with them."""
         # scheduler ("": none) -> [(executors holding alike buffers, those buffers)]. A run's buffers are mostly
         # held by the same executors: one group, each name and control once (not a name per holder). Found
         # by comparing sets (a few groups at most), not hashing each buffer's 1,000 holders.
@@ -1319,6 +1324,22 @@ class ProxyState:
                 else:
                     groups.append((holders, [prefix]))
             buf.holders = set()
+        for slice_id, held, names in named:
+            if session is None:
+                session = self._by_id(session_id) or Session(session_id, "", b"")
+            sl = session.slices.get(slice_id)
+            island = sl.scheduler if sl is not None and sl.scheduler not in self.lost_schedulers else ""
+            holders = held - self.lost_controls if self.lost_controls else held
+            if not holders:
+                continue
+            groups = by_island.setdefault(island, [])
+            prefixes = [f"{session_id}/{name}" for name in names]
+            for held_by, listed in groups:
+                if held_by is holders or held_by == holders:
+                    listed.extend(prefixes)
+                    break
+            else:
+                groups.append((holders, prefixes))
         for island, groups in by_island.items():
             if not island or (len(groups) == 1 and len(groups[0][0]) == 1):
                 by_holder: dict[str, list[str]] = {}
