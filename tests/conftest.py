@@ -171,9 +171,10 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         if uses_a_cluster(item) and item.get_closest_marker("cluster") is None:
             item.add_marker(pytest.mark.cluster)
-    # JAX's ported tests last: many short files sharing their clusters, they fill in while the other worker
-    # (``-n 2 --dist loadfile``) ends its last long file, rather than one worker ending alone on a long one.
-    items.sort(key=lambda item: item.nodeid.startswith("tests/jax_compat/"))
+        # The unit a worker takes (``-n 2 --dist loadgroup``): a file, so its module-scoped clusters start once;
+        # JAX's ported tests all together, so their package-scoped clusters (one per layout) start once too.
+        path = item.nodeid.split("::", 1)[0]
+        item.add_marker(pytest.mark.xdist_group("jax_compat" if path.startswith("tests/jax_compat/") else path))
 
 
 # ------------------------------------------------------------------ leak checks
