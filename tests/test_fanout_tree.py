@@ -371,15 +371,23 @@ def test_real_daemons_run_through_a_tree_and_a_killed_head_fails_its_subtrees_ru
         assert len(set(hosts)) == 4
         step = pw.pmap(_spin, devices=sl)
         ones = np.ones((4, 1))
+        def objects() -> dict[str, int]:
+            return {st.executor_id: st.objects for st in fetch_status(cluster.address).executor_stats}
+
         for k in range(3):
-            np.testing.assert_array_equal(np.asarray(step(ones + k)), ones + k)
+            done = step(ones + k)
+            np.testing.assert_array_equal(np.asarray(done), ones + k)
+            # Freed now: a dropped array's release waits for the client's next message or heartbeat, which
+            # made what the executors held at any instant here a race.
+            done.delete()
         # Frees of buffers on all 4 executors go through the tree (FanOutFrees): each executor drops its shard.
-        held = {st.executor_id: st.objects for st in fetch_status(cluster.address).executor_stats}
+        nothing = dict.fromkeys(hosts, 0)
+        eventually(lambda: objects() == nothing, 30)
         out = step(ones)
         np.testing.assert_array_equal(np.asarray(out), ones)
-        del out
-        eventually(lambda: {st.executor_id: st.objects for st in fetch_status(cluster.address).executor_stats}
-                   == held, 30)
+        eventually(lambda: objects() == dict.fromkeys(hosts, 1), 30)  # its shard each (the input's freed)
+        out.delete()
+        eventually(lambda: objects() == nothing, 30)
         events = debug_events(cluster.address, "scheduler-0", 0)
         assert "parts-done-" in events, "the heads reported their subtrees (PartsDone)"
         # The first head (the slice's first executor) or the executor below it, which computes for seconds, dies.

@@ -62,8 +62,8 @@ def test_warm_runs_free_every_holder_through_one_shared_list() -> None:
         ((to, free),) = [(a.to, a.message) for a in sent(actions, FreeShards)]
         assert to == SCHEDULER
         (group,) = free.groups  # the run's two temporaries, held alike: one group
-        temporaries = {f"{sid}/{buf.name}" for buf in the_run.temporaries}
-        assert set(group.buffers) == temporaries and len(temporaries) == 2
+        temporaries = {f"{sid}/{name}" for _, _, names in the_run.named_temps for name in names}  # by name
+        assert set(group.buffers) == temporaries and len(temporaries) == 2 and not the_run.temporaries
         frees.append(group)
     holders = {c for c, ex in world.controls.items() if ex in {"ex0", "ex1"}}
     for group in frees:  # every holder, once, in every free
