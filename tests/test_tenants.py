@@ -282,6 +282,20 @@ def test_a_removed_key_s_open_connections_are_closed(keyed: pw.LocalCluster, key
         ctx.term()
 
 
+def test_a_key_added_just_after_a_read_of_authorized_counts_at_its_first_handshake(tmp_path: Path) -> None:
+    """A key added within ``MISS_RELOAD_SECONDS`` of the daemon's last read of ``authorized/`` was refused at its
+    first handshake, which ZeroMQ never retries: a client connecting at once waited for ever (``test_a_removed_
+    key_s_open_connections_are_closed`` timed out on it once). A key folder changed since the read: read again."""
+    directory = cluster_keys.init(tmp_path / "keys")
+    authorized = cluster_keys.AuthorizedKeys(directory / "authorized")
+    dave = cluster_keys.add_client(directory, "dave")
+    public, _ = zmq.auth.load_certificate(dave / "dave.key")
+    authorized._read_at = time.monotonic()  # as if read just now, after the key was written: within the window
+    assert authorized.identify(public) == cluster_keys.Identity("dave", cluster_keys.CLIENT)
+    stranger = b"x" * 40
+    assert authorized.identify(stranger) is None  # junk, with no folder changed: no read (a stat only)
+
+
 def test_keys_add_admin_remove_and_list(tmp_path: Path) -> None:
     runner = CliRunner()
     directory = str(tmp_path / "keys")
