@@ -11,6 +11,7 @@ loop goes on with the arrays and functions it holds.
 from __future__ import annotations
 
 import math
+import time
 from typing import Any
 
 from jax.sharding import PartitionSpec
@@ -18,7 +19,7 @@ from jax.sharding import PartitionSpec
 from pwmesh.client.array import Array
 from pwmesh.client.devices import Slice, mesh_axes, use_elastic
 from pwmesh.client.sharding import P, SliceSharding, axes_of, spec_indices
-from pwmesh.errors import InvalidArgument, PwmeshError
+from pwmesh.errors import InvalidArgument, PwmeshError, Unavailable
 from pwmesh.wire.messages import Sharding
 
 
@@ -26,6 +27,25 @@ def arrays_on(sl: Slice, *, donated: bool = False) -> list[Array]:
     """The live ``pw.Array``s laid out on ``sl`` (``donated``: and those donated to a call, which the cluster
     gives back if that call's run was aborted before it consumed them: they move with the slice too)."""
     return [a for a in sl.session.arrays(donated=donated) if isinstance(a, Array) and a.sharding.slice is sl]
+
+
+# How long a resume or reshape asks again while the runs that made or read its arrays end at the proxy.
+SETTLE_SECONDS = 30.0
+
+
+def _moved(sl: Slice, **how: Any) -> Any:
+    """``resume_slices`` of ``sl``, asked again while the proxy says an array is still being computed or read.
+    ``_settle`` saw every array computed, but a run holds its outputs and inputs until its last report reaches
+    the proxy (a run's value may reach the client before its end does: the tests saw a reshape refused so)."""
+    deadline, delay = time.monotonic() + SETTLE_SECONDS, 0.005
+    while True:
+        try:
+            return sl.session.resume_slices([sl.slice_id], **how)
+        except Unavailable as exc:
+            if "still being computed or read" not in exc.message or time.monotonic() > deadline:
+                raise
+        time.sleep(delay)  # the proxy tells no one when a run lets go of a buffer: ask again, backing off
+        delay = min(2 * delay, 0.2)
 
 
 def _settle(sl: Slice, arrays: list[Array]) -> None:
@@ -44,7 +64,7 @@ def suspend(sl: Slice) -> None:
 
 def resume(sl: Slice, island: int | None) -> None:
     _settle(sl, arrays_on(sl))
-    (info,) = sl.session.resume_slices([sl.slice_id], island=island)
+    (info,) = _moved(sl, island=island)
     sl._adopt(info)
 
 
@@ -69,8 +89,8 @@ def reshape(sl: Slice, devices: int, mesh: Any, island: int | None) -> None:
     shardings = [Sharding(mesh=sizes, spec=spec_indices(spec, tuple(axes), f"pw.Array {a.buffer_id}"))
                  for a, spec in zip(arrays, specs, strict=True)]
     _settle(sl, [a for a in arrays if not a.donated])
-    (info,) = sl.session.resume_slices([sl.slice_id], devices=devices, island=island, mesh=sizes,
-                                       buffers=[a.buffer_id for a in arrays], shardings=shardings)
+    (info,) = _moved(sl, devices=devices, island=island, mesh=sizes, buffers=[a.buffer_id for a in arrays],
+                     shardings=shardings)
     sl._adopt(info, axes)
     for a, spec in zip(arrays, specs, strict=True):
         a.sharding = SliceSharding(sl, spec)
