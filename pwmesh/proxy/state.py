@@ -1306,40 +1306,32 @@ class ProxyState:
         # held by the same executors: one group, each name and control once (not a name per holder). Found
         # by comparing sets (a few groups at most), not hashing each buffer's 1,000 holders.
         by_island: dict[str, list[tuple[set[str] | frozenset[str], list[str]]]] = {}
+        owner = session
+
+        def place(slice_id: int | None, held: set[str] | frozenset[str], prefixes: list[str]) -> None:
+            """Add ``prefixes``, held by ``held``, to their island's group of alike holders."""
+            nonlocal owner
+            if owner is None:
+                owner = self._by_id(session_id) or Session(session_id, "", b"")
+            sl = owner.slices.get(slice_id) if slice_id is not None else None
+            island = sl.scheduler if sl is not None and sl.scheduler not in self.lost_schedulers else ""
+            holders = held - self.lost_controls if self.lost_controls else held
+            groups = by_island.setdefault(island, [])
+            for held_by, listed in groups:
+                if held_by is holders or held_by == holders:  # (a cached lowering's runs share theirs)
+                    listed.extend(prefixes)
+                    return
+            groups.append((holders, prefixes))
+
         for buf in bufs:
             if not buf.freeable:
                 continue
             if buf.holders:
-                if session is None:
-                    session = self._by_id(session_id) or Session(session_id, "", b"")
-                sl = session.slices.get(buf.slice_id) if buf.slice_id is not None else None
-                island = sl.scheduler if sl is not None and sl.scheduler not in self.lost_schedulers else ""
-                holders = buf.holders - self.lost_controls if self.lost_controls else buf.holders
-                groups = by_island.setdefault(island, [])
-                prefix = f"{session_id}/{buf.name}"
-                for held_by, prefixes in groups:
-                    if held_by is holders or held_by == holders:  # (a cached lowering's runs share theirs)
-                        prefixes.append(prefix)
-                        break
-                else:
-                    groups.append((holders, [prefix]))
+                place(buf.slice_id, buf.holders, [f"{session_id}/{buf.name}"])
             buf.holders = set()
         for slice_id, held, names in named:
-            if session is None:
-                session = self._by_id(session_id) or Session(session_id, "", b"")
-            sl = session.slices.get(slice_id)
-            island = sl.scheduler if sl is not None and sl.scheduler not in self.lost_schedulers else ""
-            holders = held - self.lost_controls if self.lost_controls else held
-            if not holders:
-                continue
-            groups = by_island.setdefault(island, [])
-            prefixes = [f"{session_id}/{name}" for name in names]
-            for held_by, listed in groups:
-                if held_by is holders or held_by == holders:
-                    listed.extend(prefixes)
-                    break
-            else:
-                groups.append((holders, prefixes))
+            if not self.lost_controls or held - self.lost_controls:  # held by none still up: nothing to free
+                place(slice_id, held, [f"{session_id}/{name}" for name in names])
         for island, groups in by_island.items():
             if not island or (len(groups) == 1 and len(groups[0][0]) == 1):
                 by_holder: dict[str, list[str]] = {}
