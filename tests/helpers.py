@@ -35,7 +35,7 @@ from pwmesh.wire.messages import Ping, Pong
 
 
 def slow(x):
-    # A second or more of real work on one CPU core.
+    # Some tenths of a second of real work on one CPU core (0.4 s here), more on a busy one.
     m = jnp.full((192, 192), 0.01, jnp.float32)
     v = jnp.full((192, 192), 0.5, jnp.float32) * x
     return jax.lax.fori_loop(0, 3000, lambda i, a: jnp.tanh(a @ m), v).sum()

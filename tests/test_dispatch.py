@@ -7,7 +7,6 @@ step whose output shape depends on the data, nothing reaches B until that step r
 
 from __future__ import annotations
 
-import threading
 from typing import Any
 
 import numpy as np
@@ -15,13 +14,26 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import pwmesh as pw
-from helpers import eventually, slow
-from pwmesh.cli.commands import fetch_status
+from helpers import slow
+from pwmesh.cli.commands import debug_events
 from pwmesh.wire.messages import ProgramSpec, RegisterProgram, RunProgram, ValueSpec
 
 
-def _outstanding(address: str) -> dict[str, int]:
-    return {s.executor_id: s.outstanding for s in fetch_status(address).executor_stats}
+def _last(address: str, executor: str, event: str) -> float:
+    """When ``executor``'s core last handled an event whose line starts with ``event`` (its event log,
+    ``pwmesh debug events``): the times are the host's monotonic clock, the same in every process here."""
+    times = [float(line.split(" ", 2)[0]) for line in debug_events(address, executor, 0).splitlines()[1:]
+             if line.split(" ", 2)[2].startswith(event)]
+    assert times, f"{executor} logged no {event}"
+    return times[-1]
+
+
+def _part_arrived(address: str, executor: str) -> float:
+    return _last(address, executor, "Received(message=exec.enqueue")
+
+
+def _computed(address: str, executor: str) -> float:
+    return _last(address, executor, "Completion")
 
 
 @pytest.fixture
@@ -44,12 +56,12 @@ def test_parallel_dispatch_queues_successors_before_predecessors_run(
 
     np.asarray(f(np.ones(1)))  # compile both first
     y = f(np.ones(1))  # returns at once: futures
-    host_a, host_b = a.devices[0].executor, b.devices[0].executor
-    eventually(lambda: _outstanding(cluster.address)[host_a] == 1, 30)
-    # A is still computing, and B already holds its part, waiting for A's output.
-    assert _outstanding(cluster.address)[host_b] == 1
     assert not y.is_ready()
     assert np.isfinite(np.asarray(y)).all()
+    # B held its part, waiting for A's output, before A's computation was done (the event logs, read
+    # afterwards: sampling the executors while A computes can miss the window on two busy cores).
+    host_a, host_b = a.devices[0].executor, b.devices[0].executor
+    assert _part_arrived(cluster.address, host_b) < _computed(cluster.address, host_a)
 
 
 def test_a_data_dependent_step_makes_what_follows_sequential(
@@ -65,16 +77,11 @@ def test_a_data_dependent_step_makes_what_follows_sequential(
         return double(keep(remote_slow(v)))
 
     host_a, host_b = a.devices[0].executor, b.devices[0].executor
-    result: list[Any] = []
-    caller = threading.Thread(target=lambda: result.append(np.asarray(f(np.ones(1)))))
-    caller.start()
-    try:
-        eventually(lambda: _outstanding(cluster.address)[host_a] == 1, 30)
-        # A computes; the step after the host function cannot have been sent anywhere yet.
-        assert _outstanding(cluster.address)[host_b] == 0
-    finally:
-        caller.join(timeout=60)
-    (value,) = result
+    value = np.asarray(f(np.ones(1)))
+    # Read from the executors' event logs afterwards, not sampled while A computes (a window that two
+    # busy cores can make a poll miss): B's part, the step after the host function, left only once A's
+    # computation was done.
+    assert _part_arrived(cluster.address, host_b) > _computed(cluster.address, host_a)
     assert value.shape == (1, 2)  # x > 0 kept two columns
     assert np.isfinite(value).all()
     # Outside a program, a host function just runs on fetched values.
