@@ -490,6 +490,39 @@ async def test_an_spmd_chain_hands_each_output_whole_to_the_next(monkeypatch: py
             assert r.store.whole(f"r{k}/v5", shardings[0], (0, 1)) is None, "dropped with its buffer"
 
 
+@pytest.mark.asyncio
+async def test_a_warm_spmd_part_on_this_executors_devices_runs_as_one_chain(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A pmap with a collective over this executor's devices alone (Figure 5's add+psum, Chained): warm, its part
+    runs as one chain in ``enqueue_all``, each output stored whole and handed on whole, reported once."""
+    assembled = []
+    real = jax.make_array_from_single_device_arrays
+
+    def counting(*args: object, **kwargs: object) -> jax.Array:
+        assembled.append(args)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(jax, "make_array_from_single_device_arrays", counting)
+    async with runner() as (r, rec):
+        r.functions.register("psum", bytes(psum_function().serialize()), spmd=True, mesh=[2], axes=["i"])
+        r.enqueue_all("r0", "p", spmd_chain("r0", 1))  # compiles, on a device thread
+        await rec.part("r0")
+        r.functions.get("psum").result().ran(20e-6)  # measured quick (the policy takes it as data)
+        r._done_together = together = Together()
+        executed, stored, spans = r.executed, r.memory.stored, len(r.trace())
+        assembled.clear()
+        r.enqueue_all("r1", "p", spmd_chain("r1", 6))
+        assert together.calls == [("r1", [(i, False) for i in range(6)])]  # no await: all ran in the call
+        assert rec.parts == ["r0", "r1"] and len(rec.done) == 1  # r0's alone: no report each
+        assert len(assembled) == 1, "only the first input is assembled from its pieces"
+        shardings = r.functions.get("psum").result().shardings(tuple(r.devices))[0]
+        assert all(r.store.whole(f"r1/v{i}", shardings[0], (0, 1)) is not None for i in range(6))
+        last = r.store.values(["r1/v5/0", "r1/v5/1"])
+        assert last is not None and [float(a[0]) for a in last] == [6.0, 6.0]
+        assert r.executed == executed + 6 and r.core.started == r.core.executed and r.outstanding == 0
+        assert [s.node for s in r.trace()[spans:]] == list(range(6))
+        assert r.memory.reserved == 0 and r.memory.stored == stored + 6 * 8  # 6 outputs of 2 x 4 bytes
+
+
 def test_a_whole_goes_in_only_over_exactly_its_sharding_and_shards() -> None:
     devices = jax.devices("cpu")[:2]
     sharding = NamedSharding(Mesh(np.array(devices), ("x",)), PartitionSpec("x"))

@@ -156,6 +156,17 @@ def dispatch_spmd(fn: CompiledFunction, devices: tuple[jax.Device, ...], local: 
     return Whole(jax.tree_util.tree_leaves(exe(*globals_)), exe, local, out_shardings, fn.output_nbytes)
 
 
+def dispatch_spmd_or_none(fn: CompiledFunction, devices: tuple[jax.Device, ...], per_shard: list[list[Any]],
+                          wholes: list[Any | None] | None, outputs: int) -> Whole | None:
+    """``dispatch_plain`` for a warm SPMD computation over this executor's devices alone (``dispatch_spmd``):
+    None if it fails as it is dispatched or makes another number of outputs."""
+    try:
+        whole = dispatch_spmd(fn, devices, devices, per_shard, wholes)
+    except Exception:
+        return None
+    return whole if len(whole.leaves) == outputs else None
+
+
 # Per output sharding (an executable returns the same objects call after call) and local devices: where each
 # of an output's per-device arrays goes.
 _PLACES: dict[tuple[Any, tuple[jax.Device, ...]], list[int]] = {}

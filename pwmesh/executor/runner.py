@@ -66,6 +66,7 @@ from pwmesh.executor.calls import (
     compiled,
     dispatch_plain,
     dispatch_spmd,
+    dispatch_spmd_or_none,
     dispatch_together,
     pieces,
     wait_plain,
@@ -476,6 +477,16 @@ class Runner:
             wholes.append(array)
         return wholes if any(w is not None for w in wholes) else None
 
+    def _wholes_stored(self, comp: Computation, fn: CompiledFunction, devices: list[jax.Device],
+                       shards: tuple[int, ...]) -> list[Any | None] | None:
+        """``_whole_inputs`` for the warm path: the inputs stored here whole over ``devices``, or None."""
+        shardings = fn.shardings(tuple(devices))[0]
+        if len(shardings) != len(comp.inputs):  # a malformed computation: the ordinary path fails it
+            return None
+        wholes = [self.store.whole(buffer, sharding, shards) for buffer, sharding in zip(comp.inputs, shardings,
+                                                                                          strict=True)]
+        return wholes if any(w is not None for w in wholes) else None
+
     async def _input(self, key: str, work: Work, pending: bool) -> Any:
         """An input: the stored value, or (``pending``: for a computation that is streamed too, so
         nothing here waits for it) a streamed computation's output as soon as it is handed out."""
@@ -595,8 +606,9 @@ class Runner:
 
     def _run_chain(self, run_id: str, proxy: str, comps: list[Computation], scheduler: str) -> int:
         """The warm path of a part (a chain of small computations: a training loop's step, Figure 5's Chained):
-        its first computations that could each run inline as ``_run_plain`` does (a function per device, no
-        emits, nothing donated, quick, compiled, inputs stored, devices idle with nothing streamed to them) run
+        its first computations that could each run inline as ``_run_plain`` does (a function per device, or an SPMD
+        one over this executor's devices alone, its outputs kept whole; no emits, nothing donated, quick, compiled,
+        inputs stored, devices idle with nothing streamed to them) run
         here one after the other, dispatched, waited for and stored with nothing else per computation: no
         ``Work``, no queue, no report each, but one for them all. Returns how many ran (and completed). The
         rest, from the first that cannot run so (or fails as it is dispatched: the ordinary path runs that one
@@ -627,7 +639,7 @@ class Runner:
         load = core.load
         idle: dict[tuple[int, ...], bool] = {}
         for comp in comps:
-            if comp.gang or comp.spmd or comp.emits or comp.donate or comp.ragged or comp.kind != "call":
+            if comp.gang or comp.emits or comp.donate or comp.ragged or comp.kind != "call":
                 break
             shards = comp.shards()
             device_ids = tuple([d for d, _ in shards])
@@ -644,12 +656,16 @@ class Runner:
             fn, devices, exes = found
             if not runs_inline(fn, fn.seconds * len(devices)):
                 break
+            # An SPMD computation over this executor's devices alone (a pmap with a collective): the inputs an
+            # SPMD output here is go in whole (``_whole_inputs``), the rest as pieces.
+            wholes = self._wholes_stored(comp, fn, devices, tuple(shard_ids)) if comp.spmd else None
+            inputs = piece_inputs(comp.inputs, wholes)
             per_shard = []
-            for _, shard in shards:
-                values = store.values([f"{p}/{shard}" for p in comp.inputs])
+            for shard in shard_ids:
+                values = store.values([f"{p}/{shard}" for p in inputs])
                 if values is None:
                     break
-                per_shard.append(values)
+                per_shard.append(values if wholes is None else with_wholes(values, wholes))
             if len(per_shard) != len(shards):  # an input is not here (yet): the queues wait for it
                 break
             nbytes = fn.shard_output_nbytes * len(devices)
@@ -658,11 +674,15 @@ class Runner:
             try:
                 arrived = time.time()
                 start = time.perf_counter()
-                outs = dispatch_plain(exes, devices, per_shard, len(comp.outputs))
-                if outs is None:
+                outs: list[list[Any]] | Whole | None
+                if comp.spmd:
+                    outs = dispatch_spmd_or_none(fn, tuple(devices), per_shard, wholes, len(comp.outputs))
+                else:
+                    outs = dispatch_plain(exes, devices, per_shard, len(comp.outputs))
+                if outs is None:  # it fails as it is dispatched, or makes the wrong outputs: the ordinary path says so
                     break
                 try:
-                    wait_plain(outs)
+                    wait_plain([outs.leaves] if isinstance(outs, Whole) else outs)  # (a Whole's: computed together)
                 except Exception as exc:
                     failed.append((Work(run_id, proxy, scheduler, comp, list(device_ids), shard_ids),
                                    per_shard, arrived, exc))
@@ -671,7 +691,13 @@ class Runner:
                 fn.ran(wall / len(devices))
                 spans.append(Span(arrived, arrived, time.time(), run_id, comp.node, comp.seq, comp.fn_id, device_ids,
                                   ""))
-                self._store_plain(comp, fn, shard_ids, outs)
+                if isinstance(outs, Whole):
+                    for buffer, leaf, sharding, shard_nbytes in zip(comp.outputs, outs.leaves, outs.shardings,
+                                                                   outs.nbytes, strict=True):
+                        store.put_whole(buffer, leaf, sharding, tuple(shard_ids), outs.local, shard_nbytes)
+                    wall *= len(devices)  # every device was busy all along (as ``_call_inline`` counts it)
+                else:
+                    self._store_plain(comp, fn, shard_ids, outs)
             finally:
                 memory.release(nbytes)  # the outputs are stored bytes now (or nothing was made)
             core.ran(run_id, device_ids, wall)
