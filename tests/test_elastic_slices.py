@@ -23,13 +23,15 @@ from test_readme import block_under
 from test_tenants import key_dirs, keyed, raw, status  # noqa: F401 - fixtures, used by name
 
 import pwmesh as pw
-from helpers import eventually
-from pwmesh.cli.commands import fetch_status
+from helpers import eventually, slow
+from pwmesh.cli.commands import debug_events, fetch_status
 from pwmesh.cli.main import main
-from pwmesh.proxy.state import Ask, FetchEnded, Inbound, Reply, SlicesPlaced
+from pwmesh.errors import NoSession
+from pwmesh.proxy.state import SETTLE_WAIT_SECONDS, Ask, FetchEnded, Inbound, Park, Reply, SlicesPlaced, Tick, Unpark
 from pwmesh.wire import Message
 from pwmesh.wire.messages import (
     BuffersState,
+    CloseSession,
     DeleteShards,
     Fetch,
     Ok,
@@ -98,11 +100,12 @@ def test_a_suspended_slice_is_not_remapped_when_its_host_is_lost() -> None:
 # ----------------------------------------------------------------- the proxy's core
 
 
-def _placed(world: World, peer: bytes, message: Message) -> tuple[SlicesChanged, list[Any]]:
-    """A client's or admin's request whose Ask the RM answers (as the proxy's shell does): the reply, and
-    every action along the way."""
-    actions = world.handle(Inbound(peer, message))
-    (ask,) = [a for a in actions if isinstance(a, Ask)]
+def _placed(world: World, peer: bytes, message: Message, ask: Ask | None = None) -> tuple[SlicesChanged, list[Any]]:
+    """A client's or admin's request whose Ask (``ask``: the one its ``Unpark`` gave, if it was parked) the RM
+    answers (as the proxy's shell does): the reply, and every action along the way."""
+    if ask is None:
+        actions = world.handle(Inbound(peer, message))
+        (ask,) = [a for a in actions if isinstance(a, Ask)]
     reply = world.rm.ask(ask.message, world.now)
     assert isinstance(reply, SlicesUpdated)
     out = world.handle(SlicesPlaced(ask.peer, reply.slices, ask.reshape))
@@ -127,13 +130,16 @@ def test_the_proxy_refuses_a_suspended_slice_and_copies_its_buffers_when_it_is_r
     with pytest.raises(pw.InvalidArgument, match="does not have 4 devices"):
         world.ask(CLIENT, ResumeSlices(slice_ids=[slice_id], devices=4, mesh=[2]))
 
-    pinned = world.ask(CLIENT, Fetch(buffer=1))  # a fetch under way: nothing moves under it
-    with pytest.raises(pw.Unavailable, match="still being computed or read"):
-        world.ask(CLIENT, ResumeSlices(slice_ids=[slice_id]))
-    world.handle(FetchEnded(pinned.session_id, pinned.buffer))
+    pinned = world.ask(CLIENT, Fetch(buffer=1))  # a fetch under way: nothing moves under it, the reshape waits
+    reshape = ResumeSlices(slice_ids=[slice_id], devices=4, mesh=[4], buffers=[1],
+                           shardings=[Sharding(mesh=[4], spec=[[0]])])
+    (park,) = world.handle(Inbound(CLIENT, reshape))
+    assert isinstance(park, Park)
+    assert not [a for a in world.handle(Tick()) if isinstance(a, Unpark)]  # still read
+    (unpark,) = [a for a in world.handle(FetchEnded(pinned.session_id, pinned.buffer)) if isinstance(a, Unpark)]
+    assert unpark.key == park.key and unpark.error is None and unpark.ask is not None
 
-    changed, out = _placed(world, CLIENT, ResumeSlices(slice_ids=[slice_id], devices=4, mesh=[4], buffers=[1],
-                                                       shardings=[Sharding(mesh=[4], spec=[[0]])]))
+    changed, out = _placed(world, CLIENT, reshape, unpark.ask)
     assert len(changed.slices[0].devices) == 4 and not changed.slices[0].suspended
     after = world.proxy.sessions[CLIENT].buffers[1]
     assert after is not before and after.name != before.name and after.spec.shards == 4
@@ -145,6 +151,29 @@ def test_the_proxy_refuses_a_suspended_slice_and_copies_its_buffers_when_it_is_r
     assert {p for a in deleted for p in a.message.buffers} == {f"{sid}/{before.name}"}
     assert out.index(deleted[0]) > max(out.index(m) for m in moves)
     assert world.ask(CLIENT, QueryBuffers(buffers=[1])) == BuffersState(ready=[True])
+
+
+def test_a_resume_waits_for_its_arrays_to_be_let_go_of_for_a_bounded_time() -> None:
+    """A run or fetch holding a slice's array parks a resume (the shell answers it when its ``Unpark`` comes);
+    one still held after ``SETTLE_WAIT_SECONDS`` fails saying why, and one whose session ends fails too."""
+    world = World()
+    _, slice_id = world.open(devices=2)
+    assert world.ask(CLIENT, PutBuffer(buffer=1, slice_id=slice_id, array=np.ones((4, 2), np.float32))) == Ok()
+    _placed(world, CLIENT, SuspendSlices(slice_ids=[slice_id]))
+    world.ask(CLIENT, Fetch(buffer=1))  # read, and never let go of here
+    (park,) = world.handle(Inbound(CLIENT, ResumeSlices(slice_ids=[slice_id])))
+    assert isinstance(park, Park)
+    world.now += SETTLE_WAIT_SECONDS - 1
+    assert not [a for a in world.handle(Tick()) if isinstance(a, Unpark)]
+    world.now += 1
+    (unpark,) = [a for a in world.handle(Tick()) if isinstance(a, Unpark)]
+    assert unpark.key == park.key and unpark.ask is None and isinstance(unpark.error, pw.Unavailable)
+    assert "pw.Array 1 (and 0 more)" in unpark.error.message and "waited 30 s" in unpark.error.message
+    assert not [a for a in world.handle(Tick()) if isinstance(a, Unpark)]  # answered once
+
+    (park,) = world.handle(Inbound(CLIENT, ResumeSlices(slice_ids=[slice_id])))
+    (unpark,) = [a for a in world.handle(Inbound(CLIENT, CloseSession())) if isinstance(a, Unpark)]  # at once
+    assert unpark.key == park.key and isinstance(unpark.error, NoSession)
 
 
 # ----------------------------------------------------------------- real daemons
@@ -262,6 +291,21 @@ def test_reshape_keeps_specs_the_new_mesh_can_hold_and_replicates_the_rest(two_h
         assert float(total) == value.sum() + 15.0
         with pytest.raises(pw.InvalidArgument, match="has 2 devices, the slice asks for 3"):
             sl.reshape(3, mesh={"data": 2})
+
+
+def test_a_resume_asked_while_a_run_computes_is_answered_once_the_run_has_ended(client: pw.Client) -> None:
+    """The real shell's side of ``Park``: a resume that arrives while a run still makes the slice's array is
+    answered, not refused, once the run's end reached the proxy, after the executor computed it."""
+    sl = client.make_virtual_device_set().add_slice(devices=1)
+    y = pw.pmap(slow, devices=sl)(np.ones(1))  # returns at once; computes for a while
+    (info,) = sl.session.resume_slices([sl.slice_id])
+    answered = time.monotonic()
+    assert info.slice_id == sl.slice_id and not info.suspended
+    executor = sl.devices[0].executor
+    completed = [float(line.split(" ", 2)[0]) for line in debug_events(client.address, executor, 0).splitlines()[1:]
+                 if line.split(" ", 2)[2].startswith("Completion")]
+    assert completed and completed[-1] < answered  # (the host's monotonic clock, in every process here)
+    assert np.isfinite(np.asarray(y)).all()
 
 
 def test_an_admin_suspends_and_resumes_a_tenant_s_session(keyed: pw.LocalCluster,  # noqa: F811

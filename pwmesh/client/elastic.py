@@ -11,7 +11,6 @@ loop goes on with the arrays and functions it holds.
 from __future__ import annotations
 
 import math
-import time
 from typing import Any
 
 from jax.sharding import PartitionSpec
@@ -19,7 +18,7 @@ from jax.sharding import PartitionSpec
 from pwmesh.client.array import Array
 from pwmesh.client.devices import Slice, mesh_axes, use_elastic
 from pwmesh.client.sharding import P, SliceSharding, axes_of, spec_indices
-from pwmesh.errors import InvalidArgument, PwmeshError, Unavailable
+from pwmesh.errors import InvalidArgument, PwmeshError
 from pwmesh.wire.messages import Sharding
 
 
@@ -29,23 +28,11 @@ def arrays_on(sl: Slice, *, donated: bool = False) -> list[Array]:
     return [a for a in sl.session.arrays(donated=donated) if isinstance(a, Array) and a.sharding.slice is sl]
 
 
-# How long a resume or reshape asks again while the runs that made or read its arrays end at the proxy.
-SETTLE_SECONDS = 30.0
-
-
 def _moved(sl: Slice, **how: Any) -> Any:
-    """``resume_slices`` of ``sl``, asked again while the proxy says an array is still being computed or read.
-    ``_settle`` saw every array computed, but a run holds its outputs and inputs until its last report reaches
-    the proxy (a run's value may reach the client before its end does: the tests saw a reshape refused so)."""
-    deadline, delay = time.monotonic() + SETTLE_SECONDS, 0.005
-    while True:
-        try:
-            return sl.session.resume_slices([sl.slice_id], **how)
-        except Unavailable as exc:
-            if "still being computed or read" not in exc.message or time.monotonic() > deadline:
-                raise
-        time.sleep(delay)  # the proxy tells no one when a run lets go of a buffer: ask again, backing off
-        delay = min(2 * delay, 0.2)
+    """``resume_slices`` of ``sl``. ``_settle`` saw every array computed, but a run holds its outputs and inputs
+    until its last report reaches the proxy (a run's value may reach the client before its end does): the proxy
+    answers once nothing holds them (``ProxyState._when_settled``)."""
+    return sl.session.resume_slices([sl.slice_id], **how)
 
 
 def _settle(sl: Slice, arrays: list[Array]) -> None:

@@ -55,6 +55,7 @@ from pwmesh.proxy.events import (
     Lowered,
     LowerOffLoop,
     Notice,
+    Park,
     PeerBack,
     PeerLost,
     Reclaim,
@@ -65,6 +66,7 @@ from pwmesh.proxy.events import (
     SliceGranted,
     SlicesPlaced,
     Tick,
+    Unpark,
     Wait,
     settled,
     sources,
@@ -218,6 +220,7 @@ class Proxy(Service):
         self._notice_log = RejectedLog(self.name, logger=log)  # notices a peer made unappliable: rate-limited
         self._deliver_log = RejectedLog(self.name, logger=log)  # puts an executor refused (each logged there too)
         self.waiting: dict[Buffer, list[asyncio.Future[None]]] = {}  # buffers not done -> requests waiting
+        self._parked: dict[int, asyncio.Future[Unpark]] = {}  # requests the core parked (``Park``), by key
         self.dispatch_bytes = 0  # bytes of the core's program traffic (``Send.dispatch``)
         # Clients with a program being lowered off the loop (``LowerOffLoop``), and what each sent since, in
         # order: handled once it is (a client's requests keep their order; other clients' never wait).
@@ -593,6 +596,13 @@ class Proxy(Service):
                 answer = self._expect(action)
             elif isinstance(action, Ask):
                 answer = self._ask(action)
+            elif isinstance(action, Park):  # its future now, not when the coroutine first runs: an Unpark may come first
+                parked = self._parked[action.key] = asyncio.get_running_loop().create_future()
+                answer = self._parked_answer(action.key, parked)
+            elif isinstance(action, Unpark):
+                waiter = self._parked.pop(action.key, None)
+                if waiter is not None and not waiter.done():
+                    waiter.set_result(action)
             elif isinstance(action, Deliver):
                 self.tasks.spawn(self._deliver(action), name="deliver")
             elif isinstance(action, PeerLost):
@@ -656,6 +666,17 @@ class Proxy(Service):
             fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
             self.waiting.setdefault(buf, []).append(fut)
             await fut
+
+    async def _parked_answer(self, key: int, parked: asyncio.Future[Unpark]) -> Message:
+        """A parked request's answer (``Park``): its ``Unpark``'s error, or its Ask's answer."""
+        try:
+            unpark = await parked
+        finally:
+            self._parked.pop(key, None)
+        if unpark.error is not None:
+            raise unpark.error
+        assert unpark.ask is not None
+        return await self._ask(unpark.ask)
 
     async def _ask(self, ask: Ask) -> Message:
         msg = ask.message

@@ -101,7 +101,7 @@ def check_settled(session: Session, slices: list[SliceInfo]) -> None:
     busy = [cid for cid, buf in session.buffers.items() if buf.slice_id in ids and (buf.pins or not buf.done)]
     if busy:
         raise Unavailable(f"pw.Array {busy[0]} (and {len(busy) - 1} more) of slice {min(ids)} are still being "
-                          "computed or read: wait for them (block_until_ready) and ask again")
+                          "computed or read")
 
 
 def spill(session: Session, sl: SliceInfo) -> list[tuple[str, SpillShards]]:

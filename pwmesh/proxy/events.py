@@ -163,6 +163,23 @@ class Ask:
 
 
 @dataclasses.dataclass(frozen=True)
+class Park:
+    """Answer the request being handled later, as the ``Unpark`` of the same ``key`` says (a resume or reshape
+    waiting for the runs and fetches that still hold its slice's arrays to let go of them)."""
+
+    key: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Unpark:
+    """The request parked as ``key`` goes on: its answer is ``ask``'s (as an ``Ask``'s is), or ``error``."""
+
+    key: int
+    ask: Ask | None = None
+    error: PwmeshError | None = None
+
+
+@dataclasses.dataclass(frozen=True)
 class Wait:
     """Answer once every buffer is done: ``Ok``, or the first failure (``settled``)."""
 
@@ -292,7 +309,7 @@ class CheckKept:
     asks: dict[str, list[str]]
 
 
-Action = (Send | Reply | Ask | Wait | Fetching | FetchingAll | Expecting | Resolve | PeerLost | PeerBack | FencePeer | LowerOffLoop | Reclaim
+Action = (Send | Reply | Ask | Park | Unpark | Wait | Fetching | FetchingAll | Expecting | Resolve | PeerLost | PeerBack | FencePeer | LowerOffLoop | Reclaim
           | Inventory | CheckKept | CheckFunction | Deliver)
 
 

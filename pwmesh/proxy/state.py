@@ -100,6 +100,7 @@ from pwmesh.proxy.events import (  # noqa: F401 - re-exported: tests name them f
     Lowered,
     LowerOffLoop,
     Notice,
+    Park,
     PeerBack,
     PeerLost,
     Reclaim,
@@ -110,6 +111,7 @@ from pwmesh.proxy.events import (  # noqa: F401 - re-exported: tests name them f
     SliceGranted,
     SlicesPlaced,
     Tick,
+    Unpark,
     Wait,
     _summary,
     settled,
@@ -195,7 +197,7 @@ from pwmesh.wire.messages import (
 )
 from pwmesh.wire.parts import run_parts
 
-__all__ = ["_summary", "Action", "Ask", "CheckFunction", "CheckKept", "Deliver", "Delivered", "Event", "FencePeer", "FetchEnded", "Fetching", "FunctionChecked", "Inbound", "Inherited", "Inventoried", "Inventory", "KeptChecked", "Lowered", "LowerOffLoop", "Notice", "PeerBack", "PeerLost", "ProxyState", "Reclaim", "Reclaimed", "Reply", "Resolve", "Send", "settled", "SliceGranted", "sources", "Tick", "Wait"]
+__all__ = ["_summary", "Action", "Ask", "CheckFunction", "CheckKept", "Deliver", "Delivered", "Event", "FencePeer", "FetchEnded", "Fetching", "FunctionChecked", "Inbound", "Inherited", "Inventoried", "Inventory", "KeptChecked", "Lowered", "LowerOffLoop", "Notice", "Park", "PeerBack", "PeerLost", "ProxyState", "Reclaim", "Reclaimed", "Reply", "Resolve", "Send", "settled", "SliceGranted", "sources", "Tick", "Unpark", "Wait"]
 
 log = logging.getLogger(__name__)
 
@@ -208,6 +210,8 @@ MAX_FETCH_BUFFERS = 1024  # buffers one ``FetchBuffers`` may name (its answer: a
 MAX_ARRIVING_PROGRAMS = 4  # per session, coming in parts at once (each held until its last part)
 MAX_MERGED = 64  # per session: cached lowerings' executor sets known to be in its ``hosts`` (``Session.merged``)
 MAX_HOLDER_LISTS = 256  # holder sets of cached lowerings kept listed for frees (``_listed``)
+# A resume or reshape waits this long for the runs and fetches holding its slice's arrays to let go (``Park``).
+SETTLE_WAIT_SECONDS = 30.0
 SESSION_ID = re.compile(r"s\d+-[0-9a-f]{6}")  # what ``_open_session`` names sessions
 UNKNOWN_VALUE = ValueSpec(shape=[], dtype="float32", shards=1)  # a failed output of a program never seen
 
@@ -288,6 +292,10 @@ class ProxyState:
         # Aborted runs whose donated buffers the executors are asked about (``CheckKept``): run id ->
         # (session, run, error, [(client id, buffer)]).
         self._keeping: dict[str, tuple[Session, Run, PwmeshError, list[tuple[int, Buffer]]]] = {}
+        # Resumes and reshapes waiting for their slices' arrays to be let go of (``_when_settled``): key ->
+        # (session id, slice ids, the Ask that goes on, until when it waits).
+        self._parked: dict[int, tuple[str, list[int], Ask, float]] = {}
+        self._park_keys = itertools.count(1)
         # The latest events, as summary lines (a client's messages carry arrays: none is kept).
         self.events = EventLog()
 
@@ -361,6 +369,8 @@ class ProxyState:
                 self._kept_checked(event)
             else:
                 raise TypeError(f"not a proxy event: {event!r}")
+            if self._parked:  # (rare: only while a resume waits) what this event let go of may let one go on
+                self._unpark(now)
         except PwmeshError as exc:
             out.append(Reply(error=exc))
         finally:
@@ -613,13 +623,43 @@ class ProxyState:
         elastic.owned(session, msg.slice_ids)
         return Ask(self.rm, VacateSlices(owner=session.session_id, slice_ids=list(msg.slice_ids)), peer)
 
-    def _resume_slices(self, peer: bytes, msg: ResumeSlices, now: float) -> Ask:
+    def _resume_slices(self, peer: bytes, msg: ResumeSlices, now: float) -> Ask | Park:
         session = self.session(peer)
         elastic.check_reshape(session, msg)
-        elastic.check_settled(session, elastic.owned(session, msg.slice_ids))
-        return Ask(self.rm, RegrantSlices(owner=session.session_id, slice_ids=list(msg.slice_ids),
-                                          devices=msg.devices, island=msg.island), peer,
-                   reshape=msg if msg.devices else None)
+        return self._when_settled(session, list(msg.slice_ids), now, Ask(
+            self.rm, RegrantSlices(owner=session.session_id, slice_ids=list(msg.slice_ids), devices=msg.devices,
+                                   island=msg.island), peer, reshape=msg if msg.devices else None))
+
+    def _when_settled(self, session: Session, slice_ids: list[int], now: float, ask: Ask) -> Ask | Park:
+        """``ask`` now if no run or fetch holds an array of these slices; else the request waits (``Park``) until
+        none does, for at most ``SETTLE_WAIT_SECONDS``: a run holds its arrays until its last report comes,
+        which may be after the client saw its values (``_unpark``)."""
+        try:
+            elastic.check_settled(session, elastic.owned(session, slice_ids))
+        except Unavailable:
+            key = next(self._park_keys)
+            self._parked[key] = (session.session_id, slice_ids, ask, now + SETTLE_WAIT_SECONDS)
+            return Park(key)
+        return ask
+
+    def _unpark(self, now: float) -> None:
+        """Let the parked requests whose slices nothing holds now go on; fail those whose session or slice went,
+        or that waited ``SETTLE_WAIT_SECONDS``."""
+        for key, (session_id, slice_ids, ask, deadline) in list(self._parked.items()):
+            session = self._by_id(session_id)
+            try:
+                if session is None:
+                    raise NoSession(f"session {session_id} ended while its resume waited for its arrays")
+                elastic.check_settled(session, elastic.owned(session, slice_ids))
+            except Unavailable as exc:
+                if now < deadline:
+                    continue
+                self._out.append(Unpark(key, error=Unavailable(f"{exc.message} (waited {SETTLE_WAIT_SECONDS:g} s)")))
+            except PwmeshError as exc:
+                self._out.append(Unpark(key, error=exc))
+            else:
+                self._out.append(Unpark(key, ask=ask))
+            del self._parked[key]
 
     def _tenant_session(self, session_id: str) -> Session:
         """An admin's target (the shell let only admins send this)."""
@@ -635,14 +675,14 @@ class ProxyState:
         log.info("an admin (%s) suspends session %s", self._user or "local", session.session_id)
         return Ask(self.rm, VacateSlices(owner=session.session_id, slice_ids=sorted(session.slices)), peer)
 
-    def _resume_suspended(self, peer: bytes, msg: ResumeSuspended, now: float) -> Ask:
+    def _resume_suspended(self, peer: bytes, msg: ResumeSuspended, now: float) -> Ask | Park:
         session = self._tenant_session(msg.session_id)
         ids = sorted(sid for sid, sl in session.slices.items() if sl.suspended)
         if not ids:
             raise InvalidArgument(f"session {session.session_id} has no suspended slice")
-        elastic.check_settled(session, elastic.owned(session, ids))
         log.info("an admin (%s) resumes session %s", self._user or "local", session.session_id)
-        return Ask(self.rm, RegrantSlices(owner=session.session_id, slice_ids=ids), peer)
+        return self._when_settled(session, ids, now, Ask(self.rm, RegrantSlices(owner=session.session_id,
+                                                                                slice_ids=ids), peer))
 
     def _slices_placed(self, event: SlicesPlaced) -> Reply:
         """The RM suspended or placed anew these slices: adopt them; move the buffers of those that moved."""

@@ -24,6 +24,7 @@ from pwmesh.proxy.events import (
     Inbound,
     KeptChecked,
     Notice,
+    Park,
     PeerBack,
     PeerLost,
     Reply,
@@ -31,6 +32,7 @@ from pwmesh.proxy.events import (
     Send,
     SliceGranted,
     Tick,
+    Unpark,
     Wait,
     settled,
     sources,
@@ -88,6 +90,7 @@ class SimProxy(Node):
         self.rm = rm
         self.errors: list[Error] = []  # Error replies the proxy got for posts (nobody waits for them)
         self._asks: dict[int, _Request] = {}  # our request id -> the client request it answers
+        self._parked: dict[int, _Request] = {}  # requests the core parked (``Park``), by key
         self._waits: dict[int, list[_Waiting]] = {}  # id(buffer) -> who waits for it
         self._fetches: dict[int, tuple[_Fetch, list[str], str]] = {}  # FetchShards id -> (fetch, keys, executor)
         self._lost: set[str] = set()
@@ -166,6 +169,15 @@ class SimProxy(Node):
                 if request is None:
                     raise RuntimeError(f"the proxy core asked {action.to} outside any request")
                 self._asks[self.post(action.to, action.message)] = request
+            elif isinstance(action, Park):  # answered at its Unpark
+                if request is not None:
+                    self._parked[action.key] = request
+            elif isinstance(action, Unpark):
+                parked = self._parked.pop(action.key, None)
+                if action.ask is not None:
+                    self._do([action.ask], parked)
+                else:
+                    self._reply(parked, Reply(error=action.error))
             elif isinstance(action, Wait):
                 self._wait(request, action)
             elif isinstance(action, Fetching):
