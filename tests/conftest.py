@@ -27,6 +27,7 @@ from helpers import (
     Resources,
     check_no_leaks,
     check_released,
+    frees_settled,
     held,
     start_zmq_garbage_collector,
     track_zmq_contexts,
@@ -99,10 +100,15 @@ def default_client(cluster: pw.LocalCluster) -> Iterator[pw.Client]:
 
 
 @pytest.fixture
-def objects(cluster: pw.LocalCluster) -> Callable[[], dict[str, int]]:
-    """Live objects per executor. Deletes go from the proxy through the islands' schedulers (``FreeShards``),
-    so a status request may overtake them: compare with ``eventually``."""
-    return lambda: {s.executor_id: s.objects for s in fetch_status(cluster.address).executor_stats}
+def objects(cluster: pw.LocalCluster) -> Iterator[Callable[[], dict[str, int]]]:
+    """Live objects per executor, from a settled start: every free issued before the test (earlier tests' on
+    this shared cluster) has reached the executors (``frees_settled``; its arrays are held until the end).
+    Deletes go from the proxy through the islands' schedulers (``FreeShards``), so a status request may
+    overtake them: compare with ``eventually``."""
+    with pw.Client(cluster.address, name="settled") as c:
+        settled = frees_settled(c)
+        yield lambda: {s.executor_id: s.objects for s in fetch_status(cluster.address).executor_stats}
+        del settled
 
 
 # ------------------------------------------------------------------ the cluster marker

@@ -32,6 +32,7 @@ from pwmesh.cli.commands import fetch_status
 from pwmesh.client.connection import ClientConnection
 from pwmesh.wire import Message, decode, encode
 from pwmesh.wire.messages import Ping, Pong
+from pwmesh.wire.records import ExecutorInfo
 
 
 def slow(x):
@@ -39,6 +40,31 @@ def slow(x):
     m = jnp.full((192, 192), 0.01, jnp.float32)
     v = jnp.full((192, 192), 0.5, jnp.float32) * x
     return jax.lax.fori_loop(0, 3000, lambda i, a: jnp.tanh(a @ m), v).sum()
+
+
+def frees_settled(client: pw.Client) -> list[pw.Array]:
+    """Once this returns, every free issued so far has reached every live executor: the releases of arrays
+    dropped earlier (batched in ``client``) and the frees of sessions ended earlier go to the executors
+    through their island's scheduler, and a run over every device of each island, fetched, is behind all of
+    them on every scheduler-to-executor link. For a baseline of what the executors hold (a status reads them
+    directly, so it may overtake a free). Keep the arrays returned until the last reading: the runs' inputs
+    and outputs (nothing else of theirs is freed later)."""
+    gc.collect()
+    islands: dict[int, list[ExecutorInfo]] = {}
+    for e in client.status().cluster.executors:
+        if e.alive and not e.draining:
+            islands.setdefault(e.island, []).append(e)
+    devs = client.make_virtual_device_set()
+    held = []
+    for island, executors in sorted(islands.items()):
+        n = sum(len(e.devices) for e in executors)
+        sl = devs.add_slice(devices=n, island=island)
+        assert {d.executor for d in sl.devices} == {e.executor_id for e in executors}, "a run on each executor"
+        x = client.put(np.zeros(n, np.float32), sl)
+        y = pw.pmap(lambda v: v + 1.0, devices=sl)(x)
+        np.testing.assert_array_equal(np.asarray(y), np.ones(n, np.float32))
+        held += [x, y]
+    return held
 
 
 def eventually(condition: Callable[[], bool], timeout_seconds: float) -> None:

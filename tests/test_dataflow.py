@@ -17,6 +17,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import pwmesh as pw
+from helpers import frees_settled
 from pwmesh.cli.commands import fetch_trace
 from pwmesh.examples import moe
 from pwmesh.wire.messages import TraceEvent
@@ -169,6 +170,8 @@ def test_split_that_cannot_be_is_refused_at_call_time(wide: Wide) -> None:
         pw.reshard(six, devices=four, spec=P("x"))
     held = wide.client.put(six, wide.slices[(1, 2)], spec=P("x"))
     np.testing.assert_array_equal(wide.fetch(held)[0], six)
+    # (settled first: under two workers a bare baseline saw earlier frees land during the test)
+    settled = frees_settled(wide.client)
     before = _work_done(wide.client)
     with refuse_four:
         pw.reshard(held, devices=four)
@@ -191,6 +194,7 @@ def test_split_that_cannot_be_is_refused_at_call_time(wide: Wide) -> None:
         three_then_eight(six)
 
     assert _work_done(wide.client) == before, "a refused call sends nothing to the executors"
+    del settled
     # The cluster keeps serving: the same functions and slices, shapes that split.
     ok = pw.reshard(held, devices=wide.slices[(0, 3)])
     (got_ok, got_eight, got_program) = wide.fetch(ok, wide.consume[(1, 8)](rows()), three_then_eight(rows()))

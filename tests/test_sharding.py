@@ -11,7 +11,6 @@ program on one executor.
 from __future__ import annotations
 
 import dataclasses
-import gc
 from collections.abc import Iterator
 from typing import Any, NamedTuple
 
@@ -24,7 +23,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import pwmesh as pw
-from helpers import eventually, slow
+from helpers import eventually, frees_settled, slow
 from pwmesh.client.sharding import propagation_mesh
 
 FETCH_TIMEOUT_SECONDS = 60.0
@@ -42,18 +41,6 @@ class Wide:
     def stored_bytes(self) -> int:
         return sum(s.bytes for s in self.client.status().executor_stats)
 
-    def settled_bytes(self) -> tuple[int, list[pw.Array]]:
-        """The stored bytes once every free issued so far has reached the executors, and the arrays that
-        hold it so (keep them until the end). The releases of arrays dropped earlier (this module's, batched
-        in the client) and the frees of sessions ended earlier (other modules' on this shared cluster) go
-        to the executors through the island's scheduler; a run through it, after them on every link, and
-        its value fetched, is behind all of them. The run's input and output are held, and it makes nothing
-        else, so nothing of its own is freed later."""
-        gc.collect()
-        x = pw.put(np.zeros(8, np.float32), devices=self.grid, spec=P("data"))
-        y = pw.jit(lambda v: v + 1.0, devices=self.grid, in_specs=P("data"))(x)
-        np.testing.assert_array_equal(pw.get(y), np.ones(8))
-        return self.stored_bytes(), [x, y]
 
 
 @pytest.fixture(scope="module")
@@ -308,7 +295,8 @@ def test_an_output_nobody_reads_is_computed_and_freed(wide: Wide) -> None:
         return both(x)[0]
 
     x = pw.put(np.arange(8, dtype=np.float32), devices=wide.grid, spec=P("data"))
-    baseline, held = wide.settled_bytes()  # (a bare baseline saw other modules' frees land under two workers)
+    held = frees_settled(wide.client)  # (a bare baseline saw other modules' frees land under two workers)
+    baseline = wide.stored_bytes()
     np.testing.assert_array_equal(pw.get(first_only(x)), np.arange(8) * 2)
     # The fetch may return before the run's completion reaches the proxy (an early fetch: the value
     # comes as soon as it exists); the scalar is freed as the run ends. Found by a fresh-clone CI run.
