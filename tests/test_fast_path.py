@@ -453,12 +453,9 @@ def spmd_chain(run: str, n: int) -> list[Computation]:
             for i in range(n)]
 
 
-@pytest.mark.asyncio
-async def test_an_spmd_chain_hands_each_output_whole_to_the_next(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Re-assembling a global array from its pieces for every SPMD call cost ~0.1-0.3 ms a node:
-    only the chain's first input (two host-put pieces) is assembled; every output goes on whole
-    for as long as its buffer lives, whichever path (device thread, inline, streamed) ran it."""
-    assembled = []
+def count_assembled(monkeypatch: pytest.MonkeyPatch) -> list[tuple[object, ...]]:
+    """The calls that assemble a global array from pieces (``make_array_from_single_device_arrays``), as made."""
+    assembled: list[tuple[object, ...]] = []
     real = jax.make_array_from_single_device_arrays
 
     def counting(*args: object, **kwargs: object) -> jax.Array:
@@ -466,6 +463,15 @@ async def test_an_spmd_chain_hands_each_output_whole_to_the_next(monkeypatch: py
         return real(*args, **kwargs)
 
     monkeypatch.setattr(jax, "make_array_from_single_device_arrays", counting)
+    return assembled
+
+
+@pytest.mark.asyncio
+async def test_an_spmd_chain_hands_each_output_whole_to_the_next(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Re-assembling a global array from its pieces for every SPMD call cost ~0.1-0.3 ms a node:
+    only the chain's first input (two host-put pieces) is assembled; every output goes on whole
+    for as long as its buffer lives, whichever path (device thread, inline, streamed) ran it."""
+    assembled = count_assembled(monkeypatch)
     cut: list[str] = []
 
     def cutting(array: jax.Array, local: tuple[jax.Device, ...]) -> list[jax.Array]:
@@ -494,14 +500,7 @@ async def test_an_spmd_chain_hands_each_output_whole_to_the_next(monkeypatch: py
 async def test_a_warm_spmd_part_on_this_executors_devices_runs_as_one_chain(monkeypatch: pytest.MonkeyPatch) -> None:
     """A pmap with a collective over this executor's devices alone (Figure 5's add+psum, Chained): warm, its part
     runs as one chain in ``enqueue_all``, each output stored whole and handed on whole, reported once."""
-    assembled = []
-    real = jax.make_array_from_single_device_arrays
-
-    def counting(*args: object, **kwargs: object) -> jax.Array:
-        assembled.append(args)
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(jax, "make_array_from_single_device_arrays", counting)
+    assembled = count_assembled(monkeypatch)
     async with runner() as (r, rec):
         r.functions.register("psum", bytes(psum_function().serialize()), spmd=True, mesh=[2], axes=["i"])
         r.enqueue_all("r0", "p", spmd_chain("r0", 1))  # compiles, on a device thread
