@@ -27,6 +27,7 @@ from helpers import (
     Resources,
     check_no_leaks,
     check_released,
+    eventually,
     frees_settled,
     held,
     start_zmq_garbage_collector,
@@ -106,6 +107,15 @@ def objects(cluster: pw.LocalCluster) -> Iterator[Callable[[], dict[str, int]]]:
     Deletes go from the proxy through the islands' schedulers (``FreeShards``), so a status request may
     overtake them: compare with ``eventually``."""
     with pw.Client(cluster.address, name="settled") as c:
+        # A session an earlier test left (a client killed, say) frees its arrays when it times out: first none.
+        def others() -> list[str]:
+            return [f"{s.name} ({s.session_id}, {s.buffers} buffers)" for s in c.status().sessions
+                    if s.session_id != c.session_id]
+
+        try:
+            eventually(lambda: not others(), 2 * SPEC.session_timeout_seconds)
+        except TimeoutError:
+            pytest.fail(f"sessions earlier tests left on the shared cluster did not end: {others()}")
         settled = frees_settled(c)
         yield lambda: {s.executor_id: s.objects for s in fetch_status(cluster.address).executor_stats}
         del settled

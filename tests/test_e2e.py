@@ -13,6 +13,13 @@ from helpers import eventually
 from pwmesh.examples import figure2
 
 
+def back_to(objects: Callable[[], dict[str, int]], before: dict[str, int], timeout_seconds: float = 10) -> None:
+    """Wait until the executors hold ``before`` objects again; say what they hold if they do not."""
+    try:
+        eventually(lambda: objects() == before, timeout_seconds)
+    except TimeoutError:
+        raise AssertionError(f"the executors hold {objects()} objects, not {before} as before") from None
+
 def test_figure2_program_spans_three_executors_and_two_islands(default_client: pw.Client) -> None:
     y, z = figure2.main()
     np.testing.assert_array_equal(y, [2.0, 3.0])
@@ -97,8 +104,8 @@ def test_released_buffers_leave_no_objects(cluster: pw.LocalCluster, objects: Ca
         with pytest.raises(ValueError, match="deleted"):
             np.asarray(kept)
         # Deletes go through the islands' schedulers (one FreeShards an island): a status request may overtake them.
-        eventually(lambda: objects() == before, 10)
-    eventually(lambda: objects() == before, 10)
+        back_to(objects, before)
+    back_to(objects, before)
 
 
 def test_dropped_arrays_are_freed_together_and_never_forgotten(cluster: pw.LocalCluster,
@@ -129,16 +136,16 @@ def test_dropped_arrays_are_freed_together_and_never_forgotten(cluster: pw.Local
         dropped = len(arrays)
         del arrays  # fewer than a batch: held back...
         assert c.status().sessions, "...until this request, which they go ahead of"
-        eventually(lambda: objects() == before, 10)
+        back_to(objects, before)
         assert sum(releases) == dropped and len(releases) <= 2, f"{dropped} drops said in {releases}"
         more = [double(np.ones(2, np.float32)) for _ in range(3)]
         np.asarray(more[-1])
         del more  # and with nothing sent after them, the next heartbeat takes them
-        eventually(lambda: objects() == before, 10)
+        back_to(objects, before)
         kept = c.put(np.ones(2, np.float32), sl)
         assert sum(objects().values()) > sum(before.values())
         kept.delete()
-        eventually(lambda: objects() == before, 10)
+        back_to(objects, before)
     pw.disconnect()
 
 
