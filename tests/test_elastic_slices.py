@@ -27,7 +27,18 @@ from helpers import eventually, slow
 from pwmesh.cli.commands import debug_events, fetch_status
 from pwmesh.cli.main import main
 from pwmesh.errors import NoSession
-from pwmesh.proxy.state import SETTLE_WAIT_SECONDS, Ask, FetchEnded, Inbound, Park, Reply, SlicesPlaced, Tick, Unpark
+from pwmesh.proxy.state import (
+    MAX_PARKED_PER_SESSION,
+    SETTLE_WAIT_SECONDS,
+    Ask,
+    FetchEnded,
+    Inbound,
+    Park,
+    Reply,
+    SlicesPlaced,
+    Tick,
+    Unpark,
+)
 from pwmesh.wire import Message
 from pwmesh.wire.messages import (
     BuffersState,
@@ -155,7 +166,8 @@ def test_the_proxy_refuses_a_suspended_slice_and_copies_its_buffers_when_it_is_r
 
 def test_a_resume_waits_for_its_arrays_to_be_let_go_of_for_a_bounded_time() -> None:
     """A run or fetch holding a slice's array parks a resume (the shell answers it when its ``Unpark`` comes);
-    one still held after ``SETTLE_WAIT_SECONDS`` fails saying why, and one whose session ends fails too."""
+    one still held after ``SETTLE_WAIT_SECONDS`` fails saying why, and one whose session ends fails too; a session
+    has at most ``MAX_PARKED_PER_SESSION`` waiting (each is checked after every event)."""
     world = World()
     _, slice_id = world.open(devices=2)
     assert world.ask(CLIENT, PutBuffer(buffer=1, slice_id=slice_id, array=np.ones((4, 2), np.float32))) == Ok()
@@ -171,9 +183,13 @@ def test_a_resume_waits_for_its_arrays_to_be_let_go_of_for_a_bounded_time() -> N
     assert "pw.Array 1 (and 0 more)" in unpark.error.message and "waited 30 s" in unpark.error.message
     assert not [a for a in world.handle(Tick()) if isinstance(a, Unpark)]  # answered once
 
-    (park,) = world.handle(Inbound(CLIENT, ResumeSlices(slice_ids=[slice_id])))
-    (unpark,) = [a for a in world.handle(Inbound(CLIENT, CloseSession())) if isinstance(a, Unpark)]  # at once
-    assert unpark.key == park.key and isinstance(unpark.error, NoSession)
+    parks = [world.handle(Inbound(CLIENT, ResumeSlices(slice_ids=[slice_id])))[0] for _ in range(MAX_PARKED_PER_SESSION)]
+    assert all(isinstance(p, Park) for p in parks)
+    with pytest.raises(pw.ResourceExhausted, match="resumes waiting"):  # a bounded number waits
+        world.ask(CLIENT, ResumeSlices(slice_ids=[slice_id]))
+    ended = [a for a in world.handle(Inbound(CLIENT, CloseSession())) if isinstance(a, Unpark)]  # at once
+    assert sorted(u.key for u in ended) == sorted(p.key for p in parks)
+    assert all(isinstance(u.error, NoSession) for u in ended)
 
 
 # ----------------------------------------------------------------- real daemons

@@ -28,6 +28,8 @@ Actions:
                                  program traffic (counted in ``StatusReply``).
     ``Reply(message, error)``    the answer to the request being handled (one of the two).
     ``Ask(to, message)``         a request whose answer comes back as an event (``SliceGranted``).
+    ``Park(key)``                answer the request later, as the ``Unpark(key, ask, error)`` of a later event
+                                 says (a resume waiting for runs and fetches to let go of its slice's arrays).
     ``Wait(buffers, then)``      answer once every buffer is ``done`` (``AwaitBuffers``; a ``Fetch``
                                  with ``then=Fetching``).
     ``Fetching(buffer, keys)``   fetch these shard keys (by executor control address, in
@@ -210,8 +212,10 @@ MAX_FETCH_BUFFERS = 1024  # buffers one ``FetchBuffers`` may name (its answer: a
 MAX_ARRIVING_PROGRAMS = 4  # per session, coming in parts at once (each held until its last part)
 MAX_MERGED = 64  # per session: cached lowerings' executor sets known to be in its ``hosts`` (``Session.merged``)
 MAX_HOLDER_LISTS = 256  # holder sets of cached lowerings kept listed for frees (``_listed``)
-# A resume or reshape waits this long for the runs and fetches holding its slice's arrays to let go (``Park``).
+# A resume or reshape waits this long for the runs and fetches holding its slice's arrays to let go (``Park``);
+# a session may have this many waiting at once (each is checked after every event while it waits).
 SETTLE_WAIT_SECONDS = 30.0
+MAX_PARKED_PER_SESSION = 16
 SESSION_ID = re.compile(r"s\d+-[0-9a-f]{6}")  # what ``_open_session`` names sessions
 UNKNOWN_VALUE = ValueSpec(shape=[], dtype="float32", shards=1)  # a failed output of a program never seen
 
@@ -637,6 +641,10 @@ class ProxyState:
         try:
             elastic.check_settled(session, elastic.owned(session, slice_ids))
         except Unavailable:
+            waiting = sum(1 for parked in self._parked.values() if parked[0] == session.session_id)
+            if waiting >= MAX_PARKED_PER_SESSION:
+                raise ResourceExhausted(f"session {session.session_id} has {waiting} resumes waiting for their slices' "
+                                        "arrays already: wait for those") from None
             key = next(self._park_keys)
             self._parked[key] = (session.session_id, slice_ids, ask, now + SETTLE_WAIT_SECONDS)
             return Park(key)
