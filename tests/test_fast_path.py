@@ -505,7 +505,9 @@ async def test_a_warm_spmd_part_on_this_executors_devices_runs_as_one_chain(monk
         r.functions.register("psum", bytes(psum_function().serialize()), spmd=True, mesh=[2], axes=["i"])
         r.enqueue_all("r0", "p", spmd_chain("r0", 1))  # compiles, on a device thread
         await rec.part("r0")
-        r.functions.get("psum").result().ran(20e-6)  # measured quick (the policy takes it as data)
+        # Quick, whatever a busy machine measures of the collective as the chain runs (each run is timed again,
+        # and a slow one would end the chain: how_to_run's own tests cover that policy).
+        monkeypatch.setattr(runner_module, "runs_inline", lambda *args, **kwargs: True)
         r._done_together = together = Together()
         executed, stored, spans = r.executed, r.memory.stored, len(r.trace())
         assembled.clear()
