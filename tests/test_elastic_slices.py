@@ -180,7 +180,8 @@ def test_a_resume_waits_for_its_arrays_to_be_let_go_of_for_a_bounded_time() -> N
     world.now += 1
     (unpark,) = [a for a in world.handle(Tick()) if isinstance(a, Unpark)]
     assert unpark.key == park.key and unpark.ask is None and isinstance(unpark.error, pw.Unavailable)
-    assert "pw.Array 1 (and 0 more)" in unpark.error.message and "waited 30 s" in unpark.error.message
+    assert "pw.Array 1 (computed, 1 pin(s), 1 reader(s), runs holding it: none; and 0 more)" in unpark.error.message
+    assert "waited 30 s" in unpark.error.message
     assert not [a for a in world.handle(Tick()) if isinstance(a, Unpark)]  # answered once
 
     parks = [world.handle(Inbound(CLIENT, ResumeSlices(slice_ids=[slice_id])))[0] for _ in range(MAX_PARKED_PER_SESSION)]

@@ -100,7 +100,11 @@ def check_settled(session: Session, slices: list[SliceInfo]) -> None:
     ids = {sl.slice_id for sl in slices}
     busy = [cid for cid, buf in session.buffers.items() if buf.slice_id in ids and (buf.pins or not buf.done)]
     if busy:
-        raise Unavailable(f"pw.Array {busy[0]} (and {len(busy) - 1} more) of slice {min(ids)} are still being "
+        buf = session.buffers[busy[0]]
+        runs = [run.run_id for run in session.runs.values() if any(b is buf for b in (*run.pinned, *run.outputs))]
+        why = (f"{'computed' if buf.done else 'not computed'}, {buf.pins} pin(s), {buf.readers} reader(s), "
+               f"runs holding it: {', '.join(runs) or 'none'}")
+        raise Unavailable(f"pw.Array {busy[0]} ({why}; and {len(busy) - 1} more) of slice {min(ids)} are still being "
                           "computed or read")
 
 
