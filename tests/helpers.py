@@ -26,6 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import zmq
+from jax.sharding import PartitionSpec as P
 
 import pwmesh as pw
 from pwmesh.cli.commands import fetch_status
@@ -48,7 +49,7 @@ def frees_settled(client: pw.Client) -> list[pw.Array]:
     through their island's scheduler, and a run over every device of each island, fetched, is behind all of
     them on every scheduler-to-executor link. For a baseline of what the executors hold (a status reads them
     directly, so it may overtake a free). Keep the arrays returned until the last reading: the runs' inputs
-    and outputs (nothing else of theirs is freed later)."""
+    and outputs (they make no temporaries: nothing of theirs is freed later)."""
     gc.collect()
     islands: dict[int, list[ExecutorInfo]] = {}
     for e in client.status().cluster.executors:
@@ -60,8 +61,11 @@ def frees_settled(client: pw.Client) -> list[pw.Array]:
         n = sum(len(e.devices) for e in executors)
         sl = devs.add_slice(devices=n, island=island)
         assert {d.executor for d in sl.devices} == {e.executor_id for e in executors}, "a run on each executor"
-        x = client.put(np.zeros(n, np.float32), sl)
-        y = pw.pmap(lambda v: v + 1.0, devices=sl)(x)
+        # Split over every device (so fetching y reads a piece from every executor) and laid out as the call takes
+        # it: a reshard would make temporaries, freed at the run's end, which may come after its value.
+        split = P(next(iter(sl.mesh)))
+        x = client.put(np.zeros(n, np.float32), sl, split)
+        y = pw.jit(lambda v: v + 1.0, devices=sl, in_specs=split, out_specs=split)(x)
         np.testing.assert_array_equal(np.asarray(y), np.ones(n, np.float32))
         held += [x, y]
     return held
