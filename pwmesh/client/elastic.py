@@ -28,15 +28,10 @@ def arrays_on(sl: Slice, *, donated: bool = False) -> list[Array]:
     return [a for a in sl.session.arrays(donated=donated) if isinstance(a, Array) and a.sharding.slice is sl]
 
 
-def _moved(sl: Slice, **how: Any) -> Any:
-    """``resume_slices`` of ``sl``. ``_settle`` saw every array computed, but a run holds its outputs and inputs
-    until its last report reaches the proxy (a run's value may reach the client before its end does): the proxy
-    answers once nothing holds them (``ProxyState._when_settled``)."""
-    return sl.session.resume_slices([sl.slice_id], **how)
-
-
 def _settle(sl: Slice, arrays: list[Array]) -> None:
-    """Wait until every array of ``sl`` is computed: a resume or reshape moves nothing that a run still makes."""
+    """Wait until every array of ``sl`` is computed: a resume or reshape moves nothing that a run still makes.
+    (A run holds its arrays until its last report reaches the proxy, which may come after its values: the
+    proxy answers the resume once nothing holds them, ``ProxyState._when_settled``.)"""
     if arrays:
         try:
             sl.session.await_buffers([a.buffer_id for a in arrays])
@@ -51,7 +46,7 @@ def suspend(sl: Slice) -> None:
 
 def resume(sl: Slice, island: int | None) -> None:
     _settle(sl, arrays_on(sl))
-    (info,) = _moved(sl, island=island)
+    (info,) = sl.session.resume_slices([sl.slice_id], island=island)
     sl._adopt(info)
 
 
@@ -76,8 +71,8 @@ def reshape(sl: Slice, devices: int, mesh: Any, island: int | None) -> None:
     shardings = [Sharding(mesh=sizes, spec=spec_indices(spec, tuple(axes), f"pw.Array {a.buffer_id}"))
                  for a, spec in zip(arrays, specs, strict=True)]
     _settle(sl, [a for a in arrays if not a.donated])
-    (info,) = _moved(sl, devices=devices, island=island, mesh=sizes, buffers=[a.buffer_id for a in arrays],
-                     shardings=shardings)
+    (info,) = sl.session.resume_slices([sl.slice_id], devices=devices, island=island, mesh=sizes,
+                                       buffers=[a.buffer_id for a in arrays], shardings=shardings)
     sl._adopt(info, axes)
     for a, spec in zip(arrays, specs, strict=True):
         a.sharding = SliceSharding(sl, spec)

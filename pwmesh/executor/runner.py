@@ -465,26 +465,20 @@ class Runner:
             return None
         found = self._runnable(comp, tuple(work.devices))
         devices = found[1] if found is not None else self._mesh(comp, tuple(work.devices))
+        return self._wholes(comp, fn, devices, tuple(work.shards), streamed)
+
+    def _wholes(self, comp: Computation, fn: CompiledFunction, devices: list[jax.Device], shards: tuple[int, ...],
+                streamed: bool = False) -> list[Any | None] | None:
+        """``_whole_inputs`` over ``devices`` (the warm path calls it directly: it has no ``Work``)."""
         shardings = fn.shardings(tuple(devices))[0]
         if len(shardings) != len(comp.inputs):  # a malformed computation: it fails as it is called
             return None
-        shards = tuple(work.shards)
         wholes = []
         for buffer, sharding in zip(comp.inputs, shardings, strict=True):
             array = self.store.whole(buffer, sharding, shards)
             if array is None and streamed:
                 array = self.streams.whole(buffer, sharding, shards)
             wholes.append(array)
-        return wholes if any(w is not None for w in wholes) else None
-
-    def _wholes_stored(self, comp: Computation, fn: CompiledFunction, devices: list[jax.Device],
-                       shards: tuple[int, ...]) -> list[Any | None] | None:
-        """``_whole_inputs`` for the warm path: the inputs stored here whole over ``devices``, or None."""
-        shardings = fn.shardings(tuple(devices))[0]
-        if len(shardings) != len(comp.inputs):  # a malformed computation: the ordinary path fails it
-            return None
-        wholes = [self.store.whole(buffer, sharding, shards) for buffer, sharding in zip(comp.inputs, shardings,
-                                                                                          strict=True)]
         return wholes if any(w is not None for w in wholes) else None
 
     async def _input(self, key: str, work: Work, pending: bool) -> Any:
@@ -658,7 +652,7 @@ class Runner:
                 break
             # An SPMD computation over this executor's devices alone (a pmap with a collective): the inputs an
             # SPMD output here is go in whole (``_whole_inputs``), the rest as pieces.
-            wholes = self._wholes_stored(comp, fn, devices, tuple(shard_ids)) if comp.spmd else None
+            wholes = self._wholes(comp, fn, devices, tuple(shard_ids)) if comp.spmd else None
             inputs = piece_inputs(comp.inputs, wholes)
             per_shard = []
             for shard in shard_ids:

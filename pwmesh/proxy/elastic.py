@@ -95,17 +95,20 @@ def check_reshape(session: Session, msg: ResumeSlices) -> None:
                                    sharding=sharding)).check(f"pw.Array {cid} on {msg.devices} devices")
 
 
-def check_settled(session: Session, slices: list[SliceInfo]) -> None:
-    """``Unavailable`` if a run or fetch still pins a buffer of one of ``slices``: nothing moves under it."""
+def held(session: Session, slices: list[SliceInfo]) -> list[int]:
+    """The buffers of ``slices`` a run or fetch still pins, or that are not computed yet: nothing moves under them."""
     ids = {sl.slice_id for sl in slices}
-    busy = [cid for cid, buf in session.buffers.items() if buf.slice_id in ids and (buf.pins or not buf.done)]
-    if busy:
-        buf = session.buffers[busy[0]]
-        runs = [run.run_id for run in session.runs.values() if any(b is buf for b in (*run.pinned, *run.outputs))]
-        why = (f"{'computed' if buf.done else 'not computed'}, {buf.pins} pin(s), {buf.readers} reader(s), "
-               f"runs holding it: {', '.join(runs) or 'none'}")
-        raise Unavailable(f"pw.Array {busy[0]} ({why}; and {len(busy) - 1} more) of slice {min(ids)} are still being "
-                          "computed or read")
+    return [cid for cid, buf in session.buffers.items() if buf.slice_id in ids and (buf.pins or not buf.done)]
+
+
+def held_error(session: Session, slices: list[SliceInfo], busy: list[int]) -> Unavailable:
+    """Why ``slices`` cannot move yet (``busy``: what ``held`` found), naming the runs that hold the first."""
+    buf = session.buffers[busy[0]]
+    runs = [run.run_id for run in session.runs.values() if any(b is buf for b in (*run.pinned, *run.outputs))]
+    why = (f"{'computed' if buf.done else 'not computed'}, {buf.pins} pin(s), {buf.readers} reader(s), "
+           f"runs holding it: {', '.join(runs) or 'none'}")
+    return Unavailable(f"pw.Array {busy[0]} ({why}; and {len(busy) - 1} more) of slice "
+                       f"{min(sl.slice_id for sl in slices)} are still being computed or read")
 
 
 def spill(session: Session, sl: SliceInfo) -> list[tuple[str, SpillShards]]:

@@ -638,17 +638,15 @@ class ProxyState:
         """``ask`` now if no run or fetch holds an array of these slices; else the request waits (``Park``) until
         none does, for at most ``SETTLE_WAIT_SECONDS``: a run holds its arrays until its last report comes,
         which may be after the client saw its values (``_unpark``)."""
-        try:
-            elastic.check_settled(session, elastic.owned(session, slice_ids))
-        except Unavailable:
-            waiting = sum(1 for parked in self._parked.values() if parked[0] == session.session_id)
-            if waiting >= MAX_PARKED_PER_SESSION:
-                raise ResourceExhausted(f"session {session.session_id} has {waiting} resumes waiting for their slices' "
-                                        "arrays already: wait for those") from None
-            key = next(self._park_keys)
-            self._parked[key] = (session.session_id, slice_ids, ask, now + SETTLE_WAIT_SECONDS)
-            return Park(key)
-        return ask
+        if not elastic.held(session, elastic.owned(session, slice_ids)):
+            return ask
+        waiting = sum(1 for parked in self._parked.values() if parked[0] == session.session_id)
+        if waiting >= MAX_PARKED_PER_SESSION:
+            raise ResourceExhausted(f"session {session.session_id} has {waiting} resumes waiting for their slices' "
+                                    "arrays already: wait for those")
+        key = next(self._park_keys)
+        self._parked[key] = (session.session_id, slice_ids, ask, now + SETTLE_WAIT_SECONDS)
+        return Park(key)
 
     def _unpark(self, now: float) -> None:
         """Let the parked requests whose slices nothing holds now go on; fail those whose session or slice went,
@@ -658,15 +656,19 @@ class ProxyState:
             try:
                 if session is None:
                     raise NoSession(f"session {session_id} ended while its resume waited for its arrays")
-                elastic.check_settled(session, elastic.owned(session, slice_ids))
-            except Unavailable as exc:
-                if now < deadline:
-                    continue
-                self._out.append(Unpark(key, error=Unavailable(f"{exc.message} (waited {SETTLE_WAIT_SECONDS:g} s)")))
+                slices = elastic.owned(session, slice_ids)
             except PwmeshError as exc:
                 self._out.append(Unpark(key, error=exc))
             else:
-                self._out.append(Unpark(key, ask=ask))
+                busy = elastic.held(session, slices)
+                if busy and now < deadline:
+                    continue  # (the message is made only when it is said: this runs after every event)
+                if busy:
+                    error = elastic.held_error(session, slices, busy)
+                    self._out.append(Unpark(key, error=Unavailable(f"{error.message} "
+                                                                   f"(waited {SETTLE_WAIT_SECONDS:g} s)")))
+                else:
+                    self._out.append(Unpark(key, ask=ask))
             del self._parked[key]
 
     def _tenant_session(self, session_id: str) -> Session:

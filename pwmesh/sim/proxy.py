@@ -174,7 +174,7 @@ class SimProxy(Node):
                     self._parked[action.key] = request
             elif isinstance(action, Unpark):
                 parked = self._parked.pop(action.key, None)
-                if action.ask is not None:
+                if parked is not None and action.ask is not None:
                     self._do([action.ask], parked)
                 else:
                     self._reply(parked, Reply(error=action.error))
