@@ -29,7 +29,7 @@ import zmq
 from jax.sharding import PartitionSpec as P
 
 import pwmesh as pw
-from pwmesh.cli.commands import fetch_status
+from pwmesh.cli.commands import debug_events, fetch_status
 from pwmesh.client.connection import ClientConnection
 from pwmesh.wire import Message, decode, encode
 from pwmesh.wire.messages import Ping, Pong
@@ -41,6 +41,16 @@ def slow(x):
     m = jnp.full((192, 192), 0.01, jnp.float32)
     v = jnp.full((192, 192), 0.5, jnp.float32) * x
     return jax.lax.fori_loop(0, 3000, lambda i, a: jnp.tanh(a @ m), v).sum()
+
+
+def last_event(address: str, daemon: str, starts: str) -> float:
+    """When ``daemon``'s core last handled an event whose line starts with ``starts`` (its event log, ``pwmesh
+    debug events``), on the host's monotonic clock: the same in every process here, so daemons' and the test's
+    times compare. Read afterwards, an order is asserted without sampling a transient state."""
+    times = [float(line.split(" ", 2)[0]) for line in debug_events(address, daemon, 0).splitlines()[1:]
+             if line.split(" ", 2)[2].startswith(starts)]
+    assert times, f"{daemon} logged no {starts}"
+    return times[-1]
 
 
 def frees_settled(client: pw.Client) -> list[pw.Array]:

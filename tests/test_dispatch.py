@@ -14,26 +14,16 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import pwmesh as pw
-from helpers import slow
-from pwmesh.cli.commands import debug_events
+from helpers import last_event, slow
 from pwmesh.wire.messages import ProgramSpec, RegisterProgram, RunProgram, ValueSpec
 
 
-def _last(address: str, executor: str, event: str) -> float:
-    """When ``executor``'s core last handled an event whose line starts with ``event`` (its event log,
-    ``pwmesh debug events``): the times are the host's monotonic clock, the same in every process here."""
-    times = [float(line.split(" ", 2)[0]) for line in debug_events(address, executor, 0).splitlines()[1:]
-             if line.split(" ", 2)[2].startswith(event)]
-    assert times, f"{executor} logged no {event}"
-    return times[-1]
-
-
 def _part_arrived(address: str, executor: str) -> float:
-    return _last(address, executor, "Received(message=exec.enqueue")
+    return last_event(address, executor, "Received(message=exec.enqueue")
 
 
 def _computed(address: str, executor: str) -> float:
-    return _last(address, executor, "Completion")
+    return last_event(address, executor, "Completion")
 
 
 @pytest.fixture

@@ -20,6 +20,7 @@ def back_to(objects: Callable[[], dict[str, int]], before: dict[str, int], timeo
     except TimeoutError:
         raise AssertionError(f"the executors hold {objects()} objects, not {before} as before") from None
 
+
 def test_figure2_program_spans_three_executors_and_two_islands(default_client: pw.Client) -> None:
     y, z = figure2.main()
     np.testing.assert_array_equal(y, [2.0, 3.0])
