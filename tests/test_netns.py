@@ -60,6 +60,8 @@ def cluster(keys: dict[str, str]) -> Iterator[netns.NetnsCluster]:
         pytest.skip(REASON)
     with netns.NetnsCluster(keys=keys["cluster"], prefix="pwt") as running:
         yield running
+    assert running.log_dir is not None and not running.log_dir.exists(), \
+        "a clean stop removes the cluster's own temporary log directory"
 
 
 def test_figure2_and_a_cross_island_reshard_never_cross_the_links_in_cleartext(
@@ -123,6 +125,9 @@ def test_the_operator_script_starts_a_cluster_people_can_use_and_removes_it_on_c
         reap(script)
         subprocess.run([sys.executable, str(BIN), "down", "--prefix", "pwb"], capture_output=True, check=False)
     assert namespaces("pwb") == [], "Ctrl-C removed every namespace"
+    made = {line.split()[0].rstrip(":"): Path(line.split()[1]) for line in lines if line.startswith(("logs:", "keys:"))}
+    assert set(made) == {"logs", "keys"} and not any(path.exists() for path in made.values()), \
+        "a clean stop removes the log directory and the keys it made"
 
 
 @pytest.mark.skipif(bool(REASON), reason=REASON or "namespaces available")

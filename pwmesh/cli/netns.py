@@ -24,7 +24,7 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
-from pwmesh.service.lifecycle import stop_process, wait_ready
+from pwmesh.service.lifecycle import wait_ready, wait_stopped
 
 ISLANDS = 2
 RM_PORT, PROXY_PORT, SCHEDULER_PORT, EXECUTOR_PORT, DATA_PORT = 7100, 7200, 7300, 7400, 7401
@@ -89,6 +89,10 @@ class NetnsCluster:
     heartbeat_timeout_seconds: float = 10.0  # the resource manager's; every daemon beats four times as often
 
     def __post_init__(self) -> None:
+        # A temporary log directory of our own is removed on a clean stop and kept when a daemon failed or
+        # was killed, as ``LocalCluster`` does (every test run left one in /tmp before).
+        self._own_log_dir = self.log_dir is None
+        self._keep_logs = False
         self.log_dir = Path(self.log_dir or tempfile.mkdtemp(prefix="pwmesh-netns-"))
         self.hosts = {"rm": 1, "proxy": 2, **{f"island{i}": 3 + i for i in range(ISLANDS)}, "client": 9}
         self.children: list[tuple[str, subprocess.Popen[bytes]]] = []
@@ -212,11 +216,18 @@ class NetnsCluster:
             if popen.poll() is None:
                 popen.send_signal(signal.SIGTERM)  # all at once: each drains while the others do
         for _, popen in reversed(self.children):
-            stop_process(popen)
+            if wait_stopped(popen) != 0:  # it failed, or was killed (by a test, or after ignoring SIGTERM)
+                self._keep_logs = True
         self.children.clear()
         for ns in reversed(self.made):
             subprocess.run(["ip", "netns", "del", ns], capture_output=True, check=False)
         self.made.clear()
+        if self._own_log_dir and self.log_dir is not None and self.log_dir.exists():
+            if self._keep_logs:
+                print(f"netns cluster: a daemon failed or was killed; its logs are in {self.log_dir}",
+                      file=sys.stderr)
+            else:
+                shutil.rmtree(self.log_dir, ignore_errors=True)
 
     def __enter__(self) -> NetnsCluster:
         return self.up()

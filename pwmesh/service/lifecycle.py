@@ -199,6 +199,12 @@ def stop_process(proc: subprocess.Popen[bytes], timeout_seconds: float = 15.0) -
     returns its exit status."""
     if proc.poll() is None:
         proc.send_signal(signal.SIGTERM)
+    return wait_stopped(proc, timeout_seconds)
+
+
+def wait_stopped(proc: subprocess.Popen[bytes], timeout_seconds: float = 15.0) -> int:
+    """Wait for a daemon already sent SIGTERM to exit, SIGKILL it after ``timeout_seconds``; returns its exit
+    status. (A second SIGTERM would make it stop draining and exit at once.)"""
     try:
         code = proc.wait(timeout=timeout_seconds)
     except subprocess.TimeoutExpired:
