@@ -6,6 +6,7 @@ event first, then real daemons (an island of 4 one-device hosts, width 2: two he
 
 from __future__ import annotations
 
+import dataclasses
 import signal
 
 import jax
@@ -104,9 +105,15 @@ def test_a_run_wider_than_the_fanout_goes_through_heads_and_its_completions_come
         for up_to, up in relays[head].handle(msg):
             report(up, up_to)
 
+    heads = {ex for ex, relay in relays.items() if relay.control}
+    assert {ex for ex in EXECUTORS if enqueues[ex].report == f"tcp://{ex}:1"} == heads == {"e0", "e3", "e5"}, \
+        "a head's own part reports to the head itself"
     for ex in reversed(EXECUTORS):
         report(RunPartDone(run_id="r1", executor_id=ex, device_seconds=1.0), enqueues[ex].report)
-    assert len(to_scheduler) == 4  # two heads: their own part's end and their subtree's
+    # One message per top-level head, its own part's end in it.
+    assert [(m.head, sorted(m.ended)) for m in to_scheduler if isinstance(m, PartsDone)] == \
+        [("e3", ["e3", "e4", "e5", "e6"]), ("e0", ["e0", "e1", "e2"])]
+    assert len(to_scheduler) == 2
     told: list[IslandDone] = []
     for msg in to_scheduler:
         told += [a.message for a in state.handle(Received(msg), 0.0)
@@ -131,7 +138,7 @@ def test_parts_travel_as_the_bodies_the_scheduler_encoded_once_and_heads_forward
         assert [enqueue_body(b) for b in sent.bodies] == [made[ex] for ex in sent.executors]
         head = sent.executors[0]
         own, more = FanOutRelay(head).fan_out(sent)
-        assert own == made[head]
+        assert own == dataclasses.replace(made[head], report=sent.controls[0])  # (a head's own part reports to it)
         children = [m for _, m in more]
         assert all(isinstance(m, FanOut) and m.parent == sent.controls[0] for m in children)
         # Every child's bytes are the head's own slice of what it received: the same objects, unread.
@@ -175,7 +182,7 @@ def test_a_warm_template_run_goes_down_the_tree_as_one_message_per_subtree_and_h
             assert (got.run_id, got.template, got.names, got.nodes, got.executor_seq, got.computations, got.refs) == \
                 (f"r{k}", "t", [f"b{k}"], part.nodes, k, b"", [])
         heads = {s.message.executors[0] for s in sends if isinstance(s.message, FanOut)}
-        assert all(enqueues[h].report == "" for h in heads)
+        assert all(enqueues[h].report == f"tcp://{h}:1" for h in heads)  # to its own relay
         assert all(enqueues[ex].report.startswith("tcp://e") for ex in EXECUTORS if ex not in heads)
         # A head expects each child's report: the relay waits on the run as for bodies.
         assert all(len(r) == 1 for r in relays.values() if r.name in heads)
@@ -198,15 +205,16 @@ def test_a_fanout_whose_parts_said_together_do_not_line_up_is_refused_whole() ->
     with pytest.raises(ProtocolError, match="3 bodies as well"):
         FanOutRelay("e0").fan_out(wire(both))
     own, more = FanOutRelay("e0").fan_out(wire(fan))
-    assert own is not None and (own.nodes, own.seqs, own.executor_seq, own.report) == ([0], [5], 4, "")
+    assert own is not None and (own.nodes, own.seqs, own.executor_seq, own.report) == ([0], [5], 4, "tcp://e0:1")
     cut = [(to, m.run.seq, m.run.unpacked()) for to, m in more if isinstance(m, FanOut) and m.run]
     assert cut == [("tcp://e1:1", 6, ([[1, 2]], [0])), ("tcp://e2:1", 8, ([[3]], [9]))]
 
 
 def test_a_part_that_does_not_decode_fails_that_part_alone_with_the_codecs_error() -> None:
     """A malformed body (the bytes a head forwards unread): the head and the other parts go on; the child
-    it was for fails its own part (NodeDone with the error, then RunPartDone, to where it reports), still
-    relays its own children's, and the run ends with that error, once, no hang."""
+    it was for (a head itself) fails its own part (NodeDone with the error, then RunPartDone, to its own
+    relay: the error goes up at once), still relays its own children's, and the run ends with that error,
+    once, no hang."""
     state = core(2)
     sends = run_over_all(state)
     # A head below a top-level one (width 2: 7 = (1 + 2 leaves) + (1 + a leaf + (1 + a leaf))).
@@ -221,11 +229,11 @@ def test_a_part_that_does_not_decode_fails_that_part_alone_with_the_codecs_error
     failed: list[tuple[str, Message]] = []
     deliver(relays, [(s.to, first if j == k else s.message) for j, s in enumerate(sends)], enqueues, failed)
     assert sorted(enqueues) == sorted(set(EXECUTORS) - {victim})  # every other part arrived, the head's too
-    (node_done, to1), (part_done, to2) = [(m, t) for t, m in failed]
-    assert to1 == to2 == first.controls[0]  # where the victim's part reports: its head (a child of the top)
+    ((up, to),) = [(m, t) for t, m in failed]  # its failure, up at once to its head (a child of the top)
+    assert to == first.controls[0] and isinstance(up, PartsDone) and up.head == victim and not up.last
+    (node_done,) = up.reports
     assert isinstance(node_done, NodeDone) and node_done.executor_id == victim and node_done.error is not None
     assert "unreadable" in node_done.error.message and victim in node_done.error.message
-    assert isinstance(part_done, RunPartDone) and part_done.executor_id == victim
     to_scheduler: list[Message] = []
 
     def report(msg: Message, to: str) -> None:
@@ -235,8 +243,7 @@ def test_a_part_that_does_not_decode_fails_that_part_alone_with_the_codecs_error
         for up_to, up in relays[to.removeprefix("tcp://").removesuffix(":1")].handle(msg):
             report(up, up_to)
 
-    report(node_done, to1)
-    report(part_done, to2)
+    report(up, to)
     for ex, enqueue in enqueues.items():
         report(RunPartDone(run_id="r1", executor_id=ex, device_seconds=0.0), enqueue.report)
     told = [a.message for msg in to_scheduler for a in state.handle(Received(msg), 0.0)
@@ -406,7 +413,9 @@ def test_real_daemons_run_through_a_tree_and_a_killed_head_fails_its_subtrees_ru
         assert session.programs == 0, "no run is left waiting for a completion"
 
 
-def test_a_head_restarting_into_a_group_forming_fails_its_subtree_naming_it_but_not_its_own_part() -> None:
+def test_a_head_restarting_into_a_group_forming_fails_its_subtree_and_its_own_part_naming_it() -> None:
+    """Its own part's end would reach its next process's relay, which never heard of the run: it fails with
+    the subtree (the run fails anyway), and the other subtree's parts go on."""
     state = core(2)
     sends = run_over_all(state)
     first = next(s.message for s in sends if isinstance(s.message, FanOut))
@@ -414,7 +423,7 @@ def test_a_head_restarting_into_a_group_forming_fails_its_subtree_naming_it_but_
     actions = state.handle(Received(ExecutorRestarting(executor_id=head, control=f"tcp://{head}:1", epoch=3)), 0.0)
     (told,) = [a.message for a in actions if isinstance(a, Send) and isinstance(a.message, IslandDone)]
     assert told.lost and told.executor_id == head and "restarted" in (told.error.message if told.error else "")
-    assert set(told.nodes) == {EXECUTORS.index(e) for e in first.executors[1:]}  # its own part goes on
+    assert set(told.nodes) == {EXECUTORS.index(e) for e in first.executors}
     assert state.completions.running("r1")
 
 
@@ -423,8 +432,9 @@ def test_a_head_restarting_into_a_group_forming_fails_its_subtree_naming_it_but_
 async def test_real_executors_fail_only_the_part_whose_body_does_not_decode_and_go_on_serving() -> None:
     """A hostile ``FanOut`` to a real executor (a daemon-role connection, as on a cluster without keys): its
     own body and its child's are garbage. The head still forwards the child's bytes unread; each fails its
-    own part with the codec's error, reported where its part reports (the head's to ``parent``, the
-    child's up through the head as a ``PartsDone``); neither daemon is harmed: a program runs after."""
+    own part with the codec's error, reported where its part reports (both up through the head, to
+    ``parent``, as ``PartsDone``s: each failure at once, then both ends); neither daemon is harmed: a program
+    runs after."""
     import asyncio
 
     from pwmesh.service.rpc import Connection, Server
@@ -435,12 +445,12 @@ async def test_real_executors_fail_only_the_part_whose_body_does_not_decode_and_
     with pw.LocalCluster(spec) as cluster:
         ctx, tasks = Context(), TaskGroup()
         got: list[Message] = []
-        four = asyncio.Event()
+        last = asyncio.Event()
 
         def note(peer: bytes, env: Envelope) -> None:
             got.append(env.message)
-            if len(got) >= 4:
-                four.set()
+            if isinstance(env.message, PartsDone) and env.message.last:
+                last.set()
 
         parent = Server(ctx, "tcp://127.0.0.1:0", {NodeDone: note, RunPartDone: note, PartsDone: note},
                         tasks=tasks, name="parent")
@@ -451,7 +461,7 @@ async def test_real_executors_fail_only_the_part_whose_body_does_not_decode_and_
             conn.post(FanOut(run_id="hostile-1", parent=parent.address, bodies=[b"\xc1", b"\x92\x01"],
                              executors=[head.executor_id, child.executor_id], controls=[head.control, child.control],
                              sizes=[2, 1]))
-            await asyncio.wait_for(four.wait(), 60)
+            await asyncio.wait_for(last.wait(), 60)
         finally:
             await tasks.stop()
             ctx.close()
@@ -459,8 +469,9 @@ async def test_real_executors_fail_only_the_part_whose_body_does_not_decode_and_
         errors.update({r.executor_id: r.error for m in got if isinstance(m, PartsDone) for r in m.reports})
         assert set(errors) == {head.executor_id, child.executor_id}
         assert all(e is not None and "unreadable" in e.message for e in errors.values()), errors
-        assert [m.executor_id for m in got if isinstance(m, RunPartDone)] == [head.executor_id]
-        assert [m.ended for m in got if isinstance(m, PartsDone) and m.last] == [[child.executor_id]]
+        assert not [m for m in got if isinstance(m, RunPartDone | NodeDone)], "all of it through the head's relay"
+        assert [sorted(m.ended) for m in got if isinstance(m, PartsDone) and m.last] == \
+            [sorted([head.executor_id, child.executor_id])]
         with pw.Client(cluster.address, name="after") as client:
             sl = client.make_virtual_device_set().add_slice(devices=2)
             ones = np.ones((2, 1))
@@ -474,7 +485,8 @@ async def test_real_executors_fail_only_the_part_whose_body_does_not_decode_and_
 def test_the_simulator_runs_wide_programs_through_the_same_tree_with_the_same_results(
         name: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """20 hosts, width 4: every run goes through heads; it computes what the direct sends do, and the
-    scheduler sends at most 4 messages a run and hears 2 per head, not 20 each way."""
+    scheduler sends at most 4 messages a run and hears one per head (its own part's end in it), not 20
+    each way."""
     from pwmesh.sim.cluster import SimCluster, SimConfig
     from pwmesh.sim.workloads import Workload, install
 
@@ -493,7 +505,7 @@ def test_the_simulator_runs_wide_programs_through_the_same_tree_with_the_same_re
     sent, received = traffic["4"]
     runs = received["sched.run_template"] + received["sched.schedule_run"]
     assert sent["exec.fan_out"] == 4 * runs and sent["exec.enqueue"] == 0
-    assert received["sched.parts_done"] == 4 * runs and received["sched.run_part_done"] == 4 * runs
+    assert received["sched.parts_done"] == 4 * runs and received.get("sched.run_part_done", 0) == 0
     # The island's frees of each run's temporaries (on every executor) go through the tree too.
     assert sent["exec.fan_out_frees"] > 0 and sent["exec.delete_shards"] == 0
     direct_sent, direct_received = traffic["1000"]

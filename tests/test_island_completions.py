@@ -136,9 +136,14 @@ def test_a_drained_executor_that_had_not_ended_its_part_fails_the_run_and_one_th
     assert told(part_done(core, "r2", "a")) == []
     assert [d.run_id for d in told(part_done(core, "r2", "b"))] == ["r2"]
     assert core.order.in_flight == 0 and not core.order.busy
-    # A run sequenced for it after it left fails as it is sequenced.
+    # A run sequenced for it after it left fails as it is sequenced, and its part there holds no slot: the
+    # run ends when a and b have (it held c's slots for good, and the run stayed in flight, before).
     actions = core.handle(Received(schedule_run("r3", PLACEMENTS)), 0.0)
     assert [(d.run_id, d.lost) for d in told(actions)] == [("r3", True)]
+    assert all(busy == 1 for busy in core.order.busy.values()) and ("c", 0) not in core.order.busy
+    assert told(part_done(core, "r3", "a")) == []
+    assert [(d.run_id, d.lost) for d in told(part_done(core, "r3", "b"))] == [("r3", False)]
+    assert core.order.in_flight == 0 and not core.order.busy
 
 
 def test_a_restarted_scheduler_drops_what_executors_report_of_runs_it_never_ordered() -> None:

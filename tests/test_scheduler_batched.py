@@ -114,10 +114,12 @@ def reports_for(rng: random.Random, send: Send) -> list[Message]:
         ex = send.to.removeprefix("tcp://").removesuffix(":1")
         return [RunPartDone(run_id=message.run_id, executor_id=ex, device_seconds=rng.choice([0.0, 0.5]))]
     assert isinstance(message, FanOut)
-    head, *below = message.executors
+    head = message.executors[0]
+    if len(message.executors) == 1:  # a subtree of one: no relay, it reports to the scheduler itself
+        return [RunPartDone(run_id=message.run_id, executor_id=head, device_seconds=0.25)]
     nodes = message.run.unpacked()[0] if message.run is not None else [p.nodes for p in message.parts]
-    out: list[Message] = [RunPartDone(run_id=message.run_id, executor_id=head, device_seconds=0.25)]
-    ended = list(below)
+    out: list[Message] = []
+    ended = list(message.executors)  # the head's own part among them (it reports to its own relay)
     rng.shuffle(ended)
     early = [NodeDone(run_id=message.run_id, nodes=mine[:1], executor_id=ex)
              for ex, mine in zip(message.executors, nodes, strict=True) if mine and rng.random() < 0.2]

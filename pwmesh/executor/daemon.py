@@ -477,9 +477,14 @@ class Executor(Service):
 
     def _act(self, actions: list[Action]) -> None:
         """Do what the core says."""
+        own = self.relay.control  # (a subtree's head: its own parts report to its relay, not to a socket)
         for action in actions:
             if isinstance(action, Send):
-                self.peers.post(action.to, action.message)
+                if action.to == own and own:
+                    for to, message in self.relay.handle(action.message):
+                        self.peers.post(to, message)
+                else:
+                    self.peers.post(action.to, action.message)
             elif isinstance(action, Admit):
                 msg = action.message
                 to = msg.report or msg.scheduler  # where its completions go: a fan-out head's, or the scheduler

@@ -10,10 +10,13 @@ decodes its own part only and sends each child its slice of the bodies as they c
 per child is a copy of bytes, not a decode and an encode. Each part's ``report`` names where its
 completions go (a part said together: its ``FanOut``'s ``parent``, "" for the scheduler), so a child's
 ``NodeDone`` and ``RunPartDone`` come here. The relay sends its parent one
-``PartsDone`` per run once every child has ended (a child head's own part and its subtree's ``PartsDone``
-both), the device seconds summed; failures and early completions (``NodeDone``) go up at once, as they
+``PartsDone`` per run once its own part and every child have ended (a child head: its ``PartsDone``), the
+device seconds summed; failures and early completions (``NodeDone``) go up at once, as they
 came, in a ``PartsDone`` of their own (``last`` false), ahead of the end that stands for them on the
-same connection.
+same connection. A head's own part reports to the head itself (its ``report`` is the head's own control
+address; the daemon hands those reports to this relay, never to a socket): its end is one of the
+subtree's, so the parent hears one ``PartsDone`` per child subtree, the head's own part in it, and the
+island's scheduler one message per top-level subtree per run, not two.
 
 What a head can and cannot do to its children's parts: no more than when it decoded and re-encoded
 them. It is a daemon of the cluster (the connection's key is checked as for any ``Enqueue``) and the
@@ -78,6 +81,9 @@ class FanOutRelay:
     def __init__(self, name: str, capacity: int = MAX_RUNS) -> None:
         self.name = name
         self.capacity = capacity
+        # Where its own parts report when it heads a subtree (its control address, as the scheduler names it;
+        # "" until it first heads one): the daemon hands what is sent there to ``handle``, not to a socket.
+        self.control = ""
         self._runs: collections.OrderedDict[str, _Pending] = collections.OrderedDict()
 
     def __len__(self) -> int:
@@ -103,6 +109,9 @@ class FanOutRelay:
         out: Out = []
         waiting: collections.Counter[str] = collections.Counter()
         me = msg.controls[0]
+        if n > 1:
+            self.control = me
+            waiting[self.name] = 1  # its own part: it reports here, and its end goes up with the subtree's
         bodies, executors, controls, sizes = msg.bodies, msg.executors, msg.controls, msg.sizes
         run_id = msg.run_id
         ranges = []
@@ -110,7 +119,7 @@ class FanOutRelay:
         while i < n:
             j = i + min(max(1, sizes[i]), n - i)
             ranges.append((i, j))
-            waiting[executors[i]] += 1 if j - i == 1 else 2  # a head child: its own part and its subtree
+            waiting[executors[i]] += 1  # a leaf's RunPartDone, or a head child's PartsDone (its own part in it)
             i = j
         cuts = run.cut(ranges) if run is not None else [None] * len(ranges)
         for (i, j), cut in zip(ranges, cuts, strict=True):
@@ -121,14 +130,18 @@ class FanOutRelay:
             self._runs[run_id] = _Pending(msg.parent, waiting)
             while len(self._runs) > self.capacity:
                 self._runs.popitem(last=False)
-        if run is not None:  # its completions go where its subtree's do ("": the scheduler itself)
-            return run.first(run_id, "" if msg.parent == run.scheduler else msg.parent), out
+        if run is not None:  # its completions come here when it heads a subtree (else: "" is the scheduler)
+            return run.first(run_id, me if waiting else "" if msg.parent == run.scheduler else msg.parent), out
         try:
             own = enqueue_body(bodies[0], f"FanOut of run {run_id}: {self.name}'s part")
         except ProtocolError as exc:  # its own part fails, never the rest of its subtree
-            error = ErrorInfo.of(exc)
-            return None, [*out, (msg.parent, NodeDone(run_id=run_id, nodes=[], executor_id=self.name, error=error)),
-                          (msg.parent, RunPartDone(run_id=run_id, executor_id=self.name, device_seconds=0.0))]
+            failed = [NodeDone(run_id=run_id, nodes=[], executor_id=self.name, error=ErrorInfo.of(exc)),
+                      RunPartDone(run_id=run_id, executor_id=self.name, device_seconds=0.0)]
+            if not waiting:  # (a FanOut of one: no subtree here, it reports where its part would have)
+                return None, [*out, *[(msg.parent, report) for report in failed]]
+            return None, [*out, *self.handle(failed[0]), *self.handle(failed[1])]
+        if waiting:
+            own.report = me  # (whatever its body said: the relay waits for it here)
         return own, out
 
     def handle(self, msg: Message) -> Out:

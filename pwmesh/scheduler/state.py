@@ -173,7 +173,8 @@ class SchedulerState:
                         actions += self._group(self.group.handle(Left(executor_id), now), stimulus)
                 case ExecutorRestarting(executor_id=executor_id):
                     # Its work goes on in its next process, but not what it held as a fan-out head: the
-                    # subtrees it heads fail, naming it (their reports reach a process that never sent them).
+                    # subtrees it heads fail, its own part in them, naming it (their reports reach a relay
+                    # that never heard of the run).
                     if self.trees:
                         actions = self._tree_lost(executor_id, f"executor {executor_id} restarted (a JAX group "
                                                   "forming) while heading a fan-out subtree of the run", stimulus)
@@ -240,8 +241,9 @@ class SchedulerState:
         return actions
 
     def _tree_lost(self, executor_id: str, why: str, stimulus: str) -> list[Action]:
-        """``executor_id`` is gone: in each tree it is in, what reported through it is lost if it reported to
-        the scheduler; else its head is asked what of its subtree it had (``SubtreeLost``)."""
+        """``executor_id`` is gone: in each tree it is in, what reported through it (its own part too, if it heads
+        a subtree: that reported to its relay) is lost if it reported to the scheduler; else its head is asked
+        what of its subtree it had (``SubtreeLost``)."""
         actions: list[Action] = []
         sends: list[Send] = []
         ask: dict[str, list[str]] = {}  # head control -> runs
@@ -250,14 +252,16 @@ class SchedulerState:
                 continue
             parent = tree.parent(executor_id)
             if parent is None:
-                actions += self._lose_below(run_id, tree, executor_id, why, stimulus, sends)
+                heads = tree.sizes[tree.index[executor_id]] > 1
+                actions += self._lose_below(run_id, tree, executor_id, why, stimulus, sends, itself=heads)
             elif parent[0] not in self.completions.lost:  # (a head gone answers nothing: its own loss covers this)
                 ask.setdefault(parent[1], []).append(run_id)
             if not self.completions.running(run_id):
                 del self.trees[run_id]
         actions += self._release(sends)
-        actions += [Send(control, SubtreeLost(executor_id=executor_id, run_ids=runs), stimulus)
-                    for control, runs in ask.items()]
+        # (Sorted: the same sends whichever order the runs' trees were kept in.)
+        actions += [Send(control, SubtreeLost(executor_id=executor_id, run_ids=sorted(runs)), stimulus)
+                    for control, runs in sorted(ask.items())]
         return actions
 
     def _trees(self, sends: list[Send]) -> list[Send]:
@@ -311,13 +315,18 @@ class SchedulerState:
         sequenced are counted for their completions from now (a part sequenced for a lost executor fails)."""
         actions: list[Action] = []
         sequenced = self.order.sequenced
-        if sequenced:
-            stimulus = sends[0].stimulus if sends else ""
-            for run_id, proxy, parts, nodes, tree in sequenced:
+        stimulus = sends[0].stimulus if sends else ""
+        while sequenced:
+            runs = list(sequenced)
+            sequenced.clear()
+            for run_id, proxy, parts, nodes, tree in runs:
                 actions += self._told(self.completions.start(run_id, proxy, parts, nodes), stimulus)
                 if tree is not None and self.completions.running(run_id):
                     self.trees[run_id] = tree  # (its sends are the tree's already)
-            sequenced.clear()
+                lost = self.completions.lost
+                if lost:  # a part for an executor already gone failed as it started: its slots are free
+                    for executor_id in [e for e in parts if e in lost]:
+                        sends = [*sends, *self.order.part_done(run_id, executor_id, 0.0, stimulus)]
         if len(sends) > self.above:
             sends = self._trees(sends)
         if self.group is not None and (self._held or self.group.holding):

@@ -7,9 +7,10 @@ the subtree is cut again the same way below it (depth ``log_width(hosts)``). Eac
 is encoded once, when the ``FanOut`` is (``FanOut.parts``), and travels down the tree as those bytes,
 unread by the heads it passes (``executor/fanout.py``); it is the one the order made (its
 ``executor_seq`` and ``seqs`` unchanged: an executor restores the island's order whichever way a part
-came), with ``report`` set to its parent head's control address ("" under the scheduler). Completions come back up the same tree (``executor/fanout.py``): each head
-sends its parent one ``PartsDone`` for its subtree; a head's own part reports to its parent as any
-child's does.
+came), with ``report`` set to its parent head's control address ("" under the scheduler; a head's own
+part reports to the head itself, whatever its ``report`` said). Completions come back up the same tree
+(``executor/fanout.py``): each head sends its parent one ``PartsDone`` for its subtree, its own part
+included, so the scheduler hears one message per top-level subtree per run.
 
 ``RunTree`` is what the scheduler keeps of a run's tree: which executor reports through which head,
 to check a ``PartsDone`` (a top-level head speaks only for its subtree) and to know, when an executor
@@ -84,12 +85,13 @@ class RunTree:
     _subtrees: dict[str, frozenset[str]] = dataclasses.field(default_factory=dict)
 
     def subtree(self, head: str) -> frozenset[str]:
-        """The executors whose reports come up through ``head`` if it is a top-level head (else none)."""
+        """The executors whose reports come up through ``head`` if it is a top-level head, itself included
+        (else none)."""
         found = self._subtrees.get(head)
         if found is None:
             h = self.index.get(head)
-            found = frozenset() if h is None or self.parents[h] >= 0 else \
-                frozenset(self.executors[h + 1:h + self.sizes[h]])
+            found = frozenset() if h is None or self.parents[h] >= 0 or self.sizes[h] < 2 else \
+                frozenset(self.executors[h:h + self.sizes[h]])
             self._subtrees[head] = found
         return found
 
@@ -99,9 +101,11 @@ class RunTree:
         return [] if i is None else self.executors[i + 1:i + self.sizes[i]]
 
     def reports_for(self, head: str, executor_id: str) -> bool:
-        """Whether ``executor_id``'s reports come up through top-level head ``head``."""
+        """Whether ``executor_id``'s reports come up through top-level head ``head`` (its own do, if it heads
+        a subtree)."""
         h, i = self.index.get(head), self.index.get(executor_id)
-        return h is not None and i is not None and self.parents[h] < 0 and h < i < h + self.sizes[h]
+        return h is not None and i is not None and self.parents[h] < 0 and h <= i < h + self.sizes[h] \
+            and self.sizes[h] > 1
 
     def parent(self, executor_id: str) -> tuple[str, str] | None:
         """The head ``executor_id`` reports to, and where it is reached; None: the scheduler (or not here)."""
@@ -221,8 +225,8 @@ class Layout:
     tops: list[_Top]  # the top-level subtrees, in order
     width: int
     # What the order keeps of a run in flight (``order.py``): the executors that report to the scheduler
-    # themselves (the top-level heads, and subtrees of one), and each top-level head's subtree below it
-    # (what one ``PartsDone`` of it ends), with the head each executor below reports through.
+    # themselves (subtrees of one), and each top-level head's subtree, itself included (what one
+    # ``PartsDone`` of it ends), with the head each executor in it reports through.
     lone: list[str] = dataclasses.field(default_factory=list)
     below: dict[str, tuple[frozenset[str], list[str]]] = dataclasses.field(default_factory=dict)
     top_of: dict[str, str] = dataclasses.field(default_factory=dict)
@@ -269,9 +273,9 @@ def layout(executors: list[str], controls: list[str], width: int, nodes: list[li
     tree = RunTree(list(executors), list(controls), sizes, parents, {ex: k for k, ex in enumerate(executors)})
     found = Layout(tree, frozenset(ex for ex, size in zip(executors, sizes, strict=True) if size > 1), tops, width)
     for top in tops:
-        found.lone.append(top.executors[0])
-        if top.end - top.first > 1:
-            below = top.executors[1:]
-            found.below[top.executors[0]] = (frozenset(below), below)
-            found.top_of.update((ex, top.executors[0]) for ex in below)
+        if top.end - top.first == 1:
+            found.lone.append(top.executors[0])
+        else:
+            found.below[top.executors[0]] = (frozenset(top.executors), top.executors)
+            found.top_of.update((ex, top.executors[0]) for ex in top.executors)
     return found

@@ -158,9 +158,13 @@ class SimExecutor(Node):
 
     def _core(self, event: Event) -> None:
         """Hand the executor's core ``event`` and do what it says."""
+        own = self.relay.control  # (a subtree's head: its own parts report to its relay, not to the network)
         for action in self.state.handle(event, self.clock.now):
             if isinstance(action, Send):
-                self.post(action.to, action.message)
+                if action.to == own and own:
+                    self._relay(self.relay.handle(action.message))
+                else:
+                    self.post(action.to, action.message)
             elif isinstance(action, Admit):
                 self._admit(action.message, action.computations)
             elif isinstance(action, CancelWork):
