@@ -45,6 +45,7 @@ from pwmesh.wire.messages import (
     CloseSession,
     DeleteShards,
     Fetch,
+    FreeShards,
     Ok,
     ProgramInput,
     PutBuffer,
@@ -162,6 +163,29 @@ def test_the_proxy_refuses_a_suspended_slice_and_copies_its_buffers_when_it_is_r
     assert {p for a in deleted for p in a.message.buffers} == {f"{sid}/{before.name}"}
     assert out.index(deleted[0]) > max(out.index(m) for m in moves)
     assert world.ask(CLIENT, QueryBuffers(buffers=[1])) == BuffersState(ready=[True])
+
+
+def test_an_array_moved_off_several_executors_is_deleted_behind_each_holder_s_send_on_the_same_connection() -> None:
+    """The old copies go straight to each holder, right behind its ``SendShards``, never as a ``FreeShards``
+    through the island's scheduler: that reaches the executor from another peer, with no order against the
+    proxy's send, and an executor that read the delete first had nothing to send (the copy failed,
+    ``NotFound`` "was deleted", or the next step's collective waited for a member that had failed: a 30 s
+    hang in the README's example on a busy machine, found under load)."""
+    world = World()
+    sid, slice_id = world.open(devices=4)  # two executors of two devices
+    assert world.ask(CLIENT, PutBuffer(buffer=1, slice_id=slice_id, array=np.ones((8, 2), np.float32),
+                                       sharding=Sharding(mesh=[4], spec=[[0]]))) == Ok()
+    before = world.proxy.sessions[CLIENT].buffers[1]
+    holders = {loc.control for loc in before.locations}
+    assert len(holders) == 2
+    _placed(world, CLIENT, SuspendSlices(slice_ids=[slice_id]))
+    _, out = _placed(world, CLIENT, ResumeSlices(slice_ids=[slice_id], devices=4, mesh=[4], buffers=[1],
+                                                 shardings=[Sharding(mesh=[4], spec=[[0]])]))
+    assert not sent(out, FreeShards), "not through the scheduler"
+    for holder in holders:
+        mine = [a for a in out if getattr(a, "to", None) == holder and isinstance(a.message, SendShards | DeleteShards)]
+        assert [type(a.message) for a in mine] == [SendShards, DeleteShards], holder
+        assert mine[1].message.buffers == [f"{sid}/{before.name}"]
 
 
 def test_a_resume_waits_for_its_arrays_to_be_let_go_of_for_a_bounded_time() -> None:

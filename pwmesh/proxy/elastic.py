@@ -10,8 +10,10 @@ module says what that means for a session's buffers, as pure functions the core 
   Every live buffer of it is copied executor to executor into a buffer of a new name laid out on
   the new devices (one ``SendShards`` per holding executor, as a drain moves shards, but cut to the
   new layout: ``block_emit``), and the session's client id is bound to that buffer, so the client's
-  ``pw.Array`` stays the same object. The old copies are deleted right behind (an executor looks
-  up what it sends when the ``SendShards`` arrives). New names, because old and new devices may share
+  ``pw.Array`` stays the same object. The old copies are deleted right behind, one ``DeleteShards``
+  per holder on the same connection as its ``SendShards`` (an executor looks up what it sends when
+  the ``SendShards`` arrives), never as a ``FreeShards`` through the island's scheduler, which has no
+  order against the proxy's send. New names, because old and new devices may share
   an executor, where a shard key can be held once only.
 * Both count the buffers a run was given (donated) and aborted before it consumed them: its client's
   to take back (``Session.returnable``), so they leave the devices and move with the slice as well.

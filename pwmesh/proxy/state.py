@@ -714,7 +714,10 @@ class ProxyState:
                 self._send(control, send)
             session.hosts |= {d.control for d in sl.devices}
             self.moved_buffers += len(old_buffers)
-            self._maybe_free(session.session_id, *old_buffers)
+            # Deleted straight behind their SendShards, on the same connection to each holder, so each executor
+            # looks up what it sends before the delete: a FreeShards through the island's scheduler reaches the
+            # executor by another pipe and could be read first (the copy then failed, NotFound "was deleted").
+            self._maybe_free(session.session_id, *old_buffers, direct=True)
         return Reply(SlicesChanged(slices=event.slices))
 
     def _register_function(self, peer: bytes, msg: RegisterProgramFunction, now: float) -> Reply | None:
@@ -1347,11 +1350,12 @@ class ProxyState:
     # ------------------------------------------------------------------ buffers
 
     def _maybe_free(self, session_id: str, *bufs: Buffer, session: Session | None = None,
-                    named: Sequence[tuple[int, frozenset[str], list[str]]] = ()) -> None:
+                    named: Sequence[tuple[int, frozenset[str], list[str]]] = (), direct: bool = False) -> None:
         """Delete the freeable ``bufs`` wherever they are held: one message per island (``FreeShards`` to the
         scheduler of the buffer's slice, which sends each executor its ``DeleteShards``), or per executor
         where no live scheduler is known (an ended session's buffers, a lost island). ``named``: a finished
-        run's temporaries by name (``Run.named_temps``), freed with them."""
+        run's temporaries by name (``Run.named_temps``), freed with them. ``direct``: one ``DeleteShards`` per
+        holder, never through a scheduler (what the proxy just sent those holders must be handled first)."""
         # scheduler ("": none) -> [(executors holding alike buffers, those buffers)]. A run's buffers are mostly
         # held by the same executors: one group, each name and control once (not a name per holder). Found
         # by comparing sets (a few groups at most), not hashing each buffer's 1,000 holders.
@@ -1383,7 +1387,7 @@ class ProxyState:
             if not self.lost_controls or held - self.lost_controls:  # held by none still up: nothing to free
                 place(slice_id, held, [f"{session_id}/{name}" for name in names])
         for island, groups in by_island.items():
-            if not island or (len(groups) == 1 and len(groups[0][0]) == 1):
+            if direct or not island or (len(groups) == 1 and len(groups[0][0]) == 1):
                 by_holder: dict[str, list[str]] = {}
                 for holders, prefixes in groups:
                     for control in holders:
