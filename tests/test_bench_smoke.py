@@ -193,6 +193,18 @@ def test_codec_rate_smoke(tmp_path: Path) -> None:
 
 
 @pytest.mark.timeout(110)
+def test_scheduler_core_smoke(tmp_path: Path) -> None:
+    run_smoke("scheduler_core.py", tmp_path)
+    data = json.loads((tmp_path / "scheduler_core-smoke.json").read_text())
+    assert data["benchmark"] == "scheduler_core" and data["smoke"] is True
+    assert [(r["hosts"], r["cache"]) for r in data["rows"]] == [(16, "warm"), (16, "cold"), (300, "warm"),
+                                                                (300, "cold")]
+    assert all(r["run_template_us"] > 0 and r["report_us"] > 0 for r in data["rows"])
+    # 16 executors are sent directly (a report each); 300 through the tree (one PartsDone per top-level head).
+    assert [r["reports_per_run"] for r in data["rows"]] == [16, 16, 16, 16]
+
+
+@pytest.mark.timeout(110)
 def test_train_smoke(tmp_path: Path) -> None:
     run_smoke("train.py", tmp_path)
     data = json.loads((tmp_path / "train.json").read_text())
