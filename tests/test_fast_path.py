@@ -97,6 +97,10 @@ async def warm(r: Runner, rec: Recorder) -> None:
     fn = r.functions.get("inc").result()
     fn.ran(20e-6)
     assert runs_inline(fn, fn.seconds * 2) and fn.seconds < INLINE_SECONDS / 2
+    # And it stays so: each run in a chain is timed again, and one timed slow on a busy machine (the other
+    # xdist worker's tests) would end the chain there, as the policy says it should (how_to_run's own tests
+    # cover that); these tests are of the chain, not of the timing.
+    fn.ran = lambda seconds: None  # type: ignore[method-assign]
     rec.parts.clear()
     rec.done.clear()
 
