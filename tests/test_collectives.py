@@ -101,6 +101,47 @@ elastic = pytest.fixture(quick_to_notice_loss, name="elastic")
 
 
 @pytest.mark.timeout(180)
+@pytest.mark.timeout(120)
+def test_a_gang_member_whose_input_is_gone_still_runs_its_collectives_so_the_next_run_pairs_right(
+        grouped: pw.LocalCluster, client: pw.Client) -> None:
+    """One member of a gang fails before it runs (here its piece of the input was deleted under it, as a
+    resume's old copies once were, a0775f3): it still runs the computation's collectives, on zeros, and
+    drops what it made. Collectives pair by their order on each device, not by run: before, its peer waited
+    in this run's all-reduce for good, and the next run's all-reduce on the failed member paired with it,
+    so the next run hung too (and could have computed from the wrong run's data)."""
+    import asyncio
+
+    from pwmesh.service.rpc import Connection
+    from pwmesh.service.tasks import TaskGroup
+    from pwmesh.service.transport import Context
+    from pwmesh.wire.messages import DeleteShards, GetEvents
+
+    sl = spanning(client, mesh={"d": 4})
+    step = pw.jit(lambda x: x + jnp.sum(x), devices=sl, in_specs=(P("d"),))
+    x = pw.put(np.arange(8, dtype=np.float32), sl, P("d"))
+    np.testing.assert_array_equal(np.asarray(step(x)), np.arange(8, dtype=np.float32) + 28.0)
+
+    async def delete_on(control: str, prefixes: list[str]) -> None:  # as a daemon would (no keys here)
+        ctx, tasks = Context(), TaskGroup()
+        try:
+            conn = Connection(ctx, control, tasks=tasks, name="deleter")
+            conn.post(DeleteShards(buffers=prefixes))
+            await conn.request(GetEvents(limit=1), timeout_seconds=10.0)  # behind it on the connection: handled
+        finally:
+            await tasks.stop()
+            ctx.close()
+
+    # The proxy's name for x is b<id>.<n>, n a session counter: every likely one (a name not held is a no-op).
+    host = fetch_status(grouped.address).cluster.executors[1]
+    asyncio.run(delete_on(host.control, [f"{client.session_id}/b{x._id}.{n}" for n in range(64)]))
+    with pytest.raises(pw.NotFound, match="was deleted"):
+        np.asarray(step(x))
+    y = pw.put(np.ones(8, dtype=np.float32), sl, P("d"))
+    np.testing.assert_array_equal(np.asarray(step(y)), np.full(8, 9.0, np.float32))  # and not a hang
+    warned = (grouped.log_dir / f"{host.executor_id}.log").read_text()
+    assert "joined its collectives over 4 devices" in warned and "on zeros" in warned
+
+
 def test_a_collective_whose_peer_dies_fails_with_device_lost_and_the_survivor_serves_on(
         fragile: pw.LocalCluster) -> None:
     with pw.Client(fragile.address, name="victim") as client:

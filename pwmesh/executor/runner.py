@@ -55,6 +55,7 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+import numpy as np
 
 from pwmesh.errors import DeviceLost, NotFound, PwmeshError, RemoteError, ResourceExhausted
 from pwmesh.executor.calls import (
@@ -415,9 +416,44 @@ class Runner:
             if comp.gang and peer_gone(exc):
                 err = DeviceLost(f"computation {comp.node} ({comp.fn_id[:12]}) lost a peer in its collectives over "
                                  f"{self._gang_label(comp)}: {exc}")
+            elif comp.gang and fn is not None and not start and work.cancelled is None:
+                await self._join_collectives(work, fn, err)
         # Each output's bytes as its function says (as a streamed one's): asking each array costs ~3 us.
         nbytes = fn.output_nbytes if fn is not None and not comp.ragged else None
         self._finish(work, arrived, start, per_shard, outs, err, reserved, nbytes)
+
+    async def _join_collectives(self, work: Work, fn: CompiledFunction, err: PwmeshError) -> None:
+        """A gang computation that failed here before it ran (an input lost, say) still runs, on zeros, what
+        its collectives need, and its outputs are dropped (it fails with ``err``). Its peers may be in those
+        collectives already, and collectives pair by their order on each device, not by run: a member that
+        skipped one would leave its peers waiting for good, or pair their next run's with this one's."""
+        try:
+            devices = self._mesh(work.comp, tuple(work.devices))
+            in_shardings, _ = fn.shardings(tuple(devices))
+            zeros = [[jax.device_put(np.zeros(sharding.shard_shape(aval.shape), aval.dtype), self.devices[d])
+                      for aval, sharding in zip(fn.exported.in_avals, in_shardings, strict=True)]
+                     for d in work.devices]
+        except Exception as exc:  # noqa: BLE001 - it failed already; this is the peers' best effort
+            log.warning("computation %d of run %s failed here (%s) and cannot join its collectives over %s: %s",
+                        work.comp.node, work.run_id, err.message, self._gang_label(work.comp), exc)
+            return
+        # Nothing donated (what it was given stays for the proxy to delete); watched, and reclaimed if cancelled
+        # while its peers never come, as the computation itself would be.
+        self._running[work], self._collectives[work] = time.time(), time.monotonic()
+        try:
+            outs, _ = await asyncio.get_running_loop().run_in_executor(
+                self.pools[work.devices[-1]], call_spmd, fn, tuple(devices), self._local(work), zeros, None, ())
+        except Exception as exc:  # noqa: BLE001 - as above
+            log.warning("computation %d of run %s failed here (%s), and on zeros in its collectives over %s: %s",
+                        work.comp.node, work.run_id, err.message, self._gang_label(work.comp), exc)
+            return
+        finally:
+            self._running.pop(work, None)
+            self._collectives.pop(work, None)
+        for leaf in outs.leaves:
+            leaf.delete()
+        log.warning("computation %d of run %s failed here (%s): it joined its collectives over %s on zeros, for "
+                    "its peers, and fails", work.comp.node, work.run_id, err.message, self._gang_label(work.comp))
 
     async def _inputs(self, work: Work, fn: CompiledFunction | None,
                       streamed: bool) -> tuple[list[list[Any]], list[Any | None] | None]:
