@@ -56,6 +56,7 @@ from pwmesh.wire.messages import (
     DeviceInfo,
     DrainExecutor,
     Enqueue,
+    ErrorInfo,
     ExecutorInfo,
     ExecutorJoined,
     ExecutorLost,
@@ -65,6 +66,7 @@ from pwmesh.wire.messages import (
     FreeShards,
     Heartbeat,
     InstallTemplate,
+    IslandDone,
     NodeDone,
     NodeSpec,
     Ok,
@@ -337,6 +339,31 @@ def silence(world: World, victim: str) -> None:
             world.rm.ask(Heartbeat(role="executor", name=e), world.now)
     world.now = 12.0
     assert world.rm.expire(world.now) == [victim]
+
+
+def test_a_failure_in_a_run_with_a_gang_aborts_it_at_once_with_its_cause() -> None:
+    """A run with a gang is aborted at the first failure its scheduler reports: its output fails with the
+    failure's own cause, its input is let go of (a reshape behind it goes on), and every executor of it is
+    told to cancel it (one still in a collective its failed peer could not join is restarted to take its
+    devices back). Before, it waited for the island's end, which never came if a peer waited in a collective."""
+    world = World(group="island-0")
+    _, slice_id = world.open()  # 4 devices: two executors of one JAX group
+    fn = world.function(CLIENT, slice_id, b"f", spmd=True)
+    assert world.ask(CLIENT, PutBuffer(buffer=1, slice_id=slice_id, array=np.ones((8, 2), np.float32))) == Ok()
+    actions = world.handle(Inbound(CLIENT, RunProgram(inputs=[ProgramInput(buffer=1)], outputs=[2],
+                                                      program=chain([fn], slice_id))))
+    assert sent(actions, RegisterGang), "a gang over the slice's two executors"
+    (run,) = runs_sent(actions)
+    run_id = run.message.run_id
+    executors = set(world.proxy.runs[run_id][1].executors)
+    wait = world.ask(CLIENT, AwaitBuffers(buffers=[2]))
+    cause = NotFound("object s/b1.0/0 was deleted")
+    out = world.handle(Inbound(b"sched", IslandDone(run_id=run_id, scheduler=SCHEDULER, nodes=[0],
+                                                    executor_id="ex0", error=ErrorInfo.of(cause))))
+    assert {a.to for a in sent(out, CancelRun)} == executors and len(executors) == 2
+    assert isinstance(settled(wait.buffers), NotFound) and "was deleted" in str(settled(wait.buffers))
+    assert not world.proxy.runs
+    assert world.proxy.sessions[CLIENT].buffers[1].pins == 0, "its input is let go of"
 
 
 def test_losing_an_executor_mid_run_fails_the_run_and_what_lived_there(world: World) -> None:

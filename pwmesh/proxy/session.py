@@ -75,6 +75,9 @@ class Run:
     pinned: list[Buffer]  # inputs it reads
     temporaries: list[Buffer]
     executors: frozenset[str]  # every executor taking part (to cancel the run if one is lost); never mutated
+    # A computation of it is a gang over several executors (``ir.lower``): a failure reported by one member
+    # aborts the run (``ProxyState._island_done``).
+    gangs: bool = False
     schedulers: set[str] = dataclasses.field(default_factory=set)  # islands' schedulers it went through
     outputs: list[Buffer] = dataclasses.field(default_factory=list)  # pinned until it finishes
     read_inside: list[Buffer] = dataclasses.field(default_factory=list)  # its outputs its own nodes read too

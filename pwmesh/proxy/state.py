@@ -1014,7 +1014,11 @@ class ProxyState:
         if msg.error is not None or msg.lost:
             err = msg.error.exception() if msg.error is not None else DeviceLost(
                 f"executor {msg.executor_id} left before it ended its part of the run")
-            if msg.lost:
+            if msg.lost or run.gangs:
+                # A run with a gang: aborted at once, its outputs failing with this cause and its pins let go.
+                # The member that failed runs its collectives on zeros for its peers (``Runner._join_collectives``);
+                # where it could not, a peer still in one is restarted to take its devices back when told to
+                # cancel (``Executor._reclaim``) rather than wait there for good.
                 self._abort_run(session, run, err)
                 return None
             for node in msg.nodes:  # (the first outcome of a buffer stays: the island's end resolves no more)
