@@ -13,7 +13,8 @@ work per computation, a device's time per tiny op, the network's latency) are th
     device of 16 to 1,024 hosts (8 devices each), run OpByOp (``k`` programs), Chained (one
     program of ``k`` nodes) and Fused (one node doing all ``k``). Computations per second
     (``k`` per step, median step), beside multi-controller JAX, whose every host dispatches
-    its own devices: its rate is this machine's per-op rate at any size.
+    its own devices: its rate is this machine's per-op rate at any size. The client waits for each step
+    before it sends the next; Chained runs once more with steps in flight (``ahead``), as JAX dispatches.
 (e) A GPipe forward pass over 4 islands x 256 hosts: 4 stages, stage ``s`` on all 2,048
     devices of island ``s``, ``m`` microbatches, one program per step; dispatched one step at
     a time (the ideal: ``(m + stages - 1)`` stage times a step) and with the next step
@@ -101,6 +102,16 @@ def _run(config: SimConfig, workload: Workload, charge_schedulers: bool = True) 
     return report, cluster
 
 
+def between_ends(cluster: SimCluster) -> float:
+    """A step's time with steps in flight: the mean time between two steps' ends, after the first (a warm-up).
+    Not a median: steps dispatched together end in pairs (short, long, short, ...), whose median misleads."""
+    (client,) = cluster.clients
+    ends = client.marked("step_end")
+    if len(ends) < 3:
+        raise ValueError("steps in flight need at least 3 steps")
+    return (ends[-1] - ends[0]) / (len(ends) - 1)
+
+
 def _controller(report: dict[str, Any], per: float) -> dict[str, Any]:
     """The controller's figures over the steps (setup excluded), ``per`` unit (a computation, a step)."""
     steps = report["in_steps"]
@@ -149,28 +160,36 @@ def chain_table(rows: list[dict[str, Any]]) -> tuple[list[str], list[list[str]]]
                       f"{r['register_gang_messages']:,}"] for r in rows]
 
 
-def figure5(hosts: tuple[int, ...], devices_per_host: int, k: int, steps: int, costs: Costs) -> dict[str, Any]:
-    """(d): computations per second by mode and host count, and the controller's share of the time.
-    The first of ``steps`` is a warm-up (lowering, functions sent to the executors): not counted."""
+def figure5(hosts: tuple[int, ...], devices_per_host: int, k: int, steps: int, costs: Costs,
+            ahead: int = 1) -> dict[str, Any]:
+    """(d): computations per second by mode and host count, and the controller's share of the time, the
+    client waiting for each step's result before it sends the next (one step in flight). With ``ahead`` > 1,
+    Chained once more with that many steps in flight, as a JAX loop's asynchronous dispatch keeps them: what
+    the controller sustains when the hops' latency overlaps. The first of ``steps`` is a warm-up (lowering,
+    functions sent to the executors): not counted."""
     if steps < 2:
         raise ValueError("figure5 needs at least 2 steps: the first is a warm-up")
     rows = []
     for n in hosts:
-        for mode in MODES:
+        for mode, in_flight in [(mode, 1) for mode in MODES] + ([("chained", ahead)] if ahead > 1 else []):
             config = SimConfig(islands=1, hosts_per_island=n, devices_per_host=devices_per_host, link=costs.link,
                                cost=costs.cost, charge_cpu=True, **costs.daemons)
-            report, _ = _run(config, Workload(name=mode, steps=steps, k=k, devices=n * devices_per_host,
-                                           compute_seconds=costs.op_seconds))
-            step = report["warm_step_seconds_median"]
-            rows.append({"hosts": n, "devices": n * devices_per_host, "mode": mode, "step_seconds": step,
-                         "computations_per_second": k / step, "virtual_seconds": report["virtual_seconds"],
-                         "sim_wall_seconds": report["wall_seconds"], **_controller(report, k * (steps - 1))})
-            print(f"  {n:5d} hosts {mode:8s} {k / step:12,.0f} computations/s  proxy busy "
+            # Steps in flight need more steps: the first few overlap the warm-up, the last ``in_flight - 1`` drain.
+            report, cluster = _run(config, Workload(name=mode, steps=steps if in_flight == 1 else max(steps, 6 * in_flight),
+                                                 k=k, devices=n * devices_per_host, compute_seconds=costs.op_seconds,
+                                                 in_flight=in_flight))
+            step = report["warm_step_seconds_median"] if in_flight == 1 else between_ends(cluster)
+            rows.append({"hosts": n, "devices": n * devices_per_host, "mode": mode, "in_flight": in_flight,
+                         "step_seconds": step, "computations_per_second": k / step,
+                         "virtual_seconds": report["virtual_seconds"],
+                         "sim_wall_seconds": report["wall_seconds"],
+                         **_controller(report, k * (report["steps"] - 1))})
+            print(f"  {n:5d} hosts {mode:8s} {in_flight} in flight {k / step:12,.0f} computations/s  proxy busy "
                   f"{rows[-1]['proxy_busy']:.0%}, scheduler {rows[-1]['scheduler_busy']:.0%}  "
                   f"({report['wall_seconds']:.1f} s)", flush=True)
     saturation = {}
     for mode in MODES:
-        mine = [r for r in rows if r["mode"] == mode]
+        mine = [r for r in rows if r["mode"] == mode and r["in_flight"] == 1]
         first = next((r for r in mine if max(r["proxy_busy"], r["scheduler_busy"]) >= SATURATED), None)
         saturation[mode] = {
             "hosts": None if first is None else first["hosts"],
@@ -178,7 +197,7 @@ def figure5(hosts: tuple[int, ...], devices_per_host: int, k: int, steps: int, c
                                               else "scheduler"),
             "peak_computations_per_second": max(r["computations_per_second"] for r in mine)}
     jax_rate = None if costs.jax_op_seconds is None else 1.0 / costs.jax_op_seconds
-    return {"rows": rows, "k": k, "steps": steps, "devices_per_host": devices_per_host,
+    return {"rows": rows, "k": k, "steps": steps, "devices_per_host": devices_per_host, "ahead": ahead,
             "saturated_when_busy": SATURATED, "saturation": saturation,
             "jax_multi_controller_computations_per_second": jax_rate}
 
@@ -197,7 +216,7 @@ def pipeline(islands: int, hosts_per_island: int, devices_per_host: int, microba
                                    microbatches=microbatches, compute_seconds=stage_seconds, in_flight=in_flight),
                            charge_schedulers)
     steps_seen = report["clients"]["c0"]["steps"]
-    step = report["warm_step_seconds_median"]
+    step = report["warm_step_seconds_median"] if in_flight == 1 else between_ends(cluster)
     # Each stage's computation on a device: its time and a kernel launch (the executor's host work per
     # computation can hide behind the device's: it is no part of the bound).
     stage = stage_seconds + costs.cost.launch_seconds
@@ -239,9 +258,10 @@ def _timeline(cluster: SimCluster, hosts_per_island: int) -> list[dict[str, Any]
 
 
 def figure5_table(d: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
-    headers = ["hosts", "devices", "mode", "computations/s", "proxy busy", "sched busy", "proxy msgs/comp",
-               "proxy CPU us/comp", "sched CPU us/comp"]
-    rows = [[f"{r['hosts']:,}", f"{r['devices']:,}", r["mode"], f"{r['computations_per_second']:,.0f}",
+    headers = ["hosts", "devices", "mode", "steps in flight", "computations/s", "proxy busy", "sched busy",
+               "proxy msgs/comp", "proxy CPU us/comp", "sched CPU us/comp"]
+    rows = [[f"{r['hosts']:,}", f"{r['devices']:,}", r["mode"], str(r.get("in_flight", 1)),
+             f"{r['computations_per_second']:,.0f}",
              f"{r['proxy_busy']:.0%}", f"{r['scheduler_busy']:.0%}", f"{r['proxy_messages']:,.0f}",
              f"{r['proxy_cpu_us']:,.0f}", f"{r['scheduler_cpu_us']:,.0f}"] for r in d["rows"]]
     return headers, rows
@@ -254,6 +274,13 @@ def figure5_lines(d: dict[str, Any]) -> list[str]:
                  else "at no size measured")
         lines.append(f"{mode}: a controller daemon is busy >= {d['saturated_when_busy']:.0%} of the time {where}; "
                      f"peak {s['peak_computations_per_second']:,.0f} computations/s")
+    for in_flight in sorted({r.get("in_flight", 1) for r in d["rows"]}):
+        chained = [r for r in d["rows"] if r["mode"] == "chained" and r.get("in_flight", 1) == in_flight]
+        if len(chained) > 1:
+            lo, hi = chained[0], chained[-1]
+            lines.append(f"chained, {in_flight} step(s) in flight: {lo['computations_per_second']:,.0f} computations/s "
+                         f"at {lo['hosts']:,} hosts, {hi['computations_per_second']:,.0f} at {hi['hosts']:,} "
+                         f"({hi['computations_per_second'] / lo['computations_per_second']:.2f}x)")
     if d["jax_multi_controller_computations_per_second"]:
         lines.append(f"multi-controller JAX (this machine's per-op rate, at any size): "
                      f"{d['jax_multi_controller_computations_per_second']:,.0f} computations/s")
@@ -275,9 +302,13 @@ def pipeline_table(runs: list[dict[str, Any]]) -> tuple[list[str], list[list[str
 
 def plot_figure5(ax: Any, d: dict[str, Any]) -> None:
     for i, mode in enumerate(MODES):
-        mine = [r for r in d["rows"] if r["mode"] == mode]
+        mine = [r for r in d["rows"] if r["mode"] == mode and r.get("in_flight", 1) == 1]
         ax.plot([r["hosts"] for r in mine], [r["computations_per_second"] for r in mine], "o-", color=f"C{i}",
                 label=mode)
+        ahead = [r for r in d["rows"] if r["mode"] == mode and r.get("in_flight", 1) > 1]
+        if ahead:
+            ax.plot([r["hosts"] for r in ahead], [r["computations_per_second"] for r in ahead], "s--",
+                    color=f"C{i}", label=f"{mode}, {ahead[0]['in_flight']} steps in flight")
         sat = d["saturation"][mode]["hosts"]
         if sat is not None:
             ax.axvline(sat, color=f"C{i}", linestyle=":", alpha=0.6)

@@ -149,6 +149,7 @@ class Config:
     sim_hosts: tuple[int, ...] = (16, 32, 64, 128, 256, 512, 1024)  # (d)
     sim_k: int = 16  # (d): computations in the chain
     sim_steps: int = 4  # (d): the first is a warm-up
+    sim_ahead: int = 2  # (d): Chained once more with this many steps in flight (1: not)
     pipeline_steps: int = 5  # (e): the first is a warm-up
     pipeline_islands: int = 4  # (e)
     pipeline_hosts_per_island: int = 256
@@ -556,7 +557,8 @@ def figure5_only(out: Path, config: Config, costs: _scale_sim.Costs, smoke: bool
     load_at_start = load_average()
     print(f"(d) Figure 5 on the simulator, {config.sim_hosts[0]:,} to {config.sim_hosts[-1]:,} hosts; costs from "
           f"{costs.source}", flush=True)
-    figure5 = _scale_sim.figure5(config.sim_hosts, DEVICES_PER_EXECUTOR, config.sim_k, config.sim_steps, costs)
+    figure5 = _scale_sim.figure5(config.sim_hosts, DEVICES_PER_EXECUTOR, config.sim_k, config.sim_steps, costs,
+                                 config.sim_ahead)
     print(f"\n(d) Figure 5 on the simulator:\n{table(*_scale_sim.figure5_table(figure5))}")
     print("\n".join(_scale_sim.figure5_lines(figure5)))
     path = out / "scale_figure5.json"
@@ -823,7 +825,8 @@ def main(argv: list[str] | None = None) -> int:
     placement = placement_time(config)
     print(f"(d) Figure 5 on the simulator, {config.sim_hosts[0]:,} to {config.sim_hosts[-1]:,} hosts; costs from "
           f"{costs.source}", flush=True)
-    figure5 = _scale_sim.figure5(config.sim_hosts, DEVICES_PER_EXECUTOR, config.sim_k, config.sim_steps, costs)
+    figure5 = _scale_sim.figure5(config.sim_hosts, DEVICES_PER_EXECUTOR, config.sim_k, config.sim_steps, costs,
+                                 config.sim_ahead)
     print(f"(e) a pipeline over {config.pipeline_islands} islands x {config.pipeline_hosts_per_island:,} hosts "
           "on the simulator", flush=True)
     pipes = pipelines(config, costs)

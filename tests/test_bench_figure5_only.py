@@ -23,6 +23,10 @@ def test_figure5_only_runs_part_d_alone(tmp_path: Path) -> None:
     data = json.loads((tmp_path / "scale_figure5.json").read_text())
     assert data["benchmark"] == "scale (d)" and data["smoke"] is True
     rows = data["figure5"]["rows"]
-    assert {(r["hosts"], r["mode"]) for r in rows} == {(h, m) for h in (16, 20) for m in ("opbyop", "chained", "fused")}
+    assert {(r["hosts"], r["mode"], r["in_flight"]) for r in rows} == {
+        (h, m, 1) for h in (16, 20) for m in ("opbyop", "chained", "fused")} | {(16, "chained", 2), (20, "chained", 2)}
     assert all(r["computations_per_second"] > 0 and r["scheduler_cpu_us"] > 0 for r in rows)
+    rate = {(r["hosts"], r["mode"], r["in_flight"]): r["computations_per_second"] for r in rows}
+    for hosts in (16, 20):  # a second step in flight overlaps the first's hops
+        assert rate[hosts, "chained", 2] > 1.2 * rate[hosts, "chained", 1], rate
     assert not (tmp_path / "scale.json").exists(), "parts a-c and e did not run"

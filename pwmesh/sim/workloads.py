@@ -64,7 +64,7 @@ class Workload:
     spmd: bool = False  # functions are one program over the slice (pw.jit; a gang across hosts), not per device
     stages: int = 4  # pipeline
     microbatches: int = 4
-    in_flight: int = 1  # pipeline: steps dispatched ahead of the one awaited
+    in_flight: int = 1  # steps dispatched ahead of the one awaited (not clients: see backlog)
     clients: int = 4  # clients
     weights: tuple[float, ...] = (1.0, 2.0, 4.0, 8.0)
     backlog: int = 4
@@ -138,20 +138,32 @@ def figure5(w: Workload, name: str = "c0") -> Callable[[SimClient], Script]:
             yield Post(RegisterProgram(program_id="step", program=chain(ids, [sl.slice_id] * len(ids), spec)))
         yield _put(0, sl.slice_id, w)
         next_id = 1
-        for _ in range(w.steps):
-            yield Mark("step")
+        running: list[list[int]] = []  # each step's values, oldest first
+
+        def submit() -> Generator[Op, Any, None]:
+            nonlocal next_id
             if w.name == "opbyop":
                 made, source = [], 0
                 for i in range(w.k):
                     yield Post(RunProgram(inputs=[ProgramInput(buffer=source)], outputs=[next_id], program_id=f"op{i}"))
                     made.append(next_id)
                     source, next_id = next_id, next_id + 1
-                yield Call(AwaitBuffers(buffers=[made[-1]]))
             else:
                 made = [next_id]
                 yield Post(RunProgram(inputs=[ProgramInput(buffer=0)], outputs=[next_id], program_id="step"))
                 next_id += 1
-                yield Call(AwaitBuffers(buffers=made))
+            running.append(made)
+
+        submitted = 0
+        for _ in range(w.steps):
+            # With ``in_flight`` > 1 the next steps are dispatched while this one runs (a JAX loop's asynchronous
+            # dispatch): a step is then the time between two steps' ends.
+            yield Mark("step")
+            while submitted < w.steps and len(running) < w.in_flight:
+                yield from submit()
+                submitted += 1
+            made = running.pop(0)
+            yield Call(AwaitBuffers(buffers=[made[-1]]))
             yield Mark("step_end")
             yield Post(ReleaseBuffers(buffers=made))
 
