@@ -110,10 +110,12 @@ def test_a_computation_that_waits_too_long_for_memory_fails_saying_what_holds_it
                                       [2.0])
 
 
-def test_data_arriving_from_another_executor_that_does_not_fit_is_refused_naming_why() -> None:
+def test_data_arriving_from_another_executor_that_never_finds_room_fails_naming_why() -> None:
     """Issue #28, item 4: transfers count against the limit as puts do. A value made on one executor and
-    moved to another that is full fails there with ``ResourceExhausted`` (it once landed, over the limit)."""
-    spec = pw.LocalClusterSpec(islands=1, hosts_per_island=2, devices_per_host=1, memory_limit_bytes=LIMIT)
+    moved to another that is full, and stays full, fails there with ``ResourceExhausted`` after
+    ``--memory-wait-seconds`` (it once landed, over the limit)."""
+    spec = pw.LocalClusterSpec(islands=1, hosts_per_island=2, devices_per_host=1, memory_limit_bytes=LIMIT,
+                               executor_args=("--memory-wait-seconds", "2"))
     with pw.LocalCluster(spec) as cluster, pw.Client(cluster.address) as client:
         devs = client.make_virtual_device_set()
         here, there = devs.add_slice(devices=1), devs.add_slice(devices=1)
@@ -123,8 +125,10 @@ def test_data_arriving_from_another_executor_that_does_not_fit_is_refused_naming
         np.asarray(held)
         made = pw.pmap(filled(OUT), devices=here)(np.ones(1, np.float32))
         moved = pw.reshard(made, devices=there)
-        with pytest.raises(pw.ResourceExhausted, match=f"does not fit on executor {full}"):
+        with pytest.raises(pw.ResourceExhausted, match=f"does not fit on executor {full}: it waited 2 s for room, "
+                                                        r"and 3\.0 MiB of its 4\.0 MiB memory limit stay held"):
             np.asarray(moved)
+        assert all(s.waiting_for_memory == 0 for s in fetch_status(cluster.address).executor_stats)
         stats = {s.executor_id: s for s in fetch_status(cluster.address).executor_stats}
         assert stats[full].bytes <= LIMIT
         held.delete()  # room again, once its free has reached the executor: then the same move succeeds
@@ -133,6 +137,31 @@ def test_data_arriving_from_another_executor_that_does_not_fit_is_refused_naming
         eventually(lambda: next(s.bytes for s in fetch_status(cluster.address).executor_stats
                                 if s.executor_id == full) + OUT <= LIMIT, 10)
         np.testing.assert_array_equal(np.asarray(pw.reshard(made, devices=there)), np.full((1, OUT // 4), 2.0))
+
+
+def test_data_arriving_at_a_full_executor_waits_for_a_free_and_lands() -> None:
+    """Data moved to an executor that is full now waits for room, as a computation's outputs do: a free may be
+    on its way (it was once refused at once, so a move right behind a delete could fail for nothing). Here it
+    waits, seen in the executor's stats, until the buffer holding the memory is deleted; then it lands."""
+    spec = pw.LocalClusterSpec(islands=1, hosts_per_island=2, devices_per_host=1, memory_limit_bytes=LIMIT)
+    with pw.LocalCluster(spec) as cluster, pw.Client(cluster.address) as client:
+        devs = client.make_virtual_device_set()
+        here, there = devs.add_slice(devices=1), devs.add_slice(devices=1)
+        (full,) = there.executors
+
+        def stats() -> ExecutorStats:
+            return next(s for s in fetch_status(cluster.address).executor_stats if s.executor_id == full)
+
+        held = client.put(np.zeros((1, HELD // 4), np.float32), there)
+        np.asarray(held)
+        made = pw.pmap(filled(OUT), devices=here)(np.ones(1, np.float32))
+        moved = pw.reshard(made, devices=there)
+        eventually(lambda: stats().waiting_for_memory == 1, 30)
+        assert not moved.is_ready()
+        held.delete()
+        np.testing.assert_array_equal(np.asarray(moved), np.full((1, OUT // 4), 2.0, np.float32))
+        after = stats()
+        assert after.waiting_for_memory == 0 and OUT <= after.bytes <= LIMIT
 
 
 def test_memory_limit_option_takes_suffixes() -> None:

@@ -176,8 +176,8 @@ class _ByteSize(click.ParamType):
                    "fit waits until buffers are freed; one that could never fit fails with ResourceExhausted. "
                    "0: no limit.")
 @click.option("--memory-wait-seconds", type=float, default=300.0, show_default=True,
-              help="How long a computation may wait for memory under --memory-limit: then it fails with "
-                   "ResourceExhausted saying what holds the memory (a full executor never blocks silently).")
+              help="How long a computation (or data moved here) may wait for memory under --memory-limit: then it "
+                   "fails with ResourceExhausted saying what holds the memory (a full executor never blocks silently).")
 @click.option("--watchdog-seconds", type=float, default=10.0, show_default=True,
               help="Log gang computations that wait in their collectives for longer than this.")
 @click.option("--sandbox-functions/--no-sandbox-functions", default=None,

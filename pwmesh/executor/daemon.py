@@ -1003,12 +1003,28 @@ class Executor(Service):
                 for node in self._landed.pop(run, ()):  # one instant: one NodeDone (``_report_later``)
                     self._handle(Completed(report.run_id, report.proxy, node, False))
 
-    def _land(self, landing: Landing) -> Landing | None:
+    def _land(self, landing: Landing, room_held: bool = False) -> Landing | None:
         """A value that arrived for one or more destination shards here: small ones (and routed rows)
         assembled and stored now; big ones returned (those of its live shards), to be assembled and put
-        on their devices on a host-copy thread (``_land_off_loop``)."""
-        shards = landing.shards
-        if landing.last.ragged or landing.nbytes * len(shards) < HOST_COPY_INLINE_BYTES:
+        on their devices on a host-copy thread (``_land_off_loop``). One that does not fit now waits for
+        room (``_land_when_room``), as a computation's outputs do; ``room_held``: it waited, and holds it."""
+        shards = [(key, device) for key, device in landing.shards if not self.store.deleted(key)]
+        if not shards:
+            return None  # its run ended (cancelled, freed): nobody waits for it
+        if len(shards) < len(landing.shards):
+            landing = dataclasses.replace(landing, shards=shards)
+        nbytes = landing.nbytes * len(shards)
+        memory = self.store.memory
+        if not room_held and memory.limit_bytes and not memory.fits(nbytes):
+            if nbytes > memory.limit_bytes:  # never: fail now
+                self._fail_landing(landing, f"does not fit on executor {self.name}, whose memory limit is "
+                                            f"{format_bytes(memory.limit_bytes)}")
+            else:
+                self._copying += 1
+                self._copied.clear()
+                self.tasks.spawn(self._land_when_room(landing, nbytes), name=f"room-{shards[0][0]}")
+            return None
+        if landing.last.ragged or nbytes < HOST_COPY_INLINE_BYTES:
             try:
                 value = assemble(landing.payloads, landing.last, whole=landing.whole)
             except Exception as exc:
@@ -1019,23 +1035,53 @@ class Executor(Service):
                 self._store_value(shards[0][0], shards[0][1], value)
                 return None
             # Replicas: one device_put for all (JAX adopts host memory as immutable: they may share it).
-            live = [(key, device) for key, device in shards if not self._refused(key, value.nbytes)
-                    and not self.store.deleted(key)]
             try:
-                arrays = jax.device_put([value] * len(live), [self._device(device) for _, device in live])
+                arrays = jax.device_put([value] * len(shards), [self._device(device) for _, device in shards])
             except Exception as exc:
-                for key, _ in live:
+                for key, _ in shards:
                     self.store.fail(key, as_error(exc, f"storing {key}"))
                 return None
-            for (key, _), array in zip(live, arrays, strict=True):
+            for (key, _), array in zip(shards, arrays, strict=True):
                 self.store.put(key, array, value.nbytes)
             return None
-        live = [(key, device) for key, device in shards if not self.store.deleted(key)]
-        if not live or self._refused(live[0][0], landing.nbytes * len(live)):
-            for key, _ in live[1:]:
-                self._refused(key, landing.nbytes * len(live))
-            return None
-        return dataclasses.replace(landing, shards=live) if len(live) < len(shards) else landing
+        return landing
+
+    async def _land_when_room(self, landing: Landing, nbytes: int) -> None:
+        """Land ``landing`` once ``nbytes`` fit: a free may be on its way (the run that last read an array
+        ended; its delete has not come yet). After ``--memory-wait-seconds`` its shards fail, saying what
+        holds the memory, as a computation waiting for room for its outputs does. (Counted in
+        ``_copying`` from ``_land``, so a drain waits for it.)"""
+        memory = self.store.memory
+        big = None
+        try:
+            try:
+                await asyncio.wait_for(memory.reserve(nbytes, owner=landing), self.config.memory_wait_seconds)
+            except TimeoutError:
+                self._fail_landing(landing, f"does not fit on executor {self.name}: it waited "
+                                            f"{self.config.memory_wait_seconds:g} s for room, and "
+                                            f"{format_bytes(memory.in_use)} of its {format_bytes(memory.limit_bytes)} "
+                                            "memory limit stay held")
+                return
+            try:
+                big = self._land(landing, room_held=True)
+                if big is not None:  # ``_land_off_loop`` ends this task's count in ``_copying``
+                    await self._land_off_loop([big])
+            finally:
+                memory.release(nbytes)  # what landed is counted as stored now
+        finally:
+            if big is None:
+                self._copying -= 1
+                if self._copying == 0:
+                    self._copied.set()
+
+    def _fail_landing(self, landing: Landing, why: str) -> None:
+        """Fail every shard of ``landing`` not deleted meanwhile, for whatever reads them."""
+        nbytes = landing.nbytes * len(landing.shards)
+        for key, _ in landing.shards:
+            if not self.store.deleted(key):
+                self.store.fail(key, ResourceExhausted(
+                    f"data arriving for {key.rpartition('/')[0]} ({format_bytes(nbytes)}) {why}; free arrays there, "
+                    "or give it more memory (--memory-limit, --memory-wait-seconds)"))
 
     async def _land_off_loop(self, landings: list[Landing]) -> None:
         try:
@@ -1058,21 +1104,7 @@ class Executor(Service):
             if self._copying == 0:
                 self._copied.set()
 
-    def _refused(self, key: str, nbytes: int) -> bool:
-        """Does data of ``nbytes`` arriving for ``key`` not fit here? Then ``key`` fails with the cause,
-        for whatever reads it (as a put that does not fit is refused)."""
-        memory = self.store.memory
-        if not memory.limit_bytes or memory.fits(nbytes) or self.store.deleted(key):
-            return False
-        self.store.fail(key, ResourceExhausted(
-            f"data arriving for {key.rpartition('/')[0]} ({format_bytes(nbytes)}) does not fit on "
-            f"executor {self.name}: {format_bytes(memory.in_use)} of its {format_bytes(memory.limit_bytes)} "
-            "memory limit are held; free arrays there, or give it more memory"))
-        return True
-
     def _store_value(self, key: str, device: int, value: np.ndarray | Ragged) -> None:
-        if self._refused(key, value.nbytes):
-            return
         if isinstance(value, Ragged):  # routed rows stay on the host until their expert pads them
             self.store.put(key, value, value.nbytes)
         elif value.nbytes >= HOST_COPY_INLINE_BYTES:

@@ -54,8 +54,8 @@ class MemoryBudget:
     and its device queue with it (non-preemptive FIFO: head of line), until a
     deletion or the end of a reservation frees enough: those wake waiters directly,
     nothing polls. A client's put that does not fit now is refused (``Executor._put``);
-    data arriving from other executors is never refused (its sender's run needs it):
-    it only counts.
+    data arriving from other executors waits for room as outputs do (its sender's run
+    needs it, and a free may be on its way), up to ``--memory-wait-seconds``.
 
     Waiters (at most one per device queue) are granted in arrival order, first
     fit: a big request that does not fit yet does not hold back a smaller one on
