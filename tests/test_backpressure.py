@@ -164,6 +164,33 @@ def test_data_arriving_at_a_full_executor_waits_for_a_free_and_lands() -> None:
         assert after.waiting_for_memory == 0 and OUT <= after.bytes <= LIMIT
 
 
+def test_data_waiting_for_room_stops_waiting_when_its_owner_goes() -> None:
+    """An arrival waiting for memory that another tenant holds, whose own session then ends, stops waiting
+    at once: its buffer's delete cancels the wait (it would otherwise sit in the executor's memory queue,
+    and hold up a drain, for ``--memory-wait-seconds``). The executor goes on serving the other tenant."""
+    spec = pw.LocalClusterSpec(islands=2, hosts_per_island=1, devices_per_host=1, memory_limit_bytes=LIMIT)
+    with pw.LocalCluster(spec) as cluster, pw.Client(cluster.address, name="hog") as hog:
+        mine = hog.make_virtual_device_set().add_slice(devices=1, island=1)
+        (full,) = mine.executors
+        held = hog.put(np.zeros((1, HELD // 4), np.float32), mine)
+        np.asarray(held)
+
+        def waiting() -> int:
+            return next(s.waiting_for_memory for s in fetch_status(cluster.address).executor_stats
+                        if s.executor_id == full)
+
+        with pw.Client(cluster.address, name="mover") as mover:
+            devs = mover.make_virtual_device_set()
+            here, there = devs.add_slice(devices=1, island=0), devs.add_slice(devices=1, island=1)
+            assert there.executors == {full}
+            made = pw.pmap(filled(OUT), devices=here)(np.ones(1, np.float32))
+            pw.reshard(made, devices=there)
+            eventually(lambda: waiting() == 1, 30)
+        eventually(lambda: waiting() == 0, 30)  # not --memory-wait-seconds (300 s)
+        np.testing.assert_array_equal(np.asarray(pw.pmap(lambda s: s + 1.0, devices=mine)(np.ones(1, np.float32))),
+                                      [2.0])
+
+
 def test_memory_limit_option_takes_suffixes() -> None:
     size = _ByteSize()
     assert [size.convert(v, None, None) for v in ("0", "1024", "64M", "64MiB", "2g", "1.5K")] == [

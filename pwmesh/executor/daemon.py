@@ -32,7 +32,15 @@ from pwmesh.dataflow.exchange import Destination, Landing, Ragged, assemble, cut
 from pwmesh.dataflow.plane import DataPlane
 from pwmesh.dataflow.progress import Arrived, Progress, ProgressError
 from pwmesh.dataflow.secure import plane_key
-from pwmesh.errors import DeviceLost, InvalidArgument, PermissionDenied, PwmeshError, ResourceExhausted, Unavailable
+from pwmesh.errors import (
+    DeviceLost,
+    InvalidArgument,
+    NotFound,
+    PermissionDenied,
+    PwmeshError,
+    ResourceExhausted,
+    Unavailable,
+)
 from pwmesh.executor import spill
 from pwmesh.executor.calls import copied_to, to_host
 from pwmesh.executor.direct import DirectTransfers
@@ -240,6 +248,7 @@ class Executor(Service):
         self._copies = concurrent.futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="pwmesh-copy")
         self.functions.executor = self._copies  # an SPMD function run by blocks is derived there (it compiles)
         self._copying = 0  # host copies of arrivals under way (``AwaitIdle`` waits for them)
+        self._room_waits: dict[str, list[Landing]] = {}  # buffer -> its arrivals waiting for memory
         # (run, node, prefix) of the reshard outputs whose landing here is reported (``_report_when_landed``)
         self._reporting: collections.OrderedDict[tuple[str, int, str], None] = collections.OrderedDict()
         self._landing: dict[tuple[str, str], int] = {}  # (proxy, run) -> its reshard outputs still landing here
@@ -795,6 +804,8 @@ class Executor(Service):
         self.store.delete(msg.buffers)
         for buffer in msg.buffers:
             self.progress.forget(f"{buffer}/")
+            for landing in self._room_waits.get(buffer, ()):  # nobody will read it: stop waiting for room
+                self.store.memory.cancel(landing, NotFound(f"{buffer} was deleted while it waited for memory"))
         return None  # posted by the proxy, which does not wait: no reply
 
     def _spill_shards(self, peer: bytes, env: Envelope) -> None:
@@ -1052,10 +1063,14 @@ class Executor(Service):
         holds the memory, as a computation waiting for room for its outputs does. (Counted in
         ``_copying`` from ``_land``, so a drain waits for it.)"""
         memory = self.store.memory
+        buffer = buffer_of(landing.shards[0][0])
+        self._room_waits.setdefault(buffer, []).append(landing)
         big = None
         try:
             try:
                 await asyncio.wait_for(memory.reserve(nbytes, owner=landing), self.config.memory_wait_seconds)
+            except NotFound:  # deleted meanwhile (``_delete``)
+                return
             except TimeoutError:
                 self._fail_landing(landing, f"does not fit on executor {self.name}: it waited "
                                             f"{self.config.memory_wait_seconds:g} s for room, and "
@@ -1069,6 +1084,9 @@ class Executor(Service):
             finally:
                 memory.release(nbytes)  # what landed is counted as stored now
         finally:
+            waits = [w for w in self._room_waits.pop(buffer) if w is not landing]  # (by identity: it holds arrays)
+            if waits:
+                self._room_waits[buffer] = waits
             if big is None:
                 self._copying -= 1
                 if self._copying == 0:
