@@ -19,7 +19,7 @@ import os
 import random
 import socket
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Any
 
@@ -957,9 +957,7 @@ class Executor(Service):
                 arrived.append((key, t.device, done.payloads, t))
         off_loop = [big for big in map(self._land, landings(arrived)) if big is not None]
         if off_loop:  # one hop to a host-copy thread for all of them (a batch of a weight sync's arrays)
-            self._copying += 1
-            self._copied.clear()
-            self.tasks.spawn(self._land_off_loop(off_loop), name=f"land-{off_loop[0].shards[0][0]}")
+            self._spawn_copy(self._land_off_loop(off_loop), f"land-{off_loop[0].shards[0][0]}")
         if reports:  # one task watches the batch's landed reshard nodes
             self.tasks.spawn(self._report_landed(reports), name=f"landed-{reports[0][0][0]}")
 
@@ -1031,9 +1029,7 @@ class Executor(Service):
                 self._fail_landing(landing, f"does not fit on executor {self.name}, whose memory limit is "
                                             f"{format_bytes(memory.limit_bytes)}")
             else:
-                self._copying += 1
-                self._copied.clear()
-                self.tasks.spawn(self._land_when_room(landing, nbytes), name=f"room-{shards[0][0]}")
+                self._spawn_copy(self._land_when_room(landing, nbytes), f"room-{shards[0][0]}")
             return None
         if landing.last.ragged or nbytes < HOST_COPY_INLINE_BYTES:
             try:
@@ -1060,12 +1056,11 @@ class Executor(Service):
     async def _land_when_room(self, landing: Landing, nbytes: int) -> None:
         """Land ``landing`` once ``nbytes`` fit: a free may be on its way (the run that last read an array
         ended; its delete has not come yet). After ``--memory-wait-seconds`` its shards fail, saying what
-        holds the memory, as a computation waiting for room for its outputs does. (Counted in
-        ``_copying`` from ``_land``, so a drain waits for it.)"""
+        holds the memory, as a computation waiting for room for its outputs does. (Spawned as a host copy
+        from ``_land``, so a drain waits for it.)"""
         memory = self.store.memory
         buffer = buffer_of(landing.shards[0][0])
         self._room_waits.setdefault(buffer, []).append(landing)
-        big = None
         try:
             try:
                 await asyncio.wait_for(memory.reserve(nbytes, owner=landing), self.config.memory_wait_seconds)
@@ -1079,7 +1074,7 @@ class Executor(Service):
                 return
             try:
                 big = self._land(landing, room_held=True)
-                if big is not None:  # ``_land_off_loop`` ends this task's count in ``_copying``
+                if big is not None:
                     await self._land_off_loop([big])
             finally:
                 memory.release(nbytes)  # what landed is counted as stored now
@@ -1087,10 +1082,6 @@ class Executor(Service):
             waits = [w for w in self._room_waits.pop(buffer) if w is not landing]  # (by identity: it holds arrays)
             if waits:
                 self._room_waits[buffer] = waits
-            if big is None:
-                self._copying -= 1
-                if self._copying == 0:
-                    self._copied.set()
 
     def _fail_landing(self, landing: Landing, why: str) -> None:
         """Fail every shard of ``landing`` not deleted meanwhile, for whatever reads them."""
@@ -1117,18 +1108,28 @@ class Executor(Service):
             for landing in landings:
                 for key, _ in landing.shards:
                     self.store.fail(key, as_error(exc, f"storing {key}"))
-        finally:
-            self._copying -= 1
-            if self._copying == 0:
-                self._copied.set()
+
+    def _spawn_copy(self, work: Coroutine[Any, Any, None], name: str) -> None:
+        """Run host-copy work (storing arrivals) in a task that ``AwaitIdle`` and a drain wait for."""
+        self._copying += 1
+        self._copied.clear()
+        try:
+            task = self.tasks.spawn(work, name=name)
+        except RuntimeError:  # stopping: it never runs
+            self._copy_ended()
+            raise
+        task.add_done_callback(self._copy_ended)  # done, failed or cancelled
+
+    def _copy_ended(self, _task: object = None) -> None:
+        self._copying -= 1
+        if self._copying == 0:
+            self._copied.set()
 
     def _store_value(self, key: str, device: int, value: np.ndarray | Ragged) -> None:
         if isinstance(value, Ragged):  # routed rows stay on the host until their expert pads them
             self.store.put(key, value, value.nbytes)
         elif value.nbytes >= HOST_COPY_INLINE_BYTES:
-            self._copying += 1
-            self._copied.clear()
-            self.tasks.spawn(self._store_arrival(key, device, value), name=f"store-{key}")
+            self._spawn_copy(self._store_arrival(key, device, value), f"store-{key}")
         else:
             try:
                 self._store_array(key, device, value)
@@ -1140,10 +1141,6 @@ class Executor(Service):
             await self._store_array_off_loop(key, device, value)
         except Exception as exc:
             self.store.fail(key, as_error(exc, f"storing {key}"))
-        finally:
-            self._copying -= 1
-            if self._copying == 0:
-                self._copied.set()
 
     def _node_done(self, work: Work) -> None:
         """Report a completed computation (the core batches successes per run until the loop's next turns:
