@@ -138,9 +138,8 @@ def figure5(w: Workload, name: str = "c0") -> Callable[[SimClient], Script]:
             yield Post(RegisterProgram(program_id="step", program=chain(ids, [sl.slice_id] * len(ids), spec)))
         yield _put(0, sl.slice_id, w)
         next_id = 1
-        running: list[list[int]] = []  # each step's values, oldest first
 
-        def submit() -> Generator[Op, Any, None]:
+        def submit() -> Generator[Op, Any, list[int]]:
             nonlocal next_id
             if w.name == "opbyop":
                 made, source = [], 0
@@ -152,20 +151,9 @@ def figure5(w: Workload, name: str = "c0") -> Callable[[SimClient], Script]:
                 made = [next_id]
                 yield Post(RunProgram(inputs=[ProgramInput(buffer=0)], outputs=[next_id], program_id="step"))
                 next_id += 1
-            running.append(made)
+            return made
 
-        submitted = 0
-        for _ in range(w.steps):
-            # With ``in_flight`` > 1 the next steps are dispatched while this one runs (a JAX loop's asynchronous
-            # dispatch): a step is then the time between two steps' ends.
-            yield Mark("step")
-            while submitted < w.steps and len(running) < w.in_flight:
-                yield from submit()
-                submitted += 1
-            made = running.pop(0)
-            yield Call(AwaitBuffers(buffers=[made[-1]]))
-            yield Mark("step_end")
-            yield Post(ReleaseBuffers(buffers=made))
+        yield from _steps(w, submit, last_only=True)
 
     return script
 
@@ -193,30 +181,37 @@ def pipeline(w: Workload, islands: int, name: str = "c0") -> Callable[[SimClient
         for b in range(m):
             yield _put(b, slices[0], w)
         next_id = m
-        running: list[list[int]] = []
 
-        def submit() -> Post:
+        def submit() -> Generator[Op, Any, list[int]]:
             nonlocal next_id
             outs = list(range(next_id, next_id + m))
             next_id += m
-            running.append(outs)
-            return Post(RunProgram(inputs=[ProgramInput(buffer=b) for b in range(m)], outputs=outs,
-                                   program_id="pipeline"))
+            yield Post(RunProgram(inputs=[ProgramInput(buffer=b) for b in range(m)], outputs=outs,
+                                  program_id="pipeline"))
+            return outs
 
-        submitted = 0
-        for _ in range(w.steps):
-            # With ``in_flight`` > 1 the next steps are dispatched while this one runs (as a training loop's
-            # asynchronous dispatch does): a step is then the time between two steps' ends.
-            yield Mark("step")
-            while submitted < w.steps and len(running) < w.in_flight:
-                yield submit()
-                submitted += 1
-            outs = running.pop(0)
-            yield Call(AwaitBuffers(buffers=outs))
-            yield Mark("step_end")
-            yield Post(ReleaseBuffers(buffers=outs))
+        yield from _steps(w, submit, last_only=False)
 
     return script
+
+
+def _steps(w: Workload, submit: Callable[[], Generator[Op, Any, list[int]]], last_only: bool) -> Script:
+    """``w.steps`` steps, each marked ``step`` ... ``step_end``: steps are sent (``submit``: a step's messages,
+    returning the values it makes) until ``w.in_flight`` are in flight, then the oldest is awaited (its last
+    value only, with ``last_only``: a chain's end) and its values released. With ``in_flight`` > 1 the next
+    steps are dispatched while one runs (a JAX loop's asynchronous dispatch): a step is then the time between
+    two steps' ends."""
+    running: list[list[int]] = []  # each step's values, oldest first
+    submitted = 0
+    for _ in range(w.steps):
+        yield Mark("step")
+        while submitted < w.steps and len(running) < w.in_flight:
+            running.append((yield from submit()))
+            submitted += 1
+        made = running.pop(0)
+        yield Call(AwaitBuffers(buffers=made[-1:] if last_only else made))
+        yield Mark("step_end")
+        yield Post(ReleaseBuffers(buffers=made))
 
 
 def weighted(w: Workload, index: int) -> Callable[[SimClient], Script]:
