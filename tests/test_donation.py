@@ -111,6 +111,46 @@ async def test_a_per_device_function_consumes_its_input_too() -> None:
         np.testing.assert_array_equal(np.asarray(out), np.full((ROWS, 8), 2.0))
 
 
+@pytest.mark.asyncio
+async def test_what_a_computation_read_last_leaves_the_store_once_it_ran() -> None:
+    """``Computation.frees``: its donated state and a batch it alone reads are deleted here as it completes (no
+    delete comes from the proxy for them), whichever path runs it; what it was not told to free stays."""
+    r, rec = await _runner()
+    async with device_loops(r):
+        block = ROWS * 8 * 4
+        for k in range(4):  # the first compiles on a device thread; later ones take the quick paths
+            _put_w(r, f"w{k}")
+            for i, d in enumerate(r.devices):
+                r.store.put(f"b{k}/{i}", jax.device_put(np.ones((ROWS, 8), np.float32), d), block)
+            before = r.memory.stored
+            comp = _update(f"r{k}", donate=[0], w=f"w{k}")
+            comp.inputs[1], comp.frees = f"b{k}", [0, 1]
+            r.enqueue_all(f"r{k}", "p", [comp])
+            await rec.part(f"r{k}")
+            assert all(w.error is None for w in rec.done), [w.error for w in rec.done]
+            for key in (f"w{k}/0", f"w{k}/1", f"b{k}/0", f"b{k}/1"):
+                assert r.store.values([key]) is None and r.store.deleted(key), key
+            assert r.memory.stored == before - 2 * block + 2 * 4, "the batch's bytes went; the new w took w's"
+        assert r.store.values(["g/0", "g/1"]) is not None, "read, not freed: it stays"
+
+
+@pytest.mark.asyncio
+async def test_a_computation_that_failed_frees_nothing() -> None:
+    r, rec = await _runner()
+    async with device_loops(r):
+        for i, d in enumerate(r.devices):  # the wrong shape: the call fails
+            r.store.put(f"bad/{i}", jax.device_put(np.ones((ROWS + 1, 8), np.float32), d), (ROWS + 1) * 8 * 4)
+        _put_w(r)
+        comp = _update("r1", donate=[0])
+        comp.inputs[1], comp.frees = "bad", [0, 1]
+        r.enqueue_all("r1", "p", [comp])
+        await rec.part("r1")
+        (work,) = rec.done
+        assert work.error is not None
+        assert r.store.values(["bad/0", "bad/1"]) is not None and not r.store.deleted("bad/0")
+        assert r.store.values(["w/0", "w/1"]) is not None, "not run: not consumed, and left for the proxy"
+
+
 # ------------------------------------------------------------------ the proxy: may it be consumed?
 
 

@@ -120,6 +120,23 @@ async def test_a_warm_chain_runs_inside_enqueue_and_ends_its_part_once() -> None
         assert r.memory.reserved == 0 and r.memory.stored == stored + 16 * 8  # 16 outputs of 2 x 4 bytes
 
 
+@pytest.mark.asyncio
+async def test_a_warm_chain_deletes_what_its_nodes_read_last() -> None:
+    """A node's ``frees`` (a batch it alone reads) go as the chain runs it, as on the ordinary path."""
+    async with runner() as (r, rec):
+        await warm(r, rec)
+        for i, d in enumerate(r.devices):
+            r.store.put(f"batch/{i}", jax.device_put(np.ones(1, np.float32), d), 4)
+        stored = r.memory.stored
+        comps = chain("r1", 3, first="batch")
+        comps[0].frees = [0]
+        r.enqueue_all("r1", "p", comps)
+        assert [w.comp.node for w in rec.done] == [0, 1, 2] and not any(w.queued for w in rec.done), "the chain"
+        assert r.store.values(["batch/0"]) is None and r.store.deleted("batch/1")
+        assert [float(v[0]) for v in r.store.values(["r1/v2/0", "r1/v2/1"])] == [4.0, 4.0]
+        assert r.memory.stored == stored - 2 * 4 + 3 * 8
+
+
 class Together:
     """``done_together``'s calls: (run, [(node, quiet)]) in order."""
 

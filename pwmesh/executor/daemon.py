@@ -261,7 +261,7 @@ class Executor(Service):
         self.progress = Progress()
         self._dropped_log = RejectedLog(self.name, logger=log)  # tuples a peer made up: a line per producer per 10 s
         self.runner = Runner(self.devices, self.store, self.functions, emit=self._emit, done=self._node_done,
-                             part_done=self._part_done, done_together=self._nodes_done,
+                             part_done=self._part_done, done_together=self._nodes_done, free=self._forget,
                              memory_limit_bytes=self.config.memory_limit_bytes,
                              memory_wait_seconds=self.config.memory_wait_seconds, host=self.host)
         # What it admits, in what order, and what it reports (the pure core; ``Runner`` runs the computations).
@@ -801,12 +801,16 @@ class Executor(Service):
     def _delete(self, peer: bytes, env: Envelope) -> None:
         msg = env.message
         assert isinstance(msg, DeleteShards)
-        self.store.delete(msg.buffers)
-        for buffer in msg.buffers:
+        self._forget(msg.buffers)
+        return None  # posted by the proxy, which does not wait: no reply
+
+    def _forget(self, buffers: list[str]) -> None:
+        """Delete every shard of ``buffers`` here: the proxy's ``DeleteShards``, or a computation's ``frees``."""
+        self.store.delete(buffers)
+        for buffer in buffers:
             self.progress.forget(f"{buffer}/")
             for landing in self._room_waits.get(buffer, ()):  # nobody will read it: stop waiting for room
                 self.store.memory.cancel(landing, NotFound(f"{buffer} was deleted while it waited for memory"))
-        return None  # posted by the proxy, which does not wait: no reply
 
     def _spill_shards(self, peer: bytes, env: Envelope) -> None:
         msg = env.message

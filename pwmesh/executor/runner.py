@@ -116,6 +116,7 @@ class Runner:
         done: Callable[[Work], None],
         part_done: Callable[[str, str, float], None] = lambda run_id, scheduler, seconds: None,
         done_together: Callable[[str, str, str, list[tuple[int, bool]]], None] | None = None,
+        free: Callable[[list[str]], object] | None = None,
         memory_limit_bytes: int = 0,
         memory_wait_seconds: float = 300.0,
         host: str = "",
@@ -138,6 +139,8 @@ class Runner:
         # (``_run_chain``); without it, ``done`` is called for each, with a ``Work`` made for it.
         self._done_together = done_together
         self._part_done = part_done
+        # Delete buffers here (a computation's ``frees``, once it ran): the executor's own delete, as the proxy's.
+        self._free = free or store.delete
         self.core = DeviceQueues(len(devices))  # the queues and the runs' accounting; this class acts on it
         self._starts: set[asyncio.Task[None]] = set()  # started computations, until they release their devices
         self.pools = [
@@ -731,6 +734,8 @@ class Runner:
             finally:
                 memory.release(nbytes)  # the outputs are stored bytes now (or nothing was made)
             core.ran(run_id, device_ids, wall)
+            if comp.frees:
+                self._free_inputs(comp)
             done.append((comp.node, comp.quiet))
             if self._done_together is None:  # (a runner without one: each reported as the ordinary path does)
                 self._done(Work(run_id, proxy, scheduler, comp, list(device_ids), shard_ids,
@@ -986,7 +991,14 @@ class Runner:
             work.error = err
         return err
 
+    def _free_inputs(self, comp: Computation) -> None:
+        """``comp`` ran without error: delete the inputs it read last (``Computation.frees``)."""
+        inputs = comp.inputs
+        self._free([inputs[k] for k in comp.frees if 0 <= k < len(inputs)])
+
     def _complete(self, work: Work) -> None:
+        if work.comp.frees and work.error is None and work.cancelled is None:
+            self._free_inputs(work.comp)
         self._cancels.pop(work, None)
         actions = self.core.complete(work)
         if self.core.outstanding == 0:

@@ -52,6 +52,7 @@ class _Template:
     executor_ids: frozenset[str] = frozenset()
     pending: dict[int, frozenset[str]] = dataclasses.field(default_factory=dict)
     temps: TempGroups | None = None  # ``Lowered.temps``
+    frees: list[tuple[int, int, frozenset[str]]] = dataclasses.field(default_factory=list)  # (buffer, node, controls)
 
     def current(self, slices: dict[int, SliceInfo]) -> bool:
         """Whether every slice it was lowered against is still the one the session holds (no remap since)."""
@@ -192,7 +193,8 @@ def _build(program: ProgramSpec, *, owner: str, host_inputs: set[int], bound: di
                      | frozenset(lowered.landing),
                      executor_ids=frozenset().union(*lowered.node_executors.values()),
                      pending={n: frozenset(ex) for n, ex in lowered.node_executors.items()},
-                     temps=_temp_groups(program, dict(holders)))
+                     temps=_temp_groups(program, dict(holders)),
+                     frees=[(at[b], node, frozenset(controls)) for b, (node, controls) in lowered.frees.items()])
 
 
 def _temp_groups(program: ProgramSpec, holders: dict[int, frozenset[str]]) -> TempGroups:
@@ -269,4 +271,5 @@ def _instantiate(template: _Template, owner: str, names: list[str], fresh_name: 
         executor_ids=template.executor_ids,
         pending=template.pending,
         temps=template.temps,
+        frees={bare[i]: (node, controls) for i, node, controls in template.frees},
     )

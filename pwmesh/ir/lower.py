@@ -22,6 +22,7 @@ through a combine node (mixture-of-experts).
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import math
 from collections.abc import Callable
@@ -224,6 +225,10 @@ class Lowered:
     # by the slice of the node making them and the controls holding them, one group per (slice, holders).
     # A warm run records them as names (``proxy.session.Run.named_temps``), not a buffer each.
     temps: TempGroups | None = dataclasses.field(default=None, compare=False)
+    # Buffers (by name) the executors delete themselves once the node reading them last ran without error
+    # (``Computation.frees``): name -> (that node, the controls that delete it). When the node succeeded and
+    # nobody else holds the buffer, the proxy sends no delete for it (``ProxyState._finish_run``).
+    frees: dict[str, tuple[int, set[str] | frozenset[str]]] = dataclasses.field(default_factory=dict)
 
 
 def validate(program: ProgramSpec) -> None:
@@ -355,6 +360,7 @@ class _Lowering:
                  fresh_name: Callable[[], str] | None, keep: frozenset[int]) -> None:
         self.program = program
         self.program_outputs = frozenset(program.outputs)
+        self.readers = collections.Counter(v for node in program.nodes for v in node.inputs)
         self.keep = keep
         self.owner = owner
         self.names = names
@@ -464,6 +470,7 @@ class _Lowering:
                 raise InvalidArgument(f"node {index} runs on {n} devices but its output {v} is split "
                                       f"{values[v].shards} ways")
         inputs = []
+        read = []  # the buffer each input is read from (unprefixed)
         ragged = False
         for k, v in enumerate(node.inputs):
             if values[v].ragged:
@@ -471,7 +478,7 @@ class _Lowering:
                 if self.loc.get(v) != devs:
                     raise InvalidArgument(f"node {index} reads routed value {v} on slice {node.slice_id}, but the "
                                           "route sends it to another slice (call each expert on its own slice)")
-                inputs.append(self.prefix(self.names[v]))
+                read.append(self.names[v])
             else:
                 sharding = node.in_shardings[k] if node.in_shardings else None
                 if sharding is None:  # equal leading-axis blocks: a scalar cannot be cut so
@@ -480,13 +487,21 @@ class _Lowering:
                 if want.devices != n:
                     raise InvalidArgument(f"node {index} reads input {k} over a mesh of {want.devices} devices; "
                                           f"it runs on {n}")
-                inputs.append(self.prefix(self.materialize(v, devs, want, f"node {index}")))
+                read.append(self.materialize(v, devs, want, f"node {index}"))
+        inputs = [self.prefix(name) for name in read]
         comps = self.computations(index, node, devs, scheduler, kind="call", inputs=inputs,
                                   outputs=[self.prefix(self.names[v]) for v in node.outputs],
                                   spmd=is_spmd and not blockwise, ragged=ragged)
         donate = [k for k in node.donate if node.inputs[k] not in self.keep]
+        # What nothing reads after it: what it consumes, and a value sent with the run that it alone reads.
+        frees = donate + [k for k, v in enumerate(node.inputs)
+                          if k not in donate and v in self.host_inputs and self.readers[v] == 1
+                          and v not in self.program_outputs]
+        for k in frees:
+            self.out.frees[read[k]] = (index, {comp.control for comp in comps})
         for comp in comps:
             comp.donate = donate
+            comp.frees = frees
             comp.gang = gang.message.gang_id if gang is not None else ""
             if blockwise:
                 comp.fn_id = blockwise_id(node.fn_id, {r.device + k: r.shard + k for r in comp.runs

@@ -114,7 +114,7 @@ def record_run(session: Session, run_id: str, program: ProgramSpec, lowered: Low
     executors = lowered.controls if lowered.controls is not None else frozenset(
         {c.control for comps in lowered.schedules.values() for c in comps} | lowered.landing)
     run = Run(run_id=run_id, pending=pending, outputs_of={}, pinned=pinned, temporaries=temporaries,
-              executors=executors, schedulers=set(lowered.schedules), gangs=bool(lowered.gangs))
+              executors=executors, schedulers=set(lowered.schedules), gangs=bool(lowered.gangs), frees=lowered.frees)
     for buf in pinned:
         buf.pins += 1
         buf.readers += 1

@@ -93,6 +93,10 @@ class Run:
     # A cached lowering's temporaries, by name (no buffer each): (slice id, the controls holding them, their
     # names), freed with the run (``Lowered.temps``).
     named_temps: list[tuple[int, frozenset[str], list[str]]] = dataclasses.field(default_factory=list)
+    # Buffers its executors delete themselves when the node reading them last succeeds (``Lowered.frees``),
+    # and the nodes that failed somewhere (what they were to free stays for the proxy to delete).
+    frees: dict[str, tuple[int, set[str] | frozenset[str]]] = dataclasses.field(default_factory=dict)
+    failed: set[int] = dataclasses.field(default_factory=set)
 
 
 @dataclasses.dataclass(eq=False)

@@ -1021,6 +1021,7 @@ class ProxyState:
                 # cancel (``Executor._reclaim``) rather than wait there for good.
                 self._abort_run(session, run, err)
                 return None
+            run.failed.update(msg.nodes)
             for node in msg.nodes:  # (the first outcome of a buffer stays: the island's end resolves no more)
                 if node in run.pending:
                     for buf in run.outputs_of.get(node, []):
@@ -1112,6 +1113,7 @@ class ProxyState:
                 waiting = run.pending[node] = set(waiting)
             waiting.discard(msg.executor_id)
             if node_error is not None:
+                run.failed.add(node)
                 for buf in run.outputs_of.get(node, []):
                     self._resolve(buf, node_error)
             if not waiting:
@@ -1285,6 +1287,7 @@ class ProxyState:
         for control in run.executors:
             self._send(control, CancelRun(run_id=run.run_id, error=info))
         run.pending.clear()
+        run.frees = {}  # which of its nodes ran is not known here: every buffer it read is deleted
         keep = [] if session.ended else [(cid, buf) for cid, buf in run.donated if buf.done and buf.error is None
                                          and buf.lost is None and buf.locations
                                          and all(loc.executor_id not in self.lost for loc in buf.locations)]
@@ -1347,9 +1350,21 @@ class ProxyState:
             buf.readers -= 1
         for buf in run.read_inside:
             buf.read_by_its_run = False
+        if run.frees:
+            self._freed_by_executors(run)
         self._maybe_free(session.session_id, *run.pinned, *run.outputs, *run.temporaries, session=session,
                          named=run.named_temps)
         self._forget_if_done(session)
+
+    @staticmethod
+    def _freed_by_executors(run: Run) -> None:
+        """What ``run``'s executors deleted themselves (``Computation.frees``: the node reading it last ran
+        without error, on every executor holding it) is held nowhere now: no delete goes for it."""
+        frees, failed = run.frees, run.failed
+        for buf in (*run.pinned, *run.temporaries):
+            found = frees.get(buf.name)
+            if found is not None and found[0] not in failed and buf.freeable and buf.holders <= found[1]:
+                buf.holders = set()
 
     # ------------------------------------------------------------------ buffers
 

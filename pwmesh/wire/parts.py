@@ -67,7 +67,8 @@ def with_buffers(comp: Computation, inputs: list[str], outputs: list[str], name:
     emits = [renamed_emit(e, name) for e in comp.emits] if comp.emits else []
     return Computation(node=comp.node, fn_id=comp.fn_id, executor_id=comp.executor_id, control=comp.control,
                        runs=comp.runs, inputs=inputs, outputs=outputs, emits=emits, spmd=comp.spmd, kind=comp.kind,
-                       ragged=comp.ragged, seq=comp.seq, gang=comp.gang, donate=comp.donate, quiet=comp.quiet)
+                       ragged=comp.ragged, seq=comp.seq, gang=comp.gang, donate=comp.donate, frees=comp.frees,
+                       quiet=comp.quiet)
 
 
 def renamed_emit(emit: Emit, name: Callable[[str], str]) -> Emit:

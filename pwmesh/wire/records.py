@@ -226,6 +226,10 @@ class Computation(Record):
     spmd: bool = False
     kind: str = "call"
     donate: list[int] = dataclasses.field(default_factory=list)  # inputs whose buffers it may consume (reuse)
+    # Inputs whose buffers the executor deletes (every shard of them it holds) once this computation has run
+    # without error: it is their last reader there, and the proxy sends no delete for them when its node
+    # succeeded (what it was donated; a batch sent with the run and read by it alone). A failure leaves them.
+    frees: list[int] = dataclasses.field(default_factory=list)
     ragged: bool = False  # its inputs are routed rows: padded to the function's capacity, outputs cut back
     seq: int = -1
     # An SPMD computation spanning executors: the id of its gang (``RegisterGang``: all its devices, in
