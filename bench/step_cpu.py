@@ -17,6 +17,12 @@ costs what. ``train_lm``'s model trains ``--steps`` steps of ``--preset`` (after
     python bench/step_cpu.py --smoke         # seconds
     python bench/step_cpu.py --platform cuda # one GPU (a 1x1 mesh): the executor and plain JAX on it
 
+Then (on CPU) plain JAX once more, beside a load that takes what pwmesh's controller took: a process
+burning the client's, the proxy's and the island scheduler's CPU per step, plus what the executor
+took beyond plain JAX's step, in nine bursts per pwmesh step (a step's messages). If that alone slows
+plain JAX to pwmesh's speed, the gap is the CPU the controller shares with the devices' compute, not
+its latency (``--no-load``: skip it).
+
 Writes ``step_cpu.json`` into ``--out`` (default: bench/results). Linux only (``/proc``).
 """
 
@@ -66,6 +72,36 @@ def reference(preset: str, steps: int, warmup: int, platform: str) -> dict[str, 
     return {"wall_ms": (time.perf_counter() - wall) / steps * 1e3, "cpu_ms": (time.process_time() - cpu) / steps * 1e3}
 
 
+def burn(cpu_ms: float, period_ms: float, bursts: int) -> None:
+    """Take ``cpu_ms`` of CPU every ``period_ms`` of wall time, in ``bursts`` equal bursts, until stopped or
+    the process that started it is gone (the load beside plain JAX's second run)."""
+    burst, gap = cpu_ms / bursts / 1e3, max(0.0, (period_ms - cpu_ms) / bursts / 1e3)
+    parent = os.getppid()
+    while os.getppid() == parent:
+        for _ in range(bursts):
+            end = time.thread_time() + burst
+            while time.thread_time() < end:
+                pass
+            time.sleep(gap)
+
+
+def beside_load(args: argparse.Namespace, env: dict[str, str], cpu_ms: float, period_ms: float) -> dict[str, float]:
+    """Plain JAX's step again, with ``burn`` in a process of its own beside it."""
+    code = (f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); import step_cpu; "
+            f"step_cpu.burn({cpu_ms!r}, {period_ms!r}, 9)")
+    load = subprocess.Popen([sys.executable, "-c", code])
+    try:
+        done = subprocess.run([sys.executable, __file__, "--reference", "--preset", args.preset, "--steps",
+                               str(args.steps), "--platform", args.platform] + (["--smoke"] if args.smoke else []),
+                              env=env, capture_output=True, text=True)
+    finally:
+        load.terminate()
+        load.wait(timeout=30)
+    if done.returncode:
+        raise SystemExit(f"plain JAX's run beside the load failed:\n{done.stderr[-3000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
 def pwmesh_step(preset: str, steps: int, warmup: int, platform: str) -> dict[str, float]:
     """pwmesh on a local cluster of one executor (4 CPU devices, or one of ``platform``'s): wall and each
     process's CPU per step."""
@@ -109,6 +145,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
     parser.add_argument("--platform", default="cpu", help="the executor's and plain JAX's devices (cuda: one GPU)")
     parser.add_argument("--smoke", action="store_true", help="a few steps: checks the paths, measures nothing")
+    parser.add_argument("--no-load", action="store_true", help="skip plain JAX beside the controller's CPU as a load")
     parser.add_argument("--reference", action="store_true", help=argparse.SUPPRESS)  # plain JAX's own process
     args = parser.parse_args()
     steps, warmup = (20, 5) if args.smoke else (args.steps, WARMUP)
@@ -128,16 +165,26 @@ def main() -> None:
     controller = sum(mine[f"{role}_cpu_ms"] for role in ("client", "proxy", "scheduler"))
     rows = [["plain JAX (one process)", f"{jax_step['wall_ms']:.2f}", f"{jax_step['cpu_ms']:.2f}"],
             ["pwmesh, all processes", f"{mine['wall_ms']:.2f}", f"{controller + mine['executor_cpu_ms']:.2f}"]]
+    loaded: dict[str, float] | None = None
+    load_ms = controller + max(0.0, mine["executor_cpu_ms"] - jax_step["cpu_ms"])
+    if args.platform == "cpu" and not args.no_load:
+        loaded = beside_load(args, env, load_ms, mine["wall_ms"])
+        rows.insert(1, [f"  beside {load_ms:.2f} ms of load a step", f"{loaded['wall_ms']:.2f}",
+                        f"{loaded['cpu_ms']:.2f}"])
     rows += [[f"  {role}", "", f"{mine[f'{role}_cpu_ms']:.2f}"] for role in ("client", "proxy", "scheduler", "executor")]
     rows.append(["    executor's main thread", "", f"{mine['executor_main_thread_cpu_ms']:.2f}"])
     print(f"\n{args.preset} on {args.platform}: {steps} steps after {warmup} of warm-up, ms per step\n")
     print(table(["", "wall", "CPU"], rows))
+    print(f"\npwmesh/JAX {jax_step['wall_ms'] / mine['wall_ms']:.3f}"
+          + (f"; JAX beside the load / JAX {jax_step['wall_ms'] / loaded['wall_ms']:.3f}" if loaded else ""))
     result: dict[str, Any] = {
         "benchmark": "step_cpu", "smoke": args.smoke, "preset": args.preset, "steps": steps,
         "machine": machine(load, args.platform), "jax": jax_step, "pwmesh": mine,
         "ratio": jax_step["wall_ms"] / mine["wall_ms"],
         "controller_cpu_ms": controller,
         "executor_own_cpu_ms": mine["executor_cpu_ms"] - jax_step["cpu_ms"],
+        "load_cpu_ms": load_ms, "jax_beside_load": loaded,
+        "ratio_beside_load": jax_step["wall_ms"] / loaded["wall_ms"] if loaded else None,
     }
     write_json(args.out / "step_cpu.json", result)
     print(f"\nwrote {args.out / 'step_cpu.json'}")
