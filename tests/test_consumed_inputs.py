@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+import test_lowering as lowering
 from jax.sharding import PartitionSpec as P
 from test_proxy_state import CLIENT, World, freed_buffers, sent
 
@@ -24,6 +25,7 @@ from helpers import eventually
 from pwmesh.errors import PwmeshError
 from pwmesh.ir.keys import function_id
 from pwmesh.proxy.state import Inbound
+from pwmesh.scheduler.completions import IslandCompletions
 from pwmesh.wire.codec import unpack_records
 from pwmesh.wire.messages import (
     Computation,
@@ -130,6 +132,38 @@ def test_a_donated_buffer_read_as_a_copy_elsewhere_is_still_deleted_where_it_liv
     assert f"{sid}/{w}" in freed, "its executors consumed a copy: the original is the proxy's to delete"
     (copy,) = world.derived  # type: ignore[attr-defined]
     assert f"{sid}/{copy}" not in freed, "the copy its executors consumed is gone with it"
+
+
+def test_a_donated_value_whose_other_shard_an_ancestor_may_still_read_there_is_not_freed_by_its_executor() -> None:
+    """A value made on [X:0, Y:0] and donated by a node on [Y:1, X:1]: X holds shard 0 (made there, read by an
+    ancestor on the first slice) and a copy of shard 1 (the donating node's). The executor deletes a buffer
+    whole, so it must not delete this one: the proxy does, once the run is over. Laid out on the same
+    executors, it is the donating node's alone and freed by it."""
+    def program(step_slice: int) -> ProgramSpec:
+        nodes = [NodeSpec(fn_id="a", slice_id=1, inputs=[0], outputs=[1]),
+                 NodeSpec(fn_id="c", slice_id=1, inputs=[1], outputs=[2]),
+                 NodeSpec(fn_id="b", slice_id=step_slice, inputs=[1, 2], outputs=[3], donate=[0])]
+        return ProgramSpec(values=[lowering.value(2) for _ in range(4)], nodes=nodes, inputs=[0], outputs=[3])
+
+    first = lowering.make_slice(1, [("X", 0), ("Y", 0)])
+    crossed = lowering.make_slice(2, [("Y", 1), ("X", 1)])
+    lowered = lowering.run(program(2), [first, crossed])
+    assert all(c.frees == [] for c in lowering.computations(lowered) if c.node == 2)
+    assert "v1" not in lowered.frees
+    alike = lowering.make_slice(2, [("X", 1), ("Y", 1)])
+    lowered = lowering.run(program(2), [first, alike])
+    assert all(c.frees == [0] for c in lowering.computations(lowered) if c.node == 2)
+    assert lowered.frees["v1"] == (2, {lowering.control("X"), lowering.control("Y")})
+
+
+def test_a_part_that_failed_whole_fails_every_node_of_it() -> None:
+    """A fan-out head that cannot read its own part reports its error naming no node: the island fails every
+    node of that executor's part, so the proxy neither takes them for done nor skips the frees they were to do."""
+    island = IslandCompletions("tcp://sched:1")
+    island.start("r1", "tcp://proxy:1", {"e0": [0, 1], "e1": [0, 1]})
+    ((to, done),) = island.node_done(NodeDone(run_id="r1", nodes=[], executor_id="e0",
+                                              error=ErrorInfo.of(PwmeshError("unreadable"))))
+    assert to == "tcp://proxy:1" and done.nodes == [0, 1] and done.executor_id == "e0" and done.error is not None
 
 
 @pytest.mark.timeout(180)

@@ -493,10 +493,14 @@ class _Lowering:
                                   outputs=[self.prefix(self.names[v]) for v in node.outputs],
                                   spmd=is_spmd and not blockwise, ragged=ragged)
         donate = [k for k in node.donate if node.inputs[k] not in self.keep]
-        # What nothing reads after it: what it consumes, and a value sent with the run that it alone reads.
-        frees = donate + [k for k, v in enumerate(node.inputs)
-                          if k not in donate and v in self.host_inputs and self.readers[v] == 1
-                          and v not in self.program_outputs]
+        # What nothing reads after it: what it consumes, and a value sent with the run that it alone reads. Its
+        # executors delete a buffer whole, so only one whose shards there are all theirs: not a value made
+        # here whose shards went to executors its producer's devices did not map them to (an ancestor on the
+        # producer's slice may still be reading the other shard there).
+        held_elsewhere = self.held_elsewhere({read[k] for k in donate}, devs) if donate else set()
+        frees = [k for k in donate if read[k] not in held_elsewhere] + [
+            k for k, v in enumerate(node.inputs) if k not in donate and v in self.host_inputs and self.readers[v] == 1
+            and v not in self.program_outputs]
         for k in frees:
             self.out.frees[read[k]] = (index, {comp.control for comp in comps})
         for comp in comps:
@@ -511,6 +515,12 @@ class _Lowering:
             sites = {(comp.control, devices)} if is_spmd and not blockwise else {(comp.control, (d,)) for d in devices}
             self.out.function_sites.setdefault(node.fn_id, set()).update(sites)
         self.made(index, node.outputs, devs)
+
+    def held_elsewhere(self, names: set[str], devs: list[ShardLocation]) -> set[str]:
+        """Those of ``names`` of which some executor holds a shard that a node on ``devs`` does not read there
+        (one pass over what is placed, not one per name)."""
+        read = {(j, dev.executor_id) for j, dev in enumerate(devs)}
+        return {buffer for buffer, j, executor in self.placed if buffer in names and (j, executor) not in read}
 
     def route(self, index: int, node: NodeSpec, devs: list[ShardLocation], scheduler: str) -> None:
         """Rows of ``inputs[0]`` go to the expert ``inputs[1]`` names: output ``k`` lands on ``targets[k]``."""
