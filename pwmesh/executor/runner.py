@@ -993,8 +993,7 @@ class Runner:
 
     def _free_inputs(self, comp: Computation) -> None:
         """``comp`` ran without error: delete the inputs it read last (``Computation.frees``)."""
-        inputs = comp.inputs
-        self._free([inputs[k] for k in comp.frees if 0 <= k < len(inputs)])
+        self._free(comp.freed())
 
     def _complete(self, work: Work) -> None:
         if work.comp.frees and work.error is None and work.cancelled is None:

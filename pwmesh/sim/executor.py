@@ -272,7 +272,7 @@ class SimExecutor(Node):
                 self._emit(emit, work.shards, {s: self.stored.get(f"{prefix}/{s}") for s in work.shards},
                            (work.proxy, work.run_id))
             if comp.frees:  # it read them last: they go here, as the daemon's do (no delete comes for them)
-                self._delete([comp.inputs[k] for k in comp.frees if 0 <= k < len(comp.inputs)])
+                self._delete(comp.freed())
             self._completed_node(work)
         self._act(starts)
         self._act(self.queues.complete(work))

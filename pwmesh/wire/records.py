@@ -245,6 +245,10 @@ class Computation(Record):
         """(device, shard) of every local shard, in order."""
         return [(r.device + k, r.shard + k) for r in self.runs for k in range(r.count)]
 
+    def freed(self) -> list[str]:
+        """The input buffers it frees once it ran (``frees``; an index out of range names none)."""
+        return [self.inputs[k] for k in self.frees if 0 <= k < len(self.inputs)]
+
 
 @record
 class NodeSpec(Record):
