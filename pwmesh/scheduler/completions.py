@@ -79,9 +79,9 @@ class IslandCompletions:
             return []  # ended, ordered by an earlier instance of this scheduler, or its part ended: counted
         mine = run.parts[msg.executor_id]
         nodes = [n for n in msg.nodes if n in mine]
-        if msg.error is not None and not msg.nodes:  # its whole part failed (a fan-out head that could not
-            nodes = list(mine)                      # read its own part): every node of it, not none
         if msg.error is not None:  # at once, as the executor sent it (the island's end still lists the nodes)
+            if not msg.nodes:  # its whole part failed (a fan-out head that could not read its own part)
+                nodes = list(mine)
             return [(run.proxy, IslandDone(run_id=msg.run_id, scheduler=self.scheduler, nodes=nodes,
                                            executor_id=msg.executor_id, error=msg.error))]
         ready = []
