@@ -85,21 +85,26 @@ def burn(cpu_ms: float, period_ms: float, bursts: int) -> None:
             time.sleep(gap)
 
 
+def plain_jax(args: argparse.Namespace, env: dict[str, str], what: str) -> dict[str, float]:
+    """Plain JAX's step (``reference``) in a process of its own; ``what``: the run, for its error."""
+    done = subprocess.run([sys.executable, __file__, "--reference", "--preset", args.preset, "--steps", str(args.steps),
+                           "--platform", args.platform] + (["--smoke"] if args.smoke else []),
+                          env=env, capture_output=True, text=True)
+    if done.returncode:
+        raise SystemExit(f"{what} failed:\n{done.stderr[-3000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
 def beside_load(args: argparse.Namespace, env: dict[str, str], cpu_ms: float, period_ms: float) -> dict[str, float]:
     """Plain JAX's step again, with ``burn`` in a process of its own beside it."""
     code = (f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); import step_cpu; "
             f"step_cpu.burn({cpu_ms!r}, {period_ms!r}, 9)")
     load = subprocess.Popen([sys.executable, "-c", code])
     try:
-        done = subprocess.run([sys.executable, __file__, "--reference", "--preset", args.preset, "--steps",
-                               str(args.steps), "--platform", args.platform] + (["--smoke"] if args.smoke else []),
-                              env=env, capture_output=True, text=True)
+        return plain_jax(args, env, "plain JAX's run beside the load")
     finally:
         load.terminate()
         load.wait(timeout=30)
-    if done.returncode:
-        raise SystemExit(f"plain JAX's run beside the load failed:\n{done.stderr[-3000:]}")
-    return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 def pwmesh_step(preset: str, steps: int, warmup: int, platform: str) -> dict[str, float]:
@@ -155,12 +160,7 @@ def main() -> None:
     load = load_average()
     share_accelerator(args.platform)
     env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={DEVICES}", JAX_PLATFORMS=args.platform)
-    done = subprocess.run([sys.executable, __file__, "--reference", "--preset", args.preset, "--steps", str(args.steps),
-                           "--platform", args.platform] + (["--smoke"] if args.smoke else []),
-                          env=env, capture_output=True, text=True)
-    if done.returncode:
-        raise SystemExit(f"plain JAX's run failed:\n{done.stderr[-3000:]}")
-    jax_step = json.loads(done.stdout.strip().splitlines()[-1])
+    jax_step = plain_jax(args, env, "plain JAX's run")
     mine = pwmesh_step(args.preset, steps, warmup, args.platform)
     controller = sum(mine[f"{role}_cpu_ms"] for role in ("client", "proxy", "scheduler"))
     rows = [["plain JAX (one process)", f"{jax_step['wall_ms']:.2f}", f"{jax_step['cpu_ms']:.2f}"],
