@@ -79,15 +79,14 @@ def computations(install: InstallTemplate) -> list[Computation]:
 
 def run(world: World, w: int, outputs: list[int], error: PwmeshError | None = None) -> tuple[list[Any], list[str]]:
     """One step on buffer ``w`` and a batch: what the proxy sent (the executors' reports in), and the names of
-    ``w`` and of the batch. ``error``: the step fails on its first executor."""
+    ``w``, of the batch, then of what lowering derived (a copy). ``error``: the step fails on its first executor."""
     session = world.proxy.sessions[CLIENT]
     w_name = session.buffers[w].name
     actions = world.handle(Inbound(CLIENT, RunProgram(
         inputs=[ProgramInput(buffer=w), ProgramInput(array=np.zeros((8, 2), np.float32))], outputs=outputs,
         program_id="step")))
     ((_, the_run),) = world.proxy.runs.values()
-    batch = the_run.temporaries[0].name  # (host data first; then what lowering derived: a copy)
-    world.derived = [b.name for b in the_run.temporaries[1:]]  # type: ignore[attr-defined]
+    temporaries = [b.name for b in the_run.temporaries]  # host data first; then what lowering derived
     out = list(actions)
     for k, done in enumerate(world.executors(actions)):
         if error is not None and k == 0:
@@ -95,7 +94,7 @@ def run(world: World, w: int, outputs: list[int], error: PwmeshError | None = No
                             error=ErrorInfo.of(error))
         out += world.handle(Inbound(b"ex", done))
     assert not world.proxy.runs
-    return out, [w_name, batch]
+    return out, [w_name, *temporaries]
 
 
 def test_a_steps_donated_state_and_batch_are_freed_by_its_executors_not_the_proxy() -> None:
@@ -125,12 +124,11 @@ def test_a_failed_step_leaves_what_it_read_for_the_proxy_to_delete() -> None:
 def test_a_donated_buffer_read_as_a_copy_elsewhere_is_still_deleted_where_it_lives() -> None:
     world = World()
     sid, _, _ = setup(world, elsewhere=True)
-    actions, (w, _) = run(world, 1, [2, 3])
+    actions, (w, _, copy) = run(world, 1, [2, 3])
     (install,) = sent(actions, InstallTemplate)
     assert all(c.frees == [0, 1] for c in computations(install.message))
     freed = freed_buffers(actions)
     assert f"{sid}/{w}" in freed, "its executors consumed a copy: the original is the proxy's to delete"
-    (copy,) = world.derived  # type: ignore[attr-defined]
     assert f"{sid}/{copy}" not in freed, "the copy its executors consumed is gone with it"
 
 
